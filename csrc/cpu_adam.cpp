@@ -1,0 +1,170 @@
+// Dispatcher for the CPU-Adam kernel: checks every tensor at the boundary (Python validates first and gives the
+// friendlier message; these checks keep the C++ entry safe on its own), picks the ISA unit, and splits the
+// buffer over torch's intra-op thread pool so torch.set_num_threads is honoured.
+#include "cpu_adam.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "kernel_args.h"
+
+namespace zo {
+namespace {
+
+// Work is split into blocks of this many elements (a multiple of every vector width and of a 64-byte line for
+// every dtype); a thread gets whole blocks, and buffers under kGrainBlocks blocks run on the calling thread.
+constexpr int64_t kBlock = 1024;
+constexpr int64_t kGrainBlocks = 32;
+
+using AdamRangeFn = void (*)(const AdamArgs&, int64_t, int64_t);
+using SqNormRangeFn = SqNormResult (*)(const void*, DType, int64_t, int64_t);
+
+struct IsaEntry {
+  const char* name;
+  bool (*supported)();
+  AdamRangeFn adam;
+  SqNormRangeFn sq_norm;
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+}
+bool cpu_has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#endif
+bool always() { return true; }
+
+const std::vector<IsaEntry>& isa_table() {
+  static const std::vector<IsaEntry> table = {
+#if defined(__x86_64__) || defined(_M_X64)
+      {"avx512", cpu_has_avx512, avx512::adam_range, avx512::sq_norm_range},
+      {"avx2", cpu_has_avx2, avx2::adam_range, avx2::sq_norm_range},
+#endif
+      {"scalar", always, scalar::adam_range, scalar::sq_norm_range},
+  };
+  return table;
+}
+
+const IsaEntry& find_isa(const std::string& name) {
+  for (const auto& e : isa_table()) {
+    if (name == e.name) {
+      TORCH_CHECK(e.supported(), "zero_offload: ISA '", name, "' is compiled in but this CPU does not support it");
+      return e;
+    }
+  }
+  TORCH_CHECK(false, "zero_offload: ISA '", name, "' is not compiled into this build (available: ",
+              c10::Join(", ", available_isas()), ")");
+}
+
+DType to_dtype(const at::Tensor& t, const char* what, bool allow_f16) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf:
+      if (allow_f16) return DType::kF16;
+      [[fallthrough]];
+    default:
+      TORCH_CHECK(false, "zero_offload: unsupported dtype ", t.scalar_type(), " for ", what);
+  }
+}
+
+void check_buffer(const at::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), "zero_offload: ", what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "zero_offload: ", what, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "zero_offload: ", what, " has ", t.numel(), " elements, param has ", numel);
+  TORCH_CHECK(!t.is_sparse(), "zero_offload: ", what, " must be dense");
+}
+
+}  // namespace
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (const auto& e : isa_table())
+    if (e.supported()) out.emplace_back(e.name);
+  return out;
+}
+
+void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+               const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
+  const IsaEntry& entry = find_isa(isa);
+  const int64_t n = param.numel();
+  TORCH_CHECK(param.scalar_type() == at::kFloat, "zero_offload: param (the master) must be float32");
+  check_buffer(param, "param", n);
+  check_buffer(grad, "grad", n);
+  check_buffer(exp_avg, "exp_avg", n);
+  check_buffer(exp_avg_sq, "exp_avg_sq", n);
+  TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(), "zero_offload: exp_avg and exp_avg_sq dtypes differ");
+  TORCH_CHECK(step >= 1, "zero_offload: step must be >= 1, got ", step);
+
+  AdamArgs a{};
+  a.param = param.data_ptr<float>();
+  a.grad = grad.data_ptr();
+  a.exp_avg = exp_avg.data_ptr();
+  a.exp_avg_sq = exp_avg_sq.data_ptr();
+  a.grad_dtype = to_dtype(grad, "grad", true);
+  a.state_dtype = to_dtype(exp_avg, "exp_avg", false);
+  a.out_dtype = DType::kNone;
+  if (max_exp_avg_sq.has_value()) {
+    check_buffer(*max_exp_avg_sq, "max_exp_avg_sq", n);
+    TORCH_CHECK(max_exp_avg_sq->scalar_type() == exp_avg.scalar_type(),
+                "zero_offload: max_exp_avg_sq dtype differs from exp_avg");
+    a.max_exp_avg_sq = max_exp_avg_sq->data_ptr();
+    a.amsgrad = true;
+  }
+  if (param_out.has_value()) {
+    check_buffer(*param_out, "param_out", n);
+    a.out_dtype = to_dtype(*param_out, "param_out", true);
+    a.param_out = param_out->data_ptr();
+  }
+  // Bias corrections in double, as torch computes them from the Python step; each scalar is rounded once.
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  a.grad_scale = static_cast<float>(grad_scale);
+  a.lerp_weight = static_cast<float>(1.0 - beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.step_size = static_cast<float>(lr / bc1);
+  a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  a.eps = static_cast<float>(eps);
+  a.decay_factor = decoupled_weight_decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  a.l2_weight_decay = decoupled_weight_decay ? 0.0f : static_cast<float>(weight_decay);
+  a.maximize = maximize;
+
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    entry.adam(a, b0 * kBlock, std::min(b1 * kBlock, n));
+  });
+}
+
+std::tuple<double, bool> grad_sq_norm(const std::string& isa, const at::Tensor& grad) {
+  const IsaEntry& entry = find_isa(isa);
+  check_buffer(grad, "grad", grad.numel());
+  const DType dtype = to_dtype(grad, "grad", true);
+  const void* data = grad.data_ptr();
+  const int64_t n = grad.numel();
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  // Partial results per block range, combined in a fixed order so the result does not depend on thread timing.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / kGrainBlocks));
+  std::vector<SqNormResult> parts(chunks, SqNormResult{0.0, false});
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * blocks / chunks, e = (c + 1) * blocks / chunks;
+      parts[c] = entry.sq_norm(data, dtype, b * kBlock, std::min(e * kBlock, n));
+    }
+  });
+  double total = 0.0;
+  bool nonfinite = false;
+  for (const auto& p : parts) {
+    total += p.sum_sq;
+    nonfinite = nonfinite || p.nonfinite;
+  }
+  return {total, nonfinite};
+}
+
+}  // namespace zo

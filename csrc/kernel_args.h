@@ -1,0 +1,54 @@
+// Plain-data description of one kernel call, shared by the dispatcher (which includes ATen) and the per-ISA
+// translation units (which include nothing but intrinsics). Keeping this struct free of inline code is what makes
+// compiling the same kernel body under several `#pragma GCC target` regions safe: no symbol other than the ISA's
+// own entry points is emitted from those units, so the linker can never pick an AVX-512 copy of a shared helper.
+#pragma once
+#include <cstdint>
+
+namespace zo {
+
+enum class DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+
+struct AdamArgs {
+  float* param;            // fp32 master, updated in place
+  const void* grad;        // gradient, grad_dtype
+  void* exp_avg;           // first moment, state_dtype
+  void* exp_avg_sq;        // second moment, state_dtype
+  void* max_exp_avg_sq;    // amsgrad running max, state_dtype; null unless amsgrad
+  void* param_out;         // optional copy of the updated param, out_dtype; null when out_dtype == kNone
+  DType grad_dtype;
+  DType state_dtype;
+  DType out_dtype;
+  // Scalars, each rounded once from the double-precision values computed by the caller.
+  float grad_scale;        // multiplies the gradient before anything else (loss-scale inverse x clip coefficient)
+  float lerp_weight;       // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float step_size;         // lr / (1 - beta1^step)
+  float bc2_sqrt;          // sqrt(1 - beta2^step)
+  float eps;
+  float decay_factor;      // 1 - lr * weight_decay (decoupled); 1 when no decoupled decay
+  float l2_weight_decay;   // weight_decay for the L2 (Adam) form; 0 otherwise
+  bool amsgrad;
+  bool maximize;
+};
+
+struct SqNormResult {
+  double sum_sq;           // sum of squares of the (float-converted) gradient
+  bool nonfinite;          // any element inf or nan
+};
+
+// Each ISA unit defines these in namespace zo::<isa>.
+#define ZO_DECLARE_ISA(ns)                                                          \
+  namespace ns {                                                                    \
+  void adam_range(const AdamArgs& a, int64_t begin, int64_t end);                   \
+  SqNormResult sq_norm_range(const void* grad, DType dtype, int64_t begin, int64_t end); \
+  }
+
+ZO_DECLARE_ISA(scalar)
+#if defined(__x86_64__) || defined(_M_X64)
+ZO_DECLARE_ISA(avx2)
+ZO_DECLARE_ISA(avx512)
+#endif
+
+}  // namespace zo

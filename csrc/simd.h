@@ -1,0 +1,145 @@
+// The ISA layer: a float vector type `VF` of width `kW` and the handful of operations the kernels need, for one
+// instruction set chosen by the including translation unit (ZO_ISA_AVX512, ZO_ISA_AVX2 or ZO_ISA_SCALAR). The
+// including unit includes <cstdint> (and <immintrin.h> on x86) at global scope, then opens the matching
+// `#pragma GCC target` region and namespace and includes this file inside them: every function here is static and
+// compiled for that one ISA, so no symbol can be shared, and mis-chosen by the linker, between ISAs.
+//
+// Conversions round to nearest-even. A NaN stays a NaN on the way down: bf16 NaNs become the canonical 0x7FC0
+// (what c10::BFloat16 produces), so results compare bit-for-bit with `tensor.to(torch.bfloat16)`.
+#pragma once
+
+#if defined(ZO_ISA_AVX512)
+
+constexpr int kW = 16;
+using VF = __m512;
+static inline VF set1(float x) { return _mm512_set1_ps(x); }
+static inline VF add(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline VF sub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+static inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF div(VF a, VF b) { return _mm512_div_ps(a, b); }
+static inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+static inline VF vsqrt(VF a) { return _mm512_sqrt_ps(a); }
+static inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+static inline float hsum(VF a) { return _mm512_reduce_add_ps(a); }
+static inline bool any_nan(VF a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+
+static inline VF load_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store_f32(float* p, VF x) { _mm512_storeu_ps(p, x); }
+static inline VF load_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline void store_bf16(uint16_t* p, VF x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+static inline VF load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline void store_f16(uint16_t* p, VF x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+#elif defined(ZO_ISA_AVX2)
+
+constexpr int kW = 8;
+using VF = __m256;
+static inline VF set1(float x) { return _mm256_set1_ps(x); }
+static inline VF add(VF a, VF b) { return _mm256_add_ps(a, b); }
+static inline VF sub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+static inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF div(VF a, VF b) { return _mm256_div_ps(a, b); }
+static inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF vsqrt(VF a) { return _mm256_sqrt_ps(a); }
+static inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
+static inline float hsum(VF a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline bool any_nan(VF a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+
+static inline VF load_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store_f32(float* p, VF x) { _mm256_storeu_ps(p, x); }
+static inline VF load_bf16(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline void store_bf16(uint16_t* p, VF x) {
+  __m256i u = _mm256_castps_si256(x);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
+  r = _mm256_srli_epi32(r, 16);  // every lane now fits in 16 bits, so the saturating pack is exact
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+static inline VF load_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline void store_f16(uint16_t* p, VF x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+#elif defined(ZO_ISA_SCALAR)
+
+// Portable path for every other CPU: one element at a time, conversions by bit manipulation. Plain a * b + c
+// rather than fmaf, which without hardware FMA is a slow library call; the difference is an ulp, far inside the
+// tolerance the tests hold every path to.
+constexpr int kW = 1;
+using VF = float;
+static inline uint32_t bits_of(float x) { uint32_t u; __builtin_memcpy(&u, &x, 4); return u; }
+static inline float float_of(uint32_t u) { float x; __builtin_memcpy(&x, &u, 4); return x; }
+static inline VF set1(float x) { return x; }
+static inline VF add(VF a, VF b) { return a + b; }
+static inline VF sub(VF a, VF b) { return a - b; }
+static inline VF mul(VF a, VF b) { return a * b; }
+static inline VF div(VF a, VF b) { return a / b; }
+static inline VF fma(VF a, VF b, VF c) { return a * b + c; }
+static inline VF vsqrt(VF a) { return __builtin_sqrtf(a); }
+static inline VF vmax(VF a, VF b) { return a > b ? a : b; }  // b when either is NaN, like vmaxps
+static inline float hsum(VF a) { return a; }
+static inline bool any_nan(VF a) { return a != a; }
+
+static inline VF load_f32(const float* p) { return *p; }
+static inline void store_f32(float* p, VF x) { *p = x; }
+static inline VF load_bf16(const uint16_t* p) { return float_of(static_cast<uint32_t>(*p) << 16); }
+static inline void store_bf16(uint16_t* p, VF x) {
+  uint32_t u = bits_of(x);
+  *p = (x != x) ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline VF load_f16(const uint16_t* p) {
+  uint32_t h = *p, sign = (h & 0x8000u) << 16, em = h & 0x7FFFu;
+  if (em >= 0x7C00u) return float_of(sign | 0x7F800000u | ((em & 0x3FFu) << 13));  // inf, nan
+  if (em < 0x0400u) {                                                                 // zero, subnormal
+    float v = static_cast<float>(em) * 5.9604644775390625e-8f;                       // em * 2^-24, exact
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((em << 13) + (112u << 23)));                                // rebias exponent 15 -> 127
+}
+static inline void store_f16(uint16_t* p, VF x) {
+  uint32_t u = bits_of(x), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  uint32_t h;
+  if (a > 0x7F800000u) {
+    h = 0x7E00u;                                        // nan
+  } else if (a >= 0x477FF000u) {
+    h = 0x7C00u;                                        // rounds to or beyond inf
+  } else if (a < 0x38800000u) {
+    // Below the smallest normal half: adding 0.5 puts the value where a float's ulp equals a half subnormal's
+    // (2^-24), so the FPU does the nearest-even rounding; a carry into 0x400 is the smallest normal, correctly.
+    h = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  } else {
+    h = (a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23)) >> 13;
+  }
+  *p = static_cast<uint16_t>(sign | h);
+}
+
+#else
+#error "define one of ZO_ISA_AVX512, ZO_ISA_AVX2, ZO_ISA_SCALAR before including simd.h"
+#endif

@@ -1,0 +1,115 @@
+"""Build and import behaviour: cheap import, the native kernel builds where a toolchain exists, and a missing or
+failing compiler degrades to the pure-torch path with one clear warning and the same results."""
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_offload import _build
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(code, env_extra=None, tmp_path=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("ZERO_OFFLOAD_SIMD", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+
+
+def test_import_is_lean():
+    result = _run("""
+        import sys, torch
+        import zero_offload, zero_offload.functional
+        assert not torch.cuda.is_initialized(), "import initialised CUDA"
+        assert not zero_offload._build._attempted, "import tried to load or build the kernel"
+        assert "zero_offload_cpu_adam" not in sys.modules
+        print("lean")
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "lean" in result.stdout
+
+
+def test_native_kernel_builds_where_a_toolchain_exists():
+    """If a compiler and ninja are here, the kernel must build: a build failure must not hide behind the
+    fallback (the ISA tests would skip, not fail)."""
+    problem = _build._toolchain_problem()
+    if problem:
+        pytest.skip(problem)
+    assert _build.load_native() is not None, _build.status().detail
+    assert "scalar" in _build.native_isas()
+
+
+_FALLBACK_CHECK = """
+    import warnings, torch
+    warnings.simplefilter("always")
+    from zero_offload import functional, _build
+    torch.manual_seed(0)
+    n = 4097
+    ref = torch.randn(n).requires_grad_(True)
+    p, m, v = ref.detach().clone(), torch.zeros(n), torch.zeros(n)
+    opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+    with warnings.catch_warnings(record=True) as caught:
+        for step in range(1, 11):
+            g = torch.randn(n)
+            ref.grad = g.clone()
+            opt.step()
+            functional.cpu_adam_(p, g, m, v, step=step, lr=1e-2, weight_decay=0.01)
+            torch.testing.assert_close(p, ref.detach())
+    assert functional.resolve_path() == "torch"
+    print("STATE", _build.status().state)
+    print("WARNINGS", len([w for w in caught if "native CPU-Adam kernel is unavailable" in str(w.message)]))
+    print("MESSAGE", [str(w.message) for w in caught][:1])
+"""
+
+
+def test_hidden_compiler_falls_back_with_one_warning(tmp_path):
+    if (Path(_build.__file__).parent / "_C.so").exists():
+        pytest.skip("a prebuilt extension is installed")
+    result = _run(_FALLBACK_CHECK, {"CXX": "/nonexistent/c++", "ZERO_OFFLOAD_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "STATE failed" in result.stdout
+    assert "WARNINGS 1" in result.stdout  # once, not once per call
+    assert "no C++ compiler found" in result.stdout
+
+
+def test_failing_compiler_falls_back_with_its_reason(tmp_path):
+    fake = tmp_path / "fake-cxx"
+    # Answers version queries like a real compiler, fails every compilation.
+    fake.write_text('#!/bin/sh\ncase "$*" in *" -c "*) echo "fake-cxx: error: simulated compiler failure" >&2; '
+                    'exit 1;; esac\necho "g++ (fake) 12.2.0"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        pytest.skip("ninja missing: the build cannot even start")
+    result = _run(_FALLBACK_CHECK, {"CXX": str(fake), "ZERO_OFFLOAD_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert "STATE failed" in result.stdout
+    assert "simulated compiler failure" in result.stdout
+
+
+def test_forcing_an_isa_without_a_build_is_an_error(tmp_path):
+    result = _run("""
+        from zero_offload import functional
+        try:
+            functional.resolve_path()
+        except RuntimeError as exc:
+            print("ERROR", exc)
+    """, {"CXX": "/nonexistent/c++", "ZERO_OFFLOAD_CACHE_DIR": str(tmp_path), "ZERO_OFFLOAD_SIMD": "scalar"})
+    assert "ERROR ZERO_OFFLOAD_SIMD=scalar asks for the native kernel" in result.stdout, result.stdout + result.stderr
+
+
+def test_report_runs():
+    result = _run("import runpy; runpy.run_module('zero_offload.report', run_name='__main__')")
+    assert result.returncode == 0, result.stderr
+    for key in ("torch ", "cpu features", "native kernel", "path chosen", "threads", "cuda"):
+        assert key in result.stdout

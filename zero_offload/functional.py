@@ -1,0 +1,215 @@
+r"""Functional CPU-Adam on flat host buffers: validate once, then dispatch to the native kernel or the pure-torch
+implementation.
+
+The update, for gradient :math:`g` scaled by ``grad_scale`` :math:`s` (negated when ``maximize``), step :math:`t`:
+
+.. math::
+    \begin{aligned}
+    g &\leftarrow s\,g \;(+\,\lambda\theta \text{ if L2, i.e. not decoupled}) \\
+    \theta &\leftarrow \theta\,(1 - \gamma\lambda) \quad\text{(decoupled weight decay, AdamW)} \\
+    m &\leftarrow m + (1-\beta_1)(g - m), \qquad v \leftarrow \beta_2 v + (1-\beta_2)\,g^2 \\
+    \hat v &= \max(\hat v_{\text{prev}}, v) \text{ if amsgrad else } v \\
+    \theta &\leftarrow \theta - \frac{\gamma}{1-\beta_1^t}\,\frac{m}{\sqrt{\hat v}/\sqrt{1-\beta_2^t} + \epsilon}
+    \end{aligned}
+
+which is ``torch.optim.AdamW`` (``decoupled_weight_decay=True``) or ``torch.optim.Adam``, with bias corrections in
+double precision.
+
+Implementation choice, made in :func:`resolve_path` and nowhere else: the environment variable
+``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar`` or ``torch``) forces a path and an impossible
+choice is an error, never a silent substitute; unset (or ``auto``), the best ISA of the native kernel, or the
+pure-torch path with one warning when the kernel cannot be built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from numbers import Real
+from typing import Optional, Tuple, Union
+
+import torch
+
+from zero_offload import _build, _reference
+
+__all__ = ["cpu_adam_", "grad_sq_norm", "resolve_path", "PATHS"]
+
+PATHS = ("avx512", "avx2", "neon", "scalar", "torch")
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_path() -> str:
+    """The implementation the next call will use: an ISA name of the native kernel, or ``"torch"``."""
+    forced = os.environ.get("ZERO_OFFLOAD_SIMD", "").strip().lower()
+    if forced in ("", "auto"):
+        isas = _build.native_isas()
+        return isas[0] if isas else "torch"
+    if forced not in PATHS:
+        raise ValueError(f"Invalid ZERO_OFFLOAD_SIMD={forced!r}: expected one of {', '.join(PATHS)} or auto")
+    if forced == "torch":
+        return forced
+    if _build.load_native() is None:
+        raise RuntimeError(
+            f"ZERO_OFFLOAD_SIMD={forced} asks for the native kernel, which could not be built: "
+            f"{_build.status().detail}"
+        )
+    isas = _build.native_isas()
+    if forced not in isas:
+        raise RuntimeError(
+            f"ZERO_OFFLOAD_SIMD={forced}: that ISA is not available on this CPU/build (available: {', '.join(isas)})"
+        )
+    return forced
+
+
+def _as_float(value: Union[float, torch.Tensor], name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_buffer(t: object, name: str, numel: int, dtypes: Tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"cpu_adam_: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"cpu_adam_: {name} must be a dense tensor, got layout {t.layout}")
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu_adam_: {name} must be on the CPU, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"cpu_adam_: {name} must be contiguous (the kernel writes in place; pass a contiguous buffer)")
+    if t.numel() != numel:
+        raise ValueError(f"cpu_adam_: {name} has {t.numel()} elements but param has {numel}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"cpu_adam_: {name} has unsupported dtype {t.dtype} (supported: {allowed})")
+
+
+def cpu_adam_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: Union[int, torch.Tensor],
+    lr: Union[float, torch.Tensor],
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = True,
+    amsgrad: bool = False,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    param_out: Optional[torch.Tensor] = None,
+) -> None:
+    """One fused Adam/AdamW update of flat CPU buffers, in place, in one memory pass.
+
+    Every argument is checked before anything is written; a bad one raises ``ValueError``/``TypeError`` naming it
+    and leaves every tensor untouched.
+
+    Args:
+        param (Tensor): fp32 master weights, updated in place.
+        grad (Tensor): gradient, fp32, bf16 or fp16, same number of elements; never written.
+        exp_avg (Tensor): first moment, fp32 or bf16 (bf16 saves 4 bytes per element of state, at bf16 accuracy).
+        exp_avg_sq (Tensor): second moment, same dtype as ``exp_avg``.
+        step (int or Tensor): the 1-based step count *after* this update (``torch.optim``'s ``state["step"]``).
+        lr (float or Tensor): learning rate, >= 0.
+        betas (Tuple[float, float]): coefficients of the running averages. Default: (0.9, 0.999).
+        eps (float): added to the denominator. Default: 1e-8.
+        weight_decay (float): weight decay coefficient. Default: 0.
+        decoupled_weight_decay (bool): True for AdamW's decay of the weights, False for Adam's L2 term added to
+            the gradient. Default: True.
+        amsgrad (bool): use the running maximum of ``exp_avg_sq``, kept in ``max_exp_avg_sq``. Default: False.
+        max_exp_avg_sq (Tensor, optional): amsgrad's buffer, same dtype as ``exp_avg``; required iff amsgrad.
+        maximize (bool): ascend instead of descend. Default: False.
+        grad_scale (float): multiplies the gradient first, in the same pass: a loss-scale inverse times a
+            clipping coefficient. Default: 1.
+        param_out (Tensor, optional): receives the updated parameter rounded (nearest-even) to its dtype, fp32,
+            bf16 or fp16: the low-precision copy to send back to the GPU. Default: None.
+    """
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"cpu_adam_: param must be a torch.Tensor, got {type(param).__name__}")
+    numel = param.numel()
+    _check_buffer(param, "param", numel, (torch.float32,))
+    _check_buffer(grad, "grad", numel, _GRAD_DTYPES)
+    _check_buffer(exp_avg, "exp_avg", numel, _STATE_DTYPES)
+    _check_buffer(exp_avg_sq, "exp_avg_sq", numel, (exp_avg.dtype,))
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("cpu_adam_: amsgrad=True needs max_exp_avg_sq")
+        _check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (exp_avg.dtype,))
+    elif max_exp_avg_sq is not None:
+        raise ValueError("cpu_adam_: max_exp_avg_sq was given but amsgrad=False")
+    if param_out is not None:
+        _check_buffer(param_out, "param_out", numel, _OUT_DTYPES)
+
+    step_f = _as_float(step, "step")
+    if not step_f.is_integer() or step_f < 1:
+        raise ValueError(f"Invalid step: {step_f} (the 1-based count after this update, an integer >= 1)")
+    lr_f = _as_float(lr, "lr")
+    if not lr_f >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr_f}")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas} (expected two values)")
+    beta1, beta2 = _as_float(betas[0], "betas[0]"), _as_float(betas[1], "betas[1]")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    eps_f = _as_float(eps, "eps")
+    if not eps_f >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps_f}")
+    wd = _as_float(weight_decay, "weight_decay")
+    if not wd >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {wd}")
+    scale = _as_float(grad_scale, "grad_scale")
+    if not math.isfinite(scale):
+        raise ValueError(f"Invalid grad_scale: {scale} (must be finite)")
+
+    path = resolve_path()
+    if numel == 0:
+        return
+    if path == "torch":
+        _reference.adam_(
+            param, grad, exp_avg, exp_avg_sq, step=int(step_f), lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f,
+            weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
+            max_exp_avg_sq=max_exp_avg_sq if amsgrad else None, maximize=bool(maximize), grad_scale=scale,
+            param_out=param_out,
+        )  # fmt: skip
+    else:
+        _build.load_native().adam_step(
+            path, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, param_out, int(step_f),
+            lr_f, beta1, beta2, eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale,
+        )  # fmt: skip
+
+
+def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
+    """Squared L2 norm of a flat CPU gradient buffer, and whether it holds inf or nan, in one read.
+
+    Args:
+        grad (Tensor): contiguous CPU tensor, fp32, bf16 or fp16.
+
+    Returns:
+        (float, bool): the sum of squares (float partial sums over short blocks, accumulated in float64) and the
+        non-finite flag. The flag is exact: finite values whose squares overflow fp32 give an infinite sum, as
+        torch's fp32 norm does, without setting it.
+    """
+    if not isinstance(grad, torch.Tensor):
+        raise TypeError(f"grad_sq_norm: grad must be a torch.Tensor, got {type(grad).__name__}")
+    if grad.layout != torch.strided or grad.device.type != "cpu" or not grad.is_contiguous():
+        raise ValueError(f"grad_sq_norm: grad must be a dense, contiguous CPU tensor (got {grad.device}, "
+                         f"{grad.layout}, contiguous={grad.is_contiguous()})")
+    if grad.dtype not in _GRAD_DTYPES:
+        raise TypeError(f"grad_sq_norm: unsupported dtype {grad.dtype}")
+    path = resolve_path()
+    if grad.numel() == 0:
+        return 0.0, False
+    if path == "torch":
+        return _reference.grad_sq_norm(grad)
+    total, nonfinite = _build.load_native().grad_sq_norm(path, grad)
+    return float(total), bool(nonfinite)
