@@ -130,7 +130,7 @@ void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor
   a.beta2 = static_cast<float>(beta2);
   a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   a.step_size = static_cast<float>(lr / bc1);
-  a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  a.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   a.eps = static_cast<float>(eps);
   a.decay_factor = decoupled_weight_decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   a.l2_weight_decay = decoupled_weight_decay ? 0.0f : static_cast<float>(weight_decay);

@@ -25,7 +25,7 @@ struct AdamArgs {
   float beta2;
   float one_minus_beta2;
   float step_size;         // lr / (1 - beta1^step)
-  float bc2_sqrt;          // sqrt(1 - beta2^step)
+  float inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
   float eps;
   float decay_factor;      // 1 - lr * weight_decay (decoupled); 1 when no decoupled decay
   float l2_weight_decay;   // weight_decay for the L2 (Adam) form; 0 otherwise

@@ -29,20 +29,24 @@ static inline VF load_bf16(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-static inline void store_bf16(uint16_t* p, VF x) {
+static inline __m256i bf16_bits(VF x) {
   __m512i u = _mm512_castps_si512(x);
   __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
+static inline void store_bf16(uint16_t* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
 static inline VF load_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-static inline void store_f16(uint16_t* p, VF x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+static inline __m256i f16_bits(VF x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void store_f16(uint16_t* p, VF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f16_bits(x)); }
+// Non-temporal stores (aligned pointers only) for a write-only output: no read-for-ownership, no cache pollution.
+static inline void stream_f32(float* p, VF x) { _mm512_stream_ps(p, x); }
+static inline void stream_bf16(uint16_t* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
+static inline void stream_f16(uint16_t* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), f16_bits(x)); }
+static inline void stream_fence() { _mm_sfence(); }
 
 #elif defined(ZO_ISA_AVX2)
 
@@ -70,22 +74,25 @@ static inline VF load_bf16(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-static inline void store_bf16(uint16_t* p, VF x) {
+static inline __m128i bf16_bits(VF x) {
   __m256i u = _mm256_castps_si256(x);
   __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
   r = _mm256_srli_epi32(r, 16);  // every lane now fits in 16 bits, so the saturating pack is exact
-  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
+static inline void store_bf16(uint16_t* p, VF x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
 static inline VF load_f16(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-static inline void store_f16(uint16_t* p, VF x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+static inline __m128i f16_bits(VF x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void store_f16(uint16_t* p, VF x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f16_bits(x)); }
+static inline void stream_f32(float* p, VF x) { _mm256_stream_ps(p, x); }
+static inline void stream_bf16(uint16_t* p, VF x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
+static inline void stream_f16(uint16_t* p, VF x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), f16_bits(x)); }
+static inline void stream_fence() { _mm_sfence(); }
 
 #elif defined(ZO_ISA_SCALAR)
 
@@ -139,6 +146,10 @@ static inline void store_f16(uint16_t* p, VF x) {
   }
   *p = static_cast<uint16_t>(sign | h);
 }
+static inline void stream_f32(float* p, VF x) { store_f32(p, x); }
+static inline void stream_bf16(uint16_t* p, VF x) { store_bf16(p, x); }
+static inline void stream_f16(uint16_t* p, VF x) { store_f16(p, x); }
+static inline void stream_fence() {}
 
 #else
 #error "define one of ZO_ISA_AVX512, ZO_ISA_AVX2, ZO_ISA_SCALAR before including simd.h"

@@ -175,3 +175,16 @@ def test_zero_elements_is_a_no_op(path):
     e = torch.empty(0)
     functional.cpu_adam_(e, e, e, e, step=1, lr=1e-3)
     assert functional.grad_sq_norm(e) == (0.0, False)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_param_out_at_any_alignment(path, offset):
+    """Aligned outputs take streaming stores, unaligned ones plain stores: both must write the same values."""
+    n = 70_001
+    gen = torch.Generator().manual_seed(4)
+    init, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        p, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+        out = torch.full((n + offset,), 7.0, dtype=out_dtype)[offset:]  # offset elements: 2 or 4 bytes each
+        functional.cpu_adam_(p, grad, m, v, step=1, lr=1e-3, param_out=out)
+        assert torch.equal(out, p.to(out_dtype))
