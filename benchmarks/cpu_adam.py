@@ -1,0 +1,225 @@
+"""CPU-Adam throughput: zero_offload's fused kernel against torch AdamW (fused, foreach) and DeepSpeedCPUAdam
+(when installed), side by side in one process, with the memory-bandwidth ceiling measured in the same run.
+
+Two paths:
+  fp32     fp32 params, grads and moments (what every anchor does natively).
+  offload  what ZeRO-Offload really runs: a bf16 gradient in, fp32 master and moments updated, a bf16 copy of the
+           new weights out. Ours does it in one pass (cpu_adam_ with param_out); each anchor must upcast the
+           gradient, step, then downcast the weights.
+
+Both paths move 28 bytes per element in a single fused pass (fp32: 4 grad + 3 x 8 master/moments; offload:
+2 grad + 24 + 2 out); GB/s below is that logical traffic divided by time, for every candidate, so it is directly
+comparable to the ceiling. The ceiling is the best of three streaming kernels (in-place scale, copy, triad) at
+the same size and thread count. Candidates and ceiling kernels run interleaved, round by round, and medians are
+reported, because shared machines drift.
+
+    python benchmarks/cpu_adam.py                  # 1M..200M elements, 1..all threads
+    python benchmarks/cpu_adam.py --quick          # small sizes, a smoke run
+    python benchmarks/cpu_adam.py --sizes 1e8 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zero_offload import functional  # noqa: E402
+from zero_offload.report import cpu_features  # noqa: E402
+
+BYTES_PER_ELEM = 28
+LR, WD = 1e-3, 0.01
+
+
+def _deepspeed_adam():
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam
+    except Exception:  # not installed, or its op cannot build here
+        return None
+
+
+def make_candidates(path: str, n: int, ds_cls):
+    """name -> step function; each owns its buffers. Gradients are random once; values do not change speed."""
+    gen = torch.Generator().manual_seed(0)
+    grad_dtype = torch.float32 if path == "fp32" else torch.bfloat16
+    grad = torch.randn(n, generator=gen).to(grad_dtype)
+    init = torch.randn(n, generator=gen)
+    cands = {}
+
+    p, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=torch.bfloat16) if path == "offload" else None
+    counter = [0]
+
+    def ours():
+        counter[0] += 1
+        functional.cpu_adam_(p, grad, m, v, step=counter[0], lr=LR, weight_decay=WD, param_out=out)
+
+    cands["zero_offload"] = ours
+
+    def anchor(make_opt):
+        param = torch.nn.Parameter(init.clone())
+        param.grad = torch.empty(n) if path == "offload" else grad.clone()
+        opt = make_opt([param])
+        low = torch.empty(n, dtype=torch.bfloat16)
+
+        def step():
+            if path == "offload":
+                param.grad.copy_(grad)  # upcast
+            opt.step()
+            if path == "offload":
+                low.copy_(param.detach())  # downcast
+
+        return step
+
+    cands["torch fused"] = anchor(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True))
+    cands["torch foreach"] = anchor(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True))
+    if ds_cls is not None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            cands["DeepSpeedCPUAdam"] = anchor(lambda ps: ds_cls(ps, lr=LR, weight_decay=WD, adamw_mode=True))
+    return cands
+
+
+def ceiling_kernels(n: int):
+    """Streaming kernels whose best GB/s is the ceiling: (function, bytes per element) by name."""
+    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+    return {
+        "scale in place": (lambda: a.mul_(1.0000001), 8),  # read-modify-write, like Adam's state
+        "copy": (lambda: c.copy_(a), 8),
+        "triad": (lambda: torch.add(a, b, alpha=0.5, out=c), 12),
+    }
+
+
+def run(args):
+    ds_cls = None if args.no_deepspeed else _deepspeed_adam()
+    threads_all = os.cpu_count() or 1
+    thread_list = sorted({int(t) if t != "all" else threads_all for t in args.threads.split(",")})
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    rows = []
+    for path in args.paths.split(","):
+        for n in sizes:
+            cands = make_candidates(path, n, ds_cls)
+            ceilings = ceiling_kernels(n)
+            for threads in thread_list:
+                torch.set_num_threads(threads)
+                for fn in list(cands.values()) + [k[0] for k in ceilings.values()]:  # warm-up: lazy state, faults
+                    fn()
+                ceiling_rounds = []
+                times = {name: [] for name in cands}
+                for _ in range(args.reps):
+                    # The ceiling is timed inside every round, next to the candidates, so that drift in this
+                    # machine's bandwidth moves both alike.
+                    best = 0.0
+                    for fn, nbytes in ceilings.values():
+                        t0 = time.perf_counter()
+                        fn()
+                        best = max(best, n * nbytes / (time.perf_counter() - t0) / 1e9)
+                    ceiling_rounds.append(best)
+                    for name, fn in cands.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t0)
+                ceiling = statistics.median(ceiling_rounds)
+                ours_t = statistics.median(times["zero_offload"])
+                for name, ts in times.items():
+                    t = statistics.median(ts)
+                    gbps = n * BYTES_PER_ELEM / t / 1e9
+                    rows.append(dict(path=path, elements=n, threads=threads, candidate=name, seconds=t,
+                                     melem_per_s=n / t / 1e6, gb_per_s=gbps, ceiling_gb_per_s=ceiling,
+                                     fraction_of_ceiling=gbps / ceiling, ours_speedup=t / ours_t))
+                print_rows([r for r in rows if r["path"] == path and r["elements"] == n and r["threads"] == threads])
+            del cands, ceilings
+            gc.collect()
+    return rows
+
+
+def machine_info():
+    model, flags = cpu_features()
+    return dict(cpu=model, cores=os.cpu_count(), features=" ".join(flags), torch=torch.__version__,
+                python=platform.python_version(), kernel_path=functional.resolve_path())
+
+
+def print_rows(rows):
+    for r in rows:
+        print(f"{r['path']:8s} {r['elements']:>11,d} el {r['threads']:>2d} thr  {r['candidate']:17s} "
+              f"{r['melem_per_s']:8.0f} Melem/s {r['gb_per_s']:6.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% "
+              f"of {r['ceiling_gb_per_s']:.1f} GB/s  ours x{r['ours_speedup']:.2f}", flush=True)
+
+
+def markdown(rows, info):
+    lines = [f"Machine: {info['cpu']}, {info['cores']} cores ({info['features']}); torch {info['torch']}; "
+             f"kernel path {info['kernel_path']}.", "",
+             "| path | elements | threads | candidate | Melem/s | GB/s | % of ceiling | zero_offload speedup |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['path']} | {r['elements']:,} | {r['threads']} | {r['candidate']} | "
+                     f"{r['melem_per_s']:.0f} | {r['gb_per_s']:.1f} | {100 * r['fraction_of_ceiling']:.0f}% "
+                     f"(of {r['ceiling_gb_per_s']:.1f}) | {r['ours_speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows, path_png):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    top = max(r["threads"] for r in rows)
+    paths = sorted({r["path"] for r in rows})
+    fig, axes = plt.subplots(1, len(paths), figsize=(6 * len(paths), 4), squeeze=False)
+    for ax, path in zip(axes[0], paths):
+        sel = [r for r in rows if r["path"] == path and r["threads"] == top]
+        for name in dict.fromkeys(r["candidate"] for r in sel):
+            pts = sorted((r["elements"], r["melem_per_s"]) for r in sel if r["candidate"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ceil = sorted({(r["elements"], r["ceiling_gb_per_s"] * 1e3 / BYTES_PER_ELEM) for r in sel})
+        ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", label="bandwidth ceiling")
+        ax.set_xscale("log")
+        ax.set_xlabel("elements")
+        ax.set_ylabel("Melem/s")
+        ax.set_title(f"{path} path, {top} threads")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1e6,1e7,1e8,2e8", help="comma-separated element counts")
+    ap.add_argument("--threads", default="1,all", help="comma-separated thread counts ('all' = every core)")
+    ap.add_argument("--paths", default="fp32,offload", help="fp32, offload or both")
+    ap.add_argument("--reps", type=int, default=7, help="timed rounds per candidate (median reported)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
+    ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if installed")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1e5 and 1e6 elements, 3 rounds")
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.reps = "1e5,1e6", 3
+    info = machine_info()
+    print(f"# {info['cpu']}, {info['cores']} cores, torch {info['torch']}, zero_offload path {info['kernel_path']}")
+    rows = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu_adam.json").write_text(json.dumps(dict(machine=info, rows=rows), indent=1))
+    (out / "cpu_adam.md").write_text(markdown(rows, info))
+    drew = chart(rows, out / "cpu_adam.png")
+    print(f"wrote {out / 'cpu_adam.json'}, {out / 'cpu_adam.md'}" + (f", {out / 'cpu_adam.png'}" if drew else ""))
+
+
+if __name__ == "__main__":
+    main()
