@@ -1,0 +1,821 @@
+"""OffloadOptimizer against its reference, ``torch.optim.AdamW`` / ``Adam`` with ``foreach=False``, on a small
+transformer-like model (embeddings, attention, MLP, LayerNorms, biases, a no-decay group, a head that only some
+steps use): parameters and every state tensor are compared at default ``torch.testing.assert_close`` tolerance
+after every step, for every feature. Then checkpoints in both directions, bf16 masters against AdamW on fp32
+copies, host memory, and bad input that must raise and leave everything unchanged.
+
+Every body runs on CPU; the same bodies run on CUDA where one exists (``cuda`` marker, skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import logging
+import math
+import os
+import pickle
+import subprocess
+import sys
+from typing import Any, Callable, Dict, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zero_offload import OffloadOptimizer, functional, host_memory
+from zero_offload.buckets import ALIGN
+
+STEPS = 50
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+VOCAB, SEQ, D, FF, BATCH = 31, 8, 16, 40, 4
+
+
+class TinyTransformer(nn.Module):
+    """One pre-LN transformer block. ``aux`` sits between the decay weights and is used every third step only, so
+    its parameters alternate between having and not having a gradient (and fall behind in step count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D)
+        self.pos = nn.Parameter(torch.randn(SEQ, D) * 0.1)
+        self.ln1 = nn.LayerNorm(D)
+        # No qkv bias: the key bias has a mathematically zero gradient (softmax is shift invariant), so its gradient
+        # is round-off noise that Adam normalises to +-lr, different in any two runs that differ by one ulp.
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.proj = nn.Linear(D, D)
+        self.ln2 = nn.LayerNorm(D)
+        self.ff1 = nn.Linear(D, FF)
+        self.ff2 = nn.Linear(FF, D)
+        self.aux = nn.Linear(D, 3)
+        self.lnf = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos[:t]
+        q, k, v = (z.view(b, t, 2, D // 2).transpose(1, 2) for z in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(D // 2)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=idx.device).triu(1), float("-inf"))
+        x = x + self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, D))
+        x = x + self.ff2(F.gelu(self.ff1(self.ln2(x))))
+        h = self.lnf(x)
+        return self.head(h), self.aux(h)
+
+
+def param_groups(model: nn.Module, which=(0, 1)):
+    """A decay group (matrices) and a no-decay group (embeddings, LayerNorms, biases) with its own lr."""
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("tok", "pos"))]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(("tok", "pos")))]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
+    return [groups[i] for i in which]
+
+
+def batch(step: int, micro: int, device):
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    tgt = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    aux = torch.randint(0, 3, (BATCH, SEQ), generator=gen)
+    return idx.to(device), tgt.to(device), aux.to(device)
+
+
+def loss_fn(model: nn.Module, step: int, micro: int, device) -> torch.Tensor:
+    idx, tgt, aux_tgt = batch(step, micro, device)
+    logits, aux = model(idx)
+    loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1))
+    if step % 3 == 0:
+        loss = loss + F.cross_entropy(aux.float().reshape(-1, 3), aux_tgt.reshape(-1))
+    return loss
+
+
+def assert_same(model, ref_model, ours, ref, where: str) -> None:
+    """Parameters and every state tensor of ``ours`` against the reference optimizer's, at default tolerance."""
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{where}, param {name}: {m}")
+        expected, actual = ref.state.get(q, {}), ours.state.get(p, {})
+        assert set(actual) - {"master"} == set(expected), f"{where}, {name}: keys {set(actual)} vs {set(expected)}"
+        for key, value in expected.items():
+            assert actual[key].device.type == "cpu", f"{where}, {name}: {key} left the host"
+            torch.testing.assert_close(actual[key], value.cpu(), msg=lambda m: f"{where}, {name}, {key}: {m}")
+
+
+@dataclasses.dataclass
+class Recipe:
+    """One training configuration, applied identically to ours and to the reference."""
+
+    name: str
+    kw: Dict[str, Any] = dataclasses.field(default_factory=dict)  # to both optimizers
+    ref_cls: type = torch.optim.AdamW
+    clip: Optional[float] = None
+    norm_type: float = 2.0
+    scaler: Optional[str] = None  # "step": scaler.step only; "unscale": scaler.unscale_ before clipping (both);
+    # "fused": ours clips the still-scaled gradients with no unscale_ (the reference unscale_s first)
+    accumulate: int = 1
+    scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None
+    closure: bool = False
+    set_to_none: bool = True
+    inf_at: Optional[int] = None
+    add_group_at: Optional[int] = None
+    torch_clip: bool = False  # ours is clipped with torch.nn.utils.clip_grad_norm_ on the model, like the reference
+
+
+RECIPES = [
+    Recipe("adamw"),
+    Recipe("adam_l2", kw=dict(weight_decay=0.05, decoupled_weight_decay=False), ref_cls=torch.optim.Adam),
+    Recipe("amsgrad", kw=dict(amsgrad=True)),
+    Recipe("maximize", kw=dict(maximize=True)),
+    Recipe("tensor_lr", kw=dict(lr=torch.tensor(1e-3))),
+    Recipe("clip", clip=0.5),
+    Recipe("clip_inf_norm", clip=0.05, norm_type=math.inf),
+    Recipe("clip_p3_norm", clip=0.2, norm_type=3.0),
+    Recipe("clip_with_torch_utils", clip=0.5, torch_clip=True),
+    Recipe("accumulate", accumulate=3),
+    Recipe("zero_grad_keep", set_to_none=False, accumulate=2, clip=0.5),
+    Recipe("closure", closure=True),
+    Recipe("add_param_group", add_group_at=10),
+    Recipe("scaler", scaler="step", inf_at=7),
+    Recipe("scaler_unscale_clip", scaler="unscale", clip=0.5, inf_at=12),
+    Recipe("scaler_fused_clip", scaler="fused", clip=0.5, inf_at=20, accumulate=2),
+    Recipe("onecycle", kw=dict(amsgrad=True),
+           scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=STEPS)),
+    Recipe("cyclic_betas", scheduler=lambda o: torch.optim.lr_scheduler.CyclicLR(
+        o, base_lr=1e-4, max_lr=5e-3, step_size_up=7, cycle_momentum=True, base_momentum=0.8, max_momentum=0.95)),
+    Recipe("warmup_cosine", clip=1.0, scheduler=lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=10),
+            torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS)], milestones=[10])),
+    Recipe("plateau", scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=2, factor=0.5)),
+]
+
+
+class Run:
+    """A model and its optimizer (ours or the reference) driven through a recipe, step by step."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, opt: torch.optim.Optimizer, device: str, ours: bool):
+        self.recipe, self.model, self.opt, self.device, self.ours = recipe, model, opt, device, ours
+        self.sched = recipe.scheduler(opt) if recipe.scheduler else None
+        self.scaler = (torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=5)
+                       if recipe.scaler else None)
+        self.norms = []
+
+    def step(self, step: int) -> None:
+        r, model, opt, scaler = self.recipe, self.model, self.opt, self.scaler
+        if r.add_group_at == step:
+            opt.add_param_group(param_groups(model, which=(1,))[0])
+        if r.closure:
+            def closure():
+                opt.zero_grad()
+                loss = loss_fn(model, step, 0, self.device)
+                loss.backward()
+                return loss
+
+            loss = opt.step(closure)
+            assert isinstance(loss, torch.Tensor)
+        else:
+            opt.zero_grad(set_to_none=r.set_to_none)
+            for micro in range(r.accumulate):
+                loss = loss_fn(model, step, micro, self.device) / r.accumulate
+                (scaler.scale(loss) if scaler else loss).backward()
+            if r.inf_at == step:
+                model.ff1.weight.grad[0, 0] = float("inf")
+            if r.clip is not None:
+                if scaler is not None and (r.scaler == "unscale" or not self.ours):
+                    scaler.unscale_(opt)
+                if self.ours and not r.torch_clip:
+                    norm = opt.clip_grad_norm_(r.clip, r.norm_type)
+                    if r.scaler == "fused":
+                        norm = norm * (1.0 / scaler.get_scale())
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), r.clip, r.norm_type, foreach=False)
+                self.norms.append(norm.cpu())
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        if self.sched is not None:
+            if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                # Rounded, so that ulp-level loss differences between the two runs cannot flip a decision.
+                self.sched.step(round(float(loss.detach()), 3))
+            else:
+                self.sched.step()
+
+
+def make_runs(recipe: Recipe, device: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyTransformer().to(device)
+    ref_model = copy.deepcopy(model)
+    which = (0,) if recipe.add_group_at is not None else (0, 1)
+    ours = OffloadOptimizer(param_groups(model, which), **recipe.kw)
+    ref = recipe.ref_cls(param_groups(ref_model, which), foreach=False, **recipe.kw)
+    return Run(recipe, model, ours, device, True), Run(recipe, ref_model, ref, device, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_matches_reference_every_step(recipe, device):
+    ours, ref = make_runs(recipe, device)
+    for step in range(STEPS):
+        ours.step(step)
+        ref.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"{recipe.name} step {step}")
+        for g_ours, g_ref in zip(ours.opt.param_groups, ref.opt.param_groups):
+            assert g_ours["lr"] == g_ref["lr"] and tuple(g_ours["betas"]) == tuple(g_ref["betas"])
+    if recipe.clip is not None:
+        # Our norm is accumulated in double, torch's in float: equal to float rounding.
+        torch.testing.assert_close(torch.stack(ours.norms), torch.stack(ref.norms))
+    if recipe.inf_at is not None:
+        assert ours.opt.skipped_steps == 1
+    if not recipe.set_to_none:
+        return  # zeroed gradients are gradients: nothing is skipped
+    # The aux head (every third step) really was skipped in between: fewer steps than the rest.
+    aux_steps = ours.opt.state[ours.model.aux.weight]["step"].item()
+    assert aux_steps < ours.opt.state[ours.model.qkv.weight]["step"].item()
+
+
+def odd_params(device):
+    """Tail sizes around the 64-element alignment, a scalar, an empty tensor, and non-contiguous layouts."""
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    tensors = [r(()), r(0, 3), r(1), r(63), r(64), r(65), r(8, 3, 3, 3).to(memory_format=torch.channels_last),
+               r(5, 7).t(), r(20)[::2], r(130, 3)]
+    return [nn.Parameter(t.to(device)) for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_odd_shapes_and_layouts_match_adamw(device):
+    params = odd_params(device)
+    refs = [nn.Parameter(p.detach().clone()) for p in params]
+    ours = OffloadOptimizer(params, lr=1e-2, amsgrad=True)
+    ref = torch.optim.AdamW(refs, lr=1e-2, amsgrad=True, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        for i, (p, q) in enumerate(zip(params, refs)):
+            if i == 3 and step % 4 == 1:
+                p.grad = q.grad = None  # skipped this step, like AdamW
+                continue
+            g = torch.randn(p.shape, generator=gen).to(device)
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, refs)):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step} param {i}: {m}")
+            assert p.stride() == q.stride()  # the memory format survives (dense layouts are kept)
+            for key, value in ref.state.get(q, {}).items():
+                torch.testing.assert_close(ours.state[p][key], value.cpu(), msg=lambda m: f"step {step} {i} {key}: {m}")
+
+
+def test_many_tensors_gathered_in_parallel_match_adamw():
+    """Hundreds of small gradients (the multi-threaded copy into the flat buffer) plus a few large ones (torch's
+    own parallel copy), fresh every step."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1000] * 300 + [40000, 7, 70000]
+    params = [nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    refs = [nn.Parameter(p.detach().clone()) for p in params]
+    ours, ref = OffloadOptimizer(params), torch.optim.AdamW(refs, foreach=False)
+    for step in range(5):
+        for p, q in zip(params, refs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, refs)):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step} param {i}: {m}")
+            torch.testing.assert_close(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+
+
+def test_hooks_and_state_dict_format():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), amsgrad=True)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False, amsgrad=True)
+    calls = []
+    ours.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    ours.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    for m, o in ((model, ours), (ref_model, ref)):
+        o.zero_grad()
+        loss_fn(m, 0, 0, "cpu").backward()
+        o.step()
+    assert calls == ["pre", "post"]
+    sd, rsd = ours.state_dict(), ref.state_dict()
+    for g, rg in zip(sd["param_groups"], rsd["param_groups"]):
+        assert set(g) == set(rg) and g["params"] == rg["params"]
+        assert {k: v for k, v in g.items() if k != "foreach"} == {k: v for k, v in rg.items() if k != "foreach"}
+    assert sd["state"].keys() == rsd["state"].keys()
+    for k, expected in rsd["state"].items():
+        assert sd["state"][k].keys() == expected.keys()
+        for key, value in expected.items():
+            got = sd["state"][k][key]
+            assert (got.shape, got.dtype, got.device) == (value.shape, value.dtype, value.device), key
+    assert sd["state"][0]["step"].dim() == 0 and sd["state"][0]["step"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints --
+def _save_load(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _onecycle(o):
+    return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2], total_steps=STEPS)
+
+
+CKPT = Recipe("checkpoint", kw=dict(amsgrad=True), clip=0.5, scheduler=_onecycle)
+
+
+def _resumed(run: Run, ckpt, cls, device, **kw) -> Run:
+    """A fresh model and optimizer of class ``cls`` restored from ``ckpt`` (model, optimizer, scheduler)."""
+    model = TinyTransformer().to(device)
+    model.load_state_dict(ckpt["model"])
+    opt = cls(param_groups(model), amsgrad=True, **kw)
+    new = Run(run.recipe, model, opt, device, cls is OffloadOptimizer)
+    opt.load_state_dict(ckpt["opt"])  # after the scheduler was built: the loaded lr/betas win
+    new.sched.load_state_dict(ckpt["sched"])
+    new.scaler = run.scaler
+    return new
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("direction", ["ours->ours", "adamw->ours", "ours->adamw"])
+def test_checkpoint_resume_continues_reference_trajectory(direction, device):
+    ours, ref = make_runs(CKPT, device)
+    half = STEPS // 2
+    src = ref if direction == "adamw->ours" else ours
+    for step in range(half):
+        ours.step(step)
+        ref.step(step)
+    ckpt = _save_load({"model": src.model.state_dict(), "opt": src.opt.state_dict(), "sched": src.sched.state_dict()})
+    if direction == "ours->adamw":
+        resumed = _resumed(src, ckpt, torch.optim.AdamW, device, foreach=False)
+    else:
+        resumed = _resumed(src, ckpt, OffloadOptimizer, device)
+        # Loaded state stays in the optimizer's own host buffers.
+        bufs = [t for b in resumed.opt.host_buffers() for t in b.values()]
+        for st in resumed.opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                assert any(t.untyped_storage().data_ptr() == st[key].untyped_storage().data_ptr() for t in bufs)
+    for step in range(half, STEPS):
+        resumed.step(step)
+        ref.step(step)
+        if direction == "ours->adamw":
+            for (name, p), q in zip(resumed.model.named_parameters(), ref.model.parameters()):
+                torch.testing.assert_close(p, q, msg=lambda m: f"{direction} step {step} {name}: {m}")
+                for key, value in ref.opt.state.get(q, {}).items():
+                    torch.testing.assert_close(resumed.opt.state[p][key].cpu(), value.cpu())
+        else:
+            assert_same(resumed.model, ref.model, resumed.opt, ref.opt, f"{direction} step {step}")
+
+
+def test_state_dict_roundtrip_into_itself_changes_nothing():
+    ours, ref = make_runs(Recipe("self"), "cpu")
+    for step in range(5):
+        ours.step(step)
+        ref.step(step)
+    ours.opt.load_state_dict(ours.opt.state_dict())
+    for step in range(5, 10):
+        ours.step(step)
+        ref.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"step {step}")
+
+
+# ---------------------------------------------------------------------------------------------- bf16 masters --
+SHAPES = [(1,), (7,), (65,), (130, 3), (4, 4, 5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_have_fp32_masters_matching_adamw_on_fp32_copies(dtype, device):
+    """Reference: AdamW on fp32 copies of the low-precision parameters, fed the same gradients (upcast, exact),
+    with the parameter being the fp32 copy rounded to its dtype. Resumed from a checkpoint halfway."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    params = [nn.Parameter(t.clone().to(device)) for t in init]
+    masters = [nn.Parameter(t.float().to(device)) for t in init]
+    ours = OffloadOptimizer(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            ckpt = _save_load({"opt": ours.state_dict(), "params": [p.detach().cpu() for p in params]})
+            params = [nn.Parameter(t.to(device)) for t in ckpt["params"]]
+            ours = OffloadOptimizer(params, lr=1e-2, weight_decay=0.1)
+            ours.load_state_dict(ckpt["opt"])
+        for p, m in zip(params, masters):
+            g = torch.randn(p.shape, generator=gen).to(dtype).to(device)
+            p.grad, m.grad = g, g.float()
+        ours.step()
+        ref.step()
+        for p, m in zip(params, masters):
+            st = ours.state[p]
+            torch.testing.assert_close(st["master"], m.detach().cpu(), msg=lambda s: f"step {step} master: {s}")
+            torch.testing.assert_close(st["exp_avg"], ref.state[m]["exp_avg"].cpu())
+            torch.testing.assert_close(st["exp_avg_sq"], ref.state[m]["exp_avg_sq"].cpu())
+            assert p.dtype == dtype
+            torch.testing.assert_close(p, m.detach().to(dtype), msg=lambda s: f"step {step} param: {s}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_model_tracks_fp32_run_better_than_bf16_adamw(device):
+    torch.manual_seed(0)
+    model32 = TinyTransformer().to(device)
+    ours_model = copy.deepcopy(model32).bfloat16()
+    adamw_model = copy.deepcopy(model32).bfloat16()
+    runs = [(model32, torch.optim.AdamW(param_groups(model32), foreach=False)),
+            (ours_model, OffloadOptimizer(param_groups(ours_model))),
+            (adamw_model, torch.optim.AdamW(param_groups(adamw_model), foreach=False))]
+    for step in range(STEPS):
+        for model, opt in runs:
+            opt.zero_grad()
+            loss_fn(model, step, 0, device).backward()
+            opt.step()
+
+    def distance(model):
+        return math.sqrt(sum(float((p.detach().float() - q.detach()).square().sum())
+                             for p, q in zip(model.parameters(), model32.parameters())))
+
+    d_ours, d_adamw = distance(ours_model), distance(adamw_model)
+    # bf16 AdamW loses most updates of LayerNorm gains near 1 (bf16 spacing 2^-7 > lr); fp32 masters keep them.
+    assert d_ours < 0.5 * d_adamw, (d_ours, d_adamw)
+
+
+def test_parameter_changed_outside_the_optimizer_reinitialises_its_master():
+    """Reference: AdamW on an fp32 copy, whose copy is set to the same new value."""
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(100, generator=gen).bfloat16())
+    m = nn.Parameter(p.detach().float())
+    ours, ref = OffloadOptimizer([p]), torch.optim.AdamW([m], foreach=False)
+    for step in range(10):
+        if step == 5:
+            new = torch.randn(100, generator=gen).bfloat16()
+            with torch.no_grad():
+                p.copy_(new)  # what model.load_state_dict does
+                m.copy_(new.float())
+        g = torch.randn(100, generator=gen).bfloat16()
+        p.grad, m.grad = g, g.float()
+        ours.step()
+        ref.step()
+        torch.testing.assert_close(ours.state[p]["master"], m.detach())
+        torch.testing.assert_close(p, m.detach().bfloat16())
+    # Rewriting a parameter with the value it already has keeps the master's fp32 bits.
+    master = ours.state[p]["master"].clone()
+    with torch.no_grad():
+        p.copy_(p.detach().clone())
+    ours._buckets[0][0].refresh_masters([0])
+    assert torch.equal(ours.state[p]["master"], master)
+
+
+# ------------------------------------------------------------------------------------------------ host memory --
+def test_host_memory_estimate_is_exact_and_logged(caplog):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    half = TinyTransformer().bfloat16()
+    groups = param_groups(model) + [{"params": list(half.parameters()), "amsgrad": True}]
+    estimate = OffloadOptimizer.estimate_host_memory(groups)
+    with caplog.at_level(logging.INFO, logger="zero_offload"):
+        opt = OffloadOptimizer(groups)
+    assert "host RAM" in caplog.text and "B/param" in caplog.text
+    actual: Dict[str, int] = {}
+    for buffers in opt.host_buffers():
+        for name, t in buffers.items():
+            actual[name] = actual.get(name, 0) + t.nbytes
+    assert {k: v for k, v in estimate.buffers.items() if v} == actual
+    assert estimate == opt.host_memory_estimate()
+    n = sum(p.numel() for g in groups for p in g["params"])
+    assert estimate.numel == n
+    # fp32 master + 2 moments = 12 B/element (+4 for amsgrad's max on the bf16 group), gradients besides.
+    fp32 = OffloadOptimizer.estimate_host_memory(param_groups(TinyTransformer()))
+    assert fp32.state_bytes == 12 * fp32.padded_numel and fp32.buffers["grad"] == 4 * fp32.padded_numel
+    assert fp32.pinned_bytes == 0
+
+
+def test_buckets_are_aligned_and_fp32_cpu_params_live_in_the_master():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=600)
+    assert sum(len(b) for b in opt._buckets) > 2  # the cap splits the decay group
+    for bucket in (b for bs in opt._buckets for b in bs):
+        assert all(o % ALIGN == 0 for o in bucket.layout.offsets)
+        for i, p in enumerate(bucket.params):
+            assert p.data_ptr() == bucket.master_views[i].data_ptr()
+            for views in (bucket.exp_avg_views, bucket.grad_views):
+                assert views[i].data_ptr() % 64 == 0  # every slot starts on a cache line
+                assert views[i].shape == p.shape
+
+
+def test_one_kernel_call_per_bucket_and_per_run_when_grads_are_missing(monkeypatch):
+    calls = []
+    real = functional.cpu_adam_
+    monkeypatch.setattr(functional, "cpu_adam_", lambda *a, **k: (calls.append(k["step"]), real(*a, **k)))
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    groups = param_groups(model)
+    groups[1]["params"] = [p for p in groups[1]["params"] if p is not model.frozen]
+    opt = OffloadOptimizer(groups)
+    n_buckets = sum(len(b) for b in opt._buckets)
+    expected = {
+        0: [1, 1],  # the aux head is used: every parameter has a gradient, one call per bucket
+        1: [2, 2, 2, 2],  # no aux: each group's bucket runs before and after aux.weight / aux.bias
+        3: [4, 2, 4] * 2,  # aux again, one step behind: runs split where the step count changes
+    }
+    for step in range(4):
+        calls.clear()
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+        if step in expected:
+            assert calls == expected[step], step
+    assert n_buckets == 2
+
+
+def test_zero_grad_keep_makes_gradients_views_of_the_flat_buffer():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model))
+    loss_fn(model, 0, 0, "cpu").backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    bucket = opt._buckets[0][0]
+    for i, p in enumerate(bucket.params):
+        assert p.grad is bucket.grad_views[i] and not p.grad.any()
+    assert model.frozen.grad is None
+
+
+def test_import_is_cheap():
+    code = ("import torch, zero_offload; from zero_offload import _build; "
+            "assert not torch.cuda.is_initialized(); assert not _build._attempted; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart() with the driver's page rule: a page can be registered once."""
+
+    PAGE = 4096
+
+    def __init__(self):
+        self.pages = {}  # page -> ptr of the registration holding it
+
+    def cudaHostRegister(self, ptr, size, flags):
+        pages = range(ptr // self.PAGE, (ptr + size + self.PAGE - 1) // self.PAGE)
+        if any(pg in self.pages for pg in pages):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.pages.update({pg: ptr for pg in pages})
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.pages = {pg: p for pg, p in self.pages.items() if p != ptr}
+        return 0
+
+
+def test_pinned_buffers_register_whole_pages_of_their_own_and_unregister_on_free(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    # Small buffers come from the same heap pages; each must still register without overlapping another.
+    kinds = [(n, dtype) for n in (1, 3, 17, 1000, 5000) for dtype in (torch.float32, torch.bfloat16)]
+    bufs = [host_memory.empty_host(n, dtype, pin=True) for n, dtype in kinds]
+    assert all(b.numel() == n and b.dtype == dtype for b, (n, dtype) in zip(bufs, kinds))
+    assert all(b.data_ptr() % FakeCudart.PAGE == 0 and host_memory.is_registered(b) for b in bufs)
+    ptr = bufs[-1].data_ptr()
+    view = bufs[-1][100:200]
+    bufs.clear()
+    assert ptr in host_memory._registered and ptr in fake.pages.values()  # alive through the view
+    del view
+    assert ptr not in host_memory._registered and ptr not in fake.pages.values()
+    assert not fake.pages  # every buffer released
+
+
+@pytest.mark.cuda
+def test_cuda_buffers_are_pinned_at_exact_size_and_unregistered_when_freed():
+    small = [host_memory.empty_host(n, torch.float32, pin=True) for n in (1, 3, 1000)]  # may share heap pages
+    t = host_memory.empty_host(1000003, torch.float32, pin=True)
+    assert all(x.is_pinned() and host_memory.is_registered(x) for x in small + [t])
+    assert t.numel() == 1000003 and t.nbytes == 4 * 1000003
+    assert t.untyped_storage().nbytes() <= 4 * 1000003 + 2 * 4096 * 16  # exact size, to within two pages
+    ptr, view = t.data_ptr(), t[10:20]
+    del t
+    assert ptr in host_memory._registered  # the view keeps the buffer (and its registration) alive
+    del view
+    assert ptr not in host_memory._registered
+    model = TinyTransformer().cuda()
+    opt = OffloadOptimizer(param_groups(model))
+    for buffers in opt.host_buffers():
+        assert all(b.is_pinned() for b in buffers.values())
+    assert opt.host_memory_estimate().pinned_bytes == opt.host_memory_estimate().total_bytes
+
+
+# ------------------------------------------------------------------------------------------------- bad input --
+def snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()), len(opt.param_groups)
+
+
+def assert_unchanged(snap, model, opt):
+    params, sd, n_groups = snap
+    for p, before in zip(model.parameters(), params):
+        assert torch.equal(p, before)
+    now = opt.state_dict()
+    assert len(opt.param_groups) == n_groups and now["param_groups"] == sd["param_groups"]
+    assert now["state"].keys() == sd["state"].keys()
+    for k, entry in sd["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now["state"][k][key], value), (k, key)
+
+
+def trained(steps=3, **kw):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), **kw)
+    for step in range(steps):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    opt.zero_grad()
+    loss_fn(model, steps, 0, "cpu").backward()
+    return model, opt
+
+
+@pytest.mark.parametrize("kw", [dict(lr=-1.0), dict(lr=float("nan")), dict(eps=-1e-8), dict(betas=(1.0, 0.999)),
+                                dict(betas=(0.9, -0.1)), dict(weight_decay=-0.1), dict(betas=(0.9, 1))])
+def test_invalid_hyperparameters_raise_adamws_errors(kw):
+    model = TinyTransformer()
+    with pytest.raises(ValueError) as expected:
+        torch.optim.AdamW(model.parameters(), **kw)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError) as got:
+        OffloadOptimizer(model.parameters(), **kw)
+    assert str(got.value) == str(expected.value)
+    assert ptrs == [p.data_ptr() for p in model.parameters()]  # nothing rebound
+
+
+@pytest.mark.parametrize("kw, match", [(dict(capturable=True), "capturable"), (dict(differentiable=True), "autograd"),
+                                       (dict(nonfinite="warn"), "nonfinite"), (dict(bucket_numel=0), "bucket_numel")])
+def test_unsupported_options_are_rejected_with_a_reason(kw, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadOptimizer(TinyTransformer().parameters(), **kw)
+
+
+def test_foreach_and_fused_are_accepted_and_ignored():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), foreach=True, fused=True)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    assert ours.param_groups[0]["fused"] is True and ours.param_groups[0]["foreach"] is True
+    for step in range(5):
+        for m, o in ((model, ours), (ref_model, ref)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            o.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+@pytest.mark.parametrize("case", ["complex", "integer", "non_leaf", "twice_in_group", "two_groups", "sparse_param"])
+def test_bad_parameters_raise_and_leave_the_model_untouched(case):
+    model = TinyTransformer()
+    good = list(model.parameters())
+    bad = {
+        "complex": lambda: [nn.Parameter(torch.randn(3, dtype=torch.complex64))],
+        "integer": lambda: [torch.zeros(3, dtype=torch.int64)],
+        "non_leaf": lambda: [(torch.randn(3, requires_grad=True) * 2).requires_grad_()],
+        "twice_in_group": lambda: [model.qkv.weight],
+        "two_groups": None,
+        "sparse_param": lambda: [torch.randn(3, 3).to_sparse().requires_grad_()],
+    }[case]
+    ptrs = [p.data_ptr() for p in good]
+    if case == "two_groups":
+        with pytest.raises(ValueError, match="more than one parameter group"):
+            OffloadOptimizer([{"params": good}, {"params": [model.qkv.weight]}])
+    else:
+        with pytest.raises((ValueError, TypeError)):
+            OffloadOptimizer(good + bad())
+    assert ptrs == [p.data_ptr() for p in good]
+    # add_param_group after construction: same checks, optimizer unchanged.
+    model2, opt = trained()
+    snap = snapshot(model2, opt)
+    extra = [model2.qkv.weight] if case in ("twice_in_group", "two_groups") else bad()
+    with pytest.raises((ValueError, TypeError)):
+        opt.add_param_group({"params": extra})
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "lr": -1.0})
+    assert_unchanged(snap, model2, opt)
+
+
+def test_sparse_gradient_raises_and_changes_nothing():
+    model, opt = trained()
+    snap = snapshot(model, opt)
+    model.tok.weight.grad = model.tok.weight.grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    assert_unchanged(snap, model, opt)
+
+
+def test_invalid_hyperparameter_set_later_raises_at_step_and_changes_nothing():
+    model, opt = trained()
+    snap = snapshot(model, opt)
+    opt.param_groups[1]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        opt.step()
+    opt.param_groups[1]["betas"] = (0.9, 0.999)
+    assert_unchanged(snap, model, opt)
+
+
+def test_replaced_parameter_storage_is_an_error():
+    model, opt = trained()
+    model.ff1.weight.data = model.ff1.weight.data.clone()
+    with pytest.raises(RuntimeError, match="no longer lives where"):
+        opt.step()
+
+
+def test_optimizer_cannot_be_pickled():
+    _, opt = trained(steps=1)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
+
+
+def _other_state_dicts(opt):
+    """State dicts that do not fit ``opt``'s model, each with the error it must produce."""
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    o = torch.optim.AdamW(other.parameters(), foreach=False)
+    other(torch.randn(2, 3)).sum().backward()
+    o.step()
+    good = opt.state_dict()
+    wrong_shape = copy.deepcopy(good)
+    wrong_shape["state"][0]["exp_avg"] = torch.zeros(2, 2)
+    sgd_model = TinyTransformer()
+    sgd = torch.optim.SGD(param_groups(sgd_model), lr=0.1, momentum=0.9)
+    loss_fn(sgd_model, 0, 0, "cpu").backward()
+    sgd.step()
+    bad_step = copy.deepcopy(good)
+    bad_step["state"][1]["step"] = torch.tensor(-3.0)
+    bad_lr = copy.deepcopy(good)
+    bad_lr["param_groups"][0]["lr"] = -1.0
+    unknown_id = copy.deepcopy(good)
+    unknown_id["state"][999] = unknown_id["state"][0]
+    no_max = copy.deepcopy(good)
+    no_max["param_groups"][0]["amsgrad"] = True
+    return [
+        (o.state_dict(), "different number of parameter groups"),
+        ({"state": {}, "param_groups": [dict(good["param_groups"][0], params=[0]), good["param_groups"][1]]},
+         "doesn't match the size"),
+        (wrong_shape, "another model"),
+        (sgd.state_dict(), "not Adam"),
+        (bad_step, "invalid step"),
+        (bad_lr, "Invalid learning rate"),
+        (unknown_id, "none of its param_groups"),
+        (no_max, "lacks"),
+        ({"state": {}}, "param_groups"),
+    ]
+
+
+def test_loading_a_state_dict_of_another_model_raises_and_changes_nothing():
+    model, opt = trained()
+    for sd, match in _other_state_dicts(opt):
+        snap = snapshot(model, opt)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        assert_unchanged(snap, model, opt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])
+def test_nonfinite_gradient_policy(policy, device):
+    """Reference: AdamW that is simply not stepped where ours must skip (or, for "ignore", is stepped)."""
+    ours, ref = make_runs(Recipe("nonfinite", kw=dict()), device)
+    ours.opt.nonfinite = policy
+    for step in range(8):
+        for run in (ours, ref):
+            run.opt.zero_grad()
+            loss_fn(run.model, step, 0, device).backward()
+            if step == 4:
+                run.model.ff2.weight.grad[1, 2] = float("nan")
+        if step == 4 and policy == "raise":
+            snap = snapshot(ours.model, ours.opt)
+            with pytest.raises(RuntimeError, match=r"non-finite gradient .* parameter 3 .*shape \(16, 40\)"):
+                ours.opt.step()
+            assert_unchanged(snap, ours.model, ours.opt)
+            continue
+        ours.opt.step()
+        if not (step == 4 and policy != "ignore"):
+            ref.opt.step()
+        if policy == "ignore" and step >= 4:
+            assert torch.isnan(ours.model.ff2.weight).any() and torch.isnan(ref.model.ff2.weight).any()
+            return
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"{policy} step {step}")
+    assert ours.opt.skipped_steps == (1 if policy == "skip" else 0)
+
+
+def test_pure_torch_path_gives_the_same_results(monkeypatch):
+    monkeypatch.setenv("ZERO_OFFLOAD_SIMD", "torch")
+    ours, ref = make_runs(Recipe("torch_path", kw=dict(amsgrad=True), clip=0.5), "cpu")
+    for step in range(10):
+        ours.step(step)
+        ref.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"torch path step {step}")

@@ -1,0 +1,439 @@
+"""Flattening parameters into aligned, contiguous host buckets: where each parameter's master weights, moments,
+gradient and low-precision copy live, and how a bucket's gradients get in and its updated parameters get out.
+
+A bucket is a run of parameters of one parameter group that share a device and a dtype. Each parameter gets a
+slot in every flat buffer of the bucket at the same offset, a multiple of :data:`ALIGN` elements, so that
+
+* the CPU-Adam kernel updates a whole bucket (or a contiguous run of it) in one call, whatever the number of
+  tensors, and every slot starts on a 64-byte line for every dtype;
+* the per-parameter optimizer state PyTorch exposes (``exp_avg`` and friends) are views of those slots, shaped
+  and strided like the parameter, so ``state_dict()`` has ``torch.optim.AdamW``'s format without a copy;
+* a CPU parameter can itself become a view of its slot (the fp32 master, or the low-precision copy the kernel
+  writes), so the update needs no copy back.
+
+Padding elements are zero in every buffer and see a zero gradient, so they stay zero (unless ``eps == 0``, when
+they become NaN; they are never read).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import operator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload.host_memory import HostMemoryEstimate, empty_host, estimate_bucket
+
+__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "plan_buckets", "align_up", "view_like"]
+
+# Elements. 64 elements is a whole number of 64-byte cache lines for 1-, 2- and 4-byte dtypes and a multiple of
+# every SIMD width the kernel uses, so no slot shares a line or a vector with its neighbour.
+ALIGN = 64
+
+# Tensors at least this large are copied with torch's own intra-op parallelism; smaller ones are spread over a
+# few Python threads instead (torch runs them on the calling thread). Same value as at::internal::GRAIN_SIZE.
+_PARALLEL_COPY_NUMEL = 32768
+
+
+def align_up(n: int, alignment: int = ALIGN) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
+    """Where the parameters of one bucket live in its flat buffers.
+
+    Attributes:
+        indices (Tuple[int, ...]): positions of the bucket's parameters in their group's ``params`` list.
+        offsets (Tuple[int, ...]): element offset of each parameter's slot, multiples of :data:`ALIGN`.
+        numels (Tuple[int, ...]): elements of each parameter.
+        padded_numel (int): length of each flat buffer.
+        device (torch.device): where the parameters live.
+        dtype (torch.dtype): the parameters' dtype (and their gradients').
+    """
+
+    indices: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    numels: Tuple[int, ...]
+    padded_numel: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    def span(self, first: int, last: int) -> Tuple[int, int]:
+        """Element range covering parameters ``first..last`` (bucket positions, inclusive), padding included."""
+        end = self.offsets[last + 1] if last + 1 < len(self.offsets) else self.padded_numel
+        return self.offsets[first], end
+
+
+def plan_buckets(params: Sequence[torch.Tensor], max_numel: int) -> List[BucketLayout]:
+    """Split one group's parameters into buckets: one per (device, dtype), in order of first appearance, each cut
+    where it would exceed ``max_numel`` elements (a larger parameter gets a bucket to itself; parameters are never
+    split). Within a bucket, parameters keep their group order.
+
+    Args:
+        params (Sequence[Tensor]): the group's parameters.
+        max_numel (int): soft cap on a bucket's elements.
+    """
+    by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+    for i, p in enumerate(params):
+        by_kind.setdefault((p.device, p.dtype), []).append(i)
+    layouts = []
+    for (device, dtype), indices in by_kind.items():
+        run: List[int] = []
+        offsets: List[int] = []
+        cursor = 0
+        for i in indices:
+            n = params[i].numel()
+            if run and cursor + n > max_numel:
+                layouts.append(_layout(run, offsets, params, cursor, device, dtype))
+                run, offsets, cursor = [], [], 0
+            run.append(i)
+            offsets.append(cursor)
+            cursor += align_up(n)
+        if run:
+            layouts.append(_layout(run, offsets, params, cursor, device, dtype))
+    return layouts
+
+
+def _layout(run, offsets, params, cursor, device, dtype) -> BucketLayout:
+    return BucketLayout(tuple(run), tuple(offsets), tuple(params[i].numel() for i in run), cursor, device, dtype)
+
+
+def view_like(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The slot of ``like`` in ``flat``, with ``like``'s shape and, when ``like`` is dense (e.g. channels-last),
+    its strides too: the optimizer state then has the parameter's memory format, as ``torch.zeros_like`` gives
+    AdamW, and gradient copies into the slot are straight memory copies."""
+    n = like.numel()
+    if like.is_contiguous() or not _dense(like):
+        return flat[offset : offset + n].view(like.shape)
+    return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + offset)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements exactly fill ``t.numel()`` consecutive memory slots in some dimension order."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_pool: Optional[ThreadPoolExecutor] = None
+
+
+_get_grad = operator.attrgetter("grad")
+
+
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers < workers:  # noqa: SLF001 - sized once, grown if threads are raised
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zero_offload_copy")
+    return _pool
+
+
+def copy_many_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], numels: Sequence[int]) -> None:
+    """``dst.copy_(src)`` for CPU pairs (``numels[i]`` elements each), using every intra-op thread even when the
+    tensors are small.
+
+    Torch parallelises one copy only above its grain size, so thousands of small gradient copies would run on
+    one core; here they are split into equal-element shares over ``torch.get_num_threads()`` threads (torch ops
+    release the GIL). Large tensors are copied afterwards on the calling thread with torch's own parallelism, so
+    the two kinds never oversubscribe the cores.
+    """
+    if any(n >= _PARALLEL_COPY_NUMEL for n in numels):
+        small = [i for i, n in enumerate(numels) if n < _PARALLEL_COPY_NUMEL]
+        large = [i for i, n in enumerate(numels) if n >= _PARALLEL_COPY_NUMEL]
+    else:
+        small, large = list(range(len(numels))), []
+    threads = torch.get_num_threads()
+    cum = list(itertools.accumulate(numels[i] for i in small))
+    if threads > 1 and len(small) > 16 and cum[-1] >= 4 * _PARALLEL_COPY_NUMEL:
+        cuts = [0] + [bisect.bisect_left(cum, cum[-1] * k / threads) for k in range(1, threads)] + [len(small)]
+        shares = [small[a:b] for a, b in zip(cuts, cuts[1:])]
+        pool = _copy_pool(threads - 1)
+        futures = [pool.submit(_copy_share, dsts, srcs, share) for share in shares[1:] if share]
+        _copy_share(dsts, srcs, shares[0])
+        for f in futures:
+            f.result()
+    else:
+        _copy_share(dsts, srcs, small)
+    _copy_share(dsts, srcs, large)
+
+
+def _copy_share(dsts: List[torch.Tensor], srcs: List[torch.Tensor], which: Sequence[int]) -> None:
+    if which:
+        torch._foreach_copy_([dsts[i] for i in which], [srcs[i] for i in which])
+
+
+class FlatBucket:
+    """The host buffers of one bucket, the per-parameter views into them, and the transfers in and out.
+
+    Buffers (each ``layout.padded_numel`` long): ``master`` (fp32), ``exp_avg``, ``exp_avg_sq``, optionally
+    ``max_exp_avg_sq`` (fp32), ``grad`` (the parameters' dtype) and, for low-precision parameters, ``staging``
+    (the parameters' dtype: the kernel's ``param_out``).
+
+    Where the parameter itself lives:
+
+    * fp32 on CPU: the parameter *is* its master slot (``p.data`` is rebound to the view); no copy, no
+      separate master, no ``"master"`` key in the state.
+    * bf16/fp16 on CPU: the parameter is its staging slot, which the kernel writes; the fp32 master is separate.
+    * on CUDA: the parameter stays where it is; gradients are copied to ``grad`` and the master (fp32) or the
+      staging copy (low precision) is copied back, asynchronously on a side stream.
+
+    A separate master is (re)initialised from its parameter before the parameter's next update whenever the
+    parameter was changed outside the optimizer (tracked by its autograd version counter) and no longer equals
+    the master rounded to its dtype: loading a model checkpoint after building the optimizer just works.
+    """
+
+    def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool):
+        self.layout = layout
+        self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
+        self.device = layout.device
+        self.dtype = layout.dtype
+        self.on_cpu = layout.device.type == "cpu"
+        self.low_precision = layout.dtype != torch.float32
+        self.pin = pin
+        n = layout.padded_numel
+
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return empty_host(n, dtype, pin=pin).zero_()
+
+        self.master = zeros(torch.float32)
+        self.exp_avg = zeros(torch.float32)
+        self.exp_avg_sq = zeros(torch.float32)
+        self.max_exp_avg_sq: Optional[torch.Tensor] = zeros(torch.float32) if amsgrad else None
+        self.grad = zeros(layout.dtype)
+        self.staging: Optional[torch.Tensor] = zeros(layout.dtype) if self.low_precision else None
+        # Per-parameter step counts in one tensor: state["step"] is a 0-dim view of an element, so counting a step
+        # for a whole bucket is one add, and state_dict() still shows AdamW's 0-dim float32 CPU tensors.
+        self.steps = torch.zeros(len(self.params), dtype=torch.float32)
+
+        offs = layout.offsets
+        self.master_views = [view_like(self.master, o, p) for o, p in zip(offs, self.params)]
+        self.exp_avg_views = [view_like(self.exp_avg, o, p) for o, p in zip(offs, self.params)]
+        self.exp_avg_sq_views = [view_like(self.exp_avg_sq, o, p) for o, p in zip(offs, self.params)]
+        self.max_views = self._views(self.max_exp_avg_sq)
+        self.grad_views = [view_like(self.grad, o, p) for o, p in zip(offs, self.params)]
+        self.staging_views = self._views(self.staging)
+        # Whether each grad slot is known to hold zeros: a parameter without a gradient must not leave a stale one
+        # in the buffer, which norms and non-finite checks read whole.
+        self.grad_slot_zero = [True] * len(self.params)
+        # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
+        # from it); -1 = master not initialised. Unused when the parameter is its own master.
+        self.versions = [-1] * len(self.params)
+        self.exposed = [False] * len(self.params)
+        self.all_exposed = False
+        self.d2h_event = None  # torch.cuda.Event once a CUDA gather has run
+        self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
+
+    # -- layout --------------------------------------------------------------------------------------------------
+    def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        if flat is None:
+            return None
+        return [view_like(flat, o, p) for o, p in zip(self.layout.offsets, self.params)]
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the fp32 master is a copy (low precision or CUDA) rather than the parameter itself."""
+        return not (self.on_cpu and not self.low_precision)
+
+    def ensure_amsgrad(self) -> None:
+        if self.max_exp_avg_sq is None:
+            self.max_exp_avg_sq = empty_host(self.layout.padded_numel, torch.float32, pin=self.pin).zero_()
+            self.max_views = self._views(self.max_exp_avg_sq)
+
+    def estimate(self) -> HostMemoryEstimate:
+        return estimate_bucket(self.layout.numel, self.layout.padded_numel, self.dtype, on_cpu=self.on_cpu,
+                               amsgrad=self.max_exp_avg_sq is not None, pin=self.pin)
+
+    def buffers(self) -> Dict[str, torch.Tensor]:
+        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
+        if self.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = self.max_exp_avg_sq
+        if self.staging is not None:
+            out["staging"] = self.staging
+        return out
+
+    @property
+    def param_slots(self) -> Optional[List[torch.Tensor]]:
+        """For CPU buckets, the views the parameters are bound to (master or staging); None on CUDA."""
+        if not self.on_cpu:
+            return None
+        return self.staging_views if self.low_precision else self.master_views
+
+    def bind(self) -> None:
+        """Make CPU parameters views of the slots the kernel writes. Called once every bucket of a group has
+        been allocated, so a failed allocation leaves the parameters untouched. Values are copied in first, so the
+        model is unchanged, and a later in-place load into a parameter lands in its slot."""
+        if self.on_cpu:
+            for p, slot in zip(self.params, self.param_slots):
+                slot.copy_(p.detach())
+                p.data = slot
+            self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def state_entry(self, i: int) -> Dict[str, torch.Tensor]:
+        """Parameter ``i``'s optimizer state in AdamW's format: views, not copies."""
+        entry = {"step": self.steps[i], "exp_avg": self.exp_avg_views[i], "exp_avg_sq": self.exp_avg_sq_views[i]}
+        if self.max_views is not None:
+            entry["max_exp_avg_sq"] = self.max_views[i]
+        if self.low_precision:
+            entry["master"] = self.master_views[i]
+        return entry
+
+    def refresh_masters(self, indices: Sequence[int]) -> None:
+        """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
+        wrote it; see the class docstring."""
+        if not self.separate_master:
+            return
+        stale = [i for i in indices if self.params[i]._version != self.versions[i]]
+        if not stale:
+            return
+        # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
+        # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host.
+        landing = self.staging_views if self.low_precision else self.master_views
+        if self.on_cpu:
+            host = [self.params[i].detach() for i in stale]
+        else:
+            # Into a scratch copy when the master may be kept: it is compared before being overwritten.
+            host = [landing[i] if self.versions[i] == -1 else torch.empty_like(landing[i]) for i in stale]
+            torch._foreach_copy_(host, [self.params[i].detach() for i in stale], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        for i, value in zip(stale, host):
+            master = self.master_views[i]
+            # A parameter rewritten with the value it already had (a model checkpoint loaded alongside this
+            # optimizer's) keeps the fp32 master's extra bits; any other value replaces the master.
+            if self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value):
+                master.copy_(value)
+            self.versions[i] = self.params[i]._version
+
+    def record_versions(self, indices: Sequence[int]) -> None:
+        if self.separate_master:
+            for i in indices:
+                self.versions[i] = self.params[i]._version
+
+    # -- gradients in ----------------------------------------------------------------------------------------
+    def collect_grads(self) -> List[Optional[torch.Tensor]]:
+        """Each parameter's ``.grad`` (None where absent), checked for what the kernel cannot take. On the hot
+        path: C-level loops only (``map``, list comparison), about 0.2 us per parameter."""
+        params = self.params
+        grads = list(map(_get_grad, params))
+        if self.on_cpu:
+            moved = list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs
+        else:
+            moved = any(p.dtype != self.dtype or p.device != self.device for p in params)
+        if moved:
+            p = next(p for i, p in enumerate(params) if self._moved(i))
+            raise RuntimeError(
+                f"OffloadOptimizer: a parameter of shape {tuple(p.shape)} no longer lives where the optimizer put it "
+                f"(expected {self.dtype} on {self.device}; its storage, dtype or device was replaced, e.g. by "
+                "`p.data = ...`, `model.to(...)` or another optimizer). Move or cast the model first, then build the "
+                "optimizer."
+            )
+        if all(map(operator.is_, grads, self.grad_views)):
+            return grads  # every gradient already is its slot: dense, nothing more to check
+        # Only a gradient that is not already its slot can be sparse.
+        others = [g for g, v in zip(grads, self.grad_views) if g is not v and g is not None]
+        for g in others:
+            if g.layout != torch.strided:
+                p = params[next(i for i, x in enumerate(grads) if x is g)]
+                raise RuntimeError(
+                    f"OffloadOptimizer does not support sparse gradients (parameter of shape {tuple(p.shape)} has a "
+                    f"{g.layout} gradient); consider torch.optim.SparseAdam"
+                )
+        return grads
+
+    def _moved(self, i: int) -> bool:
+        p = self.params[i]
+        if self.on_cpu:
+            return p.data_ptr() != self.slot_ptrs[i]
+        return p.dtype != self.dtype or p.device != self.device
+
+    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None) -> None:
+        """Bring the gradients into the flat ``grad`` buffer: on CPU, copy the ones not already there; on CUDA,
+        enqueue async copies on ``stream`` and record ``d2h_event`` (wait with :meth:`wait_grads`)."""
+        views, zeroed, numels = self.grad_views, self.grad_slot_zero, self.layout.numels
+        if all(map(operator.is_, grads, views)):
+            # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
+            self.grad_slot_zero = [False] * len(views)
+            return
+        dsts, srcs, sizes = [], [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                if not zeroed[i]:
+                    views[i].zero_()
+                    zeroed[i] = True
+            elif g is not views[i]:  # a view installed by zero_grad(set_to_none=False) needs no copy
+                zeroed[i] = False
+                dsts.append(views[i])
+                srcs.append(g)
+                sizes.append(numels[i])
+            else:
+                zeroed[i] = False
+        if self.on_cpu:
+            if dsts:
+                copy_many_(dsts, srcs, sizes)
+            return
+        if self.d2h_event is None:
+            self.d2h_event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            if dsts:
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            self.d2h_event.record(stream)
+
+    def wait_grads(self) -> None:
+        if self.d2h_event is not None:
+            self.d2h_event.synchronize()
+
+    def zero_grads_as_views(self) -> None:
+        """``zero_grad(set_to_none=False)`` for a CPU bucket: every existing gradient becomes its (zeroed) slot of
+        the flat buffer, so the next backward accumulates straight into it and the step copies nothing."""
+        self.grad.zero_()
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None:
+                self.grad_slot_zero[i] = True
+                if g is not self.grad_views[i]:
+                    p.grad = self.grad_views[i]
+
+    def runs(self, grads: List[Optional[torch.Tensor]]) -> List[Tuple[int, int, int]]:
+        """Contiguous runs ``(first, last, step)`` of parameters that have a gradient and the same step count:
+        each is one kernel call. Usually one run covering the whole bucket."""
+        steps = self.steps.tolist()
+        has = [g is not None for g in grads]
+        if all(has) and min(steps) == max(steps):
+            return [(0, len(grads) - 1, int(steps[0]))]
+        out: List[Tuple[int, int, int]] = []
+        first = None
+        for i, present in enumerate(has):
+            if first is not None and (not present or steps[i] != steps[first]):
+                out.append((first, i - 1, int(steps[first])))
+                first = None
+            if present and first is None:
+                first = i
+        if first is not None:
+            out.append((first, len(grads) - 1, int(steps[first])))
+        return out
+
+    # -- parameters out ----------------------------------------------------------------------------------------
+    def scatter_params(self, indices: Sequence[int], stream=None) -> None:
+        """Make the updated values visible in the parameters ``indices``: on CUDA, async copies of the master or
+        the staging copy on ``stream``; on CPU, where the kernel already wrote the parameter's storage, only the
+        autograd version bump an in-place op would have made (so a stale saved tensor is still caught)."""
+        params = self.params if len(indices) == len(self.params) else [self.params[i] for i in indices]
+        if self.on_cpu:
+            torch.autograd.graph.increment_version(params)
+        else:
+            srcs = self.staging_views if self.low_precision else self.master_views
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
+        self.record_versions(indices)

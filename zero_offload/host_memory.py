@@ -1,0 +1,197 @@
+"""Host memory for the offloaded optimizer state: exact-size (optionally pinned) flat buffers, and what they will
+cost before any of them is allocated.
+
+Why not ``torch.empty(..., pin_memory=True)``: PyTorch's pinned caching allocator rounds every request up to a
+power of two, so a 5 GiB master buffer takes 8 GiB of page-locked RAM, and it keeps freed blocks cached for
+reuse. Optimizer state is allocated once and lives as long as the optimizer, so neither behaviour helps. Here a
+buffer is an ordinary CPU tensor of exactly the requested size (PyTorch's CPU allocator aligns it to 64 bytes;
+a pinned one takes under two pages more), page-locked in place with ``cudaHostRegister`` and unregistered just
+before its memory is released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import weakref
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["empty_host", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
+           "format_bytes"]
+
+logger = logging.getLogger("zero_offload")
+
+# data_ptr -> registered bytes (whole pages) of every buffer this process pinned and has not unregistered yet. Registration state is
+# kept here rather than asked of the driver so that tests and reports need no CUDA call.
+_registered: Dict[int, int] = {}
+
+
+def _unregister(ptr: int) -> None:
+    # Runs from weakref.finalize while the buffer's Python object is being destroyed, which is before its storage
+    # can be freed (see empty_host). Errors are logged, never raised: this may run at interpreter exit, after the
+    # CUDA runtime has begun tearing down.
+    if _registered.pop(ptr, None) is None:
+        return
+    try:
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(err) != 0:
+            logger.debug("zero_offload: cudaHostUnregister(%#x) returned %s", ptr, err)
+    except Exception as exc:  # pragma: no cover - shutdown ordering
+        logger.debug("zero_offload: cudaHostUnregister(%#x) failed: %s", ptr, exc)
+
+
+def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    """A flat, uninitialised CPU tensor of exactly ``numel`` elements, page-locked when ``pin``.
+
+    Pinned buffers start on a page boundary and are carved from an allocation one page longer than their
+    page-rounded size, so the pages registered belong to this buffer alone: ``cudaHostRegister`` works on whole
+    pages and refuses a page already registered, which two small buffers from the same heap page would hit. The
+    cost is under two pages per buffer.
+
+    The finalizer that unregisters the memory is attached to that underlying allocation's tensor object, which
+    every view (they all record it as their ``_base``) keeps alive, PyTorch preserving its Python object while
+    C++ still holds it; so it runs just before the storage can be freed. Storage shared another way (``p.data =
+    view`` keeps no ``_base``) can at worst be unregistered early, which is harmless: the memory stays valid,
+    only pageable again.
+
+    Args:
+        numel (int): number of elements (not rounded up).
+        dtype (torch.dtype): element type.
+        pin (bool): page-lock the memory with ``cudaHostRegister`` so that host<->device copies from and to it
+            are asynchronous. Needs CUDA. Default: False.
+
+    Returns:
+        Tensor: a 1-D contiguous CPU tensor of ``numel`` elements.
+    """
+    numel = int(numel)
+    if not pin or numel == 0:
+        return torch.empty(numel, dtype=dtype, device="cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("zero_offload: pinned host memory was requested but CUDA is not available")
+    page = mmap.PAGESIZE
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    span = -(-numel * itemsize // page) * page
+    # Allocated in the target dtype and sliced, never reinterpreted with .view(dtype): such a view records no
+    # _base, and the finalizer below relies on every view keeping `raw` alive. The allocator's 64-byte alignment
+    # makes the distance to the page boundary a whole number of elements.
+    raw = torch.empty((span + page) // itemsize, dtype=dtype, device="cpu")
+    start = (-raw.data_ptr() % page) // itemsize
+    buf = raw[start : start + numel]
+    ptr = buf.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"zero_offload: cudaHostRegister of {format_bytes(span)} failed ({err}); the limit on locked memory "
+            "(ulimit -l, container memlock) may be too low, or pass pin_memory=False"
+        )
+    _registered[ptr] = span
+    weakref.finalize(raw, _unregister, ptr)
+    return buf
+
+
+def is_registered(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies inside a buffer page-locked by :func:`empty_host` that is still registered."""
+    ptr = t.data_ptr()
+    return any(base <= ptr < base + size for base, size in _registered.items())
+
+
+def available_host_bytes() -> Optional[int]:
+    """``MemAvailable`` from ``/proc/meminfo`` (Linux), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemoryEstimate:
+    """Host RAM an :class:`~zero_offload.OffloadOptimizer` allocates, computed from the same bucket layout that
+    the allocation uses, so it is exact (to the byte) rather than a rule of thumb.
+
+    Attributes:
+        numel (int): parameter elements being optimized.
+        padded_numel (int): elements per flat buffer summed over buckets, alignment padding included.
+        buffers (Dict[str, int]): bytes per buffer kind: ``master``, ``exp_avg``, ``exp_avg_sq``,
+            ``max_exp_avg_sq``, ``grad`` (host gradient buffers) and ``staging`` (low-precision parameter copies).
+        pinned_bytes (int): the part of the total that is page-locked.
+        replaces_param_bytes (int): bytes of CPU parameter storage that become views of these buffers (fp32 CPU
+            params live in ``master``, low-precision CPU params in ``staging``), so the process grows by
+            ``total_bytes - replaces_param_bytes``.
+    """
+
+    numel: int
+    padded_numel: int
+    buffers: Dict[str, int]
+    pinned_bytes: int
+    replaces_param_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.buffers.values())
+
+    @property
+    def state_bytes(self) -> int:
+        """Master weights and moments: what an fp32 AdamW would hold as parameters plus state."""
+        return sum(v for k, v in self.buffers.items() if k not in ("grad", "staging"))
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total_bytes / self.numel if self.numel else 0.0
+
+    def __add__(self, other: "HostMemoryEstimate") -> "HostMemoryEstimate":
+        keys = list(dict.fromkeys([*self.buffers, *other.buffers]))
+        return HostMemoryEstimate(
+            numel=self.numel + other.numel,
+            padded_numel=self.padded_numel + other.padded_numel,
+            buffers={k: self.buffers.get(k, 0) + other.buffers.get(k, 0) for k in keys},
+            pinned_bytes=self.pinned_bytes + other.pinned_bytes,
+            replaces_param_bytes=self.replaces_param_bytes + other.replaces_param_bytes,
+        )
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.buffers.items() if v)
+        return (
+            f"{format_bytes(self.total_bytes)} of host RAM for {self.numel:,} parameters "
+            f"({self.bytes_per_param:.2f} B/param: {parts}; pinned {format_bytes(self.pinned_bytes)})"
+        )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def estimate_bucket(
+    numel: int,
+    padded_numel: int,
+    param_dtype: torch.dtype,
+    *,
+    on_cpu: bool,
+    amsgrad: bool,
+    pin: bool,
+) -> HostMemoryEstimate:
+    """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. The buffer set is decided here and in
+    ``buckets.FlatBucket`` together: keep them in step."""
+    low_precision = param_dtype != torch.float32
+    grad_itemsize = torch.empty((), dtype=param_dtype).element_size()
+    buffers = {
+        "master": 4 * padded_numel,
+        "exp_avg": 4 * padded_numel,
+        "exp_avg_sq": 4 * padded_numel,
+        "max_exp_avg_sq": 4 * padded_numel if amsgrad else 0,
+        "grad": grad_itemsize * padded_numel,
+        "staging": grad_itemsize * padded_numel if low_precision else 0,
+    }
+    total = sum(buffers.values())
+    replaced = numel * grad_itemsize if on_cpu else 0
+    return HostMemoryEstimate(numel, padded_numel, buffers, total if pin else 0, replaced)

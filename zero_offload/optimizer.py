@@ -1,0 +1,793 @@
+r"""``OffloadOptimizer``: ``torch.optim.AdamW`` with its state in flat host buffers and a fused CPU kernel.
+
+This module holds the ``torch.optim`` conventions only (defaults, param_groups, hyperparameters read at every
+step, hooks, ``state_dict``). Where bytes live is :mod:`zero_offload.buckets` and :mod:`zero_offload.host_memory`;
+the arithmetic is :func:`zero_offload.functional.cpu_adam_`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from copy import deepcopy
+from itertools import chain
+from numbers import Real
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from zero_offload import functional
+from zero_offload.buckets import BucketLayout, FlatBucket, plan_buckets
+from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, estimate_bucket, format_bytes
+
+__all__ = ["OffloadOptimizer"]
+
+logger = logging.getLogger("zero_offload")
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+# 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
+# that with the model on a GPU the copies of one bucket overlap the CPU update of the previous one.
+DEFAULT_BUCKET_NUMEL = 1 << 25
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """AdamW's validation, with AdamW's messages (so code matching on them keeps working)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hyper:
+    """One group's hyperparameters as plain floats, read at the start of a step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    decoupled: bool
+
+    @staticmethod
+    def read(group: Dict[str, Any]) -> "_Hyper":
+        _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        b1, b2 = group["betas"]
+        return _Hyper(float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                      bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
+
+
+# One group's buckets, each with the gradients collected from its parameters (None where absent).
+_Plan = List[List[Tuple[FlatBucket, List[Optional[torch.Tensor]]]]]
+
+
+@dataclasses.dataclass
+class _PendingClip:
+    """What ``clip_grad_norm_`` left for the next ``step``: gradients already in the host buffers, and the norm."""
+
+    plans: _Plan
+    max_norm: float
+    total_norm: float
+    nonfinite: bool
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    r"""AdamW (or Adam) whose fp32 master weights and moments live in flat host buffers, updated by a fused SIMD
+    CPU kernel: a drop-in for ``torch.optim.AdamW`` that takes the optimizer state off the GPU.
+
+    .. math::
+        \begin{aligned}
+        g_t &\leftarrow s\,\nabla_\theta f_t(\theta_{t-1}) \quad (-\text{ if maximize};\; s = \text{loss-scale
+            inverse} \times \text{clip coefficient}) \\
+        \theta_t &\leftarrow \theta_{t-1}(1 - \gamma\lambda) \ \text{(decoupled)} \quad\text{or}\quad
+            g_t \leftarrow g_t + \lambda\theta_{t-1} \ \text{(Adam's L2)} \\
+        m_t &\leftarrow \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
+            v_t \leftarrow \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+        \hat v_t &\leftarrow \max(\hat v_{t-1}, v_t) \ \text{if amsgrad else}\ v_t \\
+        \theta_t &\leftarrow \theta_t - \frac{\gamma}{1-\beta_1^t}\,
+            \frac{m_t}{\sqrt{\hat v_t}/\sqrt{1-\beta_2^t} + \epsilon}
+        \end{aligned}
+
+    operation for operation ``torch.optim.AdamW(foreach=False)``'s arithmetic (bias corrections in double), so an
+    fp32 model follows AdamW's trajectory to within rounding.
+
+    **Where things live.** Per parameter group, parameters are packed into buckets (one per device and dtype, cut
+    at ``bucket_numel`` elements) of flat fp32 buffers, every parameter's slot 64-element aligned: ``master``,
+    ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus a gradient buffer in the parameters' dtype and, for
+    bf16/fp16 parameters, a staging buffer the kernel writes the rounded update into. One kernel call updates a
+    whole bucket. Then:
+
+    * fp32 parameters on CPU become views of their master slot (``p.data`` is rebound at construction): updated
+      in place, nothing copied back, no extra master;
+    * bf16/fp16 parameters on CPU become views of their staging slot; the fp32 master is kept beside them, so a
+      bf16 model trains with fp32 accuracy in the optimizer;
+    * (a consequence of the two above: CPU parameters of one bucket share one storage, so ``torch.save`` of a
+      single such parameter writes the whole bucket; ``clone()`` it first. Build the optimizer after moving or
+      casting the model, and do not rebind ``p.data`` afterwards: ``step()`` detects it and raises);
+    * parameters on CUDA stay there: ``step()`` copies gradients into page-locked host buffers on a side stream,
+      waits on one event per bucket, updates, and copies the fp32 master (fp32 params) or the bf16/fp16 staging
+      copy back asynchronously; the compute stream waits for those copies before it next touches the params.
+
+    Buffers are allocated once, at their exact size (no power-of-two rounding), page-locked only where they take
+    part in host<->device copies. :meth:`estimate_host_memory` gives their size before anything is allocated; the
+    constructor logs it (logger ``"zero_offload"``, INFO). For an fp32 model that is 12 bytes per parameter
+    (master and two moments; the master *replaces* a CPU parameter's own storage) plus the gradient buffer.
+
+    A separate master is initialised from its parameter at the parameter's first step, and again whenever the
+    parameter was changed outside the optimizer (e.g. ``model.load_state_dict``) to a value other than the master
+    rounded to the parameter's dtype; so loading weights after building the optimizer works.
+
+    **Gradients.** Parameters whose ``.grad`` is None are skipped exactly as AdamW skips them (no step count,
+    moment or decay update). Sparse gradients are an error. With the model on CPU, ``zero_grad(set_to_none=False)``
+    makes every existing ``.grad`` a view of the flat gradient buffer, so backward accumulates into it and
+    ``step()`` copies nothing; with ``set_to_none=True`` (the default) ``step()`` copies fresh gradients in, using
+    all intra-op threads.
+
+    **Clipping.** :meth:`clip_grad_norm_` has ``torch.nn.utils.clip_grad_norm_``'s semantics and return value,
+    but does not rewrite the gradients: the coefficient is applied inside the kernel at the next ``step()``. It
+    brings the gradients to the host, so call it after the last backward and right before ``step()``.
+    ``torch.nn.utils.clip_grad_norm_`` on the model keeps working too (gradients stay on the parameters).
+
+    **Mixed precision.** ``torch.amp.GradScaler`` drives this optimizer through PyTorch's
+    ``_step_supports_amp_scaling`` protocol: the unscale is folded into the kernel's gradient multiplier (no
+    separate pass), and the step is skipped when the scaler found an inf/NaN. ``scaler.unscale_(opt)`` before
+    clipping works as with AdamW; so does clipping *without* it, which this optimizer can fuse too: the norm
+    returned is then that of the scaled gradients, and the clip applied at the step uses the unscaled norm.
+
+    **Non-finite gradients without a scaler** follow ``nonfinite``. The check is ``functional.grad_sq_norm``'s
+    flag over each bucket's host gradient buffer, taken right after that bucket's gradients were copied in (while
+    they are still in cache), and free when :meth:`clip_grad_norm_` already computed it. Every bucket is checked
+    before the first one is updated.
+
+    **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
+    ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16
+    parameters. The tensors are views of the host buffers (as AdamW's are its live state); modify them in place
+    only. AdamW checkpoints load here and continue the same trajectory, and the reverse. :meth:`load_state_dict`
+    validates everything before changing anything and copies into the buffers in place, so state stays in
+    (pinned) host memory. The optimizer itself cannot be pickled or deep-copied: use ``state_dict()``.
+
+    Args:
+        params (iterable): parameters or dicts defining parameter groups (optionally ``(name, param)`` pairs),
+            as for any ``torch.optim.Optimizer``. fp32, bf16 or fp16, dense, on CPU or CUDA; leaf tensors only.
+        lr (float or Tensor): learning rate; a Tensor must hold one element. Default: 1e-3.
+        betas (Tuple[float, float]): coefficients of the running averages of the gradient and its square.
+            Default: (0.9, 0.999).
+        eps (float): added to the denominator. Default: 1e-8.
+        weight_decay (float): weight decay coefficient. Default: 1e-2 (AdamW's).
+        amsgrad (bool): use AMSGrad's running maximum of the second moment. Default: False.
+        maximize (bool): maximize the objective instead of minimizing. Default: False.
+        foreach (bool, optional): accepted for AdamW compatibility and ignored: every update here is one fused
+            call per bucket. Kept in the param groups as given. Default: None.
+        capturable (bool): must be False: ``step()`` synchronises with the host, which CUDA-graph capture
+            forbids. Default: False.
+        differentiable (bool): must be False: the update runs in a host kernel, outside autograd. Default: False.
+        fused (bool, optional): accepted and ignored like ``foreach`` (this optimizer is always fused).
+            Default: None.
+        decoupled_weight_decay (bool): True is AdamW; False is ``torch.optim.Adam``'s L2 penalty added to the
+            gradient. Default: True.
+        nonfinite (str): what ``step()`` does with an inf/NaN gradient when no ``GradScaler`` drives it:
+            ``"raise"`` raises ``RuntimeError`` naming the parameter, with nothing updated; ``"skip"`` skips the
+            whole step (counted in :attr:`skipped_steps`); ``"ignore"`` does no check and lets the values into the
+            update, as AdamW does (saves one read of the gradients). Default: ``"raise"``.
+        bucket_numel (int): soft cap on the elements of one bucket; a larger parameter gets its own bucket.
+            Default: 2**25.
+        pin_memory (bool, optional): page-lock the host buffers. None pins exactly the buckets whose parameters
+            are on CUDA (pinning buys nothing without transfers and locks RAM); True pins every bucket (needs
+            CUDA); False pins none (host<->device copies then run synchronously). Default: None.
+
+    Attributes:
+        skipped_steps (int): steps skipped because a gradient was not finite (``nonfinite="skip"`` or a
+            ``GradScaler``'s inf/NaN).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: bool = True,
+        nonfinite: str = "raise",
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        pin_memory: Optional[bool] = None,
+    ) -> None:
+        _check_hparams(lr, betas, eps, weight_decay)
+        if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
+                or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
+            raise ValueError("betas must be either both floats or both Tensors")
+        if capturable:
+            raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
+                             "to run the CPU kernel, which CUDA-graph capture forbids")
+        if differentiable:
+            raise ValueError("OffloadOptimizer does not support differentiable=True: the update runs in a host "
+                             "kernel outside autograd")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} "
+                             f"(expected one of {', '.join(NONFINITE_POLICIES)})")
+        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"Invalid bucket_numel: {bucket_numel!r} (a positive number of elements)")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA, which is not available")
+        self.nonfinite = nonfinite
+        self.bucket_numel = bucket_numel
+        self.pin_memory = pin_memory
+        self.skipped_steps = 0
+        # Set before the base constructor, which calls add_param_group.
+        self._buckets: List[List[FlatBucket]] = []
+        self._streams: Dict[torch.device, Any] = {}
+        self._pending: Optional[_PendingClip] = None
+        self._constructed = False
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+        # Parameters are rebound to their slots only once every group is in: a bad group raises with the model
+        # exactly as it was.
+        for bucket in chain.from_iterable(self._buckets):
+            bucket.bind()
+        self._constructed = True
+        est = self.host_memory_estimate()
+        logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
+                    sum(len(b) for b in self._buckets), est.describe())
+
+    # ------------------------------------------------------------------------------------------------ memory --
+    @staticmethod
+    def estimate_host_memory(
+        params: Iterable[Any],
+        *,
+        amsgrad: bool = False,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        pin_memory: Optional[bool] = None,
+    ) -> HostMemoryEstimate:
+        """Host RAM an ``OffloadOptimizer`` over ``params`` will allocate, computed without allocating anything
+        (same bucket layout as the real allocation, so exact).
+
+        Args:
+            params (iterable): as for the constructor (a group dict's own ``amsgrad`` is honoured).
+            amsgrad (bool): the default for groups that do not set it. Default: False.
+            bucket_numel (int): as for the constructor. Default: 2**25.
+            pin_memory (bool, optional): as for the constructor. Default: None.
+
+        Returns:
+            HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
+        """
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        total = HostMemoryEstimate(0, 0, {}, 0, 0)
+        for g in groups:
+            ps = g["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
+            total = total + _estimate(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)), pin_memory)
+        return total
+
+    def host_memory_estimate(self) -> HostMemoryEstimate:
+        """What the buffers allocated so far take (an :class:`HostMemoryEstimate` of the live layout)."""
+        total = HostMemoryEstimate(0, 0, {}, 0, 0)
+        for bucket in chain.from_iterable(self._buckets):
+            total = total + bucket.estimate()
+        return total
+
+    def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
+        """The flat host buffers of every bucket (name -> tensor), for inspection and measurement."""
+        return [bucket.buffers() for bucket in chain.from_iterable(self._buckets)]
+
+    # ---------------------------------------------------------------------------------------- param groups --
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group, as ``torch.optim.Optimizer.add_param_group``, and allocate its buckets. Every
+        check runs before the group is added; on any error the optimizer is unchanged.
+
+        Args:
+            param_group (dict): ``params`` plus any hyperparameter overriding the defaults.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        merged = {**self.defaults, **param_group}
+        _check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        if merged.get("capturable") or merged.get("differentiable"):
+            raise ValueError("OffloadOptimizer does not support capturable=True or differentiable=True in a group")
+        raw = param_group["params"]
+        raw = [raw] if isinstance(raw, torch.Tensor) else raw
+        if isinstance(raw, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                            "of tensors in sets will change between runs. Please use a list instead.")
+        raw = list(raw)
+        tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
+        _check_params(tensors)
+        n_groups = len(self.param_groups)
+        param_group["params"] = raw
+        super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
+        try:
+            group = self.param_groups[-1]
+            layouts = plan_buckets(group["params"], self.bucket_numel)
+            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory)
+            avail = available_host_bytes()
+            if avail is not None and est.total_bytes - est.replaces_param_bytes > avail:
+                logger.warning("OffloadOptimizer: param group %d needs %s of host RAM, %s is available", n_groups,
+                               format_bytes(est.total_bytes - est.replaces_param_bytes), format_bytes(avail))
+            buckets = [FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]),
+                                  pin=_should_pin(layout.device, self.pin_memory)) for layout in layouts]
+        except BaseException:
+            del self.param_groups[n_groups:]
+            raise
+        self._buckets.append(buckets)
+        self._pending = None
+        if self._constructed:
+            for bucket in buckets:
+                bucket.bind()
+            logger.info("OffloadOptimizer: added param group %d, %d buckets: %s", n_groups, len(buckets),
+                        est.describe())
+
+    # ------------------------------------------------------------------------------------------------- step --
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
+        """One AdamW update of every parameter that has a gradient.
+
+        Every check (hyperparameters, gradients, non-finite policy) runs before the first parameter is written:
+        an error leaves parameters and state unchanged.
+
+        Args:
+            closure (Callable, optional): re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            the closure's return value, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Set by torch.amp.GradScaler.step for optimizers with _step_supports_amp_scaling, deleted after.
+        # grad_scale is the scale itself (None if the user already called scaler.unscale_); found_inf > 0 means skip.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        pending, self._pending = self._pending, None
+        hypers = [_Hyper.read(g) for g in self.param_groups]
+        plans = pending.plans if pending is not None else self._collect()
+        if found_inf is not None and float(found_inf) != 0.0:
+            self.skipped_steps += 1
+            return loss
+        inv_scale = 1.0
+        if grad_scale is not None:
+            # GradScaler.unscale_ multiplies by this float32 reciprocal computed in double: same bits here.
+            inv_scale = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        check = found_inf is None and self.nonfinite != "ignore"
+        bad = self._gather(plans, check=check) if pending is None else (check and pending.nonfinite)
+
+        multiplier = inv_scale
+        if pending is not None:
+            # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
+            total = pending.total_norm * (inv_scale if grad_scale is not None else 1.0)
+            coef = float(torch.clamp(pending.max_norm / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0))
+            if math.isfinite(coef):
+                multiplier = inv_scale * coef
+        if bad:
+            self._wait_all(plans)  # no copy may still be reading the gradients once step() returns
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                return loss
+            raise RuntimeError(
+                f"OffloadOptimizer.step: non-finite gradient (inf or nan) in {self._find_nonfinite(plans)}; "
+                "nothing was updated. Pass nonfinite='skip' to skip such steps, or nonfinite='ignore' to apply "
+                "them as torch.optim.AdamW would."
+            )
+
+        for hyper, group_plan in zip(hypers, plans):
+            if hyper.amsgrad:  # amsgrad switched on for a group since its buckets were built
+                for bucket, _ in group_plan:
+                    self._ensure_amsgrad(bucket)
+        used_streams: Dict[torch.device, Any] = {}
+        for hyper, group_plan in zip(hypers, plans):
+            for bucket, grads in group_plan:
+                self._update_bucket(bucket, grads, hyper, multiplier)
+                if not bucket.on_cpu:
+                    used_streams[bucket.device] = self._streams[bucket.device]
+        for device, stream in used_streams.items():
+            # The next forward must read the parameters only after their copies back have landed.
+            torch.cuda.current_stream(device).wait_stream(stream)
+        return loss
+
+    def _update_bucket(self, bucket: FlatBucket, grads: List[Optional[torch.Tensor]], h: _Hyper,
+                       multiplier: float) -> None:
+        runs = bucket.runs(grads)
+        if not runs:
+            return
+        bucket.wait_grads()
+        full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
+        indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
+        bucket.refresh_masters(indices)
+        vmax = bucket.max_exp_avg_sq if h.amsgrad else None
+        for first, last, step in runs:
+            a, b = bucket.layout.span(first, last)
+            functional.cpu_adam_(
+                bucket.master[a:b], bucket.grad[a:b], bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b],
+                step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
+                decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
+                max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize, grad_scale=multiplier,
+                param_out=None if bucket.staging is None else bucket.staging[a:b],
+            )  # fmt: skip
+        if full:
+            bucket.steps += 1
+        else:
+            for first, last, _ in runs:
+                bucket.steps[first : last + 1] += 1
+        if not bucket.all_exposed:
+            for i in indices:
+                if not bucket.exposed[i]:
+                    self.state[bucket.params[i]] = bucket.state_entry(i)
+                    bucket.exposed[i] = True
+            bucket.all_exposed = all(bucket.exposed)
+        bucket.scatter_params(indices, self._streams.get(bucket.device))
+
+    def _ensure_amsgrad(self, bucket: FlatBucket) -> None:
+        if bucket.max_exp_avg_sq is not None:
+            return
+        bucket.ensure_amsgrad()
+        for i, p in enumerate(bucket.params):
+            if bucket.exposed[i]:
+                self.state[p]["max_exp_avg_sq"] = bucket.max_views[i]
+
+    def _collect(self) -> _Plan:
+        return [[(bucket, bucket.collect_grads()) for bucket in buckets] for buckets in self._buckets]
+
+    def _stream(self, device: torch.device):
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _gather(self, plans: _Plan, check: bool = False) -> bool:
+        """Bring every bucket's gradients into its host buffer; with ``check``, return whether any is inf/nan.
+
+        A CPU bucket is checked right after its own copy, when the most of it is still in cache."""
+        # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
+        pairs = list(chain.from_iterable(plans))
+        waited = set()
+        for bucket, grads in pairs:
+            if bucket.on_cpu:
+                continue
+            stream = self._stream(bucket.device)
+            if bucket.device not in waited:
+                # Gradients were produced on the compute stream; the side stream must not read them earlier.
+                stream.wait_stream(torch.cuda.current_stream(bucket.device))
+                waited.add(bucket.device)
+            bucket.gather_grads(grads, stream)
+        bad = False
+        for bucket, grads in pairs:
+            if bucket.on_cpu:
+                bucket.gather_grads(grads)
+                if check and not bad:
+                    bad = functional.grad_sq_norm(bucket.grad)[1]
+        if check and not bad:
+            for bucket, _ in pairs:
+                if not bucket.on_cpu:
+                    bucket.wait_grads()
+                    if functional.grad_sq_norm(bucket.grad)[1]:
+                        return True
+        return bad
+
+    @staticmethod
+    def _wait_all(plans: _Plan) -> None:
+        for bucket, _ in chain.from_iterable(plans):
+            bucket.wait_grads()
+
+    def _find_nonfinite(self, plans: _Plan) -> str:
+        for gi, group_plan in enumerate(plans):
+            names = self.param_groups[gi].get("param_names")
+            for bucket, grads in group_plan:
+                for i, g in enumerate(grads):
+                    if g is not None and not bool(torch.isfinite(bucket.grad_views[i]).all()):
+                        j = bucket.layout.indices[i]
+                        label = f" ({names[j]!r})" if names else ""
+                        return f"param group {gi}, parameter {j}{label} of shape {tuple(bucket.params[i].shape)}"
+        return "the gradients"
+
+    def _synchronize(self) -> None:
+        """Wait for copies in flight from the host buffers (before anything rewrites them)."""
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    # ------------------------------------------------------------------------------------------- gradients --
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. With ``set_to_none=False``, the existing gradients of CPU
+        parameters become zeroed views of the flat gradient buffer, so backward accumulates into it and the next
+        ``step()`` copies nothing (parameters whose ``.grad`` is None keep None, as in PyTorch).
+
+        Args:
+            set_to_none (bool): set gradients to None instead of zeroing them. Default: True.
+        """
+        self._pending = None
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        for bucket in chain.from_iterable(self._buckets):
+            if bucket.on_cpu:
+                bucket.zero_grads_as_views()
+                continue
+            grads = []
+            for p in bucket.params:
+                if p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    grads.append(p.grad)
+            if grads:
+                torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """Clip the gradients of all parameters by their total norm, like ``torch.nn.utils.clip_grad_norm_``,
+        fused into the next ``step()``: the coefficient ``min(max_norm / (total_norm + 1e-6), 1)`` multiplies the
+        gradient inside the kernel instead of rewriting ``.grad`` (which is left as it was).
+
+        It copies the gradients into the host buffers now (``step()`` then reuses them), so call it after the last
+        backward, right before ``step()`` (or ``scaler.step``); ``zero_grad()`` cancels it.
+
+        Args:
+            max_norm (float): max norm of the gradients.
+            norm_type (float): type of the p-norm: 2 (computed by the fused ``grad_sq_norm`` kernel), ``inf``, or
+                any finite p > 0. Default: 2.0.
+            error_if_nonfinite (bool): raise ``RuntimeError`` if the total norm is nan or inf. Default: False.
+                Otherwise a non-finite norm is left to the ``nonfinite`` policy at ``step()`` (with ``"ignore"``,
+                an inf norm scales the gradients by 0, as torch's clip would; a nan norm leaves them unclipped).
+
+        Returns:
+            Tensor: the total norm of the gradients (viewed as a single vector), float32, on the device of the
+            first parameter with a gradient.
+        """
+        norm_type = float(norm_type)
+        if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
+            raise ValueError(f"Invalid norm_type: {norm_type} (expected 2.0, inf or a finite p > 0)")
+        max_norm = float(max_norm)
+        plans = self._collect()
+        self._gather(plans)
+        self._wait_all(plans)
+        buckets = [b for b, _ in chain.from_iterable(plans)]
+        nonfinite = False
+        if norm_type == 2.0:
+            sq = 0.0
+            for b in buckets:
+                s, bad = functional.grad_sq_norm(b.grad)
+                sq, nonfinite = sq + s, nonfinite or bad
+            total = math.sqrt(sq)
+        elif norm_type == math.inf:
+            # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
+            total = max((float(b.grad.abs().max()) for b in buckets if b.grad.numel()), default=0.0)
+        else:
+            norms = [torch.linalg.vector_norm(b.grad.float(), norm_type) for b in buckets]
+            total = float(torch.linalg.vector_norm(torch.stack(norms), norm_type)) if norms else 0.0
+        nonfinite = nonfinite or not math.isfinite(total)
+        if error_if_nonfinite and nonfinite:
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        self._pending = _PendingClip(plans, max_norm, total, nonfinite)
+        first = next((b.params[i] for b, grads in chain.from_iterable(plans)
+                      for i, g in enumerate(grads) if g is not None), None)
+        device = first.device if first is not None else torch.device("cpu")
+        return torch.tensor(total, dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------------------------------- state dict --
+    def state_dict(self) -> Dict[str, Any]:
+        """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers."""
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from this class or from ``torch.optim.AdamW``/``Adam``, into the host buffers in place.
+
+        Everything is validated first (group count and sizes, hyperparameters, every state entry's keys, shapes
+        and step), then copied; an invalid state dict raises ``ValueError`` and changes nothing. Parameters without
+        an entry start fresh (step 0, zero moments), as they would in AdamW. A bf16/fp16 parameter without a
+        ``master`` entry gets its master from the parameter. ``capturable``/``differentiable`` in the loaded
+        groups are reset to False (see the constructor).
+
+        Args:
+            state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from Optimizer.state_dict())")
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"loaded state dict has a different number of parameter groups "
+                             f"({len(saved_groups)}, this optimizer has {len(groups)})")
+        new_groups = []
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group (group {gi}: {len(sg['params'])} vs {len(g['params'])} params)")
+            ng = {k: v for k, v in sg.items() if k != "params"}
+            for k, v in g.items():
+                ng.setdefault(k, v)  # keys an older checkpoint lacks keep their current value
+            try:
+                _check_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"])
+            except ValueError as exc:
+                raise ValueError(f"loaded state dict, param group {gi}: {exc}") from None
+            ng["params"] = g["params"]
+            ng["capturable"] = ng["differentiable"] = False
+            new_groups.append(ng)
+
+        id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        where = {}
+        for gi, buckets in enumerate(self._buckets):
+            for bucket in buckets:
+                for i, p in enumerate(bucket.params):
+                    where[p] = (gi, bucket, i)
+        entries: Dict[torch.Tensor, Dict[str, Any]] = {}
+        for key, entry in state_dict["state"].items():
+            if key not in id_map:
+                raise ValueError(f"loaded state dict has state for parameter id {key!r}, which none of its "
+                                 "param_groups lists")
+            p = id_map[key]
+            gi = where[p][0]
+            entries[p] = _check_entry(entry, p, key, amsgrad=bool(new_groups[gi]["amsgrad"]))
+
+        # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
+        # amsgrad buffer is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
+        for gi, buckets in enumerate(self._buckets):
+            if new_groups[gi]["amsgrad"]:
+                for bucket in buckets:
+                    bucket.ensure_amsgrad()
+
+        self._synchronize()
+        self._pending = None
+        for bucket in chain.from_iterable(self._buckets):
+            self._load_bucket(bucket, entries)
+        for p in list(self.state.keys()):
+            if isinstance(p, torch.Tensor) and p in where and p not in entries:
+                del self.state[p]
+        self.param_groups = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_bucket(self, bucket: FlatBucket, entries: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+        dsts: List[torch.Tensor] = []
+        srcs: List[torch.Tensor] = []
+        zero: List[torch.Tensor] = []
+        for i, p in enumerate(bucket.params):
+            entry = entries.get(p)
+            moments = [bucket.exp_avg_views[i], bucket.exp_avg_sq_views[i]]
+            if bucket.max_views is not None:
+                moments.append(bucket.max_views[i])
+            if entry is None:
+                zero.extend(moments)
+                bucket.steps[i] = 0.0
+                bucket.exposed[i] = False
+                if bucket.separate_master:
+                    bucket.versions[i] = -1
+                continue
+            bucket.steps[i] = entry["step"]
+            dsts += [bucket.exp_avg_views[i], bucket.exp_avg_sq_views[i]]
+            srcs += [entry["exp_avg"], entry["exp_avg_sq"]]
+            if bucket.max_views is not None:
+                if "max_exp_avg_sq" in entry:
+                    dsts.append(bucket.max_views[i])
+                    srcs.append(entry["max_exp_avg_sq"])
+                else:
+                    zero.append(bucket.max_views[i])
+            if bucket.separate_master:
+                if "master" in entry:
+                    dsts.append(bucket.master_views[i])
+                    srcs.append(entry["master"])
+                    bucket.versions[i] = p._version
+                else:
+                    bucket.versions[i] = -1
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+        if zero:
+            torch._foreach_zero_(zero)
+        for i, p in enumerate(bucket.params):
+            if entries.get(p) is not None:
+                self.state[p] = bucket.state_entry(i)
+                bucket.exposed[i] = True
+        bucket.all_exposed = all(bucket.exposed)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("OffloadOptimizer cannot be pickled or deep-copied: its state lives in host buffers bound to "
+                        "the parameters. Save and restore it with state_dict() / load_state_dict().")
+
+
+def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool]) -> HostMemoryEstimate:
+    total = HostMemoryEstimate(0, 0, {}, 0, 0)
+    for layout in layouts:
+        total = total + estimate_bucket(layout.numel, layout.padded_numel, layout.dtype,
+                                        on_cpu=layout.device.type == "cpu", amsgrad=amsgrad,
+                                        pin=_should_pin(layout.device, pin_memory))
+    return total
+
+
+def _should_pin(device: torch.device, pin_memory: Optional[bool]) -> bool:
+    if pin_memory is None:
+        return device.type == "cuda"
+    return bool(pin_memory)
+
+
+def _check_params(params: Sequence[Any]) -> None:
+    seen = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
+        if not p.is_leaf:
+            raise ValueError("can't optimize a non-leaf Tensor")
+        if p.is_complex():
+            raise ValueError(f"OffloadOptimizer does not support complex parameters ({p.dtype}, shape "
+                             f"{tuple(p.shape)}): keep them as real pairs in the model (torch.view_as_real)")
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"OffloadOptimizer supports float32, bfloat16 and float16 parameters, not {p.dtype}")
+        if p.layout != torch.strided:
+            raise ValueError(f"OffloadOptimizer supports dense parameters only, not {p.layout}")
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"OffloadOptimizer supports parameters on cpu or cuda, not {p.device}")
+        if id(p) in seen:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} appears twice in one parameter group")
+        seen.add(id(p))
+
+
+def _check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict[str, Any]:
+    """Validate one parameter's loaded state; returns it with ``step`` as a float."""
+    where = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
+    unknown = set(entry) - set(_STATE_KEYS)
+    if unknown:
+        raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not Adam(W) state (expected "
+                         f"{', '.join(_STATE_KEYS)}): is it from another optimizer?")
+    required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    missing = [k for k in required if k not in entry]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+        if k not in entry:
+            continue
+        v = entry[k]
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.layout != torch.strided:
+            raise ValueError(f"{where}: {k} must be a dense floating-point tensor, got {type(v).__name__}")
+        if v.shape != p.shape:
+            raise ValueError(f"{where}: {k} has shape {tuple(v.shape)}, the parameter has {tuple(p.shape)}: "
+                             "is this state dict from another model?")
+    step = entry["step"]
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"{where}: step must hold one number, got shape {tuple(step.shape)}")
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, Real) or not math.isfinite(step) or step < 0 \
+            or step != int(step) or step > 2**24:
+        raise ValueError(f"{where}: invalid step {entry['step']!r} (a whole number >= 0)")
+    out = dict(entry)
+    out["step"] = float(step)
+    return out
