@@ -70,7 +70,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["zero_offload", "zero_offload.*"]),
     install_requires=["torch>=2.3", "pybind11", "ninja"],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest"], "demo": ["matplotlib"], "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
