@@ -20,4 +20,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_sq_norm", &zo::grad_sq_norm, py::call_guard<py::gil_scoped_release>(),
         "(sum of squares as float64, whether any element is inf/nan) of a contiguous CPU gradient buffer.",
         py::arg("isa"), py::arg("grad"));
+  m.def("adam_step_segments", &zo::adam_step_segments, py::call_guard<py::gil_scoped_release>(),
+        "adam_step on flat buffers reading each segment's gradient from its own tensor (see "
+        "zero_offload.functional._cpu_adam_segments_); elements outside the segments are not touched.",
+        py::arg("isa"), py::arg("param"), py::arg("grads"), py::arg("offsets"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("step"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("decoupled_weight_decay"), py::arg("maximize"), py::arg("grad_scale"));
+  m.def("grad_sq_norm_segments", &zo::grad_sq_norm_segments, py::call_guard<py::gil_scoped_release>(),
+        "(sum of squares as float64, whether any element is inf/nan) over a list of contiguous CPU gradients.",
+        py::arg("isa"), py::arg("grads"));
 }

@@ -5,7 +5,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "kernel_args.h"
 
@@ -88,15 +90,17 @@ std::vector<std::string> available_isas() {
   return out;
 }
 
-void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
-               const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
-  const IsaEntry& entry = find_isa(isa);
+namespace {
+
+// Checks the flat buffers of an update and fills every field of AdamArgs but the gradient, which
+// the caller checks and points (one buffer for adam_step, one per segment for adam_step_segments).
+AdamArgs make_args(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                   const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
+                   int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                   bool decoupled_weight_decay, bool maximize, double grad_scale) {
   const int64_t n = param.numel();
   TORCH_CHECK(param.scalar_type() == at::kFloat, "zero_offload: param (the master) must be float32");
   check_buffer(param, "param", n);
-  check_buffer(grad, "grad", n);
   check_buffer(exp_avg, "exp_avg", n);
   check_buffer(exp_avg_sq, "exp_avg_sq", n);
   TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(), "zero_offload: exp_avg and exp_avg_sq dtypes differ");
@@ -104,10 +108,8 @@ void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor
 
   AdamArgs a{};
   a.param = param.data_ptr<float>();
-  a.grad = grad.data_ptr();
   a.exp_avg = exp_avg.data_ptr();
   a.exp_avg_sq = exp_avg_sq.data_ptr();
-  a.grad_dtype = to_dtype(grad, "grad", true);
   a.state_dtype = to_dtype(exp_avg, "exp_avg", false);
   a.out_dtype = DType::kNone;
   if (max_exp_avg_sq.has_value()) {
@@ -135,10 +137,88 @@ void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor
   a.decay_factor = decoupled_weight_decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   a.l2_weight_decay = decoupled_weight_decay ? 0.0f : static_cast<float>(weight_decay);
   a.maximize = maximize;
+  return a;
+}
+
+// The same args with every buffer pointer moved `offset` elements on, so the range function indexes from there.
+AdamArgs shifted(const AdamArgs& a, int64_t offset) {
+  const auto move = [offset](void* base, DType d) -> void* {
+    if (base == nullptr) return nullptr;
+    return static_cast<uint8_t*>(base) + offset * (d == DType::kF32 ? 4 : 2);
+  };
+  AdamArgs s = a;
+  s.param = a.param + offset;
+  s.exp_avg = move(a.exp_avg, a.state_dtype);
+  s.exp_avg_sq = move(a.exp_avg_sq, a.state_dtype);
+  s.max_exp_avg_sq = move(a.max_exp_avg_sq, a.state_dtype);
+  s.param_out = move(a.param_out, a.out_dtype);
+  return s;
+}
+
+}  // namespace
+
+void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+               const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
+  const IsaEntry& entry = find_isa(isa);
+  const int64_t n = param.numel();
+  AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
+                         weight_decay, decoupled_weight_decay, maximize, grad_scale);
+  check_buffer(grad, "grad", n);
+  a.grad = grad.data_ptr();
+  a.grad_dtype = to_dtype(grad, "grad", true);
 
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
     entry.adam(a, b0 * kBlock, std::min(b1 * kBlock, n));
+  });
+}
+
+void adam_step_segments(const std::string& isa, const at::Tensor& param, const std::vector<at::Tensor>& grads,
+                        const std::vector<int64_t>& offsets, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                        const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
+                        int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                        bool decoupled_weight_decay, bool maximize, double grad_scale) {
+  const IsaEntry& entry = find_isa(isa);
+  const int64_t n = param.numel();
+  const AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
+                               weight_decay, decoupled_weight_decay, maximize, grad_scale);
+  TORCH_CHECK(grads.size() == offsets.size(), "zero_offload: ", grads.size(), " grads but ", offsets.size(),
+              " offsets");
+  const size_t count = grads.size();
+  if (count == 0) return;
+  const DType grad_dtype = to_dtype(grads[0], "grads[0]", true);
+  std::vector<int64_t> ends(count);
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& g = grads[i];
+    check_buffer(g, "grads[i]", g.numel());
+    TORCH_CHECK(g.scalar_type() == grads[0].scalar_type(), "zero_offload: grads[", i, "] is ", g.scalar_type(),
+                ", grads[0] is ", grads[0].scalar_type());
+    TORCH_CHECK(offsets[i] >= (i == 0 ? 0 : ends[i - 1]), "zero_offload: segment ", i, " at offset ", offsets[i],
+                " starts before the previous one ends (segments must be sorted and must not overlap)");
+    ends[i] = offsets[i] + g.numel();
+    TORCH_CHECK(ends[i] <= n, "zero_offload: segment ", i, " ends at ", ends[i], ", past the buffer's ", n,
+                " elements");
+  }
+
+  // Threads split the flat range from the first segment to the end of the last as adam_step splits a buffer, so
+  // the work is balanced however it is cut into tensors; each thread runs the segments its range overlaps,
+  // clipped to it. Results do not depend on the cut: a tail gets the same vector code as the body.
+  const int64_t base = offsets[0], span = ends[count - 1] - base;
+  const int64_t blocks = (span + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    const int64_t lo = base + b0 * kBlock, hi = base + std::min(b1 * kBlock, span);
+    // First segment ending after lo.
+    size_t s = std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin();
+    for (; s < count && offsets[s] < hi; ++s) {
+      const int64_t begin = std::max(lo, offsets[s]), end = std::min(hi, ends[s]);
+      if (begin >= end) continue;
+      AdamArgs sa = shifted(a, offsets[s]);
+      sa.grad = grads[s].data_ptr();
+      sa.grad_dtype = grad_dtype;
+      entry.adam(sa, begin - offsets[s], end - offsets[s]);
+    }
   });
 }
 
@@ -158,6 +238,46 @@ std::tuple<double, bool> grad_sq_norm(const std::string& isa, const at::Tensor& 
       parts[c] = entry.sq_norm(data, dtype, b * kBlock, std::min(e * kBlock, n));
     }
   });
+  double total = 0.0;
+  bool nonfinite = false;
+  for (const auto& p : parts) {
+    total += p.sum_sq;
+    nonfinite = nonfinite || p.nonfinite;
+  }
+  return {total, nonfinite};
+}
+
+std::tuple<double, bool> grad_sq_norm_segments(const std::string& isa, const std::vector<at::Tensor>& grads) {
+  const IsaEntry& entry = find_isa(isa);
+  struct Piece {
+    const void* data;
+    DType dtype;
+    int64_t begin, end;
+  };
+  // Fixed-size pieces, each its own partial result summed in list order: the result depends on neither thread
+  // timing nor thread count, and many small tensors still spread over the threads.
+  constexpr int64_t kPiece = kBlock * kGrainBlocks;
+  std::vector<Piece> pieces;
+  int64_t total_numel = 0;
+  for (const at::Tensor& g : grads) {
+    check_buffer(g, "grad", g.numel());
+    const DType dtype = to_dtype(g, "grad", true);
+    const int64_t n = g.numel();
+    for (int64_t b = 0; b < n; b += kPiece) pieces.push_back(Piece{g.data_ptr(), dtype, b, std::min(b + kPiece, n)});
+    total_numel += n;
+  }
+  std::vector<SqNormResult> parts(pieces.size(), SqNormResult{0.0, false});
+  const auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const Piece& q = pieces[p];
+      parts[p] = entry.sq_norm(q.data, q.dtype, q.begin, q.end);
+    }
+  };
+  if (total_numel < kPiece) {
+    run(0, static_cast<int64_t>(pieces.size()));
+  } else {
+    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, run);
+  }
   double total = 0.0;
   bool nonfinite = false;
   for (const auto& p : parts) {

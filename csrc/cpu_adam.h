@@ -17,6 +17,18 @@ void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor
                const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale);
 
+// adam_step over the flat buffers, reading the gradient of elements [offsets[i], offsets[i] + grads[i].numel())
+// from grads[i] (contiguous, one dtype for all); elements outside every segment are not touched. Segments must be
+// sorted and must not overlap.
+void adam_step_segments(const std::string& isa, const at::Tensor& param, const std::vector<at::Tensor>& grads,
+                        const std::vector<int64_t>& offsets, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                        const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
+                        int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                        bool decoupled_weight_decay, bool maximize, double grad_scale);
+
 std::tuple<double, bool> grad_sq_norm(const std::string& isa, const at::Tensor& grad);
+
+// grad_sq_norm over several tensors at once, as if they were one buffer.
+std::tuple<double, bool> grad_sq_norm_segments(const std::string& isa, const std::vector<at::Tensor>& grads);
 
 }  // namespace zo

@@ -188,3 +188,80 @@ def test_param_out_at_any_alignment(path, offset):
         out = torch.full((n + offset,), 7.0, dtype=out_dtype)[offset:]  # offset elements: 2 or 4 bytes each
         functional.cpu_adam_(p, grad, m, v, step=1, lr=1e-3, param_out=out)
         assert torch.equal(out, p.to(out_dtype))
+
+
+def _segments(sizes, gap):
+    """64-aligned offsets with ``gap`` untouched elements before each segment; returns (offsets, buffer length)."""
+    offsets, cursor = [], 0
+    for n in sizes:
+        cursor += gap
+        offsets.append(cursor)
+        cursor += (n + 63) // 64 * 64
+    return offsets, cursor + gap
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amsgrad,out_dtype", [(False, None), (True, torch.bfloat16)])
+def test_segments_equal_cpu_adam_per_segment_and_leave_gaps_alone(path, grad_dtype, amsgrad, out_dtype):
+    # 300_001 elements span several threads' shares of the flat range, so a segment is cut mid-way.
+    sizes = [1, 7, 17, 4097, 300_001, 0, 64]
+    offsets, n = _segments(sizes, gap=128)
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(k, generator=gen).to(grad_dtype) for k in sizes]
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, grad_scale=0.5)
+    # Every buffer starts non-zero, so a write to a gap (even of what it held, updated) shows.
+    init = [torch.rand(n, generator=gen) + 0.5 for _ in range(4)]
+    out_init = torch.full((n,), 3.0, dtype=out_dtype) if out_dtype is not None else None
+    seg = [t.clone() for t in init] + ([out_init.clone()] if out_dtype is not None else [])
+    one = [t.clone() for t in init] + ([out_init.clone()] if out_dtype is not None else [])
+
+    def bufs(b, sl=slice(None)):
+        return dict(max_exp_avg_sq=b[3][sl] if amsgrad else None, param_out=b[4][sl] if out_dtype else None)
+
+    for step in (1, 2, 3):
+        functional._cpu_adam_segments_(seg[0], grads, offsets, seg[1], seg[2], step=step, **kw, **bufs(seg))
+        for o, g in zip(offsets, grads):
+            sl = slice(o, o + g.numel())
+            functional.cpu_adam_(one[0][sl], g, one[1][sl], one[2][sl], step=step, **kw, **bufs(one, sl))
+    for a, b in zip(seg, one):
+        assert torch.equal(a, b)
+    inside = torch.zeros(n, dtype=torch.bool)
+    for o, k in zip(offsets, sizes):
+        inside[o : o + k] = True
+    for k, (a, before) in enumerate(zip(seg, init + ([out_init] if out_dtype is not None else []))):
+        assert torch.equal(a[~inside], before[~inside])
+        if k != 3 or amsgrad:  # buffer 3 is amsgrad's, unused without it
+            assert not torch.equal(a[inside], before[inside])
+
+
+def test_segments_are_validated(path):
+    p, m, v = torch.zeros(256), torch.zeros(256), torch.zeros(256)
+    g = torch.ones(64)
+    with pytest.raises(ValueError, match="overlap"):
+        functional._cpu_adam_segments_(p, [g, g], [0, 32], m, v, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="overlap"):
+        functional._cpu_adam_segments_(p, [g, g], [128, 0], m, v, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="past the buffers"):
+        functional._cpu_adam_segments_(p, [g], [224], m, v, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="contiguous"):
+        functional._cpu_adam_segments_(p, [torch.ones(8, 8).t()], [0], m, v, step=1, lr=1e-3)
+    with pytest.raises(TypeError, match="one dtype"):
+        functional._cpu_adam_segments_(p, [g, g.bfloat16()], [0, 64], m, v, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        functional._cpu_adam_segments_(p, [g], [0], m, v, step=1, lr=-1.0)
+    assert torch.equal(p, torch.zeros(256)) and torch.equal(m, torch.zeros(256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_sq_norm_segments(path, dtype):
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(k, generator=gen).to(dtype) for k in [1, 7, 0, 17, 4097, 300_001]]
+    total, nonfinite = functional._grad_sq_norm_segments(grads)
+    expected = sum(g.double().square().sum().item() for g in grads)
+    assert total == pytest.approx(expected, rel=1e-5)
+    assert nonfinite is False
+    assert functional._grad_sq_norm_segments([]) == (0.0, False)
+    for i in (0, 3, 5):
+        bad = [g.clone() for g in grads]
+        bad[i][-1] = float("nan")
+        assert functional._grad_sq_norm_segments(bad)[1] is True

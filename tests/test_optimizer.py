@@ -268,8 +268,8 @@ def test_odd_shapes_and_layouts_match_adamw(device):
 
 
 def test_many_tensors_gathered_in_parallel_match_adamw():
-    """Hundreds of small gradients (the multi-threaded copy into the flat buffer) plus a few large ones (torch's
-    own parallel copy), fresh every step."""
+    """Hundreds of small gradients plus a few large ones, fresh every step: read in place by one kernel call whose
+    threads split the bucket's range across tensor boundaries."""
     gen = torch.Generator().manual_seed(0)
     sizes = [1000] * 300 + [40000, 7, 70000]
     params = [nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
@@ -508,8 +508,10 @@ def test_buckets_are_aligned_and_fp32_cpu_params_live_in_the_master():
 
 def test_one_kernel_call_per_bucket_and_per_run_when_grads_are_missing(monkeypatch):
     calls = []
-    real = functional.cpu_adam_
-    monkeypatch.setattr(functional, "cpu_adam_", lambda *a, **k: (calls.append(k["step"]), real(*a, **k)))
+    # Fresh CPU gradients are read in place (the segments entry); in-buffer ones through cpu_adam_: count both.
+    for name in ("cpu_adam_", "_cpu_adam_segments_"):
+        real = getattr(functional, name)
+        monkeypatch.setattr(functional, name, lambda *a, real=real, **k: (calls.append(k["step"]), real(*a, **k)))
     torch.manual_seed(0)
     model = TinyTransformer()
     groups = param_groups(model)

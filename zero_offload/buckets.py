@@ -131,6 +131,7 @@ _pool: Optional[ThreadPoolExecutor] = None
 
 
 _get_grad = operator.attrgetter("grad")
+_get_layout = operator.attrgetter("layout")
 
 
 def _copy_pool(workers: int) -> ThreadPoolExecutor:
@@ -223,6 +224,8 @@ class FlatBucket:
         self.exp_avg_sq_views = [view_like(self.exp_avg_sq, o, p) for o, p in zip(offs, self.params)]
         self.max_views = self._views(self.max_exp_avg_sq)
         self.grad_views = [view_like(self.grad, o, p) for o, p in zip(offs, self.params)]
+        self.slot_contiguous = [v.is_contiguous() for v in self.grad_views]
+        self.all_slots_contiguous = all(self.slot_contiguous)
         self.staging_views = self._views(self.staging)
         # Whether each grad slot is known to hold zeros: a parameter without a gradient must not leave a stale one
         # in the buffer, which norms and non-finite checks read whole.
@@ -343,6 +346,8 @@ class FlatBucket:
             return grads  # every gradient already is its slot: dense, nothing more to check
         # Only a gradient that is not already its slot can be sparse.
         others = [g for g, v in zip(grads, self.grad_views) if g is not v and g is not None]
+        if set(map(_get_layout, others)) <= {torch.strided}:
+            return grads
         for g in others:
             if g.layout != torch.strided:
                 p = params[next(i for i, x in enumerate(grads) if x is g)]
@@ -358,14 +363,23 @@ class FlatBucket:
             return p.data_ptr() != self.slot_ptrs[i]
         return p.dtype != self.dtype or p.device != self.device
 
-    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None) -> None:
-        """Bring the gradients into the flat ``grad`` buffer: on CPU, copy the ones not already there; on CUDA,
-        enqueue async copies on ``stream`` and record ``d2h_event`` (wait with :meth:`wait_grads`)."""
+    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None
+                     ) -> Optional[List[Optional[torch.Tensor]]]:
+        """Make the gradients readable by the kernel. On CUDA, enqueue async copies into the flat ``grad`` buffer on
+        ``stream`` and record ``d2h_event`` (wait with :meth:`wait_grads`); returns None.
+
+        On CPU, returns None when the flat buffer already holds every gradient (each is its slot, or absent);
+        otherwise the tensors the kernel reads in place, one per parameter (None where absent): the gradient
+        itself where it is contiguous like its slot, else the slot's flat range after a copy into it (a
+        channels-last or transposed gradient). Copying fresh gradients into the buffer first would add 8 bytes of
+        memory traffic per element to the update's 28."""
         views, zeroed, numels = self.grad_views, self.grad_slot_zero, self.layout.numels
         if all(map(operator.is_, grads, views)):
             # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
             self.grad_slot_zero = [False] * len(views)
-            return
+            return None
+        if self.on_cpu and any(g is not None and g is not v for g, v in zip(grads, views)):
+            return self._grads_in_place(grads)
         dsts, srcs, sizes = [], [], []
         for i, g in enumerate(grads):
             if g is None:
@@ -380,15 +394,40 @@ class FlatBucket:
             else:
                 zeroed[i] = False
         if self.on_cpu:
-            if dsts:
-                copy_many_(dsts, srcs, sizes)
-            return
+            return None  # every gradient is its slot or absent; absent ones' slots now hold zeros
         if self.d2h_event is None:
             self.d2h_event = torch.cuda.Event()
         with torch.cuda.stream(stream):
             if dsts:
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
             self.d2h_event.record(stream)
+        return None
+
+    def _grads_in_place(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        flat, offsets, numels, views = self.grad, self.layout.offsets, self.layout.numels, self.grad_views
+        # The usual case, checked in C-level loops: every gradient fresh, present and contiguous like its slot.
+        if (self.all_slots_contiguous and not any(map(operator.is_, grads, itertools.repeat(None)))
+                and not any(map(operator.is_, grads, views)) and all(map(torch.Tensor.is_contiguous, grads))):
+            return grads
+        out: List[Optional[torch.Tensor]] = []
+        dsts, srcs, sizes = [], [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                out.append(None)
+            elif g is not views[i] and self.slot_contiguous[i] and g.is_contiguous():
+                out.append(g)
+            else:
+                # The state's slots have the parameter's memory order; a gradient in any other order (or already
+                # in its slot) is read from the slot, whose flat range is in that order.
+                if g is not views[i]:
+                    dsts.append(views[i])
+                    srcs.append(g)
+                    sizes.append(numels[i])
+                self.grad_slot_zero[i] = False
+                out.append(flat[offsets[i] : offsets[i] + numels[i]])
+        if dsts:
+            copy_many_(dsts, srcs, sizes)
+        return out
 
     def wait_grads(self) -> None:
         if self.d2h_event is not None:

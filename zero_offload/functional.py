@@ -23,10 +23,12 @@ pure-torch path with one warning when the kernel cannot be built.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import os
 from numbers import Real
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -38,6 +40,7 @@ PATHS = ("avx512", "avx2", "neon", "scalar", "torch")
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_get_layout, _get_dtype = operator.attrgetter("layout"), operator.attrgetter("dtype")
 
 
 def resolve_path() -> str:
@@ -89,6 +92,55 @@ def _check_buffer(t: object, name: str, numel: int, dtypes: Tuple[torch.dtype, .
         raise TypeError(f"cpu_adam_: {name} has unsupported dtype {t.dtype} (supported: {allowed})")
 
 
+def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, amsgrad: bool,
+                 max_exp_avg_sq: Optional[torch.Tensor], param_out: Optional[torch.Tensor]) -> int:
+    """Check the flat buffers of an update (all but the gradient); returns their number of elements."""
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"cpu_adam_: param must be a torch.Tensor, got {type(param).__name__}")
+    numel = param.numel()
+    _check_buffer(param, "param", numel, (torch.float32,))
+    _check_buffer(exp_avg, "exp_avg", numel, _STATE_DTYPES)
+    _check_buffer(exp_avg_sq, "exp_avg_sq", numel, (exp_avg.dtype,))
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("cpu_adam_: amsgrad=True needs max_exp_avg_sq")
+        _check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (exp_avg.dtype,))
+    elif max_exp_avg_sq is not None:
+        raise ValueError("cpu_adam_: max_exp_avg_sq was given but amsgrad=False")
+    if param_out is not None:
+        _check_buffer(param_out, "param_out", numel, _OUT_DTYPES)
+    return numel
+
+
+def _check_hyper(step, lr, betas, eps, weight_decay, grad_scale
+                 ) -> Tuple[int, float, float, float, float, float, float]:
+    """Validate an update's scalars; returns (step, lr, beta1, beta2, eps, weight_decay, grad_scale) as plain
+    numbers."""
+    step_f = _as_float(step, "step")
+    if not step_f.is_integer() or step_f < 1:
+        raise ValueError(f"Invalid step: {step_f} (the 1-based count after this update, an integer >= 1)")
+    lr_f = _as_float(lr, "lr")
+    if not lr_f >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr_f}")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas} (expected two values)")
+    beta1, beta2 = _as_float(betas[0], "betas[0]"), _as_float(betas[1], "betas[1]")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    eps_f = _as_float(eps, "eps")
+    if not eps_f >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps_f}")
+    wd = _as_float(weight_decay, "weight_decay")
+    if not wd >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {wd}")
+    scale = _as_float(grad_scale, "grad_scale")
+    if not math.isfinite(scale):
+        raise ValueError(f"Invalid grad_scale: {scale} (must be finite)")
+    return int(step_f), lr_f, beta1, beta2, eps_f, wd, scale
+
+
 def cpu_adam_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -132,58 +184,23 @@ def cpu_adam_(
         param_out (Tensor, optional): receives the updated parameter rounded (nearest-even) to its dtype, fp32,
             bf16 or fp16: the low-precision copy to send back to the GPU. Default: None.
     """
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"cpu_adam_: param must be a torch.Tensor, got {type(param).__name__}")
-    numel = param.numel()
-    _check_buffer(param, "param", numel, (torch.float32,))
+    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out)
     _check_buffer(grad, "grad", numel, _GRAD_DTYPES)
-    _check_buffer(exp_avg, "exp_avg", numel, _STATE_DTYPES)
-    _check_buffer(exp_avg_sq, "exp_avg_sq", numel, (exp_avg.dtype,))
-    if amsgrad:
-        if max_exp_avg_sq is None:
-            raise ValueError("cpu_adam_: amsgrad=True needs max_exp_avg_sq")
-        _check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (exp_avg.dtype,))
-    elif max_exp_avg_sq is not None:
-        raise ValueError("cpu_adam_: max_exp_avg_sq was given but amsgrad=False")
-    if param_out is not None:
-        _check_buffer(param_out, "param_out", numel, _OUT_DTYPES)
-
-    step_f = _as_float(step, "step")
-    if not step_f.is_integer() or step_f < 1:
-        raise ValueError(f"Invalid step: {step_f} (the 1-based count after this update, an integer >= 1)")
-    lr_f = _as_float(lr, "lr")
-    if not lr_f >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr_f}")
-    if len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas} (expected two values)")
-    beta1, beta2 = _as_float(betas[0], "betas[0]"), _as_float(betas[1], "betas[1]")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    eps_f = _as_float(eps, "eps")
-    if not eps_f >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps_f}")
-    wd = _as_float(weight_decay, "weight_decay")
-    if not wd >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {wd}")
-    scale = _as_float(grad_scale, "grad_scale")
-    if not math.isfinite(scale):
-        raise ValueError(f"Invalid grad_scale: {scale} (must be finite)")
+    step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
 
     path = resolve_path()
     if numel == 0:
         return
     if path == "torch":
         _reference.adam_(
-            param, grad, exp_avg, exp_avg_sq, step=int(step_f), lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f,
+            param, grad, exp_avg, exp_avg_sq, step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f,
             weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
             max_exp_avg_sq=max_exp_avg_sq if amsgrad else None, maximize=bool(maximize), grad_scale=scale,
             param_out=param_out,
         )  # fmt: skip
     else:
         _build.load_native().adam_step(
-            path, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, param_out, int(step_f),
+            path, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, param_out, step_i,
             lr_f, beta1, beta2, eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale,
         )  # fmt: skip
 
@@ -212,4 +229,111 @@ def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
     if path == "torch":
         return _reference.grad_sq_norm(grad)
     total, nonfinite = _build.load_native().grad_sq_norm(path, grad)
+    return float(total), bool(nonfinite)
+
+
+def _check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
+    """Every gradient a dense, contiguous CPU tensor of a supported dtype, all of one dtype."""
+    if not isinstance(grads, (list, tuple)):
+        raise TypeError(f"{caller}: grads must be a list of tensors, got {type(grads).__name__}")
+    # Thousands of tensors per step: the common all-good case runs in C-level loops, the slow one finds the culprit.
+    if (all(map(isinstance, grads, itertools.repeat(torch.Tensor)))
+            and all(map(operator.attrgetter("is_cpu"), grads))
+            and all(map(torch.Tensor.is_contiguous, grads))
+            and set(map(_get_layout, grads)) <= {torch.strided}
+            and len(dtypes := set(map(_get_dtype, grads))) <= 1 and dtypes <= set(_GRAD_DTYPES)):
+        return
+    dtype = grads[0].dtype if isinstance(grads[0], torch.Tensor) else None
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"{caller}: grads[{i}] must be a torch.Tensor, got {type(g).__name__}")
+        if g.layout != torch.strided or g.device.type != "cpu" or not g.is_contiguous():
+            raise ValueError(f"{caller}: grads[{i}] must be a dense, contiguous CPU tensor (got {g.device}, "
+                             f"{g.layout}, contiguous={g.is_contiguous()})")
+        if g.dtype != dtype:
+            raise TypeError(f"{caller}: grads[{i}] is {g.dtype}, grads[0] is {dtype} (all must share one dtype)")
+    raise TypeError(f"{caller}: unsupported gradient dtype {dtype}")
+
+
+def _cpu_adam_segments_(
+    param: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: Union[int, torch.Tensor],
+    lr: Union[float, torch.Tensor],
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = True,
+    amsgrad: bool = False,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    param_out: Optional[torch.Tensor] = None,
+) -> None:
+    """Internal: :func:`cpu_adam_` on the flat buffers where the gradient of elements
+    ``[offsets[i], offsets[i] + grads[i].numel())`` is read from ``grads[i]`` itself, so gradients that live in
+    separate tensors need no copy into one buffer first. Elements outside every segment are not touched.
+
+    Validation is :func:`cpu_adam_`'s, plus: every ``grads[i]`` a dense, contiguous CPU tensor, all of one dtype
+    (fp32, bf16 or fp16); ``offsets`` sorted, segments non-overlapping and within the buffers. The result on each
+    segment is bit-identical to :func:`cpu_adam_` on that segment's slices alone.
+    """
+    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out)
+    _check_grads(grads, "_cpu_adam_segments_")
+    offsets = list(map(operator.index, offsets))
+    if len(offsets) != len(grads):
+        raise ValueError(f"_cpu_adam_segments_: {len(grads)} grads but {len(offsets)} offsets")
+    ends = list(map(operator.add, offsets, map(torch.Tensor.numel, grads)))
+    if offsets and (offsets[0] < 0 or not all(map(operator.le, ends, offsets[1:]))):
+        i = next(i for i in range(len(offsets)) if offsets[i] < (ends[i - 1] if i else 0))
+        raise ValueError(f"_cpu_adam_segments_: segment {i} at offset {offsets[i]} starts before the previous one "
+                         f"ends (segments must be sorted, must not overlap, and must start at 0 or later)")
+    if ends and ends[-1] > numel:
+        raise ValueError(f"_cpu_adam_segments_: the last segment ends at {ends[-1]}, past the buffers' {numel} "
+                         "elements")
+    step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
+
+    path = resolve_path()
+    if not grads:
+        return
+    vmax = max_exp_avg_sq if amsgrad else None
+    if path == "torch":
+        for o, g in zip(offsets, grads):
+            n = g.numel()
+            if n == 0:
+                continue
+            sl = slice(o, o + n)
+            _reference.adam_(
+                param[sl], g, exp_avg[sl], exp_avg_sq[sl], step=step_i, lr=lr_f, beta1=beta1, beta2=beta2,
+                eps=eps_f, weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
+                max_exp_avg_sq=None if vmax is None else vmax[sl], maximize=bool(maximize), grad_scale=scale,
+                param_out=None if param_out is None else param_out[sl],
+            )  # fmt: skip
+    else:
+        _build.load_native().adam_step_segments(
+            path, param, list(grads), offsets, exp_avg, exp_avg_sq, vmax, param_out, step_i, lr_f, beta1, beta2,
+            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale,
+        )  # fmt: skip
+
+
+def _grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
+    """Internal: :func:`grad_sq_norm` of several gradient tensors taken as one vector (each a dense, contiguous CPU
+    tensor, all of one dtype), without gathering them into one buffer. The combination order is fixed, so the
+    result does not depend on thread timing."""
+    _check_grads(grads, "_grad_sq_norm_segments")
+    path = resolve_path()
+    if path == "torch":
+        total, nonfinite = 0.0, False
+        for g in grads:
+            if g.numel():
+                s, bad = _reference.grad_sq_norm(g)
+                total, nonfinite = total + s, nonfinite or bad
+        return total, nonfinite
+    if not grads:
+        return 0.0, False
+    total, nonfinite = _build.load_native().grad_sq_norm_segments(path, list(grads))
     return float(total), bool(nonfinite)

@@ -73,13 +73,15 @@ class _Hyper:
                       bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
 
 
-# One group's buckets, each with the gradients collected from its parameters (None where absent).
-_Plan = List[List[Tuple[FlatBucket, List[Optional[torch.Tensor]]]]]
+# Per group, its buckets, each with the gradients collected from its parameters (None where absent) and, once
+# gathered, what a CPU bucket's kernel reads in place of its flat gradient buffer (None: that buffer).
+_Grads = List[Optional[torch.Tensor]]
+_Plan = List[List[Tuple[FlatBucket, _Grads, Optional[_Grads]]]]
 
 
 @dataclasses.dataclass
 class _PendingClip:
-    """What ``clip_grad_norm_`` left for the next ``step``: gradients already in the host buffers, and the norm."""
+    """What ``clip_grad_norm_`` left for the next ``step``: gradients already gathered, and the norm."""
 
     plans: _Plan
     max_norm: float
@@ -136,8 +138,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     **Gradients.** Parameters whose ``.grad`` is None are skipped exactly as AdamW skips them (no step count,
     moment or decay update). Sparse gradients are an error. With the model on CPU, ``zero_grad(set_to_none=False)``
     makes every existing ``.grad`` a view of the flat gradient buffer, so backward accumulates into it and
-    ``step()`` copies nothing; with ``set_to_none=True`` (the default) ``step()`` copies fresh gradients in, using
-    all intra-op threads.
+    ``step()`` copies nothing; with ``set_to_none=True`` (the default) the kernel reads each fresh gradient where
+    it is (only a gradient laid out unlike its parameter, e.g. not contiguous, is copied into its slot first).
 
     **Clipping.** :meth:`clip_grad_norm_` has ``torch.nn.utils.clip_grad_norm_``'s semantics and return value,
     but does not rewrite the gradients: the coefficient is applied inside the kernel at the next ``step()``. It
@@ -151,9 +153,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     returned is then that of the scaled gradients, and the clip applied at the step uses the unscaled norm.
 
     **Non-finite gradients without a scaler** follow ``nonfinite``. The check is ``functional.grad_sq_norm``'s
-    flag over each bucket's host gradient buffer, taken right after that bucket's gradients were copied in (while
-    they are still in cache), and free when :meth:`clip_grad_norm_` already computed it. Every bucket is checked
-    before the first one is updated.
+    flag over each bucket's host gradients (the flat buffer, or a CPU bucket's gradient tensors where they are),
+    taken right after that bucket's gradients were gathered, and free when :meth:`clip_grad_norm_` already
+    computed it. Every bucket is checked before the first one is updated.
 
     **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
     ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16
@@ -399,12 +401,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         for hyper, group_plan in zip(hypers, plans):
             if hyper.amsgrad:  # amsgrad switched on for a group since its buckets were built
-                for bucket, _ in group_plan:
+                for bucket, _, _ in group_plan:
                     self._ensure_amsgrad(bucket)
         used_streams: Dict[torch.device, Any] = {}
         for hyper, group_plan in zip(hypers, plans):
-            for bucket, grads in group_plan:
-                self._update_bucket(bucket, grads, hyper, multiplier)
+            for bucket, grads, in_place in group_plan:
+                self._update_bucket(bucket, grads, in_place, hyper, multiplier)
                 if not bucket.on_cpu:
                     used_streams[bucket.device] = self._streams[bucket.device]
         for device, stream in used_streams.items():
@@ -412,7 +414,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             torch.cuda.current_stream(device).wait_stream(stream)
         return loss
 
-    def _update_bucket(self, bucket: FlatBucket, grads: List[Optional[torch.Tensor]], h: _Hyper,
+    def _update_bucket(self, bucket: FlatBucket, grads: _Grads, in_place: Optional[_Grads], h: _Hyper,
                        multiplier: float) -> None:
         runs = bucket.runs(grads)
         if not runs:
@@ -422,15 +424,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
         bucket.refresh_masters(indices)
         vmax = bucket.max_exp_avg_sq if h.amsgrad else None
+        offsets = bucket.layout.offsets
         for first, last, step in runs:
             a, b = bucket.layout.span(first, last)
-            functional.cpu_adam_(
-                bucket.master[a:b], bucket.grad[a:b], bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b],
-                step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
-                max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize, grad_scale=multiplier,
-                param_out=None if bucket.staging is None else bucket.staging[a:b],
-            )  # fmt: skip
+            kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
+                      decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
+                      max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
+                      grad_scale=multiplier, param_out=None if bucket.staging is None else bucket.staging[a:b])
+            if in_place is None:
+                functional.cpu_adam_(bucket.master[a:b], bucket.grad[a:b], bucket.exp_avg[a:b],
+                                     bucket.exp_avg_sq[a:b], **kw)
+            else:
+                functional._cpu_adam_segments_(
+                    bucket.master[a:b], in_place if full else in_place[first : last + 1],
+                    [o - a for o in offsets[first : last + 1]],
+                    bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b], **kw,
+                )  # fmt: skip
         if full:
             bucket.steps += 1
         else:
@@ -453,7 +462,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.state[p]["max_exp_avg_sq"] = bucket.max_views[i]
 
     def _collect(self) -> _Plan:
-        return [[(bucket, bucket.collect_grads()) for bucket in buckets] for buckets in self._buckets]
+        return [[(bucket, bucket.collect_grads(), None) for bucket in buckets] for buckets in self._buckets]
 
     def _stream(self, device: torch.device):
         stream = self._streams.get(device)
@@ -462,13 +471,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return stream
 
     def _gather(self, plans: _Plan, check: bool = False) -> bool:
-        """Bring every bucket's gradients into its host buffer; with ``check``, return whether any is inf/nan.
+        """Make every bucket's gradients readable on the host (a CUDA bucket's copied into its buffer; a CPU
+        bucket's where they are, recorded in its plan entry); with ``check``, return whether any is inf/nan.
 
-        A CPU bucket is checked right after its own copy, when the most of it is still in cache."""
+        A CPU bucket is checked right after its own gather, when whatever it copied is still in cache."""
         # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
         pairs = list(chain.from_iterable(plans))
         waited = set()
-        for bucket, grads in pairs:
+        for bucket, grads, _ in pairs:
             if bucket.on_cpu:
                 continue
             stream = self._stream(bucket.device)
@@ -478,13 +488,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 waited.add(bucket.device)
             bucket.gather_grads(grads, stream)
         bad = False
-        for bucket, grads in pairs:
-            if bucket.on_cpu:
-                bucket.gather_grads(grads)
-                if check and not bad:
-                    bad = functional.grad_sq_norm(bucket.grad)[1]
+        for group_plan in plans:
+            for k, (bucket, grads, _) in enumerate(group_plan):
+                if bucket.on_cpu:
+                    in_place = bucket.gather_grads(grads)
+                    group_plan[k] = (bucket, grads, in_place)
+                    if check and not bad:
+                        bad = _host_sq_norm(bucket, in_place)[1]
         if check and not bad:
-            for bucket, _ in pairs:
+            for bucket, _, _ in pairs:
                 if not bucket.on_cpu:
                     bucket.wait_grads()
                     if functional.grad_sq_norm(bucket.grad)[1]:
@@ -493,15 +505,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _wait_all(plans: _Plan) -> None:
-        for bucket, _ in chain.from_iterable(plans):
+        for bucket, _, _ in chain.from_iterable(plans):
             bucket.wait_grads()
 
     def _find_nonfinite(self, plans: _Plan) -> str:
         for gi, group_plan in enumerate(plans):
             names = self.param_groups[gi].get("param_names")
-            for bucket, grads in group_plan:
+            for bucket, grads, in_place in group_plan:
                 for i, g in enumerate(grads):
-                    if g is not None and not bool(torch.isfinite(bucket.grad_views[i]).all()):
+                    host = bucket.grad_views[i] if in_place is None else in_place[i]
+                    if g is not None and not bool(torch.isfinite(host).all()):
                         j = bucket.layout.indices[i]
                         label = f" ({names[j]!r})" if names else ""
                         return f"param group {gi}, parameter {j}{label} of shape {tuple(bucket.params[i].shape)}"
@@ -547,8 +560,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fused into the next ``step()``: the coefficient ``min(max_norm / (total_norm + 1e-6), 1)`` multiplies the
         gradient inside the kernel instead of rewriting ``.grad`` (which is left as it was).
 
-        It copies the gradients into the host buffers now (``step()`` then reuses them), so call it after the last
-        backward, right before ``step()`` (or ``scaler.step``); ``zero_grad()`` cancels it.
+        It brings the gradients to the host now (``step()`` then reuses them; CPU gradients are read where they
+        are), so call it after the last backward, right before ``step()`` (or ``scaler.step``); ``zero_grad()``
+        cancels it.
 
         Args:
             max_norm (float): max norm of the gradients.
@@ -569,20 +583,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         plans = self._collect()
         self._gather(plans)
         self._wait_all(plans)
-        buckets = [b for b, _ in chain.from_iterable(plans)]
+        entries = list(chain.from_iterable(plans))
         nonfinite = False
         if norm_type == 2.0:
             sq = 0.0
-            for b in buckets:
-                s, bad = functional.grad_sq_norm(b.grad)
+            for b, _, in_place in entries:
+                s, bad = _host_sq_norm(b, in_place)
                 sq, nonfinite = sq + s, nonfinite or bad
             total = math.sqrt(sq)
-        elif norm_type == math.inf:
-            # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
-            total = max((float(b.grad.abs().max()) for b in buckets if b.grad.numel()), default=0.0)
         else:
-            norms = [torch.linalg.vector_norm(b.grad.float(), norm_type) for b in buckets]
-            total = float(torch.linalg.vector_norm(torch.stack(norms), norm_type)) if norms else 0.0
+            # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
+            host = [t for b, _, in_place in entries for t in _host_grads(b, in_place) if t.numel()]
+            if norm_type == math.inf:
+                total = max((float(t.abs().max()) for t in host), default=0.0)
+            else:
+                norms = [torch.linalg.vector_norm(t.float(), norm_type) for t in host]
+                total = float(torch.linalg.vector_norm(torch.stack(norms), norm_type)) if norms else 0.0
         nonfinite = nonfinite or not math.isfinite(total)
         if error_if_nonfinite and nonfinite:
             raise RuntimeError(
@@ -591,7 +607,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "`error_if_nonfinite=False`"
             )
         self._pending = _PendingClip(plans, max_norm, total, nonfinite)
-        first = next((b.params[i] for b, grads in chain.from_iterable(plans)
+        first = next((b.params[i] for b, grads, _ in chain.from_iterable(plans)
                       for i, g in enumerate(grads) if g is not None), None)
         device = first.device if first is not None else torch.device("cpu")
         return torch.tensor(total, dtype=torch.float32, device=device)
@@ -720,6 +736,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError("OffloadOptimizer cannot be pickled or deep-copied: its state lives in host buffers bound to "
                         "the parameters. Save and restore it with state_dict() / load_state_dict().")
+
+
+def _host_grads(bucket: FlatBucket, in_place: Optional[_Grads]) -> List[torch.Tensor]:
+    """The host tensors holding a gathered bucket's gradients (see ``_Plan``)."""
+    return [bucket.grad] if in_place is None else [g for g in in_place if g is not None]
+
+
+def _host_sq_norm(bucket: FlatBucket, in_place: Optional[_Grads]) -> Tuple[float, bool]:
+    if in_place is None:
+        return functional.grad_sq_norm(bucket.grad)
+    return functional._grad_sq_norm_segments(_host_grads(bucket, in_place))
 
 
 def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool]) -> HostMemoryEstimate:
