@@ -9,6 +9,7 @@ Every body runs on CPU; the same bodies run on CUDA where one exists (``cuda`` m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -120,6 +121,8 @@ class Recipe:
     inf_at: Optional[int] = None
     add_group_at: Optional[int] = None
     torch_clip: bool = False  # ours is clipped with torch.nn.utils.clip_grad_norm_ on the model, like the reference
+    ours_kw: Dict[str, Any] = dataclasses.field(default_factory=dict)  # to ours only
+    no_sync: bool = False  # ours runs every micro-batch but the last under opt.no_sync()
 
 
 RECIPES = [
@@ -176,8 +179,10 @@ class Run:
         else:
             opt.zero_grad(set_to_none=r.set_to_none)
             for micro in range(r.accumulate):
-                loss = loss_fn(model, step, micro, self.device) / r.accumulate
-                (scaler.scale(loss) if scaler else loss).backward()
+                quiet = r.no_sync and self.ours and micro < r.accumulate - 1
+                with opt.no_sync() if quiet else contextlib.nullcontext():
+                    loss = loss_fn(model, step, micro, self.device) / r.accumulate
+                    (scaler.scale(loss) if scaler else loss).backward()
             if r.inf_at == step:
                 model.ff1.weight.grad[0, 0] = float("inf")
             if r.clip is not None:
@@ -208,7 +213,7 @@ def make_runs(recipe: Recipe, device: str, seed: int = 0):
     model = TinyTransformer().to(device)
     ref_model = copy.deepcopy(model)
     which = (0,) if recipe.add_group_at is not None else (0, 1)
-    ours = OffloadOptimizer(param_groups(model, which), **recipe.kw)
+    ours = OffloadOptimizer(param_groups(model, which), **recipe.kw, **recipe.ours_kw)
     ref = recipe.ref_cls(param_groups(ref_model, which), foreach=False, **recipe.kw)
     return Run(recipe, model, ours, device, True), Run(recipe, ref_model, ref, device, False)
 

@@ -236,6 +236,8 @@ class FlatBucket:
         self.exposed = [False] * len(self.params)
         self.all_exposed = False
         self.d2h_event = None  # torch.cuda.Event once a CUDA gather has run
+        self.h2d_event = None  # torch.cuda.Event after the last upload of a delayed update
+        self.grad_prev: Optional[torch.Tensor] = None  # delayed_update's second gradient buffer
         self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
 
     # -- layout --------------------------------------------------------------------------------------------------
@@ -264,6 +266,8 @@ class FlatBucket:
             out["max_exp_avg_sq"] = self.max_exp_avg_sq
         if self.staging is not None:
             out["staging"] = self.staging
+        if self.grad_prev is not None:
+            out["grad_prev"] = self.grad_prev
         return out
 
     @property
@@ -363,7 +367,7 @@ class FlatBucket:
             return p.data_ptr() != self.slot_ptrs[i]
         return p.dtype != self.dtype or p.device != self.device
 
-    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None
+    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None, into_slots: bool = False
                      ) -> Optional[List[Optional[torch.Tensor]]]:
         """Make the gradients readable by the kernel. On CUDA, enqueue async copies into the flat ``grad`` buffer on
         ``stream`` and record ``d2h_event`` (wait with :meth:`wait_grads`); returns None.
@@ -372,13 +376,16 @@ class FlatBucket:
         otherwise the tensors the kernel reads in place, one per parameter (None where absent): the gradient
         itself where it is contiguous like its slot, else the slot's flat range after a copy into it (a
         channels-last or transposed gradient). Copying fresh gradients into the buffer first would add 8 bytes of
-        memory traffic per element to the update's 28."""
+        memory traffic per element to the update's 28.
+
+        ``into_slots`` (streamed buckets, see :mod:`zero_offload.grad_stream`): CPU gradients are copied into the
+        buffer too, and an entry ``True`` means the gradient is in its slot already."""
         views, zeroed, numels = self.grad_views, self.grad_slot_zero, self.layout.numels
         if all(map(operator.is_, grads, views)):
             # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
             self.grad_slot_zero = [False] * len(views)
             return None
-        if self.on_cpu and any(g is not None and g is not v for g, v in zip(grads, views)):
+        if self.on_cpu and not into_slots and any(g is not None and g is not v for g, v in zip(grads, views)):
             return self._grads_in_place(grads)
         dsts, srcs, sizes = [], [], []
         for i, g in enumerate(grads):
@@ -386,15 +393,17 @@ class FlatBucket:
                 if not zeroed[i]:
                     views[i].zero_()
                     zeroed[i] = True
-            elif g is not views[i]:  # a view installed by zero_grad(set_to_none=False) needs no copy
+            elif g is True or g is views[i]:  # streamed already, or a view from zero_grad(set_to_none=False)
+                zeroed[i] = False
+            else:
                 zeroed[i] = False
                 dsts.append(views[i])
                 srcs.append(g)
                 sizes.append(numels[i])
-            else:
-                zeroed[i] = False
         if self.on_cpu:
-            return None  # every gradient is its slot or absent; absent ones' slots now hold zeros
+            if dsts:
+                copy_many_(dsts, srcs, sizes)
+            return None  # every gradient is in its slot or absent; absent ones' slots now hold zeros
         if self.d2h_event is None:
             self.d2h_event = torch.cuda.Event()
         with torch.cuda.stream(stream):
@@ -428,6 +437,17 @@ class FlatBucket:
         if dsts:
             copy_many_(dsts, srcs, sizes)
         return out
+
+    def swap_grad_buffers(self) -> None:
+        """Exchange the gradient buffer with a second one (allocated on first use): ``delayed_update`` updates from
+        one step's gradients while the next backward fills the other."""
+        if self.grad_prev is None:
+            self.grad_prev = empty_host(self.layout.padded_numel, self.dtype, pin=self.pin).zero_()
+            self._prev_views = [view_like(self.grad_prev, o, p) for o, p in zip(self.layout.offsets, self.params)]
+            self._prev_zero = [True] * len(self.params)
+        self.grad, self.grad_prev = self.grad_prev, self.grad
+        self.grad_views, self._prev_views = self._prev_views, self.grad_views
+        self.grad_slot_zero, self._prev_zero = self._prev_zero, self.grad_slot_zero
 
     def wait_grads(self) -> None:
         if self.d2h_event is not None:

@@ -7,18 +7,21 @@ the arithmetic is :func:`zero_offload.functional.cpu_adam_`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import weakref
 from copy import deepcopy
 from itertools import chain
 from numbers import Real
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zero_offload import functional
 from zero_offload.buckets import BucketLayout, FlatBucket, plan_buckets
+from zero_offload.grad_stream import BucketStream, GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, estimate_bucket, format_bytes
 
 __all__ = ["OffloadOptimizer"]
@@ -122,9 +125,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     * (a consequence of the two above: CPU parameters of one bucket share one storage, so ``torch.save`` of a
       single such parameter writes the whole bucket; ``clone()`` it first. Build the optimizer after moving or
       casting the model, and do not rebind ``p.data`` afterwards: ``step()`` detects it and raises);
-    * parameters on CUDA stay there: ``step()`` copies gradients into page-locked host buffers on a side stream,
-      waits on one event per bucket, updates, and copies the fp32 master (fp32 params) or the bf16/fp16 staging
-      copy back asynchronously; the compute stream waits for those copies before it next touches the params.
+    * parameters on CUDA stay there: their gradients are streamed to page-locked host buffers during backward
+      (below); ``step()`` waits on one event per bucket, updates it, and copies the fp32 master (fp32 params) or
+      the bf16/fp16 staging copy back asynchronously, bucket by bucket (bucket k's upload overlaps bucket k+1's
+      update); the compute stream waits for those copies (an event, not a device synchronisation) before it next
+      touches the params.
 
     Buffers are allocated once, at their exact size (no power-of-two rounding), page-locked only where they take
     part in host<->device copies. :meth:`estimate_host_memory` gives their size before anything is allocated; the
@@ -140,6 +145,39 @@ class OffloadOptimizer(torch.optim.Optimizer):
     makes every existing ``.grad`` a view of the flat gradient buffer, so backward accumulates into it and
     ``step()`` copies nothing; with ``set_to_none=True`` (the default) the kernel reads each fresh gradient where
     it is (only a gradient laid out unlike its parameter, e.g. not contiguous, is copied into its slot first).
+
+    **Streaming gradients in backward** (``stream_grads``, on by default for CUDA parameters). A hook on every
+    parameter (``register_post_accumulate_grad_hook``) notices when all gradients of a bucket are final and copies
+    them device-to-host on a dedicated stream that first waits for the compute stream, while backward goes on;
+    the bucket's squared norm is computed on the GPU alongside, so clipping and the inf/nan check need one
+    synchronisation per step. Buckets complete in backward order; one whose parameters did not all get a gradient
+    is sent when backward ends. See :mod:`zero_offload.grad_stream`.
+
+    * ``release_grads=True`` then sets ``p.grad`` to None (its memory handed safely to the copy stream), so the
+      GPU never holds all the gradients: peak GPU memory is the parameters, activations and the buckets in
+      flight. The price: nothing outside this optimizer sees gradients after backward, so clip with
+      :meth:`clip_grad_norm_` (``torch.nn.utils.clip_grad_norm_`` would find none and clip nothing), and a
+      ``GradScaler`` cannot be used (it raises, naming the option). Default False: gradients stay on the
+      parameters, anything may read or edit them, and one edited in place after its copy (clipping, unscaling)
+      is copied again at ``step()``.
+    * Gradient accumulation: run every micro-batch but the last under :meth:`no_sync` and the gradients
+      accumulate on the GPU in ``.grad`` (one transfer per step, but the GPU holds the gradients between
+      micro-batches). Without it each backward streams, and the host buffer sums the micro-batches (the GPU holds
+      none with ``release_grads``; one transfer per micro-batch, plus a landing buffer the size of the bucket's
+      gradients on the host). Both are exact: fp32 additions give the same bits on either side.
+    * ``overlap_step=True`` also starts each bucket's CPU update in a worker thread as soon as its gradients are
+      on the host, during backward. Nothing may need the whole step's gradients first: no clipping, no
+      ``GradScaler``, ``nonfinite="ignore"``, and :meth:`no_sync` for all but the last micro-batch (each is
+      refused with an error saying so).
+    * ``delayed_update=True`` is ZeRO-Offload's delayed parameter update: ``step()`` applies the *previous*
+      step's update (sending its parameters back) and starts this step's in the worker thread, where it runs
+      during the next forward and backward; the model therefore always trains on parameters one step stale.
+      Hyperparameters, clipping and loss scaling of a step apply to its own gradients. It takes a second
+      gradient buffer on the host. :meth:`flush` (and ``state_dict()``) applies the pending update; with the
+      model on CPU the update runs at the next ``step()`` (the parameters are the masters there).
+    * With the model on CPU, ``stream_grads=True`` runs the same ordering with plain copies (this is what
+      CPU-only tests exercise); by default CPU gradients are read where they are at ``step()`` instead, which
+      moves fewer bytes.
 
     **Clipping.** :meth:`clip_grad_norm_` has ``torch.nn.utils.clip_grad_norm_``'s semantics and return value,
     but does not rewrite the gradients: the coefficient is applied inside the kernel at the next ``step()``. It
@@ -192,6 +230,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory (bool, optional): page-lock the host buffers. None pins exactly the buckets whose parameters
             are on CUDA (pinning buys nothing without transfers and locks RAM); True pins every bucket (needs
             CUDA); False pins none (host<->device copies then run synchronously). Default: None.
+        stream_grads (bool, optional): copy each bucket's gradients to the host from backward hooks, as soon as
+            they are final (see above). None streams the buckets on CUDA (and all, with ``delayed_update``);
+            True streams every bucket; False gathers gradients at ``step()``. Default: None.
+        release_grads (bool): with streaming, set ``p.grad`` to None once its copy is under way, so the GPU never
+            holds all gradients; then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``.
+            Default: False.
+        overlap_step (bool): update each streamed bucket during backward, as soon as its gradients are on the
+            host (needs ``nonfinite="ignore"``; no clipping or ``GradScaler``). Default: False.
+        delayed_update (bool): apply each step's update one step late, overlapped with the next forward and
+            backward (parameters one step stale; a second host gradient buffer). Default: False.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite (``nonfinite="skip"`` or a
@@ -218,6 +266,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         nonfinite: str = "raise",
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         pin_memory: Optional[bool] = None,
+        stream_grads: Optional[bool] = None,
+        release_grads: bool = False,
+        overlap_step: bool = False,
+        delayed_update: bool = False,
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
         if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
@@ -236,6 +288,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid bucket_numel: {bucket_numel!r} (a positive number of elements)")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
+        if overlap_step and delayed_update:
+            raise ValueError("overlap_step and delayed_update are alternatives: pass at most one of them")
+        if (overlap_step or delayed_update) and stream_grads is False:
+            raise ValueError(f"{'overlap_step' if overlap_step else 'delayed_update'}=True needs the gradients "
+                             "streamed in backward: leave stream_grads at None or True")
+        if overlap_step and nonfinite != "ignore":
+            raise ValueError(
+                "overlap_step=True updates each bucket as soon as its gradients are complete, before later buckets' "
+                "gradients exist, so a whole step cannot be skipped or refused on an inf/nan: pass "
+                "nonfinite='ignore' with it"
+            )
         self.nonfinite = nonfinite
         self.bucket_numel = bucket_numel
         self.pin_memory = pin_memory
@@ -245,6 +308,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._streams: Dict[torch.device, Any] = {}
         self._pending: Optional[_PendingClip] = None
         self._constructed = False
+        self.stream_grads = stream_grads
+        self.release_grads = bool(release_grads)
+        self.overlap_step = bool(overlap_step)
+        self.delayed_update = bool(delayed_update)
+        # The update of the last step's gradients still to be applied (delayed_update), and its worker job.
+        self._delayed: Optional[_Delayed] = None
+        self._streamer = GradStreamer(release=self.release_grads, stream_for=_weak(self._stream),
+                                      update=_weak(self._early_update) if overlap_step else None)
+        weakref.finalize(self, self._streamer.remove)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
@@ -340,6 +412,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise
         self._buckets.append(buckets)
         self._pending = None
+        for bucket in buckets:
+            if self._streamed(bucket.device):
+                self._streamer.add(bucket, n_groups)
         if self._constructed:
             for bucket in buckets:
                 bucket.bind()
@@ -368,11 +443,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # grad_scale is the scale itself (None if the user already called scaler.unscale_); found_inf > 0 means skip.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        scaler = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         pending, self._pending = self._pending, None
         hypers = [_Hyper.read(g) for g in self.param_groups]
-        plans = pending.plans if pending is not None else self._collect()
+        self._streamer.wait_updates()
+        # A GradScaler's unscale_ (signalled by grad_scale None) rewrote the gradients without a version bump.
+        plans = pending.plans if pending is not None else self._collect(fresh=scaler and grad_scale is None)
+        if scaler:
+            self._check_scaler(plans)
         if found_inf is not None and float(found_inf) != 0.0:
             self.skipped_steps += 1
+            self._streamer.reset()
             return loss
         inv_scale = 1.0
         if grad_scale is not None:
@@ -385,13 +466,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if pending is not None:
             # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
             total = pending.total_norm * (inv_scale if grad_scale is not None else 1.0)
-            coef = float(torch.clamp(pending.max_norm / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0))
+            coef = float(torch.clamp(pending.max_norm / (torch.tensor(total, dtype=torch.float32) + 1e-6),
+                                     max=1.0))
             if math.isfinite(coef):
                 multiplier = inv_scale * coef
         if bad:
             self._wait_all(plans)  # no copy may still be reading the gradients once step() returns
             if self.nonfinite == "skip":
                 self.skipped_steps += 1
+                self._streamer.reset()
                 return loss
             raise RuntimeError(
                 f"OffloadOptimizer.step: non-finite gradient (inf or nan) in {self._find_nonfinite(plans)}; "
@@ -403,23 +486,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if hyper.amsgrad:  # amsgrad switched on for a group since its buckets were built
                 for bucket, _, _ in group_plan:
                     self._ensure_amsgrad(bucket)
+        if self.delayed_update:
+            self._step_delayed(hypers, plans, multiplier)
+            self._streamer.reset()
+            return loss
         used_streams: Dict[torch.device, Any] = {}
         for hyper, group_plan in zip(hypers, plans):
             for bucket, grads, in_place in group_plan:
-                self._update_bucket(bucket, grads, in_place, hyper, multiplier)
+                if not self._streamer.updated(bucket):  # overlap_step updated it during backward
+                    self._update_bucket(bucket, grads, in_place, hyper, multiplier)
                 if not bucket.on_cpu:
                     used_streams[bucket.device] = self._streams[bucket.device]
         for device, stream in used_streams.items():
-            # The next forward must read the parameters only after their copies back have landed.
+            # The next forward must read the parameters only after their copies back have landed: the
+            # compute stream waits for the copy stream's work so far (an event), the host does not wait.
             torch.cuda.current_stream(device).wait_stream(stream)
+        self._streamer.reset()
         return loss
 
     def _update_bucket(self, bucket: FlatBucket, grads: _Grads, in_place: Optional[_Grads], h: _Hyper,
-                       multiplier: float) -> None:
+                       multiplier: float, *, grad: Optional[torch.Tensor] = None, scatter: bool = True
+                       ) -> Optional[List[int]]:
+        """Run the kernel over the bucket's parameters that have a gradient (from ``grad``, default its gradient
+        buffer, or ``in_place``) and, with ``scatter``, send the results to the parameters. Returns the indices
+        updated (None: none)."""
         runs = bucket.runs(grads)
         if not runs:
-            return
+            return None
         bucket.wait_grads()
+        if bucket.h2d_event is not None:
+            bucket.h2d_event.synchronize()  # a delayed update's upload may still be reading master/staging
+        flat_grad = bucket.grad if grad is None else grad
         full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
         indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
         bucket.refresh_masters(indices)
@@ -432,7 +529,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                       max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
                       grad_scale=multiplier, param_out=None if bucket.staging is None else bucket.staging[a:b])
             if in_place is None:
-                functional.cpu_adam_(bucket.master[a:b], bucket.grad[a:b], bucket.exp_avg[a:b],
+                functional.cpu_adam_(bucket.master[a:b], flat_grad[a:b], bucket.exp_avg[a:b],
                                      bucket.exp_avg_sq[a:b], **kw)
             else:
                 functional._cpu_adam_segments_(
@@ -451,7 +548,66 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self.state[bucket.params[i]] = bucket.state_entry(i)
                     bucket.exposed[i] = True
             bucket.all_exposed = all(bucket.exposed)
-        bucket.scatter_params(indices, self._streams.get(bucket.device))
+        if scatter:
+            bucket.scatter_params(indices, self._streams.get(bucket.device))
+        return list(indices)
+
+    def _early_update(self, state: BucketStream) -> None:
+        """``overlap_step``: a bucket's update, run in the streamer's worker thread as soon as its gradients are
+        complete (hyperparameters as they are now, which is what ``step()`` would read)."""
+        hyper = _Hyper.read(self.param_groups[state.group])
+        if hyper.amsgrad:
+            self._ensure_amsgrad(state.bucket)
+        grads = [True if present else None for present in state.present]
+        self._update_bucket(state.bucket, grads, None, hyper, 1.0)
+
+    def _step_delayed(self, hypers: List[_Hyper], plans: _Plan, multiplier: float) -> None:
+        """``delayed_update``: apply the previous step's update (and upload it), then start this step's from a
+        second gradient buffer, so the next backward's copies land in the first."""
+        self._finish_delayed()
+        work = []
+        for hyper, group_plan in zip(hypers, plans):
+            for bucket, grads, in_place in group_plan:
+                if in_place is not None:  # never for streamed buckets, which every bucket is here
+                    raise AssertionError("delayed_update with gradients read in place")
+                if bucket.runs(grads):
+                    bucket.wait_grads()
+                    bucket.swap_grad_buffers()
+                    work.append((bucket, grads, hyper))
+
+        def run() -> List[Tuple[FlatBucket, Optional[List[int]]]]:
+            return [(b, self._update_bucket(b, g, None, h, multiplier, grad=b.grad_prev, scatter=False))
+                    for b, g, h in work]
+
+        # With the model on a GPU the update runs in the worker while the next forward/backward runs; on CPU it
+        # runs at the next step() (the parameters *are* the masters there, so it cannot run under a forward).
+        on_gpu = any(not b.on_cpu for b, _, _ in work)
+        self._delayed = _Delayed(run, self._streamer.submit(run) if on_gpu else None)
+
+    def _finish_delayed(self) -> None:
+        """Apply the pending delayed update, if any, and send its parameters back."""
+        delayed, self._delayed = self._delayed, None
+        if delayed is None:
+            return
+        done = delayed.job.result() if delayed.job is not None else delayed.run()
+        used: Dict[torch.device, Any] = {}
+        for bucket, indices in done:
+            if indices is None:
+                continue
+            stream = self._streams.get(bucket.device)
+            bucket.scatter_params(indices, stream)
+            if not bucket.on_cpu:
+                if bucket.h2d_event is None:
+                    bucket.h2d_event = torch.cuda.Event()
+                bucket.h2d_event.record(stream)
+                used[bucket.device] = stream
+        for device, stream in used.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def flush(self) -> None:
+        """With ``delayed_update``: apply the update still pending from the last ``step()`` now, so parameters and
+        state reflect every step taken (``state_dict()`` does this first). Otherwise: nothing to do."""
+        self._finish_delayed()
 
     def _ensure_amsgrad(self, bucket: FlatBucket) -> None:
         if bucket.max_exp_avg_sq is not None:
@@ -461,8 +617,45 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if bucket.exposed[i]:
                 self.state[p]["max_exp_avg_sq"] = bucket.max_views[i]
 
-    def _collect(self) -> _Plan:
-        return [[(bucket, bucket.collect_grads(), None) for bucket in buckets] for buckets in self._buckets]
+    def _collect(self, fresh: bool = False) -> _Plan:
+        plans: _Plan = []
+        for buckets in self._buckets:
+            group_plan = []
+            for bucket in buckets:
+                grads = bucket.collect_grads()
+                streamed = self._streamer.consume(bucket, grads, fresh=fresh)
+                if streamed is not None:
+                    if self._streamer.updated(bucket) and any(isinstance(g, torch.Tensor) for g in streamed):
+                        raise RuntimeError(
+                            "OffloadOptimizer(overlap_step=True): a gradient was assigned or changed in place after "
+                            "backward (by clipping or unscaling?), but its bucket was already updated during "
+                            "backward. With overlap_step, clip with optimizer.clip_grad_norm_ is not possible either: "
+                            "turn overlap_step off to clip or to use a GradScaler."
+                        )
+                    grads = streamed
+                group_plan.append((bucket, grads, None))
+            plans.append(group_plan)
+        return plans
+
+    def _streamed(self, device: torch.device) -> bool:
+        """Whether buckets on ``device`` stream their gradients in backward (see ``stream_grads``)."""
+        if self.stream_grads is not None:
+            return self.stream_grads
+        return device.type == "cuda" or self.delayed_update
+
+    def _check_scaler(self, plans: _Plan) -> None:
+        """A GradScaler finds infs in, and unscales, the gradients on the parameters: released ones it never saw."""
+        if self.overlap_step:
+            raise RuntimeError("OffloadOptimizer(overlap_step=True) cannot be driven by a GradScaler: the scaler's "
+                               "inf check comes after backward, when buckets were already updated. Turn "
+                               "overlap_step off, or use bf16 autocast, which needs no scaler.")
+        if self.release_grads and any(g is True for _, grads, _ in chain.from_iterable(plans) for g in grads):
+            raise RuntimeError(
+                "OffloadOptimizer: a GradScaler drives this step, but the gradients were released from the "
+                "parameters as backward streamed them (release_grads=True), so the scaler could not check them for "
+                "inf/nan. Pass release_grads=False to use a GradScaler (or use bf16 autocast, which needs none). "
+                "Nothing was updated."
+            )
 
     def _stream(self, device: torch.device):
         stream = self._streams.get(device)
@@ -491,13 +684,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for group_plan in plans:
             for k, (bucket, grads, _) in enumerate(group_plan):
                 if bucket.on_cpu:
-                    in_place = bucket.gather_grads(grads)
+                    in_place = bucket.gather_grads(grads, into_slots=self._streamer.state(bucket) is not None)
                     group_plan[k] = (bucket, grads, in_place)
                     if check and not bad:
                         bad = _host_sq_norm(bucket, in_place)[1]
         if check and not bad:
-            for bucket, _, _ in pairs:
-                if not bucket.on_cpu:
+            cuda = [bucket for bucket, _, _ in pairs if not bucket.on_cpu]
+            gpu_norms = self._streamer.norms(cuda)  # one synchronisation for every streamed bucket
+            if any(not math.isfinite(v) for v in gpu_norms.values()):
+                return True
+            for bucket in cuda:
+                if id(bucket) not in gpu_norms:
                     bucket.wait_grads()
                     if functional.grad_sq_norm(bucket.grad)[1]:
                         return True
@@ -536,10 +733,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         self._pending = None
         if set_to_none:
+            self._streamer.reset()  # gradients streamed since the last step are discarded with the rest
             super().zero_grad(set_to_none=True)
             return
+        self._streamer.keep_zero_grads()
         for bucket in chain.from_iterable(self._buckets):
-            if bucket.on_cpu:
+            if bucket.on_cpu and self._streamer.state(bucket) is None:
                 bucket.zero_grads_as_views()
                 continue
             grads = []
@@ -580,18 +779,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
             raise ValueError(f"Invalid norm_type: {norm_type} (expected 2.0, inf or a finite p > 0)")
         max_norm = float(max_norm)
-        plans = self._collect()
+        if self.overlap_step:
+            raise RuntimeError("OffloadOptimizer(overlap_step=True) cannot clip: buckets are updated during backward, "
+                               "before the total norm exists. Turn overlap_step off to clip.")
+        plans = self._collect(fresh=True)  # after any in-place edit (a GradScaler's unscale_ is invisible)
         self._gather(plans)
-        self._wait_all(plans)
         entries = list(chain.from_iterable(plans))
         nonfinite = False
         if norm_type == 2.0:
+            # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
+            gpu_norms = self._streamer.norms([b for b, _, _ in entries if not b.on_cpu])
+            self._wait_all(plans)
             sq = 0.0
             for b, _, in_place in entries:
-                s, bad = _host_sq_norm(b, in_place)
+                if id(b) in gpu_norms:
+                    s = gpu_norms[id(b)]
+                    bad = not math.isfinite(s)
+                else:
+                    s, bad = _host_sq_norm(b, in_place)
                 sq, nonfinite = sq + s, nonfinite or bad
             total = math.sqrt(sq)
         else:
+            self._wait_all(plans)
             # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
             host = [t for b, _, in_place in entries for t in _host_grads(b, in_place) if t.numel()]
             if norm_type == math.inf:
@@ -614,8 +823,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
-        """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers."""
+        """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers.
+        With ``delayed_update``, the pending update is applied first (:meth:`flush`)."""
+        self.flush()
         return super().state_dict()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Context manager for gradient accumulation: backward passes inside it keep their gradients in ``.grad``
+        (accumulating on the device as usual) instead of streaming them, so only the last micro-batch's backward,
+        outside it, sends gradients to the host. Without it every backward streams, and the host buffer sums the
+        micro-batches (see the class docstring for the trade-off). Like ``DistributedDataParallel.no_sync``."""
+        return self._streamer.no_sync()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW``/``Adam``, into the host buffers in place.
@@ -680,8 +898,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for bucket in buckets:
                     bucket.ensure_amsgrad()
 
+        self._streamer.wait_updates()
+        delayed, self._delayed = self._delayed, None  # a pending update of the old trajectory is dropped
+        if delayed is not None and delayed.job is not None:
+            delayed.job.result()
         self._synchronize()
         self._pending = None
+        self._streamer.reset()
         for bucket in chain.from_iterable(self._buckets):
             self._load_bucket(bucket, entries)
         for p in list(self.state.keys()):
@@ -736,6 +959,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError("OffloadOptimizer cannot be pickled or deep-copied: its state lives in host buffers bound to "
                         "the parameters. Save and restore it with state_dict() / load_state_dict().")
+
+
+@dataclasses.dataclass
+class _Delayed:
+    """A step's update held back by ``delayed_update``: ``run`` computes it; ``job`` is it running in the worker."""
+
+    run: Callable[[], List[Tuple[FlatBucket, Optional[List[int]]]]]
+    job: Optional[Any]
+
+
+def _weak(method: Callable) -> Callable:
+    """A callable that calls ``method`` without keeping its object alive (the streamer's hooks live on the
+    parameters, which usually outlive the optimizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise RuntimeError("OffloadOptimizer was garbage-collected while its gradient stream was in use")
+        return target(*args)
+
+    return call
 
 
 def _host_grads(bucket: FlatBucket, in_place: Optional[_Grads]) -> List[torch.Tensor]:

@@ -1,0 +1,324 @@
+"""Gradient streaming (backward hooks), accumulation, ``overlap_step`` and ``delayed_update`` against AdamW.
+
+The orchestration is the same with the model on CPU (plain copies instead of a side stream), so every ordering
+rule is checked here on CPU with ``stream_grads=True``: the recipes of test_optimizer.py (schedulers, clipping,
+accumulation, closures, parameters without gradients, param groups added mid-run) run through the hooks and must
+follow ``torch.optim.AdamW(foreach=False)`` every step at default tolerance. The same bodies run on CUDA, where
+streaming is the default, and CUDA-only tests check the side-stream synchronisation and GPU memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+from test_optimizer import (DEVICES, RECIPES, STEPS, Recipe, TinyTransformer, assert_same, loss_fn, make_runs,
+                            param_groups, snapshot, assert_unchanged)
+from zero_offload import OffloadOptimizer
+
+# Recipes whose gradients a GradScaler or torch.nn.utils.clip_grad_norm_ must see on the parameters, or which
+# write into .grad after backward: with release_grads=True these are errors (tested below), not trajectories.
+NEEDS_GRADS = {"scaler", "scaler_unscale_clip", "scaler_fused_clip", "clip_with_torch_utils"}
+
+
+def _streamed(recipe: Recipe, **kw) -> Recipe:
+    return dataclasses.replace(recipe, name=f"{recipe.name}+{kw}", ours_kw={"stream_grads": True, **kw})
+
+
+STREAM_RECIPES = (
+    [_streamed(r, release_grads=True) for r in RECIPES if r.name not in NEEDS_GRADS]
+    + [_streamed(r, release_grads=False) for r in RECIPES]
+    + [_streamed(Recipe("accumulate_no_sync", accumulate=3, clip=0.5, no_sync=True), release_grads=True),
+       _streamed(Recipe("accumulate_no_sync_keep", accumulate=3, no_sync=True, set_to_none=False),
+                 release_grads=False)]
+)
+
+
+def _run_recipe(recipe: Recipe, device: str, steps: int = STEPS) -> None:
+    ours, ref = make_runs(recipe, device)
+    for step in range(steps):
+        ours.step(step)
+        ref.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"{recipe.name} step {step}")
+    if recipe.clip is not None:
+        torch.testing.assert_close(torch.stack(ours.norms), torch.stack(ref.norms))
+    if recipe.inf_at is not None:
+        assert ours.opt.skipped_steps == 1
+
+
+@pytest.mark.parametrize("recipe", STREAM_RECIPES, ids=lambda r: r.name)
+def test_streamed_recipes_match_adamw_every_step(recipe):
+    _run_recipe(recipe, "cpu", steps=25)
+
+
+def _bucketed_model(device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(17, 17) for _ in range(6)]).to(device=device, dtype=dtype)
+
+
+def _data(step, device="cpu", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 17, generator=gen).to(device, dtype), torch.randn(8, 17, generator=gen).to(device, dtype)
+
+
+def _loss(model, step, device="cpu"):
+    dtype = next(model.parameters()).dtype
+    x, y = _data(step, device, dtype)
+    return (model(x).float() - y.float()).pow(2).mean()
+
+
+def test_buckets_launch_during_backward_in_backward_order(monkeypatch):
+    model = _bucketed_model()
+    # Slots of 320 (weight) and 64 (bias) elements: buckets of at most 700 cut the six layers into four.
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True, bucket_numel=700)
+    launched = []
+    real = opt._streamer._launch
+    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launched.append(state.bucket), real(state)))
+    _loss(model, 0).backward()
+    order = [next(i for i, b in enumerate(opt._buckets[0]) if b is x) for x in launched]
+    assert len(opt._buckets[0]) == 4
+    assert order == [3, 2, 1, 0], "each bucket must launch once, as soon as backward has produced its gradients"
+    # Released: the gradients are in the host buffer only.
+    assert all(p.grad is None for p in model.parameters())
+    expected = copy.deepcopy(model)
+    _loss(expected, 0).backward()
+    for bucket in opt._buckets[0]:
+        for view, p in zip(bucket.grad_views, [dict(expected.named_parameters())[n] for n in
+                                               [n for n, q in model.named_parameters() if any(q is r for r in bucket.params)]]):
+            torch.testing.assert_close(view, p.grad)
+
+
+def test_a_bucket_with_an_unused_parameter_launches_when_backward_ends():
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, bucket_numel=700)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    for step in range(6):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            x, y = _data(step)
+            h = x
+            for k, layer in enumerate(m):
+                if not (k == 3 and step % 2):  # layer 3 is skipped on odd steps: its bucket never completes
+                    h = layer(h)
+            (h - y).pow(2).mean().backward()
+            o.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_host_accumulation_without_no_sync_equals_device_accumulation(release):
+    """Without no_sync every micro-batch streams; the host buffer sums them (release) or is refreshed from .grad."""
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=release, bucket_numel=700)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    for step in range(8):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            for micro in range(3):
+                (_loss(m, 10 * step + micro) / 3).backward()
+            o.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
+def test_zero_grad_discards_streamed_gradients():
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    for m, o in ((model, opt), (ref_model, ref)):
+        _loss(m, 0).backward()
+        o.zero_grad()
+        _loss(m, 1).backward()
+        o.step()
+    assert_same(model, ref_model, opt, ref, "after a discarded backward")
+
+
+def test_gradient_scaler_with_released_gradients_is_refused_and_changes_nothing():
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(model, 0)).backward()
+    snap = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="release_grads=False"):
+        scaler.step(opt)
+    assert_unchanged(snap, model, opt)
+
+
+def test_nonfinite_gradient_is_caught_after_streaming():
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True, nonfinite="skip")
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    for step in range(5):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            loss = _loss(m, step)
+            (loss * float("inf") if step == 2 else loss).backward()
+            if not (o is ref and step == 2):
+                o.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+    assert opt.skipped_steps == 1
+
+
+# ----------------------------------------------------------------------------------------------- overlap_step --
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_overlap_step_matches_adamw(device, accumulate):
+    kw = dict(stream_grads=True, release_grads=True, overlap_step=True, nonfinite="ignore")
+    recipe = Recipe(f"overlap_acc{accumulate}", accumulate=accumulate, no_sync=True, ours_kw=kw,
+                    scheduler=lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=10))
+    _run_recipe(recipe, device, steps=20)
+
+
+def test_overlap_step_refuses_what_needs_the_whole_step():
+    with pytest.raises(ValueError, match="nonfinite='ignore'"):
+        OffloadOptimizer(_bucketed_model().parameters(), overlap_step=True)
+    with pytest.raises(ValueError, match="alternatives"):
+        OffloadOptimizer(_bucketed_model().parameters(), overlap_step=True, delayed_update=True, nonfinite="ignore")
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, overlap_step=True, nonfinite="ignore")
+    _loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match="cannot clip"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="no_sync"):
+        _loss(model, 1).backward()  # a second micro-batch without no_sync: its buckets were already updated
+    with pytest.raises(RuntimeError, match="already updated"):
+        opt.step()  # that micro-batch's gradients are still on the parameters
+    opt.zero_grad()
+    _loss(model, 2).backward()
+    opt.step()
+
+
+# --------------------------------------------------------------------------------------------- delayed_update --
+class LateAdamW:
+    """The reference for ``delayed_update``: AdamW applied one step late. At step t it applies the (clipped)
+    gradients of step t-1, with the hyperparameters and clip coefficient they had at step t-1."""
+
+    def __init__(self, model, **kw):
+        self.model, self.opt, self.prev = model, torch.optim.AdamW(model.parameters(), foreach=False, **kw), None
+
+    def step(self, clip=None):
+        grads = [p.grad.clone() if p.grad is not None else None for p in self.model.parameters()]
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
+            grads = [p.grad.clone() if p.grad is not None else None for p in self.model.parameters()]
+        else:
+            norm = None
+        if self.prev is not None:
+            for p, g in zip(self.model.parameters(), self.prev):
+                p.grad = g
+            self.opt.step()
+        self.prev = grads
+        return norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_delayed_update_is_adamw_one_step_late(device, clip):
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True)
+    ref = LateAdamW(ref_model)
+    for step in range(30):
+        ours.zero_grad()
+        ref.opt.zero_grad()
+        loss_fn(model, step, 0, device).backward()
+        loss_fn(ref_model, step, 0, device).backward()
+        norm = ours.clip_grad_norm_(clip) if clip is not None else None
+        ref_norm = ref.step(clip)
+        ours.step()
+        if clip is not None:
+            torch.testing.assert_close(norm.cpu(), ref_norm.cpu())
+        if device == "cpu":
+            assert_same(model, ref_model, ours, ref.opt, f"step {step}")
+        else:  # the update runs in the worker: the state is only settled once flushed
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
+    ours.flush()
+    ref.step()
+    assert_same(model, ref_model, ours, ref.opt, "after flush")
+
+
+def test_delayed_update_state_dict_applies_the_pending_update():
+    torch.manual_seed(0)
+    model = _bucketed_model()
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True)
+    _loss(model, 0).backward()
+    ours.step()
+    assert ours.state == {} or all(s["step"].item() == 0 for s in ours.state.values())
+    sd = ours.state_dict()
+    assert all(s["step"].item() == 1 for s in sd["state"].values())
+    ours.step()  # nothing pending any more, no new gradients: nothing changes
+    assert all(s["step"].item() == 1 for s in ours.state.values())
+
+
+def test_dropping_the_optimizer_frees_its_buffers_and_disarms_its_hooks():
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True)
+    master = weakref.ref(opt.host_buffers()[0]["exp_avg"])
+    del opt
+    gc.collect()
+    assert master() is None, "the hooks on the parameters keep the optimizer's host buffers alive"
+    _loss(model, 0).backward()  # hooks of a dropped optimizer do nothing
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA --
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_streaming_matches_gpu_adamw_with_an_oversized_layer(dtype):
+    """A 32 x 131072 layer makes each copy long enough that a missing wait shows up as wrong numbers; bf16
+    models are compared with AdamW on an fp32 copy (ours keeps fp32 masters), rounded to bf16."""
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 131072), nn.Linear(131072, 8, bias=False))
+    model = big.to("cuda", dtype)
+    ref_model = copy.deepcopy(big).to("cuda", torch.float32)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=1 << 20)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
+    for step in range(32):
+        x = torch.randn(16, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x.to(next(m.parameters()).dtype)).float().pow(2).mean().backward()
+            o.step()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if dtype == torch.float32:
+                torch.testing.assert_close(p, q)
+            else:
+                torch.testing.assert_close(p, q.to(dtype), atol=0, rtol=2**-7)  # one bf16 ulp of rounding
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"].cpu(),
+                                       **({} if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-6)))
+
+
+@pytest.mark.cuda
+def test_cuda_memory_holds_no_state_and_no_released_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = OffloadOptimizer(model.parameters(), bucket_numel=1 << 20, release_grads=True)
+    x = torch.randn(64, 1024, device="cuda")
+    for _ in range(3):
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(x).pow(2).mean().backward()
+        torch.cuda.synchronize()
+        assert all(p.grad is None for p in model.parameters())
+        # After backward: parameters only (activations are freed); no gradients, no optimizer state.
+        assert torch.cuda.memory_allocated() - base < 1 << 20
+        # Peak during backward: activations plus at most a few buckets of gradients (4 MiB each), never all
+        # 32 MiB of them.
+        assert torch.cuda.max_memory_allocated() - base < param_bytes // 2
+        opt.step()
+    assert torch.cuda.memory_allocated() < param_bytes + (4 << 20)
