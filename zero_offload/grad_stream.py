@@ -144,7 +144,13 @@ class GradStreamer:
                 self._touched.append(state)
             state.fired += 1
             if state.fired == state.expected:
-                self._launch(state)
+                try:
+                    self._launch(state)
+                except BaseException:
+                    # The backward is aborted with this error and its end-of-backward callback will not run.
+                    self._touched, self._in_backward = [], False
+                    self._epoch += 1
+                    raise
 
     def _end_backward(self) -> None:
         with self._lock:
@@ -205,9 +211,11 @@ class GradStreamer:
         with torch.cuda.stream(stream):
             if grads:
                 torch._foreach_copy_(landing, grads, non_blocking=True)
-            if state.launches == 0 and grads:
+            launched = set(idx)
+            if grads and not any(add) and all(i in launched for i, has in enumerate(state.present) if has):
                 # The bucket's squared norm, on the GPU, while the copies run: step() reads every bucket's in one
-                # synchronisation. Only the first launch's is the bucket's (later ones are summed on the host).
+                # synchronisation. Only when this launch carries all of the bucket's gradients (not when it is
+                # summed on the host with an earlier micro-batch's).
                 norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
                 state.norm = torch.stack(norms).double().square().sum()
             else:
