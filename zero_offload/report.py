@@ -243,8 +243,6 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     if sharded:
         out.append(f"                 host buffers divided over {plan.world_size} ranks: an arithmetic estimate of "
                    "ZeRO sharding (not built yet)")
-    out += ["", f"{'':26}{'OffloadOptimizer':>26}{'torch.optim.AdamW':>26}",
-            f"{'':26}{'bytes':>16}{'B/param':>10}{'bytes':>16}{'B/param':>10}"]
     dtypes = {"params": name, "gradients": name, "grad buffer": name, "staging": name}
     order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "grad buffer", "staging"]
     home = "master" if plan.dtype == torch.float32 else "staging"
@@ -252,23 +250,30 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     def cell(b: Optional[int]) -> str:
         return f"{'-':>16}{'':>10}" if b is None else f"{format_bytes(b):>16}{b / n:>10.2f}"
 
+    rows: List[Tuple[str, str, str]] = []  # label, ours, AdamW; a label without cells is a heading
     for where in ("gpu", "host"):
         ours, adamw = plan.ours[where], plan.adamw[where]
         if not ours and not adamw:
             continue
-        out.append(f"{'GPU' if where == 'gpu' else 'host'} (per rank)")
+        rows.append((f"{'GPU' if where == 'gpu' else 'host'} (per rank)", "", ""))
         for item in order:
             if item not in ours and item not in adamw:
                 continue
-            label = f"{item} ({dtypes.get(item, 'fp32')})"
+            dtype = dtypes.get(item, "fp32")
+            if item in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and item in adamw and name != "fp32":
+                # AdamW keeps its moments in the parameters' dtype, ours are fp32.
+                dtype = name if item not in ours else f"fp32; AdamW {name}"
             ours_cell = cell(ours.get(item))
             if item == "params" and item not in ours and plan.device == "cpu":
                 ours_cell = f"{'in ' + home:>16}{'':>10}"
-            out.append(f"  {label:<24}{ours_cell}{cell(adamw.get(item))}")
-        out.append(f"  {'total':<24}{cell(plan.total('ours', where))}{cell(plan.total('adamw', where))}")
+            rows.append((f"  {item} ({dtype})", ours_cell, cell(adamw.get(item))))
+        rows.append(("  total", cell(plan.total("ours", where)), cell(plan.total("adamw", where))))
+    width = max(26, *(len(label) + 1 for label, _, _ in rows))
+    out += ["", f"{'':{width}}{'OffloadOptimizer':>26}{'torch.optim.AdamW':>26}",
+            f"{'':{width}}{'bytes':>16}{'B/param':>10}{'bytes':>16}{'B/param':>10}"]
+    out += [f"{label:<{width}}{a}{b}".rstrip() if a else label for label, a, b in rows]
     if plan.dtype != torch.float32:
-        out.append(f"  (AdamW keeps its moments in the parameters' dtype, {name}, and has no fp32 master; "
-                   "ours are fp32)")
+        out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are fp32)")
     out.append("")
     pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
     out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
