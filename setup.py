@@ -70,7 +70,11 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["zero_offload", "zero_offload.*"]),
     install_requires=["torch>=2.3", "pybind11", "ninja"],
-    extras_require={"test": ["pytest"], "demo": ["matplotlib"], "bench": ["matplotlib"]},
+    # integrations: what tests/test_integrations.py and examples/ need (Hugging Face Trainer, Lightning); the
+    # torch.compile test needs only torch and a C++ compiler. Install with torch pinned on the same line, e.g.
+    # `pip install torch==2.13.0 -e ".[integrations]"`, so pip never swaps the installed torch.
+    extras_require={"test": ["pytest"], "demo": ["matplotlib"], "bench": ["matplotlib"],
+                    "integrations": ["transformers", "accelerate", "lightning"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

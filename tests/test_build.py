@@ -113,3 +113,16 @@ def test_report_runs():
     assert result.returncode == 0, result.stderr
     for key in ("torch ", "cpu features", "native kernel", "path chosen", "threads", "cuda"):
         assert key in result.stdout
+
+
+def test_checkouts_with_identical_sources_get_their_own_build_folder(tmp_path, monkeypatch):
+    """torch writes the sources' absolute paths into build.ninja: two checkouts sharing one build folder would
+    rewrite it, and rebuild everything, each time the other one had loaded the kernel."""
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for name in _build.SOURCES + _build.HEADERS:
+        (copy / name).write_bytes((_build.source_dir() / name).read_bytes())
+    here = _build.cache_dir()
+    assert _build.cache_dir() == here  # stable for one checkout
+    monkeypatch.setattr(_build, "source_dir", lambda: copy)
+    assert _build.cache_dir() != here

@@ -4,7 +4,7 @@ Nothing here runs at import. ``load_native()`` is called on the first kernel cal
 
 1. ``zero_offload._C``, compiled ahead of time by ``ZERO_OFFLOAD_BUILD_EXT=1 pip install .``;
 2. a JIT build with ninja through ``torch.utils.cpp_extension.load`` into a cache folder keyed by a hash of the
-   sources, flags and torch version, so a rebuild happens exactly when one of them changes; one line on stderr
+   sources (content and folder), flags and torch version, so a rebuild happens exactly when one of them changes; one line on stderr
    says that it is compiling and how long it took;
 3. if that fails (no compiler, no ninja, a compile error), ``None``, with the reason kept in ``status()`` and
    one warning. Import never breaks.
@@ -61,8 +61,8 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Build folder for this exact combination of sources, flags and torch (``ZERO_OFFLOAD_CACHE_DIR`` overrides
-    the root, which defaults to torch's extension cache)."""
+    """Build folder for this exact combination of sources (their content and where they are), flags, torch and
+    Python (``ZERO_OFFLOAD_CACHE_DIR`` overrides the root, which defaults to torch's extension cache)."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -72,7 +72,9 @@ def cache_dir() -> Path:
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((src / name).read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version]).encode())
+    # The source folder too: torch writes its absolute path into build.ninja, so two checkouts with the same
+    # sources sharing one folder would each rewrite it and rebuild everything (and race) on every switch.
+    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version, str(src.resolve())]).encode())
     return Path(root) / digest.hexdigest()[:16]
 
 

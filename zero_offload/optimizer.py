@@ -446,6 +446,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         scaler = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         pending, self._pending = self._pending, None
         hypers = [_Hyper.read(g) for g in self.param_groups]
+        self._reexpose(every=False)
         self._streamer.wait_updates()
         # A GradScaler's unscale_ (signalled by grad_scale None) rewrote the gradients without a version bump.
         plans = pending.plans if pending is not None else self._collect(fresh=scaler and grad_scale is None)
@@ -608,6 +609,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """With ``delayed_update``: apply the update still pending from the last ``step()`` now, so parameters and
         state reflect every step taken (``state_dict()`` does this first). Otherwise: nothing to do."""
         self._finish_delayed()
+
+    def _reexpose(self, every: bool) -> None:
+        """Point ``self.state`` back at the host buffers where something replaced its tensors (Lightning's restore
+        moves optimizer state to the model's device with ``state[p][k] = v.to(device)``): those copies would make
+        ``state_dict()`` stale and hold the state in GPU memory. ``every=False`` checks one parameter per bucket
+        (such replacements are wholesale), which is cheap enough for every step."""
+        for bucket in chain.from_iterable(self._buckets):
+            for i, p in enumerate(bucket.params):
+                if not bucket.exposed[i]:
+                    continue
+                entry = self.state.get(p)
+                if entry is None or entry.get("exp_avg") is not bucket.exp_avg_views[i] \
+                        or entry.get("exp_avg_sq") is not bucket.exp_avg_sq_views[i]:
+                    for j, q in enumerate(bucket.params):
+                        if bucket.exposed[j]:
+                            self.state[q] = bucket.state_entry(j)
+                    break
+                if not every:
+                    break
 
     def _ensure_amsgrad(self, bucket: FlatBucket) -> None:
         if bucket.max_exp_avg_sq is not None:
@@ -826,6 +846,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers.
         With ``delayed_update``, the pending update is applied first (:meth:`flush`)."""
         self.flush()
+        self._reexpose(every=True)
         return super().state_dict()
 
     def no_sync(self) -> contextlib.AbstractContextManager:

@@ -1,20 +1,32 @@
-"""``python -m zero_offload.report``: what this machine has, what was built, and which path the kernel takes.
+"""``python -m zero_offload.report``: what this machine has, what was built, and which path the kernel takes; with
+``--params N``, what an :class:`~zero_offload.OffloadOptimizer` would allocate for a model of N parameters.
 
-Paste its output into bug reports. It builds (or loads from cache) the native kernel, so its first run may take
-a minute.
+Without arguments it prints the machine report: paste it into bug reports. It builds (or loads from cache) the
+native kernel, so its first run may take a minute.
+
+With ``--params`` (``7B``, ``350M``, ``1.3e9``...) it prints a memory plan and allocates nothing: the host
+buffers come from :meth:`OffloadOptimizer.estimate_host_memory` run over meta tensors (shape and dtype, no
+storage), so they are the bytes the optimizer's own bucket layout would allocate; the GPU side and the
+``torch.optim.AdamW`` column are the parameters, gradients and state those optimizers keep there. Activations,
+the CUDA context and allocator caches are not counted. Options: ``--dtype``, ``--amsgrad``, ``--device``,
+``--world-size``, ``--bucket-numel``; ``--help`` lists them.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import platform
+import re
 import sys
-from typing import List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import zero_offload
 from zero_offload import _build, functional
+from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
 
 
 def cpu_features() -> Tuple[str, List[str]]:
@@ -37,6 +49,7 @@ def cpu_features() -> Tuple[str, List[str]]:
 
 
 def lines() -> List[str]:
+    """The machine report, one line per item (see the module docstring)."""
     model, flags = cpu_features()
     out = [
         f"zero_offload     {zero_offload.__version__}",
@@ -71,8 +84,253 @@ def lines() -> List[str]:
     return out
 
 
-def main() -> None:
-    print("\n".join(lines()))
+# ------------------------------------------------------------------------------------------------ memory plan --
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """A parameter count written as ``7B``, ``350M``, ``125k``, ``1.5T``, ``1.3e9``, ``1_000_000`` or ``1,000``.
+
+    Suffixes are decimal (k = 1e3, M = 1e6, B or G = 1e9, T = 1e12), case-insensitive, as model names use them.
+
+    Args:
+        text (str): the count.
+
+    Returns:
+        int: the count, rounded to the nearest whole number.
+
+    Raises:
+        ValueError: if ``text`` is not a positive number with an optional suffix.
+    """
+    m = re.fullmatch(r"\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"Invalid parameter count: {text!r} (expected e.g. 7B, 350M, 125k or 1.3e9)")
+    count = round(float(m.group(1).replace("_", "").replace(",", "")) * _SUFFIXES[m.group(2).lower()])
+    if count < 1:
+        raise ValueError(f"Invalid parameter count: {text!r} (must be at least 1)")
+    return count
+
+
+def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = zero_offload.optimizer.DEFAULT_BUCKET_NUMEL
+                ) -> List[torch.Tensor]:
+    """Stand-ins for a model of ``numel`` parameters: meta tensors (no storage) of ``bucket_numel`` elements each
+    and one for the remainder, so they fill as many buckets as a real model of that size. A real model's many
+    tensors add at most 63 elements of alignment padding each, a negligible difference at these sizes.
+
+    Args:
+        numel (int): parameter count.
+        dtype (torch.dtype): the parameters' dtype.
+        bucket_numel (int): elements per bucket, as for the optimizer. Default: 2**25.
+    """
+    full, rest = divmod(int(numel), int(bucket_numel))
+    sizes = [bucket_numel] * full + ([rest] if rest else [])
+    return [torch.empty(n, dtype=dtype, device="meta") for n in sizes]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank that training a model costs with ``OffloadOptimizer`` and with ``torch.optim.AdamW``, by
+    where they live. Parameters, gradients and optimizer state only: activations, the CUDA context and allocator
+    caches are the same for both and not counted.
+
+    Attributes:
+        numel (int): parameters of the model (all ranks hold all of them).
+        dtype (torch.dtype): the parameters' (and gradients') dtype.
+        device (str): where the model is, ``"cuda"`` or ``"cpu"``.
+        world_size (int): data-parallel ranks.
+        host (HostMemoryEstimate): the optimizer's host buffers for the whole model, from
+            :meth:`OffloadOptimizer.estimate_host_memory` (unsharded).
+        ours (Dict[str, Dict[str, int]]): with ``OffloadOptimizer``, ``{"gpu": {...}, "host": {...}}`` item ->
+            bytes per rank. Host items are the optimizer's buffers (``master``, ``exp_avg``, ``exp_avg_sq``,
+            ``max_exp_avg_sq``, ``grad buffer``, ``staging``), each divided evenly over ``world_size`` ranks, and,
+            for a CPU model, its ``.grad`` tensors. The parameters of a CPU model live in ``master`` (fp32) or
+            ``staging`` (bf16/fp16) and are not counted twice.
+        adamw (Dict[str, Dict[str, int]]): the same for ``torch.optim.AdamW``: parameters, gradients and moments
+            (in the parameters' dtype, as AdamW keeps them), all on the model's device, the same on every rank.
+        pinned (int): bytes per rank of the optimizer's buffers that are page-locked (default ``pin_memory``).
+    """
+
+    numel: int
+    dtype: torch.dtype
+    device: str
+    world_size: int
+    host: HostMemoryEstimate
+    ours: Dict[str, Dict[str, int]]
+    adamw: Dict[str, Dict[str, int]]
+    pinned: int
+
+    def total(self, which: str, where: str) -> int:
+        """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
+        return sum(getattr(self, which)[where].values())
+
+
+def memory_plan(
+    params: Sequence[torch.Tensor],
+    *,
+    device: str = "cuda",
+    amsgrad: bool = False,
+    world_size: int = 1,
+    bucket_numel: int = zero_offload.optimizer.DEFAULT_BUCKET_NUMEL,
+) -> MemoryPlan:
+    """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
+
+    The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
+    exact for one rank); ``params`` only lend their shapes and dtypes, so meta tensors (see :func:`meta_params`)
+    do. With ``world_size > 1`` every host buffer is divided evenly over the ranks (rounded up): an arithmetic
+    estimate of ZeRO sharding, which splits the fp32 master, the moments and the gradient buffer across
+    data-parallel ranks; parameters and gradients on the GPU stay whole on every rank.
+
+    Args:
+        params (Sequence[Tensor]): the model's parameters (real or meta), all of one dtype.
+        device (str): where the model would train, ``"cuda"`` or ``"cpu"``. Default: ``"cuda"``.
+        amsgrad (bool): as for the optimizer. Default: False.
+        world_size (int): data-parallel ranks. Default: 1.
+        bucket_numel (int): as for the optimizer. Default: 2**25.
+
+    Returns:
+        MemoryPlan: bytes per rank by location and item.
+    """
+    params = list(params)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+    (dtype,) = dtypes
+    # pin_memory=None pins exactly the buckets whose parameters are on CUDA; meta tensors are on neither device,
+    # so that choice is spelt out here.
+    host = zero_offload.OffloadOptimizer.estimate_host_memory(
+        params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=device == "cuda")
+    numel = host.numel
+    param_bytes = sum(p.nbytes for p in params)
+    if device == "cpu":
+        # A CPU model's parameter storage becomes a view of master/staging (the estimate can only see that for
+        # real CPU tensors, not for meta stand-ins).
+        host = dataclasses.replace(host, replaces_param_bytes=param_bytes)
+    state_names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+
+    def shard(n: int) -> int:
+        return -(-n // world_size)
+
+    buffers = {("grad buffer" if k == "grad" else k): shard(v) for k, v in host.buffers.items() if v}
+    pinned = shard(host.pinned_bytes)
+    model_side = {"params": param_bytes, "gradients": param_bytes}
+    adamw_side = {**model_side, **{k: param_bytes for k in state_names}}
+    if device == "cuda":
+        ours = {"gpu": model_side, "host": buffers}
+        adamw = {"gpu": adamw_side, "host": {}}
+    else:
+        # The parameters are views of master/staging, counted there; backward's .grad tensors come on top.
+        ours = {"gpu": {}, "host": {"gradients": param_bytes, **buffers}}
+        adamw = {"gpu": {}, "host": adamw_side}
+    return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned)
+
+
+def plan_lines(plan: MemoryPlan) -> List[str]:
+    """The memory plan as a table: bytes and bytes per parameter, per rank, ours beside AdamW's."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[plan.dtype]
+    n = plan.numel
+    sharded = plan.world_size > 1
+    out = [
+        f"memory plan      {n:,} parameters ({n / 1e9:.3g} B), {name} model on {plan.device}"
+        + (f", {plan.world_size} data-parallel ranks" if sharded else ""),
+        "                 parameters, gradients and optimizer state per rank; activations not counted",
+        "                 nothing allocated: host buffers from OffloadOptimizer.estimate_host_memory over meta tensors",
+    ]
+    if sharded:
+        out.append(f"                 host buffers divided over {plan.world_size} ranks: an arithmetic estimate of "
+                   "ZeRO sharding (not built yet)")
+    dtypes = {"params": name, "gradients": name, "grad buffer": name, "staging": name}
+    order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "grad buffer", "staging"]
+    home = "master" if plan.dtype == torch.float32 else "staging"
+
+    def cell(b: Optional[int]) -> str:
+        return f"{'-':>16}{'':>10}" if b is None else f"{format_bytes(b):>16}{b / n:>10.2f}"
+
+    rows: List[Tuple[str, str, str]] = []  # label, ours, AdamW; a label without cells is a heading
+    for where in ("gpu", "host"):
+        ours, adamw = plan.ours[where], plan.adamw[where]
+        if not ours and not adamw:
+            continue
+        rows.append((f"{'GPU' if where == 'gpu' else 'host'} (per rank)", "", ""))
+        for item in order:
+            if item not in ours and item not in adamw:
+                continue
+            dtype = dtypes.get(item, "fp32")
+            if item in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and item in adamw and name != "fp32":
+                # AdamW keeps its moments in the parameters' dtype, ours are fp32.
+                dtype = name if item not in ours else f"fp32; AdamW {name}"
+            ours_cell = cell(ours.get(item))
+            if item == "params" and item not in ours and plan.device == "cpu":
+                ours_cell = f"{'in ' + home:>16}{'':>10}"
+            rows.append((f"  {item} ({dtype})", ours_cell, cell(adamw.get(item))))
+        rows.append(("  total", cell(plan.total("ours", where)), cell(plan.total("adamw", where))))
+    width = max(26, *(len(label) + 1 for label, _, _ in rows))
+    out += ["", f"{'':{width}}{'OffloadOptimizer':>26}{'torch.optim.AdamW':>26}",
+            f"{'':{width}}{'bytes':>16}{'B/param':>10}{'bytes':>16}{'B/param':>10}"]
+    out += [f"{label:<{width}}{a}{b}".rstrip() if a else label for label, a, b in rows]
+    if plan.dtype != torch.float32:
+        out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are fp32)")
+    out.append("")
+    pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
+    out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
+    if plan.device == "cpu":
+        out.append(f"                 the parameters are views of {home}; after zero_grad(set_to_none=False) the "
+                   ".grad tensors")
+        out.append("                 are views of the grad buffer, which saves the gradients row")
+    if plan.device == "cuda":
+        out.append("gradients        every .grad stays on the GPU until step() copies it to the grad buffer")
+    avail = available_host_bytes()
+    if avail is not None:
+        need = plan.total("ours", "host")
+        verdict = "fits" if need <= avail else "does NOT fit"
+        out.append(f"this machine     {format_bytes(avail)} host RAM available now: one rank's host share {verdict}"
+                   + (" (ranks on one node add up)" if sharded else ""))
+    return out
+
+
+def _count_arg(text: str) -> int:
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``python -m zero_offload.report``; see the module docstring.
+
+    Args:
+        argv (Sequence[str], optional): command-line arguments. Default: ``sys.argv[1:]``.
+    """
+    ap = argparse.ArgumentParser(prog="python -m zero_offload.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=_count_arg, metavar="N",
+                    help="print the memory plan for a model of N parameters (7B, 350M, 1.3e9...) instead of the "
+                         "machine report")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+                    help="the model's parameter dtype (default: fp32)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="where the model trains (default: cuda)")
+    ap.add_argument("--amsgrad", action="store_true", help="plan for amsgrad=True (one more fp32 buffer)")
+    ap.add_argument("--world-size", type=int, default=1, metavar="N",
+                    help="data-parallel ranks sharing the host buffers (arithmetic estimate; default: 1)")
+    ap.add_argument("--bucket-numel", type=int, default=zero_offload.optimizer.DEFAULT_BUCKET_NUMEL, metavar="N",
+                    help="elements per bucket, as for the optimizer (default: 2**25)")
+    args = ap.parse_args(argv)
+    if args.params is None:
+        print("\n".join(lines()))
+        return
+    if args.world_size < 1:
+        ap.error(f"--world-size must be at least 1, got {args.world_size}")
+    if args.bucket_numel < 1:
+        ap.error(f"--bucket-numel must be at least 1, got {args.bucket_numel}")
+    params = meta_params(args.params, _DTYPES[args.dtype], args.bucket_numel)
+    plan = memory_plan(params, device=args.device, amsgrad=args.amsgrad, world_size=args.world_size,
+                       bucket_numel=args.bucket_numel)
+    print("\n".join(plan_lines(plan)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,288 @@
+"""OffloadOptimizer inside the trainers people use: Hugging Face ``transformers.Trainer``, PyTorch Lightning, and a
+model under ``torch.compile``. Each runs the same training twice, with ``torch.optim.AdamW(foreach=False)`` and with
+``OffloadOptimizer``, and the parameters must agree at default ``torch.testing.assert_close`` tolerance; then a
+checkpoint saved by the trainer mid-run must resume onto the uninterrupted trajectory. The scripts in examples/
+are run too, so they cannot rot.
+
+Everything runs on the CPU. A test is skipped when its package is absent (``pip install -e ".[integrations]"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zero_offload import OffloadOptimizer
+
+REPO = Path(__file__).resolve().parents[1]
+LR, WD = 3e-3, 0.1
+
+
+def adamw(params, **kw) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, foreach=False, **kw)
+
+
+def assert_same_params(reference: nn.Module, candidate: nn.Module, where: str) -> None:
+    for (name, p), q in zip(reference.named_parameters(), candidate.parameters()):
+        torch.testing.assert_close(q, p, msg=lambda m: f"{where}, {name}: {m}")
+
+
+def assert_differs(a: nn.Module, b: nn.Module) -> None:
+    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ------------------------------------------------------------------------------------ Hugging Face Trainer --
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences as causal-LM examples (the model shifts the labels itself)."""
+
+    def __init__(self, n: int = 64, seq: int = 16, vocab: int = 97):
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def hf_train(make_opt: Callable, out: Path, steps: int = 8, save_steps: int = 0, resume: str = None,
+             max_grad_norm: float = 1.0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # Tiny GPT-2 from a config (no download, no tokenizer), dropout off so both runs see the same function.
+    config = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    opt = make_opt(model.parameters(), lr=LR, weight_decay=WD)
+    sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=steps)
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, use_cpu=True, report_to="none",
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, logging_steps=1, seed=0,
+        disable_tqdm=True, max_grad_norm=max_grad_norm,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(opt, sched))
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return model, losses, trainer
+
+
+def test_hf_trainer_matches_adamw(tmp_path):
+    ref, ref_losses, _ = hf_train(adamw, tmp_path / "adamw")
+    ours, losses, trainer = hf_train(OffloadOptimizer, tmp_path / "ours")
+    assert isinstance(trainer.optimizer.optimizer, OffloadOptimizer)  # accelerate's wrapper around ours
+    assert len(losses) == 8
+    torch.testing.assert_close(losses, ref_losses)
+    assert_same_params(ref, ours, "after 8 Trainer steps")
+    # The Trainer's default max_grad_norm=1.0 clipped some of those steps (torch.nn.utils.clip_grad_norm_ on the
+    # params, which keep their gradients): without it the trajectory differs.
+    unclipped, _, _ = hf_train(OffloadOptimizer, tmp_path / "unclipped", max_grad_norm=0.0)
+    assert_differs(ours, unclipped)
+
+
+def test_hf_trainer_checkpoint_resumes_the_same_trajectory(tmp_path):
+    full, _, _ = hf_train(OffloadOptimizer, tmp_path / "full")
+    hf_train(OffloadOptimizer, tmp_path / "run", save_steps=4)
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(saved["state"][0])  # AdamW's format
+    resumed, _, _ = hf_train(OffloadOptimizer, tmp_path / "resumed", resume=str(checkpoint))
+    assert_same_params(full, resumed, "resumed at step 4 of 8")
+
+
+# ------------------------------------------------------------------------------------------------ Lightning --
+VOCAB, SEQ = 50, 12
+
+
+def lightning_module(use_offload: bool, steps: int):
+    L = pytest.importorskip("lightning")
+
+    class TinyLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64),
+                                     nn.Linear(64, VOCAB))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x).reshape(-1, VOCAB), y.reshape(-1))
+
+        def configure_optimizers(self):
+            make = OffloadOptimizer if use_offload else adamw
+            opt = make(self.parameters(), lr=LR, weight_decay=WD)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps)  # cycles betas too
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def lightning_fit(use_offload: bool, root: Path, steps: int = 12, stop_at: int = None, ckpt_path: str = None,
+                  clip: float = 0.5):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = lightning_module(use_offload, steps)
+    x = torch.randint(0, VOCAB, (48, SEQ), generator=torch.Generator().manual_seed(0))
+    # 6 batches an epoch, in order, so that a checkpoint at step 6 closes an epoch and resuming replays the rest.
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.roll(1, 1)), batch_size=8)
+    callbacks = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=stop_at)] if stop_at else []
+    trainer = L.Trainer(accelerator="cpu", max_steps=stop_at or steps, gradient_clip_val=clip, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(stop_at),
+                        callbacks=callbacks, default_root_dir=root)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def test_lightning_matches_adamw(tmp_path):
+    ref, _ = lightning_fit(False, tmp_path / "adamw")
+    ours, trainer = lightning_fit(True, tmp_path / "ours")
+    assert isinstance(trainer.optimizers[0], OffloadOptimizer)
+    assert trainer.global_step == 12
+    assert_same_params(ref, ours, "after 12 Lightning steps")
+    unclipped, _ = lightning_fit(True, tmp_path / "unclipped", clip=None)
+    assert_differs(ours, unclipped)  # gradient_clip_val=0.5 took effect
+
+
+def test_lightning_checkpoint_resumes_the_same_trajectory(tmp_path):
+    full, _ = lightning_fit(True, tmp_path / "full")
+    lightning_fit(True, tmp_path / "run", stop_at=6)
+    (ckpt,) = (tmp_path / "run" / "ckpt").glob("*.ckpt")
+    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(saved["state"][0])  # AdamW's format
+    resumed, trainer = lightning_fit(True, tmp_path / "resumed", ckpt_path=str(ckpt))
+    assert trainer.global_step == 12
+    # Lightning's restore (load_state_dict, then moving state "to the device") must leave the state as views of
+    # the optimizer's host buffers, or state_dict() would go stale.
+    opt = trainer.optimizers[0]
+    spans = [(b["exp_avg"].data_ptr(), b["exp_avg"].data_ptr() + b["exp_avg"].nbytes) for b in opt.host_buffers()]
+    assert len(opt.state) == len(list(resumed.parameters()))
+    for state in opt.state.values():
+        assert any(lo <= state["exp_avg"].data_ptr() < hi for lo, hi in spans)
+    assert_same_params(full, resumed, "resumed at step 6 of 12")
+
+
+def _two_steps_with_lightning_state_move(monkeypatch):
+    """Step, then what Lightning's restore does after ``load_state_dict`` (``_optimizer_to_device``: every state
+    tensor but ``step`` replaced by its copy on the model's device), then step again; returns ours and AdamW."""
+    pytest.importorskip("lightning")
+    from lightning.fabric.utilities import optimizer as fabric_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OffloadOptimizer(model.parameters(), lr=LR), adamw(ref.parameters(), lr=LR)
+    x = torch.randn(4, 6)
+    for step in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            (m(x) * (step + 1)).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        if step == 0:
+            # On a CUDA model the move makes copies on the GPU; on the CPU .to() would return the tensor itself,
+            # so a clone stands in for the copy.
+            monkeypatch.setattr(fabric_optimizer, "move_data_to_device", lambda t, device: t.clone())
+            fabric_optimizer._optimizer_to_device(opt, "cpu")
+            moved = opt.state[model.weight]["exp_avg"].data_ptr()
+            assert not any(b["exp_avg"].data_ptr() <= moved < b["exp_avg"].data_ptr() + b["exp_avg"].nbytes
+                           for b in opt.host_buffers()), "the stand-in did not replace the state tensors"
+    return opt, ref_opt, model, ref
+
+
+def test_lightning_restore_on_a_gpu_model_keeps_state_dict_live(monkeypatch):
+    """Lightning's restore replaces the state tensors with device copies; the optimizer points its state back at
+    the host buffers, so state_dict() stays live (and no copy of the state stays on the GPU)."""
+    opt, ref_opt, model, ref = _two_steps_with_lightning_state_move(monkeypatch)
+    sd = opt.state_dict()["state"]
+    for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(sd[i]["exp_avg"], ref_opt.state[q]["exp_avg"])
+        torch.testing.assert_close(sd[i]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"])
+
+
+# -------------------------------------------------------------------------------------------- torch.compile --
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.fc1, self.ln, self.fc2 = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, VOCAB)
+
+    def forward(self, x):
+        return self.fc2(self.ln(F.gelu(self.fc1(self.emb(x)))))
+
+
+def compiled_train(model: nn.Module, opt: torch.optim.Optimizer, forward: Callable, steps: int = 8) -> None:
+    for step in range(steps):
+        x = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(step))
+        F.cross_entropy(forward(x).reshape(-1, VOCAB), x.roll(1, 1).reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def compiled_reference():
+    pytest.importorskip("torch._inductor")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = Net()
+    ref = copy.deepcopy(base)
+    compiled_train(ref, adamw(ref.parameters(), lr=LR, weight_decay=WD), torch.compile(ref))
+    return base, ref
+
+
+def _compile_then_build(model):
+    forward = torch.compile(model)
+    return OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD), forward
+
+
+def _build_then_compile(model):
+    opt = OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD)
+    return opt, torch.compile(model)
+
+
+def _compile_run_then_build(model):
+    # Compiled code already exists (and has run) when the optimizer rebinds the parameters' .data.
+    forward = torch.compile(model)
+    x = torch.zeros(2, SEQ, dtype=torch.long)
+    forward(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD), forward
+
+
+def _build_then_module_compile(model):
+    opt = OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD)
+    model.compile()  # in place: nn.Module.compile
+    return opt, model
+
+
+@pytest.mark.parametrize("setup", [_compile_then_build, _build_then_compile, _compile_run_then_build,
+                                   _build_then_module_compile], ids=lambda f: f.__name__.strip("_"))
+def test_compiled_model_matches_compiled_adamw(compiled_reference, setup):
+    base, ref = compiled_reference
+    model = copy.deepcopy(base)
+    opt, forward = setup(model)
+    # Parameters rebound to views of the optimizer's buffers must not make dynamo recompile.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled_train(model, opt, forward)
+    assert_same_params(ref, model, setup.__name__)
+
+
+# ------------------------------------------------------------------------------------------------ examples --
+@pytest.mark.parametrize("script, needs", [("hf_trainer.py", "transformers"), ("lightning_module.py", "lightning"),
+                                           ("torch_compile.py", "torch._inductor")])
+def test_example_runs(script, needs):
+    pytest.importorskip(needs)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, str(REPO / "examples" / script), "--steps", "4"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "same parameters as torch.optim.AdamW" in result.stdout, result.stdout[-2000:]

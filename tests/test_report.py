@@ -1,0 +1,180 @@
+"""``python -m zero_offload.report --params N``: the memory plan. Its host side must be what a real
+OffloadOptimizer allocates (buffer by buffer, byte for byte), its AdamW side what a real ``torch.optim.AdamW``
+holds, and it must allocate nothing however large the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from zero_offload import OffloadOptimizer
+from zero_offload.report import main, memory_plan, meta_params, parse_count
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_model(dtype: torch.dtype) -> nn.Module:
+    """Odd sizes, so that alignment padding differs from tensor to tensor."""
+    return nn.Sequential(nn.Embedding(37, 19), nn.Linear(19, 53), nn.LayerNorm(53), nn.Linear(53, 7)).to(dtype)
+
+
+def buffer_bytes(opt: OffloadOptimizer) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for buffers in opt.host_buffers():
+        for name, t in buffers.items():
+            key = "grad buffer" if name == "grad" else name
+            out[key] = out.get(key, 0) + t.nbytes
+    return out
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("7B", 7 * 10**9), ("7b", 7 * 10**9), ("350M", 350 * 10**6), ("1.3e9", 1_300_000_000), ("125k", 125_000),
+    ("1.5T", 1_500_000_000_000), ("2G", 2 * 10**9), ("1_000_000", 10**6), ("1,000", 1000), ("12", 12),
+    (" 0.5B ", 500_000_000),
+])
+def test_parse_count(text, expected):
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "7X", "-5", "0", "0.0001", "B", "1e9e9"])
+def test_parse_count_rejects(text):
+    with pytest.raises(ValueError, match="Invalid parameter count"):
+        parse_count(text)
+
+
+@pytest.mark.parametrize("dtype, amsgrad", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                            (torch.float16, True)])
+def test_cpu_plan_matches_a_real_optimizer_and_a_real_adamw(dtype, amsgrad):
+    torch.manual_seed(0)
+    model = small_model(dtype)
+    ref = small_model(dtype)
+    params = list(model.parameters())
+    meta = [torch.empty_like(p, device="meta") for p in params]
+    plan = memory_plan(meta, device="cpu", amsgrad=amsgrad, bucket_numel=500)
+
+    # Meta stand-ins give the same plan as the real parameters.
+    assert plan == memory_plan(params, device="cpu", amsgrad=amsgrad, bucket_numel=500)
+
+    opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500)
+    assert plan.host == opt.host_memory_estimate()
+    assert len(opt.host_buffers()) > 1  # bucket_numel=500 cuts this model into several buckets
+    host = dict(plan.ours["host"])
+    assert host.pop("gradients") == sum(p.nbytes for p in params)
+    assert host == buffer_bytes(opt)
+    assert plan.pinned == 0 and plan.ours["gpu"] == {}
+
+    # AdamW's column: what torch.optim.AdamW really holds after a step.
+    adamw = torch.optim.AdamW(ref.parameters(), amsgrad=amsgrad, foreach=False)
+    ref(torch.arange(10).view(2, 5)).float().sum().backward()
+    adamw.step()
+    held: Dict[str, int] = {"params": 0, "gradients": 0}
+    for p in ref.parameters():
+        held["params"] += p.nbytes
+        held["gradients"] += p.grad.nbytes
+        for key, value in adamw.state[p].items():
+            if key != "step":
+                held[key] = held.get(key, 0) + value.nbytes
+    assert plan.adamw["host"] == held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_plan_is_the_optimizers_estimate_with_pinning(dtype):
+    params = [torch.empty(s, dtype=dtype, device="meta") for s in ((1000, 3), (5,), (70001,))]
+    plan = memory_plan(params, device="cuda", world_size=1, bucket_numel=10_000)
+    estimate = OffloadOptimizer.estimate_host_memory(params, bucket_numel=10_000, pin_memory=True)
+    assert plan.host == estimate
+    assert plan.pinned == estimate.total_bytes == plan.total("ours", "host")
+    n_bytes = sum(p.nbytes for p in params)
+    assert plan.ours["gpu"] == {"params": n_bytes, "gradients": n_bytes}
+    assert plan.adamw["gpu"] == {"params": n_bytes, "gradients": n_bytes, "exp_avg": n_bytes, "exp_avg_sq": n_bytes}
+    assert plan.adamw["host"] == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_plan_matches_a_real_cuda_optimizer(dtype):
+    model = small_model(dtype).cuda()
+    params = list(model.parameters())
+    plan = memory_plan([torch.empty_like(p, device="meta") for p in params], device="cuda", bucket_numel=500)
+    opt = OffloadOptimizer(params, bucket_numel=500)
+    assert plan.host == opt.host_memory_estimate()
+    assert plan.ours["host"] == buffer_bytes(opt)
+    assert all(t.is_pinned() for buffers in opt.host_buffers() for t in buffers.values())
+
+
+@pytest.mark.parametrize("numel, dtype, amsgrad, world_size, host_per_param, gpu_ours, gpu_adamw", [
+    (7 * 10**9, torch.float32, False, 1, 16.0, 8.0, 16.0),     # 12 master+moments + 4 grad buffer
+    (7 * 10**9, torch.bfloat16, False, 1, 16.0, 4.0, 8.0),     # 12 + 2 grad buffer + 2 staging; AdamW: bf16 state
+    (7 * 10**9, torch.float32, True, 1, 20.0, 8.0, 20.0),      # + 4 max_exp_avg_sq
+    (7 * 10**9, torch.bfloat16, False, 8, 2.0, 4.0, 8.0),      # host sharded 8 ways, GPU side whole per rank
+    (1_300_000_000, torch.float16, False, 4, 4.0, 4.0, 8.0),
+])
+def test_bytes_per_parameter(numel, dtype, amsgrad, world_size, host_per_param, gpu_ours, gpu_adamw):
+    bucket = 1 << 25
+    params = meta_params(numel, dtype, bucket)
+    assert sum(p.numel() for p in params) == numel and len(params) == -(-numel // bucket)
+    assert all(p.device.type == "meta" for p in params)
+    plan = memory_plan(params, device="cuda", amsgrad=amsgrad, world_size=world_size, bucket_numel=bucket)
+    assert plan.numel == numel
+    # Each count here is a multiple of 64 elements, so there is no alignment padding to account for.
+    assert plan.total("ours", "host") == numel * host_per_param
+    assert plan.total("ours", "gpu") == numel * gpu_ours
+    assert plan.total("adamw", "gpu") == numel * gpu_adamw
+    assert plan.host.total_bytes == numel * host_per_param * world_size
+
+
+def test_sharding_rounds_up_and_never_loses_bytes():
+    plan = memory_plan(meta_params(1000, torch.float32), device="cuda", world_size=3)
+    for key, per_rank in plan.ours["host"].items():
+        whole = plan.host.buffers["grad" if key == "grad buffer" else key]
+        assert per_rank == -(-whole // 3)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"device": "mps"}, "Invalid device"), ({"world_size": 0}, "Invalid world_size"),
+    ({"world_size": True}, "Invalid world_size"),
+])
+def test_memory_plan_rejects_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        memory_plan(meta_params(10, torch.float32), **kw)
+
+
+def test_memory_plan_rejects_mixed_dtypes():
+    with pytest.raises(ValueError, match="one dtype"):
+        memory_plan(meta_params(10, torch.float32) + meta_params(10, torch.bfloat16))
+
+
+def test_cli_prints_the_plan(capsys):
+    main(["--params", "7B", "--dtype", "bf16", "--world-size", "2"])
+    out = capsys.readouterr().out
+    assert "7,000,000,000 parameters" in out and "bf16 model on cuda" in out and "2 data-parallel ranks" in out
+    assert "arithmetic estimate" in out
+    host_total = [line for line in out.splitlines() if line.strip().startswith("total")][1]
+    assert "52.2 GiB" in host_total and "8.00" in host_total  # 16 B/param over 2 ranks
+
+
+def test_cli_rejects_bad_counts():
+    result = subprocess.run([sys.executable, "-m", "zero_offload.report", "--params", "seven"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Invalid parameter count: 'seven'" in result.stderr
+
+
+def test_cli_allocates_nothing_for_a_huge_model():
+    """A trillion bf16 parameters would need 16 TB of host buffers: the plan must come from meta tensors only."""
+    code = ("import resource, runpy, sys; sys.argv = ['report', '--params', '1T', '--dtype', 'bf16']; "
+            "runpy.run_module('zero_offload.report', run_name='__main__'); "
+            "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "1,000,000,000,000 parameters" in result.stdout
+    rss_kb = int(result.stdout.split("RSS_KB")[1])
+    assert rss_kb < 2 * 1024 * 1024, f"peak RSS {rss_kb} KiB"
