@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from zero_offload import functional
-from zero_offload.buckets import BucketLayout, FlatBucket, plan_buckets
+from zero_offload.buckets import ALIGN, BucketLayout, FlatBucket, ShardedBucket, align_up, plan_buckets
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, estimate_bucket, format_bytes
 
 __all__ = ["OffloadOptimizer"]
@@ -218,6 +218,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         nonfinite: str = "raise",
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         pin_memory: Optional[bool] = None,
+        process_group: Optional[Any] = None,
+        grads_reduced: bool = False,
+        timeout: Optional[Any] = None,
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
         if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
@@ -236,6 +239,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid bucket_numel: {bucket_numel!r} (a positive number of elements)")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
+        # zero_offload.distributed.Comm when the state is sharded over process_group, else None.
+        self._shard: Optional[Any] = None
+        self._grad_stats: Optional[Any] = None
+        if process_group is not None:
+            from zero_offload.distributed import DEFAULT_TIMEOUT, Comm
+
+            self._shard = Comm(process_group, DEFAULT_TIMEOUT if timeout is None else timeout, grads_reduced)
+        elif grads_reduced or timeout is not None:
+            raise ValueError("grads_reduced and timeout only apply with a process_group, and none was given")
         self.nonfinite = nonfinite
         self.bucket_numel = bucket_numel
         self.pin_memory = pin_memory
@@ -266,6 +278,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         amsgrad: bool = False,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         pin_memory: Optional[bool] = None,
+        world_size: int = 1,
     ) -> HostMemoryEstimate:
         """Host RAM an ``OffloadOptimizer`` over ``params`` will allocate, computed without allocating anything
         (same bucket layout as the real allocation, so exact).
@@ -275,6 +288,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             amsgrad (bool): the default for groups that do not set it. Default: False.
             bucket_numel (int): as for the constructor. Default: 2**25.
             pin_memory (bool, optional): as for the constructor. Default: None.
+            world_size (int): the size of the ``process_group`` the state will be sharded over: the estimate is
+                then per rank. Default: 1.
 
         Returns:
             HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
@@ -286,7 +301,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for g in groups:
             ps = g["params"]
             ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
-            total = total + _estimate(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)), pin_memory)
+            total = total + _estimate(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)), pin_memory,
+                                      world_size)
         return total
 
     def host_memory_estimate(self) -> HostMemoryEstimate:
@@ -323,18 +339,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
         _check_params(tensors)
         n_groups = len(self.param_groups)
+        if self._shard is not None:
+            self._shard.check_same_params(tensors, n_groups)
         param_group["params"] = raw
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             group = self.param_groups[-1]
             layouts = plan_buckets(group["params"], self.bucket_numel)
-            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory)
+            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory, self._world_size)
             avail = available_host_bytes()
             if avail is not None and est.total_bytes - est.replaces_param_bytes > avail:
                 logger.warning("OffloadOptimizer: param group %d needs %s of host RAM, %s is available", n_groups,
                                format_bytes(est.total_bytes - est.replaces_param_bytes), format_bytes(avail))
-            buckets = [FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]),
-                                  pin=_should_pin(layout.device, self.pin_memory)) for layout in layouts]
+            buckets = [self._new_bucket(layout, group, n_groups, bi) for bi, layout in enumerate(layouts)]
         except BaseException:
             del self.param_groups[n_groups:]
             raise
@@ -345,6 +362,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.bind()
             logger.info("OffloadOptimizer: added param group %d, %d buckets: %s", n_groups, len(buckets),
                         est.describe())
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self._shard is None else self._shard.world
+
+    def _new_bucket(self, layout: BucketLayout, group: Dict[str, Any], gi: int, bi: int) -> FlatBucket:
+        pin = _should_pin(layout.device, self.pin_memory)
+        if self._shard is None:
+            return FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin)
+        return ShardedBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin, comm=self._shard,
+                             where=f"param group {gi}, bucket {bi}")
 
     # ------------------------------------------------------------------------------------------------- step --
     @torch.no_grad()
@@ -430,7 +458,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                       decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
                       max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
-                      grad_scale=multiplier, param_out=None if bucket.staging is None else bucket.staging[a:b])
+                      grad_scale=multiplier * bucket.grad_multiplier,
+                      param_out=None if bucket.staging is None else bucket.staging[a:b])
             if in_place is None:
                 functional.cpu_adam_(bucket.master[a:b], bucket.grad[a:b], bucket.exp_avg[a:b],
                                      bucket.exp_avg_sq[a:b], **kw)
@@ -474,7 +503,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Make every bucket's gradients readable on the host (a CUDA bucket's copied into its buffer; a CPU
         bucket's where they are, recorded in its plan entry); with ``check``, return whether any is inf/nan.
 
-        A CPU bucket is checked right after its own gather, when whatever it copied is still in cache."""
+        A CPU bucket is checked right after its own gather, when whatever it copied is still in cache.
+
+        Sharded: every bucket is reduce-scattered, then one all-reduce combines the norm, the check and which
+        parameters have a gradient (``zero_offload.distributed.Comm.gather``)."""
+        if self._shard is not None:
+            self._grad_stats = self._shard.gather(plans, self._stream)
+            return check and self._grad_stats.nonfinite
         # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
         pairs = list(chain.from_iterable(plans))
         waited = set()
@@ -585,7 +620,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._wait_all(plans)
         entries = list(chain.from_iterable(plans))
         nonfinite = False
-        if norm_type == 2.0:
+        if self._shard is not None:  # the averaged gradient's norm over the group
+            total, nonfinite = self._shard.total_norm(plans, norm_type, self._grad_stats)
+        elif norm_type == 2.0:
             sq = 0.0
             for b, _, in_place in entries:
                 s, bad = _host_sq_norm(b, in_place)
@@ -614,8 +651,55 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
-        """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers."""
-        return super().state_dict()
+        """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers.
+
+        With a ``process_group`` it is a collective (every rank must call it, in the same order as the other
+        collectives) that gathers the full, parameter-shaped state bucket by bucket onto *every* rank: the
+        result costs each rank 12 bytes per parameter (16 with amsgrad, +4 for a bf16/fp16 parameter's master)
+        of CPU memory for as long as it is kept, so save it from one rank and drop it. It loads into
+        ``torch.optim.AdamW`` and into this optimizer at any world size. For large models prefer
+        :meth:`sharded_state_dict` with ``torch.distributed.checkpoint``, which never gathers."""
+        sd = super().state_dict()
+        if self._shard is not None:
+            sd["state"] = self._shard.full_state(self._buckets, self.param_groups)
+        return sd
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """The optimizer state for ``torch.distributed.checkpoint`` (DCP), with nothing gathered: a run saved on N
+        ranks resumes on M ranks, or in one process without a group, with the same trajectory.
+
+        ``{"state": {"<index>": {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}}, "param_groups":
+        [...]}``, a parameter's index counted over all groups as in :meth:`state_dict`. Every state tensor is the
+        parameter's state *flattened* to 1-D (in the parameter's memory order): with a process group, a
+        ``ShardedTensor`` whose local shard is this rank's piece, at its offset; without one, a plain 1-D tensor.
+        Those tensors are views of the optimizer's host buffers: ``dcp.save`` reads them where they are and
+        ``dcp.load`` writes into them in place, so neither needs extra memory. Every parameter has an entry
+        (``step`` 0 if it never had a gradient). Building it involves no collective.
+
+        Usage (the same on every rank; the model's own weights are saved alongside as usual)::
+
+            dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            ...
+            sd = {"optim": opt.sharded_state_dict()}
+            dcp.load(sd, checkpoint_id=path)          # fills the optimizer's buffers in place
+            opt.load_sharded_state_dict(sd["optim"])  # steps and hyperparameters
+        """
+        from zero_offload import distributed
+
+        return distributed.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Finish loading a :meth:`sharded_state_dict` filled by ``torch.distributed.checkpoint.load``: its moments
+        (and masters) are already in this optimizer's buffers; this validates and applies the step counts and the
+        param groups' hyperparameters (``ValueError`` naming the problem, before anything is applied). Local:
+        no collective.
+
+        Args:
+            state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
+        """
+        from zero_offload import distributed
+
+        distributed.load_sharded_state_dict(self, state_dict)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW``/``Adam``, into the host buffers in place.
@@ -624,7 +708,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         and step), then copied; an invalid state dict raises ``ValueError`` and changes nothing. Parameters without
         an entry start fresh (step 0, zero moments), as they would in AdamW. A bf16/fp16 parameter without a
         ``master`` entry gets its master from the parameter. ``capturable``/``differentiable`` in the loaded
-        groups are reset to False (see the constructor).
+        groups are reset to False (see the constructor). With a ``process_group``, ``state_dict`` is the full
+        state (from any world size, or from AdamW) and each rank copies only the piece it owns: no collective.
 
         Args:
             state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
@@ -692,6 +777,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_bucket(self, bucket: FlatBucket, entries: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+        if bucket.sharded:  # this rank's piece of each full entry
+            bucket.load_entries([entries.get(p) for p in bucket.params])
+            for i, p in enumerate(bucket.params):
+                if entries.get(p) is not None:
+                    self.state[p] = bucket.state_entry(i)
+                    bucket.exposed[i] = True
+            bucket.all_exposed = all(bucket.exposed)
+            return
         dsts: List[torch.Tensor] = []
         srcs: List[torch.Tensor] = []
         zero: List[torch.Tensor] = []
@@ -749,12 +842,14 @@ def _host_sq_norm(bucket: FlatBucket, in_place: Optional[_Grads]) -> Tuple[float
     return functional._grad_sq_norm_segments(_host_grads(bucket, in_place))
 
 
-def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool]) -> HostMemoryEstimate:
+def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool], world_size: int = 1
+              ) -> HostMemoryEstimate:
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout in layouts:
-        total = total + estimate_bucket(layout.numel, layout.padded_numel, layout.dtype,
+        padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
+        total = total + estimate_bucket(layout.numel, padded, layout.dtype,
                                         on_cpu=layout.device.type == "cpu", amsgrad=amsgrad,
-                                        pin=_should_pin(layout.device, pin_memory))
+                                        pin=_should_pin(layout.device, pin_memory), world_size=world_size)
     return total
 
 
