@@ -93,44 +93,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, queue):
+def _entry(rank, world, port, fn, args, outdir):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        result = ("ok", fn(rank, world, *args))
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        result = ("error", traceback.format_exc())
+    # Written synchronously, before tearing the group down (which can block when another rank failed).
+    torch.save(result, os.path.join(outdir, f"{rank}.tmp"))
+    os.replace(os.path.join(outdir, f"{rank}.tmp"), os.path.join(outdir, f"{rank}.pt"))
+    if result[0] == "ok":
+        dist.destroy_process_group()
 
 
 def launch(fn: Callable, world: int, *args, timeout: float = 90.0, expect_errors: bool = False) -> Dict[int, Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined in one gloo group; returns each rank's
     result, or (``expect_errors``) ``(status, result or traceback)`` per rank. Fails the test on a hang."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
     out: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout} s")
-            with contextlib.suppress(Exception):
-                rank, status, result = queue.get(timeout=min(remaining, 1.0))
-                out[rank] = (status, result)
-    finally:
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, outdir)) for r in range(world)]
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) < world:
+                for r in range(world):
+                    f = os.path.join(outdir, f"{r}.pt")
+                    if r not in out and os.path.exists(f):
+                        out[r] = torch.load(f, weights_only=False)
+                    elif r not in out and not procs[r].is_alive():
+                        out[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} and no result")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout} s")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     if expect_errors:
         return out
     errors = {r: res for r, (st, res) in out.items() if st != "ok"}
@@ -270,3 +275,227 @@ def _bf16_worker(rank, world):
 
 def test_bf16_params_fp32_masters_sharded():
     launch(_bf16_worker, 2)
+
+
+# -------------------------------------------------------------------------------------------------------- DDP --
+def _ddp_worker(rank, world):
+    """Under DDP the gradients arrive averaged: ``grads_reduced=True`` takes each rank's slice (ZeRO-1); the
+    default reduce-scatters them again, summing N identical averages then dividing by N: the same gradient up to
+    rounding (never a sum left undivided). Both follow the whole-batch AdamW trajectory."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for grads_reduced in (True, False):
+        model, ref_model = _make(rank, seed_ours=rank)
+        ddp = DDP(model, find_unused_parameters=True)  # aux is unused on a rank whose rows have no flag
+        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                               grads_reduced=grads_reduced)
+        ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+        for step in range(STEPS):
+            _step(ddp, opt, step, rank, world, clip=0.5)
+            _ref_step(ref_model, ref, step, clip=0.5)
+            _compare(model, ref_model, f"grads_reduced={grads_reduced} step {step}")
+    return True
+
+
+def test_ddp_wrapped_model_zero1():
+    launch(_ddp_worker, 2)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints --
+CKPT_AT = 10
+
+
+def _ckpt_opt(model, **kw):
+    return OffloadOptimizer(groups(model), lr=1e-2, amsgrad=True, bucket_numel=BUCKET_NUMEL, **kw)
+
+
+def _ckpt_ref(until: int):
+    torch.manual_seed(0)
+    ref_model = Net()
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(until):
+        _ref_step(ref_model, ref, step, clip=0.5)
+    return ref_model, ref
+
+
+def _save_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = _make(rank, seed_ours=rank)
+    opt = _ckpt_opt(model, process_group=dist.group.WORLD)
+    ref_model, ref = _ckpt_ref(0)
+    for step in range(STEPS):
+        if step == CKPT_AT:
+            dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=os.path.join(path, "dcp"))
+            full = opt.state_dict()  # a collective: every rank calls it
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "opt": full}, os.path.join(path, "full.pt"))
+            dist.barrier()
+        _step(model, opt, step, rank, world, clip=0.5)
+        _ref_step(ref_model, ref, step, clip=0.5)
+        _compare(model, ref_model, f"uninterrupted step {step}")
+    return True
+
+
+def _resume(model, opt, rank, world, how, path):
+    import torch.distributed.checkpoint as dcp
+
+    if how == "dcp":
+        sd = {"optim": opt.sharded_state_dict()}
+        dcp.load(sd, checkpoint_id=os.path.join(path, "dcp"), no_dist=world == 1)
+        opt.load_sharded_state_dict(sd["optim"])
+    else:
+        opt.load_state_dict(torch.load(os.path.join(path, "full.pt"), weights_only=True)["opt"])
+    ref_model, ref = _ckpt_ref(CKPT_AT)
+    for step in range(CKPT_AT, STEPS):
+        _step(model, opt, step, rank, world, clip=0.5)
+        _ref_step(ref_model, ref, step, clip=0.5)
+        _compare(model, ref_model, f"resumed ({how}, world {world}) step {step}")
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if world == 1:  # the state itself, not only its effect on the parameters
+                torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def _resume_worker(rank, world, path):
+    ckpt = torch.load(os.path.join(path, "full.pt"), weights_only=True)
+    for how in ("dcp", "full"):
+        model = Net()
+        model.load_state_dict(ckpt["model"])
+        opt = _ckpt_opt(model, process_group=dist.group.WORLD)
+        _resume(model, opt, rank, world, how, path)
+    return True
+
+
+def test_checkpoint_saved_at_world_2_resumes_at_world_3_and_1():
+    with tempfile.TemporaryDirectory() as path:
+        launch(_save_worker, 2, path)
+        launch(_resume_worker, 3, path)
+        ckpt = torch.load(os.path.join(path, "full.pt"), weights_only=True)
+        # World 1: a plain optimizer without a process group, from the DCP checkpoint and from the full one.
+        torch.set_num_threads(1)
+        for how in ("dcp", "full"):
+            model = Net()
+            model.load_state_dict(ckpt["model"])
+            _resume(model, _ckpt_opt(model), 0, 1, how, path)
+        # The full state dict, gathered from two ranks, continues in plain torch.optim.AdamW.
+        model = Net()
+        model.load_state_dict(ckpt["model"])
+        adamw = torch.optim.AdamW(groups(model), lr=1e-2, amsgrad=True, foreach=False)
+        adamw.load_state_dict(ckpt["opt"])
+        ref_model, ref = _ckpt_ref(CKPT_AT)
+        for step in range(CKPT_AT, STEPS):
+            _ref_step(model, adamw, step, clip=0.5)
+            _ref_step(ref_model, ref, step, clip=0.5)
+            _compare(model, ref_model, f"AdamW from the gathered state, step {step}")
+
+
+# --------------------------------------------------------------------------------------------------- failures --
+FAIL_TIMEOUT = 3.0
+
+
+def _failing_worker(rank, world):
+    model, _ = _make(rank)
+    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=FAIL_TIMEOUT)
+    _step(model, opt, 0, rank, world)
+    if rank == 1:
+        time.sleep(3 * FAIL_TIMEOUT)  # stays alive without joining: only the timeout can end rank 0's wait
+        raise RuntimeError("rank 1 failed before its step")
+    t0 = time.monotonic()
+    try:
+        _step(model, opt, 1, rank, world)
+    except RuntimeError as exc:
+        return time.monotonic() - t0, str(exc)
+    return None
+
+
+def test_one_rank_failing_ends_the_others_with_an_error_naming_rank_and_bucket():
+    out = launch(_failing_worker, 2, timeout=60, expect_errors=True)
+    assert out[1][0] == "error" and "rank 1 failed before its step" in out[1][1]
+    status, result = out[0]
+    assert status == "ok" and result is not None, result
+    elapsed, message = result
+    assert FAIL_TIMEOUT * 0.9 <= elapsed < FAIL_TIMEOUT + 5, elapsed
+    assert "rank 0 of 2" in message and "reduce_scatter of gradients of param group 0, bucket 0" in message, message
+
+
+def _bad_input_worker(rank, world):
+    errors = {}
+    torch.manual_seed(0)
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters()) + ([nn.Parameter(torch.zeros(3))] if rank == 1 else [])
+    try:
+        OffloadOptimizer(params, process_group=dist.group.WORLD, timeout=10)
+    except ValueError as exc:
+        errors["mismatch"] = str(exc)
+    for p, b in zip(model.parameters(), before):  # untouched: not broadcast, not rebound
+        assert torch.equal(p, b)
+    for name, kw in {"type": dict(process_group="world"), "timeout": dict(process_group=dist.group.WORLD,
+                                                                          timeout=-1)}.items():
+        try:
+            OffloadOptimizer(model.parameters(), **kw)
+        except (TypeError, ValueError) as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def test_bad_input_raises_on_every_rank():
+    out = launch(_bad_input_worker, 2)
+    for rank, errors in out.items():
+        assert "param group 0 differs across ranks" in errors["mismatch"] and "7 parameters" in errors["mismatch"]
+        assert "process_group must be a torch.distributed.ProcessGroup" in errors["type"]
+        assert "Invalid timeout" in errors["timeout"]
+
+
+def test_bad_input_without_a_group():
+    p = nn.Parameter(torch.zeros(3))
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+            OffloadOptimizer([p], process_group=object())  # (dist.group.WORLD is None before init)
+    with pytest.raises(ValueError, match="only apply with a process_group"):
+        OffloadOptimizer([p], grads_reduced=True)
+    with pytest.raises(ValueError, match="only apply with a process_group"):
+        OffloadOptimizer([p], timeout=5)
+
+
+# ------------------------------------------------------------------------------------------------------- NCCL --
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nccl_world_1_on_one_gpu(dtype, tmp_path):
+    """The CUDA path (device flatten, reduce-scatter, shard to pinned host, all-gather back) over NCCL with one
+    rank, against AdamW on the GPU (fp32) or on fp32 copies of the bf16 parameters."""
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref_model = Net().cuda()
+        model = Net().to(dtype).cuda()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                q.copy_(p)  # the reference starts from the (rounded) values ours has
+        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD)
+        ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss_on(model, step, 0, slice(None), dtype).backward()
+            norm = opt.clip_grad_norm_(0.5)
+            opt.step()
+            ref.zero_grad()
+            if dtype == torch.float32:
+                loss_on(ref_model, step, 0, slice(None)).backward()
+            else:  # the same bf16 gradients, upcast
+                for p, q in zip(model.parameters(), ref_model.parameters()):
+                    q.grad = None if p.grad is None else p.grad.float()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+            ref.step()
+            torch.testing.assert_close(norm, ref_norm)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q.to(dtype), msg=lambda m: f"step {step}: {m}")
+        sd = opt.state_dict()
+        for k, v in ref.state_dict()["state"].items():
+            torch.testing.assert_close(sd["state"][k]["exp_avg"], v["exp_avg"].cpu())
+    finally:
+        dist.destroy_process_group()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import threading
 from copy import deepcopy
 from itertools import chain
 from numbers import Real
@@ -107,7 +108,9 @@ class Comm:
     def _run(self, what: str, where: str, start: Callable[[], Any]) -> None:
         try:
             work = start()
-            if work.wait(timeout=self.timeout) is False:
+            if self.host_ok:
+                self._poll(work)
+            elif work.wait(timeout=self.timeout) is False:
                 raise RuntimeError(f"not completed within {self.timeout}")
         except Exception as exc:
             raise RuntimeError(
@@ -115,6 +118,28 @@ class Comm:
                 f"{self.timeout}): {exc}. Every rank must call step(), clip_grad_norm_(), state_dict() and "
                 "sharded_state_dict() together; another rank may have failed or stopped."
             ) from exc
+
+    def _poll(self, work: Any) -> None:
+        """Wait for a gloo collective, at most ``timeout``. Gloo's ``Work.wait(timeout)`` is not honoured by every
+        collective (reduce_scatter's work has no timeout and waits for the process group's own, 30 minutes by
+        default), so the wait runs on a daemon thread (``wait`` releases the GIL) and the deadline is kept here.
+        A thread left waiting on a dead peer cannot keep the process alive."""
+        done = threading.Event()
+        failure: List[BaseException] = []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # re-raised on the calling thread
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="zero_offload_wait", daemon=True).start()
+        if not done.wait(self.timeout.total_seconds()):
+            raise RuntimeError(f"not completed within {self.timeout}")
+        if failure:
+            raise failure[0]
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> None:
         self._run("reduce_scatter", where, lambda: self._rs(out, inp, group=self.group, async_op=True))
@@ -262,8 +287,12 @@ def _sharded_tensor(local: torch.Tensor, bucket: ShardedBucket, i: int):
 
     comm = bucket.comm
     numel = bucket.full.numels[i]
-    metas = [ShardMetadata(shard_offsets=[start], shard_sizes=[n], placement=f"rank:{r}/cpu")
-             for r, start, n in shard_pieces(bucket.full.offsets[i], numel, bucket.shard_numel, comm.world)]
+    pieces = {r: (start, n) for r, start, n in shard_pieces(bucket.full.offsets[i], numel, bucket.shard_numel,
+                                                               comm.world)}
+    # A rank that owns nothing of this parameter still gets a shard, empty, at the end: DCP's loader drops a
+    # ShardedTensor without local shards from the rank's plan and then reports its key missing.
+    metas = [ShardMetadata(shard_offsets=[pieces.get(r, (numel, 0))[0]], shard_sizes=[pieces.get(r, (numel, 0))[1]],
+                           placement=f"rank:{r}/cpu") for r in range(comm.world)]
     mine = [Shard(local, m) for m in metas if m.placement.rank() == comm.rank]
     props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
