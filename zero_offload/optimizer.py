@@ -157,6 +157,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
     taken right after that bucket's gradients were gathered, and free when :meth:`clip_grad_norm_` already
     computed it. Every bucket is checked before the first one is updated.
 
+    **Sharded over a process group** (``process_group``): each bucket is padded to a multiple of ``N * 64``
+    elements and rank ``r`` owns the ``r``-th of N equal contiguous shards (parameters may straddle shards). At
+    ``step()`` every bucket's gradients are flattened and reduce-scattered (summed; the 1/N is folded into the
+    kernel's gradient multiplier), only the owned shard reaches the host, the kernel updates it, and the updated
+    shard is all-gathered into the full parameters. One all-reduce of a small tensor per step combines the
+    gradient norm, the non-finite check and which parameters have a gradient on any rank (a parameter with a
+    gradient on some ranks only is updated on all, the others' gradients counting as zero); ``clip_grad_norm_``
+    with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds the step and this rank's piece
+    of each state tensor (1-D); :meth:`state_dict` gathers the full state and :meth:`sharded_state_dict` gives
+    the sharded one for ``torch.distributed.checkpoint``. With a ``GradScaler``, every rank must see the same
+    ``found_inf``: true under DDP; otherwise use ``torch.distributed.fsdp.ShardedGradScaler`` and call
+    ``scaler.unscale_(opt)`` before ``scaler.step(opt)``.
+
     **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
     ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16
     parameters. The tensors are views of the host buffers (as AdamW's are its live state); modify them in place
@@ -192,6 +205,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory (bool, optional): page-lock the host buffers. None pins exactly the buckets whose parameters
             are on CUDA (pinning buys nothing without transfers and locks RAM); True pins every bucket (needs
             CUDA); False pins none (host<->device copies then run synchronously). Default: None.
+        process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO; e.g.
+            ``torch.distributed.group.WORLD``): each rank keeps 1/N of every bucket's masters and moments, 12/N
+            bytes per parameter. Every rank must build the optimizer over the same parameter shapes in the same
+            order (checked: ``ValueError`` on every rank otherwise) and call ``step()``, ``clip_grad_norm_()``
+            and ``state_dict()`` together. Rank 0's initial parameters are broadcast to the others at
+            construction, as DDP does. Default: None (no sharding: the single-process behaviour).
+        grads_reduced (bool): the gradients are already averaged over the group, as under
+            ``DistributedDataParallel``: each rank takes its slice instead of reduce-scattering (ZeRO-1, like
+            ``torch.distributed.optim.ZeroRedundancyOptimizer``). False (the default) reduce-scatters and
+            averages: right for a model that is not DDP-wrapped, and still correct (averaging identical averages,
+            one collective wasted) under DDP. Needs ``process_group``. Default: False.
+        timeout (timedelta or float, optional): the longest any one collective may take (seconds if a number);
+            past it, or on a collective's failure, ``RuntimeError`` names this rank, the collective and the
+            bucket (param group and bucket index). Needs ``process_group``. Default: 30 minutes.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite (``nonfinite="skip"`` or a
