@@ -28,7 +28,8 @@ import torch
 
 from zero_offload.host_memory import HostMemoryEstimate, empty_host, estimate_bucket
 
-__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "plan_buckets", "align_up", "view_like"]
+__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardedBucket", "plan_buckets", "align_up", "view_like",
+           "memory_order_flat"]
 
 # Elements. 64 elements is a whole number of 64-byte cache lines for 1-, 2- and 4-byte dtypes and a multiple of
 # every SIMD width the kernel uses, so no slot shares a line or a vector with its neighbour.
@@ -117,6 +118,14 @@ def view_like(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tens
     return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + offset)
 
 
+def memory_order_flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a 1-D tensor in the order :func:`view_like` lays them out in a slot: memory order for
+    a dense tensor (a view), logical order otherwise (a copy when ``t`` is not contiguous)."""
+    if t.is_contiguous() or not _dense(t):
+        return t.reshape(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements exactly fill ``t.numel()`` consecutive memory slots in some dimension order."""
     expected = 1
@@ -195,6 +204,12 @@ class FlatBucket:
     the master rounded to its dtype: loading a model checkpoint after building the optimizer just works.
     """
 
+    sharded = False  # see ShardedBucket
+    # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
+    grad_multiplier = 1.0
+    h2d_event = None  # torch.cuda.Event after the last upload of a delayed update (see OffloadOptimizer)
+    grad_prev: Optional[torch.Tensor] = None  # delayed_update's second gradient buffer
+
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool):
         self.layout = layout
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
@@ -236,8 +251,6 @@ class FlatBucket:
         self.exposed = [False] * len(self.params)
         self.all_exposed = False
         self.d2h_event = None  # torch.cuda.Event once a CUDA gather has run
-        self.h2d_event = None  # torch.cuda.Event after the last upload of a delayed update
-        self.grad_prev: Optional[torch.Tensor] = None  # delayed_update's second gradient buffer
         self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
 
     # -- layout --------------------------------------------------------------------------------------------------
@@ -495,4 +508,270 @@ class FlatBucket:
             srcs = self.staging_views if self.low_precision else self.master_views
             with torch.cuda.stream(stream):
                 torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
+        self.record_versions(indices)
+
+
+class ShardedBucket(FlatBucket):
+    """A bucket whose optimizer state is sharded over the ranks of a process group (ZeRO).
+
+    The bucket's full flat layout (``full``) is padded to a multiple of ``world * ALIGN`` elements and cut into
+    ``world`` equal contiguous shards of ``S`` elements (a multiple of :data:`ALIGN`); rank ``r`` owns
+    ``[r * S, (r + 1) * S)``. A parameter may straddle shard boundaries, and a rank may own only padding. The host
+    state buffers (``master``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), the host gradient ``grad`` and,
+    on CUDA, ``staging`` hold that shard only: 12 / world bytes of fp32 state per parameter on each rank.
+
+    ``layout`` describes the shard in the coordinates the optimizer's update loop uses: same parameters, each with
+    its *piece* (the part of its slot inside the shard, possibly empty) at a shard-local offset, and
+    ``padded_numel == S``. So ``layout.span``, the flat buffers, the per-parameter views (1-D pieces) and the
+    kernel calls of :class:`FlatBucket` all work unchanged on the shard; this class replaces how gradients come in
+    (flattened, then reduce-scattered or, when they are already reduced, sliced) and how parameters go out (the
+    updated shard is all-gathered into the full parameters).
+
+    * On CPU the parameters are views of one full flat buffer ``flat_param`` (the rank's slice of it *is* the fp32
+      master, or the bf16/fp16 ``staging`` the kernel writes), and gradients are copied into (or, after
+      ``zero_grad(set_to_none=False)``, accumulated in) a full flat buffer ``flat_grad`` that the reduce-scatter
+      reads.
+    * On CUDA the parameters stay where they are; gradients are flattened into a transient device buffer, the
+      reduce-scatter leaves the owned shard on the device and only that shard is copied to pinned host memory;
+      the updated shard goes up and is all-gathered into a transient device buffer copied into the parameters.
+
+    Every rank must call the collectives in the same order: which parameters have a gradient is agreed over the
+    group before the update (:meth:`set_present`), so every rank runs the same buckets.
+
+    Args:
+        layout (BucketLayout): the bucket as :func:`plan_buckets` made it (unsharded).
+        params (Sequence[Tensor]): the group's parameters.
+        amsgrad (bool): allocate ``max_exp_avg_sq``.
+        pin (bool): page-lock the host shard buffers (they take part in device copies); ignored on CPU.
+        comm: the group's collectives (``zero_offload.distributed.Comm``).
+        where (str): "param group G, bucket B", for error messages.
+    """
+
+    sharded = True
+
+    def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool, comm,
+                 where: str):
+        world, rank = comm.world, comm.rank
+        padded = align_up(layout.padded_numel, ALIGN * world)
+        shard = padded // world
+        lo = rank * shard
+        self.comm, self.where = comm, where
+        self.full = dataclasses.replace(layout, padded_numel=padded)
+        self.shard_lo, self.shard_numel = lo, shard
+        # Each parameter's piece: [a, b) in the shard, starting at element `src` of the parameter's slot.
+        pieces = [(min(max(o - lo, 0), shard), min(max(o + n - lo, 0), shard))
+                  for o, n in zip(layout.offsets, layout.numels)]
+        self.pieces = pieces
+        self.piece_src = [a + lo - o for (a, _), o in zip(pieces, layout.offsets)]
+        self.layout = BucketLayout(layout.indices, tuple(a for a, _ in pieces), tuple(b - a for a, b in pieces),
+                                   shard, layout.device, layout.dtype)
+        self.params = [params[i] for i in layout.indices]
+        self.device, self.dtype = layout.device, layout.dtype
+        self.on_cpu = layout.device.type == "cpu"
+        self.low_precision = layout.dtype != torch.float32
+        self.pin = pin and not self.on_cpu
+        self.grad_multiplier = 1.0 if comm.grads_reduced else 1.0 / world
+
+        def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return empty_host(n, dtype, pin=self.pin).zero_()
+
+        self.flat_param: Optional[torch.Tensor] = None
+        self.flat_grad: Optional[torch.Tensor] = None
+        if self.on_cpu:
+            self.flat_param = zeros(padded, layout.dtype)
+            self.flat_grad = zeros(padded, layout.dtype)
+            self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(self.full.offsets, self.params)]
+            self.flat_grad_views = [view_like(self.flat_grad, o, p) for o, p in zip(self.full.offsets, self.params)]
+        own = None if self.flat_param is None else self.flat_param[lo : lo + shard]
+        self.master = own if (own is not None and not self.low_precision) else zeros(shard, torch.float32)
+        self.exp_avg = zeros(shard, torch.float32)
+        self.exp_avg_sq = zeros(shard, torch.float32)
+        self.max_exp_avg_sq = zeros(shard, torch.float32) if amsgrad else None
+        self.grad = zeros(shard, layout.dtype)
+        self.staging = None
+        if self.low_precision:
+            self.staging = own if own is not None else zeros(shard, layout.dtype)
+        self.steps = torch.zeros(len(self.params), dtype=torch.float32)
+        self.master_views = self._views(self.master)
+        self.exp_avg_views = self._views(self.exp_avg)
+        self.exp_avg_sq_views = self._views(self.exp_avg_sq)
+        self.max_views = self._views(self.max_exp_avg_sq)
+        self.grad_views = self._views(self.grad)
+        self.staging_views = self._views(self.staging)
+        self.grad_slot_zero = [True] * len(self.params)  # of flat_grad's slots (CPU)
+        self.present = [False] * len(self.params)  # has a gradient on some rank: set by set_present
+        self.versions = [-1] * len(self.params)
+        self.exposed = [False] * len(self.params)
+        self.all_exposed = False
+        self.d2h_event = None
+        self.slot_ptrs: List[int] = []
+
+    def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        if flat is None:
+            return None
+        return [flat[a:b] for a, b in self.pieces]
+
+    def estimate(self) -> HostMemoryEstimate:
+        return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
+                               amsgrad=self.max_exp_avg_sq is not None, pin=self.pin, world_size=self.comm.world)
+
+    def buffers(self) -> Dict[str, torch.Tensor]:
+        out = super().buffers()
+        if self.flat_grad is not None:
+            out["flat_grad"] = self.flat_grad
+            out["flat_param"] = self.flat_param
+        return out
+
+    def bind(self) -> None:
+        """Make the parameters identical on every rank (rank 0's values, broadcast, as DDP does at
+        construction) and, on CPU, views of ``flat_param``. A collective: every rank binds its buckets in the same
+        order."""
+        if self.on_cpu:
+            for p, view in zip(self.params, self.param_views):
+                view.copy_(p.detach())
+            self.comm.broadcast(self.flat_param, f"initial parameters of {self.where}")
+            for p, view in zip(self.params, self.param_views):
+                p.data = view
+            self.slot_ptrs = [v.data_ptr() for v in self.param_views]
+            return
+        flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
+        views = [view_like(flat, o, p) for o, p in zip(self.full.offsets, self.params)]
+        torch._foreach_copy_(views, [p.detach() for p in self.params])
+        self.comm.broadcast(flat, f"initial parameters of {self.where}")
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, views)
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def refresh_masters(self, indices: Sequence[int]) -> None:
+        """As :meth:`FlatBucket.refresh_masters`, for this rank's piece of each parameter. Local: each rank
+        decides for its own pieces, with no collective."""
+        if not self.separate_master:
+            return
+        stale = [i for i in indices if self.params[i]._version != self.versions[i]]
+        for i in stale:
+            a, b = self.pieces[i]
+            if b > a:
+                if self.on_cpu:
+                    value = self.staging_views[i]  # the parameter's own storage
+                else:
+                    src = self.piece_src[i]
+                    value = memory_order_flat(self.params[i].detach())[src : src + b - a].to("cpu")
+                master = self.master_views[i]
+                if self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value):
+                    master.copy_(value)
+            self.versions[i] = self.params[i]._version
+
+    def load_entries(self, entries: Sequence[Optional[Dict[str, object]]]) -> None:
+        """Copy this rank's piece of each parameter's full (parameter-shaped) state into the shard; ``None``: fresh
+        state. Entries are already validated (``optimizer._check_entry``)."""
+        for i, entry in enumerate(entries):
+            a, b = self.pieces[i]
+            src = self.piece_src[i]
+            n = b - a
+            moments = [self.exp_avg_views[i], self.exp_avg_sq_views[i]]
+            if self.max_views is not None:
+                moments.append(self.max_views[i])
+            if entry is None:
+                for m in moments:
+                    m.zero_()
+                self.steps[i] = 0.0
+                self.exposed[i] = False
+                if self.separate_master:
+                    self.versions[i] = -1
+                continue
+            self.steps[i] = entry["step"]
+            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.max_views is not None else [])
+            for m, key in zip(moments, keys):
+                if key in entry:
+                    m.copy_(memory_order_flat(entry[key])[src : src + n])
+                else:
+                    m.zero_()
+            if self.separate_master:
+                if "master" in entry:
+                    self.master_views[i].copy_(memory_order_flat(entry["master"])[src : src + n])
+                    self.versions[i] = self.params[i]._version
+                else:
+                    self.versions[i] = -1
+
+    # -- gradients in --------------------------------------------------------------------------------------
+    def set_present(self, present: Sequence[bool]) -> None:
+        """Which parameters have a gradient on at least one rank (agreed over the group): those are updated,
+        a missing gradient counting as zero on the ranks that lack it."""
+        self.present = list(present)
+
+    def runs(self, grads: List[Optional[torch.Tensor]]) -> List[Tuple[int, int, int]]:
+        return super().runs([True if p else None for p in self.present])
+
+    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None) -> None:
+        """Flatten the gradients (absent ones as zeros) and leave this rank's shard of their sum over the group
+        (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``. On CUDA the copy to the host
+        is enqueued on ``stream`` and recorded in ``d2h_event``. Returns None: the kernel reads ``grad``."""
+        lo, shard = self.shard_lo, self.shard_numel
+        if self.on_cpu:
+            dsts, srcs, sizes = [], [], []
+            for i, g in enumerate(grads):
+                view = self.flat_grad_views[i]
+                if g is None:
+                    if not self.grad_slot_zero[i]:
+                        view.zero_()
+                        self.grad_slot_zero[i] = True
+                    continue
+                self.grad_slot_zero[i] = False
+                if g is not view:  # a view installed by zero_grad(set_to_none=False) needs no copy
+                    dsts.append(view)
+                    srcs.append(g)
+                    sizes.append(self.full.numels[i])
+            if dsts:
+                copy_many_(dsts, srcs, sizes)
+            if self.comm.grads_reduced:
+                self.grad.copy_(self.flat_grad[lo : lo + shard])
+            else:
+                self.comm.reduce_scatter(self.grad, self.flat_grad, f"gradients of {self.where}")
+            return None
+        if self.d2h_event is None:
+            self.d2h_event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            if present:
+                torch._foreach_copy_([view_like(flat, self.full.offsets[i], self.params[i]) for i in present],
+                                     [grads[i] for i in present])
+            if self.comm.grads_reduced:
+                own = flat[lo : lo + shard]
+            else:
+                own = torch.empty(shard, dtype=self.dtype, device=self.device)
+                self.comm.reduce_scatter(own, flat, f"gradients of {self.where}")
+            self.grad.copy_(own, non_blocking=True)
+            self.d2h_event.record(stream)
+        return None
+
+    def zero_grads_as_views(self) -> None:
+        """``zero_grad(set_to_none=False)`` on CPU: existing gradients become zeroed views of ``flat_grad``."""
+        self.flat_grad.zero_()
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None:
+                self.grad_slot_zero[i] = True
+                if g is not self.flat_grad_views[i]:
+                    p.grad = self.flat_grad_views[i]
+
+    # -- parameters out ------------------------------------------------------------------------------------
+    def scatter_params(self, indices: Sequence[int], stream=None) -> None:
+        """All-gather the updated shard (fp32 master, or the bf16/fp16 staging copy) into the full parameters.
+        The whole bucket is gathered whatever ``indices`` are (every rank gathers the same buckets)."""
+        lo, shard = self.shard_lo, self.shard_numel
+        if self.on_cpu:
+            # The shard is flat_param's own slice: gathered in place.
+            self.comm.all_gather(self.flat_param, self.flat_param[lo : lo + shard], f"parameters of {self.where}")
+            torch.autograd.graph.increment_version([self.params[i] for i in indices])
+        else:
+            src = self.staging if self.low_precision else self.master
+            with torch.cuda.stream(stream):
+                own = torch.empty(shard, dtype=self.dtype, device=self.device)
+                own.copy_(src, non_blocking=True)
+                flat = torch.empty(self.full.padded_numel, dtype=self.dtype, device=self.device)
+                self.comm.all_gather(flat, own, f"parameters of {self.where}")
+                # Only the parameters updated: another's master may not have been initialised from it yet.
+                torch._foreach_copy_([self.params[i] for i in indices],
+                                     [view_like(flat, self.full.offsets[i], self.params[i]) for i in indices])
         self.record_versions(indices)

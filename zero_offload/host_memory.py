@@ -110,6 +110,10 @@ def available_host_bytes() -> Optional[int]:
     return None
 
 
+# Buffers that are not optimizer state: gradients, and parameter copies or storage.
+_NOT_STATE = ("grad", "staging", "flat_grad", "params")
+
+
 @dataclasses.dataclass(frozen=True)
 class HostMemoryEstimate:
     """Host RAM an :class:`~zero_offload.OffloadOptimizer` allocates, computed from the same bucket layout that
@@ -119,7 +123,10 @@ class HostMemoryEstimate:
         numel (int): parameter elements being optimized.
         padded_numel (int): elements per flat buffer summed over buckets, alignment padding included.
         buffers (Dict[str, int]): bytes per buffer kind: ``master``, ``exp_avg``, ``exp_avg_sq``,
-            ``max_exp_avg_sq``, ``grad`` (host gradient buffers) and ``staging`` (low-precision parameter copies).
+            ``max_exp_avg_sq``, ``grad`` (host gradient buffers) and ``staging`` (low-precision parameter copies);
+            sharded over a process group (``world_size > 1``) these hold the rank's shard only, and a CPU bucket
+            adds ``flat_grad`` (the full flat gradient buffer the reduce-scatter reads) and ``params`` (the rest of
+            the full flat parameter buffer the parameters are views of, outside the rank's own slice).
         pinned_bytes (int): the part of the total that is page-locked.
         replaces_param_bytes (int): bytes of CPU parameter storage that become views of these buffers (fp32 CPU
             params live in ``master``, low-precision CPU params in ``staging``), so the process grows by
@@ -139,7 +146,7 @@ class HostMemoryEstimate:
     @property
     def state_bytes(self) -> int:
         """Master weights and moments: what an fp32 AdamW would hold as parameters plus state."""
-        return sum(v for k, v in self.buffers.items() if k not in ("grad", "staging"))
+        return sum(v for k, v in self.buffers.items() if k not in _NOT_STATE)
 
     @property
     def bytes_per_param(self) -> float:
@@ -179,19 +186,29 @@ def estimate_bucket(
     on_cpu: bool,
     amsgrad: bool,
     pin: bool,
+    world_size: int = 1,
 ) -> HostMemoryEstimate:
     """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. The buffer set is decided here and in
-    ``buckets.FlatBucket`` together: keep them in step."""
+    ``buckets.FlatBucket`` / ``buckets.ShardedBucket`` together: keep them in step.
+
+    With ``world_size > 1``, ``padded_numel`` is the bucket's full padded length (a multiple of ``world_size``)
+    and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard."""
     low_precision = param_dtype != torch.float32
     grad_itemsize = torch.empty((), dtype=param_dtype).element_size()
+    shard = padded_numel // world_size
     buffers = {
-        "master": 4 * padded_numel,
-        "exp_avg": 4 * padded_numel,
-        "exp_avg_sq": 4 * padded_numel,
-        "max_exp_avg_sq": 4 * padded_numel if amsgrad else 0,
-        "grad": grad_itemsize * padded_numel,
-        "staging": grad_itemsize * padded_numel if low_precision else 0,
+        "master": 4 * shard,
+        "exp_avg": 4 * shard,
+        "exp_avg_sq": 4 * shard,
+        "max_exp_avg_sq": 4 * shard if amsgrad else 0,
+        "grad": grad_itemsize * shard,
+        "staging": grad_itemsize * shard if low_precision else 0,
     }
+    if world_size > 1 and on_cpu:
+        buffers["flat_grad"] = grad_itemsize * padded_numel
+        # The full flat parameter buffer; the rank's slice of it is the master (fp32) or the staging copy.
+        buffers["params"] = grad_itemsize * (padded_numel - shard)
+        pin = False  # nothing of a CPU bucket crosses to a device
     total = sum(buffers.values())
     replaced = numel * grad_itemsize if on_cpu else 0
     return HostMemoryEstimate(numel, padded_numel, buffers, total if pin else 0, replaced)

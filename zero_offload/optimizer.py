@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from zero_offload import functional
-from zero_offload.buckets import BucketLayout, FlatBucket, plan_buckets
+from zero_offload.buckets import ALIGN, BucketLayout, FlatBucket, ShardedBucket, align_up, plan_buckets
 from zero_offload.grad_stream import BucketStream, GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, estimate_bucket, format_bytes
 
@@ -195,6 +195,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
     taken right after that bucket's gradients were gathered, and free when :meth:`clip_grad_norm_` already
     computed it. Every bucket is checked before the first one is updated.
 
+    **Sharded over a process group** (``process_group``): each bucket is padded to a multiple of ``N * 64``
+    elements and rank ``r`` owns the ``r``-th of N equal contiguous shards (parameters may straddle shards). At
+    ``step()`` every bucket's gradients are flattened and reduce-scattered (summed; the 1/N is folded into the
+    kernel's gradient multiplier), only the owned shard reaches the host, the kernel updates it, and the updated
+    shard is all-gathered into the full parameters. One all-reduce of a small tensor per step combines the
+    gradient norm, the non-finite check and which parameters have a gradient on any rank (a parameter with a
+    gradient on some ranks only is updated on all, the others' gradients counting as zero); ``clip_grad_norm_``
+    with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds the step and this rank's piece
+    of each state tensor (1-D); :meth:`state_dict` gathers the full state and :meth:`sharded_state_dict` gives
+    the sharded one for ``torch.distributed.checkpoint``. With a ``GradScaler``, every rank must see the same
+    ``found_inf``: true under DDP; otherwise use ``torch.distributed.fsdp.ShardedGradScaler`` and call
+    ``scaler.unscale_(opt)`` before ``scaler.step(opt)``.
+
     **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
     ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16
     parameters. The tensors are views of the host buffers (as AdamW's are its live state); modify them in place
@@ -230,6 +243,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory (bool, optional): page-lock the host buffers. None pins exactly the buckets whose parameters
             are on CUDA (pinning buys nothing without transfers and locks RAM); True pins every bucket (needs
             CUDA); False pins none (host<->device copies then run synchronously). Default: None.
+        process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO; e.g.
+            ``torch.distributed.group.WORLD``): each rank keeps 1/N of every bucket's masters and moments, 12/N
+            bytes per parameter. Every rank must build the optimizer over the same parameter shapes in the same
+            order (checked: ``ValueError`` on every rank otherwise) and call ``step()``, ``clip_grad_norm_()``
+            and ``state_dict()`` together. Rank 0's initial parameters are broadcast to the others at
+            construction, as DDP does. Default: None (no sharding: the single-process behaviour).
+        grads_reduced (bool): the gradients are already averaged over the group, as under
+            ``DistributedDataParallel``: each rank takes its slice instead of reduce-scattering (ZeRO-1, like
+            ``torch.distributed.optim.ZeroRedundancyOptimizer``). False (the default) reduce-scatters and
+            averages: right for a model that is not DDP-wrapped, and still correct (averaging identical averages,
+            one collective wasted) under DDP. Needs ``process_group``. Default: False.
+        timeout (timedelta or float, optional): the longest any one collective may take (seconds if a number);
+            past it, or on a collective's failure, ``RuntimeError`` names this rank, the collective and the
+            bucket (param group and bucket index). Needs ``process_group``. Default: 30 minutes.
         stream_grads (bool, optional): copy each bucket's gradients to the host from backward hooks, as soon as
             they are final (see above). None streams the buckets on CUDA (and all, with ``delayed_update``);
             True streams every bucket; False gathers gradients at ``step()``. Default: None.
@@ -270,6 +297,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         release_grads: bool = False,
         overlap_step: bool = False,
         delayed_update: bool = False,
+        process_group: Optional[Any] = None,
+        grads_reduced: bool = False,
+        timeout: Optional[Any] = None,
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
         if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
@@ -299,6 +329,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "gradients exist, so a whole step cannot be skipped or refused on an inf/nan: pass "
                 "nonfinite='ignore' with it"
             )
+        # zero_offload.distributed.Comm when the state is sharded over process_group, else None.
+        self._shard: Optional[Any] = None
+        self._grad_stats: Optional[Any] = None
+        if process_group is not None:
+            from zero_offload.distributed import DEFAULT_TIMEOUT, Comm
+
+            self._shard = Comm(process_group, DEFAULT_TIMEOUT if timeout is None else timeout, grads_reduced)
+        elif grads_reduced or timeout is not None:
+            raise ValueError("grads_reduced and timeout only apply with a process_group, and none was given")
+        if process_group is not None and (stream_grads or overlap_step or delayed_update):
+            raise ValueError("stream_grads, overlap_step and delayed_update are not yet combined with a "
+                             "process_group: sharded buckets are reduce-scattered at step()")
         self.nonfinite = nonfinite
         self.bucket_numel = bucket_numel
         self.pin_memory = pin_memory
@@ -338,6 +380,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         amsgrad: bool = False,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         pin_memory: Optional[bool] = None,
+        world_size: int = 1,
     ) -> HostMemoryEstimate:
         """Host RAM an ``OffloadOptimizer`` over ``params`` will allocate, computed without allocating anything
         (same bucket layout as the real allocation, so exact).
@@ -347,6 +390,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             amsgrad (bool): the default for groups that do not set it. Default: False.
             bucket_numel (int): as for the constructor. Default: 2**25.
             pin_memory (bool, optional): as for the constructor. Default: None.
+            world_size (int): the size of the ``process_group`` the state will be sharded over: the estimate is
+                then per rank. Default: 1.
 
         Returns:
             HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
@@ -358,7 +403,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for g in groups:
             ps = g["params"]
             ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
-            total = total + _estimate(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)), pin_memory)
+            total = total + _estimate(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)), pin_memory,
+                                      world_size)
         return total
 
     def host_memory_estimate(self) -> HostMemoryEstimate:
@@ -395,18 +441,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
         _check_params(tensors)
         n_groups = len(self.param_groups)
+        if self._shard is not None:
+            self._shard.check_same_params(tensors, n_groups)
         param_group["params"] = raw
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             group = self.param_groups[-1]
             layouts = plan_buckets(group["params"], self.bucket_numel)
-            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory)
+            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory, self._world_size)
             avail = available_host_bytes()
             if avail is not None and est.total_bytes - est.replaces_param_bytes > avail:
                 logger.warning("OffloadOptimizer: param group %d needs %s of host RAM, %s is available", n_groups,
                                format_bytes(est.total_bytes - est.replaces_param_bytes), format_bytes(avail))
-            buckets = [FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]),
-                                  pin=_should_pin(layout.device, self.pin_memory)) for layout in layouts]
+            buckets = [self._new_bucket(layout, group, n_groups, bi) for bi, layout in enumerate(layouts)]
         except BaseException:
             del self.param_groups[n_groups:]
             raise
@@ -420,6 +467,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 bucket.bind()
             logger.info("OffloadOptimizer: added param group %d, %d buckets: %s", n_groups, len(buckets),
                         est.describe())
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self._shard is None else self._shard.world
+
+    def _new_bucket(self, layout: BucketLayout, group: Dict[str, Any], gi: int, bi: int) -> FlatBucket:
+        pin = _should_pin(layout.device, self.pin_memory)
+        if self._shard is None:
+            return FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin)
+        return ShardedBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin, comm=self._shard,
+                             where=f"param group {gi}, bucket {bi}")
 
     # ------------------------------------------------------------------------------------------------- step --
     @torch.no_grad()
@@ -446,7 +504,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         scaler = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         pending, self._pending = self._pending, None
         hypers = [_Hyper.read(g) for g in self.param_groups]
-        self._reexpose(every=False)
+        if self._shard is None:
+            self._reexpose(every=False)
         self._streamer.wait_updates()
         # A GradScaler's unscale_ (signalled by grad_scale None) rewrote the gradients without a version bump.
         plans = pending.plans if pending is not None else self._collect(fresh=scaler and grad_scale is None)
@@ -528,7 +587,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                       decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
                       max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
-                      grad_scale=multiplier, param_out=None if bucket.staging is None else bucket.staging[a:b])
+                      grad_scale=multiplier * bucket.grad_multiplier,
+                      param_out=None if bucket.staging is None else bucket.staging[a:b])
             if in_place is None:
                 functional.cpu_adam_(bucket.master[a:b], flat_grad[a:b], bucket.exp_avg[a:b],
                                      bucket.exp_avg_sq[a:b], **kw)
@@ -659,6 +719,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _streamed(self, device: torch.device) -> bool:
         """Whether buckets on ``device`` stream their gradients in backward (see ``stream_grads``)."""
+        if self._shard is not None:
+            return False  # see the constructor: sharded buckets are reduce-scattered at step()
         if self.stream_grads is not None:
             return self.stream_grads
         return device.type == "cuda" or self.delayed_update
@@ -687,7 +749,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Make every bucket's gradients readable on the host (a CUDA bucket's copied into its buffer; a CPU
         bucket's where they are, recorded in its plan entry); with ``check``, return whether any is inf/nan.
 
-        A CPU bucket is checked right after its own gather, when whatever it copied is still in cache."""
+        A CPU bucket is checked right after its own gather, when whatever it copied is still in cache.
+
+        Sharded: every bucket is reduce-scattered, then one all-reduce combines the norm, the check and which
+        parameters have a gradient (``zero_offload.distributed.Comm.gather``)."""
+        if self._shard is not None:
+            self._grad_stats = self._shard.gather(plans, self._stream)
+            return check and self._grad_stats.nonfinite
         # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
         pairs = list(chain.from_iterable(plans))
         waited = set()
@@ -806,7 +874,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._gather(plans)
         entries = list(chain.from_iterable(plans))
         nonfinite = False
-        if norm_type == 2.0:
+        if self._shard is not None:  # the averaged gradient's norm over the group
+            self._wait_all(plans)
+            total, nonfinite = self._shard.total_norm(plans, norm_type, self._grad_stats)
+        elif norm_type == 2.0:
             # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
             gpu_norms = self._streamer.norms([b for b, _, _ in entries if not b.on_cpu])
             self._wait_all(plans)
@@ -844,10 +915,58 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
         """AdamW's state dict (see the class docstring): per-parameter tensors are views of the host buffers.
-        With ``delayed_update``, the pending update is applied first (:meth:`flush`)."""
+        With ``delayed_update``, the pending update is applied first (:meth:`flush`).
+
+        With a ``process_group`` it is a collective (every rank must call it, in the same order as the other
+        collectives) that gathers the full, parameter-shaped state bucket by bucket onto *every* rank: the
+        result costs each rank 12 bytes per parameter (16 with amsgrad, +4 for a bf16/fp16 parameter's master)
+        of CPU memory for as long as it is kept, so save it from one rank and drop it. It loads into
+        ``torch.optim.AdamW`` and into this optimizer at any world size. For large models prefer
+        :meth:`sharded_state_dict` with ``torch.distributed.checkpoint``, which never gathers."""
         self.flush()
-        self._reexpose(every=True)
-        return super().state_dict()
+        if self._shard is None:
+            self._reexpose(every=True)
+        sd = super().state_dict()
+        if self._shard is not None:
+            sd["state"] = self._shard.full_state(self._buckets, self.param_groups)
+        return sd
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """The optimizer state for ``torch.distributed.checkpoint`` (DCP), with nothing gathered: a run saved on N
+        ranks resumes on M ranks, or in one process without a group, with the same trajectory.
+
+        ``{"state": {"<index>": {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}}, "param_groups":
+        [...]}``, a parameter's index counted over all groups as in :meth:`state_dict`. Every state tensor is the
+        parameter's state *flattened* to 1-D (in the parameter's memory order): with a process group, a
+        ``ShardedTensor`` whose local shard is this rank's piece, at its offset; without one, a plain 1-D tensor.
+        Those tensors are views of the optimizer's host buffers: ``dcp.save`` reads them where they are and
+        ``dcp.load`` writes into them in place, so neither needs extra memory. Every parameter has an entry
+        (``step`` 0 if it never had a gradient). Building it involves no collective.
+
+        Usage (the same on every rank; the model's own weights are saved alongside as usual)::
+
+            dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            ...
+            sd = {"optim": opt.sharded_state_dict()}
+            dcp.load(sd, checkpoint_id=path)          # fills the optimizer's buffers in place
+            opt.load_sharded_state_dict(sd["optim"])  # steps and hyperparameters
+        """
+        from zero_offload import distributed
+
+        return distributed.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Finish loading a :meth:`sharded_state_dict` filled by ``torch.distributed.checkpoint.load``: its moments
+        (and masters) are already in this optimizer's buffers; this validates and applies the step counts and the
+        param groups' hyperparameters (``ValueError`` naming the problem, before anything is applied). Local:
+        no collective.
+
+        Args:
+            state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
+        """
+        from zero_offload import distributed
+
+        distributed.load_sharded_state_dict(self, state_dict)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context manager for gradient accumulation: backward passes inside it keep their gradients in ``.grad``
@@ -863,7 +982,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         and step), then copied; an invalid state dict raises ``ValueError`` and changes nothing. Parameters without
         an entry start fresh (step 0, zero moments), as they would in AdamW. A bf16/fp16 parameter without a
         ``master`` entry gets its master from the parameter. ``capturable``/``differentiable`` in the loaded
-        groups are reset to False (see the constructor).
+        groups are reset to False (see the constructor). With a ``process_group``, ``state_dict`` is the full
+        state (from any world size, or from AdamW) and each rank copies only the piece it owns: no collective.
 
         Args:
             state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
@@ -936,6 +1056,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_bucket(self, bucket: FlatBucket, entries: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+        if bucket.sharded:  # this rank's piece of each full entry
+            bucket.load_entries([entries.get(p) for p in bucket.params])
+            for i, p in enumerate(bucket.params):
+                if entries.get(p) is not None:
+                    self.state[p] = bucket.state_entry(i)
+                    bucket.exposed[i] = True
+            bucket.all_exposed = all(bucket.exposed)
+            return
         dsts: List[torch.Tensor] = []
         srcs: List[torch.Tensor] = []
         zero: List[torch.Tensor] = []
@@ -1015,12 +1143,14 @@ def _host_sq_norm(bucket: FlatBucket, in_place: Optional[_Grads]) -> Tuple[float
     return functional._grad_sq_norm_segments(_host_grads(bucket, in_place))
 
 
-def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool]) -> HostMemoryEstimate:
+def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool], world_size: int = 1
+              ) -> HostMemoryEstimate:
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout in layouts:
-        total = total + estimate_bucket(layout.numel, layout.padded_numel, layout.dtype,
+        padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
+        total = total + estimate_bucket(layout.numel, padded, layout.dtype,
                                         on_cpu=layout.device.type == "cpu", amsgrad=amsgrad,
-                                        pin=_should_pin(layout.device, pin_memory))
+                                        pin=_should_pin(layout.device, pin_memory), world_size=world_size)
     return total
 
 

@@ -1,0 +1,501 @@
+"""OffloadOptimizer sharded over a process group (ZeRO), on CPU with gloo, in processes started with the ``spawn``
+method: world sizes 2 and 3 against single-process ``torch.optim.AdamW(foreach=False)`` on the whole batch, params
+compared every step at default ``assert_close`` tolerance.
+
+Parameter sizes 1, 7, 17, 119, 51 and 4097 with a small ``bucket_numel`` give several buckets per group,
+parameters straddling shard boundaries, and (at world 3) a rank that owns only padding. The global batch (6 rows)
+is split evenly over the ranks, each rank's loss is the mean over its rows, so the average over ranks of their
+gradients is the whole-batch gradient: the only difference from the reference is the order of the floating-point
+sums (each rank's own rows, then across ranks), which default tolerance absorbs on this smooth model. ``aux`` is
+used only for rows flagged in the data, so in some steps it has a gradient on one rank only (it must still be
+updated on every rank, with the other rank's gradient counted as zero) and in some steps on none (not updated).
+
+Each test is one small spawn (the processes' startup, about 5 s on 2 cores, dominates).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zero_offload import OffloadOptimizer
+
+STEPS = 20
+BATCH = 6  # divisible by 2 and 3
+BUCKET_NUMEL = 200
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+class Net(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        r = lambda *s: torch.randn(*s) * 0.3  # noqa: E731
+        self.a = nn.Parameter(1.0 + r(1))
+        self.b = nn.Parameter(r(7))
+        self.w1 = nn.Parameter(r(17, 7))
+        self.c = nn.Parameter(r(17))
+        self.big = nn.Parameter(r(4097))
+        self.w2 = nn.Parameter(r(3, 17))
+        self.aux = nn.Parameter(r(17))
+        self.to(dtype)
+
+    def forward(self, x, ids, flag):
+        h = torch.tanh((x + self.b) @ self.w1.t() + self.c)
+        out = (h @ self.w2.t()).sum(-1) * self.a + self.big[ids].sum(-1)
+        if bool(flag.any()):  # only rows flagged in the data use aux
+            out = out.index_add(0, flag.nonzero()[:, 0], (h[flag] @ self.aux) * 0.1)
+        return out
+
+
+def groups(model: nn.Module):
+    decay = [model.w1, model.big, model.w2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": [model.a, model.b, model.c, model.aux], "lr": 2e-2,
+                                                      "weight_decay": 0.0}]
+
+
+def data(step: int, micro: int = 0):
+    gen = torch.Generator().manual_seed(100 * step + micro)
+    x = torch.randn(BATCH, 7, generator=gen)
+    ids = torch.randint(0, 4097, (BATCH, 5), generator=gen)
+    y = torch.randn(BATCH, generator=gen)
+    flag = torch.rand(BATCH, generator=gen) < 0.25
+    return x, ids, y, flag
+
+
+def loss_on(model, step, micro, rows, dtype=torch.float32):
+    x, ids, y, flag = (t[rows] for t in data(step, micro))
+    return F.mse_loss(model(x.to(dtype), ids, flag).float(), y)
+
+
+def rows_of(rank: int, world: int) -> slice:
+    n = BATCH // world
+    return slice(rank * n, (rank + 1) * n)
+
+
+# ----------------------------------------------------------------------------------------------- harness --
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, outdir):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    # Written synchronously, before tearing the group down (which can block when another rank failed).
+    torch.save(result, os.path.join(outdir, f"{rank}.tmp"))
+    os.replace(os.path.join(outdir, f"{rank}.tmp"), os.path.join(outdir, f"{rank}.pt"))
+    if result[0] == "ok":
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world: int, *args, timeout: float = 90.0, expect_errors: bool = False) -> Dict[int, Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined in one gloo group; returns each rank's
+    result, or (``expect_errors``) ``(status, result or traceback)`` per rank. Fails the test on a hang."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    out: Dict[int, Any] = {}
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, outdir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) < world:
+                for r in range(world):
+                    f = os.path.join(outdir, f"{r}.pt")
+                    if r not in out and os.path.exists(f):
+                        out[r] = torch.load(f, weights_only=False)
+                    elif r not in out and not procs[r].is_alive():
+                        out[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} and no result")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout} s")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if expect_errors:
+        return out
+    errors = {r: res for r, (st, res) in out.items() if st != "ok"}
+    if errors:
+        raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    return {r: res for r, (_, res) in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------- workers --
+def _make(rank, seed_ours=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    ref_model = Net()
+    torch.manual_seed(seed_ours if seed_ours is not None else 0)
+    model = Net(dtype)  # a different init on other ranks: the constructor must broadcast rank 0's
+    return model, ref_model
+
+
+def _step(model, opt, step, rank, world, *, accumulate=1, clip=None, norm_type=2.0, set_to_none=True,
+          dtype=torch.float32):
+    opt.zero_grad(set_to_none=set_to_none)
+    for micro in range(accumulate):
+        (loss_on(model, step, micro, rows_of(rank, world), dtype) / accumulate).backward()
+    norm = opt.clip_grad_norm_(clip, norm_type) if clip is not None else None
+    opt.step()
+    return norm
+
+
+def _ref_step(ref_model, ref, step, *, accumulate=1, clip=None, norm_type=2.0, set_to_none=True):
+    ref.zero_grad(set_to_none=set_to_none)
+    for micro in range(accumulate):
+        (loss_on(ref_model, step, micro, slice(None)) / accumulate).backward()
+    norm = (torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip, norm_type, foreach=False)
+            if clip is not None else None)
+    ref.step()
+    return norm
+
+
+def _compare(model, ref_model, where):
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=lambda m: f"{where}, {name}: {m}")
+
+
+VARIANTS = {
+    "plain": dict(),
+    "amsgrad": dict(kw=dict(amsgrad=True)),
+    "clip": dict(clip=0.3),
+    "clip_inf": dict(clip=0.05, norm_type=math.inf),
+    "accumulate_keep_grads": dict(accumulate=2, set_to_none=False, clip=1.0),
+}
+
+
+def _trajectory_worker(rank, world, variants):
+    return {variant: _trajectory(rank, world, variant) for variant in variants}
+
+
+def _trajectory(rank, world, variant):
+    v = VARIANTS[variant]
+    kw = v.get("kw", {})
+    model, ref_model = _make(rank, seed_ours=rank)
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=30, **kw)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False, **kw)
+    _compare(model, ref_model, "after construction (broadcast from rank 0)")
+    aux_steps = 0
+    for step in range(STEPS):
+        norm = _step(model, opt, step, rank, world, accumulate=v.get("accumulate", 1), clip=v.get("clip"),
+                     norm_type=v.get("norm_type", 2.0), set_to_none=v.get("set_to_none", True))
+        ref_norm = _ref_step(ref_model, ref, step, accumulate=v.get("accumulate", 1), clip=v.get("clip"),
+                             norm_type=v.get("norm_type", 2.0), set_to_none=v.get("set_to_none", True))
+        if norm is not None:
+            torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"step {step} norm: {m}")
+        _compare(model, ref_model, f"{variant} step {step}")
+        aux_steps += ref_model.aux.grad is not None
+    # The full, gathered state equals AdamW's, parameter by parameter.
+    sd, rsd = opt.state_dict(), ref.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys()
+    for k, expected in rsd["state"].items():
+        assert sd["state"][k].keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(sd["state"][k][key], value, msg=lambda m: f"state {k} {key}: {m}")
+    assert sd["state"][6]["step"].item() == aux_steps
+    assert 0 < aux_steps < STEPS or not v.get("set_to_none", True)  # zeroed gradients are gradients
+    # Each rank holds a 1/world shard of the state.
+    numel = sum(p.numel() for p in model.parameters())
+    est = opt.host_memory_estimate()
+    return est.state_bytes / numel
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_trajectory_matches_adamw_on_whole_batch(world):
+    # Every variant at world 2; at world 3 (a rank owning only padding in one bucket) the two with most logic.
+    variants = list(VARIANTS) if world == 2 else ["clip_inf", "accumulate_keep_grads"]
+    results = launch(_trajectory_worker, world, variants)
+    for rank, per_variant in results.items():
+        for variant, bytes_per_param in per_variant.items():
+            per_param = 12 + (4 if variant == "amsgrad" else 0)
+            # Shards are padded to whole 64-element lines: a little over 12/world for this small model.
+            assert per_param / world <= bytes_per_param < per_param / world * 1.25, (variant, rank, bytes_per_param)
+
+
+def _bf16_worker(rank, world):
+    """bf16 parameters: our fp32 masters against AdamW on fp32 copies fed the same reduced gradient (each rank's
+    bf16 gradient, summed in bf16 in rank order as the reduce-scatter does for two ranks, upcast, times 1/world)."""
+    torch.manual_seed(0)
+    init = Net(torch.bfloat16)
+    model = Net(torch.bfloat16)
+    model.load_state_dict(init.state_dict())
+    masters = [nn.Parameter(p.detach().float().clone()) for p in init.parameters()]
+    shadow = Net(torch.bfloat16)  # the reference's bf16 model: its masters rounded, to compute every rank's grads
+    opt = OffloadOptimizer(model.parameters(), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD)
+    ref = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    scale = torch.tensor(1.0 / world, dtype=torch.float32)
+    for step in range(STEPS):
+        _step(model, opt, step, rank, world, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for s, m in zip(shadow.parameters(), masters):
+                s.copy_(m)
+        total, present = None, [False] * len(masters)
+        for r in range(world):
+            shadow.zero_grad()
+            loss_on(shadow, step, 0, rows_of(r, world), torch.bfloat16).backward()
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in shadow.parameters()]
+            present = [was or p.grad is not None for was, p in zip(present, shadow.parameters())]
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        for m, g, pres in zip(masters, total, present):
+            m.grad = g.float() * scale if pres else None  # aux: on some ranks only, or none
+        ref.step()
+        for (name, p), m in zip(model.named_parameters(), masters):
+            torch.testing.assert_close(p.detach(), m.detach().to(torch.bfloat16), msg=lambda x: f"{step} {name}: {x}")
+    sd = opt.state_dict()
+    for k, m in enumerate(masters):
+        if m in ref.state:
+            torch.testing.assert_close(sd["state"][k]["master"], m.detach(), msg=lambda x: f"master {k}: {x}")
+            torch.testing.assert_close(sd["state"][k]["exp_avg"], ref.state[m]["exp_avg"])
+    return True
+
+
+def test_bf16_params_fp32_masters_sharded():
+    launch(_bf16_worker, 2)
+
+
+# -------------------------------------------------------------------------------------------------------- DDP --
+def _ddp_worker(rank, world):
+    """Under DDP the gradients arrive averaged: ``grads_reduced=True`` takes each rank's slice (ZeRO-1); the
+    default reduce-scatters them again, summing N identical averages then dividing by N: the same gradient up to
+    rounding (never a sum left undivided). Both follow the whole-batch AdamW trajectory."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for grads_reduced in (True, False):
+        model, ref_model = _make(rank, seed_ours=rank)
+        ddp = DDP(model, find_unused_parameters=True)  # aux is unused on a rank whose rows have no flag
+        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                               grads_reduced=grads_reduced)
+        ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+        for step in range(STEPS):
+            _step(ddp, opt, step, rank, world, clip=0.5)
+            _ref_step(ref_model, ref, step, clip=0.5)
+            _compare(model, ref_model, f"grads_reduced={grads_reduced} step {step}")
+    return True
+
+
+def test_ddp_wrapped_model_zero1():
+    launch(_ddp_worker, 2)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints --
+CKPT_AT = 10
+
+
+def _ckpt_opt(model, **kw):
+    return OffloadOptimizer(groups(model), lr=1e-2, amsgrad=True, bucket_numel=BUCKET_NUMEL, **kw)
+
+
+def _ckpt_ref(until: int):
+    torch.manual_seed(0)
+    ref_model = Net()
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(until):
+        _ref_step(ref_model, ref, step, clip=0.5)
+    return ref_model, ref
+
+
+def _save_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = _make(rank, seed_ours=rank)
+    opt = _ckpt_opt(model, process_group=dist.group.WORLD)
+    ref_model, ref = _ckpt_ref(0)
+    for step in range(STEPS):
+        if step == CKPT_AT:
+            dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=os.path.join(path, "dcp"))
+            full = opt.state_dict()  # a collective: every rank calls it
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "opt": full}, os.path.join(path, "full.pt"))
+            dist.barrier()
+        _step(model, opt, step, rank, world, clip=0.5)
+        _ref_step(ref_model, ref, step, clip=0.5)
+        _compare(model, ref_model, f"uninterrupted step {step}")
+    return True
+
+
+def _resume(model, opt, rank, world, how, path):
+    import torch.distributed.checkpoint as dcp
+
+    if how == "dcp":
+        sd = {"optim": opt.sharded_state_dict()}
+        dcp.load(sd, checkpoint_id=os.path.join(path, "dcp"), no_dist=world == 1)
+        opt.load_sharded_state_dict(sd["optim"])
+    else:
+        opt.load_state_dict(torch.load(os.path.join(path, "full.pt"), weights_only=True)["opt"])
+    ref_model, ref = _ckpt_ref(CKPT_AT)
+    for step in range(CKPT_AT, STEPS):
+        _step(model, opt, step, rank, world, clip=0.5)
+        _ref_step(ref_model, ref, step, clip=0.5)
+        _compare(model, ref_model, f"resumed ({how}, world {world}) step {step}")
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if world == 1:  # the state itself, not only its effect on the parameters
+                torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def _resume_worker(rank, world, path):
+    ckpt = torch.load(os.path.join(path, "full.pt"), weights_only=True)
+    for how in ("dcp", "full"):
+        model = Net()
+        model.load_state_dict(ckpt["model"])
+        opt = _ckpt_opt(model, process_group=dist.group.WORLD)
+        _resume(model, opt, rank, world, how, path)
+    return True
+
+
+def test_checkpoint_saved_at_world_2_resumes_at_world_3_and_1():
+    with tempfile.TemporaryDirectory() as path:
+        launch(_save_worker, 2, path)
+        launch(_resume_worker, 3, path)
+        ckpt = torch.load(os.path.join(path, "full.pt"), weights_only=True)
+        # World 1: a plain optimizer without a process group, from the DCP checkpoint and from the full one.
+        torch.set_num_threads(1)
+        for how in ("dcp", "full"):
+            model = Net()
+            model.load_state_dict(ckpt["model"])
+            _resume(model, _ckpt_opt(model), 0, 1, how, path)
+        # The full state dict, gathered from two ranks, continues in plain torch.optim.AdamW.
+        model = Net()
+        model.load_state_dict(ckpt["model"])
+        adamw = torch.optim.AdamW(groups(model), lr=1e-2, amsgrad=True, foreach=False)
+        adamw.load_state_dict(ckpt["opt"])
+        ref_model, ref = _ckpt_ref(CKPT_AT)
+        for step in range(CKPT_AT, STEPS):
+            _ref_step(model, adamw, step, clip=0.5)
+            _ref_step(ref_model, ref, step, clip=0.5)
+            _compare(model, ref_model, f"AdamW from the gathered state, step {step}")
+
+
+# --------------------------------------------------------------------------------------------------- failures --
+FAIL_TIMEOUT = 3.0
+
+
+def _failing_worker(rank, world):
+    model, _ = _make(rank)
+    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=FAIL_TIMEOUT)
+    _step(model, opt, 0, rank, world)
+    if rank == 1:
+        time.sleep(3 * FAIL_TIMEOUT)  # stays alive without joining: only the timeout can end rank 0's wait
+        raise RuntimeError("rank 1 failed before its step")
+    t0 = time.monotonic()
+    try:
+        _step(model, opt, 1, rank, world)
+    except RuntimeError as exc:
+        return time.monotonic() - t0, str(exc)
+    return None
+
+
+def test_one_rank_failing_ends_the_others_with_an_error_naming_rank_and_bucket():
+    out = launch(_failing_worker, 2, timeout=60, expect_errors=True)
+    assert out[1][0] == "error" and "rank 1 failed before its step" in out[1][1]
+    status, result = out[0]
+    assert status == "ok" and result is not None, result
+    elapsed, message = result
+    assert FAIL_TIMEOUT * 0.9 <= elapsed < FAIL_TIMEOUT + 5, elapsed
+    assert "rank 0 of 2" in message and "reduce_scatter of gradients of param group 0, bucket 0" in message, message
+
+
+def _bad_input_worker(rank, world):
+    errors = {}
+    torch.manual_seed(0)
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters()) + ([nn.Parameter(torch.zeros(3))] if rank == 1 else [])
+    try:
+        OffloadOptimizer(params, process_group=dist.group.WORLD, timeout=10)
+    except ValueError as exc:
+        errors["mismatch"] = str(exc)
+    for p, b in zip(model.parameters(), before):  # untouched: not broadcast, not rebound
+        assert torch.equal(p, b)
+    for name, kw in {"type": dict(process_group="world"), "timeout": dict(process_group=dist.group.WORLD,
+                                                                          timeout=-1)}.items():
+        try:
+            OffloadOptimizer(model.parameters(), **kw)
+        except (TypeError, ValueError) as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def test_bad_input_raises_on_every_rank():
+    out = launch(_bad_input_worker, 2)
+    for rank, errors in out.items():
+        assert "param group 0 differs across ranks" in errors["mismatch"] and "7 parameters" in errors["mismatch"]
+        assert "process_group must be a torch.distributed.ProcessGroup" in errors["type"]
+        assert "Invalid timeout" in errors["timeout"]
+
+
+def test_bad_input_without_a_group():
+    p = nn.Parameter(torch.zeros(3))
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+            OffloadOptimizer([p], process_group=object())  # (dist.group.WORLD is None before init)
+    with pytest.raises(ValueError, match="only apply with a process_group"):
+        OffloadOptimizer([p], grads_reduced=True)
+    with pytest.raises(ValueError, match="only apply with a process_group"):
+        OffloadOptimizer([p], timeout=5)
+
+
+# ------------------------------------------------------------------------------------------------------- NCCL --
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nccl_world_1_on_one_gpu(dtype, tmp_path):
+    """The CUDA path (device flatten, reduce-scatter, shard to pinned host, all-gather back) over NCCL with one
+    rank, against AdamW on the GPU (fp32) or on fp32 copies of the bf16 parameters."""
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref_model = Net().cuda()
+        model = Net().to(dtype).cuda()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                q.copy_(p)  # the reference starts from the (rounded) values ours has
+        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD)
+        ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss_on(model, step, 0, slice(None), dtype).backward()
+            norm = opt.clip_grad_norm_(0.5)
+            opt.step()
+            ref.zero_grad()
+            if dtype == torch.float32:
+                loss_on(ref_model, step, 0, slice(None)).backward()
+            else:  # the same bf16 gradients, upcast
+                for p, q in zip(model.parameters(), ref_model.parameters()):
+                    q.grad = None if p.grad is None else p.grad.float()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+            ref.step()
+            torch.testing.assert_close(norm, ref_norm)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q.to(dtype), msg=lambda m: f"step {step}: {m}")
+        sd = opt.state_dict()
+        for k, v in ref.state_dict()["state"].items():
+            torch.testing.assert_close(sd["state"][k]["exp_avg"], v["exp_avg"].cpu())
+    finally:
+        dist.destroy_process_group()
