@@ -166,7 +166,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="demo_out", help="folder for the chart and table (default: demo_out)")
     args = ap.parse_args(argv)
 
-    from zero_offload import OffloadOptimizer
+    from zero_offload import OffloadOptimizer, _build
+
+    # Build (or load) the kernel before anything is timed: a first build takes ~30 s and is not a step.
+    _build.load_native()
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
