@@ -271,7 +271,8 @@ class FlatBucket:
 
     def estimate(self) -> HostMemoryEstimate:
         return estimate_bucket(self.layout.numel, self.layout.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                               amsgrad=self.max_exp_avg_sq is not None, pin=self.pin)
+                               amsgrad=self.max_exp_avg_sq is not None, pin=self.pin,
+                               delayed_update=self.grad_prev is not None)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
@@ -451,13 +452,17 @@ class FlatBucket:
             copy_many_(dsts, srcs, sizes)
         return out
 
-    def swap_grad_buffers(self) -> None:
-        """Exchange the gradient buffer with a second one (allocated on first use): ``delayed_update`` updates from
-        one step's gradients while the next backward fills the other."""
+    def add_grad_prev(self) -> None:
+        """Allocate the second gradient buffer of ``delayed_update`` (see :meth:`swap_grad_buffers`)."""
         if self.grad_prev is None:
             self.grad_prev = empty_host(self.layout.padded_numel, self.dtype, pin=self.pin).zero_()
             self._prev_views = [view_like(self.grad_prev, o, p) for o, p in zip(self.layout.offsets, self.params)]
             self._prev_zero = [True] * len(self.params)
+
+    def swap_grad_buffers(self) -> None:
+        """Exchange the gradient buffer with the second one: ``delayed_update`` updates from one step's gradients
+        while the next backward fills the other."""
+        self.add_grad_prev()
         self.grad, self.grad_prev = self.grad_prev, self.grad
         self.grad_views, self._prev_views = self._prev_views, self.grad_views
         self.grad_slot_zero, self._prev_zero = self._prev_zero, self.grad_slot_zero

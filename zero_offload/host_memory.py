@@ -123,7 +123,8 @@ class HostMemoryEstimate:
         numel (int): parameter elements being optimized.
         padded_numel (int): elements per flat buffer summed over buckets, alignment padding included.
         buffers (Dict[str, int]): bytes per buffer kind: ``master``, ``exp_avg``, ``exp_avg_sq``,
-            ``max_exp_avg_sq``, ``grad`` (host gradient buffers) and ``staging`` (low-precision parameter copies);
+            ``max_exp_avg_sq``, ``grad`` (host gradient buffers), ``staging`` (low-precision parameter copies) and
+            ``grad_prev`` (``delayed_update``'s second gradient buffer);
             sharded over a process group (``world_size > 1``) these hold the rank's shard only, and a CPU bucket
             adds ``flat_grad`` (the full flat gradient buffer the reduce-scatter reads) and ``params`` (the rest of
             the full flat parameter buffer the parameters are views of, outside the rank's own slice).
@@ -187,12 +188,14 @@ def estimate_bucket(
     amsgrad: bool,
     pin: bool,
     world_size: int = 1,
+    delayed_update: bool = False,
 ) -> HostMemoryEstimate:
     """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. The buffer set is decided here and in
     ``buckets.FlatBucket`` / ``buckets.ShardedBucket`` together: keep them in step.
 
     With ``world_size > 1``, ``padded_numel`` is the bucket's full padded length (a multiple of ``world_size``)
-    and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard."""
+    and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard. ``delayed_update`` adds
+    the second gradient buffer it double-buffers with."""
     low_precision = param_dtype != torch.float32
     grad_itemsize = torch.empty((), dtype=param_dtype).element_size()
     shard = padded_numel // world_size
@@ -203,6 +206,7 @@ def estimate_bucket(
         "max_exp_avg_sq": 4 * shard if amsgrad else 0,
         "grad": grad_itemsize * shard,
         "staging": grad_itemsize * shard if low_precision else 0,
+        "grad_prev": grad_itemsize * shard if delayed_update else 0,
     }
     if world_size > 1 and on_cpu:
         buffers["flat_grad"] = grad_itemsize * padded_numel

@@ -381,6 +381,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         pin_memory: Optional[bool] = None,
         world_size: int = 1,
+        delayed_update: bool = False,
     ) -> HostMemoryEstimate:
         """Host RAM an ``OffloadOptimizer`` over ``params`` will allocate, computed without allocating anything
         (same bucket layout as the real allocation, so exact).
@@ -392,6 +393,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             pin_memory (bool, optional): as for the constructor. Default: None.
             world_size (int): the size of the ``process_group`` the state will be sharded over: the estimate is
                 then per rank. Default: 1.
+            delayed_update (bool): as for the constructor (one more gradient buffer). Default: False.
 
         Returns:
             HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
@@ -404,7 +406,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ps = g["params"]
             ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
             total = total + _estimate(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)), pin_memory,
-                                      world_size)
+                                      world_size, delayed_update)
         return total
 
     def host_memory_estimate(self) -> HostMemoryEstimate:
@@ -448,7 +450,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             group = self.param_groups[-1]
             layouts = plan_buckets(group["params"], self.bucket_numel)
-            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory, self._world_size)
+            est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory, self._world_size, self.delayed_update)
             avail = available_host_bytes()
             if avail is not None and est.total_bytes - est.replaces_param_bytes > avail:
                 logger.warning("OffloadOptimizer: param group %d needs %s of host RAM, %s is available", n_groups,
@@ -475,7 +477,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _new_bucket(self, layout: BucketLayout, group: Dict[str, Any], gi: int, bi: int) -> FlatBucket:
         pin = _should_pin(layout.device, self.pin_memory)
         if self._shard is None:
-            return FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin)
+            bucket = FlatBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin)
+            if self.delayed_update:
+                bucket.add_grad_prev()  # allocated now, so the logged estimate and the RSS include it
+            return bucket
         return ShardedBucket(layout, group["params"], amsgrad=bool(group["amsgrad"]), pin=pin, comm=self._shard,
                              where=f"param group {gi}, bucket {bi}")
 
@@ -1143,14 +1148,15 @@ def _host_sq_norm(bucket: FlatBucket, in_place: Optional[_Grads]) -> Tuple[float
     return functional._grad_sq_norm_segments(_host_grads(bucket, in_place))
 
 
-def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool], world_size: int = 1
-              ) -> HostMemoryEstimate:
+def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool], world_size: int = 1,
+              delayed_update: bool = False) -> HostMemoryEstimate:
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout in layouts:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         total = total + estimate_bucket(layout.numel, padded, layout.dtype,
                                         on_cpu=layout.device.type == "cpu", amsgrad=amsgrad,
-                                        pin=_should_pin(layout.device, pin_memory), world_size=world_size)
+                                        pin=_should_pin(layout.device, pin_memory), world_size=world_size,
+                                        delayed_update=delayed_update)
     return total
 
 
