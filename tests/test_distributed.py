@@ -184,6 +184,13 @@ VARIANTS = {
     "clip": dict(clip=0.3),
     "clip_inf": dict(clip=0.05, norm_type=math.inf),
     "accumulate_keep_grads": dict(accumulate=2, set_to_none=False, clip=1.0),
+    # Reduce-scattered from backward hooks: alone; clipped after (the fused clip re-reads the gradients left on
+    # the parameters, so every rank reduces them again); with release_grads and two micro-batches (the host shard
+    # sums them); and with zero_grad(set_to_none=False) (each backward reduces the gradients accumulated so far).
+    "stream": dict(ours=dict(stream_grads=True)),
+    "stream_clip": dict(ours=dict(stream_grads=True), clip=0.3),
+    "stream_release_accumulate": dict(ours=dict(stream_grads=True, release_grads=True), accumulate=2, clip=1.0),
+    "stream_accumulate_keep_grads": dict(ours=dict(stream_grads=True), accumulate=2, set_to_none=False),
 }
 
 
@@ -196,7 +203,7 @@ def _trajectory(rank, world, variant):
     kw = v.get("kw", {})
     model, ref_model = _make(rank, seed_ours=rank)
     opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
-                           timeout=30, **kw)
+                           timeout=30, **kw, **v.get("ours", {}))
     ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False, **kw)
     _compare(model, ref_model, "after construction (broadcast from rank 0)")
     aux_steps = 0
@@ -217,7 +224,8 @@ def _trajectory(rank, world, variant):
         for key, value in expected.items():
             torch.testing.assert_close(sd["state"][k][key], value, msg=lambda m: f"state {k} {key}: {m}")
     assert sd["state"][6]["step"].item() == aux_steps
-    assert 0 < aux_steps < STEPS or not v.get("set_to_none", True)  # zeroed gradients are gradients
+    # Some steps without aux's gradient (zeroed gradients are gradients; two micro-batches nearly always use it).
+    assert 0 < aux_steps < STEPS or not v.get("set_to_none", True) or v.get("accumulate", 1) > 1, (variant, aux_steps)
     # Each rank holds a 1/world shard of the state.
     numel = sum(p.numel() for p in model.parameters())
     est = opt.host_memory_estimate()
@@ -299,6 +307,60 @@ def _ddp_worker(rank, world):
 
 def test_ddp_wrapped_model_zero1():
     launch(_ddp_worker, 2)
+
+
+# ------------------------------------------------------------------------------------------------- ordering --
+def _order_worker(rank, world):
+    """What a sharded, streamed step does, in order: each layer's reduce-scatter starts from the backward hooks
+    (before backward reaches the input), in the fixed reverse-construction order, none is waited for until step();
+    each bucket's all-gather is still in flight while the next bucket's kernel runs."""
+    from zero_offload import distributed, functional
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = OffloadOptimizer(layers.parameters(), lr=1e-2, bucket_numel=80, stream_grads=True,
+                           process_group=dist.group.WORLD)  # one bucket per Linear (64 + 8 elements each)
+    log: List[str] = []
+    start, wait, kernel = distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_
+
+    def logged_start(comm, what, where, launch):
+        log.append(f"start {what} {where}")
+        return start(comm, what, where, launch)
+
+    def logged_wait(pending):
+        if not pending.done:
+            log.append(f"wait {pending.what} {pending.where}")
+        wait(pending)
+
+    def logged_kernel(*args, **kw):
+        log.append("kernel")
+        return kernel(*args, **kw)
+
+    distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_ = logged_start, logged_wait, logged_kernel
+    try:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+        x.register_hook(lambda g: log.append("backward reaches the input"))
+        layers(x).square().mean().backward()
+        log.append("backward ended")
+        opt.step()
+    finally:
+        distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_ = start, wait, kernel
+    return log
+
+
+def test_streamed_sharding_reduces_in_backward_in_a_fixed_order_and_overlaps_the_all_gathers():
+    for rank, log in launch(_order_worker, 2).items():
+        starts = [e for e in log if e.startswith("start reduce_scatter")]
+        assert starts == [f"start reduce_scatter gradients of param group 0, bucket {b}" for b in (2, 1, 0)], log
+        # The last two layers' reduce-scatters are under way before backward reaches the first layer's input.
+        assert log.index(starts[1]) < log.index("backward reaches the input"), log
+        assert all(log.index(e) > log.index("backward ended") for e in log if e.startswith("wait reduce")), log
+        kernels = [i for i, e in enumerate(log) if e == "kernel"]
+        gathers = [i for i, e in enumerate(log) if e.startswith("start all_gather")]
+        gathered = [i for i, e in enumerate(log) if e.startswith("wait all_gather")]
+        assert len(kernels) == len(gathers) == len(gathered) == 3, log
+        # Bucket k's all-gather starts after its kernel and is waited for only after bucket k+1's kernel ran.
+        assert kernels[0] < gathers[0] < kernels[1] < gathers[1] < kernels[2] < gathers[2] < min(gathered), log
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints --
@@ -431,12 +493,27 @@ def _bad_input_worker(rank, world):
         errors["mismatch"] = str(exc)
     for p, b in zip(model.parameters(), before):  # untouched: not broadcast, not rebound
         assert torch.equal(p, b)
-    for name, kw in {"type": dict(process_group="world"), "timeout": dict(process_group=dist.group.WORLD,
-                                                                          timeout=-1)}.items():
+    world_group = dist.group.WORLD
+    for name, kw in {"type": dict(process_group="world"), "timeout": dict(process_group=world_group, timeout=-1),
+                     "stream_reduced": dict(process_group=world_group, grads_reduced=True, stream_grads=True),
+                     "delayed": dict(process_group=world_group, delayed_update=True)}.items():
         try:
             OffloadOptimizer(model.parameters(), **kw)
         except (TypeError, ValueError) as exc:
             errors[name] = str(exc)
+    # A gradient replaced on one rank after backward reduce-scattered it, with the others' released: every rank
+    # refuses the step (none is left waiting) and nothing changes.
+    opt = OffloadOptimizer(model.parameters(), bucket_numel=BUCKET_NUMEL, stream_grads=True, release_grads=True,
+                           process_group=world_group, timeout=10)
+    loss_on(model, 0, 0, rows_of(rank, world)).backward()
+    if rank == 0:
+        model.b.grad = torch.ones_like(model.b)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        errors["stale"] = str(exc)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state
     return errors
 
 
@@ -446,6 +523,9 @@ def test_bad_input_raises_on_every_rank():
         assert "param group 0 differs across ranks" in errors["mismatch"] and "7 parameters" in errors["mismatch"]
         assert "process_group must be a torch.distributed.ProcessGroup" in errors["type"]
         assert "Invalid timeout" in errors["timeout"]
+        assert "stream_grads=True cannot take gradients already reduced" in errors["stream_reduced"]
+        assert "not yet combined with a process_group" in errors["delayed"]
+        assert "cannot be reduced again" in errors["stale"] and "param group 0, bucket 0" in errors["stale"]
 
 
 def test_bad_input_without_a_group():
@@ -461,10 +541,12 @@ def test_bad_input_without_a_group():
 
 # ------------------------------------------------------------------------------------------------------- NCCL --
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nccl_world_1_on_one_gpu(dtype, tmp_path):
-    """The CUDA path (device flatten, reduce-scatter, shard to pinned host, all-gather back) over NCCL with one
-    rank, against AdamW on the GPU (fp32) or on fp32 copies of the bf16 parameters."""
+@pytest.mark.parametrize("dtype,release", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_nccl_world_1_on_one_gpu(dtype, release, tmp_path):
+    """The CUDA path (gradients reduce-scattered from the backward hooks on the copy stream, shard to pinned host,
+    all-gather back) over NCCL with one rank, against AdamW on the GPU (fp32) or on fp32 copies of the bf16
+    parameters. Without ``release_grads`` the fused clip re-reads the gradients and reduces them again; with it,
+    the streamed reduction is used as it is."""
     if not dist.is_nccl_available():
         pytest.skip("NCCL is not available")
     torch.cuda.set_device(0)
@@ -476,7 +558,8 @@ def test_nccl_world_1_on_one_gpu(dtype, tmp_path):
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref_model.parameters()):
                 q.copy_(p)  # the reference starts from the (rounded) values ours has
-        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD)
+        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                               release_grads=release)
         ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
         for step in range(STEPS):
             opt.zero_grad()

@@ -471,6 +471,9 @@ class FlatBucket:
         if self.d2h_event is not None:
             self.d2h_event.synchronize()
 
+    def wait_params(self) -> None:
+        """Nothing to wait for here: uploads are stream-ordered (see ``ShardedBucket.wait_params``)."""
+
     def zero_grads_as_views(self) -> None:
         """``zero_grad(set_to_none=False)`` for a CPU bucket: every existing gradient becomes its (zeroed) slot of
         the flat buffer, so the next backward accumulates straight into it and the step copies nothing."""
@@ -610,6 +613,14 @@ class ShardedBucket(FlatBucket):
         self.all_exposed = False
         self.d2h_event = None
         self.slot_ptrs: List[int] = []
+        self.rs_pending = None  # zero_offload.distributed.Pending: the reduce-scatter of gradients in flight
+        self.ag_pending = None  # the all-gather of updated parameters in flight
+        self.incoming: Optional[torch.Tensor] = None  # a streamed micro-batch's shard, to add to grad
+        self.adding = False
+        # Streaming: this step's gradients were reduce-scattered from backward hooks (every rank alike), and
+        # whether this rank's gradients changed after that (see OffloadOptimizer._collect).
+        self.launched = False
+        self.stale = False
 
     def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if flat is None:
@@ -707,11 +718,19 @@ class ShardedBucket(FlatBucket):
     def runs(self, grads: List[Optional[torch.Tensor]]) -> List[Tuple[int, int, int]]:
         return super().runs([True if p else None for p in self.present])
 
-    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None) -> None:
-        """Flatten the gradients (absent ones as zeros) and leave this rank's shard of their sum over the group
-        (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``. On CUDA the copy to the host
-        is enqueued on ``stream`` and recorded in ``d2h_event``. Returns None: the kernel reads ``grad``."""
+    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None, *, add: bool = False) -> None:
+        """Flatten the gradients (absent ones as zeros) and start leaving this rank's shard of their sum over the
+        group (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``; with ``add``, the shard
+        is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
+        reduce-scatter runs while the caller goes on (the next bucket's gradients, or the rest of backward), and
+        :meth:`wait_grads` finishes it. On CUDA the copy to the host is enqueued on ``stream`` after the
+        collective and recorded in ``d2h_event``. Returns None: the kernel reads ``grad``."""
+        self.wait_grads()  # the previous reduce-scatter may still read flat_grad or write grad
         lo, shard = self.shard_lo, self.shard_numel
+        where = f"gradients of {self.where}"
+        if add and self.incoming is None:
+            self.incoming = empty_host(shard, self.dtype, pin=self.pin)
+        out = self.incoming if add else self.grad
         if self.on_cpu:
             dsts, srcs, sizes = [], [], []
             for i, g in enumerate(grads):
@@ -729,26 +748,38 @@ class ShardedBucket(FlatBucket):
             if dsts:
                 copy_many_(dsts, srcs, sizes)
             if self.comm.grads_reduced:
-                self.grad.copy_(self.flat_grad[lo : lo + shard])
+                out.copy_(self.flat_grad[lo : lo + shard])
             else:
-                self.comm.reduce_scatter(self.grad, self.flat_grad, f"gradients of {self.where}")
-            return None
-        if self.d2h_event is None:
-            self.d2h_event = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
-            present = [i for i, g in enumerate(grads) if g is not None]
-            if present:
-                torch._foreach_copy_([view_like(flat, self.full.offsets[i], self.params[i]) for i in present],
-                                     [grads[i] for i in present])
-            if self.comm.grads_reduced:
-                own = flat[lo : lo + shard]
-            else:
-                own = torch.empty(shard, dtype=self.dtype, device=self.device)
-                self.comm.reduce_scatter(own, flat, f"gradients of {self.where}")
-            self.grad.copy_(own, non_blocking=True)
-            self.d2h_event.record(stream)
+                self.rs_pending = self.comm.start_reduce_scatter(out, self.flat_grad, where)
+        else:
+            if self.d2h_event is None:
+                self.d2h_event = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
+                present = [i for i, g in enumerate(grads) if g is not None]
+                if present:
+                    torch._foreach_copy_([view_like(flat, self.full.offsets[i], self.params[i]) for i in present],
+                                         [grads[i] for i in present])
+                if self.comm.grads_reduced:
+                    own = flat[lo : lo + shard]
+                else:
+                    own = torch.empty(shard, dtype=self.dtype, device=self.device)
+                    self.rs_pending = self.comm.start_reduce_scatter(own, flat, where)  # the stream waits for it
+                out.copy_(own, non_blocking=True)
+                self.d2h_event.record(stream)
+        self.adding = add
         return None
+
+    def wait_grads(self) -> None:
+        """Finish :meth:`gather_grads`: wait for the reduce-scatter (at most the group's timeout, else an error
+        naming rank and bucket) and the copy to the host, and add a streamed micro-batch's shard."""
+        if self.rs_pending is not None:
+            pending, self.rs_pending = self.rs_pending, None
+            pending.wait()
+        super().wait_grads()
+        if self.adding:
+            self.adding = False
+            self.grad.add_(self.incoming)
 
     def zero_grads_as_views(self) -> None:
         """``zero_grad(set_to_none=False)`` on CPU: existing gradients become zeroed views of ``flat_grad``."""
@@ -762,12 +793,15 @@ class ShardedBucket(FlatBucket):
 
     # -- parameters out ------------------------------------------------------------------------------------
     def scatter_params(self, indices: Sequence[int], stream=None) -> None:
-        """All-gather the updated shard (fp32 master, or the bf16/fp16 staging copy) into the full parameters.
-        The whole bucket is gathered whatever ``indices`` are (every rank gathers the same buckets)."""
+        """Start all-gathering the updated shard (fp32 master, or the bf16/fp16 staging copy) into the full
+        parameters, without waiting: the next bucket's update runs meanwhile, and :meth:`wait_params` finishes it
+        (``step()`` waits for every bucket's before it returns). The whole bucket is gathered whatever ``indices``
+        are (every rank gathers the same buckets)."""
         lo, shard = self.shard_lo, self.shard_numel
+        where = f"parameters of {self.where}"
         if self.on_cpu:
             # The shard is flat_param's own slice: gathered in place.
-            self.comm.all_gather(self.flat_param, self.flat_param[lo : lo + shard], f"parameters of {self.where}")
+            self.ag_pending = self.comm.start_all_gather(self.flat_param, self.flat_param[lo : lo + shard], where)
             torch.autograd.graph.increment_version([self.params[i] for i in indices])
         else:
             src = self.staging if self.low_precision else self.master
@@ -775,8 +809,13 @@ class ShardedBucket(FlatBucket):
                 own = torch.empty(shard, dtype=self.dtype, device=self.device)
                 own.copy_(src, non_blocking=True)
                 flat = torch.empty(self.full.padded_numel, dtype=self.dtype, device=self.device)
-                self.comm.all_gather(flat, own, f"parameters of {self.where}")
+                self.ag_pending = self.comm.start_all_gather(flat, own, where)  # the stream waits for it
                 # Only the parameters updated: another's master may not have been initialised from it yet.
                 torch._foreach_copy_([self.params[i] for i in indices],
                                      [view_like(flat, self.full.offsets[i], self.params[i]) for i in indices])
         self.record_versions(indices)
+
+    def wait_params(self) -> None:
+        if self.ag_pending is not None:
+            pending, self.ag_pending = self.ag_pending, None
+            pending.wait()

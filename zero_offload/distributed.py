@@ -3,11 +3,13 @@ runs, and its state gathered (``state_dict()``) or kept sharded (``torch.distrib
 
 One bucket's journey with a group of N ranks (see :class:`zero_offload.buckets.ShardedBucket` for the layout):
 its gradients are flattened and reduce-scattered (summed; the 1/N of the average is folded into the kernel's
-gradient multiplier), so each rank holds the sum for the shard it owns; the gradient statistics of all buckets
-(sum of squares, a non-finite flag, and which parameters have a gradient on any rank) are combined in *one*
-all-reduce of a small tensor per step; the kernel updates the shard; the updated shard is all-gathered into the
-full parameters. Every collective is issued asynchronously and waited for with a timeout, and a failure is
-re-raised naming this rank, the collective and the bucket, so one rank dying cannot hang the others forever.
+gradient multiplier), from the backward hooks when streamed (:mod:`zero_offload.grad_stream`) or at ``step()``,
+so each rank holds the sum for the shard it owns; the gradient statistics of all buckets (sum of squares, a
+non-finite flag, and which parameters have a gradient on any rank) are combined in *one* all-reduce of a small
+tensor per step; the kernel updates the shard; the updated shard is all-gathered into the full parameters while
+the next bucket is updated. Every collective is started asynchronously (:meth:`Comm.start`) and waited for
+with a timeout (:class:`Pending`), and a failure is re-raised naming this rank, the collective and the bucket,
+so one rank dying cannot hang the others forever.
 
 ``torch.distributed`` is imported here only, and only when a process group is used: ``import zero_offload`` stays
 cheap.
@@ -19,6 +21,7 @@ import dataclasses
 import datetime
 import math
 import threading
+import time
 from copy import deepcopy
 from itertools import chain
 from numbers import Real
@@ -29,7 +32,7 @@ import torch
 from zero_offload import functional
 from zero_offload.buckets import FlatBucket, ShardedBucket, view_like
 
-__all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "shard_pieces", "sharded_state_dict", "load_sharded_state_dict"]
+__all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "shard_pieces", "sharded_state_dict", "load_sharded_state_dict"]
 
 # torch.distributed's own default for a process group's collectives.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -63,6 +66,30 @@ class GradStats:
 
     sq: float
     nonfinite: bool
+
+
+class Pending:
+    """A collective in flight (see :meth:`Comm.start`). :meth:`wait` returns once it has completed, waiting at most
+    the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the collective and the bucket otherwise.
+    Waiting twice is free."""
+
+    __slots__ = ("comm", "what", "where", "work", "event", "done")
+
+    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any):
+        self.comm, self.what, self.where, self.work, self.event = comm, what, where, work, event
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            if self.event is not None:
+                self.comm._poll_event(self.event)
+            else:
+                self.comm._poll(self.work)
+        except Exception as exc:
+            raise self.comm._error(self.what, self.where, exc) from exc
+        self.done = True
 
 
 class Comm:
@@ -105,19 +132,31 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     # -- collectives ---------------------------------------------------------------------------------------
-    def _run(self, what: str, where: str, start: Callable[[], Any]) -> None:
+    def start(self, what: str, where: str, launch: Callable[[], Any]) -> "Pending":
+        """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. On NCCL the
+        current stream is made to wait for it (``Work.wait()`` with no timeout does only that: the host goes on)
+        and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``."""
         try:
-            work = start()
-            if self.host_ok:
-                self._poll(work)
-            elif work.wait(timeout=self.timeout) is False:
-                raise RuntimeError(f"not completed within {self.timeout}")
+            work = launch()
+            event = None
+            if not self.host_ok:
+                work.wait()
+                event = torch.cuda.Event()
+                event.record()
         except Exception as exc:
-            raise RuntimeError(
-                f"zero_offload: rank {self.rank} of {self.world}: {what} of {where} failed (timeout "
-                f"{self.timeout}): {exc}. Every rank must call step(), clip_grad_norm_(), state_dict() and "
-                "sharded_state_dict() together; another rank may have failed or stopped."
-            ) from exc
+            raise self._error(what, where, exc) from exc
+        return Pending(self, what, where, work, event)
+
+    def _run(self, what: str, where: str, launch: Callable[[], Any]) -> None:
+        self.start(what, where, launch).wait()
+
+    def _error(self, what: str, where: str, exc: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"zero_offload: rank {self.rank} of {self.world}: {what} of {where} failed (timeout "
+            f"{self.timeout}): {exc}. Every rank must call step(), clip_grad_norm_(), state_dict() and "
+            "sharded_state_dict() together, and run each backward outside no_sync() the same number of times; "
+            "another rank may have failed or stopped."
+        )
 
     def _poll(self, work: Any) -> None:
         """Wait for a gloo collective, at most ``timeout``. Gloo's ``Work.wait(timeout)`` is not honoured by every
@@ -141,11 +180,24 @@ class Comm:
         if failure:
             raise failure[0]
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> None:
-        self._run("reduce_scatter", where, lambda: self._rs(out, inp, group=self.group, async_op=True))
+    def _poll_event(self, event: Any) -> None:
+        """Wait for a CUDA event, at most ``timeout`` (``Event.synchronize`` has no deadline)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 1e-5
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not completed within {self.timeout}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
+        return self.start("reduce_scatter", where, lambda: self._rs(out, inp, group=self.group, async_op=True))
+
+    def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
+        return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> None:
-        self._run("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True))
+        self.start_all_gather(out, inp, where).wait()
 
     def broadcast(self, t: torch.Tensor, where: str) -> None:
         dist = _dist()
@@ -199,27 +251,63 @@ class Comm:
 
     # -- a step's gradients --------------------------------------------------------------------------------
     def gather(self, plans: Sequence[Sequence[Tuple[FlatBucket, Any, Any]]],
-               stream_for: Callable[[torch.device], Any]) -> GradStats:
-        """Reduce-scatter every bucket's gradients (in plan order, the same on every rank), then combine the sum
-        of squares, the non-finite flag and which parameters have a gradient in one all-reduce."""
+               stream_for: Callable[[torch.device], Any], *, release: bool = False) -> GradStats:
+        """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
+        flag and which parameters have a gradient in one all-reduce.
+
+        A bucket whose gradients backward already reduce-scattered (``launched``, the same on every rank) is only
+        waited for; the others' reduce-scatters are all started first (in plan order, the same on every rank),
+        then waited for, so they overlap each other and the gradient copies. The all-reduce also carries each
+        streamed bucket's ``stale`` flag: a gradient changed on some rank after its reduce-scatter (an in-place
+        clip or unscale, or one assigned by hand), and every rank then reduce-scatters that bucket again from the
+        gradients on the parameters, with a second all-reduce for the norm (impossible with ``release``, whose
+        gradients are gone: an error on every rank)."""
         entries = list(chain.from_iterable(plans))
         for bucket, grads, _ in entries:
-            bucket.gather_grads(grads, None if bucket.on_cpu else stream_for(bucket.device))
-        sq, bad, present = 0.0, 0.0, []
-        for bucket, grads, _ in entries:
-            bucket.wait_grads()
-            s, nonfinite = functional.grad_sq_norm(bucket.grad)
-            sq += s * bucket.grad_multiplier**2
-            bad += float(nonfinite)
-            present += [0.0 if g is None else 1.0 for g in grads]
+            if not bucket.launched:
+                bucket.gather_grads(grads, None if bucket.on_cpu else stream_for(bucket.device))
+        sqs, bads, present = self._shard_stats(entries)
+        stale = [float(b.launched and b.stale) for b, _, _ in entries]
         dist = _dist()
-        vals = self.all_reduce_host([sq, bad, *present], dist.ReduceOp.SUM,
+        vals = self.all_reduce_host([sum(sqs), sum(bads), *present, *stale], dist.ReduceOp.SUM,
                                     "the gradient norm, non-finite check and gradient presence")
         k = 2
         for bucket, grads, _ in entries:
             bucket.set_present([v > 0 for v in vals[k : k + len(grads)]])
             k += len(grads)
-        return GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
+        redo = [i for i, v in enumerate(vals[k:]) if v > 0]
+        if not redo:
+            return GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
+        if release:
+            raise RuntimeError(
+                f"zero_offload: rank {self.rank} of {self.world}: a gradient was assigned or changed in place after "
+                f"backward had reduce-scattered it (in {entries[redo[0]][0].where}), but release_grads=True dropped "
+                "the others', so it cannot be reduced again. Clip with optimizer.clip_grad_norm_ and do not edit "
+                "gradients after backward, or pass release_grads=False. Nothing was updated."
+            )
+        for i in redo:
+            bucket, grads, _ = entries[i]
+            again = [bucket.params[j].grad if g is True else g for j, g in enumerate(grads)]
+            bucket.gather_grads(again, None if bucket.on_cpu else stream_for(bucket.device))
+        redone = self._shard_stats([entries[i] for i in redo])
+        for j, i in enumerate(redo):
+            sqs[i], bads[i] = redone[0][j], redone[1][j]
+        sq, bad = self.all_reduce_host([sum(sqs), sum(bads)], dist.ReduceOp.SUM,
+                                       "the gradient norm and non-finite check, after reducing again")
+        return GradStats(sq, bad > 0 or not math.isfinite(sq))
+
+    @staticmethod
+    def _shard_stats(entries: Sequence[Tuple[FlatBucket, Any, Any]]) -> Tuple[List[float], List[float], List[float]]:
+        """Wait for each bucket's shard; its sum of squares (of the averaged gradient), non-finite flag, and per
+        parameter whether this rank has a gradient."""
+        sqs, bads, present = [], [], []
+        for bucket, grads, _ in entries:
+            bucket.wait_grads()
+            s, nonfinite = functional.grad_sq_norm(bucket.grad)
+            sqs.append(s * bucket.grad_multiplier**2)
+            bads.append(float(nonfinite))
+            present += [0.0 if g is None else 1.0 for g in grads]
+        return sqs, bads, present
 
     def total_norm(self, plans: Sequence[Sequence[Tuple[FlatBucket, Any, Any]]], norm_type: float,
                    stats: GradStats) -> Tuple[float, bool]:

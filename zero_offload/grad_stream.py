@@ -10,7 +10,14 @@ the buckets it streams. When every parameter of a bucket that requires a gradien
   one synchronisation. With ``release``, each gradient is handed to the copy stream (``record_stream``, so the
   caching allocator does not reuse its memory before the copy has read it) and ``p.grad`` is set to None: the
   GPU holds only the gradients of buckets whose backward is still running, never all of them;
-* on CPU, the same ordering with plain copies into the flat buffer (this is what CPU-only CI exercises).
+* on CPU, the same ordering with plain copies into the flat buffer (this is what CPU-only CI exercises);
+* sharded over a process group (:class:`~zero_offload.buckets.ShardedBucket`), the bucket's gradients are
+  flattened and their reduce-scatter is started (on CUDA, on the copy stream, followed by the copy of this rank's
+  shard to the host); nothing waits for it until ``step()``. Collectives must be issued in the same order on
+  every rank, whatever order the hooks fire in, so sharded buckets launch in a fixed order, the reverse of their
+  construction order (the order backward usually reaches them, as DDP assumes): a bucket complete before its
+  predecessors waits for them, and when backward ends every sharded bucket not yet launched is, in that order,
+  so each backward reduce-scatters every bucket once on every rank.
 
 **Accumulation.** Inside :meth:`no_sync` the hooks do nothing, so micro-batches accumulate in ``.grad`` as usual
 and only the last backward streams. Without it, every backward streams: with ``release`` each later copy is
@@ -45,7 +52,7 @@ class BucketStream:
     """What streaming knows about one bucket during the current step."""
 
     __slots__ = ("bucket", "group", "epoch", "fired", "expected", "present", "had", "launches", "sources", "adds",
-                 "incoming", "norm", "job", "updated")
+                 "incoming", "norm", "job", "updated", "ready", "stale")
 
     def __init__(self, bucket: FlatBucket, group: int):
         self.bucket = bucket
@@ -64,6 +71,8 @@ class BucketStream:
         self.norm: Optional[torch.Tensor] = None  # CUDA: squared norm of the bucket, valid after one launch
         self.job: Optional[Future] = None  # overlap_step: the bucket's update in the worker
         self.updated = False  # overlap_step: the bucket's update for this step has been launched
+        self.ready = -1  # sharded: the backward in which the bucket became complete, waiting for its turn
+        self.stale = False  # sharded: a gradient changed after its launch (set by GradStreamer.consume)
 
     def clear(self) -> None:
         if any(self.present):
@@ -75,6 +84,9 @@ class BucketStream:
         self.norm = None
         self.job = None
         self.updated = False
+        self.stale = False
+        if self.bucket.sharded:
+            self.bucket.launched = False
 
 
 class GradStreamer:
@@ -98,12 +110,16 @@ class GradStreamer:
         self._epoch = 0
         self._in_backward = False
         self._touched: List[BucketStream] = []
+        self._sharded: List[BucketStream] = []  # sharded buckets in launch order
+        self._next = 0  # how many of them this backward has launched
         self._lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
 
     # -- registration --------------------------------------------------------------------------------------------
     def add(self, bucket: FlatBucket, group: int) -> None:
-        self._states[id(bucket)] = BucketStream(bucket, group)
+        state = self._states[id(bucket)] = BucketStream(bucket, group)
+        if bucket.sharded:
+            self._sharded.insert(0, state)  # added in construction order, launched in reverse
         for i, p in enumerate(bucket.params):
             # A frozen parameter cannot take a hook; if it is unfrozen later, its bucket launches when backward
             # ends, and its gradient is gathered at step() like any gradient assigned by hand.
@@ -145,21 +161,36 @@ class GradStreamer:
             state.fired += 1
             if state.fired == state.expected:
                 try:
-                    self._launch(state)
+                    if state.bucket.sharded:
+                        state.ready = self._epoch
+                        self._launch_sharded(upto=None)
+                    else:
+                        self._launch(state)
                 except BaseException:
                     # The backward is aborted with this error and its end-of-backward callback will not run.
-                    self._touched, self._in_backward = [], False
+                    self._touched, self._in_backward, self._next = [], False, 0
                     self._epoch += 1
                     raise
 
     def _end_backward(self) -> None:
         with self._lock:
-            for state in self._touched:
-                if state.fired != state.expected:
-                    self._launch(state)
-            self._touched = []
-            self._in_backward = False
-            self._epoch += 1
+            try:
+                for state in self._touched:
+                    if state.fired != state.expected and not state.bucket.sharded:
+                        self._launch(state)
+                self._launch_sharded(upto=len(self._sharded))
+            finally:
+                self._touched, self._in_backward, self._next = [], False, 0
+                self._epoch += 1
+
+    def _launch_sharded(self, upto: Optional[int]) -> None:
+        """Launch sharded buckets in their fixed order: the ready ones at the head of the line, or (``upto``)
+        every one up to that position, ready or not (see the module docstring)."""
+        order = self._sharded
+        while self._next < len(order) and ((upto is not None and self._next < upto)
+                                            or order[self._next].ready == self._epoch):
+            self._next += 1
+            self._launch(order[self._next - 1])
 
     def _launch(self, state: BucketStream) -> None:
         """Send the bucket's present gradients to the host (see the module docstring)."""
@@ -173,12 +204,25 @@ class GradStreamer:
         idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         grads = [bucket.params[i].grad for i in idx]
         _check_dense(bucket, idx, grads)
+        if bucket.sharded:
+            # The shard of the reduced sum: added to an earlier micro-batch's with release, else recomputed from
+            # the gradients accumulated on the parameters.
+            full: List[Optional[torch.Tensor]] = [None] * len(bucket.params)
+            for i, g in zip(idx, grads):
+                full[i] = g
+            stream = None if bucket.on_cpu else self._stream_for(bucket.device)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(bucket.device))
+            bucket.gather_grads(full, stream, add=self.release and state.launches > 0)
+            bucket.launched = True
+            if self.release and stream is not None:
+                for g in grads:
+                    g.record_stream(stream)
         # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
-        add = [self.release and state.present[i] for i in idx]
-        if bucket.on_cpu:
-            self._launch_cpu(state, idx, grads, add)
+        elif bucket.on_cpu:
+            self._launch_cpu(state, idx, grads, [self.release and state.present[i] for i in idx])
         else:
-            self._launch_cuda(state, idx, grads, add)
+            self._launch_cuda(state, idx, grads, [self.release and state.present[i] for i in idx])
         for i, g in zip(idx, grads):
             state.present[i] = True
             bucket.grad_slot_zero[i] = False
@@ -230,6 +274,9 @@ class GradStreamer:
 
     def _settle(self, state: BucketStream) -> None:
         """Wait for the bucket's copies and add any that landed in ``incoming`` to its gradient buffer."""
+        if state.bucket.sharded:
+            state.bucket.wait_grads()  # the reduce-scatter, the copy and the add of a streamed micro-batch
+            return
         if state.bucket.on_cpu:
             return
         state.bucket.wait_grads()
@@ -248,7 +295,7 @@ class GradStreamer:
         ``torch.nn.utils.clip_grad_norm_``. With ``fresh`` (and without ``release``), every gradient still on its
         parameter is gathered again: ``GradScaler.unscale_`` rewrites gradients without bumping their version."""
         state = self._states.get(id(bucket))
-        if state is None or not any(state.present):
+        if state is None or not (state.launches or any(state.present)):
             return None
         self._settle(state)
         out: List[object] = []
@@ -261,9 +308,16 @@ class GradStreamer:
                 src = state.sources[i]
                 same = not fresh and src is not None and src[0] is g and src[1] == g._version
                 out.append(True if same else g)
-        if any(isinstance(x, torch.Tensor) for x in out):
+        state.stale = any(isinstance(x, torch.Tensor) for x in out) or any(
+            x is None and has for x, has in zip(out, state.present))  # a sharded bucket's reduced sum is stale
+        if state.stale:
             state.norm = None
         return out
+
+    def stale(self, bucket: FlatBucket) -> bool:
+        """Whether :meth:`consume` found a gradient of the bucket changed (or dropped) after it was streamed."""
+        state = self._states.get(id(bucket))
+        return state is not None and state.stale
 
     def norms(self, buckets: Sequence[FlatBucket]) -> Dict[int, float]:
         """The GPU-computed squared norms of the given streamed buckets, fetched in one synchronisation."""
@@ -292,10 +346,10 @@ class GradStreamer:
 
     def reset(self) -> None:
         for state in self._states.values():
-            if any(state.present) or state.adds or state.job is not None:
+            if state.launches or any(state.present) or state.adds or state.job is not None:
                 if state.job is not None:
                     state.job.result()
-                if not state.bucket.on_cpu:
+                if state.bucket.sharded or not state.bucket.on_cpu:
                     state.bucket.wait_grads()
                 state.clear()
 

@@ -196,17 +196,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
     computed it. Every bucket is checked before the first one is updated.
 
     **Sharded over a process group** (``process_group``): each bucket is padded to a multiple of ``N * 64``
-    elements and rank ``r`` owns the ``r``-th of N equal contiguous shards (parameters may straddle shards). At
-    ``step()`` every bucket's gradients are flattened and reduce-scattered (summed; the 1/N is folded into the
-    kernel's gradient multiplier), only the owned shard reaches the host, the kernel updates it, and the updated
-    shard is all-gathered into the full parameters. One all-reduce of a small tensor per step combines the
+    elements and rank ``r`` owns the ``r``-th of N equal contiguous shards (parameters may straddle shards). Every
+    bucket's gradients are flattened and reduce-scattered (summed; the 1/N is folded into the kernel's gradient
+    multiplier) and only the owned shard reaches the host: from the backward hooks as each bucket completes when
+    gradients are streamed (the default on CUDA; buckets launch in a fixed order, the same on every rank), else
+    at ``step()``, all buckets' collectives in flight together. The kernel updates the shard, and the updated
+    shard is all-gathered into the full parameters while the next bucket is updated. One all-reduce of a small tensor per step combines the
     gradient norm, the non-finite check and which parameters have a gradient on any rank (a parameter with a
     gradient on some ranks only is updated on all, the others' gradients counting as zero); ``clip_grad_norm_``
     with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds the step and this rank's piece
     of each state tensor (1-D); :meth:`state_dict` gathers the full state and :meth:`sharded_state_dict` gives
     the sharded one for ``torch.distributed.checkpoint``. With a ``GradScaler``, every rank must see the same
     ``found_inf``: true under DDP; otherwise use ``torch.distributed.fsdp.ShardedGradScaler`` and call
-    ``scaler.unscale_(opt)`` before ``scaler.step(opt)``.
+    ``scaler.unscale_(opt)`` before ``scaler.step(opt)``. A gradient changed after backward streamed it (an
+    in-place clip or unscale; the fused :meth:`clip_grad_norm_` re-reads gradients kept on the parameters too)
+    makes every rank reduce-scatter that bucket again at ``step()``: correct, but the streamed collective was
+    wasted, so stream with ``release_grads=True`` and :meth:`clip_grad_norm_` for the full overlap.
 
     **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
     ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16
@@ -257,9 +262,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         timeout (timedelta or float, optional): the longest any one collective may take (seconds if a number);
             past it, or on a collective's failure, ``RuntimeError`` names this rank, the collective and the
             bucket (param group and bucket index). Needs ``process_group``. Default: 30 minutes.
-        stream_grads (bool, optional): copy each bucket's gradients to the host from backward hooks, as soon as
-            they are final (see above). None streams the buckets on CUDA (and all, with ``delayed_update``);
-            True streams every bucket; False gathers gradients at ``step()``. Default: None.
+        stream_grads (bool, optional): copy (sharded: reduce-scatter) each bucket's gradients to the host from
+            backward hooks, as soon as they are final (see above). None streams the buckets on CUDA (and all, with
+            ``delayed_update``), except with ``grads_reduced``; True streams every bucket; False gathers gradients
+            at ``step()``. Default: None.
         release_grads (bool): with streaming, set ``p.grad`` to None once its copy is under way, so the GPU never
             holds all gradients; then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``.
             Default: False.
@@ -338,9 +344,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._shard = Comm(process_group, DEFAULT_TIMEOUT if timeout is None else timeout, grads_reduced)
         elif grads_reduced or timeout is not None:
             raise ValueError("grads_reduced and timeout only apply with a process_group, and none was given")
-        if process_group is not None and (stream_grads or overlap_step or delayed_update):
-            raise ValueError("stream_grads, overlap_step and delayed_update are not yet combined with a "
-                             "process_group: sharded buckets are reduce-scattered at step()")
+        if process_group is not None and (overlap_step or delayed_update):
+            raise ValueError("overlap_step and delayed_update are not yet combined with a process_group: a sharded "
+                             "bucket is updated at step(), after the gradient statistics are agreed over the group")
+        if grads_reduced and stream_grads:
+            raise ValueError("stream_grads=True cannot take gradients already reduced (grads_reduced=True): DDP "
+                             "writes its averages into .grad only when backward ends, after the hooks that stream "
+                             "them. Leave stream_grads at None with DDP (gradients are then taken at step()).")
         self.nonfinite = nonfinite
         self.bucket_numel = bucket_numel
         self.pin_memory = pin_memory
@@ -562,6 +572,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._update_bucket(bucket, grads, in_place, hyper, multiplier)
                 if not bucket.on_cpu:
                     used_streams[bucket.device] = self._streams[bucket.device]
+        for bucket, _, _ in chain.from_iterable(plans):
+            bucket.wait_params()  # sharded: the all-gathers, each overlapped with the next bucket's update
         for device, stream in used_streams.items():
             # The next forward must read the parameters only after their copies back have landed: the
             # compute stream waits for the copy stream's work so far (an event), the host does not wait.
@@ -718,14 +730,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                             "turn overlap_step off to clip or to use a GradScaler."
                         )
                     grads = streamed
+                    if bucket.sharded:
+                        bucket.stale = self._streamer.stale(bucket)
                 group_plan.append((bucket, grads, None))
             plans.append(group_plan)
         return plans
 
     def _streamed(self, device: torch.device) -> bool:
         """Whether buckets on ``device`` stream their gradients in backward (see ``stream_grads``)."""
-        if self._shard is not None:
-            return False  # see the constructor: sharded buckets are reduce-scattered at step()
+        if self._shard is not None and self._shard.grads_reduced:
+            return False  # see the constructor: DDP's averages are final only when backward ends
         if self.stream_grads is not None:
             return self.stream_grads
         return device.type == "cuda" or self.delayed_update
@@ -759,7 +773,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Sharded: every bucket is reduce-scattered, then one all-reduce combines the norm, the check and which
         parameters have a gradient (``zero_offload.distributed.Comm.gather``)."""
         if self._shard is not None:
-            self._grad_stats = self._shard.gather(plans, self._stream)
+            self._grad_stats = self._shard.gather(plans, self._stream, release=self.release_grads)
             return check and self._grad_stats.nonfinite
         # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
         pairs = list(chain.from_iterable(plans))
