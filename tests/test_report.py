@@ -127,14 +127,22 @@ def test_bytes_per_parameter(numel, dtype, amsgrad, world_size, host_per_param, 
     assert plan.total("ours", "host") == numel * host_per_param
     assert plan.total("ours", "gpu") == numel * gpu_ours
     assert plan.total("adamw", "gpu") == numel * gpu_adamw
-    assert plan.host.total_bytes == numel * host_per_param * world_size
+    assert plan.host.total_bytes == numel * host_per_param
 
 
-def test_sharding_rounds_up_and_never_loses_bytes():
-    plan = memory_plan(meta_params(1000, torch.float32), device="cuda", world_size=3)
-    for key, per_rank in plan.ours["host"].items():
-        whole = plan.host.buffers["grad" if key == "grad buffer" else key]
-        assert per_rank == -(-whole // 3)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_sharded_plan_is_one_ranks_share_and_never_loses_bytes(device):
+    params = meta_params(1000, torch.float32)
+    whole = memory_plan(params, device=device).ours["host"]
+    plan = memory_plan(params, device=device, world_size=3)
+    if device == "cuda":
+        est = OffloadOptimizer.estimate_host_memory(params, world_size=3, pin_memory=True)
+        assert plan.host == est and plan.pinned == est.pinned_bytes > 0
+    for key in ("master", "exp_avg", "exp_avg_sq", "grad buffer"):
+        assert plan.ours["host"][key] >= -(-whole[key] // 3)
+    if device == "cpu":  # the collectives' full flat buffers: gradient, and the parameters outside the shard
+        assert plan.ours["host"]["flat_grad"] >= whole["grad buffer"]
+        assert plan.ours["host"]["params"] + plan.ours["host"]["master"] == plan.ours["host"]["flat_grad"]
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -155,7 +163,7 @@ def test_cli_prints_the_plan(capsys):
     main(["--params", "7B", "--dtype", "bf16", "--world-size", "2"])
     out = capsys.readouterr().out
     assert "7,000,000,000 parameters" in out and "bf16 model on cuda" in out and "2 data-parallel ranks" in out
-    assert "arithmetic estimate" in out
+    assert "one rank's shard under OffloadOptimizer(process_group=...) of 2 ranks" in out
     host_total = [line for line in out.splitlines() if line.strip().startswith("total")][1]
     assert "52.2 GiB" in host_total and "8.00" in host_total  # 16 B/param over 2 ranks
 

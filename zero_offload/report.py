@@ -26,6 +26,7 @@ import torch
 
 import zero_offload
 from zero_offload import _build, functional
+from zero_offload.buckets import plan_buckets
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
 
 
@@ -176,10 +177,10 @@ def memory_plan(
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
-    exact for one rank); ``params`` only lend their shapes and dtypes, so meta tensors (see :func:`meta_params`)
-    do. With ``world_size > 1`` every host buffer is divided evenly over the ranks (rounded up): an arithmetic
-    estimate of ZeRO sharding, which splits the fp32 master, the moments and the gradient buffer across
-    data-parallel ranks; parameters and gradients on the GPU stay whole on every rank.
+    exact); ``params`` only lend their shapes and dtypes, so meta tensors (see :func:`meta_params`) do. With
+    ``world_size > 1`` they are one rank's under ``process_group`` sharding (ZeRO): its shard of the fp32 master,
+    the moments and the gradient buffer (and, for a CPU model, the full flat gradient and parameter buffers the
+    collectives read); parameters and gradients on the GPU stay whole on every rank.
 
     Args:
         params (Sequence[Tensor]): the model's parameters (real or meta), all of one dtype.
@@ -200,10 +201,10 @@ def memory_plan(
     if len(dtypes) != 1:
         raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
     (dtype,) = dtypes
-    # pin_memory=None pins exactly the buckets whose parameters are on CUDA; meta tensors are on neither device,
-    # so that choice is spelt out here.
-    host = zero_offload.OffloadOptimizer.estimate_host_memory(
-        params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=device == "cuda")
+    # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
+    layouts = [dataclasses.replace(layout, device=torch.device(device))
+               for layout in plan_buckets(params, bucket_numel)]
+    host = zero_offload.optimizer._estimate(layouts, amsgrad, device == "cuda", world_size)
     numel = host.numel
     param_bytes = sum(p.nbytes for p in params)
     if device == "cpu":
@@ -211,12 +212,8 @@ def memory_plan(
         # real CPU tensors, not for meta stand-ins).
         host = dataclasses.replace(host, replaces_param_bytes=param_bytes)
     state_names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-
-    def shard(n: int) -> int:
-        return -(-n // world_size)
-
-    buffers = {("grad buffer" if k == "grad" else k): shard(v) for k, v in host.buffers.items() if v}
-    pinned = shard(host.pinned_bytes)
+    buffers = {("grad buffer" if k == "grad" else k): v for k, v in host.buffers.items() if v}
+    pinned = host.pinned_bytes
     model_side = {"params": param_bytes, "gradients": param_bytes}
     adamw_side = {**model_side, **{k: param_bytes for k in state_names}}
     if device == "cuda":
@@ -241,10 +238,11 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         "                 nothing allocated: host buffers from OffloadOptimizer.estimate_host_memory over meta tensors",
     ]
     if sharded:
-        out.append(f"                 host buffers divided over {plan.world_size} ranks: an arithmetic estimate of "
-                   "ZeRO sharding (not built yet)")
+        out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
+                   f"{plan.world_size} ranks")
     dtypes = {"params": name, "gradients": name, "grad buffer": name, "staging": name}
-    order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "grad buffer", "staging"]
+    order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "grad buffer", "staging",
+             "grad_prev", "flat_grad"]
     home = "master" if plan.dtype == torch.float32 else "staging"
 
     def cell(b: Optional[int]) -> str:
@@ -277,7 +275,12 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     out.append("")
     pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
     out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
-    if plan.device == "cpu":
+    if plan.device == "cpu" and sharded:
+        out.append(f"                 the parameters are views of one flat buffer (params and this rank's {home}); "
+                   "after")
+        out.append("                 zero_grad(set_to_none=False) the .grad tensors are views of flat_grad, which "
+                   "saves the gradients row")
+    elif plan.device == "cpu":
         out.append(f"                 the parameters are views of {home}; after zero_grad(set_to_none=False) the "
                    ".grad tensors")
         out.append("                 are views of the grad buffer, which saves the gradients row")
