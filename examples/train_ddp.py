@@ -3,6 +3,7 @@
 Launch one process per GPU (or, without GPUs, per CPU worker)::
 
     torchrun --nproc_per_node=2 examples/train_ddp.py            # gloo on CPU, NCCL when CUDA is there
+    torchrun --nproc_per_node=2 examples/train_ddp.py --stream   # gradients reduce-scattered in backward on CPU
     torchrun --nproc_per_node=2 examples/train_ddp.py --ddp      # the model wrapped in DDP (ZeRO-1)
 
 A small GPT-style model learns a synthetic task (predict the next token of noisy repeated patterns); each rank
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--ddp", action="store_true", help="wrap the model in DDP (the optimizer then takes slices)")
+    ap.add_argument("--stream", action="store_true", help="reduce-scatter gradients in backward on CPU too")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -88,13 +90,18 @@ def main() -> None:
     net = nn.parallel.DistributedDataParallel(model) if args.ddp else model
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "pos" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "pos" not in n)]
+    # Without DDP, each bucket's gradients are reduce-scattered from backward hooks as soon as they are final (the
+    # default on CUDA; --stream asks for it on CPU too), and release_grads drops them from the parameters once
+    # sent: opt.clip_grad_norm_ then clips from the reduced shards, with no second reduction.
     opt = OffloadOptimizer([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                           lr=3e-3, process_group=dist.group.WORLD, grads_reduced=args.ddp)
+                           lr=3e-3, process_group=dist.group.WORLD, grads_reduced=args.ddp,
+                           stream_grads=True if args.stream else None, release_grads=not args.ddp)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
     if rank == 0:
         est = opt.host_memory_estimate()
         n = sum(p.numel() for p in model.parameters())
-        print(f"world {world} ({'nccl' if cuda else 'gloo'}{', DDP' if args.ddp else ''}): {n:,} parameters, "
+        print(f"world {world} ({'nccl' if cuda else 'gloo'}{', DDP' if args.ddp else ''}"
+              f"{', streamed' if not args.ddp and (cuda or args.stream) else ''}): {n:,} parameters, "
               f"optimizer state on this rank {est.state_bytes / n:.2f} bytes/param (12/{world} = {12 / world:.2f})")
 
     ckpt = tempfile.mkdtemp(prefix="zero_offload_dcp_") if rank == 0 else None
