@@ -455,10 +455,10 @@ def test_checkpoint_saved_at_world_2_resumes_at_world_3_and_1():
 FAIL_TIMEOUT = 3.0
 
 
-def _failing_worker(rank, world):
+def _failing_worker(rank, world, stream):
     model, _ = _make(rank)
     opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
-                           timeout=FAIL_TIMEOUT)
+                           timeout=FAIL_TIMEOUT, stream_grads=stream)
     _step(model, opt, 0, rank, world)
     if rank == 1:
         time.sleep(3 * FAIL_TIMEOUT)  # stays alive without joining: only the timeout can end rank 0's wait
@@ -471,8 +471,10 @@ def _failing_worker(rank, world):
     return None
 
 
-def test_one_rank_failing_ends_the_others_with_an_error_naming_rank_and_bucket():
-    out = launch(_failing_worker, 2, timeout=60, expect_errors=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["at_step", "streamed"])
+def test_one_rank_failing_ends_the_others_with_an_error_naming_rank_and_bucket(stream):
+    # Streamed, rank 0's reduce-scatters were started in backward; waiting for them at step() times out.
+    out = launch(_failing_worker, 2, stream, timeout=60, expect_errors=True)
     assert out[1][0] == "error" and "rank 1 failed before its step" in out[1][1]
     status, result = out[0]
     assert status == "ok" and result is not None, result
