@@ -32,7 +32,8 @@ import torch
 from zero_offload import functional
 from zero_offload.buckets import FlatBucket, ShardedBucket, view_like
 
-__all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "shard_pieces", "sharded_state_dict", "load_sharded_state_dict"]
+__all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "shard_pieces", "sharded_state_dict",
+           "load_sharded_state_dict"]
 
 # torch.distributed's own default for a process group's collectives.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)

@@ -163,7 +163,7 @@ class GradStreamer:
                 try:
                     if state.bucket.sharded:
                         state.ready = self._epoch
-                        self._launch_sharded(upto=None)
+                        self._launch_in_order(upto=None)
                     else:
                         self._launch(state)
                 except BaseException:
@@ -178,12 +178,12 @@ class GradStreamer:
                 for state in self._touched:
                     if state.fired != state.expected and not state.bucket.sharded:
                         self._launch(state)
-                self._launch_sharded(upto=len(self._sharded))
+                self._launch_in_order(upto=len(self._sharded))
             finally:
                 self._touched, self._in_backward, self._next = [], False, 0
                 self._epoch += 1
 
-    def _launch_sharded(self, upto: Optional[int]) -> None:
+    def _launch_in_order(self, upto: Optional[int]) -> None:
         """Launch sharded buckets in their fixed order: the ready ones at the head of the line, or (``upto``)
         every one up to that position, ready or not (see the module docstring)."""
         order = self._sharded
@@ -205,24 +205,11 @@ class GradStreamer:
         grads = [bucket.params[i].grad for i in idx]
         _check_dense(bucket, idx, grads)
         if bucket.sharded:
-            # The shard of the reduced sum: added to an earlier micro-batch's with release, else recomputed from
-            # the gradients accumulated on the parameters.
-            full: List[Optional[torch.Tensor]] = [None] * len(bucket.params)
-            for i, g in zip(idx, grads):
-                full[i] = g
-            stream = None if bucket.on_cpu else self._stream_for(bucket.device)
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(bucket.device))
-            bucket.gather_grads(full, stream, add=self.release and state.launches > 0)
-            bucket.launched = True
-            if self.release and stream is not None:
-                for g in grads:
-                    g.record_stream(stream)
-        # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
-        elif bucket.on_cpu:
-            self._launch_cpu(state, idx, grads, [self.release and state.present[i] for i in idx])
+            self._launch_reduce_scatter(state, idx, grads)
         else:
-            self._launch_cuda(state, idx, grads, [self.release and state.present[i] for i in idx])
+            # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
+            add = [self.release and state.present[i] for i in idx]
+            (self._launch_cpu if bucket.on_cpu else self._launch_cuda)(state, idx, grads, add)
         for i, g in zip(idx, grads):
             state.present[i] = True
             bucket.grad_slot_zero[i] = False
@@ -235,6 +222,23 @@ class GradStreamer:
         if self._update is not None and not self._no_sync:
             state.updated = True
             state.job = self._worker().submit(self._update, state)
+
+    def _launch_reduce_scatter(self, state: BucketStream, idx: List[int], grads: List[torch.Tensor]) -> None:
+        """Start the reduce-scatter of a sharded bucket. Its shard of the reduced sum is added to an earlier
+        micro-batch's with ``release``; otherwise it is recomputed from the gradients accumulated on the
+        parameters."""
+        bucket = state.bucket
+        full: List[Optional[torch.Tensor]] = [None] * len(bucket.params)
+        for i, g in zip(idx, grads):
+            full[i] = g
+        stream = None if bucket.on_cpu else self._stream_for(bucket.device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        bucket.gather_grads(full, stream, add=self.release and state.launches > 0)
+        bucket.launched = True
+        if self.release and stream is not None:
+            for g in grads:
+                g.record_stream(stream)
 
     def _launch_cpu(self, state: BucketStream, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
         views, numels = state.bucket.grad_views, state.bucket.layout.numels
