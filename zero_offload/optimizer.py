@@ -201,10 +201,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     multiplier) and only the owned shard reaches the host: from the backward hooks as each bucket completes when
     gradients are streamed (the default on CUDA; buckets launch in a fixed order, the same on every rank), else
     at ``step()``, all buckets' collectives in flight together. The kernel updates the shard, and the updated
-    shard is all-gathered into the full parameters while the next bucket is updated. One all-reduce of a small tensor per step combines the
-    gradient norm, the non-finite check and which parameters have a gradient on any rank (a parameter with a
-    gradient on some ranks only is updated on all, the others' gradients counting as zero); ``clip_grad_norm_``
-    with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds the step and this rank's piece
+    shard is all-gathered into the full parameters while the next bucket is updated. One all-reduce of a small
+    tensor per step combines the gradient norm, the non-finite check and which parameters have a gradient on any
+    rank (a parameter with a gradient on some ranks only is updated on all, the others' gradients counting as
+    zero); ``clip_grad_norm_`` with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds the step and this rank's piece
     of each state tensor (1-D); :meth:`state_dict` gathers the full state and :meth:`sharded_state_dict` gives
     the sharded one for ``torch.distributed.checkpoint``. With a ``GradScaler``, every rank must see the same
     ``found_inf``: true under DDP; otherwise use ``torch.distributed.fsdp.ShardedGradScaler`` and call
