@@ -618,7 +618,7 @@ class ShardedBucket(FlatBucket):
         self.incoming: Optional[torch.Tensor] = None  # a streamed micro-batch's shard, to add to grad
         self.adding = False
         # Streaming: this step's gradients were reduce-scattered from backward hooks (every rank alike), and
-        # whether this rank's gradients changed after that (see OffloadOptimizer._collect).
+        # whether this rank's gradients changed after that (set by GradStreamer.consume).
         self.launched = False
         self.stale = False
 

@@ -52,7 +52,7 @@ class BucketStream:
     """What streaming knows about one bucket during the current step."""
 
     __slots__ = ("bucket", "group", "epoch", "fired", "expected", "present", "had", "launches", "sources", "adds",
-                 "incoming", "norm", "job", "updated", "ready", "stale")
+                 "incoming", "norm", "job", "updated", "ready")
 
     def __init__(self, bucket: FlatBucket, group: int):
         self.bucket = bucket
@@ -72,7 +72,6 @@ class BucketStream:
         self.job: Optional[Future] = None  # overlap_step: the bucket's update in the worker
         self.updated = False  # overlap_step: the bucket's update for this step has been launched
         self.ready = -1  # sharded: the backward in which the bucket became complete, waiting for its turn
-        self.stale = False  # sharded: a gradient changed after its launch (set by GradStreamer.consume)
 
     def clear(self) -> None:
         if any(self.present):
@@ -84,9 +83,8 @@ class BucketStream:
         self.norm = None
         self.job = None
         self.updated = False
-        self.stale = False
         if self.bucket.sharded:
-            self.bucket.launched = False
+            self.bucket.launched = self.bucket.stale = False
 
 
 class GradStreamer:
@@ -205,7 +203,7 @@ class GradStreamer:
         grads = [bucket.params[i].grad for i in idx]
         _check_dense(bucket, idx, grads)
         if bucket.sharded:
-            self._launch_reduce_scatter(state, idx, grads)
+            self._launch_reduce_scatter(state, grads)
         else:
             # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
             add = [self.release and state.present[i] for i in idx]
@@ -223,18 +221,15 @@ class GradStreamer:
             state.updated = True
             state.job = self._worker().submit(self._update, state)
 
-    def _launch_reduce_scatter(self, state: BucketStream, idx: List[int], grads: List[torch.Tensor]) -> None:
+    def _launch_reduce_scatter(self, state: BucketStream, grads: List[torch.Tensor]) -> None:
         """Start the reduce-scatter of a sharded bucket. Its shard of the reduced sum is added to an earlier
         micro-batch's with ``release``; otherwise it is recomputed from the gradients accumulated on the
         parameters."""
         bucket = state.bucket
-        full: List[Optional[torch.Tensor]] = [None] * len(bucket.params)
-        for i, g in zip(idx, grads):
-            full[i] = g
         stream = None if bucket.on_cpu else self._stream_for(bucket.device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(bucket.device))
-        bucket.gather_grads(full, stream, add=self.release and state.launches > 0)
+        bucket.gather_grads([p.grad for p in bucket.params], stream, add=self.release and state.launches > 0)
         bucket.launched = True
         if self.release and stream is not None:
             for g in grads:
@@ -312,16 +307,15 @@ class GradStreamer:
                 src = state.sources[i]
                 same = not fresh and src is not None and src[0] is g and src[1] == g._version
                 out.append(True if same else g)
-        state.stale = any(isinstance(x, torch.Tensor) for x in out) or any(
-            x is None and has for x, has in zip(out, state.present))  # a sharded bucket's reduced sum is stale
-        if state.stale:
+        # A gradient changed or dropped since its launch: the streamed norm (a sharded bucket's reduced sum) is
+        # stale.
+        stale = any(isinstance(x, torch.Tensor) for x in out) or any(
+            x is None and has for x, has in zip(out, state.present))
+        if stale:
             state.norm = None
+        if bucket.sharded:
+            bucket.stale = stale
         return out
-
-    def stale(self, bucket: FlatBucket) -> bool:
-        """Whether :meth:`consume` found a gradient of the bucket changed (or dropped) after it was streamed."""
-        state = self._states.get(id(bucket))
-        return state is not None and state.stale
 
     def norms(self, buckets: Sequence[FlatBucket]) -> Dict[int, float]:
         """The GPU-computed squared norms of the given streamed buckets, fetched in one synchronisation."""

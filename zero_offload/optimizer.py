@@ -730,8 +730,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                             "turn overlap_step off to clip or to use a GradScaler."
                         )
                     grads = streamed
-                    if bucket.sharded:
-                        bucket.stale = self._streamer.stale(bucket)
                 group_plan.append((bucket, grads, None))
             plans.append(group_plan)
         return plans
