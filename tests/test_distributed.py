@@ -77,7 +77,8 @@ def data(step: int, micro: int = 0):
 
 
 def loss_on(model, step, micro, rows, dtype=torch.float32):
-    x, ids, y, flag = (t[rows] for t in data(step, micro))
+    device = next(model.parameters()).device
+    x, ids, y, flag = (t[rows].to(device) for t in data(step, micro))
     return F.mse_loss(model(x.to(dtype), ids, flag).float(), y)
 
 

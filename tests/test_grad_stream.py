@@ -261,6 +261,16 @@ def test_delayed_update_state_dict_applies_the_pending_update():
     assert all(s["step"].item() == 1 for s in ours.state.values())
 
 
+def test_delayed_update_sharded_state_dict_applies_the_pending_update():
+    model = _bucketed_model()
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True)
+    _loss(model, 0).backward()
+    ours.step()
+    sd = ours.sharded_state_dict()
+    assert all(s["step"].item() == 1 for s in sd["state"].values())
+    assert all(s["step"].item() == 1 for s in ours.state.values())
+
+
 def test_dropping_the_optimizer_frees_its_buffers_and_disarms_its_hooks():
     model = _bucketed_model()
     opt = OffloadOptimizer(model.parameters(), stream_grads=True)

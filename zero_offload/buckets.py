@@ -514,7 +514,8 @@ class FlatBucket:
             torch.autograd.graph.increment_version(params)
         else:
             srcs = self.staging_views if self.low_precision else self.master_views
-            with torch.cuda.stream(stream):
+            # no_grad here, not at the callers: grad mode is per thread, and overlap_step uploads from its worker.
+            with torch.no_grad(), torch.cuda.stream(stream):
                 torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
         self.record_versions(indices)
 
@@ -754,6 +755,8 @@ class ShardedBucket(FlatBucket):
         else:
             if self.d2h_event is None:
                 self.d2h_event = torch.cuda.Event()
+            # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
                 present = [i for i, g in enumerate(grads) if g is not None]
@@ -805,7 +808,7 @@ class ShardedBucket(FlatBucket):
             torch.autograd.graph.increment_version([self.params[i] for i in indices])
         else:
             src = self.staging if self.low_precision else self.master
-            with torch.cuda.stream(stream):
+            with torch.no_grad(), torch.cuda.stream(stream):
                 own = torch.empty(shard, dtype=self.dtype, device=self.device)
                 own.copy_(src, non_blocking=True)
                 flat = torch.empty(self.full.padded_numel, dtype=self.dtype, device=self.device)

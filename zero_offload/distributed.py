@@ -457,6 +457,7 @@ def load_sharded_state_dict(opt, state_dict: Dict[str, Any]) -> None:
                 if not isinstance(step, Real) or not math.isfinite(step) or step < 0 or step != int(step):
                     raise ValueError(f"loaded sharded state dict, parameter {key}: invalid step {entry['step']!r}")
                 steps[(id(bucket), i)] = float(step)
+    opt._drop_delayed()  # dcp.load has already replaced the state it would update
     opt._synchronize()
     opt._pending = None
     for bucket in chain.from_iterable(opt._buckets):

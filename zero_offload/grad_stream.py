@@ -227,8 +227,6 @@ class GradStreamer:
         parameters."""
         bucket = state.bucket
         stream = None if bucket.on_cpu else self._stream_for(bucket.device)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(bucket.device))
         bucket.gather_grads([p.grad for p in bucket.params], stream, add=self.release and state.launches > 0)
         bucket.launched = True
         if self.release and stream is not None:

@@ -36,6 +36,12 @@ def _unregister(ptr: int) -> None:
     if _registered.pop(ptr, None) is None:
         return
     try:
+        # A copy to or from this buffer may still be in flight (an optimizer dropped right after step(), or while
+        # a backward it streamed was failing): the memory must not go back to the heap under it.
+        torch.cuda.synchronize()
+    except Exception as exc:  # pragma: no cover - shutdown ordering
+        logger.debug("zero_offload: synchronize before freeing pinned memory failed: %s", exc)
+    try:
         err = torch.cuda.cudart().cudaHostUnregister(ptr)
         if int(err) != 0:
             logger.debug("zero_offload: cudaHostUnregister(%#x) returned %s", ptr, err)
@@ -83,6 +89,7 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     ptr = buf.data_ptr()
     err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
     if int(err) != 0:
+        _clear_last_cuda_error()
         raise RuntimeError(
             f"zero_offload: cudaHostRegister of {format_bytes(span)} failed ({err}); the limit on locked memory "
             "(ulimit -l, container memlock) may be too low, or pass pin_memory=False"
@@ -90,6 +97,24 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     _registered[ptr] = span
     weakref.finalize(raw, _unregister, ptr)
     return buf
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's per-thread "last error" after a failed call that was handled here.
+
+    Left set, PyTorch's next kernel-launch check (``cudaGetLastError``) would raise it as that kernel's own error,
+    so a caller that catches the failure (to retry unpinned, or to try a smaller model) would fail later anyway.
+    torch's cudart bindings have no ``cudaGetLastError``, so it is called in the ``libcudart`` torch loaded. Best
+    effort: with a statically linked runtime there is none to find, and nothing is done."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line.rsplit("/", 1)[-1]}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception as exc:  # pragma: no cover - depends on how CUDA was linked
+        logger.debug("zero_offload: could not reset the CUDA error state: %s", exc)
 
 
 def is_registered(t: torch.Tensor) -> bool:

@@ -565,6 +565,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._step_delayed(hypers, plans, multiplier)
             self._streamer.reset()
             return loss
+        self._uploads_after_compute(b for b, _, _ in chain.from_iterable(plans))
         used_streams: Dict[torch.device, Any] = {}
         for hyper, group_plan in zip(hypers, plans):
             for bucket, grads, in_place in group_plan:
@@ -590,7 +591,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         runs = bucket.runs(grads)
         if not runs:
             return None
-        bucket.wait_grads()
+        if grad is None:
+            # (A delayed update's ``grad`` was waited for at its step(); its bucket's copy event may meanwhile
+            # have been recorded again by the next backward, which this must not wait for.)
+            bucket.wait_grads()
         if bucket.h2d_event is not None:
             bucket.h2d_event.synchronize()  # a delayed update's upload may still be reading master/staging
         flat_grad = bucket.grad if grad is None else grad
@@ -668,6 +672,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if delayed is None:
             return
         done = delayed.job.result() if delayed.job is not None else delayed.run()
+        self._uploads_after_compute(b for b, indices in done if indices is not None)
         used: Dict[torch.device, Any] = {}
         for bucket, indices in done:
             if indices is None:
@@ -682,9 +687,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for device, stream in used.items():
             torch.cuda.current_stream(device).wait_stream(stream)
 
+    def _uploads_after_compute(self, buckets: Iterable[FlatBucket]) -> None:
+        """Uploads overwrite the parameters, so the copy stream first waits for what the compute stream has queued
+        since backward, which may still read them (an EMA of the weights, a norm for logging, an eval forward
+        before ``state_dict()``). Not needed for ``overlap_step``'s uploads in backward: every use of a parameter
+        was queued before the hook that found its gradient final."""
+        for device in {b.device for b in buckets if not b.on_cpu}:
+            self._stream(device).wait_stream(torch.cuda.current_stream(device))
+
+    def _drop_delayed(self) -> None:
+        """Discard the update still pending from the last step (its state is about to be replaced), once its
+        worker job has stopped writing."""
+        delayed, self._delayed = self._delayed, None
+        if delayed is not None and delayed.job is not None:
+            delayed.job.result()
+
     def flush(self) -> None:
         """With ``delayed_update``: apply the update still pending from the last ``step()`` now, so parameters and
-        state reflect every step taken (``state_dict()`` does this first). Otherwise: nothing to do."""
+        state reflect every step taken (``state_dict()`` and ``sharded_state_dict()`` do this first). Otherwise:
+        nothing to do."""
         self._finish_delayed()
 
     def _reexpose(self, every: bool) -> None:
@@ -958,7 +979,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ``ShardedTensor`` whose local shard is this rank's piece, at its offset; without one, a plain 1-D tensor.
         Those tensors are views of the optimizer's host buffers: ``dcp.save`` reads them where they are and
         ``dcp.load`` writes into them in place, so neither needs extra memory. Every parameter has an entry
-        (``step`` 0 if it never had a gradient). Building it involves no collective.
+        (``step`` 0 if it never had a gradient). Building it involves no collective. With ``delayed_update``, the
+        pending update is applied first (:meth:`flush`).
 
         Usage (the same on every rank; the model's own weights are saved alongside as usual)::
 
@@ -970,6 +992,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         from zero_offload import distributed
 
+        self.flush()  # the tensors handed out are the live buffers: nothing may still be writing them
         return distributed.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -1057,9 +1080,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     bucket.ensure_amsgrad()
 
         self._streamer.wait_updates()
-        delayed, self._delayed = self._delayed, None  # a pending update of the old trajectory is dropped
-        if delayed is not None and delayed.job is not None:
-            delayed.job.result()
+        self._drop_delayed()  # a pending update of the old trajectory
         self._synchronize()
         self._pending = None
         self._streamer.reset()

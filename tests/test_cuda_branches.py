@@ -1,0 +1,146 @@
+"""The CUDA-only branches of the optimizer's Python code, run on CPU tensors in CPU-only CI.
+
+Without a GPU the ``cuda`` tests skip, and with them every line that runs only for parameters on CUDA: launches
+on the copy stream, the landing buffer of host accumulation, the bucket norms computed beside the copies, the
+uploads (from ``step()``, from the ``overlap_step`` worker, from a ``delayed_update`` flush). Here those branches
+run on CPU tensors: the buckets are told their parameters are on ``cuda:0``, and streams and events are
+stand-ins that do nothing (a CPU copy is complete when it returns). That catches what the Python in those
+branches can get wrong (grad mode in the worker thread, a buffer swapped the wrong way, a wrong argument),
+against AdamW at default tolerance like every other test. It cannot catch a missing stream wait or
+``record_stream``: the ``cuda`` tests, with a layer large enough to expose one, are for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import zero_offload.optimizer as optimizer_module
+from test_grad_stream import LateAdamW, _run_recipe
+from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn
+from zero_offload import OffloadOptimizer
+
+
+class _Device:
+    """Stands for ``cuda:0`` in the bucket layouts: its ``type`` picks the CUDA branches, and it equals the CPU
+    device the tensors really are on (the check that a parameter has not moved)."""
+
+    type = "cuda"
+    index = 0
+
+    def __eq__(self, other) -> bool:
+        return other is self or other == torch.device("cpu")
+
+    def __hash__(self) -> int:
+        return hash("cuda:0 (stand-in)")
+
+    def __repr__(self) -> str:
+        return "cuda:0 (stand-in)"
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded, "waited for an event that was never recorded"
+
+    def query(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    device, current = _Device(), _Stream()
+    plan, planned = optimizer_module.plan_buckets, []
+
+    def plan_on_cuda(params, max_numel):
+        planned.append(len(params))
+        return [dataclasses.replace(layout, device=device) for layout in plan(params, max_numel)]
+
+    monkeypatch.setattr(optimizer_module, "plan_buckets", plan_on_cuda)
+    monkeypatch.setattr(optimizer_module, "_should_pin", lambda device, pin_memory: False)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    yield
+    assert planned, "no optimizer was built on the stand-in device"
+
+
+# Streaming is the default for CUDA parameters: no stream_grads here.
+CUDA_RECIPES = (
+    [dataclasses.replace(r, name=f"{r.name}+release", ours_kw={"release_grads": True}) for r in RECIPES
+     if r.name in ("adamw", "amsgrad", "clip", "clip_inf_norm", "accumulate", "closure", "add_group")]
+    + [dataclasses.replace(r, ours_kw={"release_grads": False}) for r in RECIPES]
+    + [Recipe("accumulate_no_sync+release", accumulate=3, clip=0.5, no_sync=True, ours_kw={"release_grads": True}),
+       Recipe("accumulate_host+release", accumulate=3, clip=0.5, ours_kw={"release_grads": True}),
+       Recipe("not_streamed", clip=0.5, ours_kw={"stream_grads": False})]
+)
+
+
+@pytest.mark.parametrize("recipe", CUDA_RECIPES, ids=lambda r: r.name)
+def test_cuda_branches_match_adamw_every_step(cuda_branches, recipe):
+    _run_recipe(recipe, "cpu", steps=25)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_cuda_branches_overlap_step_uploads_from_the_worker(cuda_branches, accumulate):
+    kw = dict(release_grads=True, overlap_step=True, nonfinite="ignore")
+    recipe = Recipe(f"overlap_acc{accumulate}", accumulate=accumulate, no_sync=True, ours_kw=kw,
+                    scheduler=lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=10))
+    _run_recipe(recipe, "cpu", steps=12)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip):
+    """On CUDA the delayed update runs in the worker thread and uploads at the next step(), flush() or
+    state_dict(): parameters are compared every step, the whole state once flushed."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True)
+    assert not ours._buckets[0][0].on_cpu
+    ref = LateAdamW(ref_model)
+    for step in range(12):
+        ours.zero_grad()
+        ref.opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        norm = ours.clip_grad_norm_(clip) if clip is not None else None
+        ref_norm = ref.step(clip)
+        ours.step()
+        if clip is not None:
+            torch.testing.assert_close(norm, ref_norm)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
+        if step == 6:
+            ours.state_dict()  # applies the pending update (and uploads it) from the main thread
+            ref.step()
+            ref.prev = None
+            assert_same(model, ref_model, ours, ref.opt, f"state_dict at step {step}")
+    ours.flush()
+    ref.step()
+    assert_same(model, ref_model, ours, ref.opt, "after flush")
