@@ -271,6 +271,50 @@ def test_delayed_update_sharded_state_dict_applies_the_pending_update():
     assert all(s["step"].item() == 1 for s in ours.state.values())
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("outer_params", [True, False], ids=["input_layer_outside", "all_checkpointed"])
+@pytest.mark.parametrize("kw", [dict(release_grads=True), dict(release_grads=False),
+                                dict(release_grads=True, overlap_step=True, nonfinite="ignore")],
+                         ids=["release", "keep", "overlap"])
+def test_activation_checkpointing_streams_each_bucket_once_per_backward(reentrant, outer_params, kw, monkeypatch):
+    """checkpoint(use_reentrant=True) runs a backward per segment inside the outer one: its end must not be
+    taken for the end of the step's backward (a bucket launched early would be launched again, and overlap_step
+    would find it already updated). The first hooks fire inside a segment's backward; with ``outer_params`` the
+    last ones fire in the outer backward itself."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _bucketed_model()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, bucket_numel=10**6, **kw)  # one bucket
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    launches = []
+    real = opt._streamer._launch
+    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launches.append(state), real(state)))
+
+    def forward(m, x):
+        run = lambda lo, hi: (lambda h: m[lo:hi](h).relu())  # noqa: E731
+        h = m[0](x) if outer_params else x.requires_grad_(reentrant)  # an input-side layer outside, as embeddings
+        h = checkpoint(run(1 if outer_params else 0, 3), h, use_reentrant=reentrant)
+        return checkpoint(run(3, 6), h, use_reentrant=reentrant)
+
+    for step in range(4):
+        x, y = _data(step)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            (forward(m, x.clone()) - y).pow(2).mean().backward()
+            o.step()
+        assert len(launches) == step + 1, "the bucket must launch once per backward"
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
+def test_hooks_record_nothing_under_create_graph():
+    model = _bucketed_model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True)
+    _loss(model, 0).backward(create_graph=True)
+    assert not any(b.grad.requires_grad for b in opt._buckets[0]), "the host copy became part of a graph"
+    opt.step()
+
+
 def test_dropping_the_optimizer_frees_its_buffers_and_disarms_its_hooks():
     model = _bucketed_model()
     opt = OffloadOptimizer(model.parameters(), stream_grads=True)

@@ -19,6 +19,10 @@ the buckets it streams. When every parameter of a bucket that requires a gradien
   predecessors waits for them, and when backward ends every sharded bucket not yet launched is, in that order,
   so each backward reduce-scatters every bucket once on every rank.
 
+**Checkpointing.** ``torch.utils.checkpoint(use_reentrant=True)`` runs each segment's backward as a backward of
+its own, inside the outer one. The end of such a nested backward is not the end of the step's backward: buckets
+left incomplete launch when the outermost backward ends.
+
 **Accumulation.** Inside :meth:`no_sync` the hooks do nothing, so micro-batches accumulate in ``.grad`` as usual
 and only the last backward streams. Without it, every backward streams: with ``release`` each later copy is
 *added* to what the host buffer already holds for this step (fp32 gradients add exactly as they would on the
@@ -171,7 +175,17 @@ class GradStreamer:
                     raise
 
     def _end_backward(self) -> None:
-        with self._lock:
+        node = _current_node()
+        if node is not None:
+            # This backward ran inside a node of another: a reentrant backward, one per segment of
+            # torch.utils.checkpoint(use_reentrant=True). The outer backward may still bring gradients of the
+            # same buckets, so nothing launches now: once that node has finished, the end of the outer backward
+            # is waited for instead.
+            with self._lock:
+                self._in_backward = False
+            self._rearm_after(node)
+            return
+        with self._lock, torch.no_grad():
             try:
                 for state in self._touched:
                     if state.fired != state.expected and not state.bucket.sharded:
@@ -180,6 +194,18 @@ class GradStreamer:
             finally:
                 self._touched, self._in_backward, self._next = [], False, 0
                 self._epoch += 1
+
+    def _rearm_after(self, node) -> None:
+        handle = None
+
+        def rearm(grad_inputs, grad_outputs) -> None:
+            handle.remove()
+            with self._lock:
+                if not self._in_backward:  # (a hook of a later segment may have queued one already)
+                    self._in_backward = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        handle = node.register_hook(rearm)
 
     def _launch_in_order(self, upto: Optional[int]) -> None:
         """Launch sharded buckets in their fixed order: the ready ones at the head of the line, or (``upto``)
@@ -378,9 +404,17 @@ def _hook(streamer_ref: "weakref.ref[GradStreamer]", key: int, i: int):
     def hook(p: torch.Tensor) -> None:
         streamer = streamer_ref()
         if streamer is not None:
-            streamer._on_grad(streamer._states[key], i)
+            with torch.no_grad():  # backward(create_graph=True) records what hooks do: copies must not be
+                streamer._on_grad(streamer._states[key], i)
 
     return hook
+
+
+def _current_node():
+    """The autograd node whose execution the calling code is nested in (None outside any backward, and in the
+    final callbacks of an outermost one); None where torch does not expose it."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
 
 
 def _slot(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:
