@@ -517,6 +517,16 @@ def _bad_input_worker(rank, world):
     except RuntimeError as exc:
         errors["stale"] = str(exc)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state
+    # torch.distributed initialised but no process_group, as under DDP (which averages the gradients only as
+    # backward ends): streaming is off by default, and what needs it is refused unless stream_grads=True.
+    for name in ("release_grads", "overlap_step", "delayed_update"):
+        try:
+            OffloadOptimizer(model.parameters(), **{name: True}, nonfinite="ignore")
+        except ValueError as exc:
+            errors[f"ddp_{name}"] = str(exc)
+    cuda = torch.device("cuda")
+    assert not OffloadOptimizer(model.parameters())._streamed(cuda)
+    assert OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True)._streamed(cuda)
     return errors
 
 
@@ -529,6 +539,9 @@ def test_bad_input_raises_on_every_rank():
         assert "stream_grads=True cannot take gradients already reduced" in errors["stream_reduced"]
         assert "not yet combined with a process_group" in errors["delayed"]
         assert "cannot be reduced again" in errors["stale"] and "param group 0, bucket 0" in errors["stale"]
+        for name in ("release_grads", "overlap_step", "delayed_update"):
+            assert f"{name}=True works on gradients streamed" in errors[f"ddp_{name}"]
+            assert "(world size 2)" in errors[f"ddp_{name}"] and "DistributedDataParallel" in errors[f"ddp_{name}"]
 
 
 def test_bad_input_without_a_group():

@@ -264,8 +264,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket (param group and bucket index). Needs ``process_group``. Default: 30 minutes.
         stream_grads (bool, optional): copy (sharded: reduce-scatter) each bucket's gradients to the host from
             backward hooks, as soon as they are final (see above). None streams the buckets on CUDA (and all, with
-            ``delayed_update``), except with ``grads_reduced``; True streams every bucket; False gathers gradients
-            at ``step()``. Default: None.
+            ``delayed_update``), except with ``grads_reduced``, or when ``torch.distributed`` is initialised and no
+            ``process_group`` is given (DDP averages gradients only as backward ends; then ``release_grads``,
+            ``overlap_step`` and ``delayed_update`` are refused); True streams every bucket; False gathers
+            gradients at ``step()``. Default: None.
         release_grads (bool): with streaming, set ``p.grad`` to None once its copy is under way, so the GPU never
             holds all gradients; then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``.
             Default: False.
@@ -347,6 +349,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if process_group is not None and (overlap_step or delayed_update):
             raise ValueError("overlap_step and delayed_update are not yet combined with a process_group: a sharded "
                              "bucket is updated at step(), after the gradient statistics are agreed over the group")
+        # torch.distributed's world size when it is initialised and no process_group was given (else 1): the
+        # model is then likely DDP-wrapped, and DDP averages the gradients only as backward ends.
+        self._outside_world = _world_without_group(process_group)
+        if self._outside_world > 1 and stream_grads is None and (release_grads or overlap_step or delayed_update):
+            option = "release_grads" if release_grads else "overlap_step" if overlap_step else "delayed_update"
+            raise ValueError(
+                f"{option}=True works on gradients streamed from backward, but torch.distributed is initialised "
+                f"(world size {self._outside_world}) and no process_group was given. If the model is "
+                "DistributedDataParallel, DDP averages the gradients only when backward ends, after the hooks that "
+                "would stream them, so they are taken at step() instead and this option cannot apply. Drop it; or "
+                "drop DDP and pass process_group= to shard the state with gradients streamed (ZeRO-2); or pass "
+                "stream_grads=True if nothing reduces this model's gradients after backward."
+            )
         if grads_reduced and stream_grads:
             raise ValueError("stream_grads=True cannot take gradients already reduced (grads_reduced=True): DDP "
                              "writes its averages into .grad only when backward ends, after the hooks that stream "
@@ -761,6 +776,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return False  # see the constructor: DDP's averages are final only when backward ends
         if self.stream_grads is not None:
             return self.stream_grads
+        if self._outside_world > 1:
+            return False  # likewise, if the model is DDP-wrapped (see the constructor)
         return device.type == "cuda" or self.delayed_update
 
     def _check_scaler(self, plans: _Plan) -> None:
@@ -1191,6 +1208,12 @@ def _estimate(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Option
                                         pin=_should_pin(layout.device, pin_memory), world_size=world_size,
                                         delayed_update=delayed_update)
     return total
+
+
+def _world_without_group(process_group: Optional[Any]) -> int:
+    if process_group is not None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size()
 
 
 def _should_pin(device: torch.device, pin_memory: Optional[bool]) -> bool:
