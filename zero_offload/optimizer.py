@@ -127,9 +127,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
       casting the model, and do not rebind ``p.data`` afterwards: ``step()`` detects it and raises);
     * parameters on CUDA stay there: their gradients are streamed to page-locked host buffers during backward
       (below); ``step()`` waits on one event per bucket, updates it, and copies the fp32 master (fp32 params) or
-      the bf16/fp16 staging copy back asynchronously, bucket by bucket (bucket k's upload overlaps bucket k+1's
-      update); the compute stream waits for those copies (an event, not a device synchronisation) before it next
-      touches the params.
+      the bf16/fp16 staging copy back asynchronously on an upload stream, bucket by bucket (bucket k's upload
+      overlaps bucket k+1's update); the compute stream waits for those copies (an event, not a device
+      synchronisation) before it next touches the params.
 
     Buffers are allocated once, at their exact size (no power-of-two rounding), page-locked only where they take
     part in host<->device copies. :meth:`estimate_host_memory` gives their size before anything is allocated; the
@@ -372,7 +372,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         # Set before the base constructor, which calls add_param_group.
         self._buckets: List[List[FlatBucket]] = []
+        # Per device: the stream of the copies off the GPU (and a sharded bucket's reduce-scatter), and the stream
+        # of the uploads back (and all-gathers). Two, so that uploads (overlap_step's during backward, a delayed
+        # update's while the last buckets' gradients still come down) do not queue behind the other direction.
         self._streams: Dict[torch.device, Any] = {}
+        self._upload_streams: Dict[torch.device, Any] = {}
         self._pending: Optional[_PendingClip] = None
         self._constructed = False
         self.stream_grads = stream_grads
@@ -587,12 +591,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not self._streamer.updated(bucket):  # overlap_step updated it during backward
                     self._update_bucket(bucket, grads, in_place, hyper, multiplier)
                 if not bucket.on_cpu:
-                    used_streams[bucket.device] = self._streams[bucket.device]
+                    used_streams[bucket.device] = self._upload_stream(bucket.device)
         for bucket, _, _ in chain.from_iterable(plans):
             bucket.wait_params()  # sharded: the all-gathers, each overlapped with the next bucket's update
         for device, stream in used_streams.items():
-            # The next forward must read the parameters only after their copies back have landed: the
-            # compute stream waits for the copy stream's work so far (an event), the host does not wait.
+            # The next forward must read the parameters only after their uploads have landed: the compute stream
+            # waits for the upload stream's work so far (an event), the host does not wait. Every later copy off
+            # the GPU waits for the compute stream, so it also orders the next kernel's writes into master and
+            # staging after the uploads that read them.
             torch.cuda.current_stream(device).wait_stream(stream)
         self._streamer.reset()
         return loss
@@ -646,7 +652,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     bucket.exposed[i] = True
             bucket.all_exposed = all(bucket.exposed)
         if scatter:
-            bucket.scatter_params(indices, self._streams.get(bucket.device))
+            bucket.scatter_params(indices, None if bucket.on_cpu else self._upload_stream(bucket.device))
         return list(indices)
 
     def _early_update(self, state: BucketStream) -> None:
@@ -692,7 +698,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket, indices in done:
             if indices is None:
                 continue
-            stream = self._streams.get(bucket.device)
+            stream = None if bucket.on_cpu else self._upload_stream(bucket.device)
             bucket.scatter_params(indices, stream)
             if not bucket.on_cpu:
                 if bucket.h2d_event is None:
@@ -703,12 +709,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             torch.cuda.current_stream(device).wait_stream(stream)
 
     def _uploads_after_compute(self, buckets: Iterable[FlatBucket]) -> None:
-        """Uploads overwrite the parameters, so the copy stream first waits for what the compute stream has queued
+        """Uploads overwrite the parameters, so their stream first waits for what the compute stream has queued
         since backward, which may still read them (an EMA of the weights, a norm for logging, an eval forward
         before ``state_dict()``). Not needed for ``overlap_step``'s uploads in backward: every use of a parameter
         was queued before the hook that found its gradient final."""
         for device in {b.device for b in buckets if not b.on_cpu}:
-            self._stream(device).wait_stream(torch.cuda.current_stream(device))
+            self._upload_stream(device).wait_stream(torch.cuda.current_stream(device))
 
     def _drop_delayed(self) -> None:
         """Discard the update still pending from the last step (its state is about to be replaced), once its
@@ -800,6 +806,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         return stream
 
+    def _upload_stream(self, device: torch.device):
+        stream = self._upload_streams.get(device)
+        if stream is None:
+            stream = self._upload_streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
     def _gather(self, plans: _Plan, check: bool = False) -> bool:
         """Make every bucket's gradients readable on the host (a CUDA bucket's copied into its buffer; a CPU
         bucket's where they are, recorded in its plan entry); with ``check``, return whether any is inf/nan.
@@ -862,7 +874,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _synchronize(self) -> None:
         """Wait for copies in flight from the host buffers (before anything rewrites them)."""
-        for stream in self._streams.values():
+        for stream in chain(self._streams.values(), self._upload_streams.values()):
             stream.synchronize()
 
     # ------------------------------------------------------------------------------------------- gradients --
