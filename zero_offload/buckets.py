@@ -207,7 +207,7 @@ class FlatBucket:
     sharded = False  # see ShardedBucket
     # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
     grad_multiplier = 1.0
-    h2d_event = None  # torch.cuda.Event after the last upload of a delayed update (see OffloadOptimizer)
+    h2d_event = None  # torch.cuda.Event after the bucket's last upload (see OffloadOptimizer._upload)
     grad_prev: Optional[torch.Tensor] = None  # delayed_update's second gradient buffer
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool):

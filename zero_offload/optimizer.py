@@ -596,9 +596,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             bucket.wait_params()  # sharded: the all-gathers, each overlapped with the next bucket's update
         for device, stream in used_streams.items():
             # The next forward must read the parameters only after their uploads have landed: the compute stream
-            # waits for the upload stream's work so far (an event), the host does not wait. Every later copy off
-            # the GPU waits for the compute stream, so it also orders the next kernel's writes into master and
-            # staging after the uploads that read them.
+            # waits for the upload stream's work so far (an event), the host does not wait.
             torch.cuda.current_stream(device).wait_stream(stream)
         self._streamer.reset()
         return loss
@@ -617,7 +615,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # have been recorded again by the next backward, which this must not wait for.)
             bucket.wait_grads()
         if bucket.h2d_event is not None:
-            bucket.h2d_event.synchronize()  # a delayed update's upload may still be reading master/staging
+            bucket.h2d_event.synchronize()  # the last upload may still be reading master/staging
         flat_grad = bucket.grad if grad is None else grad
         full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
         indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
@@ -652,7 +650,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     bucket.exposed[i] = True
             bucket.all_exposed = all(bucket.exposed)
         if scatter:
-            bucket.scatter_params(indices, None if bucket.on_cpu else self._upload_stream(bucket.device))
+            self._upload(bucket, indices)
         return list(indices)
 
     def _early_update(self, state: BucketStream) -> None:
@@ -698,15 +696,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for bucket, indices in done:
             if indices is None:
                 continue
-            stream = None if bucket.on_cpu else self._upload_stream(bucket.device)
-            bucket.scatter_params(indices, stream)
+            self._upload(bucket, indices)
             if not bucket.on_cpu:
-                if bucket.h2d_event is None:
-                    bucket.h2d_event = torch.cuda.Event()
-                bucket.h2d_event.record(stream)
-                used[bucket.device] = stream
+                used[bucket.device] = self._upload_stream(bucket.device)
         for device, stream in used.items():
             torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _upload(self, bucket: FlatBucket, indices: List[int]) -> None:
+        """Send updated parameters to the bucket's parameters; on CUDA, ``h2d_event`` then marks when the upload
+        has read master and staging, which the next kernel on this bucket waits for before writing them."""
+        if bucket.on_cpu:
+            bucket.scatter_params(indices)
+            return
+        stream = self._upload_stream(bucket.device)
+        bucket.scatter_params(indices, stream)
+        if bucket.h2d_event is None:
+            bucket.h2d_event = torch.cuda.Event()
+        bucket.h2d_event.record(stream)
 
     def _uploads_after_compute(self, buckets: Iterable[FlatBucket]) -> None:
         """Uploads overwrite the parameters, so their stream first waits for what the compute stream has queued
