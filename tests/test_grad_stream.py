@@ -307,6 +307,43 @@ def test_activation_checkpointing_streams_each_bucket_once_per_backward(reentran
         assert_same(model, ref_model, opt, ref, f"step {step}")
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed halfway")
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_streaming_recovers_after_a_backward_that_raised(release, monkeypatch):
+    """A loop that skips a batch whose backward raised (an OOM, say) and goes on: the aborted backward's end
+    never came, and the next ones must still stream every bucket as it completes."""
+    model = _bucketed_model()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=release, bucket_numel=700)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    launched = []
+    real = opt._streamer._launch
+    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launched.append(state), real(state)))
+    for m, o in ((model, opt), (ref_model, ref)):
+        x, _ = _data(0)
+        with pytest.raises(RuntimeError, match="halfway"):
+            m[3:](_FailingBackward.apply(m[:3](x))).pow(2).mean().backward()  # buckets of layers 3-5 went out
+        o.zero_grad()
+    assert launched
+    for step in range(1, 4):
+        launched.clear()
+        for m, o in ((model, opt), (ref_model, ref)):
+            _loss(m, step).backward()
+            o.step()
+            o.zero_grad()
+        assert len(launched) == len(opt._buckets[0]), "every bucket streams once per backward"
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
 def test_hooks_record_nothing_under_create_graph():
     model = _bucketed_model()
     opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True)

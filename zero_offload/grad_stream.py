@@ -367,6 +367,12 @@ class GradStreamer:
         return state is not None and state.updated
 
     def reset(self) -> None:
+        with self._lock:
+            if self._in_backward:
+                # A backward that raised (an OOM the loop skips, say) never runs its end-of-backward callback:
+                # forget its counts, or no later backward would find a bucket complete.
+                self._touched, self._in_backward, self._next = [], False, 0
+                self._epoch += 1
         for state in self._states.values():
             if state.launches or any(state.present) or state.adds or state.job is not None:
                 if state.job is not None:
