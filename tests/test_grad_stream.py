@@ -367,28 +367,34 @@ def test_dropping_the_optimizer_frees_its_buffers_and_disarms_its_hooks():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_streaming_matches_gpu_adamw_with_an_oversized_layer(dtype):
-    """A 32 x 131072 layer makes each copy long enough that a missing wait shows up as wrong numbers; bf16
-    models are compared with AdamW on an fp32 copy (ours keeps fp32 masters), rounded to bf16."""
+    """A 32 x 131072 layer makes each copy long enough that a missing wait shows up as wrong numbers. A bf16
+    model is compared with AdamW on an fp32 copy fed the same (upcast) bf16 gradients: ours keeps fp32 masters,
+    so its parameters are the reference's rounded to bf16, to one bf16 ulp (rtol 2**-7; atol for values
+    crossing zero, where the two fp32 trajectories may round differently)."""
     torch.manual_seed(0)
     big = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 131072), nn.Linear(131072, 8, bias=False))
     model = big.to("cuda", dtype)
-    ref_model = copy.deepcopy(big).to("cuda", torch.float32)
+    ref_model = copy.deepcopy(model).float()
     opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=1 << 20)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
     for step in range(32):
         x = torch.randn(16, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-        for m, o in ((model, opt), (ref_model, ref)):
-            o.zero_grad()
-            m(x.to(next(m.parameters()).dtype)).float().pow(2).mean().backward()
-            o.step()
+        opt.zero_grad()
+        model(x.to(dtype)).float().pow(2).mean().backward()
+        ref.zero_grad()
+        if dtype == torch.float32:
+            ref_model(x).pow(2).mean().backward()
+        else:
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                q.grad = p.grad.float()
+        opt.step()
+        ref.step()
         for p, q in zip(model.parameters(), ref_model.parameters()):
             if dtype == torch.float32:
                 torch.testing.assert_close(p, q)
             else:
-                torch.testing.assert_close(p, q.to(dtype), atol=0, rtol=2**-7)  # one bf16 ulp of rounding
-        for p, q in zip(model.parameters(), ref_model.parameters()):
-            torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"].cpu(),
-                                       **({} if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-6)))
+                torch.testing.assert_close(p, q.to(dtype), atol=1e-6, rtol=2**-7)
+            torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"].cpu())
 
 
 @pytest.mark.cuda
@@ -396,23 +402,30 @@ def test_cuda_memory_holds_no_state_and_no_released_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt = OffloadOptimizer(model.parameters(), bucket_numel=1 << 20, release_grads=True)
     x = torch.randn(64, 1024, device="cuda")
+    # A backward before the optimizer exists, dropped: cuBLAS takes its workspaces (allocated through PyTorch's
+    # allocator and kept, one per thread and stream) here, so they are in the baseline.
+    model(x).pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()  # parameters, input, workspaces
+    opt = OffloadOptimizer(model.parameters(), bucket_numel=1 << 20, release_grads=True)
     for _ in range(3):
         opt.zero_grad()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
         model(x).pow(2).mean().backward()
         torch.cuda.synchronize()
         assert all(p.grad is None for p in model.parameters())
-        # After backward: parameters only (activations are freed); no gradients, no optimizer state.
+        # After backward: nothing more than before (activations freed); no gradients, no optimizer state.
         assert torch.cuda.memory_allocated() - base < 1 << 20
         # Peak during backward: activations plus at most a few buckets of gradients (4 MiB each), never all
         # 32 MiB of them.
         assert torch.cuda.max_memory_allocated() - base < param_bytes // 2
         opt.step()
-    assert torch.cuda.memory_allocated() < param_bytes + (4 << 20)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - base < 1 << 20, "the optimizer keeps something on the GPU"
 
 
 def test_delayed_update_host_memory_estimate_counts_its_second_gradient_buffer():
