@@ -186,3 +186,24 @@ def test_cli_allocates_nothing_for_a_huge_model():
     assert "1,000,000,000,000 parameters" in result.stdout
     rss_kb = int(result.stdout.split("RSS_KB")[1])
     assert rss_kb < 2 * 1024 * 1024, f"peak RSS {rss_kb} KiB"
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_cgroup_room_is_the_limit_less_what_cannot_be_reclaimed(tmp_path, version):
+    from zero_offload.host_memory import cgroup_room
+
+    gib = 2**30
+    if version == "v2":
+        files = {"memory.max": f"{8 * gib}\n", "memory.current": f"{5 * gib}\n",
+                 "memory.stat": f"anon {4 * gib}\ninactive_file {gib}\nactive_file 0\n"}
+    else:
+        (tmp_path / "memory").mkdir()
+        files = {"memory/memory.limit_in_bytes": f"{8 * gib}\n", "memory/memory.usage_in_bytes": f"{5 * gib}\n",
+                 "memory/memory.stat": f"cache {2 * gib}\ntotal_inactive_file {gib}\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert cgroup_room(str(tmp_path)) == 4 * gib
+    unlimited = "max\n" if version == "v2" else "9223372036854771712\n"
+    (tmp_path / next(iter(files))).write_text(unlimited)
+    assert cgroup_room(str(tmp_path)) is None
+    assert cgroup_room(str(tmp_path / "absent")) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import mmap
+import os
 import weakref
 from typing import Dict, Optional
 
@@ -124,14 +125,54 @@ def is_registered(t: torch.Tensor) -> bool:
 
 
 def available_host_bytes() -> Optional[int]:
-    """``MemAvailable`` from ``/proc/meminfo`` (Linux), or None where that is not known."""
+    """Host RAM this process can still take: ``MemAvailable`` from ``/proc/meminfo`` (Linux), capped by the room
+    left under the memory limit of its cgroup where a container sets one (which ``/proc/meminfo`` ignores); None
+    where neither is known."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
+    room = cgroup_room()
+    if room is None:
+        return avail
+    return room if avail is None else min(avail, room)
+
+
+# (limit, usage, stats, reclaimable page cache key) for cgroup v2, then v1.
+_CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                  "total_inactive_file"))
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes left under this cgroup's memory limit (the limit less the usage, inactive page cache counting as
+    free, as the kernel reclaims it first); None without a limit or a readable cgroup."""
+    for limit_name, usage_name, stat_name, inactive_key in _CGROUP_FILES:
+        try:
+            with open(os.path.join(root, limit_name)) as f:
+                limit = f.read().strip()
+            if limit == "max":
+                return None
+            limit_bytes = int(limit)
+            if limit_bytes >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
+                return None
+            with open(os.path.join(root, usage_name)) as f:
+                usage = int(f.read().strip())
+            inactive = 0
+            with open(os.path.join(root, stat_name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == inactive_key:
+                        inactive = int(value)
+                        break
+            return max(0, limit_bytes - usage + inactive)
+        except (OSError, ValueError):
+            continue
     return None
 
 
