@@ -28,18 +28,22 @@ Columns (medians over ``--steps`` timed steps, after ``--warmup`` steps):
              For torchao and DeepSpeed W uses their bytes per parameter but our kernel's time: an estimate.
   peak GiB   torch.cuda.max_memory_allocated from building the model to the last timed step (reset before);
   peak x     over the anchor's.
+  rsv GiB    torch.cuda.max_memory_reserved over the same span: what the caching allocator held at its peak,
+             including gradient blocks that release_grads freed but a copy still reads (record_stream).
   rest GiB   torch.cuda.memory_allocated after the last step: parameters plus any optimizer state on the GPU.
   loss       loss of the last phased step (same seed and batches for all: a sanity check, not a result;
              delayed_update trains on parameters one step stale, DeepSpeed in pure bf16).
 
-``--find-max`` instead searches, for each contender, the largest number of layers (at the preset's width) that
-trains one step without CUDA OOM, at ``--find-max-batch``; a size whose host state would not fit in the host's
-available RAM is not tried (reported as bound by host RAM).
+``--find-max`` instead searches, for each contender (by default AdamW, ``ours-release``, torchao and DeepSpeed),
+the largest number of layers (at the preset's width) that trains one step without CUDA OOM, at
+``--find-max-batch``; a size whose host state would not fit in the host's available RAM is not tried (reported
+as bound by host RAM). A contender whose package is missing is reported as not installed. With ``--json`` the
+file is rewritten after each contender, so a run cut short keeps what it measured.
 
     python benchmarks/train_step.py                            # CPU: tiny preset; GPU: 1.3b, batch 16
     python benchmarks/train_step.py --preset 1.3b --batch 16 --seq 1024 --steps 10
     python benchmarks/train_step.py --only adamw,ours-delayed --preset 350m
-    python benchmarks/train_step.py --find-max --preset 1.3b --only adamw,ours-release
+    python benchmarks/train_step.py --find-max --preset 1.3b
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import io
 import json
 import logging
@@ -160,10 +165,15 @@ def make_batches(cfg: Config, n: int, device: torch.device, seed: int):
     return out
 
 
-def build_model(cfg: Config, device: torch.device, seed: int) -> GPT:
+def build_model(cfg: Config, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
     torch.manual_seed(seed)  # seeds the CUDA generator too: every contender starts from the same weights
-    with torch.device(device):  # initialised where it trains: a CPU init of a multi-billion model takes minutes
-        return GPT(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # created in it: no transient copy in another dtype
+    try:
+        with torch.device(device):  # initialised where it trains: a CPU init of a multi-billion model takes minutes
+            return GPT(cfg)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 # ------------------------------------------------------------------------------------------------ contenders --
@@ -282,7 +292,11 @@ class Contender:
     modes: tuple  # "gpu", "cpu"
     grad_bytes: int = 4  # per parameter, device -> host (for the hidden-transfer estimate)
     param_bytes: int = 4  # per parameter, host -> device
-    host_bytes: int = 16  # per parameter of host RAM, roughly (find-max refuses sizes beyond the available RAM)
+    # Per parameter of host RAM, roughly (find-max refuses sizes beyond the available RAM). torchao and DeepSpeed
+    # pin through PyTorch's caching host allocator, which rounds each block up to a power of two: hence 24.
+    host_bytes: int = 16
+    requires: Optional[str] = None  # the package it needs: without it the contender is reported, not tried
+    dtype: torch.dtype = torch.float32  # the model is built in this dtype
 
 
 def _ours(**kw):
@@ -313,10 +327,15 @@ CONTENDERS = [
               _ours(release_grads=True, overlap_step=True, nonfinite="ignore"), ("gpu",)),
     Contender("ours-delayed", "OffloadOptimizer release+delayed_update",
               _ours(release_grads=True, delayed_update=True), ("gpu",), host_bytes=20),
-    Contender("torchao", "torchao CPUOffloadOptimizer", _torchao, ("gpu",)),
+    Contender("torchao", "torchao CPUOffloadOptimizer", _torchao, ("gpu",), host_bytes=24, requires="torchao"),
+    # Built in bf16 directly: an fp32 model that DeepSpeed then casts would cost it 6 bytes per parameter of GPU
+    # memory more at construction than in training, which bounds --find-max.
     Contender("deepspeed", "DeepSpeed ZeRO-2 offload (bf16 model)",
-              lambda m, c, a: DeepSpeedRunner(_deepspeed_engine(m, c)), ("gpu",), 2, 2, 18),
+              lambda m, c, a: DeepSpeedRunner(_deepspeed_engine(m, c)), ("gpu",), 2, 2, 24, "deepspeed",
+              torch.bfloat16),
 ]
+# --find-max without --only: the anchor, the variant of ours with the least GPU memory, and the other offloaders.
+FIND_MAX_DEFAULT = ("adamw", "ours-release", "torchao", "deepspeed")
 ANCHOR = {"gpu": "adamw", "cpu": "adamw-ref"}
 
 
@@ -331,6 +350,17 @@ def free_memory(cuda: bool):
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        # torchao, DeepSpeed and the bandwidth probe pin through PyTorch's caching host allocator, which keeps
+        # freed blocks pinned: the next contender must find that RAM available.
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
+
+
+def _missing(con: Contender) -> Optional[str]:
+    if con.requires is not None and importlib.util.find_spec(con.requires) is None:
+        return f"{con.requires} is not installed"
+    return None
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -378,11 +408,13 @@ def _summary(phases: List[List[float]], step_s: float, loss) -> Dict[str, Any]:
 
 def measure(con: Contender, cfg: Config, batches, args, device: torch.device) -> Dict[str, Any]:
     """GPU: one contender alone on the device (peak memory must be its own), from an empty allocator."""
+    if _missing(con):
+        return dict(status="not installed", error=_missing(con))
     free_memory(True)
     torch.cuda.reset_peak_memory_stats()
     runner = None
     try:
-        runner = con.make(build_model(cfg, device, args.seed), cfg, True)
+        runner = con.make(build_model(cfg, device, args.seed, con.dtype), cfg, True)
         for i in range(args.warmup):
             _iteration(runner, batches[i % len(batches)], True, [])
         phases: List[List[float]] = []
@@ -399,7 +431,8 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
         runner.finish()
         torch.cuda.synchronize()
         result = _summary(phases, step_s, loss)
-        result.update(peak_bytes=torch.cuda.max_memory_allocated(), rest_bytes=torch.cuda.memory_allocated())
+        result.update(peak_bytes=torch.cuda.max_memory_allocated(), rest_bytes=torch.cuda.memory_allocated(),
+                      reserved_bytes=torch.cuda.max_memory_reserved())
         return result
     except Exception as exc:
         return _failure(exc, args)
@@ -498,7 +531,7 @@ def print_table(rows: Dict[str, Dict[str, Any]], contenders: Dict[str, Contender
     anchor_fb = anchor["step_s"] - anchor["opt_s"] if anchor_ok else None
     head = f"  {'contender':<40} {'step ms':>8} {'step x':>6} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}"
     if cuda:
-        head += f" {'added ms':>8} {'hidden':>6} {'peak GiB':>8} {'peak x':>6} {'rest GiB':>8}"
+        head += f" {'added ms':>8} {'hidden':>6} {'peak GiB':>8} {'peak x':>6} {'rsv GiB':>8} {'rest GiB':>8}"
     print(head + f" {'loss':>7}")
     for key, r in rows.items():
         label = contenders[key].label
@@ -521,13 +554,16 @@ def print_table(rows: Dict[str, Dict[str, Any]], contenders: Dict[str, Contender
             r["peak_ratio"], r["step_ratio"] = mem_ratio, ratio
             hidden_txt = "-" if hidden is None else f"{100 * hidden:.0f}%"
             line += (f" {_fmt(None if added is None else added * 1e3, '8.1f'):>8} {hidden_txt:>6}"
-                     f" {r['peak_bytes'] / GIB:8.2f} {_fmt(mem_ratio, '6.2f'):>6} {r['rest_bytes'] / GIB:8.2f}")
+                     f" {r['peak_bytes'] / GIB:8.2f} {_fmt(mem_ratio, '6.2f'):>6} {r['reserved_bytes'] / GIB:8.2f}"
+                     f" {r['rest_bytes'] / GIB:8.2f}")
         print(line + f" {r['loss']:7.4f}")
 
 
 # ------------------------------------------------------------------------------------------------ find-max --
 def find_max(con: Contender, base: Config, args, device: torch.device) -> Dict[str, Any]:
     """Largest layer count (at the base width) that trains one step; the bound says what stopped the next size up."""
+    if _missing(con):
+        return dict(layers=0, params=0, bound=_missing(con))
     ram = available_host_bytes()
 
     def attempt(layers: int) -> str:
@@ -536,7 +572,7 @@ def find_max(con: Contender, base: Config, args, device: torch.device) -> Dict[s
             return "host RAM"
         runner = None
         try:
-            runner = con.make(build_model(cfg, device, args.seed), cfg, True)
+            runner = con.make(build_model(cfg, device, args.seed, con.dtype), cfg, True)
             x, y = make_batches(cfg, 1, device, args.seed)[0]
             runner.backward(runner.forward(x, y))
             runner.step()
@@ -563,7 +599,8 @@ def find_max(con: Contender, base: Config, args, device: torch.device) -> Dict[s
               f"params): {tried[layers]}", flush=True)
         return tried[layers] == "ok"
 
-    # From the base size: double while it fits, or halve until it does; then bisect to ~3%.
+    # From the base size: double while it fits, or halve until it does; then bisect to ~3%. Throughout, lo fits
+    # (or is 0) and hi is a size tried that does not.
     lo, hi = 0, base.layers
     if ok(hi):
         lo, hi = hi, hi * 2
@@ -572,11 +609,11 @@ def find_max(con: Contender, base: Config, args, device: torch.device) -> Dict[s
             if hi > 4096:
                 return dict(layers=lo, params=dataclasses.replace(base, layers=lo).params(), bound="search cap")
     else:
-        while hi > 1:
-            hi, lo = hi // 2, 0
-            if ok(hi):
-                lo, hi = hi, hi * 2
-                break
+        while lo == 0 and hi > 1:
+            if ok(hi // 2):
+                lo = hi // 2
+            else:
+                hi //= 2
         if lo == 0:
             return dict(layers=0, params=0, bound=tried[min(tried)])
     while hi - lo > max(1, lo // 32):
@@ -644,8 +681,15 @@ def main():
         if skipped:
             print(f"not in {mode} mode, skipped: {', '.join(skipped)}")
         contenders = {k: applicable[k] for k in keys if k in applicable}
+    elif args.find_max:
+        contenders = {k: applicable[k] for k in FIND_MAX_DEFAULT if k in applicable}
     else:
         contenders = applicable
+
+    def save():
+        """The results so far (after each contender: a run cut short keeps what it measured)."""
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
     print(f"machine: {machine(cuda)}")
     if not cuda:
@@ -662,16 +706,18 @@ def main():
         base = dataclasses.replace(cfg, batch=args.find_max_batch)
         print(f"\nfind-max: layers at d_model {base.d_model}, {base.heads} heads, seq {base.seq}, batch {base.batch}; "
               f"sizes whose host state (~B/param x params) exceeds 85% of available RAM are not tried")
-        found = {}
+        found = results["find_max"] = {}
         for key, con in contenders.items():
             found[key] = find_max(con, base, args, device)
+            print(f"  {con.key}: {found[key]['layers']} layers, {found[key]['params'] / 1e9:.2f}B params; next size "
+                  f"up: {found[key]['bound']}", flush=True)
+            save()
         anchor = found.get(ANCHOR[mode])
         print(f"\n  {'contender':<40} {'layers':>6} {'params':>10} {'x AdamW':>8}  next size up")
         for key, f in found.items():
             ratio = f["params"] / anchor["params"] if anchor and anchor["params"] else None
             print(f"  {contenders[key].label:<40} {f['layers']:6d} {f['params'] / 1e9:9.2f}B "
                   f"{_fmt(ratio, '8.2f'):>8}  {f['bound']}")
-        results["find_max"] = found
     else:
         batches = make_batches(cfg, 4, device, args.seed)
         probe = probes(cfg.params(), cuda)
@@ -682,23 +728,25 @@ def main():
         print(line + f"\nsteps: {args.warmup} warm-up, then {args.steps} timed" +
               (" (free-running, CUDA events) + a second pass of {} with synchronised phases".format(args.steps)
                if cuda else ", contenders interleaved round by round") + "\n", flush=True)
+        results["probes"] = probe
         if cuda:
-            rows: Dict[str, Dict[str, Any]] = {}
+            rows = results["rows"] = {}
             for key, con in contenders.items():
                 t0 = time.perf_counter()
                 rows[key] = measure(con, cfg, batches, args, device)
                 r = rows[key]
-                status = f"step {r['step_s'] * 1e3:.1f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error']}"
+                status = (f"step {r['step_s'] * 1e3:.1f} ms, peak {r['peak_bytes'] / GIB:.2f} GiB allocated "
+                          f"({r['reserved_bytes'] / GIB:.2f} reserved), {r['rest_bytes'] / GIB:.2f} GiB after"
+                          if r["status"] == "ok" else f"{r['status']}: {r['error']}")
                 print(f"  ran {con.label}: {status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                save()
         else:
-            rows = measure_interleaved(contenders, cfg, batches, args)
+            rows = results["rows"] = measure_interleaved(contenders, cfg, batches, args)
         anchor_label = applicable[ANCHOR[mode]].label
         print(f"\nmedians; 'step x' and 'peak x' are ratios to {anchor_label} (see the module docstring for each "
               "column):")
         print_table(rows, contenders, rows.get(ANCHOR[mode]), probe, cfg.params(), cuda)
-        results.update(probes=probe, rows=rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    save()
 
 
 if __name__ == "__main__":
