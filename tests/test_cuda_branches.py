@@ -21,6 +21,7 @@ import torch
 
 import zero_offload.optimizer as optimizer_module
 from test_grad_stream import LateAdamW, _run_recipe
+import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn
 from zero_offload import OffloadOptimizer
 
@@ -144,3 +145,17 @@ def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip
     ours.flush()
     ref.step()
     assert_same(model, ref_model, ours, ref.opt, "after flush")
+
+
+# Low precision: uploads of the bf16/fp16 staging copy, and masters (re)initialised from parameters on the device.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_branches_low_precision_masters_match_adamw_on_fp32_copies(cuda_branches, dtype):
+    test_optimizer.test_low_precision_params_have_fp32_masters_matching_adamw_on_fp32_copies(dtype, "cpu")
+
+
+def test_cuda_branches_bf16_model_tracks_fp32_run(cuda_branches):
+    test_optimizer.test_bf16_model_tracks_fp32_run_better_than_bf16_adamw("cpu")
+
+
+def test_cuda_branches_reinitialise_a_master_changed_outside(cuda_branches):
+    test_optimizer.test_parameter_changed_outside_the_optimizer_reinitialises_its_master()
