@@ -89,8 +89,8 @@ def test_buckets_launch_during_backward_in_backward_order(monkeypatch):
     expected = copy.deepcopy(model)
     _loss(expected, 0).backward()
     for bucket in opt._buckets[0]:
-        for view, p in zip(bucket.grad_views, [dict(expected.named_parameters())[n] for n in
-                                               [n for n, q in model.named_parameters() if any(q is r for r in bucket.params)]]):
+        names = [n for n, q in model.named_parameters() if any(q is r for r in bucket.params)]
+        for view, p in zip(bucket.grad_views, [dict(expected.named_parameters())[n] for n in names]):
             torch.testing.assert_close(view, p.grad)
 
 

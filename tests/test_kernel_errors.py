@@ -50,7 +50,8 @@ def test_bad_input_raises_and_writes_nothing(monkeypatch, path, name, tensors, k
         pytest.skip("native kernel unavailable")
     bufs = _buffers()
     bufs.update(tensors)
-    before = {k: t.clone() for k, t in bufs.items() if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided}
+    before = {k: t.clone() for k, t in bufs.items()
+              if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided}
     kw = dict(step=1, lr=1e-3)
     kw.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -4,8 +4,8 @@ Nothing here runs at import. ``load_native()`` is called on the first kernel cal
 
 1. ``zero_offload._C``, compiled ahead of time by ``ZERO_OFFLOAD_BUILD_EXT=1 pip install .``;
 2. a JIT build with ninja through ``torch.utils.cpp_extension.load`` into a cache folder keyed by a hash of the
-   sources (content and folder), flags and torch version, so a rebuild happens exactly when one of them changes; one line on stderr
-   says that it is compiling and how long it took;
+   sources (content and folder), flags and torch version, so a rebuild happens exactly when one of them changes;
+   one line on stderr says that it is compiling and how long it took;
 3. if that fails (no compiler, no ninja, a compile error), ``None``, with the reason kept in ``status()`` and
    one warning. Import never breaks.
 

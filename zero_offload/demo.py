@@ -213,7 +213,8 @@ def main(argv=None) -> None:
     (out / "demo.md").write_text(table + "\n")
     print(table)
     drew = chart(results, out / "demo.png")
-    print(f"wrote {out / 'demo.md'}" + (f" and {out / 'demo.png'}" if drew else " (pip install matplotlib for the chart)"))
+    print(f"wrote {out / 'demo.md'}"
+          + (f" and {out / 'demo.png'}" if drew else " (pip install matplotlib for the chart)"))
 
 
 if __name__ == "__main__":

@@ -305,7 +305,8 @@ class GradStreamer:
         state.bucket.wait_grads()
         if state.adds:
             b = state.bucket
-            torch._foreach_add_([b.grad_views[i] for i in state.adds], [_slot(state.incoming, b, i) for i in state.adds])
+            torch._foreach_add_([b.grad_views[i] for i in state.adds],
+                                [_slot(state.incoming, b, i) for i in state.adds])
             state.adds = []
 
     # -- step ----------------------------------------------------------------------------------------------------

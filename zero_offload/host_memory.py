@@ -25,8 +25,8 @@ __all__ = ["empty_host", "is_registered", "HostMemoryEstimate", "estimate_bucket
 
 logger = logging.getLogger("zero_offload")
 
-# data_ptr -> registered bytes (whole pages) of every buffer this process pinned and has not unregistered yet. Registration state is
-# kept here rather than asked of the driver so that tests and reports need no CUDA call.
+# data_ptr -> registered bytes (whole pages) of every buffer this process pinned and has not unregistered yet.
+# Registration state is kept here rather than asked of the driver so that tests and reports need no CUDA call.
 _registered: Dict[int, int] = {}
 
 

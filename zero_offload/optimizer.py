@@ -204,14 +204,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     shard is all-gathered into the full parameters while the next bucket is updated. One all-reduce of a small
     tensor per step combines the gradient norm, the non-finite check and which parameters have a gradient on any
     rank (a parameter with a gradient on some ranks only is updated on all, the others' gradients counting as
-    zero); ``clip_grad_norm_`` with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds the step and this rank's piece
-    of each state tensor (1-D); :meth:`state_dict` gathers the full state and :meth:`sharded_state_dict` gives
-    the sharded one for ``torch.distributed.checkpoint``. With a ``GradScaler``, every rank must see the same
-    ``found_inf``: true under DDP; otherwise use ``torch.distributed.fsdp.ShardedGradScaler`` and call
-    ``scaler.unscale_(opt)`` before ``scaler.step(opt)``. A gradient changed after backward streamed it (an
-    in-place clip or unscale; the fused :meth:`clip_grad_norm_` re-reads gradients kept on the parameters too)
-    makes every rank reduce-scatter that bucket again at ``step()``: correct, but the streamed collective was
-    wasted, so stream with ``release_grads=True`` and :meth:`clip_grad_norm_` for the full overlap.
+    zero); ``clip_grad_norm_`` with ``norm_type=inf`` or another p adds one more. ``opt.state[p]`` then holds
+    the step and this rank's piece of each state tensor (1-D); :meth:`state_dict` gathers the full state and
+    :meth:`sharded_state_dict` gives the sharded one for ``torch.distributed.checkpoint``. With a
+    ``GradScaler``, every rank must see the same ``found_inf``: true under DDP; otherwise use
+    ``torch.distributed.fsdp.ShardedGradScaler`` and call ``scaler.unscale_(opt)`` before ``scaler.step(opt)``.
+    A gradient changed after backward streamed it (an in-place clip or unscale; the fused :meth:`clip_grad_norm_`
+    re-reads gradients kept on the parameters too) makes every rank reduce-scatter that bucket again at
+    ``step()``: correct, but the streamed collective was wasted, so stream with ``release_grads=True`` and
+    :meth:`clip_grad_norm_` for the full overlap.
 
     **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
     ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16

@@ -285,7 +285,8 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
                    ".grad tensors")
         out.append("                 are views of the grad buffer, which saves the gradients row")
     if plan.device == "cuda":
-        out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors stay on")
+        out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors "
+                   "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
     avail = available_host_bytes()
     if avail is not None:
