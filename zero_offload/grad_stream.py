@@ -411,7 +411,7 @@ def _hook(streamer_ref: "weakref.ref[GradStreamer]", key: int, i: int):
     def hook(p: torch.Tensor) -> None:
         streamer = streamer_ref()
         if streamer is not None:
-            with torch.no_grad():  # backward(create_graph=True) records what hooks do: copies must not be
+            with torch.no_grad():  # under backward(create_graph=True) autograd would record the hook's copies
                 streamer._on_grad(streamer._states[key], i)
 
     return hook

@@ -592,7 +592,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not self._streamer.updated(bucket):  # overlap_step updated it during backward
                     self._update_bucket(bucket, grads, in_place, hyper, multiplier)
                 if not bucket.on_cpu:
-                    used_streams[bucket.device] = self._upload_stream(bucket.device)
+                    used_streams[bucket.device] = self._stream(bucket.device, upload=True)
         for bucket, _, _ in chain.from_iterable(plans):
             bucket.wait_params()  # sharded: the all-gathers, each overlapped with the next bucket's update
         for device, stream in used_streams.items():
@@ -699,17 +699,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 continue
             self._upload(bucket, indices)
             if not bucket.on_cpu:
-                used[bucket.device] = self._upload_stream(bucket.device)
+                used[bucket.device] = self._stream(bucket.device, upload=True)
         for device, stream in used.items():
             torch.cuda.current_stream(device).wait_stream(stream)
 
     def _upload(self, bucket: FlatBucket, indices: List[int]) -> None:
-        """Send updated parameters to the bucket's parameters; on CUDA, ``h2d_event`` then marks when the upload
-        has read master and staging, which the next kernel on this bucket waits for before writing them."""
+        """Copy the updated values into the bucket's parameters ``indices``; on CUDA, ``h2d_event`` then marks
+        when the upload has read master and staging, which the next kernel on this bucket waits for before
+        writing them."""
         if bucket.on_cpu:
             bucket.scatter_params(indices)
             return
-        stream = self._upload_stream(bucket.device)
+        stream = self._stream(bucket.device, upload=True)
         bucket.scatter_params(indices, stream)
         if bucket.h2d_event is None:
             bucket.h2d_event = torch.cuda.Event()
@@ -721,7 +722,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         before ``state_dict()``). Not needed for ``overlap_step``'s uploads in backward: every use of a parameter
         was queued before the hook that found its gradient final."""
         for device in {b.device for b in buckets if not b.on_cpu}:
-            self._upload_stream(device).wait_stream(torch.cuda.current_stream(device))
+            self._stream(device, upload=True).wait_stream(torch.cuda.current_stream(device))
 
     def _drop_delayed(self) -> None:
         """Discard the update still pending from the last step (its state is about to be replaced), once its
@@ -807,16 +808,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "Nothing was updated."
             )
 
-    def _stream(self, device: torch.device):
-        stream = self._streams.get(device)
+    def _stream(self, device: torch.device, upload: bool = False):
+        streams = self._upload_streams if upload else self._streams
+        stream = streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        return stream
-
-    def _upload_stream(self, device: torch.device):
-        stream = self._upload_streams.get(device)
-        if stream is None:
-            stream = self._upload_streams[device] = torch.cuda.Stream(device=device)
+            stream = streams[device] = torch.cuda.Stream(device=device)
         return stream
 
     def _gather(self, plans: _Plan, check: bool = False) -> bool:
