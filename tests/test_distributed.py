@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+import zero_offload.distributed
 from zero_offload import OffloadOptimizer
 
 STEPS = 20
@@ -324,9 +325,9 @@ def _order_worker(rank, world):
     log: List[str] = []
     start, wait, kernel = distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_
 
-    def logged_start(comm, what, where, launch):
+    def logged_start(comm, what, where, launch, on_device):
         log.append(f"start {what} {where}")
-        return start(comm, what, where, launch)
+        return start(comm, what, where, launch, on_device)
 
     def logged_wait(pending):
         if not pending.done:
@@ -524,6 +525,15 @@ def _bad_input_worker(rank, world):
             OffloadOptimizer(model.parameters(), **{name: True}, nonfinite="ignore")
         except ValueError as exc:
             errors[f"ddp_{name}"] = str(exc)
+    # A group that runs NCCL alone cannot shard parameters on the CPU: refused on every rank, nothing changed.
+    real = zero_offload.distributed.moves_host_tensors
+    zero_offload.distributed.moves_host_tensors = lambda backend: False
+    try:
+        OffloadOptimizer(model.parameters(), process_group=world_group)
+    except ValueError as exc:
+        errors["nccl_cpu"] = str(exc)
+    finally:
+        zero_offload.distributed.moves_host_tensors = real
     cuda = torch.device("cuda")
     assert not OffloadOptimizer(model.parameters())._streamed(cuda)
     assert OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True)._streamed(cuda)
@@ -539,9 +549,19 @@ def test_bad_input_raises_on_every_rank():
         assert "stream_grads=True cannot take gradients already reduced" in errors["stream_reduced"]
         assert "not yet combined with a process_group" in errors["delayed"]
         assert "cannot be reduced again" in errors["stale"] and "param group 0, bucket 0" in errors["stale"]
+        assert "NCCL alone" in errors["nccl_cpu"] and "param group 0" in errors["nccl_cpu"]
         for name in ("release_grads", "overlap_step", "delayed_update"):
             assert f"{name}=True works on gradients streamed" in errors[f"ddp_{name}"]
             assert "(world size 2)" in errors[f"ddp_{name}"] and "DistributedDataParallel" in errors[f"ddp_{name}"]
+
+
+def test_which_backends_move_cpu_tensors():
+    from zero_offload.distributed import moves_host_tensors
+
+    assert moves_host_tensors("gloo") and moves_host_tensors("mpi")
+    assert moves_host_tensors("cpu:gloo,cuda:nccl")  # collectives on CUDA tensors still go to NCCL (Comm.start)
+    assert moves_host_tensors("undefined")  # init_process_group() without a backend: that same pair
+    assert not moves_host_tensors("nccl")
 
 
 def test_bad_input_without_a_group():

@@ -45,6 +45,13 @@ def _dist():
     return dist
 
 
+def moves_host_tensors(backend: str) -> bool:
+    """Whether a group of this backend (``torch.distributed.get_backend``) runs collectives on CPU tensors: every
+    backend but NCCL alone does ("cpu:gloo,cuda:nccl" too; "undefined" is init_process_group's default pair)."""
+    backend = backend.lower()
+    return "gloo" in backend or "mpi" in backend or "nccl" not in backend
+
+
 def shard_pieces(offset: int, numel: int, shard_numel: int, world: int) -> List[Tuple[int, int, int]]:
     """How a slot ``[offset, offset + numel)`` of a bucket cut into ``world`` shards of ``shard_numel`` elements is
     spread over the ranks: ``(rank, start within the slot, length)`` for each rank that owns a non-empty piece."""
@@ -126,21 +133,23 @@ class Comm:
         if self.rank < 0:
             raise ValueError("this process is not a member of process_group")
         self.src = dist.get_global_rank(group, 0)
-        backend = str(dist.get_backend(group)).lower()
-        # NCCL moves device tensors only: small tensors and host state then travel through the current GPU.
-        self.host_ok = "gloo" in backend or "mpi" in backend
+        # Whether the group moves CPU tensors; if not (NCCL alone), small tensors and host state travel through
+        # the current GPU.
+        self.host_ok = moves_host_tensors(str(dist.get_backend(group)))
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     # -- collectives ---------------------------------------------------------------------------------------
-    def start(self, what: str, where: str, launch: Callable[[], Any]) -> "Pending":
-        """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. On NCCL the
-        current stream is made to wait for it (``Work.wait()`` with no timeout does only that: the host goes on)
-        and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``."""
+    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> "Pending":
+        """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. For CUDA tensors
+        (``on_device``; NCCL, whatever else the group also runs) the current stream is made to wait for it
+        (``Work.wait()`` does only that: the host goes on, and it must be called here, where that stream is
+        current) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
+        For CPU tensors (gloo) the work itself is waited for then."""
         try:
             work = launch()
             event = None
-            if not self.host_ok:
+            if on_device:
                 work.wait()
                 event = torch.cuda.Event()
                 event.record()
@@ -148,8 +157,8 @@ class Comm:
             raise self._error(what, where, exc) from exc
         return Pending(self, what, where, work, event)
 
-    def _run(self, what: str, where: str, launch: Callable[[], Any]) -> None:
-        self.start(what, where, launch).wait()
+    def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> None:
+        self.start(what, where, launch, on_device).wait()
 
     def _error(self, what: str, where: str, exc: BaseException) -> RuntimeError:
         return RuntimeError(
@@ -192,21 +201,25 @@ class Comm:
             pause = min(pause * 2, 1e-3)
 
     def start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
-        return self.start("reduce_scatter", where, lambda: self._rs(out, inp, group=self.group, async_op=True))
+        return self.start("reduce_scatter", where, lambda: self._rs(out, inp, group=self.group, async_op=True),
+                          inp.is_cuda)
 
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
-        return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True))
+        return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True),
+                          inp.is_cuda)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> None:
         self.start_all_gather(out, inp, where).wait()
 
     def broadcast(self, t: torch.Tensor, where: str) -> None:
         dist = _dist()
-        self._run("broadcast", where, lambda: dist.broadcast(t, self.src, group=self.group, async_op=True))
+        self._run("broadcast", where, lambda: dist.broadcast(t, self.src, group=self.group, async_op=True),
+                  t.is_cuda)
 
     def all_reduce(self, t: torch.Tensor, op: Any, where: str) -> None:
         dist = _dist()
-        self._run("all_reduce", where, lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True))
+        self._run("all_reduce", where, lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True),
+                  t.is_cuda)
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self.host_ok else torch.device("cuda", torch.cuda.current_device())

@@ -262,7 +262,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             one collective wasted) under DDP. Needs ``process_group``. Default: False.
         timeout (timedelta or float, optional): the longest any one collective may take (seconds if a number);
             past it, or on a collective's failure, ``RuntimeError`` names this rank, the collective and the
-            bucket (param group and bucket index). Needs ``process_group``. Default: 30 minutes.
+            bucket (param group and bucket index). Needs ``process_group``. Default: 30 minutes. (Under NCCL the
+            process group's own watchdog, 10 minutes unless ``init_process_group(timeout=...)`` says otherwise,
+            may end the process first: keep this below it.)
         stream_grads (bool, optional): copy (sharded: reduce-scatter) each bucket's gradients to the host from
             backward hooks, as soon as they are final (see above). None streams the buckets on CUDA (and all, with
             ``delayed_update``), except with ``grads_reduced``, or when ``torch.distributed`` is initialised and no
@@ -480,6 +482,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             group = self.param_groups[-1]
             layouts = plan_buckets(group["params"], self.bucket_numel)
+            if self._shard is not None and not self._shard.host_ok and any(l.device.type == "cpu" for l in layouts):
+                raise ValueError("process_group runs NCCL alone, which moves CUDA tensors only, but param group "
+                                 f"{n_groups} has parameters on the CPU: shard a CPU model over a gloo group")
             est = _estimate(layouts, bool(group["amsgrad"]), self.pin_memory, self._world_size, self.delayed_update)
             avail = available_host_bytes()
             if avail is not None and est.total_bytes - est.replaces_param_bytes > avail:
