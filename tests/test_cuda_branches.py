@@ -22,8 +22,9 @@ import torch
 import zero_offload.optimizer as optimizer_module
 from test_grad_stream import LateAdamW, _run_recipe
 import test_optimizer
-from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn
+from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
 from zero_offload import OffloadOptimizer
+from zero_offload.buckets import FlatBucket
 
 
 class _Device:
@@ -159,3 +160,32 @@ def test_cuda_branches_bf16_model_tracks_fp32_run(cuda_branches):
 
 def test_cuda_branches_reinitialise_a_master_changed_outside(cuda_branches):
     test_optimizer.test_parameter_changed_outside_the_optimizer_reinitialises_its_master()
+
+
+def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cuda_branches, monkeypatch, caplog):
+    """Without release_grads, clip_grad_norm_ re-reads the gradients only until a step has run without a
+    GradScaler (whose unscale_ is the one in-place edit version counters miss). A scaler that appears later is
+    noticed at step(), which clips again from the unscaled gradients: the trajectory stays AdamW's."""
+    gathers = []  # gradients gathered again at clip_grad_norm_ or step() (entries True were streamed already)
+    real = FlatBucket.gather_grads
+
+    def gather_grads(self, grads, *args, **kwargs):
+        gathers.extend(g for g in grads if isinstance(g, torch.Tensor))
+        return real(self, grads, *args, **kwargs)
+
+    monkeypatch.setattr(FlatBucket, "gather_grads", gather_grads)
+    ours, ref = make_runs(Recipe("late_scaler", scaler="unscale", clip=0.5), "cpu")
+    scalers = ours.scaler, ref.scaler
+    ours.scaler = ref.scaler = None
+    for step in range(12):
+        if step == 6:
+            ours.scaler, ref.scaler = scalers
+        gathers.clear()
+        ours.step(step)
+        ref.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"step {step}")
+        if 1 <= step < 6:
+            assert not gathers, f"step {step}: gradients streamed in backward were copied again"
+        if step != 6:  # at the switch, the norm clip_grad_norm_ returned was of the scaled gradients
+            torch.testing.assert_close(ours.norms[-1], ref.norms[-1])
+    assert "clip_grad_norm_ was redone" in caplog.text

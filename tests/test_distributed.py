@@ -186,8 +186,8 @@ VARIANTS = {
     "clip": dict(clip=0.3),
     "clip_inf": dict(clip=0.05, norm_type=math.inf),
     "accumulate_keep_grads": dict(accumulate=2, set_to_none=False, clip=1.0),
-    # Reduce-scattered from backward hooks: alone; clipped after (the fused clip re-reads the gradients left on
-    # the parameters, so every rank reduces them again); with release_grads and two micro-batches (the host shard
+    # Reduce-scattered from backward hooks: alone; clipped after (at the first step the fused clip re-reads the
+    # gradients left on the parameters, so every rank reduces them again); with release_grads and two micro-batches (the host shard
     # sums them); and with zero_grad(set_to_none=False) (each backward reduces the gradients accumulated so far).
     "stream": dict(ours=dict(stream_grads=True)),
     "stream_clip": dict(ours=dict(stream_grads=True), clip=0.3),
@@ -581,8 +581,8 @@ def test_bad_input_without_a_group():
 def test_nccl_world_1_on_one_gpu(dtype, release, tmp_path):
     """The CUDA path (gradients reduce-scattered from the backward hooks on the copy stream, shard to pinned host,
     all-gather back) over NCCL with one rank, against AdamW on the GPU (fp32) or on fp32 copies of the bf16
-    parameters. Without ``release_grads`` the fused clip re-reads the gradients and reduces them again; with it,
-    the streamed reduction is used as it is."""
+    parameters. Without ``release_grads`` the fused clip re-reads the gradients at the first step and reduces
+    them again; after it, and with ``release_grads``, the streamed reduction is used as it is."""
     if not dist.is_nccl_available():
         pytest.skip("NCCL is not available")
     torch.cuda.set_device(0)

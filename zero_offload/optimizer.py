@@ -88,8 +88,10 @@ class _PendingClip:
 
     plans: _Plan
     max_norm: float
+    norm_type: float
     total_norm: float
     nonfinite: bool
+    fresh: bool  # every gradient still on a parameter was read again (see clip_grad_norm_)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -210,9 +212,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``GradScaler``, every rank must see the same ``found_inf``: true under DDP; otherwise use
     ``torch.distributed.fsdp.ShardedGradScaler`` and call ``scaler.unscale_(opt)`` before ``scaler.step(opt)``.
     A gradient changed after backward streamed it (an in-place clip or unscale; the fused :meth:`clip_grad_norm_`
-    re-reads gradients kept on the parameters too) makes every rank reduce-scatter that bucket again at
-    ``step()``: correct, but the streamed collective was wasted, so stream with ``release_grads=True`` and
-    :meth:`clip_grad_norm_` for the full overlap.
+    re-reads gradients kept on the parameters too, at the first step and at steps a ``GradScaler`` drives) makes
+    every rank reduce-scatter that bucket again at ``step()``: correct, but the streamed collective was wasted,
+    so stream with ``release_grads=True`` and :meth:`clip_grad_norm_` for the full overlap.
 
     **State dict.** AdamW's format: per parameter ``step`` (0-dim float32 CPU tensor), ``exp_avg``,
     ``exp_avg_sq`` (and ``max_exp_avg_sq``), shaped like the parameter, plus ``master`` (fp32) for bf16/fp16
@@ -381,6 +383,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._streams: Dict[torch.device, Any] = {}
         self._upload_streams: Dict[torch.device, Any] = {}
         self._pending: Optional[_PendingClip] = None
+        # Whether a GradScaler drove the last step() (None before the first): see clip_grad_norm_.
+        self._scaled: Optional[bool] = None
         self._constructed = False
         self.stream_grads = stream_grads
         self.release_grads = bool(release_grads)
@@ -543,6 +547,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         scaler = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         pending, self._pending = self._pending, None
+        if scaler and grad_scale is None and pending is not None and not pending.fresh:
+            # The scaler unscaled the gradients in place before that clip, which (the last step having had no
+            # scaler) trusted the copies streamed in backward: clip again from the gradients as they are now.
+            logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
+                           "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
+                           "step was of the scaled ones)")
+            self._scaled = True
+            self.clip_grad_norm_(pending.max_norm, pending.norm_type)
+            pending, self._pending = self._pending, None
+        self._scaled = scaler
         hypers = [_Hyper.read(g) for g in self.param_groups]
         if self._shard is None:
             self._reexpose(every=False)
@@ -924,7 +938,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         It brings the gradients to the host now (``step()`` then reuses them; CPU gradients are read where they
         are), so call it after the last backward, right before ``step()`` (or ``scaler.step``); ``zero_grad()``
-        cancels it.
+        cancels it. Gradients streamed in backward and still on their parameters are copied again only while a
+        ``GradScaler`` may have unscaled them in place (at the first step, and after a step a scaler drove): that
+        edit leaves no trace in their version counters. A scaler that first appears later is noticed at
+        ``step()``, which then clips again (the norm returned that once is of the scaled gradients).
 
         Args:
             max_norm (float): max norm of the gradients.
@@ -945,7 +962,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.overlap_step:
             raise RuntimeError("OffloadOptimizer(overlap_step=True) cannot clip: buckets are updated during backward, "
                                "before the total norm exists. Turn overlap_step off to clip.")
-        plans = self._collect(fresh=True)  # after any in-place edit (a GradScaler's unscale_ is invisible)
+        # A GradScaler's unscale_ rewrites gradients in place without bumping their version, so the copies streamed
+        # in backward may be stale: read every gradient still on a parameter again, unless the last step() was
+        # known to run without a scaler (then version counters tell every other edit; if a scaler appears after
+        # all, step() sees it and clips again).
+        fresh = self._scaled is not False
+        plans = self._collect(fresh=fresh)
         self._gather(plans)
         entries = list(chain.from_iterable(plans))
         nonfinite = False
@@ -981,7 +1003,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`"
             )
-        self._pending = _PendingClip(plans, max_norm, total, nonfinite)
+        self._pending = _PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh)
         first = next((b.params[i] for b, grads, _ in chain.from_iterable(plans)
                       for i, g in enumerate(grads) if g is not None), None)
         device = first.device if first is not None else torch.device("cpu")
