@@ -12,14 +12,13 @@ against AdamW at default tolerance like every other test. It cannot catch a miss
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 
 import pytest
 import torch
 
-import zero_offload.optimizer as optimizer_module
+import cuda_standins
 from test_grad_stream import LateAdamW, _run_recipe
 import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
@@ -27,67 +26,9 @@ from zero_offload import OffloadOptimizer
 from zero_offload.buckets import FlatBucket
 
 
-class _Device:
-    """Stands for ``cuda:0`` in the bucket layouts: its ``type`` picks the CUDA branches, and it equals the CPU
-    device the tensors really are on (the check that a parameter has not moved)."""
-
-    type = "cuda"
-    index = 0
-
-    def __eq__(self, other) -> bool:
-        return other is self or other == torch.device("cpu")
-
-    def __hash__(self) -> int:
-        return hash("cuda:0 (stand-in)")
-
-    def __repr__(self) -> str:
-        return "cuda:0 (stand-in)"
-
-
-class _Stream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Event:
-    def __init__(self, *args, **kwargs):
-        self.recorded = False
-
-    def record(self, stream=None) -> None:
-        self.recorded = True
-
-    def synchronize(self) -> None:
-        assert self.recorded, "waited for an event that was never recorded"
-
-    def query(self) -> bool:
-        return True
-
-
 @pytest.fixture
 def cuda_branches(monkeypatch):
-    device, current = _Device(), _Stream()
-    plan, planned = optimizer_module.plan_buckets, []
-
-    def plan_on_cuda(params, max_numel):
-        planned.append(len(params))
-        return [dataclasses.replace(layout, device=device) for layout in plan(params, max_numel)]
-
-    monkeypatch.setattr(optimizer_module, "plan_buckets", plan_on_cuda)
-    monkeypatch.setattr(optimizer_module, "_should_pin", lambda device, pin_memory: False)
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    planned = cuda_standins.install(monkeypatch.setattr)
     yield
     assert planned, "no optimizer was built on the stand-in device"
 
@@ -95,7 +36,7 @@ def cuda_branches(monkeypatch):
 # Streaming is the default for CUDA parameters: no stream_grads here.
 CUDA_RECIPES = (
     [dataclasses.replace(r, name=f"{r.name}+release", ours_kw={"release_grads": True}) for r in RECIPES
-     if r.name in ("adamw", "amsgrad", "clip", "clip_inf_norm", "accumulate", "closure", "add_group")]
+     if r.name in ("adamw", "amsgrad", "clip", "clip_inf_norm", "accumulate", "closure", "add_param_group")]
     + [dataclasses.replace(r, ours_kw={"release_grads": False}) for r in RECIPES]
     + [Recipe("accumulate_no_sync+release", accumulate=3, clip=0.5, no_sync=True, ours_kw={"release_grads": True}),
        Recipe("accumulate_host+release", accumulate=3, clip=0.5, ours_kw={"release_grads": True}),

@@ -187,8 +187,9 @@ VARIANTS = {
     "clip_inf": dict(clip=0.05, norm_type=math.inf),
     "accumulate_keep_grads": dict(accumulate=2, set_to_none=False, clip=1.0),
     # Reduce-scattered from backward hooks: alone; clipped after (at the first step the fused clip re-reads the
-    # gradients left on the parameters, so every rank reduces them again); with release_grads and two micro-batches (the host shard
-    # sums them); and with zero_grad(set_to_none=False) (each backward reduces the gradients accumulated so far).
+    # gradients left on the parameters, so every rank reduces them again); with release_grads and two
+    # micro-batches (the host shard sums them); and with zero_grad(set_to_none=False) (each backward reduces the
+    # gradients accumulated so far).
     "stream": dict(ours=dict(stream_grads=True)),
     "stream_clip": dict(ours=dict(stream_grads=True), clip=0.3),
     "stream_release_accumulate": dict(ours=dict(stream_grads=True, release_grads=True), accumulate=2, clip=1.0),
@@ -244,6 +245,33 @@ def test_sharded_trajectory_matches_adamw_on_whole_batch(world):
             per_param = 12 + (4 if variant == "amsgrad" else 0)
             # Shards are padded to whole 64-element lines: a little over 12/world for this small model.
             assert per_param / world <= bytes_per_param < per_param / world * 1.25, (variant, rank, bytes_per_param)
+
+
+def _cuda_branches_worker(rank, world, variants):
+    """The sharded CUDA branches run on CPU tensors (tests/cuda_standins.py). On a GPU the copy after a
+    collective is ordered after it on the stream; here the host waits for each collective as it is started."""
+    import cuda_standins
+
+    cuda_standins.install(setattr)
+    start = zero_offload.distributed.Comm.start
+
+    def start_and_wait(comm, what, where, launch, on_device):
+        pending = start(comm, what, where, launch, on_device)
+        pending.wait()
+        return pending
+
+    zero_offload.distributed.Comm.start = start_and_wait
+    opt = OffloadOptimizer([nn.Parameter(torch.zeros(3))], process_group=dist.group.WORLD)
+    assert not opt._buckets[0][0].on_cpu, "the stand-in device was not used"
+    return {variant: _trajectory(rank, world, variant) for variant in variants}
+
+
+def test_sharded_cuda_branches_match_adamw_on_cpu():
+    """What NCCL runs on a GPU, here over gloo: flatten on the device, reduce-scatter from the hooks, shard
+    copied to the host, all-gather back; streamed, released and clipped, against whole-batch AdamW."""
+    variants = ["plain", "clip", "accumulate_keep_grads", "stream_clip", "stream_release_accumulate"]
+    results = launch(_cuda_branches_worker, 2, variants)
+    assert all(set(per_variant) == set(variants) for per_variant in results.values())
 
 
 def _bf16_worker(rank, world):

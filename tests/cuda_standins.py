@@ -1,0 +1,90 @@
+"""Stand-ins that run the CUDA-only branches of zero_offload on CPU tensors (see test_cuda_branches.py).
+
+The bucket layouts are told their parameters are on ``cuda:0``; streams and events do nothing (a CPU copy is
+complete when it returns); tensors created for that device are made on the CPU. Python in those branches then
+runs for real; stream synchronisation does not exist here, so it is not tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, List
+
+import torch
+
+import zero_offload.optimizer as optimizer_module
+
+
+class Device:
+    """Stands for ``cuda:0`` in the bucket layouts: its ``type`` picks the CUDA branches, and it equals the CPU
+    device the tensors really are on (the check that a parameter has not moved)."""
+
+    type = "cuda"
+    index = 0
+
+    def __eq__(self, other) -> bool:
+        return other is self or other == torch.device("cpu")
+
+    def __hash__(self) -> int:
+        return hash("cuda:0 (stand-in)")
+
+    def __repr__(self) -> str:
+        return "cuda:0 (stand-in)"
+
+
+class Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Event:
+    def __init__(self, *args, **kwargs):
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded, "waited for an event that was never recorded"
+
+    def query(self) -> bool:
+        return True
+
+
+def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
+    """Install the stand-ins with ``setattr_`` (pytest's ``monkeypatch.setattr``, or ``setattr`` in a spawned
+    process). Returns a list that grows by one entry per param group planned on the stand-in device."""
+    device, current, planned = Device(), Stream(), []
+    plan = optimizer_module.plan_buckets
+
+    def plan_on_cuda(params, max_numel):
+        planned.append(len(params))
+        return [dataclasses.replace(layout, device=device) for layout in plan(params, max_numel)]
+
+    def on_cpu(make):
+        def made(*args, **kwargs):
+            if isinstance(kwargs.get("device"), Device):
+                kwargs["device"] = "cpu"
+            return make(*args, **kwargs)
+        return made
+
+    setattr_(optimizer_module, "plan_buckets", plan_on_cuda)
+    setattr_(optimizer_module, "_should_pin", lambda device, pin_memory: False)
+    setattr_(torch.cuda, "Stream", Stream)
+    setattr_(torch.cuda, "Event", Event)
+    setattr_(torch.cuda, "current_stream", lambda device=None: current)
+    setattr_(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
+    for name in ("empty", "zeros"):
+        setattr_(torch, name, on_cpu(getattr(torch, name)))
+    return planned
