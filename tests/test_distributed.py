@@ -605,16 +605,19 @@ def test_bad_input_without_a_group():
 
 # ------------------------------------------------------------------------------------------------------- NCCL --
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,release", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_nccl_world_1_on_one_gpu(dtype, release, tmp_path):
+@pytest.mark.parametrize("dtype,release,backend", [(torch.float32, False, "nccl"), (torch.bfloat16, False, "nccl"),
+                                                   (torch.float32, True, "nccl"),
+                                                   (torch.float32, True, "cpu:gloo,cuda:nccl")])
+def test_nccl_world_1_on_one_gpu(dtype, release, backend, tmp_path):
     """The CUDA path (gradients reduce-scattered from the backward hooks on the copy stream, shard to pinned host,
     all-gather back) over NCCL with one rank, against AdamW on the GPU (fp32) or on fp32 copies of the bf16
     parameters. Without ``release_grads`` the fused clip re-reads the gradients at the first step and reduces
-    them again; after it, and with ``release_grads``, the streamed reduction is used as it is."""
+    them again; after it, and with ``release_grads``, the streamed reduction is used as it is. The mixed backend
+    runs the small host tensors over gloo and the buckets' collectives, stream-ordered, over NCCL."""
     if not dist.is_nccl_available():
         pytest.skip("NCCL is not available")
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         ref_model = Net().cuda()
