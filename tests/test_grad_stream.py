@@ -73,15 +73,21 @@ def _loss(model, step, device="cpu"):
     return (model(x).float() - y.float()).pow(2).mean()
 
 
+def _record_launches(opt, monkeypatch) -> list:
+    """The list every bucket launch of ``opt``'s streamer is appended to (its BucketStream), as it happens."""
+    launches = []
+    real = opt._streamer._launch
+    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launches.append(state), real(state)))
+    return launches
+
+
 def test_buckets_launch_during_backward_in_backward_order(monkeypatch):
     model = _bucketed_model()
     # Slots of 320 (weight) and 64 (bias) elements: buckets of at most 700 cut the six layers into four.
     opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True, bucket_numel=700)
-    launched = []
-    real = opt._streamer._launch
-    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launched.append(state.bucket), real(state)))
+    launches = _record_launches(opt, monkeypatch)
     _loss(model, 0).backward()
-    order = [next(i for i, b in enumerate(opt._buckets[0]) if b is x) for x in launched]
+    order = [next(i for i, b in enumerate(opt._buckets[0]) if b is state.bucket) for state in launches]
     assert len(opt._buckets[0]) == 4
     assert order == [3, 2, 1, 0], "each bucket must launch once, as soon as backward has produced its gradients"
     # Released: the gradients are in the host buffer only.
@@ -287,9 +293,7 @@ def test_activation_checkpointing_streams_each_bucket_once_per_backward(reentran
     ref_model = copy.deepcopy(model)
     opt = OffloadOptimizer(model.parameters(), stream_grads=True, bucket_numel=10**6, **kw)  # one bucket
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
-    launches = []
-    real = opt._streamer._launch
-    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launches.append(state), real(state)))
+    launches = _record_launches(opt, monkeypatch)
 
     def forward(m, x):
         run = lambda lo, hi: (lambda h: m[lo:hi](h).relu())  # noqa: E731
@@ -325,9 +329,7 @@ def test_streaming_recovers_after_a_backward_that_raised(release, monkeypatch):
     ref_model = copy.deepcopy(model)
     opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=release, bucket_numel=700)
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
-    launched = []
-    real = opt._streamer._launch
-    monkeypatch.setattr(opt._streamer, "_launch", lambda state: (launched.append(state), real(state)))
+    launched = _record_launches(opt, monkeypatch)
     for m, o in ((model, opt), (ref_model, ref)):
         x, _ = _data(0)
         with pytest.raises(RuntimeError, match="halfway"):

@@ -150,11 +150,9 @@ class GradStreamer:
         if self._no_sync:
             return
         with self._lock:
-            if not self._in_backward:
-                # Buckets with parameters that get no gradient in this backward never complete: launch them when
-                # the backward ends. (A callback queued from a hook runs when the current backward finishes.)
-                self._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            # Buckets with parameters that get no gradient in this backward never complete: launch them when the
+            # backward ends.
+            self._arm()
             if state.epoch != self._epoch:
                 state.epoch = self._epoch
                 state.fired = 0
@@ -170,8 +168,7 @@ class GradStreamer:
                         self._launch(state)
                 except BaseException:
                     # The backward is aborted with this error and its end-of-backward callback will not run.
-                    self._touched, self._in_backward, self._next = [], False, 0
-                    self._epoch += 1
+                    self._forget_backward()
                     raise
 
     def _end_backward(self) -> None:
@@ -192,8 +189,7 @@ class GradStreamer:
                         self._launch(state)
                 self._launch_in_order(upto=len(self._sharded))
             finally:
-                self._touched, self._in_backward, self._next = [], False, 0
-                self._epoch += 1
+                self._forget_backward()
 
     def _rearm_after(self, node) -> None:
         handle = None
@@ -201,11 +197,21 @@ class GradStreamer:
         def rearm(grad_inputs, grad_outputs) -> None:
             handle.remove()
             with self._lock:
-                if not self._in_backward:  # (a hook of a later segment may have queued one already)
-                    self._in_backward = True
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._arm()  # (unless a hook of a later segment has queued the callback already)
 
         handle = node.register_hook(rearm)
+
+    def _arm(self) -> None:
+        """Have ``_end_backward`` run when the current backward finishes (a callback queued from a hook or a node
+        runs then), once per backward."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _forget_backward(self) -> None:
+        """The backward is over (or was aborted): the next one counts its gradients afresh."""
+        self._touched, self._in_backward, self._next = [], False, 0
+        self._epoch += 1
 
     def _launch_in_order(self, upto: Optional[int]) -> None:
         """Launch sharded buckets in their fixed order: the ready ones at the head of the line, or (``upto``)
@@ -372,8 +378,7 @@ class GradStreamer:
             if self._in_backward:
                 # A backward that raised (an OOM the loop skips, say) never runs its end-of-backward callback:
                 # forget its counts, or no later backward would find a bucket complete.
-                self._touched, self._in_backward, self._next = [], False, 0
-                self._epoch += 1
+                self._forget_backward()
         for state in self._states.values():
             if state.launches or any(state.present) or state.adds or state.job is not None:
                 if state.job is not None:
