@@ -13,7 +13,7 @@ from typing import Callable, List
 
 import torch
 
-import zero_offload.optimizer as optimizer_module
+import zero_offload.buckets as buckets_module
 
 
 class Device:
@@ -65,7 +65,7 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
     """Install the stand-ins with ``setattr_`` (pytest's ``monkeypatch.setattr``, or ``setattr`` in a spawned
     process). Returns a list that grows by one entry per param group planned on the stand-in device."""
     device, current, planned = Device(), Stream(), []
-    plan = optimizer_module.plan_buckets
+    plan = buckets_module.plan_buckets
 
     def plan_on_cuda(params, max_numel):
         planned.append(len(params))
@@ -78,8 +78,8 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
             return make(*args, **kwargs)
         return made
 
-    setattr_(optimizer_module, "plan_buckets", plan_on_cuda)
-    setattr_(optimizer_module, "_should_pin", lambda device, pin_memory: False)
+    setattr_(buckets_module, "plan_buckets", plan_on_cuda)
+    setattr_(buckets_module, "should_pin", lambda device, pin_memory: False)
     setattr_(torch.cuda, "Stream", Stream)
     setattr_(torch.cuda, "Event", Event)
     setattr_(torch.cuda, "current_stream", lambda device=None: current)

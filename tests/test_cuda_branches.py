@@ -23,7 +23,7 @@ from test_grad_stream import LateAdamW, _run_recipe
 import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
 from zero_offload import OffloadOptimizer
-from zero_offload.buckets import FlatBucket
+from zero_offload.transport import Transport
 
 
 @pytest.fixture
@@ -107,14 +107,15 @@ def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cud
     """Without release_grads, clip_grad_norm_ re-reads the gradients only until a step has run without a
     GradScaler (whose unscale_ is the one in-place edit version counters miss). A scaler that appears later is
     noticed at step(), which clips again from the unscaled gradients: the trajectory stays AdamW's."""
-    gathers = []  # gradients gathered again at clip_grad_norm_ or step() (entries True were streamed already)
-    real = FlatBucket.gather_grads
+    gathers = []  # gradients copied again at clip_grad_norm_ or step() (not the ones streamed already)
+    real = Transport._slot_copies
 
-    def gather_grads(self, grads, *args, **kwargs):
-        gathers.extend(g for g in grads if isinstance(g, torch.Tensor))
-        return real(self, grads, *args, **kwargs)
+    def slot_copies(bg):
+        dsts, srcs = real(bg)
+        gathers.extend(srcs)
+        return dsts, srcs
 
-    monkeypatch.setattr(FlatBucket, "gather_grads", gather_grads)
+    monkeypatch.setattr(Transport, "_slot_copies", staticmethod(slot_copies))
     ours, ref = make_runs(Recipe("late_scaler", scaler="unscale", clip=0.5), "cpu")
     scalers = ours.scaler, ref.scaler
     ours.scaler = ref.scaler = None

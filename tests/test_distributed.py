@@ -563,8 +563,8 @@ def _bad_input_worker(rank, world):
     finally:
         zero_offload.distributed.moves_host_tensors = real
     cuda = torch.device("cuda")
-    assert not OffloadOptimizer(model.parameters())._streamed(cuda)
-    assert OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True)._streamed(cuda)
+    assert not OffloadOptimizer(model.parameters()).options.streams(cuda)
+    assert OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True).options.streams(cuda)
     return errors
 
 
@@ -581,6 +581,35 @@ def test_bad_input_raises_on_every_rank():
         for name in ("release_grads", "overlap_step", "delayed_update"):
             assert f"{name}=True works on gradients streamed" in errors[f"ddp_{name}"]
             assert "(world size 2)" in errors[f"ddp_{name}"] and "DistributedDataParallel" in errors[f"ddp_{name}"]
+
+
+def _misuse_worker(rank, world):
+    errors = {}
+    torch.manual_seed(0)
+    model = Net()
+    try:  # a layout that differs per rank would deadlock in the first collective that does not line up
+        OffloadOptimizer(model.parameters(), process_group=dist.group.WORLD, timeout=10,
+                         bucket_numel=BUCKET_NUMEL * (rank + 1))
+    except ValueError as exc:
+        errors["bucket_numel"] = str(exc)
+    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD, timeout=10)
+    loss_on(model, 0, 0, rows_of(rank, world)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:  # clipping on one rank only would clip half the shards
+        if rank == 0:
+            opt.clip_grad_norm_(1e-3)
+        opt.step()
+    except RuntimeError as exc:
+        errors["clip"] = str(exc)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state
+    return errors
+
+
+def test_misuse_across_ranks_is_refused_on_every_rank():
+    out = launch(_misuse_worker, 2)
+    for rank, errors in out.items():
+        assert "bucket_numel differs across ranks: 200 on rank 0, 400 on rank 1" in errors["bucket_numel"]
+        assert "clip_grad_norm_ was called on 1 of 2 ranks" in errors["clip"] and f"rank {rank} of 2" in errors["clip"]
 
 
 def test_which_backends_move_cpu_tensors():

@@ -219,7 +219,7 @@ def test_segments_equal_cpu_adam_per_segment_and_leave_gaps_alone(path, grad_dty
         return dict(max_exp_avg_sq=b[3][sl] if amsgrad else None, param_out=b[4][sl] if out_dtype else None)
 
     for step in (1, 2, 3):
-        functional._cpu_adam_segments_(seg[0], grads, offsets, seg[1], seg[2], step=step, **kw, **bufs(seg))
+        functional.cpu_adam_segments_(seg[0], grads, offsets, seg[1], seg[2], step=step, **kw, **bufs(seg))
         for o, g in zip(offsets, grads):
             sl = slice(o, o + g.numel())
             functional.cpu_adam_(one[0][sl], g, one[1][sl], one[2][sl], step=step, **kw, **bufs(one, sl))
@@ -238,17 +238,17 @@ def test_segments_are_validated(path):
     p, m, v = torch.zeros(256), torch.zeros(256), torch.zeros(256)
     g = torch.ones(64)
     with pytest.raises(ValueError, match="overlap"):
-        functional._cpu_adam_segments_(p, [g, g], [0, 32], m, v, step=1, lr=1e-3)
+        functional.cpu_adam_segments_(p, [g, g], [0, 32], m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="overlap"):
-        functional._cpu_adam_segments_(p, [g, g], [128, 0], m, v, step=1, lr=1e-3)
+        functional.cpu_adam_segments_(p, [g, g], [128, 0], m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="past the buffers"):
-        functional._cpu_adam_segments_(p, [g], [224], m, v, step=1, lr=1e-3)
+        functional.cpu_adam_segments_(p, [g], [224], m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="contiguous"):
-        functional._cpu_adam_segments_(p, [torch.ones(8, 8).t()], [0], m, v, step=1, lr=1e-3)
+        functional.cpu_adam_segments_(p, [torch.ones(8, 8).t()], [0], m, v, step=1, lr=1e-3)
     with pytest.raises(TypeError, match="one dtype"):
-        functional._cpu_adam_segments_(p, [g, g.bfloat16()], [0, 64], m, v, step=1, lr=1e-3)
+        functional.cpu_adam_segments_(p, [g, g.bfloat16()], [0, 64], m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="Invalid learning rate"):
-        functional._cpu_adam_segments_(p, [g], [0], m, v, step=1, lr=-1.0)
+        functional.cpu_adam_segments_(p, [g], [0], m, v, step=1, lr=-1.0)
     assert torch.equal(p, torch.zeros(256)) and torch.equal(m, torch.zeros(256))
 
 
@@ -256,12 +256,12 @@ def test_segments_are_validated(path):
 def test_grad_sq_norm_segments(path, dtype):
     gen = torch.Generator().manual_seed(6)
     grads = [torch.randn(k, generator=gen).to(dtype) for k in [1, 7, 0, 17, 4097, 300_001]]
-    total, nonfinite = functional._grad_sq_norm_segments(grads)
+    total, nonfinite = functional.grad_sq_norm_segments(grads)
     expected = sum(g.double().square().sum().item() for g in grads)
     assert total == pytest.approx(expected, rel=1e-5)
     assert nonfinite is False
-    assert functional._grad_sq_norm_segments([]) == (0.0, False)
+    assert functional.grad_sq_norm_segments([]) == (0.0, False)
     for i in (0, 3, 5):
         bad = [g.clone() for g in grads]
         bad[i][-1] = float("nan")
-        assert functional._grad_sq_norm_segments(bad)[1] is True
+        assert functional.grad_sq_norm_segments(bad)[1] is True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import io
 import logging
 import math
@@ -19,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import weakref
 from typing import Any, Callable, Dict, Optional
 
 import pytest
@@ -514,7 +516,7 @@ def test_buckets_are_aligned_and_fp32_cpu_params_live_in_the_master():
 def test_one_kernel_call_per_bucket_and_per_run_when_grads_are_missing(monkeypatch):
     calls = []
     # Fresh CPU gradients are read in place (the segments entry); in-buffer ones through cpu_adam_: count both.
-    for name in ("cpu_adam_", "_cpu_adam_segments_"):
+    for name in ("cpu_adam_", "cpu_adam_segments_"):
         real = getattr(functional, name)
         monkeypatch.setattr(functional, name, lambda *a, real=real, **k: (calls.append(k["step"]), real(*a, **k)))
     torch.manual_seed(0)
@@ -826,3 +828,88 @@ def test_pure_torch_path_gives_the_same_results(monkeypatch):
         ours.step(step)
         ref.step(step)
         assert_same(ours.model, ref.model, ours.opt, ref.opt, f"torch path step {step}")
+
+
+@pytest.mark.parametrize("kw", [{}, dict(delayed_update=True), dict(stream_grads=True, release_grads=True),
+                                dict(stream_grads=True, overlap_step=True, nonfinite="ignore")],
+                         ids=["default", "delayed_update", "release_grads", "overlap_step"])
+def test_a_dropped_optimizer_is_freed_without_the_garbage_collector(kw):
+    """No reference cycle through the optimizer's own machinery (hooks, worker jobs, a pending delayed update):
+    its host buffers go the moment the last reference does, as a training loop rebuilding optimizers expects."""
+    model = nn.Linear(8, 8)
+    OffloadOptimizer(nn.Linear(2, 2).parameters())  # torch's first-use imports leave cycles of their own
+    gc.collect()
+    gc.disable()
+    try:
+        opt = OffloadOptimizer(model.parameters(), lr=0.1, **kw)
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        ref = weakref.ref(opt)
+        del opt
+        assert ref() is None, "the optimizer outlived its last reference"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("shape", [(3, 3), (7, 7), (36,), (6,), (1,)])
+@pytest.mark.parametrize("stream", [False, True], ids=["at_step", "streamed"])
+def test_a_gradient_shaped_unlike_its_parameter_raises_and_changes_nothing(shape, stream):
+    """AdamW refuses such a gradient; a copy into the host buffer (a streaming optimizer's, gathering gradients
+    backward did not stream) would broadcast (6,) or (1,) silently, and reading (3, 3) in place would update 9 of
+    36 elements."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    opt = OffloadOptimizer([w, b], lr=0.1, weight_decay=0, stream_grads=stream)
+    w.grad, b.grad = torch.ones(6, 6), torch.ones(6)
+    opt.step()
+    opt.zero_grad()
+    snap = [w.detach().clone(), b.detach().clone()], copy.deepcopy(opt.state_dict())
+    w.grad, b.grad = torch.zeros(6, 6), torch.zeros(6)
+    w.grad.data = torch.ones(shape)  # (assigning .grad itself checks the shape)
+    with pytest.raises(RuntimeError, match=r"of shape \(6, 6\) has a gradient of shape"):
+        opt.step()
+    opt.zero_grad()
+    assert torch.equal(w, snap[0][0]) and torch.equal(b, snap[0][1])
+    now = opt.state_dict()["state"]
+    for k, entry in snap[1]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now[k][key], value), (k, key)
+
+
+def test_load_state_dict_with_an_unreadable_tensor_raises_and_changes_nothing():
+    model, opt = trained()
+    snap = snapshot(model, opt)
+    sd = copy.deepcopy(opt.state_dict())
+    last = max(sd["state"])
+    sd["state"][last]["exp_avg"] = torch.empty_like(sd["state"][last]["exp_avg"], device="meta")
+    for entry in sd["state"].values():
+        entry["step"] = entry["step"] + 5
+        entry["exp_avg_sq"] = entry["exp_avg_sq"] * 2
+    with pytest.raises(ValueError, match="meta device"):
+        opt.load_state_dict(sd)
+    assert_unchanged(snap, model, opt)
+
+
+def test_construction_refuses_what_cannot_fit_in_host_ram_before_allocating(monkeypatch, caplog):
+    """The OOM killer would otherwise end the process mid-allocation, with nothing said."""
+    import zero_offload.buckets
+
+    allocated = []
+    real_empty = host_memory.empty_host
+    monkeypatch.setattr(zero_offload.buckets, "empty_host", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    monkeypatch.setattr(zero_offload.buckets, "available_host_bytes", lambda: 3 << 20)
+    w = nn.Parameter(torch.randn(1 << 18))  # 1 MiB per buffer: master, two moments, amsgrad maximum, gradient
+    ptr, before = w.data_ptr(), w.detach().clone()
+    with pytest.raises(MemoryError) as info:
+        OffloadOptimizer([w], amsgrad=True)
+    message = str(info.value)
+    assert "needs 5.0 MiB of host RAM" in message and "can take 3.0 MiB" in message, message
+    assert "amsgrad=False: 4.0 MiB" in message and "process_group of 2 ranks (per rank)" in message, message
+    assert "ZERO_OFFLOAD_ALLOW_OVERCOMMIT=1" in message
+    assert not allocated and w.data_ptr() == ptr and torch.equal(w, before)
+    monkeypatch.setenv("ZERO_OFFLOAD_ALLOW_OVERCOMMIT", "1")
+    with caplog.at_level(logging.WARNING, logger="zero_offload"):
+        OffloadOptimizer([w], amsgrad=True)
+    assert "allocating anyway" in caplog.text

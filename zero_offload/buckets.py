@@ -1,5 +1,6 @@
 """Flattening parameters into aligned, contiguous host buckets: where each parameter's master weights, moments,
-gradient and low-precision copy live, and how a bucket's gradients get in and its updated parameters get out.
+gradient and low-precision copy live (layout and host buffers; moving bytes in and out is
+:mod:`zero_offload.transport`'s job).
 
 A bucket is a run of parameters of one parameter group that share a device and a dtype. Each parameter gets a
 slot in every flat buffer of the bucket at the same offset, a multiple of :data:`ALIGN` elements, so that
@@ -17,27 +18,25 @@ they become NaN; they are never read).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
+import logging
 import operator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.host_memory import HostMemoryEstimate, empty_host, estimate_bucket
+from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, empty_host, estimate_bucket, format_bytes
+from zero_offload.options import Options
 
-__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardedBucket", "plan_buckets", "align_up", "view_like",
-           "memory_order_flat"]
+__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardLayout", "plan_buckets", "align_up", "view_like",
+           "memory_order_flat", "check_grads", "should_pin", "estimate_layouts", "estimate_params", "allocate_group"]
+
+logger = logging.getLogger("zero_offload")
 
 # Elements. 64 elements is a whole number of 64-byte cache lines for 1-, 2- and 4-byte dtypes and a multiple of
 # every SIMD width the kernel uses, so no slot shares a line or a vector with its neighbour.
 ALIGN = 64
-
-# Tensors at least this large are copied with torch's own intra-op parallelism; smaller ones are spread over a
-# few Python threads instead (torch runs them on the calling thread). Same value as at::internal::GRAIN_SIZE.
-_PARALLEL_COPY_NUMEL = 32768
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -108,6 +107,43 @@ def _layout(run, offsets, params, cursor, device, dtype) -> BucketLayout:
     return BucketLayout(tuple(run), tuple(offsets), tuple(params[i].numel() for i in run), cursor, device, dtype)
 
 
+def should_pin(device: torch.device, pin_memory: Optional[bool]) -> bool:
+    """Whether a bucket on ``device`` gets page-locked buffers: ``pin_memory`` as given, or (None) exactly the
+    buckets whose parameters are on CUDA (pinning buys nothing without transfers and locks RAM)."""
+    if pin_memory is None:
+        return device.type == "cuda"
+    return bool(pin_memory)
+
+
+def estimate_layouts(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool], world_size: int = 1,
+                     delayed_update: bool = False) -> HostMemoryEstimate:
+    """Host bytes of the buckets ``layouts`` would allocate (per rank when sharded over ``world_size``), without
+    allocating: the same arithmetic as :meth:`FlatBucket.estimate` of the real buckets."""
+    total = HostMemoryEstimate(0, 0, {}, 0, 0)
+    for layout in layouts:
+        padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
+        total = total + estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=layout.device.type == "cpu",
+                                        amsgrad=amsgrad, pin=should_pin(layout.device, pin_memory),
+                                        world_size=world_size, delayed_update=delayed_update)
+    return total
+
+
+def estimate_params(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int, pin_memory: Optional[bool],
+                    world_size: int = 1, delayed_update: bool = False) -> HostMemoryEstimate:
+    """:func:`estimate_layouts` of the buckets an optimizer over ``params`` (tensors or group dicts, whose own
+    ``amsgrad`` is honoured) would plan; see ``OffloadOptimizer.estimate_host_memory``."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    total = HostMemoryEstimate(0, 0, {}, 0, 0)
+    for g in groups:
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
+        total = total + estimate_layouts(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)),
+                                         pin_memory, world_size, delayed_update)
+    return total
+
+
 def view_like(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     """The slot of ``like`` in ``flat``, with ``like``'s shape and, when ``like`` is dense (e.g. channels-last),
     its strides too: the optimizer state then has the parameter's memory format, as ``torch.zeros_like`` gives
@@ -136,56 +172,67 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-_pool: Optional[ThreadPoolExecutor] = None
 
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How one bucket is cut over the ``world`` ranks of a process group (ZeRO), seen from rank ``rank``.
 
-_get_grad = operator.attrgetter("grad")
-_get_layout = operator.attrgetter("layout")
+    The bucket's full flat layout (``full``) is padded to a multiple of ``world * ALIGN`` elements and cut into
+    ``world`` equal contiguous shards of ``numel`` elements (a multiple of :data:`ALIGN`); rank ``r`` owns
+    ``[r * numel, (r + 1) * numel)``. A parameter may straddle shard boundaries, and a rank may own only padding.
+    ``local`` describes the shard in the coordinates the update uses: the same parameters, each with its *piece*
+    (the part of its slot inside the shard, possibly empty) at a shard-local offset, so spans, runs and kernel
+    calls work on a shard exactly as on a whole bucket.
 
-
-def _copy_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None or _pool._max_workers < workers:  # noqa: SLF001 - sized once, grown if threads are raised
-        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zero_offload_copy")
-    return _pool
-
-
-def copy_many_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], numels: Sequence[int]) -> None:
-    """``dst.copy_(src)`` for CPU pairs (``numels[i]`` elements each), using every intra-op thread even when the
-    tensors are small.
-
-    Torch parallelises one copy only above its grain size, so thousands of small gradient copies would run on
-    one core; here they are split into equal-element shares over ``torch.get_num_threads()`` threads (torch ops
-    release the GIL). Large tensors are copied afterwards on the calling thread with torch's own parallelism, so
-    the two kinds never oversubscribe the cores.
+    Attributes:
+        full (BucketLayout): the whole bucket, padded for the cut.
+        world (int), rank (int): the group's size and this rank.
+        pieces (Tuple[Tuple[int, int], ...]): each parameter's piece ``[a, b)`` in shard coordinates.
+        piece_src (Tuple[int, ...]): where each piece starts within its parameter's slot.
+        local (BucketLayout): the shard's own layout.
     """
-    if any(n >= _PARALLEL_COPY_NUMEL for n in numels):
-        small = [i for i, n in enumerate(numels) if n < _PARALLEL_COPY_NUMEL]
-        large = [i for i, n in enumerate(numels) if n >= _PARALLEL_COPY_NUMEL]
-    else:
-        small, large = list(range(len(numels))), []
-    threads = torch.get_num_threads()
-    cum = list(itertools.accumulate(numels[i] for i in small))
-    if threads > 1 and len(small) > 16 and cum[-1] >= 4 * _PARALLEL_COPY_NUMEL:
-        cuts = [0] + [bisect.bisect_left(cum, cum[-1] * k / threads) for k in range(1, threads)] + [len(small)]
-        shares = [small[a:b] for a, b in zip(cuts, cuts[1:])]
-        pool = _copy_pool(threads - 1)
-        futures = [pool.submit(_copy_share, dsts, srcs, share) for share in shares[1:] if share]
-        _copy_share(dsts, srcs, shares[0])
-        for f in futures:
-            f.result()
-    else:
-        _copy_share(dsts, srcs, small)
-    _copy_share(dsts, srcs, large)
 
+    full: BucketLayout
+    world: int
+    rank: int
+    pieces: Tuple[Tuple[int, int], ...]
+    piece_src: Tuple[int, ...]
+    local: BucketLayout
 
-def _copy_share(dsts: List[torch.Tensor], srcs: List[torch.Tensor], which: Sequence[int]) -> None:
-    if which:
-        torch._foreach_copy_([dsts[i] for i in which], [srcs[i] for i in which])
+    @staticmethod
+    def cut(layout: BucketLayout, world: int, rank: int) -> "ShardLayout":
+        padded = align_up(layout.padded_numel, ALIGN * world)
+        shard = padded // world
+        lo = rank * shard
+        pieces = tuple((min(max(o - lo, 0), shard), min(max(o + n - lo, 0), shard))
+                       for o, n in zip(layout.offsets, layout.numels))
+        local = BucketLayout(layout.indices, tuple(a for a, _ in pieces), tuple(b - a for a, b in pieces), shard,
+                             layout.device, layout.dtype)
+        return ShardLayout(dataclasses.replace(layout, padded_numel=padded), world, rank, pieces,
+                           tuple(a + lo - o for (a, _), o in zip(pieces, layout.offsets)), local)
+
+    @property
+    def numel(self) -> int:
+        return self.full.padded_numel // self.world
+
+    @property
+    def lo(self) -> int:
+        return self.rank * self.numel
+
+    def pieces_of(self, i: int) -> List[Tuple[int, int, int]]:
+        """How parameter ``i``'s slot is spread over the ranks: ``(rank, start within the slot, length)`` for each
+        rank that owns a non-empty piece of it."""
+        offset, numel, shard = self.full.offsets[i], self.full.numels[i], self.numel
+        out = []
+        for r in range(self.world):
+            a, b = max(offset, r * shard), min(offset + numel, (r + 1) * shard)
+            if b > a:
+                out.append((r, a - offset, b - a))
+        return out
 
 
 class FlatBucket:
-    """The host buffers of one bucket, the per-parameter views into them, and the transfers in and out.
+    """The host buffers of one bucket and the per-parameter views into them.
 
     Buffers (each ``layout.padded_numel`` long): ``master`` (fp32), ``exp_avg``, ``exp_avg_sq``, optionally
     ``max_exp_avg_sq`` (fp32), ``grad`` (the parameters' dtype) and, for low-precision parameters, ``staging``
@@ -196,68 +243,106 @@ class FlatBucket:
     * fp32 on CPU: the parameter *is* its master slot (``p.data`` is rebound to the view); no copy, no
       separate master, no ``"master"`` key in the state.
     * bf16/fp16 on CPU: the parameter is its staging slot, which the kernel writes; the fp32 master is separate.
-    * on CUDA: the parameter stays where it is; gradients are copied to ``grad`` and the master (fp32) or the
-      staging copy (low precision) is copied back, asynchronously on a side stream.
+    * on CUDA: the parameter stays where it is; :mod:`zero_offload.transport` copies gradients into ``grad`` and
+      the master (fp32) or the staging copy (low precision) back.
+
+    **Sharded** (``shard`` given, see :class:`ShardLayout`): every buffer above holds this rank's shard only
+    (12 / world bytes of fp32 state per parameter), ``layout`` is the shard's, and per-parameter views are 1-D
+    pieces. On CPU the parameters are views of one full flat buffer ``flat_param`` (the rank's slice of it *is*
+    the fp32 master, or the bf16/fp16 ``staging``), and gradients are gathered in a full flat ``flat_grad`` that
+    the reduce-scatter reads. The kernel's gradient multiplier carries the 1/world of the average.
 
     A separate master is (re)initialised from its parameter before the parameter's next update whenever the
     parameter was changed outside the optimizer (tracked by its autograd version counter) and no longer equals
     the master rounded to its dtype: loading a model checkpoint after building the optimizer just works.
+
+    Args:
+        layout (BucketLayout): the bucket as :func:`plan_buckets` made it.
+        params (Sequence[Tensor]): the group's parameters.
+        amsgrad (bool): allocate ``max_exp_avg_sq``.
+        pin (bool): page-lock the buffers (those that take part in device copies).
+        shard (ShardLayout, optional): this rank's cut of the bucket.
+        grads_reduced (bool): sharded, the gradients arrive averaged already (no 1/world in the multiplier).
+        where (str): "param group G, bucket B", for error messages.
     """
 
-    sharded = False  # see ShardedBucket
-    # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
-    grad_multiplier = 1.0
-    h2d_event = None  # torch.cuda.Event after the bucket's last upload (see OffloadOptimizer._upload)
     grad_prev: Optional[torch.Tensor] = None  # delayed_update's second gradient buffer
 
-    def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool):
-        self.layout = layout
+    def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool,
+                 shard: Optional[ShardLayout] = None, grads_reduced: bool = False, where: str = ""):
+        self.shard = shard
+        self.where = where
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
-        self.device = layout.device
-        self.dtype = layout.dtype
+        self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
-        self.pin = pin
-        n = layout.padded_numel
-
-        def zeros(dtype: torch.dtype) -> torch.Tensor:
-            return empty_host(n, dtype, pin=pin).zero_()
-
-        self.master = zeros(torch.float32)
-        self.exp_avg = zeros(torch.float32)
-        self.exp_avg_sq = zeros(torch.float32)
-        self.max_exp_avg_sq: Optional[torch.Tensor] = zeros(torch.float32) if amsgrad else None
-        self.grad = zeros(layout.dtype)
-        self.staging: Optional[torch.Tensor] = zeros(layout.dtype) if self.low_precision else None
+        self.pin = pin and not (shard is not None and self.on_cpu)  # nothing of a sharded CPU bucket goes to a GPU
+        # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
+        self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
+        self.layout = layout if shard is None else shard.local
+        n = self.layout.padded_numel
+        own = self._alloc_full() if shard is not None else None
+        self.master = own if (own is not None and not self.low_precision) else self._zeros(n, torch.float32)
+        self.exp_avg = self._zeros(n, torch.float32)
+        self.exp_avg_sq = self._zeros(n, torch.float32)
+        self.max_exp_avg_sq: Optional[torch.Tensor] = self._zeros(n, torch.float32) if amsgrad else None
+        self.grad = self._zeros(n, layout.dtype)
+        self.staging: Optional[torch.Tensor] = None
+        if self.low_precision:
+            self.staging = own if own is not None else self._zeros(n, layout.dtype)
         # Per-parameter step counts in one tensor: state["step"] is a 0-dim view of an element, so counting a step
         # for a whole bucket is one add, and state_dict() still shows AdamW's 0-dim float32 CPU tensors.
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
-
-        offs = layout.offsets
-        self.master_views = [view_like(self.master, o, p) for o, p in zip(offs, self.params)]
-        self.exp_avg_views = [view_like(self.exp_avg, o, p) for o, p in zip(offs, self.params)]
-        self.exp_avg_sq_views = [view_like(self.exp_avg_sq, o, p) for o, p in zip(offs, self.params)]
+        self.master_views = self._views(self.master)
+        self.exp_avg_views = self._views(self.exp_avg)
+        self.exp_avg_sq_views = self._views(self.exp_avg_sq)
         self.max_views = self._views(self.max_exp_avg_sq)
-        self.grad_views = [view_like(self.grad, o, p) for o, p in zip(offs, self.params)]
+        self.grad_views = self._views(self.grad)
+        self.staging_views = self._views(self.staging)
         self.slot_contiguous = [v.is_contiguous() for v in self.grad_views]
         self.all_slots_contiguous = all(self.slot_contiguous)
-        self.staging_views = self._views(self.staging)
-        # Whether each grad slot is known to hold zeros: a parameter without a gradient must not leave a stale one
-        # in the buffer, which norms and non-finite checks read whole.
+        # Whether each gradient slot (of ``flat_grad`` when sharded on CPU) is known to hold zeros: a parameter
+        # without a gradient must not leave a stale one in the buffer, which norms and checks read whole.
         self.grad_slot_zero = [True] * len(self.params)
         # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
         # from it); -1 = master not initialised. Unused when the parameter is its own master.
         self.versions = [-1] * len(self.params)
         self.exposed = [False] * len(self.params)
         self.all_exposed = False
-        self.d2h_event = None  # torch.cuda.Event once a CUDA gather has run
         self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
+
+    def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return empty_host(n, dtype, pin=self.pin).zero_()
+
+    def _alloc_full(self) -> Optional[torch.Tensor]:
+        """Sharded on CPU: the full flat parameter and gradient buffers; returns the rank's slice of the former."""
+        self.flat_param: Optional[torch.Tensor] = None
+        self.flat_grad: Optional[torch.Tensor] = None
+        if not self.on_cpu:
+            return None
+        full = self.shard.full
+        self.flat_param = self._zeros(full.padded_numel, self.dtype)
+        self.flat_grad = self._zeros(full.padded_numel, self.dtype)
+        self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(full.offsets, self.params)]
+        self.flat_grad_views = [view_like(self.flat_grad, o, p) for o, p in zip(full.offsets, self.params)]
+        return self.flat_param[self.shard.lo : self.shard.lo + self.shard.numel]
 
     # -- layout --------------------------------------------------------------------------------------------------
     def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if flat is None:
             return None
+        if self.shard is not None:
+            return [flat[a:b] for a, b in self.shard.pieces]
         return [view_like(flat, o, p) for o, p in zip(self.layout.offsets, self.params)]
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard is not None
+
+    @property
+    def full(self) -> BucketLayout:
+        """The whole bucket's layout (the shard's full layout when sharded)."""
+        return self.layout if self.shard is None else self.shard.full
 
     @property
     def separate_master(self) -> bool:
@@ -266,12 +351,13 @@ class FlatBucket:
 
     def ensure_amsgrad(self) -> None:
         if self.max_exp_avg_sq is None:
-            self.max_exp_avg_sq = empty_host(self.layout.padded_numel, torch.float32, pin=self.pin).zero_()
+            self.max_exp_avg_sq = self._zeros(self.layout.padded_numel, torch.float32)
             self.max_views = self._views(self.max_exp_avg_sq)
 
     def estimate(self) -> HostMemoryEstimate:
-        return estimate_bucket(self.layout.numel, self.layout.padded_numel, self.dtype, on_cpu=self.on_cpu,
+        return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                                amsgrad=self.max_exp_avg_sq is not None, pin=self.pin,
+                               world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
@@ -282,67 +368,147 @@ class FlatBucket:
             out["staging"] = self.staging
         if self.grad_prev is not None:
             out["grad_prev"] = self.grad_prev
+        if self.shard is not None and self.flat_grad is not None:
+            out["flat_grad"] = self.flat_grad
+            out["flat_param"] = self.flat_param
         return out
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
-        """For CPU buckets, the views the parameters are bound to (master or staging); None on CUDA."""
+        """For CPU buckets, the views the parameters are bound to (master or staging, or ``flat_param``'s when
+        sharded); None on CUDA."""
         if not self.on_cpu:
             return None
+        if self.shard is not None:
+            return self.param_views
         return self.staging_views if self.low_precision else self.master_views
 
+    def fill_param_slots(self) -> None:
+        """Copy each CPU parameter's values into the slot it will be bound to (see :meth:`bind`)."""
+        for p, slot in zip(self.params, self.param_slots or ()):
+            slot.copy_(p.detach())
+
     def bind(self) -> None:
-        """Make CPU parameters views of the slots the kernel writes. Called once every bucket of a group has
-        been allocated, so a failed allocation leaves the parameters untouched. Values are copied in first, so the
-        model is unchanged, and a later in-place load into a parameter lands in its slot."""
+        """Make CPU parameters views of the slots the kernel writes (after :meth:`fill_param_slots`, so the model
+        is unchanged, and a later in-place load into a parameter lands in its slot). Called once every bucket of a
+        group has been allocated, so a failed allocation leaves the parameters untouched."""
         if self.on_cpu:
             for p, slot in zip(self.params, self.param_slots):
-                slot.copy_(p.detach())
                 p.data = slot
             self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
 
-    # -- state -----------------------------------------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------------------------------------
     def state_entry(self, i: int) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s optimizer state in AdamW's format: views, not copies."""
-        entry = {"step": self.steps[i], "exp_avg": self.exp_avg_views[i], "exp_avg_sq": self.exp_avg_sq_views[i]}
+        return {"step": self.steps[i], **self.state_slots(i, master=self.low_precision)}
+
+    def state_slots(self, i: int, *, master: bool = True) -> Dict[str, torch.Tensor]:
+        """Parameter ``i``'s state tensors by name (views of the buffers), the master with ``master`` where it is
+        separate from the parameter."""
+        out = {"exp_avg": self.exp_avg_views[i], "exp_avg_sq": self.exp_avg_sq_views[i]}
         if self.max_views is not None:
-            entry["max_exp_avg_sq"] = self.max_views[i]
-        if self.low_precision:
-            entry["master"] = self.master_views[i]
-        return entry
+            out["max_exp_avg_sq"] = self.max_views[i]
+        if master and self.separate_master:
+            out["master"] = self.master_views[i]
+        return out
+
+    def set_exposed(self, i: int, exposed: bool) -> None:
+        """Record whether parameter ``i`` has an entry in the optimizer's ``state`` (see checkpoint.expose)."""
+        self.exposed[i] = exposed
+        self.all_exposed = all(self.exposed)
+
+    def set_step(self, i: int, step: float) -> None:
+        self.steps[i] = step
+
+    def count_steps(self, runs: Sequence[Tuple[int, int, int]]) -> None:
+        """One more step for the parameters of ``runs`` (see :meth:`runs`)."""
+        if len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(self.params) - 1:
+            self.steps += 1
+        else:
+            for first, last, _ in runs:
+                self.steps[first : last + 1] += 1
+
+    def reset_param(self, i: int) -> None:
+        """Parameter ``i`` starts afresh (its moments are zeroed by the caller): step 0, no state entry, master
+        taken from the parameter at its next update."""
+        self.steps[i] = 0.0
+        self.set_exposed(i, False)
+        self.master_loaded(i, False)
+
+    def master_loaded(self, i: int, loaded: bool) -> None:
+        """A separate master was just written from a checkpoint (kept while the parameter still rounds from it), or
+        not (``loaded=False``: taken from the parameter at its next update)."""
+        if self.separate_master:
+            self.versions[i] = self.params[i]._version if loaded else -1
 
     def refresh_masters(self, indices: Sequence[int]) -> None:
         """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
-        wrote it; see the class docstring."""
+        wrote it; see the class docstring. Each rank decides for its own pieces, with no collective."""
         if not self.separate_master:
             return
         stale = [i for i in indices if self.params[i]._version != self.versions[i]]
         if not stale:
             return
-        # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
-        # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host.
-        landing = self.staging_views if self.low_precision else self.master_views
-        if self.on_cpu:
-            host = [self.params[i].detach() for i in stale]
-        else:
-            # Into a scratch copy when the master may be kept: it is compared before being overwritten.
-            host = [landing[i] if self.versions[i] == -1 else torch.empty_like(landing[i]) for i in stale]
-            torch._foreach_copy_(host, [self.params[i].detach() for i in stale], non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        for i, value in zip(stale, host):
+        for i, value in zip(stale, self._param_values(stale)):
             master = self.master_views[i]
             # A parameter rewritten with the value it already had (a model checkpoint loaded alongside this
             # optimizer's) keeps the fp32 master's extra bits; any other value replaces the master.
-            if self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value):
+            if value is not None and (self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value)):
                 master.copy_(value)
             self.versions[i] = self.params[i]._version
+
+    def _param_values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:
+        """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""
+        if self.shard is not None:
+            out: List[Optional[torch.Tensor]] = []
+            for i in stale:
+                a, b = self.shard.pieces[i]
+                if b <= a:
+                    out.append(None)
+                elif self.on_cpu:
+                    out.append(self.staging_views[i])  # the parameter's own storage
+                else:
+                    src = self.shard.piece_src[i]
+                    out.append(memory_order_flat(self.params[i].detach())[src : src + b - a].to("cpu"))
+            return out
+        if self.on_cpu:
+            return [self.params[i].detach() for i in stale]
+        # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
+        # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a
+        # scratch copy when the master may be kept: it is compared before being overwritten.
+        landing = self.staging_views if self.low_precision else self.master_views
+        host = [landing[i] if self.versions[i] == -1 else torch.empty_like(landing[i]) for i in stale]
+        torch._foreach_copy_(host, [self.params[i].detach() for i in stale], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
 
     def record_versions(self, indices: Sequence[int]) -> None:
         if self.separate_master:
             for i in indices:
                 self.versions[i] = self.params[i]._version
 
-    # -- gradients in ----------------------------------------------------------------------------------------
+    def load_entries(self, entries: Sequence[Optional[Dict[str, object]]]) -> None:
+        """Sharded: copy this rank's piece of each parameter's full (parameter-shaped) state into the shard;
+        ``None``: fresh state. Entries are already validated (``checkpoint.check_entry``)."""
+        for i, entry in enumerate(entries):
+            a, b = self.shard.pieces[i]
+            src = self.shard.piece_src[i]
+            slots = self.state_slots(i)
+            if entry is None:
+                for name, slot in slots.items():
+                    if name != "master":
+                        slot.zero_()
+                self.reset_param(i)
+                continue
+            self.steps[i] = entry["step"]
+            for name, slot in slots.items():
+                if name in entry:
+                    slot.copy_(memory_order_flat(entry[name])[src : src + b - a])
+                elif name != "master":
+                    slot.zero_()
+            self.master_loaded(i, "master" in entry)
+
+    # -- gradients -----------------------------------------------------------------------------------------------
     def collect_grads(self) -> List[Optional[torch.Tensor]]:
         """Each parameter's ``.grad`` (None where absent), checked for what the kernel cannot take. On the hot
         path: C-level loops only (``map``, list comparison), about 0.2 us per parameter."""
@@ -360,19 +526,11 @@ class FlatBucket:
                 "`p.data = ...`, `model.to(...)` or another optimizer). Move or cast the model first, then build the "
                 "optimizer."
             )
-        if all(map(operator.is_, grads, self.grad_views)):
+        if all(map(operator.is_, grads, self.grad_targets)):
             return grads  # every gradient already is its slot: dense, nothing more to check
-        # Only a gradient that is not already its slot can be sparse.
-        others = [g for g, v in zip(grads, self.grad_views) if g is not v and g is not None]
-        if set(map(_get_layout, others)) <= {torch.strided}:
-            return grads
-        for g in others:
-            if g.layout != torch.strided:
-                p = params[next(i for i, x in enumerate(grads) if x is g)]
-                raise RuntimeError(
-                    f"OffloadOptimizer does not support sparse gradients (parameter of shape {tuple(p.shape)} has a "
-                    f"{g.layout} gradient); consider torch.optim.SparseAdam"
-                )
+        # Only a gradient that is not already its slot can be sparse or shaped unlike its parameter.
+        others = [(g, p) for g, p, v in zip(grads, params, self.grad_targets) if g is not v and g is not None]
+        check_grads([g for g, _ in others], [p for _, p in others])
         return grads
 
     def _moved(self, i: int) -> bool:
@@ -381,82 +539,28 @@ class FlatBucket:
             return p.data_ptr() != self.slot_ptrs[i]
         return p.dtype != self.dtype or p.device != self.device
 
-    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None, into_slots: bool = False
-                     ) -> Optional[List[Optional[torch.Tensor]]]:
-        """Make the gradients readable by the kernel. On CUDA, enqueue async copies into the flat ``grad`` buffer on
-        ``stream`` and record ``d2h_event`` (wait with :meth:`wait_grads`); returns None.
+    @property
+    def grad_targets(self) -> List[torch.Tensor]:
+        """Where a parameter's gradient is gathered: its slot of ``grad`` (of ``flat_grad`` when sharded on CPU)."""
+        if self.shard is not None and self.on_cpu:
+            return self.flat_grad_views
+        return self.grad_views
 
-        On CPU, returns None when the flat buffer already holds every gradient (each is its slot, or absent);
-        otherwise the tensors the kernel reads in place, one per parameter (None where absent): the gradient
-        itself where it is contiguous like its slot, else the slot's flat range after a copy into it (a
-        channels-last or transposed gradient). Copying fresh gradients into the buffer first would add 8 bytes of
-        memory traffic per element to the update's 28.
+    def slot_filled(self, i: int) -> None:
+        """Gradient slot ``i`` now holds (or is about to hold) a gradient."""
+        self.grad_slot_zero[i] = False
 
-        ``into_slots`` (streamed buckets, see :mod:`zero_offload.grad_stream`): CPU gradients are copied into the
-        buffer too, and an entry ``True`` means the gradient is in its slot already."""
-        views, zeroed, numels = self.grad_views, self.grad_slot_zero, self.layout.numels
-        if all(map(operator.is_, grads, views)):
-            # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
-            self.grad_slot_zero = [False] * len(views)
-            return None
-        if self.on_cpu and not into_slots and any(g is not None and g is not v for g, v in zip(grads, views)):
-            return self._grads_in_place(grads)
-        dsts, srcs, sizes = [], [], []
-        for i, g in enumerate(grads):
-            if g is None:
-                if not zeroed[i]:
-                    views[i].zero_()
-                    zeroed[i] = True
-            elif g is True or g is views[i]:  # streamed already, or a view from zero_grad(set_to_none=False)
-                zeroed[i] = False
-            else:
-                zeroed[i] = False
-                dsts.append(views[i])
-                srcs.append(g)
-                sizes.append(numels[i])
-        if self.on_cpu:
-            if dsts:
-                copy_many_(dsts, srcs, sizes)
-            return None  # every gradient is in its slot or absent; absent ones' slots now hold zeros
-        if self.d2h_event is None:
-            self.d2h_event = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            if dsts:
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            self.d2h_event.record(stream)
-        return None
-
-    def _grads_in_place(self, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        flat, offsets, numels, views = self.grad, self.layout.offsets, self.layout.numels, self.grad_views
-        # The usual case, checked in C-level loops: every gradient fresh, present and contiguous like its slot.
-        if (self.all_slots_contiguous and not any(map(operator.is_, grads, itertools.repeat(None)))
-                and not any(map(operator.is_, grads, views)) and all(map(torch.Tensor.is_contiguous, grads))):
-            return grads
-        out: List[Optional[torch.Tensor]] = []
-        dsts, srcs, sizes = [], [], []
-        for i, g in enumerate(grads):
-            if g is None:
-                out.append(None)
-            elif g is not views[i] and self.slot_contiguous[i] and g.is_contiguous():
-                out.append(g)
-            else:
-                # The state's slots have the parameter's memory order; a gradient in any other order (or already
-                # in its slot) is read from the slot, whose flat range is in that order.
-                if g is not views[i]:
-                    dsts.append(views[i])
-                    srcs.append(g)
-                    sizes.append(numels[i])
-                self.grad_slot_zero[i] = False
-                out.append(flat[offsets[i] : offsets[i] + numels[i]])
-        if dsts:
-            copy_many_(dsts, srcs, sizes)
-        return out
+    def clear_slot(self, i: int) -> None:
+        """Parameter ``i`` has no gradient: its gradient slot must read as zeros."""
+        if not self.grad_slot_zero[i]:
+            self.grad_targets[i].zero_()
+            self.grad_slot_zero[i] = True
 
     def add_grad_prev(self) -> None:
         """Allocate the second gradient buffer of ``delayed_update`` (see :meth:`swap_grad_buffers`)."""
         if self.grad_prev is None:
-            self.grad_prev = empty_host(self.layout.padded_numel, self.dtype, pin=self.pin).zero_()
-            self._prev_views = [view_like(self.grad_prev, o, p) for o, p in zip(self.layout.offsets, self.params)]
+            self.grad_prev = self._zeros(self.layout.padded_numel, self.dtype)
+            self._prev_views = self._views(self.grad_prev)
             self._prev_zero = [True] * len(self.params)
 
     def swap_grad_buffers(self) -> None:
@@ -467,358 +571,107 @@ class FlatBucket:
         self.grad_views, self._prev_views = self._prev_views, self.grad_views
         self.grad_slot_zero, self._prev_zero = self._prev_zero, self.grad_slot_zero
 
-    def wait_grads(self) -> None:
-        if self.d2h_event is not None:
-            self.d2h_event.synchronize()
-
-    def wait_params(self) -> None:
-        """Nothing to wait for here: uploads are stream-ordered (see ``ShardedBucket.wait_params``)."""
-
     def zero_grads_as_views(self) -> None:
         """``zero_grad(set_to_none=False)`` for a CPU bucket: every existing gradient becomes its (zeroed) slot of
         the flat buffer, so the next backward accumulates straight into it and the step copies nothing."""
-        self.grad.zero_()
+        targets = self.grad_targets
+        (self.flat_grad if self.shard is not None else self.grad).zero_()
         for i, p in enumerate(self.params):
             g = p.grad
             if g is not None:
                 self.grad_slot_zero[i] = True
-                if g is not self.grad_views[i]:
-                    p.grad = self.grad_views[i]
+                if g is not targets[i]:
+                    p.grad = targets[i]
 
-    def runs(self, grads: List[Optional[torch.Tensor]]) -> List[Tuple[int, int, int]]:
-        """Contiguous runs ``(first, last, step)`` of parameters that have a gradient and the same step count:
-        each is one kernel call. Usually one run covering the whole bucket."""
+    def runs(self, present: Sequence[bool]) -> List[Tuple[int, int, int]]:
+        """Contiguous runs ``(first, last, step)`` of parameters that have a gradient (``present``) and the same step
+        count: each is one kernel call. Usually one run covering the whole bucket."""
         steps = self.steps.tolist()
-        has = [g is not None for g in grads]
-        if all(has) and min(steps) == max(steps):
-            return [(0, len(grads) - 1, int(steps[0]))]
+        if all(present) and min(steps) == max(steps):
+            return [(0, len(present) - 1, int(steps[0]))]
         out: List[Tuple[int, int, int]] = []
         first = None
-        for i, present in enumerate(has):
-            if first is not None and (not present or steps[i] != steps[first]):
+        for i, has in enumerate(present):
+            if first is not None and (not has or steps[i] != steps[first]):
                 out.append((first, i - 1, int(steps[first])))
                 first = None
-            if present and first is None:
+            if has and first is None:
                 first = i
         if first is not None:
-            out.append((first, len(grads) - 1, int(steps[first])))
+            out.append((first, len(present) - 1, int(steps[first])))
         return out
 
-    # -- parameters out ----------------------------------------------------------------------------------------
-    def scatter_params(self, indices: Sequence[int], stream=None) -> None:
-        """Make the updated values visible in the parameters ``indices``: on CUDA, async copies of the master or
-        the staging copy on ``stream``; on CPU, where the kernel already wrote the parameter's storage, only the
-        autograd version bump an in-place op would have made (so a stale saved tensor is still caught)."""
-        params = self.params if len(indices) == len(self.params) else [self.params[i] for i in indices]
-        if self.on_cpu:
-            torch.autograd.graph.increment_version(params)
-        else:
-            srcs = self.staging_views if self.low_precision else self.master_views
-            # no_grad here, not at the callers: grad mode is per thread, and overlap_step uploads from its worker.
-            with torch.no_grad(), torch.cuda.stream(stream):
-                torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
-        self.record_versions(indices)
+
+def check_grads(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    """Refuse gradients the kernel cannot take for their parameters: sparse ones, and any shaped unlike the
+    parameter (a broadcastable one would be silently expanded by a copy, a smaller one partly applied). C-level
+    loops on the hot path."""
+    if set(map(_get_layout, grads)) <= {torch.strided} and list(map(_get_shape, grads)) == list(
+            map(_get_shape, params)):
+        return
+    for g, p in zip(grads, params):
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"OffloadOptimizer does not support sparse gradients (parameter of shape {tuple(p.shape)} has a "
+                f"{g.layout} gradient); consider torch.optim.SparseAdam"
+            )
+        if g.shape != p.shape:
+            raise RuntimeError(f"OffloadOptimizer: a parameter of shape {tuple(p.shape)} has a gradient of shape "
+                               f"{tuple(g.shape)}; nothing was updated")
 
 
-class ShardedBucket(FlatBucket):
-    """A bucket whose optimizer state is sharded over the ranks of a process group (ZeRO).
+_get_grad = operator.attrgetter("grad")
+_get_layout = operator.attrgetter("layout")
+_get_shape = operator.attrgetter("shape")
 
-    The bucket's full flat layout (``full``) is padded to a multiple of ``world * ALIGN`` elements and cut into
-    ``world`` equal contiguous shards of ``S`` elements (a multiple of :data:`ALIGN`); rank ``r`` owns
-    ``[r * S, (r + 1) * S)``. A parameter may straddle shard boundaries, and a rank may own only padding. The host
-    state buffers (``master``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), the host gradient ``grad`` and,
-    on CUDA, ``staging`` hold that shard only: 12 / world bytes of fp32 state per parameter on each rank.
 
-    ``layout`` describes the shard in the coordinates the optimizer's update loop uses: same parameters, each with
-    its *piece* (the part of its slot inside the shard, possibly empty) at a shard-local offset, and
-    ``padded_numel == S``. So ``layout.span``, the flat buffers, the per-parameter views (1-D pieces) and the
-    kernel calls of :class:`FlatBucket` all work unchanged on the shard; this class replaces how gradients come in
-    (flattened, then reduce-scattered or, when they are already reduced, sliced) and how parameters go out (the
-    updated shard is all-gathered into the full parameters).
+OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"
 
-    * On CPU the parameters are views of one full flat buffer ``flat_param`` (the rank's slice of it *is* the fp32
-      master, or the bf16/fp16 ``staging`` the kernel writes), and gradients are copied into (or, after
-      ``zero_grad(set_to_none=False)``, accumulated in) a full flat buffer ``flat_grad`` that the reduce-scatter
-      reads.
-    * On CUDA the parameters stay where they are; gradients are flattened into a transient device buffer, the
-      reduce-scatter leaves the owned shard on the device and only that shard is copied to pinned host memory;
-      the updated shard goes up and is all-gathered into a transient device buffer copied into the parameters.
 
-    Every rank must call the collectives in the same order: which parameters have a gradient is agreed over the
-    group before the update (:meth:`set_present`), so every rank runs the same buckets.
+def _check_room(layouts: Sequence[BucketLayout], gi: int, amsgrad: bool, options: Options, world: int) -> None:
+    """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
+    the kernel's OOM killer would end the process instead, with nothing said. The peak is the whole estimate, as a
+    CPU parameter's own storage is freed only once its buckets are filled. ``ZERO_OFFLOAD_ALLOW_OVERCOMMIT=1``
+    turns the error into a warning (swap, or memory about to be freed elsewhere)."""
+    est = estimate_layouts(layouts, amsgrad, options.pin_memory, world, options.delayed_update)
+    avail = available_host_bytes()
+    if avail is None or est.total_bytes <= avail:
+        return
+    smaller = []
+    if amsgrad:
+        smaller.append(("amsgrad=False", estimate_layouts(layouts, False, options.pin_memory, world,
+                                                          options.delayed_update)))
+    if options.delayed_update:
+        smaller.append(("delayed_update=False", estimate_layouts(layouts, amsgrad, options.pin_memory, world)))
+    for n in (2, 4, 8):
+        if n > world:
+            smaller.append((f"process_group of {n} ranks (per rank)",
+                            estimate_layouts(layouts, amsgrad, options.pin_memory, n, options.delayed_update)))
+    ways = "; ".join(f"{what}: {format_bytes(e.total_bytes)}" for what, e in smaller)
+    message = (f"OffloadOptimizer: param group {gi} needs {format_bytes(est.total_bytes)} of host RAM "
+               f"({est.bytes_per_param:.2f} B/param for {est.numel:,} parameters), but this process can take "
+               f"{format_bytes(avail)} (MemAvailable, capped by its cgroup's limit). It would need, with {ways}. "
+               f"Set {OVERCOMMIT_ENV}=1 to allocate anyway.")
+    if os.environ.get(OVERCOMMIT_ENV, "").strip() not in ("", "0"):
+        logger.warning("%s (allocating anyway: %s is set)", message, OVERCOMMIT_ENV)
+        return
+    raise MemoryError(message)
 
-    Args:
-        layout (BucketLayout): the bucket as :func:`plan_buckets` made it (unsharded).
-        params (Sequence[Tensor]): the group's parameters.
-        amsgrad (bool): allocate ``max_exp_avg_sq``.
-        pin (bool): page-lock the host shard buffers (they take part in device copies); ignored on CPU.
-        comm: the group's collectives (``zero_offload.distributed.Comm``).
-        where (str): "param group G, bucket B", for error messages.
-    """
 
-    sharded = True
-
-    def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool, comm,
-                 where: str):
-        world, rank = comm.world, comm.rank
-        padded = align_up(layout.padded_numel, ALIGN * world)
-        shard = padded // world
-        lo = rank * shard
-        self.comm, self.where = comm, where
-        self.full = dataclasses.replace(layout, padded_numel=padded)
-        self.shard_lo, self.shard_numel = lo, shard
-        # Each parameter's piece: [a, b) in the shard, starting at element `src` of the parameter's slot.
-        pieces = [(min(max(o - lo, 0), shard), min(max(o + n - lo, 0), shard))
-                  for o, n in zip(layout.offsets, layout.numels)]
-        self.pieces = pieces
-        self.piece_src = [a + lo - o for (a, _), o in zip(pieces, layout.offsets)]
-        self.layout = BucketLayout(layout.indices, tuple(a for a, _ in pieces), tuple(b - a for a, b in pieces),
-                                   shard, layout.device, layout.dtype)
-        self.params = [params[i] for i in layout.indices]
-        self.device, self.dtype = layout.device, layout.dtype
-        self.on_cpu = layout.device.type == "cpu"
-        self.low_precision = layout.dtype != torch.float32
-        self.pin = pin and not self.on_cpu
-        self.grad_multiplier = 1.0 if comm.grads_reduced else 1.0 / world
-
-        def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
-            return empty_host(n, dtype, pin=self.pin).zero_()
-
-        self.flat_param: Optional[torch.Tensor] = None
-        self.flat_grad: Optional[torch.Tensor] = None
-        if self.on_cpu:
-            self.flat_param = zeros(padded, layout.dtype)
-            self.flat_grad = zeros(padded, layout.dtype)
-            self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(self.full.offsets, self.params)]
-            self.flat_grad_views = [view_like(self.flat_grad, o, p) for o, p in zip(self.full.offsets, self.params)]
-        own = None if self.flat_param is None else self.flat_param[lo : lo + shard]
-        self.master = own if (own is not None and not self.low_precision) else zeros(shard, torch.float32)
-        self.exp_avg = zeros(shard, torch.float32)
-        self.exp_avg_sq = zeros(shard, torch.float32)
-        self.max_exp_avg_sq = zeros(shard, torch.float32) if amsgrad else None
-        self.grad = zeros(shard, layout.dtype)
-        self.staging = None
-        if self.low_precision:
-            self.staging = own if own is not None else zeros(shard, layout.dtype)
-        self.steps = torch.zeros(len(self.params), dtype=torch.float32)
-        self.master_views = self._views(self.master)
-        self.exp_avg_views = self._views(self.exp_avg)
-        self.exp_avg_sq_views = self._views(self.exp_avg_sq)
-        self.max_views = self._views(self.max_exp_avg_sq)
-        self.grad_views = self._views(self.grad)
-        self.staging_views = self._views(self.staging)
-        self.grad_slot_zero = [True] * len(self.params)  # of flat_grad's slots (CPU)
-        self.present = [False] * len(self.params)  # has a gradient on some rank: set by set_present
-        self.versions = [-1] * len(self.params)
-        self.exposed = [False] * len(self.params)
-        self.all_exposed = False
-        self.d2h_event = None
-        self.slot_ptrs: List[int] = []
-        self.rs_pending = None  # zero_offload.distributed.Pending: the reduce-scatter of gradients in flight
-        self.ag_pending = None  # the all-gather of updated parameters in flight
-        self.incoming: Optional[torch.Tensor] = None  # a streamed micro-batch's shard, to add to grad
-        self.adding = False
-        # Streaming: this step's gradients were reduce-scattered from backward hooks (every rank alike), and
-        # whether this rank's gradients changed after that (set by GradStreamer.consume).
-        self.launched = False
-        self.stale = False
-
-    def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-        if flat is None:
-            return None
-        return [flat[a:b] for a, b in self.pieces]
-
-    def estimate(self) -> HostMemoryEstimate:
-        return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                               amsgrad=self.max_exp_avg_sq is not None, pin=self.pin, world_size=self.comm.world)
-
-    def buffers(self) -> Dict[str, torch.Tensor]:
-        out = super().buffers()
-        if self.flat_grad is not None:
-            out["flat_grad"] = self.flat_grad
-            out["flat_param"] = self.flat_param
-        return out
-
-    def bind(self) -> None:
-        """Make the parameters identical on every rank (rank 0's values, broadcast, as DDP does at
-        construction) and, on CPU, views of ``flat_param``. A collective: every rank binds its buckets in the same
-        order."""
-        if self.on_cpu:
-            for p, view in zip(self.params, self.param_views):
-                view.copy_(p.detach())
-            self.comm.broadcast(self.flat_param, f"initial parameters of {self.where}")
-            for p, view in zip(self.params, self.param_views):
-                p.data = view
-            self.slot_ptrs = [v.data_ptr() for v in self.param_views]
-            return
-        flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
-        views = [view_like(flat, o, p) for o, p in zip(self.full.offsets, self.params)]
-        torch._foreach_copy_(views, [p.detach() for p in self.params])
-        self.comm.broadcast(flat, f"initial parameters of {self.where}")
-        with torch.no_grad():
-            torch._foreach_copy_(self.params, views)
-
-    # -- state ---------------------------------------------------------------------------------------------
-    def refresh_masters(self, indices: Sequence[int]) -> None:
-        """As :meth:`FlatBucket.refresh_masters`, for this rank's piece of each parameter. Local: each rank
-        decides for its own pieces, with no collective."""
-        if not self.separate_master:
-            return
-        stale = [i for i in indices if self.params[i]._version != self.versions[i]]
-        for i in stale:
-            a, b = self.pieces[i]
-            if b > a:
-                if self.on_cpu:
-                    value = self.staging_views[i]  # the parameter's own storage
-                else:
-                    src = self.piece_src[i]
-                    value = memory_order_flat(self.params[i].detach())[src : src + b - a].to("cpu")
-                master = self.master_views[i]
-                if self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value):
-                    master.copy_(value)
-            self.versions[i] = self.params[i]._version
-
-    def load_entries(self, entries: Sequence[Optional[Dict[str, object]]]) -> None:
-        """Copy this rank's piece of each parameter's full (parameter-shaped) state into the shard; ``None``: fresh
-        state. Entries are already validated (``optimizer._check_entry``)."""
-        for i, entry in enumerate(entries):
-            a, b = self.pieces[i]
-            src = self.piece_src[i]
-            n = b - a
-            moments = [self.exp_avg_views[i], self.exp_avg_sq_views[i]]
-            if self.max_views is not None:
-                moments.append(self.max_views[i])
-            if entry is None:
-                for m in moments:
-                    m.zero_()
-                self.steps[i] = 0.0
-                self.exposed[i] = False
-                if self.separate_master:
-                    self.versions[i] = -1
-                continue
-            self.steps[i] = entry["step"]
-            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.max_views is not None else [])
-            for m, key in zip(moments, keys):
-                if key in entry:
-                    m.copy_(memory_order_flat(entry[key])[src : src + n])
-                else:
-                    m.zero_()
-            if self.separate_master:
-                if "master" in entry:
-                    self.master_views[i].copy_(memory_order_flat(entry["master"])[src : src + n])
-                    self.versions[i] = self.params[i]._version
-                else:
-                    self.versions[i] = -1
-
-    # -- gradients in --------------------------------------------------------------------------------------
-    def set_present(self, present: Sequence[bool]) -> None:
-        """Which parameters have a gradient on at least one rank (agreed over the group): those are updated,
-        a missing gradient counting as zero on the ranks that lack it."""
-        self.present = list(present)
-
-    def runs(self, grads: List[Optional[torch.Tensor]]) -> List[Tuple[int, int, int]]:
-        return super().runs([True if p else None for p in self.present])
-
-    def gather_grads(self, grads: List[Optional[torch.Tensor]], stream=None, *, add: bool = False) -> None:
-        """Flatten the gradients (absent ones as zeros) and start leaving this rank's shard of their sum over the
-        group (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``; with ``add``, the shard
-        is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
-        reduce-scatter runs while the caller goes on (the next bucket's gradients, or the rest of backward), and
-        :meth:`wait_grads` finishes it. On CUDA the copy to the host is enqueued on ``stream`` after the
-        collective and recorded in ``d2h_event``. Returns None: the kernel reads ``grad``."""
-        self.wait_grads()  # the previous reduce-scatter may still read flat_grad or write grad
-        lo, shard = self.shard_lo, self.shard_numel
-        where = f"gradients of {self.where}"
-        if add and self.incoming is None:
-            self.incoming = empty_host(shard, self.dtype, pin=self.pin)
-        out = self.incoming if add else self.grad
-        if self.on_cpu:
-            dsts, srcs, sizes = [], [], []
-            for i, g in enumerate(grads):
-                view = self.flat_grad_views[i]
-                if g is None:
-                    if not self.grad_slot_zero[i]:
-                        view.zero_()
-                        self.grad_slot_zero[i] = True
-                    continue
-                self.grad_slot_zero[i] = False
-                if g is not view:  # a view installed by zero_grad(set_to_none=False) needs no copy
-                    dsts.append(view)
-                    srcs.append(g)
-                    sizes.append(self.full.numels[i])
-            if dsts:
-                copy_many_(dsts, srcs, sizes)
-            if self.comm.grads_reduced:
-                out.copy_(self.flat_grad[lo : lo + shard])
-            else:
-                self.rs_pending = self.comm.start_reduce_scatter(out, self.flat_grad, where)
-        else:
-            if self.d2h_event is None:
-                self.d2h_event = torch.cuda.Event()
-            # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end).
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                flat = torch.zeros(self.full.padded_numel, dtype=self.dtype, device=self.device)
-                present = [i for i, g in enumerate(grads) if g is not None]
-                if present:
-                    torch._foreach_copy_([view_like(flat, self.full.offsets[i], self.params[i]) for i in present],
-                                         [grads[i] for i in present])
-                if self.comm.grads_reduced:
-                    own = flat[lo : lo + shard]
-                else:
-                    own = torch.empty(shard, dtype=self.dtype, device=self.device)
-                    self.rs_pending = self.comm.start_reduce_scatter(own, flat, where)  # the stream waits for it
-                out.copy_(own, non_blocking=True)
-                self.d2h_event.record(stream)
-        self.adding = add
-        return None
-
-    def wait_grads(self) -> None:
-        """Finish :meth:`gather_grads`: wait for the reduce-scatter (at most the group's timeout, else an error
-        naming rank and bucket) and the copy to the host, and add a streamed micro-batch's shard."""
-        if self.rs_pending is not None:
-            pending, self.rs_pending = self.rs_pending, None
-            pending.wait()
-        super().wait_grads()
-        if self.adding:
-            self.adding = False
-            self.grad.add_(self.incoming)
-
-    def zero_grads_as_views(self) -> None:
-        """``zero_grad(set_to_none=False)`` on CPU: existing gradients become zeroed views of ``flat_grad``."""
-        self.flat_grad.zero_()
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is not None:
-                self.grad_slot_zero[i] = True
-                if g is not self.flat_grad_views[i]:
-                    p.grad = self.flat_grad_views[i]
-
-    # -- parameters out ------------------------------------------------------------------------------------
-    def scatter_params(self, indices: Sequence[int], stream=None) -> None:
-        """Start all-gathering the updated shard (fp32 master, or the bf16/fp16 staging copy) into the full
-        parameters, without waiting: the next bucket's update runs meanwhile, and :meth:`wait_params` finishes it
-        (``step()`` waits for every bucket's before it returns). The whole bucket is gathered whatever ``indices``
-        are (every rank gathers the same buckets)."""
-        lo, shard = self.shard_lo, self.shard_numel
-        where = f"parameters of {self.where}"
-        if self.on_cpu:
-            # The shard is flat_param's own slice: gathered in place.
-            self.ag_pending = self.comm.start_all_gather(self.flat_param, self.flat_param[lo : lo + shard], where)
-            torch.autograd.graph.increment_version([self.params[i] for i in indices])
-        else:
-            src = self.staging if self.low_precision else self.master
-            with torch.no_grad(), torch.cuda.stream(stream):
-                own = torch.empty(shard, dtype=self.dtype, device=self.device)
-                own.copy_(src, non_blocking=True)
-                flat = torch.empty(self.full.padded_numel, dtype=self.dtype, device=self.device)
-                self.ag_pending = self.comm.start_all_gather(flat, own, where)  # the stream waits for it
-                # Only the parameters updated: another's master may not have been initialised from it yet.
-                torch._foreach_copy_([self.params[i] for i in indices],
-                                     [view_like(flat, self.full.offsets[i], self.params[i]) for i in indices])
-        self.record_versions(indices)
-
-    def wait_params(self) -> None:
-        if self.ag_pending is not None:
-            pending, self.ag_pending = self.ag_pending, None
-            pending.wait()
+def allocate_group(group: Dict[str, Any], gi: int, options: Options,
+                   sharded: Optional[Tuple[int, int]] = None) -> List[FlatBucket]:
+    """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``), after a
+    warning if the host looks too small for them."""
+    layouts = plan_buckets(group["params"], options.bucket_numel)
+    world, rank = sharded if sharded is not None else (1, 0)
+    amsgrad = bool(group["amsgrad"])
+    _check_room(layouts, gi, amsgrad, options, world)
+    buckets = []
+    for bi, layout in enumerate(layouts):
+        shard = None if sharded is None else ShardLayout.cut(layout, world, rank)
+        bucket = FlatBucket(layout, group["params"], amsgrad=amsgrad, pin=should_pin(layout.device, options.pin_memory),
+                            shard=shard, grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}")
+        if options.delayed_update:
+            bucket.add_grad_prev()  # allocated now, so the logged estimate and the RSS include it
+        buckets.append(bucket)
+    return buckets

@@ -1,7 +1,7 @@
 """ZeRO over a ``torch.distributed`` process group: the collectives a sharded :class:`~zero_offload.OffloadOptimizer`
-runs, and its state gathered (``state_dict()``) or kept sharded (``torch.distributed.checkpoint``).
+runs (:class:`Comm`), and the transport of its sharded buckets (:class:`ShardedTransport`).
 
-One bucket's journey with a group of N ranks (see :class:`zero_offload.buckets.ShardedBucket` for the layout):
+One bucket's journey with a group of N ranks (see :class:`zero_offload.buckets.ShardLayout` for the layout):
 its gradients are flattened and reduce-scattered (summed; the 1/N of the average is folded into the kernel's
 gradient multiplier), from the backward hooks when streamed (:mod:`zero_offload.grad_stream`) or at ``step()``,
 so each rank holds the sum for the shard it owns; the gradient statistics of all buckets (sum of squares, a
@@ -22,18 +22,18 @@ import datetime
 import math
 import threading
 import time
-from copy import deepcopy
 from itertools import chain
 from numbers import Real
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zero_offload import functional
-from zero_offload.buckets import FlatBucket, ShardedBucket, view_like
+from zero_offload.buckets import FlatBucket, view_like
+from zero_offload.host_memory import copy_many_, empty_host
+from zero_offload.transport import BucketGrads, Plans, Transport
 
-__all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "shard_pieces", "sharded_state_dict",
-           "load_sharded_state_dict"]
+__all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "ShardedTransport"]
 
 # torch.distributed's own default for a process group's collectives.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -50,17 +50,6 @@ def moves_host_tensors(backend: str) -> bool:
     backend but NCCL alone does ("cpu:gloo,cuda:nccl" too; "undefined" is init_process_group's default pair)."""
     backend = backend.lower()
     return "gloo" in backend or "mpi" in backend or "nccl" not in backend
-
-
-def shard_pieces(offset: int, numel: int, shard_numel: int, world: int) -> List[Tuple[int, int, int]]:
-    """How a slot ``[offset, offset + numel)`` of a bucket cut into ``world`` shards of ``shard_numel`` elements is
-    spread over the ranks: ``(rank, start within the slot, length)`` for each rank that owns a non-empty piece."""
-    out = []
-    for r in range(world):
-        a, b = max(offset, r * shard_numel), min(offset + numel, (r + 1) * shard_numel)
-        if b > a:
-            out.append((r, a - offset, b - a))
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,251 +229,316 @@ class Comm:
         out.copy_(full)
 
     # -- construction --------------------------------------------------------------------------------------
-    def check_same_params(self, tensors: Sequence[torch.Tensor], group_index: int) -> None:
+    def check_same_params(self, tensors: Sequence[torch.Tensor], group_index: int,
+                          layout: Sequence[Tuple[str, Any]] = ()) -> None:
         """Raise ``ValueError`` on every rank (so none is left waiting) unless all ranks give the same number of
-        parameters with the same shapes, dtypes and device types: otherwise their flat buckets would not line
-        up and the collectives would mix unrelated values."""
+        parameters with the same shapes, dtypes and device types, and the same ``layout`` (the options that shape
+        buckets and collectives, as ``(name, value)`` pairs): otherwise their flat buckets would not line up and
+        the collectives would mix unrelated values, or wait for each other forever."""
         dist = _dist()
-        mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), p.device.type) for p in tensors]
+        mine = (list(layout), [(tuple(p.shape), str(p.dtype).replace("torch.", ""), p.device.type) for p in tensors])
         everyone: List[Any] = [None] * self.world
         try:
             dist.all_gather_object(everyone, mine, group=self.group)
         except Exception as exc:
             raise RuntimeError(f"zero_offload: rank {self.rank} of {self.world}: comparing param group "
                                f"{group_index} across ranks failed: {exc}") from exc
-        for r, theirs in enumerate(everyone):
-            if theirs == everyone[0]:
+        (options0, params0) = everyone[0]
+        for r, (options, params) in enumerate(everyone):
+            for (name, ours), (_, theirs) in zip(options0, options):
+                if ours != theirs:
+                    raise ValueError(f"OffloadOptimizer(process_group=...): {name} differs across ranks: {ours!r} on "
+                                     f"rank 0, {theirs!r} on rank {r}. Every rank must build the optimizer with the "
+                                     "same options.")
+            if params == params0:
                 continue
-            if len(theirs) != len(everyone[0]):
-                detail = f"rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}"
+            if len(params) != len(params0):
+                detail = f"rank 0 has {len(params0)} parameters, rank {r} has {len(params)}"
             else:
-                k = next(k for k, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b)
-                detail = f"parameter {k} is {everyone[0][k]} (shape, dtype, device) on rank 0, {theirs[k]} on rank {r}"
+                k = next(k for k, (a, b) in enumerate(zip(params0, params)) if a != b)
+                detail = f"parameter {k} is {params0[k]} (shape, dtype, device) on rank 0, {params[k]} on rank {r}"
             raise ValueError(f"OffloadOptimizer(process_group=...): param group {group_index} differs across ranks: "
                              f"{detail}. Every rank must pass the same parameters in the same order.")
 
-    # -- a step's gradients --------------------------------------------------------------------------------
-    def gather(self, plans: Sequence[Sequence[Tuple[FlatBucket, Any, Any]]],
-               stream_for: Callable[[torch.device], Any], *, release: bool = False) -> GradStats:
-        """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
-        flag and which parameters have a gradient in one all-reduce.
 
-        A bucket whose gradients backward already reduce-scattered (``launched``, the same on every rank) is only
-        waited for; the others' reduce-scatters are all started first (in plan order, the same on every rank),
-        then waited for, so they overlap each other and the gradient copies. The all-reduce also carries each
-        streamed bucket's ``stale`` flag: a gradient changed on some rank after its reduce-scatter (an in-place
-        clip or unscale, or one assigned by hand), and every rank then reduce-scatters that bucket again from the
+class _Collectives:
+    """The collectives in flight for one sharded bucket."""
+
+    __slots__ = ("rs", "ag", "shard_in", "adding")
+
+    def __init__(self) -> None:
+        self.rs: Optional[Pending] = None  # the reduce-scatter of gradients
+        self.ag: Optional[Pending] = None  # the all-gather of updated parameters
+        self.shard_in: Optional[torch.Tensor] = None  # a streamed micro-batch's shard, to add to grad
+        self.adding = False
+
+
+class ShardedTransport(Transport):
+    """The transport of sharded buckets (:class:`~zero_offload.buckets.ShardLayout`): gradients are flattened
+    and reduce-scattered, so only this rank's shard of their sum reaches the host, and updated shards are
+    all-gathered back into the full parameters.
+
+    * On CPU the parameters are views of the bucket's ``flat_param``; gradients are copied into (or, after
+      ``zero_grad(set_to_none=False)``, accumulated in) ``flat_grad``, which the reduce-scatter reads; the
+      all-gather writes ``flat_param`` in place.
+    * On CUDA, gradients are flattened into a transient device buffer on the copy stream, the reduce-scatter leaves
+      the owned shard on the device and only that shard is copied to pinned host memory; the updated shard goes up
+      on the upload stream and is all-gathered into a transient device buffer copied into the parameters.
+
+    Every rank must issue the collectives in the same order: which parameters have a gradient is agreed over the
+    group in :meth:`gather`, so every rank then updates (and all-gathers) the same buckets.
+
+    Args:
+        comm (Comm): the group's collectives.
+        release (bool): as for :class:`~zero_offload.transport.Transport`.
+    """
+
+    sharded = True
+
+    def __init__(self, comm: Comm, *, release: bool):
+        super().__init__(release=release)
+        self.comm = comm
+        self._stats: Optional[GradStats] = None
+        self._collectives: Dict[int, _Collectives] = {}
+
+    def add(self, bucket: FlatBucket, streamed: bool) -> None:
+        super().add(bucket, streamed)
+        self._collectives[id(bucket)] = _Collectives()
+
+    def bind(self, bucket: FlatBucket) -> None:
+        """Make the parameters identical on every rank (rank 0's values, broadcast, as DDP does at
+        construction) and, on CPU, views of ``flat_param``. A collective: every rank binds its buckets in the same
+        order."""
+        where = f"initial parameters of {bucket.where}"
+        if bucket.on_cpu:
+            bucket.fill_param_slots()
+            self.comm.broadcast(bucket.flat_param, where)
+            bucket.bind()
+            return
+        full = bucket.full
+        flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        views = [view_like(flat, o, p) for o, p in zip(full.offsets, bucket.params)]
+        torch._foreach_copy_(views, [p.detach() for p in bucket.params])
+        self.comm.broadcast(flat, where)
+        with torch.no_grad():
+            torch._foreach_copy_(bucket.params, views)
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    def _send(self, link, idx: List[int], grads: List[torch.Tensor]) -> None:
+        """Start the reduce-scatter of a bucket complete in backward. Its shard of the reduced sum is added to an
+        earlier micro-batch's with ``release``; otherwise it is recomputed from the gradients accumulated on the
+        parameters."""
+        bucket = link.bucket
+        stream = None if bucket.on_cpu else self.stream(bucket.device)
+        self._reduce_scatter(bucket, [p.grad for p in bucket.params], stream,
+                             add=self.release and self.launched(bucket))
+        if self.release and stream is not None:
+            for g in grads:
+                g.record_stream(stream)
+
+    def _reduce_scatter(self, bucket: FlatBucket, grads: Sequence[Optional[torch.Tensor]], stream,
+                        add: bool = False) -> None:
+        """Flatten the gradients (absent ones as zeros) and start leaving this rank's shard of their sum over the
+        group (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``; with ``add``, the shard
+        is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
+        reduce-scatter runs while the caller goes on, and :meth:`wait_grads` finishes it. On CUDA the copy to the
+        host is enqueued on ``stream`` after the collective."""
+        self.wait_grads(bucket)  # the previous reduce-scatter may still read flat_grad or write grad
+        coll = self._collectives[id(bucket)]
+        lo, shard = bucket.shard.lo, bucket.shard.numel
+        if add and coll.shard_in is None:
+            coll.shard_in = empty_host(shard, bucket.dtype, pin=bucket.pin)
+        out = coll.shard_in if add else bucket.grad
+        if bucket.on_cpu:
+            self._flatten_cpu(bucket, grads)
+            if self.comm.grads_reduced:
+                out.copy_(bucket.flat_grad[lo : lo + shard])
+            else:
+                coll.rs = self.comm.start_reduce_scatter(out, bucket.flat_grad, f"gradients of {bucket.where}")
+        else:
+            self._reduce_scatter_cuda(bucket, grads, stream, out)
+        coll.adding = add
+
+    @staticmethod
+    def _flatten_cpu(bucket: FlatBucket, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        targets, numels = bucket.grad_targets, bucket.full.numels
+        dsts, srcs, sizes = [], [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                bucket.clear_slot(i)
+                continue
+            bucket.slot_filled(i)
+            if g is not targets[i]:  # a view installed by zero_grad(set_to_none=False) needs no copy
+                dsts.append(targets[i])
+                srcs.append(g)
+                sizes.append(numels[i])
+        if dsts:
+            copy_many_(dsts, srcs, sizes)
+
+    def _reduce_scatter_cuda(self, bucket: FlatBucket, grads: Sequence[Optional[torch.Tensor]], stream,
+                             out: torch.Tensor) -> None:
+        full = bucket.full
+        lo, shard = bucket.shard.lo, bucket.shard.numel
+        # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end).
+        stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        with torch.cuda.stream(stream):
+            flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            if present:
+                torch._foreach_copy_([view_like(flat, full.offsets[i], bucket.params[i]) for i in present],
+                                     [grads[i] for i in present])
+            if self.comm.grads_reduced:
+                own = flat[lo : lo + shard]
+            else:
+                own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
+                # The stream waits for it.
+                self._collectives[id(bucket)].rs = self.comm.start_reduce_scatter(own, flat,
+                                                                                  f"gradients of {bucket.where}")
+            out.copy_(own, non_blocking=True)
+            self.record_d2h(bucket, stream)
+
+    def _settle(self, link) -> None:
+        self.wait_grads(link.bucket)  # the reduce-scatter, the copy and the add of a streamed micro-batch
+
+    def wait_grads(self, bucket: FlatBucket) -> None:
+        """Wait for the reduce-scatter (at most the group's timeout, else an error naming rank and bucket) and the
+        copy to the host, and add a streamed micro-batch's shard."""
+        coll = self._collectives[id(bucket)]
+        if coll.rs is not None:
+            pending, coll.rs = coll.rs, None
+            pending.wait()
+        super().wait_grads(bucket)
+        if coll.adding:
+            coll.adding = False
+            bucket.grad.add_(coll.shard_in)
+
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False) -> bool:
+        """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
+        flag and which parameters have a gradient in one all-reduce (each :class:`BucketGrads`'s ``present``
+        becomes the group's answer: a gradient on some ranks only counts as zero on the others).
+
+        A bucket whose gradients backward already reduce-scattered (the same on every rank) is only waited for;
+        the others' reduce-scatters are all started first (in plan order, the same on every rank), then waited
+        for, so they overlap each other and the gradient copies. The all-reduce also carries each streamed
+        bucket's ``stale`` flag: a gradient changed on some rank after its reduce-scatter (an in-place clip or
+        unscale, or one assigned by hand), and every rank then reduce-scatters that bucket again from the
         gradients on the parameters, with a second all-reduce for the norm (impossible with ``release``, whose
         gradients are gone: an error on every rank)."""
         entries = list(chain.from_iterable(plans))
-        for bucket, grads, _ in entries:
-            if not bucket.launched:
-                bucket.gather_grads(grads, None if bucket.on_cpu else stream_for(bucket.device))
-        sqs, bads, present = self._shard_stats(entries)
-        stale = [float(b.launched and b.stale) for b, _, _ in entries]
+        for bg in entries:
+            if not self.launched(bg.bucket):
+                self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
+        local = [list(bg.present) for bg in entries]
+        sqs, bads = self._shard_stats(entries)
+        stale = [float(self.launched(bg.bucket) and bg.stale) for bg in entries]
         dist = _dist()
-        vals = self.all_reduce_host([sum(sqs), sum(bads), *present, *stale], dist.ReduceOp.SUM,
-                                    "the gradient norm, non-finite check and gradient presence")
-        k = 2
-        for bucket, grads, _ in entries:
-            bucket.set_present([v > 0 for v in vals[k : k + len(grads)]])
-            k += len(grads)
+        vals = self.comm.all_reduce_host([sum(sqs), sum(bads), float(clipping), *map(float, chain.from_iterable(local)),
+                                          *stale], dist.ReduceOp.SUM,
+                                         "the gradient norm, non-finite check and gradient presence")
+        self._check_clipping(int(vals[2]), clipping)
+        k = 3
+        for bg in entries:
+            bg.agree([v > 0 for v in vals[k : k + len(bg.present)]])
+            k += len(bg.present)
         redo = [i for i, v in enumerate(vals[k:]) if v > 0]
-        if not redo:
-            return GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
-        if release:
+        if redo:
+            vals[:2] = self._reduce_again(entries, local, redo, sqs, bads)
+        self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
+        return check and self._stats.nonfinite
+
+    def _check_clipping(self, clipping_ranks: int, clipping: bool) -> None:
+        """``clip_grad_norm_`` gathers the gradients itself, so a rank that clips meets the others' ``step()`` in
+        this all-reduce: every rank clips, or none does, or each raises here with nothing updated."""
+        if 0 < clipping_ranks < self.comm.world:
             raise RuntimeError(
-                f"zero_offload: rank {self.rank} of {self.world}: a gradient was assigned or changed in place after "
-                f"backward had reduce-scattered it (in {entries[redo[0]][0].where}), but release_grads=True dropped "
-                "the others', so it cannot be reduced again. Clip with optimizer.clip_grad_norm_ and do not edit "
-                "gradients after backward, or pass release_grads=False. Nothing was updated."
+                f"zero_offload: rank {self.comm.rank} of {self.comm.world}: clip_grad_norm_ was called on "
+                f"{clipping_ranks} of {self.comm.world} ranks for this step (this rank: "
+                f"{'clip_grad_norm_' if clipping else 'step'}). Every rank must call it, or none. Nothing was updated."
+            )
+
+    def _reduce_again(self, entries: List[BucketGrads], local: List[List[bool]], redo: List[int], sqs: List[float],
+                      bads: List[float]) -> List[float]:
+        if self.release:
+            raise RuntimeError(
+                f"zero_offload: rank {self.comm.rank} of {self.comm.world}: a gradient was assigned or changed in "
+                f"place after backward had reduce-scattered it (in {entries[redo[0]].bucket.where}), but "
+                "release_grads=True dropped the others', so it cannot be reduced again. Clip with "
+                "optimizer.clip_grad_norm_ and do not edit gradients after backward, or pass release_grads=False. "
+                "Nothing was updated."
             )
         for i in redo:
-            bucket, grads, _ = entries[i]
-            again = [bucket.params[j].grad if g is True else g for j, g in enumerate(grads)]
-            bucket.gather_grads(again, None if bucket.on_cpu else stream_for(bucket.device))
+            bg = entries[i]
+            again = [p.grad if has and g is None else g for p, has, g in zip(bg.bucket.params, local[i], bg.pending)]
+            self._reduce_scatter(bg.bucket, again, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
         redone = self._shard_stats([entries[i] for i in redo])
         for j, i in enumerate(redo):
             sqs[i], bads[i] = redone[0][j], redone[1][j]
-        sq, bad = self.all_reduce_host([sum(sqs), sum(bads)], dist.ReduceOp.SUM,
-                                       "the gradient norm and non-finite check, after reducing again")
-        return GradStats(sq, bad > 0 or not math.isfinite(sq))
+        return self.comm.all_reduce_host([sum(sqs), sum(bads)], _dist().ReduceOp.SUM,
+                                         "the gradient norm and non-finite check, after reducing again")
 
-    @staticmethod
-    def _shard_stats(entries: Sequence[Tuple[FlatBucket, Any, Any]]) -> Tuple[List[float], List[float], List[float]]:
-        """Wait for each bucket's shard; its sum of squares (of the averaged gradient), non-finite flag, and per
-        parameter whether this rank has a gradient."""
-        sqs, bads, present = [], [], []
-        for bucket, grads, _ in entries:
-            bucket.wait_grads()
-            s, nonfinite = functional.grad_sq_norm(bucket.grad)
-            sqs.append(s * bucket.grad_multiplier**2)
+    def _shard_stats(self, entries: Sequence[BucketGrads]) -> Tuple[List[float], List[float]]:
+        """Wait for each bucket's shard; its sum of squares (of the averaged gradient) and non-finite flag."""
+        sqs, bads = [], []
+        for bg in entries:
+            self.wait_grads(bg.bucket)
+            s, nonfinite = functional.grad_sq_norm(bg.bucket.grad)
+            sqs.append(s * bg.bucket.grad_multiplier**2)
             bads.append(float(nonfinite))
-            present += [0.0 if g is None else 1.0 for g in grads]
-        return sqs, bads, present
+        return sqs, bads
 
-    def total_norm(self, plans: Sequence[Sequence[Tuple[FlatBucket, Any, Any]]], norm_type: float,
-                   stats: GradStats) -> Tuple[float, bool]:
-        """``clip_grad_norm_``'s total norm of the averaged gradient over the group: the 2-norm from ``stats``
-        (no further collective), other norms with one more all-reduce. Returns ``(norm, nonfinite)``."""
+    def total_norm(self, plans: Plans, norm_type: float) -> Tuple[float, bool]:
+        """``clip_grad_norm_``'s total norm of the averaged gradient over the group: the 2-norm from the last
+        :meth:`gather` (no further collective), other norms with one more all-reduce."""
+        self.wait_all(plans)
+        stats = self._stats
         if norm_type == 2.0:
             return math.sqrt(stats.sq), stats.nonfinite
         dist = _dist()
-        buckets = [b for b, _, _ in chain.from_iterable(plans) if b.grad.numel()]
+        buckets = [bg.bucket for bg in chain.from_iterable(plans) if bg.bucket.grad.numel()]
         # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
         if norm_type == math.inf:
             local = max((float(b.grad.abs().max()) * b.grad_multiplier for b in buckets), default=0.0)
-            total = self.all_reduce_host([local], dist.ReduceOp.MAX, "the gradient inf-norm")[0]
+            total = self.comm.all_reduce_host([local], dist.ReduceOp.MAX, "the gradient inf-norm")[0]
         else:
             local = sum(float(torch.linalg.vector_norm(b.grad.double() * b.grad_multiplier, norm_type)) ** norm_type
                         for b in buckets)
-            total = self.all_reduce_host([local], dist.ReduceOp.SUM, f"the gradient {norm_type}-norm")[0]
+            total = self.comm.all_reduce_host([local], dist.ReduceOp.SUM, f"the gradient {norm_type}-norm")[0]
             total = total ** (1.0 / norm_type)
         return total, stats.nonfinite or not math.isfinite(total)
 
-    # -- full state --------------------------------------------------------------------------------------------
-    def full_state(self, buckets_per_group: Sequence[Sequence[ShardedBucket]],
-                   param_groups: Sequence[Dict[str, Any]]) -> Dict[int, Dict[str, torch.Tensor]]:
-        """Every parameter's state in ``torch.optim.AdamW``'s format (parameter-shaped), gathered bucket by bucket
-        onto every rank; keyed by the parameter's index over all groups, as ``Optimizer.state_dict()`` packs it."""
-        index: Dict[int, int] = {}
-        for p in chain.from_iterable(g["params"] for g in param_groups):
-            index.setdefault(id(p), len(index))
-        out: Dict[int, Dict[str, torch.Tensor]] = {}
-        for bucket in chain.from_iterable(buckets_per_group):
-            if not any(bucket.exposed):  # the same on every rank: exposure follows the agreed presence
-                continue
-            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if bucket.max_exp_avg_sq is not None else [])
-            names += ["master"] if bucket.low_precision else []
-            full = {}
-            for name in names:
-                full[name] = torch.empty(bucket.full.padded_numel, dtype=torch.float32)
-                self.all_gather_host(full[name], getattr(bucket, name), f"state '{name}' of {bucket.where}")
-            for i, p in enumerate(bucket.params):
-                if bucket.exposed[i]:
-                    entry = {"step": bucket.steps[i].clone()}
-                    entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
-                    out[index[id(p)]] = entry
-        return out
+    # -- parameters --------------------------------------------------------------------------------------------
+    def send_params(self, bucket: FlatBucket, indices: Sequence[int]) -> None:
+        """Start all-gathering the updated shard (fp32 master, or the bf16/fp16 staging copy) into the full
+        parameters, without waiting: the next bucket's update runs meanwhile, and :meth:`finish_params` waits
+        (``step()`` waits for every bucket's before it returns). The whole bucket is gathered whatever ``indices``
+        are (every rank gathers the same buckets)."""
+        coll = self._collectives[id(bucket)]
+        lo, shard, full = bucket.shard.lo, bucket.shard.numel, bucket.full
+        where = f"parameters of {bucket.where}"
+        if bucket.on_cpu:
+            # The shard is flat_param's own slice: gathered in place.
+            coll.ag = self.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard], where)
+            torch.autograd.graph.increment_version([bucket.params[i] for i in indices])
+        else:
+            src = bucket.staging if bucket.low_precision else bucket.master
+            stream = self.stream(bucket.device, upload=True)
+            with torch.no_grad(), torch.cuda.stream(stream):
+                own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
+                own.copy_(src, non_blocking=True)
+                flat = torch.empty(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+                coll.ag = self.comm.start_all_gather(flat, own, where)  # the stream waits for it
+                # Only the parameters updated: another's master may not have been initialised from it yet.
+                torch._foreach_copy_([bucket.params[i] for i in indices],
+                                     [view_like(flat, full.offsets[i], bucket.params[i]) for i in indices])
+            self.record_h2d(bucket, stream)
+        bucket.record_versions(indices)
 
-
-# ---------------------------------------------------------------------------------- torch.distributed.checkpoint --
-def _state_pieces(bucket: FlatBucket, i: int) -> Dict[str, torch.Tensor]:
-    """Parameter ``i``'s state tensors that this rank holds, 1-D in slot order (flat ranges of the buffers, so that
-    loading into them writes the optimizer's state in place)."""
-    if bucket.sharded:
-        a, b = bucket.pieces[i]
-    else:
-        a = bucket.layout.offsets[i]
-        b = a + bucket.layout.numels[i]
-    names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if bucket.max_exp_avg_sq is not None else [])
-    names += ["master"] if bucket.low_precision else []
-    return {n: getattr(bucket, n)[a:b] for n in names}
-
-
-def _sharded_tensor(local: torch.Tensor, bucket: ShardedBucket, i: int):
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    comm = bucket.comm
-    numel = bucket.full.numels[i]
-    pieces = {r: (start, n) for r, start, n in shard_pieces(bucket.full.offsets[i], numel, bucket.shard_numel,
-                                                               comm.world)}
-    # A rank that owns nothing of this parameter still gets a shard, empty, at the end: DCP's loader drops a
-    # ShardedTensor without local shards from the rank's plan and then reports its key missing.
-    metas = [ShardMetadata(shard_offsets=[pieces.get(r, (numel, 0))[0]], shard_sizes=[pieces.get(r, (numel, 0))[1]],
-                           placement=f"rank:{r}/cpu") for r in range(comm.world)]
-    mine = [Shard(local, m) for m in metas if m.placement.rank() == comm.rank]
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([numel]), tensor_properties=props)
-    # Global metadata is known from the layout on every rank, so no collective is needed to build it.
-    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=comm.group)
-
-
-def sharded_state_dict(opt) -> Dict[str, Any]:
-    """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`."""
-    index = 0
-    state: Dict[str, Dict[str, Any]] = {}
-    groups = []
-    for group, buckets in zip(opt.param_groups, opt._buckets):
-        position = {id(p): index + k for k, p in enumerate(group["params"])}
-        groups.append({**{k: deepcopy(v) for k, v in group.items() if k != "params"},
-                       "params": list(range(index, index + len(group["params"])))})
-        index += len(group["params"])
+    def finish_params(self, buckets: Iterable[FlatBucket]) -> None:
+        buckets = list(buckets)
         for bucket in buckets:
-            for i, p in enumerate(bucket.params):
-                entry: Dict[str, Any] = {"step": bucket.steps[i].clone()}
-                for name, local in _state_pieces(bucket, i).items():
-                    if bucket.sharded and bucket.full.numels[i]:
-                        entry[name] = _sharded_tensor(local, bucket, i)
-                    else:
-                        entry[name] = local  # the whole parameter: an ordinary tensor
-                state[str(position[id(p)])] = entry
-    return {"state": state, "param_groups": groups}
+            coll = self._collectives[id(bucket)]
+            if coll.ag is not None:
+                pending, coll.ag = coll.ag, None
+                pending.wait()
+        super().finish_params(buckets)
 
-
-def load_sharded_state_dict(opt, state_dict: Dict[str, Any]) -> None:
-    """See :meth:`zero_offload.OffloadOptimizer.load_sharded_state_dict`."""
-    from zero_offload.optimizer import _check_hparams
-
-    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
-                         "torch.distributed.checkpoint.load")
-    saved_groups, state = state_dict["param_groups"], state_dict["state"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"loaded sharded state dict has {len(saved_groups)} parameter groups, this optimizer has "
-                         f"{len(opt.param_groups)}")
-    new_groups = []
-    for gi, (g, sg) in enumerate(zip(opt.param_groups, saved_groups)):
-        if len(sg["params"]) != len(g["params"]):
-            raise ValueError(f"loaded sharded state dict, param group {gi}: {len(sg['params'])} parameters, this "
-                             f"optimizer's group has {len(g['params'])}")
-        ng = {k: v for k, v in sg.items() if k != "params"}
-        for k, v in g.items():
-            ng.setdefault(k, v)
-        try:
-            _check_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"])
-        except ValueError as exc:
-            raise ValueError(f"loaded sharded state dict, param group {gi}: {exc}") from None
-        if bool(ng["amsgrad"]) != bool(g["amsgrad"]):
-            raise ValueError(f"loaded sharded state dict, param group {gi}: amsgrad={ng['amsgrad']}, this optimizer "
-                             f"has amsgrad={g['amsgrad']} (the state layout differs; build it with the same amsgrad)")
-        ng["params"] = g["params"]
-        ng["capturable"] = ng["differentiable"] = False
-        new_groups.append(ng)
-    steps: Dict[Tuple[int, int], float] = {}
-    index = 0
-    for group, buckets in zip(opt.param_groups, opt._buckets):
-        position = {id(p): index + k for k, p in enumerate(group["params"])}
-        index += len(group["params"])
-        for bi, bucket in enumerate(buckets):
-            for i, p in enumerate(bucket.params):
-                key = str(position[id(p)])
-                entry = state.get(key)
-                if not isinstance(entry, dict) or "step" not in entry:
-                    raise ValueError(f"loaded sharded state dict has no state for parameter {key}")
-                step = entry["step"]
-                step = float(step.item()) if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-                if not isinstance(step, Real) or not math.isfinite(step) or step < 0 or step != int(step):
-                    raise ValueError(f"loaded sharded state dict, parameter {key}: invalid step {entry['step']!r}")
-                steps[(id(bucket), i)] = float(step)
-    opt._drop_delayed()  # dcp.load has already replaced the state it would update
-    opt._synchronize()
-    opt._pending = None
-    for bucket in chain.from_iterable(opt._buckets):
-        for i, p in enumerate(bucket.params):
-            step = steps[(id(bucket), i)]
-            bucket.steps[i] = step
-            bucket.exposed[i] = step > 0
-            if step > 0:
-                opt.state[p] = bucket.state_entry(i)
-            else:
-                opt.state.pop(p, None)
-            if bucket.separate_master:
-                # A master loaded with the state is kept while the parameter still rounds from it (see
-                # FlatBucket.refresh_masters); a parameter never stepped takes its master from the parameter.
-                bucket.versions[i] = p._version if step > 0 and bucket.low_precision else -1
-        bucket.all_exposed = all(bucket.exposed)
-    opt.param_groups = new_groups

@@ -33,8 +33,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from zero_offload import _build, _reference
+from zero_offload.options import check_hparams
 
-__all__ = ["cpu_adam_", "grad_sq_norm", "resolve_path", "PATHS"]
+__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path", "PATHS"]
 
 PATHS = ("avx512", "avx2", "neon", "scalar", "torch")
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -119,22 +120,11 @@ def _check_hyper(step, lr, betas, eps, weight_decay, grad_scale
     step_f = _as_float(step, "step")
     if not step_f.is_integer() or step_f < 1:
         raise ValueError(f"Invalid step: {step_f} (the 1-based count after this update, an integer >= 1)")
-    lr_f = _as_float(lr, "lr")
-    if not lr_f >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr_f}")
     if len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas} (expected two values)")
+    lr_f, eps_f, wd = _as_float(lr, "lr"), _as_float(eps, "eps"), _as_float(weight_decay, "weight_decay")
     beta1, beta2 = _as_float(betas[0], "betas[0]"), _as_float(betas[1], "betas[1]")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    eps_f = _as_float(eps, "eps")
-    if not eps_f >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps_f}")
-    wd = _as_float(weight_decay, "weight_decay")
-    if not wd >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {wd}")
+    check_hparams(lr_f, (beta1, beta2), eps_f, wd)
     scale = _as_float(grad_scale, "grad_scale")
     if not math.isfinite(scale):
         raise ValueError(f"Invalid grad_scale: {scale} (must be finite)")
@@ -255,7 +245,7 @@ def _check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
     raise TypeError(f"{caller}: unsupported gradient dtype {dtype}")
 
 
-def _cpu_adam_segments_(
+def cpu_adam_segments_(
     param: torch.Tensor,
     grads: Sequence[torch.Tensor],
     offsets: Sequence[int],
@@ -274,7 +264,7 @@ def _cpu_adam_segments_(
     grad_scale: float = 1.0,
     param_out: Optional[torch.Tensor] = None,
 ) -> None:
-    """Internal: :func:`cpu_adam_` on the flat buffers where the gradient of elements
+    """:func:`cpu_adam_` on the flat buffers where the gradient of elements
     ``[offsets[i], offsets[i] + grads[i].numel())`` is read from ``grads[i]`` itself, so gradients that live in
     separate tensors need no copy into one buffer first. Elements outside every segment are not touched.
 
@@ -283,17 +273,17 @@ def _cpu_adam_segments_(
     segment is bit-identical to :func:`cpu_adam_` on that segment's slices alone.
     """
     numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out)
-    _check_grads(grads, "_cpu_adam_segments_")
+    _check_grads(grads, "cpu_adam_segments_")
     offsets = list(map(operator.index, offsets))
     if len(offsets) != len(grads):
-        raise ValueError(f"_cpu_adam_segments_: {len(grads)} grads but {len(offsets)} offsets")
+        raise ValueError(f"cpu_adam_segments_: {len(grads)} grads but {len(offsets)} offsets")
     ends = list(map(operator.add, offsets, map(torch.Tensor.numel, grads)))
     if offsets and (offsets[0] < 0 or not all(map(operator.le, ends, offsets[1:]))):
         i = next(i for i in range(len(offsets)) if offsets[i] < (ends[i - 1] if i else 0))
-        raise ValueError(f"_cpu_adam_segments_: segment {i} at offset {offsets[i]} starts before the previous one "
+        raise ValueError(f"cpu_adam_segments_: segment {i} at offset {offsets[i]} starts before the previous one "
                          f"ends (segments must be sorted, must not overlap, and must start at 0 or later)")
     if ends and ends[-1] > numel:
-        raise ValueError(f"_cpu_adam_segments_: the last segment ends at {ends[-1]}, past the buffers' {numel} "
+        raise ValueError(f"cpu_adam_segments_: the last segment ends at {ends[-1]}, past the buffers' {numel} "
                          "elements")
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
 
@@ -320,11 +310,11 @@ def _cpu_adam_segments_(
         )  # fmt: skip
 
 
-def _grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
-    """Internal: :func:`grad_sq_norm` of several gradient tensors taken as one vector (each a dense, contiguous CPU
+def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
+    """:func:`grad_sq_norm` of several gradient tensors taken as one vector (each a dense, contiguous CPU
     tensor, all of one dtype), without gathering them into one buffer. The combination order is fixed, so the
     result does not depend on thread timing."""
-    _check_grads(grads, "_grad_sq_norm_segments")
+    _check_grads(grads, "grad_sq_norm_segments")
     path = resolve_path()
     if path == "torch":
         total, nonfinite = 0.0, False

@@ -11,17 +11,20 @@ before its memory is released.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import mmap
 import os
 import weakref
-from typing import Dict, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 __all__ = ["empty_host", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
-           "format_bytes"]
+           "format_bytes", "copy_many_"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -257,7 +260,7 @@ def estimate_bucket(
     delayed_update: bool = False,
 ) -> HostMemoryEstimate:
     """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. The buffer set is decided here and in
-    ``buckets.FlatBucket`` / ``buckets.ShardedBucket`` together: keep them in step.
+    ``buckets.FlatBucket`` together: keep them in step.
 
     With ``world_size > 1``, ``padded_numel`` is the bucket's full padded length (a multiple of ``world_size``)
     and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard. ``delayed_update`` adds
@@ -282,3 +285,52 @@ def estimate_bucket(
     total = sum(buffers.values())
     replaced = numel * grad_itemsize if on_cpu else 0
     return HostMemoryEstimate(numel, padded_numel, buffers, total if pin else 0, replaced)
+
+
+# ------------------------------------------------------------------------------------------- host copies --
+# Tensors at least this large are copied with torch's own intra-op parallelism; smaller ones are spread over a
+# few Python threads instead (torch runs them on the calling thread). Same value as at::internal::GRAIN_SIZE.
+_PARALLEL_COPY_NUMEL = 32768
+
+_pool: Optional[ThreadPoolExecutor] = None
+
+
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers < workers:  # noqa: SLF001 - sized once, grown if threads are raised
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zero_offload_copy")
+    return _pool
+
+
+def copy_many_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], numels: Sequence[int]) -> None:
+    """``dst.copy_(src)`` for CPU pairs (``numels[i]`` elements each), using every intra-op thread even when the
+    tensors are small.
+
+    Torch parallelises one copy only above its grain size, so thousands of small gradient copies would run on
+    one core; here they are split into equal-element shares over ``torch.get_num_threads()`` threads (torch ops
+    release the GIL). Large tensors are copied afterwards on the calling thread with torch's own parallelism, so
+    the two kinds never oversubscribe the cores.
+    """
+    if any(n >= _PARALLEL_COPY_NUMEL for n in numels):
+        small = [i for i, n in enumerate(numels) if n < _PARALLEL_COPY_NUMEL]
+        large = [i for i, n in enumerate(numels) if n >= _PARALLEL_COPY_NUMEL]
+    else:
+        small, large = list(range(len(numels))), []
+    threads = torch.get_num_threads()
+    cum = list(itertools.accumulate(numels[i] for i in small))
+    if threads > 1 and len(small) > 16 and cum[-1] >= 4 * _PARALLEL_COPY_NUMEL:
+        cuts = [0] + [bisect.bisect_left(cum, cum[-1] * k / threads) for k in range(1, threads)] + [len(small)]
+        shares = [small[a:b] for a, b in zip(cuts, cuts[1:])]
+        pool = _copy_pool(threads - 1)
+        futures = [pool.submit(_copy_share, dsts, srcs, share) for share in shares[1:] if share]
+        _copy_share(dsts, srcs, shares[0])
+        for f in futures:
+            f.result()
+    else:
+        _copy_share(dsts, srcs, small)
+    _copy_share(dsts, srcs, large)
+
+
+def _copy_share(dsts: List[torch.Tensor], srcs: List[torch.Tensor], which: Sequence[int]) -> None:
+    if which:
+        torch._foreach_copy_([dsts[i] for i in which], [srcs[i] for i in which])

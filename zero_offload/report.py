@@ -26,8 +26,9 @@ import torch
 
 import zero_offload
 from zero_offload import _build, functional
-from zero_offload.buckets import plan_buckets
+from zero_offload.buckets import estimate_layouts, plan_buckets
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
+from zero_offload.options import DEFAULT_BUCKET_NUMEL
 
 
 def cpu_features() -> Tuple[str, List[str]]:
@@ -113,7 +114,7 @@ def parse_count(text: str) -> int:
     return count
 
 
-def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = zero_offload.optimizer.DEFAULT_BUCKET_NUMEL
+def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = DEFAULT_BUCKET_NUMEL
                 ) -> List[torch.Tensor]:
     """Stand-ins for a model of ``numel`` parameters: meta tensors (no storage) of ``bucket_numel`` elements each
     and one for the remainder, so they fill as many buckets as a real model of that size. A real model's many
@@ -172,7 +173,7 @@ def memory_plan(
     device: str = "cuda",
     amsgrad: bool = False,
     world_size: int = 1,
-    bucket_numel: int = zero_offload.optimizer.DEFAULT_BUCKET_NUMEL,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
@@ -204,7 +205,7 @@ def memory_plan(
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
                for layout in plan_buckets(params, bucket_numel)]
-    host = zero_offload.optimizer._estimate(layouts, amsgrad, device == "cuda", world_size)
+    host = estimate_layouts(layouts, amsgrad, device == "cuda", world_size)
     numel = host.numel
     param_bytes = sum(p.nbytes for p in params)
     if device == "cpu":
@@ -322,7 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--amsgrad", action="store_true", help="plan for amsgrad=True (one more fp32 buffer)")
     ap.add_argument("--world-size", type=int, default=1, metavar="N",
                     help="data-parallel ranks sharing the host buffers (arithmetic estimate; default: 1)")
-    ap.add_argument("--bucket-numel", type=int, default=zero_offload.optimizer.DEFAULT_BUCKET_NUMEL, metavar="N",
+    ap.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
                     help="elements per bucket, as for the optimizer (default: 2**25)")
     args = ap.parse_args(argv)
     if args.params is None:

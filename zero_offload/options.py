@@ -1,0 +1,222 @@
+"""What a user may ask of an :class:`~zero_offload.OffloadOptimizer`, validated once: the offload options as one
+frozen :class:`Options`, and the validators of hyperparameters, parameter groups, parameters and step counts that
+the constructor, ``add_param_group``, ``step``, both state-dict loaders and :mod:`zero_offload.functional` share,
+so each rule and its message exists once.
+
+Messages of the checks AdamW also makes are AdamW's own, so code matching on them keeps working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from numbers import Real
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "SUPPORTED_DTYPES", "Hyper", "Options", "check_group",
+           "check_hparams", "check_params", "check_step", "world_without_group"]
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+# 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
+# that with the model on a GPU the copies of one bucket overlap the CPU update of the previous one.
+DEFAULT_BUCKET_NUMEL = 1 << 25
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Bias corrections are exact in double far beyond this; AdamW's own step counts are float32, whose integers are
+# exact up to 2**24.
+MAX_STEP = 2**24
+
+
+def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """AdamW's validation of its hyperparameters, with AdamW's messages. Numbers or one-element tensors."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_group(group: Dict[str, Any], where: str = "") -> None:
+    """Validate a parameter group's hyperparameters (the defaults, a group being added, a loaded group): AdamW's
+    checks, and the two flags this optimizer cannot honour. ``where`` prefixes the message (a loaded group)."""
+    try:
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        if group.get("capturable"):
+            raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
+                             "to run the CPU kernel, which CUDA-graph capture forbids")
+        if group.get("differentiable"):
+            raise ValueError("OffloadOptimizer does not support differentiable=True: the update runs in a host "
+                             "kernel outside autograd")
+    except ValueError as exc:
+        if not where:
+            raise
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def check_step(step: Any, where: str) -> float:
+    """A loaded step count: a whole number in ``[0, 2**24]``, plain or a one-element tensor. Returns it as a
+    float (``ValueError`` naming ``where`` otherwise)."""
+    value = step
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise ValueError(f"{where}: step is on the meta device: it has no value to load")
+        if value.numel() != 1:
+            raise ValueError(f"{where}: step must hold one number, got shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0 \
+            or value != int(value) or value > MAX_STEP:
+        raise ValueError(f"{where}: invalid step {step!r} (a whole number >= 0)")
+    return float(value)
+
+
+def check_params(params: Sequence[Any]) -> None:
+    """What the buckets can hold: dense leaf tensors of a supported dtype on CPU or CUDA, each once."""
+    seen = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
+        if not p.is_leaf:
+            raise ValueError("can't optimize a non-leaf Tensor")
+        if p.is_complex():
+            raise ValueError(f"OffloadOptimizer does not support complex parameters ({p.dtype}, shape "
+                             f"{tuple(p.shape)}): keep them as real pairs in the model (torch.view_as_real)")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"OffloadOptimizer supports float32, bfloat16 and float16 parameters, not {p.dtype}")
+        if p.layout != torch.strided:
+            raise ValueError(f"OffloadOptimizer supports dense parameters only, not {p.layout}")
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"OffloadOptimizer supports parameters on cpu or cuda, not {p.device}")
+        if id(p) in seen:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} appears twice in one parameter group")
+        seen.add(id(p))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """One group's hyperparameters as plain floats, read (and validated) at the start of a step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    decoupled: bool
+
+    @staticmethod
+    def read(group: Dict[str, Any]) -> "Hyper":
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        b1, b2 = group["betas"]
+        return Hyper(float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                     bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
+
+
+def world_without_group(process_group: Optional[Any]) -> int:
+    """torch.distributed's world size when it is initialised and no ``process_group`` was given (else 1): the model
+    is then likely DDP-wrapped, and DDP averages the gradients only as backward ends."""
+    if process_group is not None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The offload options of one optimizer (see :class:`~zero_offload.OffloadOptimizer` for each), checked
+    together by :meth:`validate` before anything is allocated.
+
+    ``sharded`` says a ``process_group`` was given; ``outside_world`` is :func:`world_without_group`'s answer.
+    """
+
+    nonfinite: str = "raise"
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    pin_memory: Optional[bool] = None
+    stream_grads: Optional[bool] = None
+    release_grads: bool = False
+    overlap_step: bool = False
+    delayed_update: bool = False
+    sharded: bool = False
+    grads_reduced: bool = False
+    timeout: Optional[Union[datetime.timedelta, float]] = None
+    outside_world: int = 1
+
+    def validate(self) -> "Options":
+        """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid nonfinite policy: {self.nonfinite!r} "
+                             f"(expected one of {', '.join(NONFINITE_POLICIES)})")
+        n = self.bucket_numel
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Invalid bucket_numel: {n!r} (a positive number of elements)")
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA, which is not available")
+        self._check_modes()
+        self._check_distributed()
+        return self
+
+    @property
+    def _mode(self) -> str:
+        return "overlap_step" if self.overlap_step else "delayed_update"
+
+    def _check_modes(self) -> None:
+        if self.overlap_step and self.delayed_update:
+            raise ValueError("overlap_step and delayed_update are alternatives: pass at most one of them")
+        if (self.overlap_step or self.delayed_update) and self.stream_grads is False:
+            raise ValueError(f"{self._mode}=True needs the gradients streamed in backward: leave stream_grads at "
+                             "None or True")
+        if self.overlap_step and self.nonfinite != "ignore":
+            raise ValueError(
+                "overlap_step=True updates each bucket as soon as its gradients are complete, before later buckets' "
+                "gradients exist, so a whole step cannot be skipped or refused on an inf/nan: pass "
+                "nonfinite='ignore' with it"
+            )
+
+    def _check_distributed(self) -> None:
+        if not self.sharded and (self.grads_reduced or self.timeout is not None):
+            raise ValueError("grads_reduced and timeout only apply with a process_group, and none was given")
+        if self.sharded and (self.overlap_step or self.delayed_update):
+            raise ValueError("overlap_step and delayed_update are not yet combined with a process_group: a sharded "
+                             "bucket is updated at step(), after the gradient statistics are agreed over the group")
+        if self.outside_world > 1 and self.stream_grads is None and (
+                self.release_grads or self.overlap_step or self.delayed_update):
+            option = "release_grads" if self.release_grads else self._mode
+            raise ValueError(
+                f"{option}=True works on gradients streamed from backward, but torch.distributed is initialised "
+                f"(world size {self.outside_world}) and no process_group was given. If the model is "
+                "DistributedDataParallel, DDP averages the gradients only when backward ends, after the hooks that "
+                "would stream them, so they are taken at step() instead and this option cannot apply. Drop it; or "
+                "drop DDP and pass process_group= to shard the state with gradients streamed (ZeRO-2); or pass "
+                "stream_grads=True if nothing reduces this model's gradients after backward."
+            )
+        if self.grads_reduced and self.stream_grads:
+            raise ValueError("stream_grads=True cannot take gradients already reduced (grads_reduced=True): DDP "
+                             "writes its averages into .grad only when backward ends, after the hooks that stream "
+                             "them. Leave stream_grads at None with DDP (gradients are then taken at step()).")
+
+    def streams(self, device: torch.device) -> bool:
+        """Whether buckets on ``device`` stream their gradients in backward (see ``stream_grads``)."""
+        if self.grads_reduced:
+            return False  # DDP's averages are final only when backward ends
+        if self.stream_grads is not None:
+            return self.stream_grads
+        if self.outside_world > 1:
+            return False  # likewise, if the model is DDP-wrapped
+        return device.type == "cuda" or self.delayed_update
+
+    def collective_layout(self) -> Tuple[Tuple[str, Any], ...]:
+        """The options that must agree across the ranks of a process group: they shape the buckets and decide which
+        collectives run when."""
+        return tuple((name, getattr(self, name)) for name in ("bucket_numel", "stream_grads", "release_grads",
+                                                              "grads_reduced"))
