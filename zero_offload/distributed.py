@@ -86,16 +86,14 @@ class GradStats:
 
 
 class Pending:
-    """A collective in flight (see :meth:`Comm.start`). :meth:`wait` returns once it has completed (and ``finish``,
-    if given, has run), waiting at most the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the
-    collective and the bucket otherwise, or at once if the :class:`Comm` is broken. Waiting twice is free."""
+    """A collective in flight (see :meth:`Comm.start`). :meth:`wait` returns once it has completed, waiting at most
+    the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the collective and the bucket otherwise,
+    or at once if the :class:`Comm` is broken. Waiting twice is free."""
 
-    __slots__ = ("comm", "what", "where", "work", "event", "finish", "done")
+    __slots__ = ("comm", "what", "where", "work", "event", "done")
 
-    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any,
-                 finish: Optional[Callable[[], Any]] = None):
+    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any):
         self.comm, self.what, self.where, self.work, self.event = comm, what, where, work, event
-        self.finish = finish
         self.done = False
 
     def wait(self) -> None:
@@ -109,9 +107,30 @@ class Pending:
                 self.comm._wait_work(self.work)
         except Exception as exc:
             raise self.comm._fail(self.what, self.where, exc) from exc
-        if self.finish is not None:
-            self.finish()
         self.done = True
+
+
+class _HostReduceScatter:
+    """A reduce-scatter of host tensors as gloo runs it: an all-reduce of a copy of the input, then this rank's
+    part copied out. Gloo's own reduce-scatter work does the same, but its ``wait()`` ignores the timeout it is
+    given and it never reports itself completed; this one keeps the all-reduce's work, which honours both (see
+    :meth:`Comm._wait_work`), for the same cost."""
+
+    __slots__ = ("work", "out", "part")
+
+    def __init__(self, work: Any, out: torch.Tensor, part: torch.Tensor):
+        self.work, self.out, self.part = work, out, part
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        self.out.copy_(self.part)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class Comm:
@@ -156,13 +175,12 @@ class Comm:
         self.failure: Optional[str] = None
 
     # -- collectives ---------------------------------------------------------------------------------------
-    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool,
-              finish: Optional[Callable[[], Any]] = None) -> "Pending":
-        """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it; ``finish`` runs
-        once it has completed. For CUDA tensors (``on_device``; NCCL, whatever else the group also runs) the
-        current stream is made to wait for it (``Work.wait()`` does only that: the host goes on, and it must be
-        called here, where that stream is current) and an event marks that point; :meth:`Pending.wait` then
-        bounds the host's wait by ``timeout``. For CPU tensors (gloo) the work itself is waited for then."""
+    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> "Pending":
+        """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. For CUDA tensors
+        (``on_device``; NCCL, whatever else the group also runs) the current stream is made to wait for it
+        (``Work.wait()`` does only that: the host goes on, and it must be called here, where that stream is
+        current) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
+        For CPU tensors (gloo) the work itself is waited for then."""
         self.check_usable(what, where)
         try:
             work = launch()
@@ -173,7 +191,7 @@ class Comm:
                 event.record()
         except Exception as exc:
             raise self._fail(what, where, exc) from exc
-        return Pending(self, what, where, work, event, finish)
+        return Pending(self, what, where, work, event)
 
     def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> None:
         self.start(what, where, launch, on_device).wait()
@@ -215,8 +233,8 @@ class Comm:
 
     def _wait_work(self, work: Any) -> None:
         """Wait for a collective on host tensors (gloo) on this thread, at most ``timeout``: gloo's works for the
-        collectives started here honour ``Work.wait(timeout)`` (its reduce-scatter does not, so
-        :meth:`start_reduce_scatter` does not use it). No helper thread waits instead: one still blocked in
+        collectives started here honour ``Work.wait(timeout)`` (its reduce-scatter does not: see
+        :class:`_HostReduceScatter`). No helper thread waits instead: one still blocked in
         ``Work.wait()`` when the interpreter shuts down, woken then by the peer, ends the process in
         ``std::terminate`` (issue 16)."""
         try:
@@ -240,14 +258,11 @@ class Comm:
         if inp.is_cuda:
             return self.start("reduce_scatter", where,
                               lambda: self._rs(out, inp, group=self.group, async_op=True), True)
-        # Gloo reduce-scatters host tensors by all-reducing a copy of the input and copying this rank's part out,
-        # in a work whose wait() ignores its timeout and which never reports itself completed. The same steps
-        # here cost the same and give a work that can be waited for with a deadline (see _wait_work).
         dist = _dist()
-        total = inp.clone()
-        n = out.numel()
-        return self.start("reduce_scatter", where, lambda: dist.all_reduce(total, group=self.group, async_op=True),
-                          False, finish=lambda: out.copy_(total[self.rank * n : (self.rank + 1) * n]))
+        total, n = inp.clone(), out.numel()
+        part = total[self.rank * n : (self.rank + 1) * n]
+        return self.start("reduce_scatter", where, lambda: _HostReduceScatter(
+            dist.all_reduce(total, group=self.group, async_op=True), out, part), False)
 
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
         return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True),
