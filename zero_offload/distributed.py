@@ -9,7 +9,9 @@ non-finite flag, and which parameters have a gradient on any rank) are combined 
 tensor per step; the kernel updates the shard; the updated shard is all-gathered into the full parameters while
 the next bucket is updated. Every collective is started asynchronously (:meth:`Comm.start`) and waited for
 with a timeout (:class:`Pending`), and a failure is re-raised naming this rank, the collective and the bucket,
-so one rank dying cannot hang the others forever.
+so one rank dying cannot hang the others forever. After a failure the optimizer's :class:`Comm` is *broken*: it
+starts and waits for no further collective (an error says why), and its process group is never destroyed, so
+that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`).
 
 ``torch.distributed`` is imported here only, and only when a process group is used: ``import zero_offload`` stays
 cheap.
@@ -20,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import threading
 import time
 from itertools import chain
 from numbers import Real
@@ -52,6 +53,14 @@ def moves_host_tensors(backend: str) -> bool:
     return "gloo" in backend or "mpi" in backend or "nccl" not in backend
 
 
+def _keep_forever(obj: Any) -> None:
+    """Leak one reference to ``obj`` so that it is never destroyed, not even at interpreter shutdown, when module
+    globals are cleared (see :meth:`Comm._fail`)."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 @dataclasses.dataclass(frozen=True)
 class GradStats:
     """One step's gradient statistics, combined over the group.
@@ -67,8 +76,8 @@ class GradStats:
 
 class Pending:
     """A collective in flight (see :meth:`Comm.start`). :meth:`wait` returns once it has completed, waiting at most
-    the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the collective and the bucket otherwise.
-    Waiting twice is free."""
+    the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the collective and the bucket otherwise,
+    or at once if the :class:`Comm` is broken. Waiting twice is free."""
 
     __slots__ = ("comm", "what", "where", "work", "event", "done")
 
@@ -79,14 +88,38 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
+        self.comm.check_usable(self.what, self.where)
         try:
             if self.event is not None:
                 self.comm._poll_event(self.event)
             else:
-                self.comm._poll(self.work)
+                self.comm._wait_work(self.work)
         except Exception as exc:
-            raise self.comm._error(self.what, self.where, exc) from exc
+            raise self.comm._fail(self.what, self.where, exc) from exc
         self.done = True
+
+
+class _HostReduceScatter:
+    """A reduce-scatter of host tensors as gloo runs it: an all-reduce of a copy of the input, then this rank's
+    part copied out. Gloo's own reduce-scatter work does the same, but its ``wait()`` ignores the timeout it is
+    given and it never reports itself completed; this one keeps the all-reduce's work, which honours both (see
+    :meth:`Comm._wait_work`), for the same cost."""
+
+    __slots__ = ("work", "out", "part")
+
+    def __init__(self, work: Any, out: torch.Tensor, part: torch.Tensor):
+        self.work, self.out, self.part = work, out, part
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        self.out.copy_(self.part)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class Comm:
@@ -127,6 +160,8 @@ class Comm:
         self.host_ok = moves_host_tensors(str(dist.get_backend(group)))
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
+        self.failure: Optional[str] = None
 
     # -- collectives ---------------------------------------------------------------------------------------
     def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> "Pending":
@@ -135,6 +170,7 @@ class Comm:
         (``Work.wait()`` does only that: the host goes on, and it must be called here, where that stream is
         current) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
         For CPU tensors (gloo) the work itself is waited for then."""
+        self.check_usable(what, where)
         try:
             work = launch()
             event = None
@@ -143,7 +179,7 @@ class Comm:
                 event = torch.cuda.Event()
                 event.record()
         except Exception as exc:
-            raise self._error(what, where, exc) from exc
+            raise self._fail(what, where, exc) from exc
         return Pending(self, what, where, work, event)
 
     def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> None:
@@ -157,27 +193,45 @@ class Comm:
             "another rank may have failed or stopped."
         )
 
-    def _poll(self, work: Any) -> None:
-        """Wait for a gloo collective, at most ``timeout``. Gloo's ``Work.wait(timeout)`` is not honoured by every
-        collective (reduce_scatter's work has no timeout and waits for the process group's own, 30 minutes by
-        default), so the wait runs on a daemon thread (``wait`` releases the GIL) and the deadline is kept here.
-        A thread left waiting on a dead peer cannot keep the process alive."""
-        done = threading.Event()
-        failure: List[BaseException] = []
+    def _fail(self, what: str, where: str, exc: BaseException) -> RuntimeError:
+        """The error for a collective that failed or timed out; from now on this optimizer is broken.
 
-        def wait() -> None:
-            try:
-                work.wait()
-            except BaseException as exc:  # re-raised on the calling thread
-                failure.append(exc)
-            finally:
-                done.set()
+        The ranks are now out of step (this one gave up on a collective the others may still run), so
+        :meth:`check_usable` refuses every later collective. The process group is kept alive until the process
+        ends, never destroyed: a gloo group's destructor joins its worker threads, and a worker still inside the
+        abandoned collective waits for the stalled peer up to the *group's* timeout (30 minutes by default), which
+        kept the process from exiting at interpreter shutdown and then ended it in ``std::terminate`` (issue 16).
+        Gloo cannot abort a collective in flight (``ProcessGroup.abort()`` and ``shutdown()`` leave it running),
+        so the worker is left to die with the process."""
+        if self.failure is None:
+            self.failure = f"{what} of {where}: {exc}"
+            _keep_forever(self.group)
+        return self._error(what, where, exc)
 
-        threading.Thread(target=wait, name="zero_offload_wait", daemon=True).start()
-        if not done.wait(self.timeout.total_seconds()):
-            raise RuntimeError(f"not completed within {self.timeout}")
-        if failure:
-            raise failure[0]
+    def check_usable(self, what: str, where: str) -> None:
+        """Raise ``RuntimeError`` if an earlier collective failed (:meth:`_fail`): none is started or waited for."""
+        if self.failure is None:
+            return
+        raise RuntimeError(
+            f"zero_offload: rank {self.rank} of {self.world}: {what} of {where} refused: an earlier collective "
+            f"failed ({self.failure}), so this rank is out of step with the others and this optimizer runs no "
+            "further collective. sharded_state_dict() still gives this rank's shard of the state (no collective); "
+            "state_dict(), step() and clip_grad_norm_() cannot run. Build a new process group and optimizer to go "
+            "on; this process group is not usable either (see the README's Limits)."
+        )
+
+    def _wait_work(self, work: Any) -> None:
+        """Wait for a collective on host tensors (gloo) on this thread, at most ``timeout``: gloo's works for the
+        collectives started here honour ``Work.wait(timeout)`` (its reduce-scatter does not: see
+        :class:`_HostReduceScatter`). No helper thread waits instead: one still blocked in
+        ``Work.wait()`` when the interpreter shuts down, woken then by the peer, ends the process in
+        ``std::terminate`` (issue 16)."""
+        try:
+            work.wait(self.timeout)
+        except Exception:
+            if not work.is_completed():  # gloo's "Operation timed out!"; say which timeout
+                raise RuntimeError(f"not completed within {self.timeout}") from None
+            raise
 
     def _poll_event(self, event: Any) -> None:
         """Wait for a CUDA event, at most ``timeout`` (``Event.synchronize`` has no deadline)."""
@@ -190,8 +244,14 @@ class Comm:
             pause = min(pause * 2, 1e-3)
 
     def start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
-        return self.start("reduce_scatter", where, lambda: self._rs(out, inp, group=self.group, async_op=True),
-                          inp.is_cuda)
+        if inp.is_cuda:
+            return self.start("reduce_scatter", where,
+                              lambda: self._rs(out, inp, group=self.group, async_op=True), True)
+        dist = _dist()
+        total, n = inp.clone(), out.numel()
+        part = total[self.rank * n : (self.rank + 1) * n]
+        return self.start("reduce_scatter", where, lambda: _HostReduceScatter(
+            dist.all_reduce(total, group=self.group, async_op=True), out, part), False)
 
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
         return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True),
