@@ -87,8 +87,10 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
   // The low-precision output is written once and next read by a copy to the GPU, not by this core: streaming
   // stores skip the read-for-ownership of its lines (measured: about 5% of the offload path's time at 100M
   // elements). They need alignment, so they are used when the range starts on a 64-byte boundary, which the
-  // dispatcher's block split gives for any buffer torch allocated.
-  const bool stream = O != zo::DType::kNone && (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
+  // dispatcher's block split gives for any buffer torch allocated. Not when the output is the gradient's memory:
+  // its lines are in cache already (just read), and a streaming store would evict each one between its reads.
+  const bool stream = O != zo::DType::kNone && q.out != q.g &&
+                      (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
   if (stream) {
     for (; i + kW <= end; i += kW) adam_vector<G, S, O, true>(a, q, i);
     stream_fence();  // order the streaming stores before whatever reads the output after this call
@@ -146,10 +148,15 @@ struct QPointers {
   float* vmax_scale;
 };
 
-static inline VF dequant_m(VF c, float s) { return mul(mul(c, vabs(c)), set1(s * (1.0f / (kMCode * kMCode)))); }
+// c * (1/127) is exactly 1 at c = 127 (likewise for 255), so a block's largest code dequantises to its scale
+// exactly, and a dequantised block requantises to the same codes and scale (state_dict round trips are lossless).
+static inline VF dequant_m(VF c, float s) {
+  const VF f = mul(c, set1(1.0f / kMCode));
+  return mul(mul(f, vabs(f)), set1(s));
+}
 static inline VF dequant_v(VF c, float s) {
-  const VF f = mul(mul(c, c), set1(1.0f / (kVCode * kVCode)));
-  return mul(mul(f, f), set1(s));
+  const VF f = mul(c, set1(1.0f / kVCode)), f2 = mul(f, f);
+  return mul(mul(f2, f2), set1(s));
 }
 
 // A block's new scale from its largest magnitude: 0, with all codes 0, below FLT_MIN (where 1/s would overflow);
@@ -228,7 +235,8 @@ static void adam_range_q8(const zo::AdamArgs& a, int64_t begin, int64_t end) {
                     static_cast<uint8_t*>(a.max_exp_avg_sq), a.param_out, a.exp_avg_scale, a.exp_avg_sq_scale,
                     a.max_exp_avg_sq_scale};
   int64_t i = begin;
-  const bool stream = O != zo::DType::kNone && (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
+  const bool stream = O != zo::DType::kNone && q.out != q.g &&  // as in adam_range_typed
+                      (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
   if (stream) {
     for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, true>(a, q, i);
     stream_fence();

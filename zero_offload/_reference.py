@@ -45,17 +45,16 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 def dequantize_m(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values of int8 first-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``."""
     n = codes.numel()
-    c = _blocks(codes.to(dtype))
-    k = scale.to(dtype) * (1.0 / (_M_CODE * _M_CODE))
-    return (c * c.abs() * k[:, None]).view(-1)[:n]
+    f = _blocks(codes.to(dtype)) * (1.0 / _M_CODE)  # exactly 1 at the top code: the largest value is the scale
+    return (f * f.abs() * scale.to(dtype)[:, None]).view(-1)[:n]
 
 
 def dequantize_v(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values of uint8 second-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``."""
     n = codes.numel()
-    c = _blocks(codes.to(dtype))
-    f = c * c * (1.0 / (_V_CODE * _V_CODE))
-    return (f * f * scale.to(dtype)[:, None]).view(-1)[:n]
+    f = _blocks(codes.to(dtype)) * (1.0 / _V_CODE)
+    f2 = f * f
+    return (f2 * f2 * scale.to(dtype)[:, None]).view(-1)[:n]
 
 
 def _block_scale(largest: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
