@@ -8,14 +8,20 @@ Two paths:
            gradient, step, then downcast the weights.
 
 Both paths move 28 bytes per element in a single fused pass (fp32: 4 grad + 3 x 8 master/moments; offload:
-2 grad + 24 + 2 out); GB/s below is that logical traffic divided by time, for every candidate, so it is directly
-comparable to the ceiling. The ceiling is the best of three streaming kernels (in-place scale, copy, triad) at
+2 grad + 24 + 2 out); GB/s below is each candidate's logical traffic divided by time, so it is directly comparable
+to the ceiling.
+
+--state-dtype adds ours with compact moments beside ours with fp32 moments (always run, the reference line):
+bf16 moments move 8 bytes less per element (20 B), 8-bit block-wise moments 11.75 bytes less (16.25 B: one byte
+per moment each way plus a 4-byte scale per 64 elements each way). Each line prints its bytes per element, and
+"ours x" is its time per element relative to ours with fp32 state in the same round. The ceiling is the best of three streaming kernels (in-place scale, copy, triad) at
 the same size and thread count. Candidates and ceiling kernels run interleaved, round by round, and medians are
 reported, because shared machines drift.
 
     python benchmarks/cpu_adam.py                  # 1M..200M elements, 1..all threads
     python benchmarks/cpu_adam.py --quick          # small sizes, a smoke run
     python benchmarks/cpu_adam.py --sizes 1e8 --threads 2
+    python benchmarks/cpu_adam.py --sizes 2e7 --threads 1,2 --state-dtype fp32,bf16,int8 --no-anchors
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from zero_offload.report import cpu_features  # noqa: E402
 
 BYTES_PER_ELEM = 28
 LR, WD = 1e-3, 0.01
+# Bytes per element of the two moments, read and written once each: fp32 4+4 per moment, bf16 2+2, 8-bit 1+1 plus
+# its block's 4-byte scale (read and written) shared by 64 elements.
+STATE_BYTES = {"fp32": 16, "bf16": 8, "int8": 4 + 2 * 8 / functional.Q8_BLOCK}
 
 
 def _deepspeed_adam():
@@ -51,23 +60,48 @@ def _deepspeed_adam():
         return None
 
 
-def make_candidates(path: str, n: int, ds_cls):
-    """name -> step function; each owns its buffers. Gradients are random once; values do not change speed."""
+def _state(kind: str, n: int) -> dict:
+    """cpu_adam_ keywords holding moments of one state dtype."""
+    if kind == "fp32":
+        return dict(exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+    if kind == "bf16":
+        return dict(exp_avg=torch.zeros(n, dtype=torch.bfloat16), exp_avg_sq=torch.zeros(n, dtype=torch.bfloat16))
+    blocks = functional.q8_scale_numel(n)
+    return dict(exp_avg=torch.zeros(n, dtype=torch.int8), exp_avg_sq=torch.zeros(n, dtype=torch.uint8),
+                exp_avg_scale=torch.zeros(blocks), exp_avg_sq_scale=torch.zeros(blocks))
+
+
+def bytes_per_elem(path: str, state: str = "fp32") -> float:
+    """Logical traffic per element: gradient in, fp32 master read and written, moments, low-precision copy out."""
+    return (4 if path == "fp32" else 2 + 2) + 8 + STATE_BYTES[state]
+
+
+def make_candidates(path: str, n: int, ds_cls, states=("fp32",), anchors=True):
+    """name -> (step function, bytes per element); each owns its buffers. Gradients are random once; values do not
+    change speed."""
     gen = torch.Generator().manual_seed(0)
     grad_dtype = torch.float32 if path == "fp32" else torch.bfloat16
     grad = torch.randn(n, generator=gen).to(grad_dtype)
     init = torch.randn(n, generator=gen)
     cands = {}
 
-    p, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
-    out = torch.empty(n, dtype=torch.bfloat16) if path == "offload" else None
-    counter = [0]
+    def ours_with(kind):
+        p, state = init.clone(), _state(kind, n)
+        out = torch.empty(n, dtype=torch.bfloat16) if path == "offload" else None
+        counter = [0]
 
-    def ours():
-        counter[0] += 1
-        functional.cpu_adam_(p, grad, m, v, step=counter[0], lr=LR, weight_decay=WD, param_out=out)
+        def ours():
+            counter[0] += 1
+            functional.cpu_adam_(p, grad, step=counter[0], lr=LR, weight_decay=WD, param_out=out, **state)
 
-    cands["zero_offload"] = ours
+        return ours, bytes_per_elem(path, kind)
+
+    cands["zero_offload"] = ours_with("fp32")
+    for kind in states:
+        if kind != "fp32":
+            cands[f"zero_offload {kind}"] = ours_with(kind)
+    if not anchors:
+        return cands
 
     def anchor(make_opt):
         param = torch.nn.Parameter(init.clone())
@@ -82,7 +116,7 @@ def make_candidates(path: str, n: int, ds_cls):
             if path == "offload":
                 low.copy_(param.detach())  # downcast
 
-        return step
+        return step, BYTES_PER_ELEM
 
     cands["torch fused"] = anchor(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True))
     cands["torch foreach"] = anchor(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True))
@@ -103,18 +137,22 @@ def ceiling_kernels(n: int):
 
 
 def run(args):
-    ds_cls = None if args.no_deepspeed else _deepspeed_adam()
+    ds_cls = None if args.no_deepspeed or args.no_anchors else _deepspeed_adam()
+    states = [k.strip() for k in args.state_dtype.split(",")]
+    unknown = sorted(set(states) - set(STATE_BYTES))
+    if unknown:
+        raise SystemExit(f"--state-dtype: unknown {', '.join(unknown)} (choose from {', '.join(STATE_BYTES)})")
     threads_all = os.cpu_count() or 1
     thread_list = sorted({int(t) if t != "all" else threads_all for t in args.threads.split(",")})
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     rows = []
     for path in args.paths.split(","):
         for n in sizes:
-            cands = make_candidates(path, n, ds_cls)
+            cands = make_candidates(path, n, ds_cls, states, anchors=not args.no_anchors)
             ceilings = ceiling_kernels(n)
             for threads in thread_list:
                 torch.set_num_threads(threads)
-                for fn in list(cands.values()) + [k[0] for k in ceilings.values()]:  # warm-up: lazy state, faults
+                for fn in [c[0] for c in cands.values()] + [k[0] for k in ceilings.values()]:  # warm-up: lazy state, faults
                     fn()
                 ceiling_rounds = []
                 times = {name: [] for name in cands}
@@ -127,7 +165,7 @@ def run(args):
                         fn()
                         best = max(best, n * nbytes / (time.perf_counter() - t0) / 1e9)
                     ceiling_rounds.append(best)
-                    for name, fn in cands.items():
+                    for name, (fn, _) in cands.items():
                         t0 = time.perf_counter()
                         fn()
                         times[name].append(time.perf_counter() - t0)
@@ -135,8 +173,10 @@ def run(args):
                 ours_t = statistics.median(times["zero_offload"])
                 for name, ts in times.items():
                     t = statistics.median(ts)
-                    gbps = n * BYTES_PER_ELEM / t / 1e9
+                    nbytes = cands[name][1]
+                    gbps = n * nbytes / t / 1e9
                     rows.append(dict(path=path, elements=n, threads=threads, candidate=name, seconds=t,
+                                     bytes_per_elem=nbytes,
                                      melem_per_s=n / t / 1e6, gb_per_s=gbps, ceiling_gb_per_s=ceiling,
                                      fraction_of_ceiling=gbps / ceiling, ours_speedup=t / ours_t))
                 print_rows([r for r in rows if r["path"] == path and r["elements"] == n and r["threads"] == threads])
@@ -154,17 +194,18 @@ def machine_info():
 def print_rows(rows):
     for r in rows:
         print(f"{r['path']:8s} {r['elements']:>11,d} el {r['threads']:>2d} thr  {r['candidate']:17s} "
-              f"{r['melem_per_s']:8.0f} Melem/s {r['gb_per_s']:6.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% "
+              f"{r['bytes_per_elem']:6.2f} B/el {r['melem_per_s']:8.0f} Melem/s {r['gb_per_s']:6.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% "
               f"of {r['ceiling_gb_per_s']:.1f} GB/s  ours x{r['ours_speedup']:.2f}", flush=True)
 
 
 def markdown(rows, info):
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores ({info['features']}); torch {info['torch']}; "
              f"kernel path {info['kernel_path']}.", "",
-             "| path | elements | threads | candidate | Melem/s | GB/s | % of ceiling | zero_offload speedup |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "| path | elements | threads | candidate | B/elem | Melem/s | GB/s | % of ceiling | zero_offload speedup |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['path']} | {r['elements']:,} | {r['threads']} | {r['candidate']} | "
+                     f"{r['bytes_per_elem']:.2f} | "
                      f"{r['melem_per_s']:.0f} | {r['gb_per_s']:.1f} | {100 * r['fraction_of_ceiling']:.0f}% "
                      f"(of {r['ceiling_gb_per_s']:.1f}) | {r['ours_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -206,6 +247,10 @@ def main():
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per candidate (median reported)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if installed")
+    ap.add_argument("--state-dtype", default="fp32",
+                    help="comma-separated moment dtypes of ours, from fp32, bf16, int8 (8-bit block-wise); ours "
+                         "with fp32 moments always runs beside them")
+    ap.add_argument("--no-anchors", action="store_true", help="ours only (torch and DeepSpeed skipped)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1e5 and 1e6 elements, 3 rounds")
     args = ap.parse_args()
     if args.quick:

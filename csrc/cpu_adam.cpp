@@ -92,32 +92,78 @@ std::vector<std::string> available_isas() {
 
 namespace {
 
+// The optional per-block scales of 8-bit state.
+struct Scales {
+  std::optional<at::Tensor> exp_avg, exp_avg_sq, max_exp_avg_sq;
+};
+
+void check_scale(const std::optional<at::Tensor>& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.has_value(), "zero_offload: 8-bit state needs ", what, " (one float32 per ", kQBlock, " elements)");
+  TORCH_CHECK(t->scalar_type() == at::kFloat, "zero_offload: ", what, " must be float32, got ", t->scalar_type());
+  check_buffer(*t, what, (numel + kQBlock - 1) / kQBlock);
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto lo_a = reinterpret_cast<uintptr_t>(a.data_ptr()), lo_b = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return lo_a < lo_b + b.nbytes() && lo_b < lo_a + a.nbytes() && a.nbytes() && b.nbytes();
+}
+
+// param_out may share the gradient's memory exactly (same start, same element size: each slot is read as a
+// gradient before it is written as the parameter); any other overlap would let one thread's writes land in
+// another's unread gradients.
+void check_out_vs_grad(const at::Tensor& out, const at::Tensor& grad, int64_t offset, const char* what) {
+  const auto base = static_cast<const uint8_t*>(out.data_ptr()) + offset * out.element_size();
+  const auto g = grad.numel() ? static_cast<const uint8_t*>(grad.data_ptr()) : nullptr;
+  if (g == base && grad.element_size() == out.element_size()) return;
+  TORCH_CHECK(!overlaps(out, grad), "zero_offload: param_out overlaps ", what, " without being exactly its memory ",
+              "(param_out may alias the gradient only slot for slot, with the same element size)");
+}
+
 // Checks the flat buffers of an update and fills every field of AdamArgs but the gradient, which
 // the caller checks and points (one buffer for adam_step, one per segment for adam_step_segments).
 AdamArgs make_args(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
-                   int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                   bool decoupled_weight_decay, bool maximize, double grad_scale) {
+                   const Scales& scales, int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
   const int64_t n = param.numel();
   TORCH_CHECK(param.scalar_type() == at::kFloat, "zero_offload: param (the master) must be float32");
   check_buffer(param, "param", n);
   check_buffer(exp_avg, "exp_avg", n);
   check_buffer(exp_avg_sq, "exp_avg_sq", n);
-  TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(), "zero_offload: exp_avg and exp_avg_sq dtypes differ");
   TORCH_CHECK(step >= 1, "zero_offload: step must be >= 1, got ", step);
 
   AdamArgs a{};
   a.param = param.data_ptr<float>();
   a.exp_avg = exp_avg.data_ptr();
   a.exp_avg_sq = exp_avg_sq.data_ptr();
-  a.state_dtype = to_dtype(exp_avg, "exp_avg", false);
   a.out_dtype = DType::kNone;
+  const bool q8 = exp_avg.scalar_type() == at::kChar;
+  if (q8) {
+    TORCH_CHECK(exp_avg_sq.scalar_type() == at::kByte, "zero_offload: 8-bit state needs a uint8 exp_avg_sq, got ",
+                exp_avg_sq.scalar_type());
+    a.state_dtype = DType::kQ8;
+    check_scale(scales.exp_avg, "exp_avg_scale", n);
+    check_scale(scales.exp_avg_sq, "exp_avg_sq_scale", n);
+    a.exp_avg_scale = scales.exp_avg->data_ptr<float>();
+    a.exp_avg_sq_scale = scales.exp_avg_sq->data_ptr<float>();
+  } else {
+    TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(), "zero_offload: exp_avg and exp_avg_sq dtypes differ");
+    a.state_dtype = to_dtype(exp_avg, "exp_avg", false);
+    TORCH_CHECK(!scales.exp_avg && !scales.exp_avg_sq && !scales.max_exp_avg_sq,
+                "zero_offload: scales are for 8-bit state only (exp_avg is ", exp_avg.scalar_type(), ")");
+  }
   if (max_exp_avg_sq.has_value()) {
     check_buffer(*max_exp_avg_sq, "max_exp_avg_sq", n);
-    TORCH_CHECK(max_exp_avg_sq->scalar_type() == exp_avg.scalar_type(),
-                "zero_offload: max_exp_avg_sq dtype differs from exp_avg");
+    TORCH_CHECK(max_exp_avg_sq->scalar_type() == exp_avg_sq.scalar_type(),
+                "zero_offload: max_exp_avg_sq dtype differs from exp_avg_sq");
     a.max_exp_avg_sq = max_exp_avg_sq->data_ptr();
+    if (q8) {
+      check_scale(scales.max_exp_avg_sq, "max_exp_avg_sq_scale", n);
+      a.max_exp_avg_sq_scale = scales.max_exp_avg_sq->data_ptr<float>();
+    }
     a.amsgrad = true;
+  } else {
+    TORCH_CHECK(!scales.max_exp_avg_sq, "zero_offload: max_exp_avg_sq_scale given without max_exp_avg_sq");
   }
   if (param_out.has_value()) {
     check_buffer(*param_out, "param_out", n);
@@ -141,17 +187,22 @@ AdamArgs make_args(const at::Tensor& param, const at::Tensor& exp_avg, const at:
 }
 
 // The same args with every buffer pointer moved `offset` elements on, so the range function indexes from there.
+// For 8-bit state, offset is a multiple of kQBlock and the scales move offset / kQBlock.
 AdamArgs shifted(const AdamArgs& a, int64_t offset) {
   const auto move = [offset](void* base, DType d) -> void* {
     if (base == nullptr) return nullptr;
-    return static_cast<uint8_t*>(base) + offset * (d == DType::kF32 ? 4 : 2);
+    return static_cast<uint8_t*>(base) + offset * (d == DType::kF32 ? 4 : d == DType::kQ8 ? 1 : 2);
   };
+  const auto move_scale = [offset](float* base) { return base == nullptr ? nullptr : base + offset / kQBlock; };
   AdamArgs s = a;
   s.param = a.param + offset;
   s.exp_avg = move(a.exp_avg, a.state_dtype);
   s.exp_avg_sq = move(a.exp_avg_sq, a.state_dtype);
   s.max_exp_avg_sq = move(a.max_exp_avg_sq, a.state_dtype);
   s.param_out = move(a.param_out, a.out_dtype);
+  s.exp_avg_scale = move_scale(a.exp_avg_scale);
+  s.exp_avg_sq_scale = move_scale(a.exp_avg_sq_scale);
+  s.max_exp_avg_sq_scale = move_scale(a.max_exp_avg_sq_scale);
   return s;
 }
 
@@ -160,12 +211,16 @@ AdamArgs shifted(const AdamArgs& a, int64_t offset) {
 void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
                const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
+               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale,
+               const std::optional<at::Tensor>& exp_avg_scale, const std::optional<at::Tensor>& exp_avg_sq_scale,
+               const std::optional<at::Tensor>& max_exp_avg_sq_scale) {
   const IsaEntry& entry = find_isa(isa);
   const int64_t n = param.numel();
-  AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
+  AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out,
+                         Scales{exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale}, step, lr, beta1, beta2, eps,
                          weight_decay, decoupled_weight_decay, maximize, grad_scale);
   check_buffer(grad, "grad", n);
+  if (param_out.has_value()) check_out_vs_grad(*param_out, grad, 0, "grad");
   a.grad = grad.data_ptr();
   a.grad_dtype = to_dtype(grad, "grad", true);
 
@@ -179,11 +234,15 @@ void adam_step_segments(const std::string& isa, const at::Tensor& param, const s
                         const std::vector<int64_t>& offsets, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                         const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
                         int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                        bool decoupled_weight_decay, bool maximize, double grad_scale) {
+                        bool decoupled_weight_decay, bool maximize, double grad_scale,
+                        const std::optional<at::Tensor>& exp_avg_scale,
+                        const std::optional<at::Tensor>& exp_avg_sq_scale,
+                        const std::optional<at::Tensor>& max_exp_avg_sq_scale) {
   const IsaEntry& entry = find_isa(isa);
   const int64_t n = param.numel();
-  const AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
-                               weight_decay, decoupled_weight_decay, maximize, grad_scale);
+  const AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out,
+                               Scales{exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale}, step, lr, beta1, beta2,
+                               eps, weight_decay, decoupled_weight_decay, maximize, grad_scale);
   TORCH_CHECK(grads.size() == offsets.size(), "zero_offload: ", grads.size(), " grads but ", offsets.size(),
               " offsets");
   const size_t count = grads.size();
@@ -200,6 +259,11 @@ void adam_step_segments(const std::string& isa, const at::Tensor& param, const s
     ends[i] = offsets[i] + g.numel();
     TORCH_CHECK(ends[i] <= n, "zero_offload: segment ", i, " ends at ", ends[i], ", past the buffer's ", n,
                 " elements");
+    // A segment of 8-bit state must own its scale blocks: one starting mid-block would rescale codes it does not
+    // update.
+    TORCH_CHECK(a.state_dtype != DType::kQ8 || offsets[i] % kQBlock == 0, "zero_offload: segment ", i,
+                " starts at offset ", offsets[i], ", not a multiple of ", kQBlock, " (8-bit state needs whole blocks)");
+    if (param_out.has_value()) check_out_vs_grad(*param_out, g, offsets[i], "a gradient");
   }
 
   // Threads split the flat range from the first segment to the end of the last as adam_step splits a buffer, so

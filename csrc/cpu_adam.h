@@ -9,13 +9,18 @@
 
 namespace zo {
 
+// 8-bit state (int8 exp_avg, uint8 exp_avg_sq / max_exp_avg_sq) takes one float32 scale per kQBlock (64) elements
+// in the *_scale tensors, which must be absent for fp32/bf16 state. param_out may be the gradient's own memory.
+
 // ISAs compiled into this build and supported by the running CPU, best first ("scalar" always last).
 std::vector<std::string> available_isas();
 
 void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
                const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale);
+               double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale,
+               const std::optional<at::Tensor>& exp_avg_scale, const std::optional<at::Tensor>& exp_avg_sq_scale,
+               const std::optional<at::Tensor>& max_exp_avg_sq_scale);
 
 // adam_step over the flat buffers, reading the gradient of elements [offsets[i], offsets[i] + grads[i].numel())
 // from grads[i] (contiguous, one dtype for all); elements outside every segment are not touched. Segments must be
@@ -24,7 +29,10 @@ void adam_step_segments(const std::string& isa, const at::Tensor& param, const s
                         const std::vector<int64_t>& offsets, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                         const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
                         int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                        bool decoupled_weight_decay, bool maximize, double grad_scale);
+                        bool decoupled_weight_decay, bool maximize, double grad_scale,
+                        const std::optional<at::Tensor>& exp_avg_scale,
+                        const std::optional<at::Tensor>& exp_avg_sq_scale,
+                        const std::optional<at::Tensor>& max_exp_avg_sq_scale);
 
 std::tuple<double, bool> grad_sq_norm(const std::string& isa, const at::Tensor& grad);
 

@@ -1,6 +1,7 @@
 // The CPU-Adam kernel body, written once against the ISA layer in simd.h and compiled once per ISA (see the
 // isa_*.cpp units). One pass per element: read the gradient (fp32/bf16/fp16), the fp32 master and the moments
-// (fp32/bf16), write master and moments, and optionally the updated parameter rounded to fp32/bf16/fp16.
+// (fp32, bf16, or 8-bit block-wise codes with a scale per block), write master and moments, and optionally the
+// updated parameter rounded to fp32/bf16/fp16.
 //
 // The arithmetic follows torch.optim.AdamW's single-tensor path operation for operation (lerp for the first
 // moment, mul-then-addcmul for the second, sqrt / bias-correction + eps, addcdiv), so results agree with it to a
@@ -30,7 +31,9 @@ static inline void stream_from_float(void* base, int64_t i, VF x) {
   else if constexpr (D == zo::DType::kF16) stream_f16(static_cast<uint16_t*>(base) + i, x);
 }
 
-static inline int elem_size(zo::DType d) { return d == zo::DType::kF32 ? 4 : d == zo::DType::kNone ? 0 : 2; }
+static inline int elem_size(zo::DType d) {
+  return d == zo::DType::kF32 ? 4 : d == zo::DType::kNone ? 0 : d == zo::DType::kQ8 ? 1 : 2;
+}
 
 struct Pointers {
   float* p;
@@ -41,31 +44,40 @@ struct Pointers {
   void* out;
 };
 
-template <zo::DType G, zo::DType S, zo::DType O, bool kStreamOut>
-static inline void adam_vector(const zo::AdamArgs& a, const Pointers& q, int64_t i) {
-  VF g = mul(load_as_float<G>(q.g, i), set1(a.grad_scale));
+// The update of one vector from its (float) inputs, shared by every state dtype.
+struct Updated {
+  VF p, m, v, v_used, root_used;  // root_used = sqrt(v_used), the denominator's square root
+};
+
+template <zo::DType G>
+static inline Updated adam_math(const zo::AdamArgs& a, const void* grad, int64_t i, VF p, VF m, VF v_old,
+                                VF vmax_old) {
+  VF g = mul(load_as_float<G>(grad, i), set1(a.grad_scale));
   if (a.maximize) g = mul(g, set1(-1.0f));
-  VF p = load_f32(q.p + i);
   if (a.l2_weight_decay != 0.0f) g = fma(p, set1(a.l2_weight_decay), g);  // Adam: grad + wd * param
   p = mul(p, set1(a.decay_factor));                                         // AdamW: param * (1 - lr * wd)
 
-  VF m = load_as_float<S>(q.m, i);
   const float w = a.lerp_weight;  // torch's lerp: two forms, chosen by the weight, for accuracy near 1
   m = (w < 0.5f) ? fma(set1(w), sub(g, m), m) : sub(g, mul(sub(g, m), set1(1.0f - w)));
-  VF v = fma(mul(g, set1(a.one_minus_beta2)), g, mul(load_as_float<S>(q.v, i), set1(a.beta2)));
-  VF v_used = v;
-  if (a.amsgrad) {
-    v_used = vmax(load_as_float<S>(q.vmax, i), v);
-    store_from_float<S>(q.vmax, i, v_used);
-  }
-  VF denom = fma(vsqrt(v_used), set1(a.inv_bc2_sqrt), set1(a.eps));
+  const VF v = fma(mul(g, set1(a.one_minus_beta2)), g, mul(v_old, set1(a.beta2)));
+  const VF v_used = a.amsgrad ? vmax(vmax_old, v) : v;
+  const VF root = vsqrt(v_used);
+  const VF denom = fma(root, set1(a.inv_bc2_sqrt), set1(a.eps));
   p = fma(set1(-a.step_size), div(m, denom), p);
+  return Updated{p, m, v, v_used, root};
+}
 
-  store_f32(q.p + i, p);
-  store_from_float<S>(q.m, i, m);
-  store_from_float<S>(q.v, i, v);
-  if constexpr (kStreamOut) stream_from_float<O>(q.out, i, p);
-  else store_from_float<O>(q.out, i, p);
+template <zo::DType G, zo::DType S, zo::DType O, bool kStreamOut>
+static inline void adam_vector(const zo::AdamArgs& a, const Pointers& q, int64_t i) {
+  // The gradient is read before the output is written, at the same index: param_out may be the gradient's memory.
+  const Updated u = adam_math<G>(a, q.g, i, load_f32(q.p + i), load_as_float<S>(q.m, i), load_as_float<S>(q.v, i),
+                                 a.amsgrad ? load_as_float<S>(q.vmax, i) : set1(0.0f));
+  if (a.amsgrad) store_from_float<S>(q.vmax, i, u.v_used);
+  store_f32(q.p + i, u.p);
+  store_from_float<S>(q.m, i, u.m);
+  store_from_float<S>(q.v, i, u.v);
+  if constexpr (kStreamOut) stream_from_float<O>(q.out, i, u.p);
+  else store_from_float<O>(q.out, i, u.p);
 }
 
 template <zo::DType G, zo::DType S, zo::DType O>
@@ -75,8 +87,10 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
   // The low-precision output is written once and next read by a copy to the GPU, not by this core: streaming
   // stores skip the read-for-ownership of its lines (measured: about 5% of the offload path's time at 100M
   // elements). They need alignment, so they are used when the range starts on a 64-byte boundary, which the
-  // dispatcher's block split gives for any buffer torch allocated.
-  const bool stream = O != zo::DType::kNone && (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
+  // dispatcher's block split gives for any buffer torch allocated. Not when the output is the gradient's memory:
+  // its lines are in cache already (just read), and a streaming store would evict each one between its reads.
+  const bool stream = O != zo::DType::kNone && q.out != q.g &&
+                      (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
   if (stream) {
     for (; i + kW <= end; i += kW) adam_vector<G, S, O, true>(a, q, i);
     stream_fence();  // order the streaming stores before whatever reads the output after this call
@@ -103,6 +117,170 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
   if (os) __builtin_memcpy(static_cast<uint8_t*>(q.out) + i * os, ob, n * os);
 }
 
+// ---- 8-bit block-wise state (DType::kQ8) ----
+//
+// Each block of kQBlock elements keeps one fp32 scale s per moment: the largest magnitude in the block after the
+// update. Codes compand by a square root, so that the small values of a block keep resolution (a linear code would
+// round everything under s/254 to zero):
+//   exp_avg     int8 c in [-127, 127]:  m = s * c|c| / 127^2       c = round(127 sqrt(|m| / s)), with m's sign
+//   exp_avg_sq  uint8 c in [0, 255]:    v = s * (c / 255)^4         c = round(255 sqrt(sqrt(v) / sqrt(s)))
+// The second moment is a square, so the fourth root puts sqrt(v), the quantity the update divides by, on the same
+// square-root code as m, with twice the levels: the smallest non-zero sqrt(v) is 1/255^2 of the block's largest,
+// finer than m's 1/127^2, so an element whose denominator rounds to zero has a numerator that did too (up to the
+// moments' different histories). max_exp_avg_sq (amsgrad) is coded like exp_avg_sq with its own scales.
+//
+// One memory pass per block: dequantise, update (the parameter from the unquantised new moments, as the GPU 8-bit
+// optimizers do), keep the new moments in a block-sized buffer in L1, then take the block's scale and requantise
+// from that buffer. Rounding is to nearest, ties to even. Blocks are independent: a range that starts on a block
+// boundary touches no other block, and a partial last block takes its scale from its live elements only.
+constexpr float kMCode = 127.0f, kVCode = 255.0f;
+constexpr float kFltMin = 1.17549435e-38f;
+
+struct QPointers {
+  float* p;
+  const void* g;
+  int8_t* m;
+  uint8_t* v;
+  uint8_t* vmax;
+  void* out;
+  float* m_scale;
+  float* v_scale;
+  float* vmax_scale;
+};
+
+// c * (1/127) is exactly 1 at c = 127 (likewise for 255), so a block's largest code dequantises to its scale
+// exactly, and a dequantised block requantises to the same codes and scale (state_dict round trips are lossless).
+static inline VF dequant_m(VF c, float s) {
+  const VF f = mul(c, set1(1.0f / kMCode));
+  return mul(mul(f, vabs(f)), set1(s));
+}
+static inline VF dequant_v(VF c, float s) {
+  const VF f = mul(c, set1(1.0f / kVCode)), f2 = mul(f, f);
+  return mul(mul(f2, f2), set1(s));
+}
+
+// A block's new scale from its largest magnitude: 0, with all codes 0, below FLT_MIN (where 1/s would overflow);
+// NaN, with all codes 0, when a value is not finite, so a poisoned moment stays visible instead of being rounded
+// into a code.
+static inline float block_scale(float largest, bool nonfinite) {
+  if (nonfinite) return __builtin_nanf("");
+  return largest >= kFltMin ? largest : 0.0f;
+}
+
+static inline float quantise_m(const float* m, float largest, bool nonfinite, int8_t* codes) {
+  const float s = block_scale(largest, nonfinite);
+  if (!(s > 0.0f)) {
+    __builtin_memset(codes, 0, zo::kQBlock);
+    return s;
+  }
+  const VF inv = set1(1.0f / s), top = set1(kMCode);
+  for (int j = 0; j < zo::kQBlock; j += kW) {
+    const VF x = load_f32(m + j);
+    store_s8(codes + j, with_sign_of(vmin(mul(vsqrt(mul(vabs(x), inv)), top), top), x));
+  }
+  return s;
+}
+
+// roots holds sqrt(v) (the update computed it already); largest is the block's largest v.
+static inline float quantise_v(const float* roots, float largest, bool nonfinite, uint8_t* codes) {
+  const float s = block_scale(largest, nonfinite);
+  if (!(s > 0.0f)) {
+    __builtin_memset(codes, 0, zo::kQBlock);
+    return s;
+  }
+  const VF inv_root = set1(1.0f / __builtin_sqrtf(s)), top = set1(kVCode);
+  for (int j = 0; j < zo::kQBlock; j += kW)
+    store_u8(codes + j, vmin(mul(vsqrt(mul(load_f32(roots + j), inv_root)), top), top));
+  return s;
+}
+
+// One whole block starting at element i (a multiple of kQBlock from the pointers' origin).
+template <zo::DType G, zo::DType O, bool kStreamOut>
+static inline void adam_block_q8(const zo::AdamArgs& a, const QPointers& q, int64_t i) {
+  const int64_t b = i / zo::kQBlock;
+  alignas(64) float mb[zo::kQBlock], rb[zo::kQBlock], xb[zo::kQBlock];
+  const float sm = q.m_scale[b], sv = q.v_scale[b], sx = a.amsgrad ? q.vmax_scale[b] : 0.0f;
+  VF m_abs = set1(0.0f), v_top = set1(0.0f), x_top = set1(0.0f), bad = set1(0.0f);
+  for (int j = 0; j < zo::kQBlock; j += kW) {
+    const int64_t k = i + j;
+    // The gradient is read before the output is written, at the same index: param_out may be the gradient's memory.
+    const Updated u = adam_math<G>(a, q.g, k, load_f32(q.p + k), dequant_m(load_s8(q.m + k), sm),
+                                   dequant_v(load_u8(q.v + k), sv),
+                                   a.amsgrad ? dequant_v(load_u8(q.vmax + k), sx) : set1(0.0f));
+    store_f32(q.p + k, u.p);
+    if constexpr (kStreamOut) stream_from_float<O>(q.out, k, u.p);
+    else store_from_float<O>(q.out, k, u.p);
+    store_f32(mb + j, u.m);
+    m_abs = vmax(m_abs, vabs(u.m));
+    v_top = vmax(v_top, u.v);
+    bad = add(bad, add(sub(u.m, u.m), sub(u.v, u.v)));  // NaN iff an m or v is inf or NaN (vmax would drop NaNs)
+    if (a.amsgrad) {
+      store_f32(rb + j, vsqrt(u.v));
+      store_f32(xb + j, u.root_used);
+      x_top = vmax(x_top, u.v_used);
+    } else {
+      store_f32(rb + j, u.root_used);  // sqrt(v) itself when there is no running max
+    }
+  }
+  const bool nonfinite = any_nan(bad);
+  q.m_scale[b] = quantise_m(mb, hmax(m_abs), nonfinite, q.m + i);
+  q.v_scale[b] = quantise_v(rb, hmax(v_top), nonfinite, q.v + i);
+  if (a.amsgrad) q.vmax_scale[b] = quantise_v(xb, hmax(x_top), nonfinite, q.vmax + i);
+}
+
+template <zo::DType G, zo::DType O>
+static void adam_range_q8(const zo::AdamArgs& a, int64_t begin, int64_t end) {
+  // begin is a block boundary (the dispatcher splits at multiples of kQBlock and checks segment offsets).
+  const QPointers q{a.param, a.grad, static_cast<int8_t*>(a.exp_avg), static_cast<uint8_t*>(a.exp_avg_sq),
+                    static_cast<uint8_t*>(a.max_exp_avg_sq), a.param_out, a.exp_avg_scale, a.exp_avg_sq_scale,
+                    a.max_exp_avg_sq_scale};
+  int64_t i = begin;
+  const bool stream = O != zo::DType::kNone && q.out != q.g &&  // as in adam_range_typed
+                      (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
+  if (stream) {
+    for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, true>(a, q, i);
+    stream_fence();
+  } else {
+    for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, false>(a, q, i);
+  }
+  if (i == end) return;
+  // Partial last block: the same block code on zero-padded copies, copied back for the live elements only. The
+  // padding cannot move the scale: its gradient, moments and param are 0, so its new moments are 0 too.
+  const int64_t n = end - i, b = i / zo::kQBlock;
+  constexpr int64_t B = zo::kQBlock;
+  alignas(64) float pb[B] = {};
+  alignas(64) uint8_t gb[B * 4] = {}, ob[B * 4] = {}, vb[B] = {}, xb[B] = {};
+  alignas(64) int8_t mb[B] = {};
+  float sm = q.m_scale[b], sv = q.v_scale[b], sx = a.amsgrad ? q.vmax_scale[b] : 0.0f;
+  const int gs = elem_size(G), os = elem_size(O);
+  __builtin_memcpy(pb, q.p + i, n * 4);
+  __builtin_memcpy(gb, static_cast<const uint8_t*>(q.g) + i * gs, n * gs);
+  __builtin_memcpy(mb, q.m + i, n);
+  __builtin_memcpy(vb, q.v + i, n);
+  if (a.amsgrad) __builtin_memcpy(xb, q.vmax + i, n);
+  adam_block_q8<G, O, false>(a, QPointers{pb, gb, mb, vb, xb, ob, &sm, &sv, &sx}, 0);
+  __builtin_memcpy(q.p + i, pb, n * 4);
+  __builtin_memcpy(q.m + i, mb, n);
+  __builtin_memcpy(q.v + i, vb, n);
+  q.m_scale[b] = sm;
+  q.v_scale[b] = sv;
+  if (a.amsgrad) {
+    __builtin_memcpy(q.vmax + i, xb, n);
+    q.vmax_scale[b] = sx;
+  }
+  if (os) __builtin_memcpy(static_cast<uint8_t*>(q.out) + i * os, ob, n * os);
+}
+
+template <zo::DType G>
+static void adam_range_q8_out(const zo::AdamArgs& a, int64_t b, int64_t e) {
+  switch (a.out_dtype) {
+    case zo::DType::kF32: return adam_range_q8<G, zo::DType::kF32>(a, b, e);
+    case zo::DType::kBF16: return adam_range_q8<G, zo::DType::kBF16>(a, b, e);
+    case zo::DType::kF16: return adam_range_q8<G, zo::DType::kF16>(a, b, e);
+    default: return adam_range_q8<G, zo::DType::kNone>(a, b, e);
+  }
+}
+
 template <zo::DType G, zo::DType S>
 static void adam_range_out(const zo::AdamArgs& a, int64_t b, int64_t e) {
   switch (a.out_dtype) {
@@ -115,7 +293,8 @@ static void adam_range_out(const zo::AdamArgs& a, int64_t b, int64_t e) {
 
 template <zo::DType G>
 static void adam_range_state(const zo::AdamArgs& a, int64_t b, int64_t e) {
-  if (a.state_dtype == zo::DType::kBF16) adam_range_out<G, zo::DType::kBF16>(a, b, e);
+  if (a.state_dtype == zo::DType::kQ8) adam_range_q8_out<G>(a, b, e);
+  else if (a.state_dtype == zo::DType::kBF16) adam_range_out<G, zo::DType::kBF16>(a, b, e);
   else adam_range_out<G, zo::DType::kF32>(a, b, e);
 }
 

@@ -7,7 +7,14 @@
 
 namespace zo {
 
-enum class DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+// kQ8 is a state dtype only: 8-bit block-wise moments (int8 exp_avg, uint8 exp_avg_sq and max_exp_avg_sq), each
+// with one fp32 scale per kQBlock elements. See cpu_adam_kernel.h for the mapping.
+enum class DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kQ8 = 4 };
+
+// Elements per scale block of kQ8 state: the buckets' 64-element slot alignment, so that any 64-aligned segment of a
+// flat buffer owns whole blocks (its last possibly partial) and can be updated alone; a multiple of every vector
+// width (16, 8, 1 floats).
+constexpr int64_t kQBlock = 64;
 
 struct AdamArgs {
   float* param;            // fp32 master, updated in place
@@ -16,6 +23,11 @@ struct AdamArgs {
   void* exp_avg_sq;        // second moment, state_dtype
   void* max_exp_avg_sq;    // amsgrad running max, state_dtype; null unless amsgrad
   void* param_out;         // optional copy of the updated param, out_dtype; null when out_dtype == kNone
+  // kQ8 state only (else null): one fp32 scale per kQBlock elements of the buffer above it, indexed by element / 64
+  // from the same origin, so a range [begin, end) must start on a block boundary.
+  float* exp_avg_scale;
+  float* exp_avg_sq_scale;
+  float* max_exp_avg_sq_scale;
   DType grad_dtype;
   DType state_dtype;
   DType out_dtype;

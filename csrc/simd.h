@@ -6,6 +6,10 @@
 //
 // Conversions round to nearest-even. A NaN stays a NaN on the way down: bf16 NaNs become the canonical 0x7FC0
 // (what c10::BFloat16 produces), so results compare bit-for-bit with `tensor.to(torch.bfloat16)`.
+//
+// 8-bit codes: load_s8/load_u8 widen kW codes to floats; store_s8/store_u8 round kW floats to the nearest integer
+// (ties to even, the default MXCSR mode) and narrow them. The callers pass values already clamped to the code range
+// and never NaN, so the narrowing never saturates in practice; it does saturate if it must.
 #pragma once
 
 #if defined(ZO_ISA_AVX512)
@@ -47,6 +51,27 @@ static inline void stream_f32(float* p, VF x) { _mm512_stream_ps(p, x); }
 static inline void stream_bf16(uint16_t* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
 static inline void stream_f16(uint16_t* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), f16_bits(x)); }
 static inline void stream_fence() { _mm_sfence(); }
+
+static inline VF vmin(VF a, VF b) { return _mm512_min_ps(a, b); }
+static inline VF vabs(VF a) { return _mm512_abs_ps(a); }
+static inline VF with_sign_of(VF mag, VF sign) {  // mag must be >= 0
+  const __m512i s = _mm512_and_si512(_mm512_castps_si512(sign), _mm512_set1_epi32(int(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), s));
+}
+static inline float hmax(VF a) { return _mm512_reduce_max_ps(a); }
+static inline VF load_s8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline void store_s8(int8_t* p, VF x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
+}
+static inline void store_u8(uint8_t* p, VF x) {
+  const __m512i i = _mm512_max_epi32(_mm512_cvtps_epi32(x), _mm512_setzero_si512());
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(i));
+}
 
 #elif defined(ZO_ISA_AVX2)
 
@@ -93,6 +118,36 @@ static inline void stream_f32(float* p, VF x) { _mm256_stream_ps(p, x); }
 static inline void stream_bf16(uint16_t* p, VF x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
 static inline void stream_f16(uint16_t* p, VF x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), f16_bits(x)); }
 static inline void stream_fence() { _mm_sfence(); }
+
+static inline VF vmin(VF a, VF b) { return _mm256_min_ps(a, b); }
+static inline VF vabs(VF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline VF with_sign_of(VF mag, VF sign) {  // mag must be >= 0
+  return _mm256_or_ps(mag, _mm256_and_ps(sign, _mm256_set1_ps(-0.0f)));
+}
+static inline float hmax(VF a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+static inline VF load_s8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF load_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m128i i16_of(VF x) {  // 8 rounded int32 lanes narrowed (saturating) to 8 int16, in order
+  const __m256i i = _mm256_cvtps_epi32(x);
+  return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+}
+static inline void store_s8(int8_t* p, VF x) {
+  const __m128i w = i16_of(x);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+}
+static inline void store_u8(uint8_t* p, VF x) {
+  const __m128i w = i16_of(x);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+}
 
 #elif defined(ZO_ISA_SCALAR)
 
@@ -150,6 +205,24 @@ static inline void stream_f32(float* p, VF x) { store_f32(p, x); }
 static inline void stream_bf16(uint16_t* p, VF x) { store_bf16(p, x); }
 static inline void stream_f16(uint16_t* p, VF x) { store_f16(p, x); }
 static inline void stream_fence() {}
+
+static inline VF vmin(VF a, VF b) { return a < b ? a : b; }
+static inline VF vabs(VF a) { return float_of(bits_of(a) & 0x7FFFFFFFu); }
+static inline VF with_sign_of(VF mag, VF sign) { return float_of(bits_of(mag) | (bits_of(sign) & 0x80000000u)); }
+static inline float hmax(VF a) { return a; }
+static inline VF load_s8(const int8_t* p) { return static_cast<float>(*p); }
+static inline VF load_u8(const uint8_t* p) { return static_cast<float>(*p); }
+// Nearest integer, ties to even, without libm: adding 1.5 * 2^23 leaves no fraction bits, so the FPU rounds (in its
+// default nearest-even mode); exact for |x| < 2^22, far beyond the code range.
+static inline int32_t round_i32(float x) { return static_cast<int32_t>((x + 12582912.0f) - 12582912.0f); }
+static inline void store_s8(int8_t* p, VF x) {
+  const int32_t i = round_i32(x);
+  *p = static_cast<int8_t>(i > 127 ? 127 : i < -128 ? -128 : i);
+}
+static inline void store_u8(uint8_t* p, VF x) {
+  const int32_t i = round_i32(x);
+  *p = static_cast<uint8_t>(i > 255 ? 255 : i < 0 ? 0 : i);
+}
 
 #else
 #error "define one of ZO_ISA_AVX512, ZO_ISA_AVX2, ZO_ISA_SCALAR before including simd.h"

@@ -3,7 +3,20 @@ tests hold the kernel to.
 
 It performs torch.optim.AdamW's single-tensor arithmetic (lerp, mul + addcmul, sqrt / bias correction + eps,
 addcdiv) with the bias corrections in double, on chunks of the buffer so that low-precision inputs never need a
-full-size fp32 temporary.
+full-size fp32 temporary. The arithmetic runs in the master's dtype: float32 normally; the tests pass float64
+masters (and scales) to get a float64 oracle of the very same (quantised) arithmetic.
+
+8-bit block-wise state (int8 ``exp_avg``, uint8 ``exp_avg_sq``/``max_exp_avg_sq``, one scale per :data:`Q8_BLOCK`
+elements) follows the kernel's mapping (csrc/cpu_adam_kernel.h), operation for operation in float32:
+
+* ``exp_avg``: code :math:`c \\in [-127, 127]`, value :math:`s\\,c|c|/127^2`; quantised as
+  :math:`\\mathrm{round}(127\\sqrt{|m|/s})` with the sign of :math:`m`.
+* ``exp_avg_sq``: code :math:`c \\in [0, 255]`, value :math:`s\\,(c/255)^4`; quantised as
+  :math:`\\mathrm{round}(255\\sqrt{\\sqrt{v}/\\sqrt{s}})`.
+
+:math:`s` is the block's largest magnitude after the update; rounding is to nearest, ties to even; a block whose
+largest magnitude is below FLT_MIN stores scale 0 and codes 0; a block holding a non-finite moment stores a NaN scale
+(and codes 0) for every moment, so the problem stays visible.
 """
 
 from __future__ import annotations
@@ -14,7 +27,75 @@ from typing import Optional, Tuple
 import torch
 
 # Elements per chunk: large enough that per-op overhead is noise, small enough that fp32 temporaries stay in cache.
+# A multiple of Q8_BLOCK, so chunks of 8-bit state own whole scale blocks.
 _CHUNK = 1 << 18
+Q8_BLOCK = 64
+_M_CODE, _V_CODE = 127.0, 255.0
+_FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """(blocks, Q8_BLOCK) view of a 1-D tensor, zero-padded to whole blocks (a copy only when padding is needed)."""
+    pad = -x.numel() % Q8_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, Q8_BLOCK)
+
+
+def dequantize_m(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of int8 first-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``."""
+    n = codes.numel()
+    f = _blocks(codes.to(dtype)) * (1.0 / _M_CODE)  # exactly 1 at the top code: the largest value is the scale
+    return (f * f.abs() * scale.to(dtype)[:, None]).view(-1)[:n]
+
+
+def dequantize_v(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of uint8 second-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``."""
+    n = codes.numel()
+    f = _blocks(codes.to(dtype)) * (1.0 / _V_CODE)
+    f2 = f * f
+    return (f2 * f2 * scale.to(dtype)[:, None]).view(-1)[:n]
+
+
+def _block_scale(largest: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    s = torch.where(largest >= _FLT_MIN, largest, torch.zeros_like(largest))
+    return torch.where(nonfinite, torch.full_like(s, math.nan), s)
+
+
+def quantize_m_(codes: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, nonfinite: torch.Tensor) -> None:
+    """Write int8 codes and block scales of first-moment values ``m`` (1-D); ``nonfinite`` flags blocks to poison."""
+    n = m.numel()
+    x = _blocks(m)
+    s = _block_scale(x.abs().amax(dim=1), nonfinite)
+    live = s > 0
+    inv = torch.where(live, 1.0 / torch.where(live, s, torch.ones_like(s)), torch.zeros_like(s))
+    u = torch.clamp_max(torch.sqrt(x.abs() * inv[:, None]) * _M_CODE, _M_CODE)
+    c = torch.where(live[:, None], torch.round(torch.copysign(u, x)), torch.zeros_like(u))
+    codes.copy_(c.view(-1)[:n])
+    scale.copy_(s)
+
+
+def quantize_v_(codes: torch.Tensor, scale: torch.Tensor, v: torch.Tensor, nonfinite: torch.Tensor,
+                roots: Optional[torch.Tensor] = None) -> None:
+    """Write uint8 codes and block scales of second-moment values ``v`` (1-D, >= 0); ``roots`` is ``sqrt(v)`` when
+    the caller has it already."""
+    n = v.numel()
+    s = _block_scale(_blocks(v).amax(dim=1), nonfinite)
+    r = _blocks(torch.sqrt(v) if roots is None else roots)
+    live = s > 0
+    inv_root = torch.where(live, 1.0 / torch.sqrt(torch.where(live, s, torch.ones_like(s))), torch.zeros_like(s))
+    u = torch.clamp_max(torch.sqrt(r * inv_root[:, None]) * _V_CODE, _V_CODE)
+    c = torch.where(live[:, None], torch.round(u), torch.zeros_like(u))
+    codes.copy_(c.view(-1)[:n])
+    scale.copy_(s)
+
+
+def _nonfinite_blocks(*xs: torch.Tensor) -> torch.Tensor:
+    bad = None
+    for x in xs:
+        b = ~torch.isfinite(_blocks(x)).all(dim=1)
+        bad = b if bad is None else bad | b
+    return bad
 
 
 def adam_(
@@ -34,8 +115,14 @@ def adam_(
     maximize: bool,
     grad_scale: float,
     param_out: Optional[torch.Tensor],
+    exp_avg_scale: Optional[torch.Tensor] = None,
+    exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """Reference update on already-validated 1-D views (see functional.cpu_adam_ for the arguments)."""
+    """Reference update on already-validated 1-D views (see functional.cpu_adam_ for the arguments). The arithmetic
+    runs in ``param.dtype``."""
+    cdt = param.dtype
+    q8 = exp_avg.dtype == torch.int8
     step_size = lr / (1.0 - beta1**step)
     bc2_sqrt = math.sqrt(1.0 - beta2**step)
     p_all, g_all = param.view(-1), grad.view(-1)
@@ -44,8 +131,9 @@ def adam_(
     out_all = None if param_out is None else param_out.view(-1)
     for start in range(0, p_all.numel(), _CHUNK):
         sl = slice(start, start + _CHUNK)
+        bl = slice(start // Q8_BLOCK, (start + _CHUNK) // Q8_BLOCK)  # this chunk's scale blocks (8-bit state)
         p = p_all[sl]
-        g = g_all[sl].float()
+        g = g_all[sl].to(cdt)
         if grad_scale != 1.0:
             g = g * grad_scale  # out of place, like everything below: the caller's gradient is never written
         if maximize:
@@ -55,21 +143,36 @@ def adam_(
                 p.mul_(1.0 - lr * weight_decay)
             else:
                 g = g.add(p, alpha=weight_decay)
-        m, v = m_all[sl].float(), v_all[sl].float()  # views for fp32 state, copies for bf16
+        if q8:
+            m = dequantize_m(m_all[sl], exp_avg_scale[bl], cdt)
+            v = dequantize_v(v_all[sl], exp_avg_sq_scale[bl], cdt)
+        else:
+            m, v = m_all[sl].to(cdt), v_all[sl].to(cdt)  # views for state of the compute dtype, copies otherwise
         m.lerp_(g, 1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        vmax = None
         if vmax_all is not None:
-            vmax = torch.maximum(vmax_all[sl].float(), v)
-            vmax_all[sl].copy_(vmax)
-            denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
+            old = dequantize_v(vmax_all[sl], max_exp_avg_sq_scale[bl], cdt) if q8 else vmax_all[sl].to(cdt)
+            vmax = torch.maximum(old, v)
+            root = vmax.sqrt()
         else:
-            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            root = v.sqrt()
+        denom = (root / bc2_sqrt).add_(eps)
         p.addcdiv_(m, denom, value=-step_size)
-        if m.data_ptr() != m_all[sl].data_ptr():
-            m_all[sl].copy_(m)
-            v_all[sl].copy_(v)
+        if q8:
+            bad = _nonfinite_blocks(m, v)
+            quantize_m_(m_all[sl], exp_avg_scale[bl], m, bad)
+            quantize_v_(v_all[sl], exp_avg_sq_scale[bl], v, bad, None if vmax is not None else root)
+            if vmax is not None:
+                quantize_v_(vmax_all[sl], max_exp_avg_sq_scale[bl], vmax, bad, root)
+        else:
+            if vmax is not None:
+                vmax_all[sl].copy_(vmax)
+            if m.data_ptr() != m_all[sl].data_ptr():
+                m_all[sl].copy_(m)
+                v_all[sl].copy_(v)
         if out_all is not None:
-            out_all[sl].copy_(p)
+            out_all[sl].copy_(p)  # last: param_out may be the gradient's memory, read above
 
 
 def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:

@@ -15,6 +15,19 @@ The update, for gradient :math:`g` scaled by ``grad_scale`` :math:`s` (negated w
 which is ``torch.optim.AdamW`` (``decoupled_weight_decay=True``) or ``torch.optim.Adam``, with bias corrections in
 double precision.
 
+State dtypes (chosen by the dtype of ``exp_avg``), bytes per element for the two moments together:
+
+* float32 (8 B): exactly the arithmetic above.
+* bfloat16 (4 B): each moment is read as bf16, updated in fp32, rounded back to nearest-even bf16.
+* 8-bit block-wise (2 B, plus 2 x 4 B per :data:`Q8_BLOCK` = 64 elements for the scales, 2.125 B in all): int8
+  ``exp_avg`` and uint8 ``exp_avg_sq`` (and ``max_exp_avg_sq``), each with a float32 scale per block of 64 elements,
+  ``*_scale`` tensors of :func:`q8_scale_numel` ``(n)`` elements. Codes compand by a square root so that small values
+  keep resolution: :math:`m = s\,c|c|/127^2`, :math:`v = s\,(c/255)^4`, :math:`s` the block's largest magnitude,
+  recomputed from the block's new values each step. The parameter is updated from the unquantised new moments;
+  the moments are then requantised in the same memory pass. Blocks are independent: a slice that starts at a
+  multiple of 64 (with the matching slice of the scales) can be updated alone.
+  :func:`quantize_state_` and :func:`dequantize_state` convert to and from float32.
+
 Implementation choice, made in :func:`resolve_path` and nowhere else: the environment variable
 ``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar`` or ``torch``) forces a path and an impossible
 choice is an error, never a silent substitute; unset (or ``auto``), the best ISA of the native kernel, or the
@@ -35,11 +48,13 @@ import torch
 from zero_offload import _build, _reference
 from zero_offload.options import check_hparams
 
-__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path", "PATHS"]
+__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path", "PATHS",
+           "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
 PATHS = ("avx512", "avx2", "neon", "scalar", "torch")
+Q8_BLOCK = _reference.Q8_BLOCK  # elements per scale of 8-bit state: the buckets' 64-element slot alignment
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _get_layout, _get_dtype = operator.attrgetter("layout"), operator.attrgetter("dtype")
 
@@ -93,24 +108,77 @@ def _check_buffer(t: object, name: str, numel: int, dtypes: Tuple[torch.dtype, .
         raise TypeError(f"cpu_adam_: {name} has unsupported dtype {t.dtype} (supported: {allowed})")
 
 
+def q8_scale_numel(numel: int) -> int:
+    """Number of float32 scales 8-bit state of ``numel`` elements needs: one per started block of 64."""
+    return -(-int(numel) // Q8_BLOCK)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+
+
+def _check_out_vs_grad(param_out: torch.Tensor, grad: torch.Tensor, name: str, caller: str = "cpu_adam_",
+                       offset: int = 0) -> None:
+    """param_out may be the gradient's own memory slot for slot (each slot is read as a gradient before it is
+    written as the parameter), never a partial overlap. ``offset``: the element of param_out that grad's first
+    element updates."""
+    same_slot = grad.data_ptr() == param_out.data_ptr() + offset * param_out.element_size()
+    if grad.numel() and same_slot and grad.element_size() == param_out.element_size():
+        return
+    if _overlap(param_out, grad):
+        raise ValueError(f"{caller}: param_out overlaps {name} without being exactly its memory (param_out may "
+                         "share the gradient's memory only slot for slot, with the same element size)")
+
+
 def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, amsgrad: bool,
-                 max_exp_avg_sq: Optional[torch.Tensor], param_out: Optional[torch.Tensor]) -> int:
+                 max_exp_avg_sq: Optional[torch.Tensor], param_out: Optional[torch.Tensor],
+                 exp_avg_scale: Optional[torch.Tensor] = None, exp_avg_sq_scale: Optional[torch.Tensor] = None,
+                 max_exp_avg_sq_scale: Optional[torch.Tensor] = None) -> int:
     """Check the flat buffers of an update (all but the gradient); returns their number of elements."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"cpu_adam_: param must be a torch.Tensor, got {type(param).__name__}")
     numel = param.numel()
     _check_buffer(param, "param", numel, (torch.float32,))
     _check_buffer(exp_avg, "exp_avg", numel, _STATE_DTYPES)
-    _check_buffer(exp_avg_sq, "exp_avg_sq", numel, (exp_avg.dtype,))
+    q8 = exp_avg.dtype == torch.int8
+    sq_dtype = torch.uint8 if q8 else exp_avg.dtype
+    _check_buffer(exp_avg_sq, "exp_avg_sq", numel, (sq_dtype,))
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("cpu_adam_: amsgrad=True needs max_exp_avg_sq")
-        _check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (exp_avg.dtype,))
+        _check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (sq_dtype,))
     elif max_exp_avg_sq is not None:
         raise ValueError("cpu_adam_: max_exp_avg_sq was given but amsgrad=False")
+    scales = {"exp_avg_scale": exp_avg_scale, "exp_avg_sq_scale": exp_avg_sq_scale,
+              "max_exp_avg_sq_scale": max_exp_avg_sq_scale}
+    if q8:
+        if not amsgrad and max_exp_avg_sq_scale is not None:
+            raise ValueError("cpu_adam_: max_exp_avg_sq_scale was given but amsgrad=False")
+        for name, t in scales.items():
+            if t is None and (amsgrad or name != "max_exp_avg_sq_scale"):
+                raise ValueError(f"cpu_adam_: 8-bit state (int8 exp_avg) needs {name}: float32, "
+                                 f"q8_scale_numel({numel}) = {q8_scale_numel(numel)} elements")
+            if t is not None:
+                _check_buffer(t, name, q8_scale_numel(numel), (torch.float32,))
+    else:
+        given = [name for name, t in scales.items() if t is not None]
+        if given:
+            raise ValueError(f"cpu_adam_: {', '.join(given)} given, but scales belong to 8-bit state only "
+                             f"(exp_avg is {exp_avg.dtype})")
     if param_out is not None:
         _check_buffer(param_out, "param_out", numel, _OUT_DTYPES)
+        others = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq,
+                  **scales}
+        for name, t in others.items():
+            if t is not None and _overlap(param_out, t):
+                raise ValueError(f"cpu_adam_: param_out overlaps {name} (only the gradient may share its memory)")
     return numel
+
+
+def _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad: bool) -> dict:
+    return dict(exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale,
+                max_exp_avg_sq_scale=max_exp_avg_sq_scale if amsgrad else None)
 
 
 def _check_hyper(step, lr, betas, eps, weight_decay, grad_scale
@@ -148,6 +216,9 @@ def cpu_adam_(
     maximize: bool = False,
     grad_scale: float = 1.0,
     param_out: Optional[torch.Tensor] = None,
+    exp_avg_scale: Optional[torch.Tensor] = None,
+    exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """One fused Adam/AdamW update of flat CPU buffers, in place, in one memory pass.
 
@@ -157,8 +228,9 @@ def cpu_adam_(
     Args:
         param (Tensor): fp32 master weights, updated in place.
         grad (Tensor): gradient, fp32, bf16 or fp16, same number of elements; never written.
-        exp_avg (Tensor): first moment, fp32 or bf16 (bf16 saves 4 bytes per element of state, at bf16 accuracy).
-        exp_avg_sq (Tensor): second moment, same dtype as ``exp_avg``.
+        exp_avg (Tensor): first moment: fp32, bf16 (saves 4 bytes per element of state, at bf16 accuracy), or int8
+            codes of 8-bit block-wise state (saves 5.875 bytes; see the module docstring).
+        exp_avg_sq (Tensor): second moment, same dtype as ``exp_avg``; uint8 codes when ``exp_avg`` is int8.
         step (int or Tensor): the 1-based step count *after* this update (``torch.optim``'s ``state["step"]``).
         lr (float or Tensor): learning rate, >= 0.
         betas (Tuple[float, float]): coefficients of the running averages. Default: (0.9, 0.999).
@@ -167,15 +239,25 @@ def cpu_adam_(
         decoupled_weight_decay (bool): True for AdamW's decay of the weights, False for Adam's L2 term added to
             the gradient. Default: True.
         amsgrad (bool): use the running maximum of ``exp_avg_sq``, kept in ``max_exp_avg_sq``. Default: False.
-        max_exp_avg_sq (Tensor, optional): amsgrad's buffer, same dtype as ``exp_avg``; required iff amsgrad.
+        max_exp_avg_sq (Tensor, optional): amsgrad's buffer, same dtype as ``exp_avg_sq``; required iff amsgrad.
         maximize (bool): ascend instead of descend. Default: False.
         grad_scale (float): multiplies the gradient first, in the same pass: a loss-scale inverse times a
             clipping coefficient. Default: 1.
         param_out (Tensor, optional): receives the updated parameter rounded (nearest-even) to its dtype, fp32,
-            bf16 or fp16: the low-precision copy to send back to the GPU. Default: None.
+            bf16 or fp16: the low-precision copy to send back to the GPU. It may be ``grad`` itself (same memory,
+            same element size, e.g. a bf16 gradient buffer that then carries the bf16 parameter back); any other
+            overlap with an argument is an error. Default: None.
+        exp_avg_scale (Tensor, optional): 8-bit state only (then required): float32, ``q8_scale_numel(n)``
+            elements, one per block of 64 of ``exp_avg``. Default: None.
+        exp_avg_sq_scale (Tensor, optional): the same for ``exp_avg_sq``. Default: None.
+        max_exp_avg_sq_scale (Tensor, optional): the same for ``max_exp_avg_sq``; 8-bit state with amsgrad only.
+            Default: None.
     """
-    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out)
+    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
+                         exp_avg_sq_scale, max_exp_avg_sq_scale)
     _check_buffer(grad, "grad", numel, _GRAD_DTYPES)
+    if param_out is not None:
+        _check_out_vs_grad(param_out, grad, "grad")
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
 
     path = resolve_path()
@@ -186,13 +268,92 @@ def cpu_adam_(
             param, grad, exp_avg, exp_avg_sq, step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f,
             weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
             max_exp_avg_sq=max_exp_avg_sq if amsgrad else None, maximize=bool(maximize), grad_scale=scale,
-            param_out=param_out,
+            param_out=param_out, **_q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad),
         )  # fmt: skip
     else:
         _build.load_native().adam_step(
             path, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, param_out, step_i,
             lr_f, beta1, beta2, eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale,
+            **_q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad),
         )  # fmt: skip
+
+
+def _check_codes(codes: object, scale: object, caller: str) -> int:
+    for name, t in (("codes", codes), ("scale", scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{caller}: {name} must be a dense, contiguous CPU tensor (got {t.device}, {t.layout}, "
+                             f"contiguous={t.is_contiguous()})")
+    if codes.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"{caller}: codes must be int8 (exp_avg) or uint8 (exp_avg_sq, max_exp_avg_sq), got "
+                        f"{codes.dtype}")
+    n = codes.numel()
+    if scale.dtype != torch.float32 or scale.numel() != q8_scale_numel(n):
+        raise ValueError(f"{caller}: scale must be float32 with q8_scale_numel({n}) = {q8_scale_numel(n)} elements, "
+                         f"got {scale.dtype} with {scale.numel()}")
+    return n
+
+
+def quantize_state_(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tensor) -> None:
+    """Quantise a moment into 8-bit block-wise state in place: the form :func:`cpu_adam_` reads and writes.
+
+    The mapping follows the dtype of ``codes``: int8 is the first moment's signed code, uint8 the second moment's
+    (see the module docstring), the same arithmetic as the kernel's requantisation. A block holding a non-finite
+    value gets a NaN scale. Works a chunk at a time, so a whole bucket needs no full-size float temporary.
+
+    Args:
+        codes (Tensor): int8 (``exp_avg``) or uint8 (``exp_avg_sq``, ``max_exp_avg_sq``), n elements, contiguous,
+            CPU; written.
+        scale (Tensor): float32, ``q8_scale_numel(n)`` elements, contiguous, CPU; written.
+        values (Tensor): the moment, any floating dtype, n elements (any shape, contiguous), CPU; >= 0 for uint8
+            codes. Never written.
+    """
+    n = _check_codes(codes, scale, "quantize_state_")
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        raise TypeError("quantize_state_: values must be a floating-point torch.Tensor")
+    if values.device.type != "cpu" or not values.is_contiguous() or values.numel() != n:
+        raise ValueError(f"quantize_state_: values must be a contiguous CPU tensor of {n} elements, got "
+                         f"{values.numel()} on {values.device}, contiguous={values.is_contiguous()}")
+    signed = codes.dtype == torch.int8
+    flat, c, chunk = values.reshape(-1), codes.view(-1), _reference._CHUNK
+    if not signed and bool((flat < 0).any()):
+        raise ValueError("quantize_state_: a second moment (uint8 codes) must be >= 0; values holds negatives")
+    for start in range(0, n, chunk):
+        x = flat[start : start + chunk].float()
+        sl, bl = slice(start, start + chunk), slice(start // Q8_BLOCK, q8_scale_numel(start + chunk))
+        bad = _reference._nonfinite_blocks(x)
+        if signed:
+            _reference.quantize_m_(c[sl], scale[bl], x, bad)
+        else:
+            _reference.quantize_v_(c[sl], scale[bl], x, bad)
+
+
+def dequantize_state(codes: torch.Tensor, scale: torch.Tensor, *, out: Optional[torch.Tensor] = None
+                     ) -> torch.Tensor:
+    """The float32 values of 8-bit block-wise state (the inverse of :func:`quantize_state_`, up to rounding).
+
+    Args:
+        codes (Tensor): int8 (``exp_avg``) or uint8 (``exp_avg_sq``, ``max_exp_avg_sq``), n elements, contiguous.
+        scale (Tensor): float32, ``q8_scale_numel(n)`` elements.
+        out (Tensor, optional): float32, n elements (any shape), contiguous, CPU: written and returned, so a
+            bucket can be dequantised straight into, e.g., a state_dict's tensors. Default: a new 1-D tensor.
+
+    Returns:
+        Tensor: ``out``, or a new float32 tensor of n elements.
+    """
+    n = _check_codes(codes, scale, "dequantize_state")
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.device.type != "cpu"
+          or not out.is_contiguous() or out.numel() != n):
+        raise ValueError(f"dequantize_state: out must be a contiguous float32 CPU tensor of {n} elements")
+    deq = _reference.dequantize_m if codes.dtype == torch.int8 else _reference.dequantize_v
+    flat, c, chunk = out.view(-1), codes.view(-1), _reference._CHUNK
+    for start in range(0, n, chunk):
+        sl, bl = slice(start, start + chunk), slice(start // Q8_BLOCK, q8_scale_numel(start + chunk))
+        flat[sl] = deq(c[sl], scale[bl], torch.float32)
+    return out
 
 
 def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
@@ -263,16 +424,23 @@ def cpu_adam_segments_(
     maximize: bool = False,
     grad_scale: float = 1.0,
     param_out: Optional[torch.Tensor] = None,
+    exp_avg_scale: Optional[torch.Tensor] = None,
+    exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """:func:`cpu_adam_` on the flat buffers where the gradient of elements
     ``[offsets[i], offsets[i] + grads[i].numel())`` is read from ``grads[i]`` itself, so gradients that live in
     separate tensors need no copy into one buffer first. Elements outside every segment are not touched.
 
     Validation is :func:`cpu_adam_`'s, plus: every ``grads[i]`` a dense, contiguous CPU tensor, all of one dtype
-    (fp32, bf16 or fp16); ``offsets`` sorted, segments non-overlapping and within the buffers. The result on each
-    segment is bit-identical to :func:`cpu_adam_` on that segment's slices alone.
+    (fp32, bf16 or fp16); ``offsets`` sorted, segments non-overlapping and within the buffers; with 8-bit state,
+    every offset a multiple of :data:`Q8_BLOCK`, so that each segment owns its scale blocks. ``param_out`` may hold
+    the gradients (``grads[i]`` exactly ``param_out[offsets[i]:...]``). The result on each segment is bit-identical
+    to :func:`cpu_adam_` on that segment's slices alone (and, for 8-bit state, its slice of the scales,
+    ``[offset // 64, ceil(end / 64))``).
     """
-    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out)
+    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
+                         exp_avg_sq_scale, max_exp_avg_sq_scale)
     _check_grads(grads, "cpu_adam_segments_")
     offsets = list(map(operator.index, offsets))
     if len(offsets) != len(grads):
@@ -285,28 +453,38 @@ def cpu_adam_segments_(
     if ends and ends[-1] > numel:
         raise ValueError(f"cpu_adam_segments_: the last segment ends at {ends[-1]}, past the buffers' {numel} "
                          "elements")
+    q8 = exp_avg.dtype == torch.int8
+    if q8 and any(map(operator.mod, offsets, itertools.repeat(Q8_BLOCK))):
+        i = next(i for i, o in enumerate(offsets) if o % Q8_BLOCK)
+        raise ValueError(f"cpu_adam_segments_: segment {i} starts at offset {offsets[i]}, not a multiple of "
+                         f"{Q8_BLOCK}: 8-bit state needs each segment to own whole scale blocks")
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
 
     path = resolve_path()
     if not grads:
         return
     vmax = max_exp_avg_sq if amsgrad else None
+    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
     if path == "torch":
+        if param_out is not None:  # the native path checks this in C++, without a Python loop
+            for i, (o, g) in enumerate(zip(offsets, grads)):
+                _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
         for o, g in zip(offsets, grads):
             n = g.numel()
             if n == 0:
                 continue
-            sl = slice(o, o + n)
+            sl, bl = slice(o, o + n), slice(o // Q8_BLOCK, q8_scale_numel(o + n))
             _reference.adam_(
                 param[sl], g, exp_avg[sl], exp_avg_sq[sl], step=step_i, lr=lr_f, beta1=beta1, beta2=beta2,
                 eps=eps_f, weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
                 max_exp_avg_sq=None if vmax is None else vmax[sl], maximize=bool(maximize), grad_scale=scale,
                 param_out=None if param_out is None else param_out[sl],
+                **{k: None if t is None else t[bl] for k, t in q8_kw.items()},
             )  # fmt: skip
     else:
         _build.load_native().adam_step_segments(
             path, param, list(grads), offsets, exp_avg, exp_avg_sq, vmax, param_out, step_i, lr_f, beta1, beta2,
-            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale,
+            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, **q8_kw,
         )  # fmt: skip
 
 
