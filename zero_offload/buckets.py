@@ -273,6 +273,7 @@ class FlatBucket:
         self.shard = shard
         self.where = where
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
+        self.shapes = [p.shape for p in self.params]
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
@@ -529,8 +530,8 @@ class FlatBucket:
         if all(map(operator.is_, grads, self.grad_targets)):
             return grads  # every gradient already is its slot: dense, nothing more to check
         # Only a gradient that is not already its slot can be sparse or shaped unlike its parameter.
-        others = [(g, p) for g, p, v in zip(grads, params, self.grad_targets) if g is not v and g is not None]
-        check_grads([g for g, _ in others], [p for _, p in others])
+        others = [(g, i) for i, (g, v) in enumerate(zip(grads, self.grad_targets)) if g is not v and g is not None]
+        check_grads([g for g, _ in others], [params[i] for _, i in others], [self.shapes[i] for _, i in others])
         return grads
 
     def _moved(self, i: int) -> bool:
@@ -602,12 +603,14 @@ class FlatBucket:
         return out
 
 
-def check_grads(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+def check_grads(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                shapes: Optional[Sequence[torch.Size]] = None) -> None:
     """Refuse gradients the kernel cannot take for their parameters: sparse ones, and any shaped unlike the
     parameter (a broadcastable one would be silently expanded by a copy, a smaller one partly applied). C-level
     loops on the hot path."""
+    # (``shapes``: the parameters' own, read once: a Parameter's attributes are slow to read.)
     if set(map(_get_layout, grads)) <= {torch.strided} and list(map(_get_shape, grads)) == list(
-            map(_get_shape, params)):
+            shapes if shapes is not None else map(_get_shape, params)):
         return
     for g, p in zip(grads, params):
         if g.layout != torch.strided:
