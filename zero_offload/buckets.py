@@ -19,6 +19,7 @@ they become NaN; they are never read).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 import os
@@ -527,10 +528,14 @@ class FlatBucket:
                 "`p.data = ...`, `model.to(...)` or another optimizer). Move or cast the model first, then build the "
                 "optimizer."
             )
-        if all(map(operator.is_, grads, self.grad_targets)):
+        in_slot = list(map(operator.is_, grads, self.grad_targets))
+        if all(in_slot):
             return grads  # every gradient already is its slot: dense, nothing more to check
         # Only a gradient that is not already its slot can be sparse or shaped unlike its parameter.
-        others = [(g, i) for i, (g, v) in enumerate(zip(grads, self.grad_targets)) if g is not v and g is not None]
+        if not any(in_slot) and not any(map(operator.is_, grads, itertools.repeat(None))):
+            check_grads(grads, params, self.shapes)  # the usual fresh gradients: C-level loops only
+            return grads
+        others = [(g, i) for i, (g, s) in enumerate(zip(grads, in_slot)) if not s and g is not None]
         check_grads([g for g, _ in others], [params[i] for _, i in others], [self.shapes[i] for _, i in others])
         return grads
 
@@ -550,6 +555,11 @@ class FlatBucket:
     def slot_filled(self, i: int) -> None:
         """Gradient slot ``i`` now holds (or is about to hold) a gradient."""
         self.grad_slot_zero[i] = False
+
+    def all_slots_filled(self) -> None:
+        """Every gradient slot now holds a gradient (the steady state of ``zero_grad(set_to_none=False)``)."""
+        if any(self.grad_slot_zero):
+            self.grad_slot_zero[:] = [False] * len(self.grad_slot_zero)
 
     def clear_slot(self, i: int) -> None:
         """Parameter ``i`` has no gradient: its gradient slot must read as zeros."""

@@ -362,8 +362,7 @@ class Transport:
         bucket, views = bg.bucket, bg.bucket.grad_views
         if all(map(operator.is_, bg.pending, views)):
             # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
-            for i in range(len(views)):
-                bucket.slot_filled(i)
+            bucket.all_slots_filled()
             return None
         if not self._links[id(bucket)].streamed and any(g is not None and g is not v
                                                          for g, v in zip(bg.pending, views)):
