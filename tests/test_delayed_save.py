@@ -161,7 +161,10 @@ def test_delayed_checkpoint_loads_into_adamw_and_a_non_delayed_optimizer(where):
         assert_same(ours_model, adamw_model, ours, adamw, f"step {step}")
 
 
-def test_delayed_dcp_checkpoint_resumes_as_the_run_flushed_at_the_save(where, tmp_path):
+@pytest.mark.parametrize("target", ["fresh", "pending"])
+def test_delayed_dcp_checkpoint_resumes_as_the_run_flushed_at_the_save(where, target, tmp_path):
+    """``pending``: the optimizer loaded into has an update pending itself when it makes the dict for
+    ``dcp.load``, which then holds copies (and, on the CUDA path, ``param`` is the host slot, not the parameter)."""
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     model, opt = _make()
     ref_model, ref = _make()
@@ -172,6 +175,9 @@ def test_delayed_dcp_checkpoint_resumes_as_the_run_flushed_at_the_save(where, tm
     saved_model = copy.deepcopy(model.state_dict())
     ref.flush()
     resumed_model, resumed = _make(seed=1)
+    if target == "pending":
+        for step in (97, 98):
+            _step(resumed_model, resumed, step)
     resumed_model.load_state_dict(saved_model)
     sd = {"optim": resumed.sharded_state_dict()}
     dcp.load(sd, checkpoint_id=os.path.join(tmp_path, "dcp"), no_dist=True)
@@ -181,3 +187,52 @@ def test_delayed_dcp_checkpoint_resumes_as_the_run_flushed_at_the_save(where, tm
         _step(resumed_model, resumed, step)
         _step(ref_model, ref, step)
         _assert_identical(resumed_model, resumed, ref_model, ref, f"resumed step {step}")
+
+
+# -------------------------------------------------------------------- into a sharded optimizer (gloo world 2) --
+def _sharded_resume_worker(rank, world, path):
+    import torch.distributed as dist
+    from test_distributed import BUCKET_NUMEL, Net, _compare, _ref_step, _step, groups
+
+    saved = torch.load(path, weights_only=True)
+    model, ref_model = Net(), Net()
+    model.load_state_dict(saved["model"])
+    ref_model.load_state_dict(saved["model"])
+    opt = OffloadOptimizer(groups(model), lr=LR, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=30)
+    opt.load_state_dict(saved["opt"])
+    ref = OffloadOptimizer(groups(ref_model), lr=LR, bucket_numel=BUCKET_NUMEL)  # one process, the whole batch
+    ref.load_state_dict(saved["opt"])
+    full = opt.state_dict()  # gathered: a collective
+    for i, p in enumerate(model.parameters()):  # bitwise the flushed run, every rank
+        assert torch.equal(p, saved["flushed_params"][i]), f"rank {rank}, param {i}"
+        expected = saved["flushed_state"][i]
+        assert set(full["state"][i]) == set(expected), f"rank {rank}, param {i}: {set(full['state'][i])}"
+        for key, value in expected.items():
+            assert torch.equal(full["state"][i][key], value), f"rank {rank}, param {i}, {key}"
+    for step in range(SAVE_AT + 1, SAVE_AT + 6):
+        _step(model, opt, step, rank, world, clip=0.5)
+        _ref_step(ref_model, ref, step, clip=0.5)
+        _compare(model, ref_model, f"rank {rank}, step {step}")
+    return True
+
+
+def test_delayed_checkpoint_loads_into_a_sharded_optimizer(tmp_path):
+    """``delayed_update`` does not combine with a ``process_group``, but its checkpoint loads into a sharded
+    optimizer: each rank writes ``param`` into its parameters and its piece of the state (the flushed run's)."""
+    from test_distributed import BUCKET_NUMEL, Net, _ref_step, groups, launch
+
+    torch.manual_seed(0)
+    model, ref_model = Net(), Net()
+    ref_model.load_state_dict(model.state_dict())
+    opt = OffloadOptimizer(groups(model), lr=LR, bucket_numel=BUCKET_NUMEL, delayed_update=True)
+    ref = OffloadOptimizer(groups(ref_model), lr=LR, bucket_numel=BUCKET_NUMEL, delayed_update=True)
+    for step in range(SAVE_AT + 1):
+        _ref_step(model, opt, step, clip=0.5)
+        _ref_step(ref_model, ref, step, clip=0.5)
+    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+    ref.flush()
+    saved["flushed_params"] = [p.detach() for p in ref_model.parameters()]
+    saved["flushed_state"] = ref.state_dict()["state"]
+    torch.save(saved, tmp_path / "ckpt.pt")
+    launch(_sharded_resume_worker, 2, str(tmp_path / "ckpt.pt"), timeout=120)

@@ -339,40 +339,59 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, proce
     return {"state": state, "param_groups": out_groups}
 
 
+def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+    """Where ``dcp.load`` wrote into copies, not the buffers (the dict was made while a delayed update was pending,
+    of which it shows the result), copy them into the buffers; and each ``param`` into its parameter, where it is
+    not the parameter's own storage."""
+    values: List[Optional[torch.Tensor]] = []
+    for i, p in enumerate(bucket.params):
+        live = _state_pieces(bucket, i, None, param=False)
+        for name, t in tensors[p].items():
+            if name in live and t.data_ptr() != live[name].data_ptr():
+                live[name].copy_(t)
+        value = tensors[p].get("param")
+        values.append(None if value is None or value.data_ptr() == p.data_ptr() else view_like(value, 0, p))
+    _install_params(bucket, values)
+
+
 def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, param: bool = False
-                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, torch.Tensor]]:
-    """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step
-    and, with ``param``, the value ``dcp.load`` wrote for it (1-D, in the parameter's memory order)."""
+                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+    """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
+    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
     new_groups = merge_groups(groups, state_dict["param_groups"], what, same_amsgrad=True)
     position = _positions(groups)
+    where = _where(buckets)
     steps: Dict[torch.Tensor, float] = {}
-    values: Dict[torch.Tensor, torch.Tensor] = {}
+    tensors: Dict[torch.Tensor, Dict[str, Any]] = {}
     for p in chain.from_iterable(g["params"] for g in groups):
         key = str(position[id(p)])
         entry = state_dict["state"].get(key)
-        if not isinstance(entry, dict) or "step" not in entry or (param and "param" not in entry):
-            raise ValueError(f"{what} has no state (or no 'param') for parameter {key}")
+        if not isinstance(entry, dict) or "step" not in entry:
+            raise ValueError(f"{what} has no state for parameter {key}")
         steps[p] = check_step(entry["step"], f"{what}, parameter {key}")
-        if param:
-            value = entry["param"]
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() != p.numel():
-                raise ValueError(f"{what}, parameter {key}: 'param' is not the 1-D tensor sharded_state_dict() made")
-            values[p] = value
-    return new_groups, steps, values
+        _, bucket, i = where[p]
+        if not bucket.sharded:
+            names = list(_entry_tensors(bucket, i, None, param))
+            bad = [n for n in names if not isinstance(entry.get(n), torch.Tensor) or entry[n].dim() != 1
+                   or entry[n].numel() != p.numel()]
+            if bad:
+                raise ValueError(f"{what}, parameter {key}: {bad} missing or not the 1-D tensors sharded_state_dict() "
+                                 "made")
+            tensors[p] = {n: entry[n] for n in names}
+    return new_groups, steps, tensors
 
 
 def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor, float],
-                       values: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
-    """Apply the validated step counts; ``dcp.load`` already wrote moments and masters into the buffers. The
-    parameters' ``values`` (``delayed_update``) are written into the parameters where they are not their storage."""
+                       tensors: Optional[Dict[torch.Tensor, Dict[str, Any]]] = None) -> None:
+    """Apply the validated step counts; ``dcp.load`` already wrote moments and masters into the buffers, except
+    for the ``tensors`` that are not views of them (see :func:`_copy_in`)."""
     for bucket in chain.from_iterable(buckets):
-        if values:
-            _install_params(bucket, [None if values[p].data_ptr() == p.data_ptr() else view_like(values[p], 0, p)
-                                     for p in bucket.params])
+        if tensors and not bucket.sharded:
+            _copy_in(bucket, tensors)
         for i, p in enumerate(bucket.params):
             step = steps[p]
             bucket.set_step(i, step)

@@ -397,8 +397,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """AdamW's state dict, its tensors views of the host buffers. With a ``process_group``, a collective that
         gathers the full state onto *every* rank (12-20 bytes per parameter while it is kept); for large models
-        prefer :meth:`sharded_state_dict`. Saving changes nothing; with ``delayed_update``, see the README's
-        "Saving a delayed run": the state after the pending update, the parameters' values after it as ``param``."""
+        prefer :meth:`sharded_state_dict`. Saving changes nothing. With ``delayed_update`` (README, "Saving a delayed
+        run"): the state after the pending update, with ``param``, the value after it; copies for a CPU model."""
         ahead = self._mode.ahead()  # first: on CUDA it waits for the worker that writes the buffers
         if not self._transport.sharded:
             checkpoint.reexpose(self.state, self._buckets, every=True)
@@ -463,12 +463,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Args:
             state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
         """
-        groups, steps, values = checkpoint.plan_sharded_load(self.param_groups, self._buckets, state_dict,
-                                                             self.options.delayed_update)
+        groups, steps, tensors = checkpoint.plan_sharded_load(self.param_groups, self._buckets, state_dict,
+                                                              self.options.delayed_update)
         self._mode.drop()  # dcp.load has already replaced the state it would update
         self._transport.synchronize()
         self._pending = None
-        checkpoint.apply_sharded_load(self.state, self._buckets, steps, values)
+        checkpoint.apply_sharded_load(self.state, self._buckets, steps, tensors)
         self.param_groups = groups
 
     def __getstate__(self) -> Dict[str, Any]:
