@@ -10,8 +10,8 @@ Three claims, each against a reference run of the same data:
   ``delayed_update``, it is the flushed run's state, and the two continue alike (default fp32 tolerance).
 
 Each runs on CPU models and through the CUDA branches (``cuda_standins``: the pending update runs in the worker
-thread and is uploaded at the next ``step()``). ``delayed_update`` does not combine with a ``process_group``, so
-there is no sharded case.
+thread and is uploaded at the next ``step()``), with full and DCP state dicts. ``delayed_update`` does not
+combine with a ``process_group``; its checkpoint loading into a sharded optimizer is checked at gloo world 2.
 """
 
 from __future__ import annotations
