@@ -59,8 +59,8 @@ def test_cuda_branches_overlap_step_uploads_from_the_worker(cuda_branches, accum
 
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip):
-    """On CUDA the delayed update runs in the worker thread and uploads at the next step(), flush() or
-    state_dict(): parameters are compared every step, the whole state once flushed."""
+    """On CUDA the delayed update runs in the worker thread and uploads at the next step() or flush():
+    parameters are compared every step, the whole state once flushed."""
     torch.manual_seed(0)
     model = TinyTransformer()
     ref_model = copy.deepcopy(model)
@@ -80,10 +80,10 @@ def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip
         for p, q in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
         if step == 6:
-            ours.state_dict()  # applies the pending update (and uploads it) from the main thread
+            ours.flush()  # applies the pending update (and uploads it) from the main thread
             ref.step()
             ref.prev = None
-            assert_same(model, ref_model, ours, ref.opt, f"state_dict at step {step}")
+            assert_same(model, ref_model, ours, ref.opt, f"flush at step {step}")
     ours.flush()
     ref.step()
     assert_same(model, ref_model, ours, ref.opt, "after flush")

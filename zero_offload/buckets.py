@@ -443,21 +443,23 @@ class FlatBucket:
         if self.separate_master:
             self.versions[i] = self.params[i]._version if loaded else -1
 
-    def refresh_masters(self, indices: Sequence[int]) -> None:
+    def refresh_masters(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
-        wrote it; see the class docstring. Each rank decides for its own pieces, with no collective."""
+        wrote it; see the class docstring. Each rank decides for its own pieces, with no collective. ``into``
+        (CPU buckets only): per-parameter copies of the masters to refresh instead, the bucket left as it is."""
         if not self.separate_master:
             return
         stale = [i for i in indices if self.params[i]._version != self.versions[i]]
         if not stale:
             return
         for i, value in zip(stale, self._param_values(stale)):
-            master = self.master_views[i]
+            master = self.master_views[i] if into is None else into[i]
             # A parameter rewritten with the value it already had (a model checkpoint loaded alongside this
             # optimizer's) keeps the fp32 master's extra bits; any other value replaces the master.
             if value is not None and (self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value)):
                 master.copy_(value)
-            self.versions[i] = self.params[i]._version
+            if into is None:
+                self.versions[i] = self.params[i]._version
 
     def _param_values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:
         """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""

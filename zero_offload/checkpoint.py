@@ -12,17 +12,18 @@ from __future__ import annotations
 import dataclasses
 from copy import deepcopy
 from itertools import chain
-from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Set, Tuple
 
 import torch
 
 from zero_offload.buckets import FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "LoadPlan", "apply_load", "check_format", "apply_sharded_load", "expose", "full_state", "plan_load",
-           "plan_sharded_load", "reexpose", "sharded_state_dict"]
+__all__ = ["STATE_KEYS", "Ahead", "LoadPlan", "ahead_entries", "apply_load", "check_format", "apply_sharded_load",
+           "expose", "full_state", "plan_load", "plan_sharded_load", "reexpose", "sharded_state_dict"]
 
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+# "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param")
 
 Buckets = Sequence[Sequence[FlatBucket]]
 State = MutableMapping[Any, Dict[str, Any]]
@@ -53,6 +54,61 @@ def reexpose(state: State, buckets: Buckets, every: bool) -> None:
                 break
             if not every:
                 break
+
+
+# ---------------------------------------------------------------------------- a pending (delayed) update --
+@dataclasses.dataclass
+class Ahead:
+    """A bucket's state after the update still pending (``delayed_update``), which saving describes without applying
+    it: the parameters ``indices`` it updates and, where the buffers do not hold that state yet, copies of them
+    (``steps``, and flat buffers by name: ``master``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+    ``staging``). ``flat`` None: the buffers hold it already (the CUDA path's worker wrote them)."""
+
+    indices: Set[int]
+    steps: Optional[torch.Tensor] = None
+    flat: Optional[Dict[str, torch.Tensor]] = None
+
+
+def _entry_tensors(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
+    """Parameter ``i``'s state tensors, parameter-shaped: views of the buffers, or of ``after``'s copies where it
+    has them for ``i``; with ``param``, also the parameter's value (see :func:`_param_value`)."""
+    slots = bucket.state_slots(i, master=bucket.low_precision)
+    pending = after is not None and i in after.indices
+    if pending and after.flat is not None:
+        p, offset = bucket.params[i], bucket.layout.offsets[i]
+        slots = {name: view_like(after.flat[name], offset, p) for name in slots}
+    if param:
+        slots["param"] = _param_value(bucket, i, after if pending else None)
+    return slots
+
+
+def _param_value(bucket: FlatBucket, i: int, after: Optional[Ahead]) -> torch.Tensor:
+    """Parameter ``i``'s value on the host, after the pending update ``after`` where given: its slot (the
+    parameter's own storage on the CPU; on CUDA, what was or will be uploaded), else a copy of the parameter."""
+    if after is not None and after.flat is not None:
+        flat = after.flat["staging" if bucket.low_precision else "master"]
+        return view_like(flat, bucket.layout.offsets[i], bucket.params[i])
+    slot = (bucket.staging_views if bucket.low_precision else bucket.master_views)[i]
+    if bucket.on_cpu or after is not None or bucket.versions[i] == bucket.params[i]._version:
+        return slot
+    return bucket.params[i].detach().to("cpu")  # changed since the optimizer last wrote it, or never written
+
+
+def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dict[int, Ahead]
+                  ) -> Dict[int, Dict[str, torch.Tensor]]:
+    """The state entries of the parameters a pending update changes, as that update will leave them, with
+    ``param`` (the parameter's value after it: the model's parameters are one step behind), keyed as
+    ``Optimizer.state_dict()`` numbers parameters. Copies where ``ahead`` computed them, else views."""
+    index = _positions(groups)
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for bucket in chain.from_iterable(buckets):
+        after = ahead.get(id(bucket))
+        for i in after.indices if after is not None else ():
+            # The step is a view like the other tensors where they are views (as state_dict() gives them).
+            entry = {"step": bucket.steps[i] if after.flat is None else after.steps[i].clone()}
+            entry.update(_entry_tensors(bucket, i, after, param=True))
+            out[index[id(bucket.params[i])]] = entry
+    return out
 
 
 # ------------------------------------------------------------------------------------------ param groups --
@@ -111,7 +167,7 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{where} lacks {missing}")
-    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param"):
         if k not in entry:
             continue
         v = entry[k]
@@ -159,10 +215,21 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
         else:
             _load_flat(bucket, entries)
         expose(state, bucket, [i for i, e in enumerate(entries) if e is not None])
+        _install_params(bucket, [None if e is None else e.get("param") for e in entries])
     where = _where(buckets)
     for p in list(state.keys()):
         if isinstance(p, torch.Tensor) and p in where and p not in plan.entries:
             del state[p]
+
+
+def _install_params(bucket: FlatBucket, values: Sequence[Optional[torch.Tensor]]) -> None:
+    """A checkpoint saved with a delayed update pending holds each parameter's value after it (``param``; the
+    model's own checkpoint is one step behind): written into the parameter, so the state and the parameters
+    agree. A separate master then stays, as the parameter rounds from it (or is taken from it, fp32)."""
+    with torch.no_grad():
+        for p, value in zip(bucket.params, values):
+            if value is not None:
+                p.copy_(value)
 
 
 def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) -> None:
@@ -215,11 +282,10 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
-def _state_pieces(bucket: FlatBucket, i: int) -> Dict[str, torch.Tensor]:
+def _state_pieces(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
     """Parameter ``i``'s state tensors that this rank holds, 1-D in slot order (flat ranges of the buffers, so that
-    loading into them writes the optimizer's state in place)."""
-    slots = bucket.state_slots(i, master=bucket.low_precision)
-    return {name: memory_order_flat(slot) for name, slot in slots.items()}
+    loading into them writes the optimizer's state in place; of ``after``'s copies where a pending update is)."""
+    return {name: memory_order_flat(t) for name, t in _entry_tensors(bucket, i, after, param).items()}
 
 
 def _sharded_tensor(local: torch.Tensor, bucket: FlatBucket, i: int, process_group: Any):
@@ -247,9 +313,12 @@ def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
     return {id(p): k for k, p in enumerate(chain.from_iterable(g["params"] for g in groups))}
 
 
-def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, process_group: Any = None
-                       ) -> Dict[str, Any]:
-    """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`."""
+def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, process_group: Any = None,
+                       ahead: Optional[Dict[int, Ahead]] = None, param: bool = False) -> Dict[str, Any]:
+    """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`. ``ahead``: a pending update's state, given
+    instead of the buffers'; ``param``: each parameter's value too (``delayed_update``, whose parameters can be a
+    step behind the state)."""
+    ahead = ahead or {}
     position = _positions(groups)
     state: Dict[str, Dict[str, Any]] = {}
     out_groups = []
@@ -257,9 +326,11 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, proce
         out_groups.append({**{k: deepcopy(v) for k, v in group.items() if k != "params"},
                            "params": [position[id(p)] for p in group["params"]]})
     for bucket in chain.from_iterable(buckets):
+        after = ahead.get(id(bucket))
         for i, p in enumerate(bucket.params):
-            entry: Dict[str, Any] = {"step": bucket.steps[i].clone()}
-            for name, local in _state_pieces(bucket, i).items():
+            copied = after is not None and after.flat is not None and i in after.indices
+            entry: Dict[str, Any] = {"step": (after.steps if copied else bucket.steps)[i].clone()}
+            for name, local in _state_pieces(bucket, i, after, param).items():
                 if bucket.sharded and bucket.shard.full.numels[i]:
                     entry[name] = _sharded_tensor(local, bucket, i, process_group)
                 else:
@@ -268,28 +339,59 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, proce
     return {"state": state, "param_groups": out_groups}
 
 
-def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any
-                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float]]:
-    """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups and each parameter's step."""
+def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+    """Where ``dcp.load`` wrote into copies, not the buffers (the dict was made while a delayed update was pending,
+    of which it shows the result), copy them into the buffers; and each ``param`` into its parameter, where it is
+    not the parameter's own storage."""
+    values: List[Optional[torch.Tensor]] = []
+    for i, p in enumerate(bucket.params):
+        live = _state_pieces(bucket, i, None, param=False)
+        for name, t in tensors[p].items():
+            if name in live and t.data_ptr() != live[name].data_ptr():
+                live[name].copy_(t)
+        value = tensors[p].get("param")
+        values.append(None if value is None or value.data_ptr() == p.data_ptr() else view_like(value, 0, p))
+    _install_params(bucket, values)
+
+
+def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, param: bool = False
+                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+    """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
+    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
     new_groups = merge_groups(groups, state_dict["param_groups"], what, same_amsgrad=True)
     position = _positions(groups)
+    where = _where(buckets)
     steps: Dict[torch.Tensor, float] = {}
+    tensors: Dict[torch.Tensor, Dict[str, Any]] = {}
     for p in chain.from_iterable(g["params"] for g in groups):
         key = str(position[id(p)])
         entry = state_dict["state"].get(key)
         if not isinstance(entry, dict) or "step" not in entry:
             raise ValueError(f"{what} has no state for parameter {key}")
         steps[p] = check_step(entry["step"], f"{what}, parameter {key}")
-    return new_groups, steps
+        _, bucket, i = where[p]
+        if not bucket.sharded:
+            names = list(_entry_tensors(bucket, i, None, param))
+            bad = [n for n in names if not isinstance(entry.get(n), torch.Tensor) or entry[n].dim() != 1
+                   or entry[n].numel() != p.numel()]
+            if bad:
+                raise ValueError(f"{what}, parameter {key}: {bad} missing or not the 1-D tensors sharded_state_dict() "
+                                 "made")
+            tensors[p] = {n: entry[n] for n in names}
+    return new_groups, steps, tensors
 
 
-def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor, float]) -> None:
-    """Apply the validated step counts; ``dcp.load`` already wrote moments and masters into the buffers."""
+def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor, float],
+                       tensors: Optional[Dict[torch.Tensor, Dict[str, Any]]] = None) -> None:
+    """Apply the validated step counts; ``dcp.load`` already wrote moments and masters into the buffers, except
+    for the ``tensors`` that are not views of them (see :func:`_copy_in`)."""
     for bucket in chain.from_iterable(buckets):
+        if tensors and not bucket.sharded:
+            _copy_in(bucket, tensors)
         for i, p in enumerate(bucket.params):
             step = steps[p]
             bucket.set_step(i, step)

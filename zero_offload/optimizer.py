@@ -324,8 +324,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         update_bucket(self._transport, bucket, self._transport.sent(bucket), None, hyper, 1.0, self.state)
 
     def flush(self) -> None:
-        """With ``delayed_update``: apply the update still pending from the last ``step()`` now (``state_dict()``
-        does this first). Otherwise: nothing to do."""
+        """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). Else: nothing."""
         self._mode.flush(self.state)
 
     # ------------------------------------------------------------------------------------------- gradients --
@@ -396,16 +395,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
-        """AdamW's state dict, its tensors views of the host buffers (after :meth:`flush`). With a
-        ``process_group``, a collective that gathers the full state onto *every* rank (12-20 bytes per parameter
-        while it is kept); for large models prefer :meth:`sharded_state_dict`."""
-        self.flush()
+        """AdamW's state dict, its tensors views of the host buffers. With a ``process_group``, a collective that
+        gathers the full state onto *every* rank (12-20 bytes per parameter while it is kept); for large models
+        prefer :meth:`sharded_state_dict`. Saving changes nothing. With ``delayed_update`` (README, "Saving a delayed
+        run"): the state after the pending update, with ``param``, the value after it; copies for a CPU model."""
+        ahead = self._mode.ahead()  # first: on CUDA it waits for the worker that writes the buffers
         if not self._transport.sharded:
             checkpoint.reexpose(self.state, self._buckets, every=True)
         sd = super().state_dict()
         if self._transport.sharded:
             sd["state"] = checkpoint.full_state(self.param_groups, self._buckets,
                                                 self._transport.comm.all_gather_host)
+        sd["state"].update(checkpoint.ahead_entries(self.param_groups, self._buckets, ahead))
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -450,10 +451,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
         elements in memory order), a ``ShardedTensor`` of this rank's piece with a process group, and a view of the
         host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
-        ``delayed_update``, the pending update is applied first. See the README's "Multi-GPU and multi-node"."""
-        self.flush()  # the tensors handed out are the live buffers: nothing may still be writing them
+        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See the README's "Multi-GPU"."""
         group = self._transport.comm.group if self._transport.sharded else None
-        return checkpoint.sharded_state_dict(self.param_groups, self._buckets, group)
+        return checkpoint.sharded_state_dict(self.param_groups, self._buckets, group, self._mode.ahead(),
+                                             param=self.options.delayed_update)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Finish loading a :meth:`sharded_state_dict` that ``dcp.load`` filled (moments and masters are in the
@@ -462,11 +463,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Args:
             state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
         """
-        groups, steps = checkpoint.plan_sharded_load(self.param_groups, self._buckets, state_dict)
+        groups, steps, tensors = checkpoint.plan_sharded_load(self.param_groups, self._buckets, state_dict,
+                                                              self.options.delayed_update)
         self._mode.drop()  # dcp.load has already replaced the state it would update
         self._transport.synchronize()
         self._pending = None
-        checkpoint.apply_sharded_load(self.state, self._buckets, steps)
+        checkpoint.apply_sharded_load(self.state, self._buckets, steps, tensors)
         self.param_groups = groups
 
     def __getstate__(self) -> Dict[str, Any]:

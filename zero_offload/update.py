@@ -13,12 +13,12 @@ from typing import Callable, Dict, List, MutableMapping, Optional, Sequence, Tup
 import torch
 
 from zero_offload import functional
-from zero_offload.buckets import FlatBucket
-from zero_offload.checkpoint import expose
+from zero_offload.buckets import FlatBucket, view_like
+from zero_offload.checkpoint import Ahead, expose
 from zero_offload.options import Hyper, Options
 from zero_offload.transport import BucketGrads, Plans, Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "update_bucket"]
+__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "preview_bucket", "update_bucket"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
@@ -66,10 +66,39 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
     return list(indices)
 
 
+def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Hyper, multiplier: float, *,
+                   grad: torch.Tensor) -> Optional[Ahead]:
+    """What :func:`update_bucket` would leave in a CPU bucket, computed into copies of its buffers (the bucket,
+    its parameters and their recorded versions are left as they are): the state a delayed update will have."""
+    runs = bucket.runs(present)
+    if not runs:
+        return None
+    flat = {"master": bucket.master.clone(), "exp_avg": bucket.exp_avg.clone(),
+            "exp_avg_sq": bucket.exp_avg_sq.clone()}
+    if bucket.max_exp_avg_sq is not None:
+        flat["max_exp_avg_sq"] = bucket.max_exp_avg_sq.clone()
+    if bucket.staging is not None:
+        flat["staging"] = bucket.staging.clone()
+    full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
+    indices = list(range(len(bucket.params))) if full else [i for a, b, _ in runs for i in range(a, b + 1)]
+    bucket.refresh_masters(indices, into=[view_like(flat["master"], o, p)
+                                          for o, p in zip(bucket.layout.offsets, bucket.params)])
+    _kernel(bucket, runs, grad, None, h, multiplier, full, into=flat)
+    steps = bucket.steps.clone()
+    for first, last, _ in runs:
+        steps[first : last + 1] += 1
+    return Ahead(set(indices), steps, flat)
+
+
 def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad: torch.Tensor,
-            in_place: Optional[List[Optional[torch.Tensor]]], h: Hyper, multiplier: float, full: bool) -> None:
-    """One kernel call per run of parameters with the same step count."""
-    vmax = bucket.max_exp_avg_sq if h.amsgrad else None
+            in_place: Optional[List[Optional[torch.Tensor]]], h: Hyper, multiplier: float, full: bool,
+            into: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """One kernel call per run of parameters with the same step count, on the bucket's buffers or ``into``."""
+    bufs = into if into is not None else {"master": bucket.master, "exp_avg": bucket.exp_avg,
+                                          "exp_avg_sq": bucket.exp_avg_sq, "max_exp_avg_sq": bucket.max_exp_avg_sq,
+                                          "staging": bucket.staging}
+    vmax = bufs.get("max_exp_avg_sq") if h.amsgrad else None
+    staging, master, exp_avg, exp_avg_sq = bufs.get("staging"), bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"]
     offsets = bucket.layout.offsets
     for first, last, step in runs:
         a, b = bucket.layout.span(first, last)
@@ -77,14 +106,13 @@ def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad:
                   decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
                   max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
                   grad_scale=multiplier * bucket.grad_multiplier,
-                  param_out=None if bucket.staging is None else bucket.staging[a:b])
+                  param_out=None if staging is None else staging[a:b])
         if in_place is None:
-            functional.cpu_adam_(bucket.master[a:b], flat_grad[a:b], bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b],
-                                 **kw)
+            functional.cpu_adam_(master[a:b], flat_grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], **kw)
         else:
             functional.cpu_adam_segments_(
-                bucket.master[a:b], in_place if full else in_place[first : last + 1],
-                [o - a for o in offsets[first : last + 1]], bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b], **kw,
+                master[a:b], in_place if full else in_place[first : last + 1],
+                [o - a for o in offsets[first : last + 1]], exp_avg[a:b], exp_avg_sq[a:b], **kw,
             )  # fmt: skip
 
 
@@ -139,6 +167,10 @@ class Immediate:
 
     def flush(self, state: State) -> None:
         """Apply any update still pending."""
+
+    def ahead(self) -> Dict[int, Ahead]:
+        """The state any pending update will leave, by ``id`` of bucket, without applying it (for saving)."""
+        return {}
 
     def drop(self) -> None:
         """Discard any update still pending (the state is about to be replaced)."""
@@ -207,10 +239,13 @@ class Overlap(Immediate):
 
 @dataclasses.dataclass
 class _Pending:
-    """A step's update held back by ``delayed_update``: ``run`` computes it; ``job`` is it running in the worker."""
+    """A step's update held back by ``delayed_update``: ``run`` computes it; ``job`` is it running in the worker;
+    ``work`` (bucket, which parameters, hyperparameters) and ``multiplier`` are what it was given."""
 
     run: Callable[[], List[Tuple[FlatBucket, Optional[List[int]]]]]
     job: Optional[Future]
+    work: List[Tuple[FlatBucket, Sequence[bool], Hyper]]
+    multiplier: float
 
 
 class Delayed(Immediate):
@@ -243,7 +278,7 @@ class Delayed(Immediate):
                                       scatter=False)) for b, present, h in work]
 
         on_gpu = any(not b.on_cpu for b, _, _ in work)
-        self._pending = _Pending(run, self._worker.submit(run) if on_gpu else None)
+        self._pending = _Pending(run, self._worker.submit(run) if on_gpu else None, work, multiplier)
 
     def flush(self, state: State) -> None:
         pending, self._pending = self._pending, None
@@ -256,6 +291,23 @@ class Delayed(Immediate):
         for bucket, indices in done:
             self.transport.send_params(bucket, indices)
         self.transport.finish_params(buckets)
+
+    def ahead(self) -> Dict[int, Ahead]:
+        """Saving must not change the run, so the pending update is neither applied early nor sent: on CUDA the
+        worker writes it into the buffers anyway (waited for here; the parameters still get it at the next
+        ``step()``); on the CPU, where the buffers are the parameters the next forward reads, it is computed into
+        copies of each bucket's buffers."""
+        pending = self._pending
+        if pending is None:
+            return {}
+        if pending.job is not None:
+            return {id(b): Ahead(set(idx)) for b, idx in pending.job.result() if idx is not None}
+        out = {}
+        for bucket, present, hyper in pending.work:
+            after = preview_bucket(bucket, present, hyper, pending.multiplier, grad=bucket.grad_prev)
+            if after is not None:
+                out[id(bucket)] = after
+        return out
 
     def drop(self) -> None:
         pending, self._pending = self._pending, None
