@@ -44,6 +44,13 @@ file is rewritten after each contender, so a run cut short keeps what it measure
     python benchmarks/train_step.py --preset 1.3b --batch 16 --seq 1024 --steps 10
     python benchmarks/train_step.py --only adamw,ours-delayed --preset 350m
     python benchmarks/train_step.py --find-max --preset 1.3b
+    python benchmarks/train_step.py --find-max --checkpoint --dtype bf16 --state-dtype int8   # the largest model
+    python benchmarks/train_step.py --find-max --checkpoint --gpu-cap-gib 12                  # a 12 GiB GPU
+
+Options that apply to every contender: ``--checkpoint`` (activation checkpointing of each block),
+``--dtype bf16`` (every model built in bf16: AdamW then keeps bf16 moments, ours fp32 masters on the host),
+``--gpu-cap-gib N`` (the process may allocate at most N GiB of the GPU). ``--state-dtype`` applies to ours only.
+For ours, the host RAM a size needs is its own exact estimate (``estimate_host_memory`` over meta tensors).
 """
 
 from __future__ import annotations
@@ -70,13 +77,30 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_offload import OffloadOptimizer, functional  # noqa: E402
 from zero_offload.host_memory import available_host_bytes  # noqa: E402
+from zero_offload.report import meta_params  # noqa: E402
 
 LR, WD = 1e-4, 0.01
 GIB = 2**30
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """What applies to every contender (set once from the command line): activation checkpointing, the model's
+    dtype, and the state dtype of ours."""
+
+    checkpoint: bool = False
+    dtype: Optional[torch.dtype] = None  # None: each contender's own (fp32, DeepSpeed bf16)
+    state_dtype: torch.dtype = torch.float32
+
+
+RUN = RunOptions()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 # name -> (layers, d_model, heads); GPT-2/GPT-3 shapes. Embeddings are tied, so "1.3b" is GPT-3 XL's 1.3B.
 PRESETS = {
@@ -141,6 +165,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.wte.weight
+        self.checkpoint = RUN.checkpoint
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
@@ -151,7 +176,8 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            # Activation checkpointing (--checkpoint): only each block's input is kept; backward recomputes it.
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint and self.training else block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -300,8 +326,27 @@ class Contender:
 
 
 def _ours(**kw):
-    return lambda model, cfg, amp: Runner(model, OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD, **kw),
-                                          amp)
+    return lambda model, cfg, amp: Runner(model, OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD,
+                                                                  **kw, **_state_kw()), amp)
+
+
+def _state_kw() -> Dict[str, Any]:
+    """``state_dtype`` for ours, passed only when not the default (fp32)."""
+    return {} if RUN.state_dtype == torch.float32 else dict(state_dtype=RUN.state_dtype)
+
+
+def host_need(con: "Contender", cfg: "Config") -> int:
+    """Host RAM a contender takes for ``cfg``: ours from its own exact estimate (over meta stand-ins, so every
+    option and state dtype counts), the others from their bytes per parameter."""
+    if not con.key.startswith("ours"):
+        return con.host_bytes * cfg.params()
+    est = OffloadOptimizer.estimate_host_memory(meta_params(cfg.params(), _model_dtype(con)), pin_memory=True,
+                                                delayed_update="delayed" in con.key, **_state_kw())
+    return est.total_bytes
+
+
+def _model_dtype(con: "Contender") -> torch.dtype:
+    return RUN.dtype if RUN.dtype is not None else con.dtype
 
 
 def _torchao(model, cfg, amp):
@@ -414,7 +459,7 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
     torch.cuda.reset_peak_memory_stats()
     runner = None
     try:
-        runner = con.make(build_model(cfg, device, args.seed, con.dtype), cfg, True)
+        runner = con.make(build_model(cfg, device, args.seed, _model_dtype(con)), cfg, True)
         for i in range(args.warmup):
             _iteration(runner, batches[i % len(batches)], True, [])
         phases: List[List[float]] = []
@@ -450,7 +495,7 @@ def measure_interleaved(contenders: Dict[str, Contender], cfg: Config, batches, 
     runners: Dict[str, Runner] = {}
     for key, con in contenders.items():
         try:
-            runners[key] = con.make(build_model(cfg, torch.device("cpu"), args.seed), cfg, False)
+            runners[key] = con.make(build_model(cfg, torch.device("cpu"), args.seed, _model_dtype(con)), cfg, False)
         except Exception as exc:
             rows[key] = _failure(exc, args)
     phases: Dict[str, List[List[float]]] = {key: [] for key in runners}
@@ -568,11 +613,11 @@ def find_max(con: Contender, base: Config, args, device: torch.device) -> Dict[s
 
     def attempt(layers: int) -> str:
         cfg = dataclasses.replace(base, layers=layers)
-        if ram is not None and con.host_bytes * cfg.params() > 0.85 * ram:
+        if ram is not None and host_need(con, cfg) > 0.85 * ram:
             return "host RAM"
         runner = None
         try:
-            runner = con.make(build_model(cfg, device, args.seed, con.dtype), cfg, True)
+            runner = con.make(build_model(cfg, device, args.seed, _model_dtype(con)), cfg, True)
             x, y = make_batches(cfg, 1, device, args.seed)[0]
             runner.backward(runner.forward(x, y))
             runner.step()
@@ -647,6 +692,14 @@ def main():
     ap.add_argument("--find-max", action="store_true",
                     help="GPU: find each contender's largest trainable model (scaling --layers) instead of timing")
     ap.add_argument("--find-max-batch", type=int, default=1, help="batch for --find-max (default 1)")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="activation checkpointing of every block, for every contender")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="build every contender's model in this dtype (default: fp32, DeepSpeed bf16)")
+    ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="fp32",
+                    help="OffloadOptimizer(state_dtype=...) for ours: fp32 (default), bf16 or int8 (8-bit block-wise)")
+    ap.add_argument("--gpu-cap-gib", type=float, default=None,
+                    help="cap the GPU memory this process may allocate (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -656,6 +709,13 @@ def main():
         torch.set_num_threads(args.threads)
 
     cuda = torch.cuda.is_available() and not args.cpu
+    RUN.checkpoint, RUN.state_dtype = args.checkpoint, STATE_DTYPES[args.state_dtype]
+    RUN.dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.gpu_cap_gib is not None:
+        if not cuda:
+            ap.error("--gpu-cap-gib needs a GPU")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gib * GIB / total))
     mode = "gpu" if cuda else "cpu"
     device = torch.device("cuda" if cuda else "cpu")
     defaults = MODE_DEFAULTS[mode]
@@ -693,11 +753,14 @@ def main():
 
     print(f"machine: {machine(cuda)}")
     if not cuda:
-        print("\n*** No CUDA GPU here: this is the CPU mode (model on CPU, fp32). The GPU figures (peak GPU memory, "
+        print("\n*** No CUDA GPU here: this is the CPU mode (model on CPU, fp32 unless --dtype). The GPU figures (peak GPU memory, "
               "hidden transfers, torchao, DeepSpeed, release_grads/overlap_step/delayed_update, --find-max) need a "
               "GPU. ***\n")
     print(f"model ({mode}, preset {preset}): {cfg.describe()}")
-    results: Dict[str, Any] = dict(machine=machine(cuda), mode=mode, config=dataclasses.asdict(cfg))
+    options = dict(checkpoint=args.checkpoint, dtype=args.dtype, state_dtype=args.state_dtype,
+                   gpu_cap_gib=args.gpu_cap_gib)
+    print("options: " + ", ".join(f"{k} {v}" for k, v in options.items()))
+    results: Dict[str, Any] = dict(machine=machine(cuda), mode=mode, config=dataclasses.asdict(cfg), options=options)
 
     if args.find_max:
         if not cuda:
