@@ -194,6 +194,9 @@ def test_overlap_step_refuses_what_needs_the_whole_step():
     _loss(model, 0).backward()
     with pytest.raises(RuntimeError, match="cannot clip"):
         opt.clip_grad_norm_(1.0)
+    # The updates run in a worker thread: the next forward must see them, or autograd's version check (not ours)
+    # refuses that backward, depending on which finishes first.
+    opt._mode.settle()
     with pytest.raises(RuntimeError, match="no_sync"):
         _loss(model, 1).backward()  # a second micro-batch without no_sync: its buckets were already updated
     with pytest.raises(RuntimeError, match="already updated"):
