@@ -21,9 +21,9 @@ import torch
 from zero_offload.buckets import FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "LoadPlan", "ParamList", "StateMap", "apply_load", "check_format", "apply_sharded_load",
-           "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load", "sharded_state_dict",
-           "sync_state"]
+__all__ = ["STATE_KEYS", "FlatPiece", "LoadPlan", "ParamList", "StateMap", "apply_load", "apply_sharded_load",
+           "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
+           "sharded_state_dict", "sync_state"]
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
@@ -408,24 +408,63 @@ def _state_pieces(bucket: FlatBucket, i: int) -> Dict[str, torch.Tensor]:
     return {name: memory_order_flat(slot) for name, slot in slots.items()}
 
 
-def _sharded_tensor(local: torch.Tensor, bucket: FlatBucket, i: int, process_group: Any):
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+class FlatPiece(torch.Tensor):
+    """A parameter's flattened state tensor (``numel`` elements) as ``torch.distributed.checkpoint`` sees it, of which
+    this rank holds the contiguous range ``[start, start + local.numel())``, ``local`` being a view of the host
+    buffers (so ``dcp.load`` writes the state in place).
 
-    shard = bucket.shard
-    numel = shard.full.numels[i]
-    pieces = {r: (start, n) for r, start, n in shard.pieces_of(i)}
-    # A rank that owns nothing of this parameter still gets a shard, empty, at the end: DCP's loader drops a
-    # ShardedTensor without local shards from the rank's plan and then reports its key missing.
-    metas = [ShardMetadata(shard_offsets=[pieces.get(r, (numel, 0))[0]], shard_sizes=[pieces.get(r, (numel, 0))[1]],
-                           placement=f"rank:{r}/cpu") for r in range(shard.world)]
-    mine = [Shard(local, m) for m in metas if m.placement.rank() == shard.rank]
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([numel]), tensor_properties=props)
-    # Global metadata is known from the layout on every rank, so no collective is needed to build it.
-    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=process_group)
+    DCP's own sharded types cannot say this: a DTensor's shards are ``torch.chunk``'s even split, and our pieces are
+    arbitrary ranges (where a bucket's shard boundaries fall in each parameter); ``ShardedTensor`` is deprecated.
+    So this implements the protocol DCP's planners ask of a sharded tensor (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``, which DTensor implements too), writing the same checkpoint
+    format as the ``ShardedTensor`` it replaces (one 1-D chunk per rank that holds a piece): checkpoints of either
+    load with the other, resharded to any number of ranks. It is a tensor without storage of its own: anything but
+    handing it to ``dcp.save``/``dcp.load`` raises.
+    """
+
+    local: torch.Tensor
+    start: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, start: int, numel: int) -> "FlatPiece":
+        piece = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
+        piece.local, piece.start = local, start
+        return piece
+
+    def __init__(self, local: torch.Tensor, start: int, numel: int) -> None:
+        super().__init__()
+
+    def _chunks(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        if self.local.numel() == 0:  # this rank holds nothing of the parameter: nothing to write or read
+            return []
+        return [ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=self.local.size())]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties(dtype=self.dtype, pin_memory=False)
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
+                for chunk in self._chunks()]
+
+    def __create_chunk_list__(self) -> list:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        if index.offset is not None and tuple(index.offset) != (self.start,):
+            raise ValueError(f"{index.fqn}: this rank holds the piece at offset {self.start}, not {index.offset}")
+        return self.local
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a FlatPiece of sharded_state_dict(): it is only for torch.distributed.checkpoint "
+                        "(its local piece is .local)")
+
+    def __repr__(self) -> str:
+        return f"FlatPiece(numel={self.numel()}, start={self.start}, local={self.local.numel()} elements)"
 
 
 def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
@@ -433,8 +472,7 @@ def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
     return {id(p): k for k, p in enumerate(chain.from_iterable(g["params"] for g in groups))}
 
 
-def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, process_group: Any = None
-                       ) -> Dict[str, Any]:
+def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets) -> Dict[str, Any]:
     """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`."""
     position = _positions(groups)
     state: Dict[str, Dict[str, Any]] = {}
@@ -447,7 +485,7 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, proce
             entry: Dict[str, Any] = {"step": bucket.steps[i].clone()}
             for name, local in _state_pieces(bucket, i).items():
                 if bucket.sharded and bucket.shard.full.numels[i]:
-                    entry[name] = _sharded_tensor(local, bucket, i, process_group)
+                    entry[name] = FlatPiece(local, bucket.shard.piece_src[i], bucket.shard.full.numels[i])
                 else:
                     entry[name] = local  # the whole parameter: an ordinary tensor
             state[str(position[id(p)])] = entry

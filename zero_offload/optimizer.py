@@ -450,12 +450,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a
         run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
-        elements in memory order), a ``ShardedTensor`` of this rank's piece with a process group, and a view of the
-        host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
+        elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
+        the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
         ``delayed_update``, the pending update is applied first. See the README's "Multi-GPU and multi-node"."""
         self._sync()  # flushes: the tensors handed out are the live buffers, nothing may still be writing them
-        group = self._transport.comm.group if self._transport.sharded else None
-        return checkpoint.sharded_state_dict(self.param_groups, self._buckets, group)
+        return checkpoint.sharded_state_dict(self.param_groups, self._buckets)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Finish loading a :meth:`sharded_state_dict` that ``dcp.load`` filled (moments and masters are in the
