@@ -24,6 +24,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from itertools import chain
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
@@ -458,6 +459,33 @@ def _resume_worker(rank, world, path):
         opt = _ckpt_opt(model, process_group=dist.group.WORLD)
         _resume(model, opt, rank, world, how, path)
     return True
+
+
+def _state_reset_worker(rank, world):
+    """The Adam reset recipe on every rank of a sharded optimizer: each rank's pieces restart, as AdamW's state."""
+    model, ref_model = _make(rank)
+    opt = OffloadOptimizer(groups(model), lr=1e-2, amsgrad=True, bucket_numel=BUCKET_NUMEL,
+                           process_group=dist.group.WORLD)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(5):
+        _step(model, opt, step, rank, world)
+        _ref_step(ref_model, ref, step)
+        if step == 1:
+            opt.state.clear()
+            ref.state.clear()
+        if step == 2:
+            del opt.state[model.big]
+            del ref.state[ref_model.big]
+        _compare(model, ref_model, f"step {step}")
+    full = opt.state_dict()
+    for k, q in enumerate(chain.from_iterable(g["params"] for g in ref.param_groups)):
+        for name, value in ref.state[q].items():
+            torch.testing.assert_close(full["state"][k][name], value, msg=lambda m: f"param {k} {name}: {m}")
+    return True
+
+
+def test_resetting_the_state_of_a_sharded_optimizer_restarts_it_as_adamw():
+    launch(_state_reset_worker, 2)
 
 
 V0 = os.path.join(os.path.dirname(__file__), "data", "dcp_v0")  # see make.py there
