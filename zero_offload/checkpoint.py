@@ -197,14 +197,16 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         bucket.master_loaded(i, False)  # AdamW's state has no master: take it from the parameter
 
 
-def sync_state(state: State, buckets: Buckets) -> "StateMap":
+def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "StateMap":
     """``opt.state`` after the user's edits since the last call took effect as they would in AdamW: a removed or
     emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
     restarts its parameter (moments zeroed, step 1 next); tensors or steps put into an entry are copied into the
     buffers, and the entry points at the buffers again. Everything is validated before anything is written
-    (``ValueError``). No update may be pending or running. O(1) when nothing was edited."""
+    (``ValueError``). ``settle`` runs first when there is something to do: an update still pending belongs to the
+    state before the edit. O(1) when nothing was edited."""
     if type(state) is StateMap and not state.flag.changed:
         return state
+    settle()
     edits: List[Tuple[FlatBucket, int, Optional[Dict[str, Any]]]] = []
     for bucket in chain.from_iterable(buckets):
         for i, p in enumerate(bucket.params):

@@ -398,6 +398,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """AdamW's state dict, its tensors views of the host buffers (after :meth:`flush`). With a
         ``process_group``, a collective that gathers the full state onto *every* rank (12-20 bytes per parameter
         while it is kept); for large models prefer :meth:`sharded_state_dict`."""
+        self.flush()
         self._sync()
         sd = super().state_dict()  # (with plain dicts for entries, and, sharded, the full state gathered)
         sd["state"] = (checkpoint.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
@@ -405,10 +406,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return sd
 
     def _sync(self) -> None:
-        """Apply a pending update, then the user's edits of ``opt.state`` (made after it); refuse edited params."""
-        self.flush()
+        """Refuse edited param lists; apply the user's edits of ``opt.state`` (after a pending update)."""
         checkpoint.check_param_lists(self.param_groups, self._buckets)
-        self.state = checkpoint.sync_state(self.state, self._buckets)
+        self.state = checkpoint.sync_state(self.state, self._buckets, self.flush)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW``/``Adam``, into the host buffers in place.
@@ -453,7 +453,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
         the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
         ``delayed_update``, the pending update is applied first. See the README's "Multi-GPU and multi-node"."""
-        self._sync()  # flushes: the tensors handed out are the live buffers, nothing may still be writing them
+        self.flush()  # the tensors handed out are the live buffers: nothing may still be writing them
+        self._sync()
         return checkpoint.sharded_state_dict(self.param_groups, self._buckets)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
