@@ -15,16 +15,17 @@ import torch.nn as nn
 from zero_offload import OffloadOptimizer
 
 SIZES = (1, 7, 17, 4097)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _params(dtype=torch.float32):
+def _params(device="cpu"):
     torch.manual_seed(0)
-    return [nn.Parameter(torch.randn(n, dtype=dtype)) for n in SIZES]
+    return [nn.Parameter(torch.randn(n).to(device)) for n in SIZES]
 
 
-def _pair(**kw):
-    """Our optimizer and AdamW over equal copies of the same parameters."""
-    ours_p, ref_p = _params(), _params()
+def _pair(device="cpu", **kw):
+    """Our optimizer (parameters on ``device``) and AdamW (on the CPU) over equal copies of the same parameters."""
+    ours_p, ref_p = _params(device), _params()
     return ours_p, OffloadOptimizer(ours_p, lr=0.01, **kw), ref_p, torch.optim.AdamW(ref_p, lr=0.01,
                                                                                    **{"foreach": False, **kw})
 
@@ -32,15 +33,16 @@ def _pair(**kw):
 def _grads(params, step):
     g = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype).to(p.device)
 
 
 def _assert_same(ours_p, ours, ref_p, ref, what):
     for k, (p, q) in enumerate(zip(ours_p, ref_p)):
-        torch.testing.assert_close(p, q, msg=lambda m: f"{what}: param {k}: {m}")
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=lambda m: f"{what}: param {k}: {m}")
         assert (p in ours.state) == (q in ref.state), f"{what}: param {k} has state in one optimizer only"
         for key, value in ref.state.get(q, {}).items():
-            torch.testing.assert_close(ours.state[p][key], value, msg=lambda m: f"{what}: param {k} {key}: {m}")
+            torch.testing.assert_close(ours.state[p][key].cpu(), value,
+                                       msg=lambda m: f"{what}: param {k} {key}: {m}")
 
 
 def _steps(ours_p, ours, ref_p, ref, steps, first=0):
@@ -122,8 +124,9 @@ def _reset(opt, params, how):
 @pytest.mark.parametrize("how", ["clear", "del", "empty", "new_state", "pop", "update", "assign", "assign_step",
                                  "zero_in_place"])
 @pytest.mark.parametrize("kw", [{}, dict(amsgrad=True)], ids=["adamw", "amsgrad"])
-def test_resetting_or_editing_state_does_what_it_does_for_adamw(how, kw):
-    ours_p, ours, ref_p, ref = _pair(**kw)
+@pytest.mark.parametrize("device", DEVICES)
+def test_resetting_or_editing_state_does_what_it_does_for_adamw(how, kw, device):
+    ours_p, ours, ref_p, ref = _pair(device, **kw)
     _steps(ours_p, ours, ref_p, ref, 3)
     _reset(ours, ours_p, how)
     _reset(ref, ref_p, how)
