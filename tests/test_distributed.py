@@ -23,6 +23,8 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
+from itertools import chain
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
@@ -97,6 +99,7 @@ def _free_port() -> int:
 
 def _entry(rank, world, port, fn, args, outdir):
     torch.set_num_threads(1)
+    warnings.filterwarnings("error", category=FutureWarning)  # as pyproject.toml sets for the test process
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
@@ -456,6 +459,73 @@ def _resume_worker(rank, world, path):
         opt = _ckpt_opt(model, process_group=dist.group.WORLD)
         _resume(model, opt, rank, world, how, path)
     return True
+
+
+def _state_reset_worker(rank, world):
+    """The Adam reset recipe on every rank of a sharded optimizer: each rank's pieces restart, as AdamW's state."""
+    model, ref_model = _make(rank)
+    opt = OffloadOptimizer(groups(model), lr=1e-2, amsgrad=True, bucket_numel=BUCKET_NUMEL,
+                           process_group=dist.group.WORLD)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(5):
+        _step(model, opt, step, rank, world)
+        _ref_step(ref_model, ref, step)
+        if step == 1:
+            opt.state.clear()
+            ref.state.clear()
+        if step == 2:
+            del opt.state[model.big]
+            del ref.state[ref_model.big]
+        _compare(model, ref_model, f"step {step}")
+    full = opt.state_dict()
+    for k, q in enumerate(chain.from_iterable(g["params"] for g in ref.param_groups)):
+        for name, value in ref.state[q].items():
+            torch.testing.assert_close(full["state"][k][name], value, msg=lambda m: f"param {k} {name}: {m}")
+    return True
+
+
+def test_resetting_the_state_of_a_sharded_optimizer_restarts_it_as_adamw():
+    launch(_state_reset_worker, 2)
+
+
+V0 = os.path.join(os.path.dirname(__file__), "data", "dcp_v0")  # see make.py there
+
+
+def _v0_optimizer(process_group=None):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    extra = nn.Parameter(torch.randn(17).to(torch.bfloat16))
+    params = list(m.parameters()) + [extra]
+    opt = OffloadOptimizer([{"params": m.parameters()}, {"params": [extra], "lr": 0.02}], lr=0.01, amsgrad=True,
+                           bucket_numel=64, process_group=process_group)
+    return params, opt
+
+
+def _load_v0(rank, world):
+    import torch.distributed.checkpoint as dcp
+
+    params, opt = _v0_optimizer(dist.group.WORLD if world > 1 else None)
+    sd = {"optim": opt.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(V0, "dcp"), no_dist=world == 1)
+    opt.load_sharded_state_dict(sd["optim"])
+    full = torch.load(os.path.join(V0, "full.pt"), weights_only=True)
+    assert opt.param_groups[1]["lr"] == 0.02
+    got = opt.state_dict()  # (a collective with a group: the pieces loaded on every rank, gathered)
+    for k, p in enumerate(params):
+        assert got["state"][k].keys() == full["state"][k].keys()
+        for name, value in full["state"][k].items():
+            torch.testing.assert_close(got["state"][k][name], value, msg=lambda m: f"param {k} {name}: {m}")
+    return True
+
+
+def test_a_checkpoint_of_the_shardedtensor_format_still_loads():
+    """A sharded checkpoint written by the ShardedTensor-based code (2 ranks) loads into today's, at world 3 and
+    in one process, equal to the full state dict the same run saved."""
+    launch(_load_v0, 3)
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist=True says so
+        _load_v0(0, 1)
 
 
 def test_checkpoint_saved_at_world_2_resumes_at_world_3_and_1():

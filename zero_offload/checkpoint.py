@@ -1,6 +1,6 @@
-"""The optimizer state as users see it: ``opt.state`` entries in ``torch.optim.AdamW``'s format (views of the
-buckets' host buffers), full state dicts loaded into the buffers in place, and the sharded state that
-``torch.distributed.checkpoint`` saves and loads without gathering.
+"""The optimizer state and param groups as users see them: ``opt.state`` entries in ``torch.optim.AdamW``'s format
+(views of the buckets' host buffers) and the edits users make to them, full state dicts loaded into the buffers in
+place, and the sharded state that ``torch.distributed.checkpoint`` saves and loads without gathering.
 
 Every loader here works in two phases: a ``plan_*`` function validates everything and returns what to write,
 raising ``ValueError`` before anything changed; an ``apply_*`` function then writes. The functions take the
@@ -10,6 +10,8 @@ optimizer's param groups, its buckets and its ``state`` mapping, never the optim
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
 from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Set, Tuple
@@ -19,8 +21,9 @@ import torch
 from zero_offload.buckets import FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "Ahead", "LoadPlan", "ahead_entries", "apply_load", "check_format", "apply_sharded_load",
-           "expose", "full_state", "plan_load", "plan_sharded_load", "reexpose", "sharded_state_dict"]
+__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateMap", "ahead_entries", "apply_load",
+           "apply_sharded_load", "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
+           "sharded_state_dict", "sync_state"]
 
 # "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param")
@@ -29,31 +32,208 @@ Buckets = Sequence[Sequence[FlatBucket]]
 State = MutableMapping[Any, Dict[str, Any]]
 
 
+# ------------------------------------------------------------------------------ containers that note edits --
+# The buffers are laid out for the parameters a group had when it was added, and the state entries are views of
+# them, so an edit of either must be noticed at the next step(). Checking every entry or every parameter each step
+# costs O(parameters) of slow Tensor hashing; these containers instead raise a flag when edited, so the check is
+# one attribute read per group, and the O(parameters) work runs only after an edit.
+class _Flag:
+    __slots__ = ("changed",)
+
+    def __init__(self) -> None:
+        self.changed = False
+
+
+def _noting(cls: type, base: type, names: Sequence[str]) -> type:
+    """Give ``cls`` the mutating methods ``names`` of ``base``, each raising the instance's flag first."""
+    for name in names:
+        def noted(self, *args, __method=getattr(base, name), **kwargs):
+            self.flag.changed = True
+            return __method(self, *args, **kwargs)
+
+        noted.__name__ = name
+        setattr(cls, name, noted)
+    return cls
+
+
+class ParamList(list):
+    """A param group's ``params``: a list that notes being edited (see :func:`check_param_lists`)."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.flag = _Flag()
+        super().__init__(params)
+
+    def __reduce__(self):
+        return list, (list(self),)  # pickles and copies are plain lists
+
+
+_noting(ParamList, list, ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
+                          "remove", "clear", "sort", "reverse"))
+_DICT_MUTATORS = ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem", "setdefault", "update")
+
+
+class StateEntry(dict):
+    """One parameter's ``opt.state`` entry (AdamW's dict), raising its :class:`StateMap`'s flag when edited."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self, items: Dict[str, Any], flag: _Flag) -> None:
+        self.flag = flag  # the map's flag, not the map: no reference cycle keeps the buffers alive
+        super().__init__(items)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class StateMap(defaultdict):
+    """``opt.state``: AdamW's ``defaultdict(dict)``, raising a flag when it or one of its entries is edited."""
+
+    def __init__(self, *args: Any) -> None:
+        self.flag = _Flag()
+        super().__init__(*args)
+
+    def put(self, p: torch.Tensor, entry: Dict[str, Any]) -> None:
+        """The optimizer's own write of an entry: not an edit."""
+        dict.__setitem__(self, p, StateEntry(entry, self.flag))
+
+    def __reduce__(self):
+        return defaultdict, (dict,), None, None, iter((k, dict(v)) for k, v in self.items())
+
+
+_noting(StateEntry, dict, _DICT_MUTATORS)
+_noting(StateMap, defaultdict, _DICT_MUTATORS)
+
+
+def check_param_lists(groups: Sequence[Dict[str, Any]], buckets: Buckets) -> None:
+    """Refuse param groups whose ``params`` were edited (replaced, appended to, reordered) or added to
+    ``param_groups`` directly since the buckets were laid out: the step would train the tensors it was built
+    with, not those listed. One attribute read per group unless something was edited."""
+    if len(groups) != len(buckets):
+        raise RuntimeError(
+            f"OffloadOptimizer: param_groups holds {len(groups)} groups, but {len(buckets)} were added through the "
+            "constructor or add_param_group: the host buffers are laid out per group when it is added. Add a group "
+            "with add_param_group; to drop one, build a new optimizer.")
+    for gi, group in enumerate(groups):
+        params = group["params"]
+        if type(params) is ParamList and not params.flag.changed:
+            continue
+        built = [None] * sum(len(b.params) for b in buckets[gi])
+        for bucket in buckets[gi]:
+            for k, p in zip(bucket.full.indices, bucket.params):
+                built[k] = p
+        if len(params) == len(built) and all(map(operator.is_, params, built)):
+            group["params"] = ParamList(built)  # the same parameters (e.g. copied into a new list)
+            continue
+        raise RuntimeError(
+            f"OffloadOptimizer: param group {gi}'s 'params' was edited after the group was added ({len(params)} "
+            f"parameters listed, {len(built)} laid out in the host buffers), so step() would train other tensors "
+            "than those listed; nothing was updated. Add new parameters with add_param_group, or build a new "
+            "optimizer over the new parameter list (load_state_dict carries the state of those that stay); to go "
+            "on with this one, restore the list.")
+
+
 # ----------------------------------------------------------------------------------------- opt.state entries --
+def _put(state: State, p: torch.Tensor, entry: Dict[str, Any]) -> None:
+    if type(state) is StateMap:
+        state.put(p, entry)
+    else:
+        state[p] = entry
+
+
 def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
     """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
     AdamW creates its state at a parameter's first step. The one place entries are created."""
     for i in indices:
-        state[bucket.params[i]] = bucket.state_entry(i)
+        _put(state, bucket.params[i], bucket.state_entry(i))
         bucket.set_exposed(i, True)
 
 
-def reexpose(state: State, buckets: Buckets, every: bool) -> None:
-    """Point ``state`` back at the host buffers where something replaced its tensors (Lightning's restore moves
-    optimizer state to the model's device with ``state[p][k] = v.to(device)``): those copies would make
-    ``state_dict()`` stale and hold the state in GPU memory. ``every=False`` checks one parameter per bucket
-    (such replacements are wholesale), which is cheap enough for every step."""
+def _same_memory(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype \
+        and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
+    """Validate an ``opt.state`` entry a user wrote for the bucket's parameter ``i``; returns it with ``step`` as a
+    float. As AdamW, a non-empty entry must hold the whole state; its tensors are copied into the buffers."""
+    where = f"opt.state entry of a parameter of shape {tuple(bucket.shapes[i])} ({bucket.where})"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
+    slots = bucket.state_slots(i)
+    unknown = set(entry) - {"step", *slots}
+    missing = {"step", "exp_avg", "exp_avg_sq"} - set(entry)
+    if unknown or missing:
+        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs step, exp_avg and exp_avg_sq, and "
+                         f"may hold {', '.join(k for k in slots if k not in ('exp_avg', 'exp_avg_sq'))}")
+    for name, v in entry.items():
+        if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
+                               or v.shape != slots[name].shape):
+            raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
+                             f"holding values, got {v!r:.80}")
+    return {**entry, "step": check_step(entry["step"], where)}
+
+
+def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
+    """Write a validated edit into the buffers: ``None`` starts the parameter afresh, as AdamW's next step does for
+    a missing or empty entry (zero moments, step 1 next); an entry's tensors are copied in."""
+    slots = bucket.state_slots(i)
+    if entry is None:
+        for name, slot in slots.items():
+            if name != "master":
+                slot.zero_()
+        bucket.reset_param(i)
+        return
+    bucket.set_step(i, entry["step"])
+    for name, slot in slots.items():
+        if name in entry:
+            if not _same_memory(entry[name], slot):
+                slot.copy_(entry[name])
+        elif name == "max_exp_avg_sq":
+            slot.zero_()
+    if "master" in entry:
+        bucket.master_loaded(i, True)
+    elif bucket.low_precision:
+        bucket.master_loaded(i, False)  # AdamW's state has no master: take it from the parameter
+
+
+def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "StateMap":
+    """``opt.state`` after the user's edits since the last call took effect as they would in AdamW: a removed or
+    emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
+    restarts its parameter (moments zeroed, step 1 next); tensors or steps put into an entry are copied into the
+    buffers, and the entry points at the buffers again. Everything is validated before anything is written
+    (``ValueError``). ``settle`` runs first when there is something to do: an update still pending belongs to the
+    state before the edit. O(1) when nothing was edited."""
+    if type(state) is StateMap and not state.flag.changed:
+        return state
+    settle()
+    edits: List[Tuple[FlatBucket, int, Optional[Dict[str, Any]]]] = []
     for bucket in chain.from_iterable(buckets):
         for i, p in enumerate(bucket.params):
+            entry = state.get(p)
+            if not entry:
+                if bucket.exposed[i] or entry is not None:  # (an empty entry goes: state_dict() would list it)
+                    edits.append((bucket, i, None))
+            elif not (bucket.exposed[i] and _unchanged(entry, bucket, i)):
+                edits.append((bucket, i, _check_edit(entry, bucket, i)))
+    out = state if type(state) is StateMap else StateMap(dict, state)
+    for bucket, i, entry in edits:
+        if entry is None:
+            dict.pop(out, bucket.params[i], None)
             if not bucket.exposed[i]:
                 continue
-            entry = state.get(p)
-            if entry is None or entry.get("exp_avg") is not bucket.exp_avg_views[i] \
-                    or entry.get("exp_avg_sq") is not bucket.exp_avg_sq_views[i]:
-                expose(state, bucket, [j for j in range(len(bucket.params)) if bucket.exposed[j]])
-                break
-            if not every:
-                break
+        _apply_edit(bucket, i, entry)
+    for bucket in chain.from_iterable(buckets):
+        expose(out, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i] or out.get(bucket.params[i])])
+    out.flag.changed = False
+    return out
+
+
+def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
+    """Whether an entry still is exactly what :func:`expose` put there (its tensors the buffers' views)."""
+    mine = bucket.state_entry(i)
+    return entry.keys() == mine.keys() and all(_same_memory(entry[k], v) for k, v in mine.items())
 
 
 # ---------------------------------------------------------------------------- a pending (delayed) update --
@@ -112,10 +292,17 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
 
 
 # ------------------------------------------------------------------------------------------ param groups --
+# What ``torch.optim.Adam.__setstate__`` gives a loaded group that lacks these flags (an older checkpoint): a
+# missing ``maximize`` is False, not the value this optimizer was built with.
+_ADAMW_FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                            fused=None)
+
+
 def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any]], what: str, *,
                  same_amsgrad: bool = False) -> List[Dict[str, Any]]:
     """The param groups after loading ``saved`` (a state dict's, already deep-copied) over ``groups``: the saved
-    hyperparameters, with keys an older checkpoint lacks keeping their current value, and this optimizer's
+    hyperparameters, with flags an older checkpoint lacks set as AdamW sets them and other missing keys keeping
+    their current value, and this optimizer's
     parameters. Validated like a group being added; ``same_amsgrad`` also refuses a change of ``amsgrad`` (a
     sharded load writes into the existing state layout)."""
     if len(groups) != len(saved):
@@ -126,7 +313,7 @@ def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any
         if len(g["params"]) != len(sg["params"]):
             raise ValueError(f"{what} contains a parameter group that doesn't match the size of optimizer's group "
                              f"(group {gi}: {len(sg['params'])} vs {len(g['params'])} params)")
-        ng = {k: v for k, v in sg.items() if k != "params"}
+        ng = {**_ADAMW_FLAG_DEFAULTS, **{k: v for k, v in sg.items() if k != "params"}}
         for k, v in g.items():
             ng.setdefault(k, v)
         ng["capturable"] = ng["differentiable"] = False  # not honoured here; a loaded AdamW group may carry them
@@ -191,6 +378,7 @@ def check_format(state_dict: Any) -> None:
 def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any) -> LoadPlan:
     """Validate a full state dict (from this class, or ``torch.optim.AdamW``/``Adam``) against the optimizer."""
     check_format(state_dict)
+    check_param_lists(groups, buckets)
     saved = deepcopy(state_dict["param_groups"])
     new_groups = merge_groups(groups, saved, "loaded state dict")
     id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved),
@@ -288,24 +476,63 @@ def _state_pieces(bucket: FlatBucket, i: int, after: Optional[Ahead], param: boo
     return {name: memory_order_flat(t) for name, t in _entry_tensors(bucket, i, after, param).items()}
 
 
-def _sharded_tensor(local: torch.Tensor, bucket: FlatBucket, i: int, process_group: Any):
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+class FlatPiece(torch.Tensor):
+    """A parameter's flattened state tensor (``numel`` elements) as ``torch.distributed.checkpoint`` sees it, of which
+    this rank holds the contiguous range ``[start, start + local.numel())``, ``local`` being a view of the host
+    buffers (so ``dcp.load`` writes the state in place).
 
-    shard = bucket.shard
-    numel = shard.full.numels[i]
-    pieces = {r: (start, n) for r, start, n in shard.pieces_of(i)}
-    # A rank that owns nothing of this parameter still gets a shard, empty, at the end: DCP's loader drops a
-    # ShardedTensor without local shards from the rank's plan and then reports its key missing.
-    metas = [ShardMetadata(shard_offsets=[pieces.get(r, (numel, 0))[0]], shard_sizes=[pieces.get(r, (numel, 0))[1]],
-                           placement=f"rank:{r}/cpu") for r in range(shard.world)]
-    mine = [Shard(local, m) for m in metas if m.placement.rank() == shard.rank]
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([numel]), tensor_properties=props)
-    # Global metadata is known from the layout on every rank, so no collective is needed to build it.
-    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=process_group)
+    DCP's own sharded types cannot say this: a DTensor's shards are ``torch.chunk``'s even split, and our pieces are
+    arbitrary ranges (where a bucket's shard boundaries fall in each parameter); ``ShardedTensor`` is deprecated.
+    So this implements the protocol DCP's planners ask of a sharded tensor (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``, which DTensor implements too), writing the same checkpoint
+    format as the ``ShardedTensor`` it replaces (one 1-D chunk per rank that holds a piece): checkpoints of either
+    load with the other, resharded to any number of ranks. It is a tensor without storage of its own: anything but
+    handing it to ``dcp.save``/``dcp.load`` raises.
+    """
+
+    local: torch.Tensor
+    start: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, start: int, numel: int) -> "FlatPiece":
+        piece = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
+        piece.local, piece.start = local, start
+        return piece
+
+    def __init__(self, local: torch.Tensor, start: int, numel: int) -> None:
+        super().__init__()
+
+    def _chunks(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        if self.local.numel() == 0:  # this rank holds nothing of the parameter: nothing to write or read
+            return []
+        return [ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=self.local.size())]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties(dtype=self.dtype, pin_memory=False)
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
+                for chunk in self._chunks()]
+
+    def __create_chunk_list__(self) -> list:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        if index.offset is not None and tuple(index.offset) != (self.start,):
+            raise ValueError(f"{index.fqn}: this rank holds the piece at offset {self.start}, not {index.offset}")
+        return self.local
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a FlatPiece of sharded_state_dict(): it is only for torch.distributed.checkpoint "
+                        "(its local piece is .local)")
+
+    def __repr__(self) -> str:
+        return f"FlatPiece(numel={self.numel()}, start={self.start}, local={self.local.numel()} elements)"
 
 
 def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
@@ -313,7 +540,7 @@ def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
     return {id(p): k for k, p in enumerate(chain.from_iterable(g["params"] for g in groups))}
 
 
-def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, process_group: Any = None,
+def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
                        ahead: Optional[Dict[int, Ahead]] = None, param: bool = False) -> Dict[str, Any]:
     """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`. ``ahead``: a pending update's state, given
     instead of the buffers'; ``param``: each parameter's value too (``delayed_update``, whose parameters can be a
@@ -332,7 +559,7 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, proce
             entry: Dict[str, Any] = {"step": (after.steps if copied else bucket.steps)[i].clone()}
             for name, local in _state_pieces(bucket, i, after, param).items():
                 if bucket.sharded and bucket.shard.full.numels[i]:
-                    entry[name] = _sharded_tensor(local, bucket, i, process_group)
+                    entry[name] = FlatPiece(local, bucket.shard.piece_src[i], bucket.shard.full.numels[i])
                 else:
                     entry[name] = local  # the whole parameter: an ordinary tensor
             state[str(position[id(p)])] = entry
@@ -362,6 +589,7 @@ def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_
         raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
+    check_param_lists(groups, buckets)
     new_groups = merge_groups(groups, state_dict["param_groups"], what, same_amsgrad=True)
     position = _positions(groups)
     where = _where(buckets)

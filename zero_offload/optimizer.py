@@ -41,7 +41,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     The update is operation for operation ``torch.optim.AdamW(foreach=False)``'s (the math is in
     :mod:`zero_offload.functional`; bias corrections in double), so an fp32 model follows AdamW's trajectory to
     within rounding. Where bytes live, how gradients stream, clipping, mixed precision, sharding and the state
-    dict are described in the README ("Usage" and its sections). It cannot be pickled: use ``state_dict()``.
+    dict are described in the README ("Usage"); what differs from AdamW, each refused with an error (pickling,
+    float64, editing a group's ``params``...), in its "Differences from AdamW".
 
     Args:
         params (iterable): parameters or dicts defining parameter groups (optionally ``(name, param)`` pairs),
@@ -115,8 +116,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
         check_group(defaults)
-        if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
-            raise ValueError("betas must be either both floats or both Tensors")
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), bool(delayed_update), process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group)).validate()
@@ -245,6 +244,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        self._mode.settle()  # before _sync: an update running during backward may still write the state
+        self._sync()
         # Set by torch.amp.GradScaler.step for optimizers with _step_supports_amp_scaling, deleted after.
         # grad_scale is the scale itself (None if the user already called scaler.unscale_); found_inf > 0: skip.
         grad_scale = getattr(self, "grad_scale", None)
@@ -253,9 +254,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pending = self._take_clip(scaler and grad_scale is None)
         self._scaled = scaler
         hypers = [Hyper.read(g) for g in self.param_groups]
-        if not self._transport.sharded:
-            checkpoint.reexpose(self.state, self._buckets, every=False)
-        self._mode.settle()
         # A GradScaler's unscale_ (signalled by grad_scale None) rewrote the gradients without a version bump.
         plans = pending.plans if pending is not None else self._receive(fresh=scaler and grad_scale is None)
         if scaler:  # a GradScaler finds infs in, and unscales, the gradients on the parameters
@@ -318,6 +316,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _early_update(self, bucket: FlatBucket, group: int) -> None:
         """``overlap_step``: a bucket's update, run in the worker thread as soon as its gradients are sent
         (hyperparameters as they are now, which is what ``step()`` would read)."""
+        self._sync()
         hyper = Hyper.read(self.param_groups[group])
         if hyper.amsgrad:
             ensure_amsgrad(self.state, bucket)
@@ -395,19 +394,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
-        """AdamW's state dict, its tensors views of the host buffers. With a ``process_group``, a collective that
-        gathers the full state onto *every* rank (12-20 bytes per parameter while it is kept); for large models
-        prefer :meth:`sharded_state_dict`. Saving changes nothing. With ``delayed_update`` (README, "Saving a delayed
-        run"): the state after the pending update, with ``param``, the value after it; copies for a CPU model."""
-        ahead = self._mode.ahead()  # first: on CUDA it waits for the worker that writes the buffers
-        if not self._transport.sharded:
-            checkpoint.reexpose(self.state, self._buckets, every=True)
-        sd = super().state_dict()
-        if self._transport.sharded:
-            sd["state"] = checkpoint.full_state(self.param_groups, self._buckets,
-                                                self._transport.comm.all_gather_host)
+        """AdamW's state dict: views of the host buffers; saving changes nothing (``delayed_update``: the state after
+        the pending update, with ``param``; README). Sharded: a collective gathering the full state onto *every*
+        rank (12-20 bytes per parameter while kept): prefer :meth:`sharded_state_dict` for large models."""
+        self._sync()
+        ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
+        sd, sharded = super().state_dict(), self._transport.sharded  # entries as plain dicts; sharded: gathered
+        sd["state"] = (checkpoint.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
+                       if sharded else {k: dict(v) for k, v in sd["state"].items()})
         sd["state"].update(checkpoint.ahead_entries(self.param_groups, self._buckets, ahead))
         return sd
+
+    def _sync(self) -> None:
+        """Refuse edited param lists; apply the user's edits of ``opt.state`` (after a pending update)."""
+        checkpoint.check_param_lists(self.param_groups, self._buckets)
+        self.state = checkpoint.sync_state(self.state, self._buckets, self.flush)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this class or from ``torch.optim.AdamW``/``Adam``, into the host buffers in place.
@@ -449,11 +450,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a
         run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
-        elements in memory order), a ``ShardedTensor`` of this rank's piece with a process group, and a view of the
-        host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
+        elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
+        the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
         ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See the README's "Multi-GPU"."""
-        group = self._transport.comm.group if self._transport.sharded else None
-        return checkpoint.sharded_state_dict(self.param_groups, self._buckets, group, self._mode.ahead(),
+        self._sync()
+        return checkpoint.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
                                              param=self.options.delayed_update)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -479,10 +480,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 def _make_transport(process_group: Optional[Any], options: Options) -> Transport:
     if process_group is None:
         return Transport(release=options.release_grads)
-    from zero_offload.distributed import DEFAULT_TIMEOUT, Comm, ShardedTransport
-
-    comm = Comm(process_group, DEFAULT_TIMEOUT if options.timeout is None else options.timeout, options.grads_reduced)
-    return ShardedTransport(comm, release=options.release_grads)
+    from zero_offload.distributed import DEFAULT_TIMEOUT, Comm, ShardedTransport  # only with a process group
+    timeout = DEFAULT_TIMEOUT if options.timeout is None else options.timeout
+    return ShardedTransport(Comm(process_group, timeout, options.grads_reduced), release=options.release_grads)
 
 
 def _weak(method: Callable) -> Callable:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "SUPPORTED_DTYPES", "Hyper", "Options", "check_group",
-           "check_hparams", "check_params", "check_step", "world_without_group"]
+           "check_hparams", "check_impl_flags", "check_params", "check_step", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -52,17 +52,40 @@ def check_group(group: Dict[str, Any], where: str = "") -> None:
     """Validate a parameter group's hyperparameters (the defaults, a group being added, a loaded group): AdamW's
     checks, and the two flags this optimizer cannot honour. ``where`` prefixes the message (a loaded group)."""
     try:
+        check_impl_flags(group)
         check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        betas = group["betas"]
+        if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
+            raise ValueError("betas must be either both floats or both Tensors")
         if group.get("capturable"):
             raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
                              "to run the CPU kernel, which CUDA-graph capture forbids")
-        if group.get("differentiable"):
-            raise ValueError("OffloadOptimizer does not support differentiable=True: the update runs in a host "
-                             "kernel outside autograd")
     except ValueError as exc:
         if not where:
             raise
         raise ValueError(f"{where}: {exc}") from None
+
+
+def check_impl_flags(group: Dict[str, Any]) -> None:
+    """The ``foreach``/``fused``/``differentiable`` combinations ``torch.optim.AdamW`` refuses, refused here with its
+    errors and in its order although this optimizer ignores ``foreach`` and ``fused`` (code written for AdamW, and
+    PyTorch's own optimizer tests, rely on them); and ``differentiable``, which cannot work here."""
+    foreach, fused = group.get("foreach"), group.get("fused")
+    if foreach and not group.get("capturable"):
+        if isinstance(group["lr"], torch.Tensor):
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        for i, beta in enumerate(group["betas"] if isinstance(group["betas"], (tuple, list)) else ()):
+            if isinstance(beta, torch.Tensor):
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+    if fused and group.get("differentiable"):
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if group.get("differentiable"):
+        # (AdamW accepts the flag but then fails at step() on any leaf parameter that requires grad, with a
+        # RuntimeError; the non-leaf tensors it can differentiate through are refused here anyway.)
+        raise RuntimeError("OffloadOptimizer does not support differentiable=True: the update runs in a host kernel "
+                           "outside autograd")
 
 
 def check_step(step: Any, where: str) -> float:
@@ -92,14 +115,22 @@ def check_params(params: Sequence[Any]) -> None:
         if p.is_complex():
             raise ValueError(f"OffloadOptimizer does not support complex parameters ({p.dtype}, shape "
                              f"{tuple(p.shape)}): keep them as real pairs in the model (torch.view_as_real)")
+        if p.dtype == torch.float64:
+            raise ValueError("OffloadOptimizer does not support float64 parameters: its masters and moments are "
+                             "float32, so the update would silently lose precision. Keep a float64 model on "
+                             "torch.optim.AdamW (fused=True is fast on the CPU), or cast it to float32 first")
         if p.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"OffloadOptimizer supports float32, bfloat16 and float16 parameters, not {p.dtype}")
         if p.layout != torch.strided:
             raise ValueError(f"OffloadOptimizer supports dense parameters only, not {p.layout}")
+        if p.is_meta:
+            raise ValueError("OffloadOptimizer does not support parameters on the meta device: they have no values "
+                             "to keep in host memory. Materialise the model (to_empty() and initialise it) first")
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"OffloadOptimizer supports parameters on cpu or cuda, not {p.device}")
-        if id(p) in seen:
-            raise ValueError(f"a parameter of shape {tuple(p.shape)} appears twice in one parameter group")
+        if id(p) in seen:  # AdamW warns and updates it twice; a parameter has one slot in the buffers
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} appears twice in one parameter group (AdamW "
+                             "would update it twice per step): list it once")
         seen.add(id(p))
 
 

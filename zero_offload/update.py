@@ -28,9 +28,7 @@ def ensure_amsgrad(state: State, bucket: FlatBucket) -> None:
     if bucket.max_exp_avg_sq is not None:
         return
     bucket.ensure_amsgrad()
-    for i, p in enumerate(bucket.params):
-        if bucket.exposed[i]:
-            state[p]["max_exp_avg_sq"] = bucket.max_views[i]
+    expose(state, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i]])
 
 
 def _ensure_amsgrad(state: State, hypers: Sequence[Hyper], plans: Plans) -> None:
