@@ -19,7 +19,7 @@ import torch
 from zero_offload.buckets import FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "LoadPlan", "apply_load", "check_format", "apply_sharded_load", "expose", "full_state", "plan_load",
+__all__ = ["STATE_KEYS", "LoadPlan", "add_compact_moments", "apply_load", "check_format", "apply_sharded_load", "expose", "full_state", "plan_load",
            "plan_sharded_load", "reexpose", "sharded_state_dict"]
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
@@ -43,6 +43,8 @@ def reexpose(state: State, buckets: Buckets, every: bool) -> None:
     ``state_dict()`` stale and hold the state in GPU memory. ``every=False`` checks one parameter per bucket
     (such replacements are wholesale), which is cheap enough for every step."""
     for bucket in chain.from_iterable(buckets):
+        if bucket.compact:
+            continue  # its entries hold no moments; state_dict() builds them from the buffers
         for i, p in enumerate(bucket.params):
             if not bucket.exposed[i]:
                 continue
@@ -146,7 +148,13 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             raise ValueError(f"loaded state dict has state for parameter id {key!r}, which none of its "
                              "param_groups lists")
         p = id_map[key]
-        entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[where[p][0]]["amsgrad"]))
+        gi, bucket, _ = where[p]
+        entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[gi]["amsgrad"]))
+        if bucket.state_dtype == torch.int8:
+            for k in ("exp_avg_sq", "max_exp_avg_sq"):
+                if k in entry and bool((entry[k] < 0).any()):
+                    raise ValueError(f"loaded state for parameter id {key!r}: {k} has negative values, which a second "
+                                     "moment cannot have (and 8-bit state cannot hold)")
     return LoadPlan(new_groups, entries)
 
 
@@ -172,6 +180,11 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
     zero: List[torch.Tensor] = []
     for i, entry in enumerate(entries):
         slots = bucket.state_slots(i)
+        if bucket.compact:  # converted (quantised) parameter by parameter
+            for name in slots:
+                if name != "master":
+                    bucket.load_moment(name, i, None if entry is None else entry.get(name))
+            slots = {"master": slots["master"]} if "master" in slots else {}
         if entry is None:
             zero.extend(v for k, v in slots.items() if k != "master")
             bucket.reset_param(i)
@@ -205,13 +218,35 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
         full = {}
         for name in names:
             full[name] = torch.empty(bucket.full.padded_numel, dtype=torch.float32)
-            all_gather(full[name], getattr(bucket, name), f"state '{name}' of {bucket.where}")
+            # Compact moments are converted one shard of one bucket at a time (a temporary of the shard's size).
+            mine = bucket.master if name == "master" else bucket.moment_fp32(name)
+            all_gather(full[name], mine, f"state '{name}' of {bucket.where}")
         for i, p in enumerate(bucket.params):
             if bucket.exposed[i]:
                 entry = {"step": bucket.steps[i].clone()}
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
                 out[index[id(p)]] = entry
     return out
+
+
+def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict[str, Any]], buckets: Buckets
+                        ) -> None:
+    """Complete the entries ``Optimizer.state_dict()`` packed (keyed by parameter index) for unsharded buckets
+    with compact state: fp32 moments, new tensors, converted one bucket at a time. They cost 4 bytes per element
+    and moment for as long as the state dict is kept; nothing else is allocated. The entries are replaced, never
+    edited: they are the optimizer's own ``state`` dicts."""
+    index = _positions(groups)
+    for bucket in chain.from_iterable(buckets):
+        if not bucket.compact or bucket.sharded or not any(bucket.exposed):
+            continue
+        names = [n for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if getattr(bucket, n) is not None]
+        full = {n: bucket.moment_fp32(n) for n in names}
+        for i, p in enumerate(bucket.params):
+            k = index[id(p)]
+            if bucket.exposed[i] and k in packed:
+                old = packed[k]
+                moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
+                packed[k] = {"step": old["step"], **moments, **{n: v for n, v in old.items() if n not in moments}}
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
@@ -250,6 +285,12 @@ def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
 def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets, process_group: Any = None
                        ) -> Dict[str, Any]:
     """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`."""
+    compact = next((b for b in chain.from_iterable(buckets) if b.compact), None)
+    if compact is not None:
+        raise RuntimeError(f"sharded_state_dict() hands out the live state buffers for torch.distributed.checkpoint "
+                           f"to save and load in place, which needs fp32 moments; this optimizer keeps them as "
+                           f"{compact.state_dtype} (state_dtype). Use state_dict() / load_state_dict() (fp32 moments, "
+                           f"converted a bucket at a time), or state_dtype=torch.float32.")
     position = _positions(groups)
     state: Dict[str, Dict[str, Any]] = {}
     out_groups = []

@@ -6,9 +6,10 @@ during the next forward and backward). A schedule is chosen once, at constructio
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
-from typing import Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,7 +19,7 @@ from zero_offload.checkpoint import expose
 from zero_offload.options import Hyper, Options
 from zero_offload.transport import BucketGrads, Plans, Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "update_bucket"]
+__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "update_bucket", "weak_method"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
@@ -28,6 +29,8 @@ def ensure_amsgrad(state: State, bucket: FlatBucket) -> None:
     if bucket.max_exp_avg_sq is not None:
         return
     bucket.ensure_amsgrad()
+    if bucket.compact:
+        return  # compact moments are not in the state entries
     for i, p in enumerate(bucket.params):
         if bucket.exposed[i]:
             state[p]["max_exp_avg_sq"] = bucket.max_views[i]
@@ -68,24 +71,20 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
 
 def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad: torch.Tensor,
             in_place: Optional[List[Optional[torch.Tensor]]], h: Hyper, multiplier: float, full: bool) -> None:
-    """One kernel call per run of parameters with the same step count."""
-    vmax = bucket.max_exp_avg_sq if h.amsgrad else None
+    """One kernel call per run of parameters with the same step count. A run starts on a slot, so it owns whole
+    scale blocks of 8-bit state."""
     offsets = bucket.layout.offsets
     for first, last, step in runs:
         a, b = bucket.layout.span(first, last)
         kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                  decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
-                  max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
+                  decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
                   grad_scale=multiplier * bucket.grad_multiplier,
-                  param_out=None if bucket.staging is None else bucket.staging[a:b])
+                  param_out=None if bucket.staging is None else bucket.staging[a:b], **bucket.kernel_state(a, b, h.amsgrad))
         if in_place is None:
-            functional.cpu_adam_(bucket.master[a:b], flat_grad[a:b], bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b],
-                                 **kw)
+            functional.cpu_adam_(bucket.master[a:b], flat_grad[a:b], **kw)
         else:
-            functional.cpu_adam_segments_(
-                bucket.master[a:b], in_place if full else in_place[first : last + 1],
-                [o - a for o in offsets[first : last + 1]], bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b], **kw,
-            )  # fmt: skip
+            functional.cpu_adam_segments_(bucket.master[a:b], in_place if full else in_place[first : last + 1],
+                                          [o - a for o in offsets[first : last + 1]], **kw)
 
 
 class _Worker:
@@ -271,3 +270,17 @@ def make_mode(options: Options, transport: Transport,
     if options.delayed_update:
         return Delayed(transport)
     return Immediate(transport)
+
+
+def weak_method(method: Callable) -> Callable:
+    """A callable that calls ``method`` without keeping its object alive (the hooks live on the parameters, which
+    usually outlive the optimizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise RuntimeError("OffloadOptimizer was garbage-collected while its gradient stream was in use")
+        return target(*args)
+
+    return call
