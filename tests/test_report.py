@@ -84,6 +84,32 @@ def test_cpu_plan_matches_a_real_optimizer_and_a_real_adamw(dtype, amsgrad):
     assert plan.adamw["host"] == held
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype, amsgrad", [(torch.float32, True), (torch.bfloat16, False)])
+def test_cpu_plan_per_state_dtype_is_the_buffers_a_real_optimizer_allocates(dtype, amsgrad, state_dtype):
+    torch.manual_seed(0)
+    params = list(small_model(dtype).parameters())
+    meta = [torch.empty_like(p, device="meta") for p in params]
+    plan = memory_plan(meta, device="cpu", amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
+    opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
+    assert plan.host == opt.host_memory_estimate()
+    host = dict(plan.ours["host"])
+    host.pop("gradients")
+    assert host == buffer_bytes(opt)
+    assert plan.state_dtype == state_dtype
+
+
+@pytest.mark.parametrize("state_dtype, moments", [("fp32", 8.0), ("bf16", 4.0), ("int8", 2.125)])
+def test_cli_prints_the_byte_arithmetic_per_state_dtype(capsys, state_dtype, moments):
+    main(["--params", "13B", "--dtype", "bf16", "--state-dtype", state_dtype])
+    out = capsys.readouterr().out
+    host_total = [line for line in out.splitlines() if line.strip().startswith("total")][1]
+    # 4 master + the moments + 2 grad buffer + 2 staging (13B is a multiple of 64: no padding).
+    per_param = 4 + moments + 2 + 2
+    assert f"{per_param:.2f}" in host_total, host_total
+    assert f"= {moments:.4g} B/param" in out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_plan_is_the_optimizers_estimate_with_pinning(dtype):
     params = [torch.empty(s, dtype=dtype, device="meta") for s in ((1000, 3), (5,), (70001,))]
