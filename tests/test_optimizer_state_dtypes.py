@@ -132,17 +132,27 @@ def standins(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "int8"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(MODES) + ["cuda_bf16_model", "cuda_bf16_model_overlap_step",
+                                                "cuda_bf16_model_delayed_update"])
 def test_every_mode_matches_the_default_schedule(kind, mode, standins):
+    """(A bf16 model on the CUDA branches: the kernel writes the parameters into the gradient buffer it reads and
+    the uploads read them from there; against the CPU schedule, whose parameters are their staging slots.)"""
     torch.manual_seed(0)
     model = TinyTransformer()
+    if "bf16_model" in mode:
+        model = model.bfloat16()
+        mode_kw = MODES[mode.replace("_bf16_model", "")]
+    else:
+        mode_kw = MODES[mode]
     ref_model = copy.deepcopy(model)
     ref = OffloadOptimizer(param_groups(ref_model), state_dtype=DTYPES[kind], amsgrad=True, bucket_numel=1000)
     if mode.startswith("cuda"):
         standins()
     ours = OffloadOptimizer(param_groups(model), state_dtype=DTYPES[kind], amsgrad=True, bucket_numel=1000,
-                            **MODES[mode])
+                            **mode_kw)
     assert len(ours.host_buffers()) > 2
+    if "bf16_model" in mode:
+        assert all(b.shares_grad and b.staging is None for g in ours._buckets for b in g)
     late = Late(ref, list(ref_model.parameters())) if "delayed" in mode else None
     for step in range(12):
         for m, o in ((model, ours), (ref_model, ref)):
@@ -381,3 +391,24 @@ def test_host_memory_estimate_is_the_rss_growth(state, model, amsgrad):
     numel, total, replaced, grown = map(int, result.stdout.split("RESULT")[1].split())
     # Allocator bookkeeping and the heap's page granularity: well under 1% of tens of MB.
     assert abs(grown - (total - replaced)) <= 0.01 * total, (grown, total, replaced)
+
+
+def test_gradient_copies_wait_for_the_upload_of_the_parameters_sharing_their_buffer(standins, monkeypatch):
+    """With the bf16 parameters carried out in the gradient buffer, each gradient copy into it (the stream that
+    makes it) first waits for the bucket's last upload: the CUDA branches on stand-in streams, which record it."""
+    standins()
+    waits = []
+    monkeypatch.setattr(cuda_standins.Stream, "wait_event", lambda self, event: waits.append(event))
+    torch.manual_seed(0)
+    model = TinyTransformer().bfloat16()
+    opt = OffloadOptimizer(param_groups(model), state_dtype=torch.int8)
+    est = opt.host_memory_estimate()
+    assert est.buffers["staging"] == 0 and "staging" not in opt.host_buffers()[0]
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    links = opt._transport._links.values()
+    h2d = {id(link.h2d) for link in links}
+    # Steps 2 and 3: every bucket's copies waited for its own upload event (step 1 had none yet).
+    assert {id(e) for e in waits} == h2d and len(waits) >= 2 * len(h2d)

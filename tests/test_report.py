@@ -104,8 +104,9 @@ def test_cli_prints_the_byte_arithmetic_per_state_dtype(capsys, state_dtype, mom
     main(["--params", "13B", "--dtype", "bf16", "--state-dtype", state_dtype])
     out = capsys.readouterr().out
     host_total = [line for line in out.splitlines() if line.strip().startswith("total")][1]
-    # 4 master + the moments + 2 grad buffer + 2 staging (13B is a multiple of 64: no padding).
-    per_param = 4 + moments + 2 + 2
+    # 4 master + the moments + 2 grad buffer, which also carries the bf16 parameters back: no staging copy (13B is
+    # a multiple of 64: no padding).
+    per_param = 4 + moments + 2
     assert f"{per_param:.2f}" in host_total, host_total
     assert f"= {moments:.4g} B/param" in out
 
@@ -137,9 +138,9 @@ def test_cuda_plan_matches_a_real_cuda_optimizer(dtype):
 
 @pytest.mark.parametrize("numel, dtype, amsgrad, world_size, host_per_param, gpu_ours, gpu_adamw", [
     (7 * 10**9, torch.float32, False, 1, 16.0, 8.0, 16.0),     # 12 master+moments + 4 grad buffer
-    (7 * 10**9, torch.bfloat16, False, 1, 16.0, 4.0, 8.0),     # 12 + 2 grad buffer + 2 staging; AdamW: bf16 state
+    (7 * 10**9, torch.bfloat16, False, 1, 14.0, 4.0, 8.0),     # 12 + 2 grad buffer (no staging); AdamW: bf16 state
     (7 * 10**9, torch.float32, True, 1, 20.0, 8.0, 20.0),      # + 4 max_exp_avg_sq
-    (7 * 10**9, torch.bfloat16, False, 8, 2.0, 4.0, 8.0),      # host sharded 8 ways, GPU side whole per rank
+    (7 * 10**9, torch.bfloat16, False, 8, 2.0, 4.0, 8.0),      # 16 (sharded: a staging shard) over 8 ranks
     (1_300_000_000, torch.float16, False, 4, 4.0, 4.0, 8.0),
 ])
 def test_bytes_per_parameter(numel, dtype, amsgrad, world_size, host_per_param, gpu_ours, gpu_adamw):

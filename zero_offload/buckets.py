@@ -290,6 +290,11 @@ class FlatBucket:
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
+        # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
+        # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
+        # transport orders the next gradient copies into the buffer after that upload. A CPU parameter *is* its
+        # staging slot, and a sharded bucket all-gathers from its staging shard: those keep one.
+        self.shares_grad = self.low_precision and not self.on_cpu and shard is None
         self.pin = pin and not (shard is not None and self.on_cpu)  # nothing of a sharded CPU bucket goes to a GPU
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
@@ -305,7 +310,7 @@ class FlatBucket:
         self.max_exp_avg_sq: Optional[torch.Tensor] = self._moment("max_exp_avg_sq") if amsgrad else None
         self.grad = self._zeros(n, layout.dtype)
         self.staging: Optional[torch.Tensor] = None
-        if self.low_precision:
+        if self.low_precision and not self.shares_grad:
             self.staging = own if own is not None else self._zeros(n, layout.dtype)
         # Per-parameter step counts in one tensor: state["step"] is a 0-dim view of an element, so counting a step
         # for a whole bucket is one add, and state_dict() still shows AdamW's 0-dim float32 CPU tensors.
@@ -373,6 +378,24 @@ class FlatBucket:
     def separate_master(self) -> bool:
         """Whether the fp32 master is a copy (low precision or CUDA) rather than the parameter itself."""
         return not (self.on_cpu and not self.low_precision)
+
+    def param_out(self, flat_grad: torch.Tensor, a: int, b: int) -> Optional[torch.Tensor]:
+        """Where the kernel writes the low-precision parameter of elements ``[a, b)`` (None: fp32, the master is
+        the result): the staging buffer, or with :attr:`shares_grad` the gradient buffer it reads."""
+        if self.staging is not None:
+            return self.staging[a:b]
+        return flat_grad[a:b] if self.shares_grad else None
+
+    @property
+    def upload_views(self) -> List[torch.Tensor]:
+        """What the parameters are uploaded from after an update: the master (fp32), the staging copy, or with
+        :attr:`shares_grad` the gradient buffer the kernel last wrote (``delayed_update``'s second buffer, which
+        its updates read and its uploads follow before the buffers are swapped)."""
+        if not self.low_precision:
+            return self.master_views
+        if not self.shares_grad:
+            return self.staging_views
+        return self._prev_views if self.grad_prev is not None else self.grad_views
 
     def ensure_amsgrad(self) -> None:
         if self.max_exp_avg_sq is None:
@@ -562,8 +585,10 @@ class FlatBucket:
         # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
         # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a
         # scratch copy when the master may be kept: it is compared before being overwritten.
+        # (Never into a gradient slot that carries parameters out: it holds this step's gradient.)
         landing = self.staging_views if self.low_precision else self.master_views
-        host = [landing[i] if self.versions[i] == -1 else torch.empty_like(landing[i]) for i in stale]
+        host = [landing[i] if self.versions[i] == -1 and landing is not None
+                else torch.empty_like(self.master_views[i], dtype=self.dtype) for i in stale]
         torch._foreach_copy_(host, [self.params[i].detach() for i in stale], non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
         return host

@@ -271,6 +271,9 @@ def estimate_bucket(
     float32 (4 B each), bfloat16 (2 B) or int8 (8-bit block-wise: 1 B, plus a float32 ``*_scale`` buffer of one
     scale per 64 elements for each moment)."""
     low_precision = param_dtype != torch.float32
+    # An unsharded CUDA bucket's kernel writes the low-precision parameter into the gradient buffer it reads
+    # (buckets.FlatBucket.shares_grad): no staging buffer.
+    staging = low_precision and (on_cpu or world_size > 1)
     grad_itemsize = torch.empty((), dtype=param_dtype).element_size()
     shard = padded_numel // world_size
     moment = torch.empty((), dtype=state_dtype).element_size()
@@ -285,7 +288,7 @@ def estimate_bucket(
         buffers.update(exp_avg_scale=scales, exp_avg_sq_scale=scales, max_exp_avg_sq_scale=scales if amsgrad else 0)
     buffers.update({
         "grad": grad_itemsize * shard,
-        "staging": grad_itemsize * shard if low_precision else 0,
+        "staging": grad_itemsize * shard if staging else 0,
         "grad_prev": grad_itemsize * shard if delayed_update else 0,
     })
     if world_size > 1 and on_cpu:

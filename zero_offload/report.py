@@ -304,6 +304,9 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors "
                    "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
+        if plan.dtype != torch.float32 and not sharded:
+            out.append(f"                 the grad buffer also carries the updated {name} parameters back (no staging "
+                       "copy)")
     avail = available_host_bytes()
     if avail is not None:
         need = plan.total("ours", "host")

@@ -79,7 +79,7 @@ def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad:
         kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                   decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
                   grad_scale=multiplier * bucket.grad_multiplier,
-                  param_out=None if bucket.staging is None else bucket.staging[a:b], **bucket.kernel_state(a, b, h.amsgrad))
+                  param_out=bucket.param_out(flat_grad, a, b), **bucket.kernel_state(a, b, h.amsgrad))
         if in_place is None:
             functional.cpu_adam_(bucket.master[a:b], flat_grad[a:b], **kw)
         else:
