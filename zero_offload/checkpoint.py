@@ -19,8 +19,8 @@ import torch
 from zero_offload.buckets import FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "LoadPlan", "add_compact_moments", "apply_load", "check_format", "apply_sharded_load", "expose", "full_state", "plan_load",
-           "plan_sharded_load", "reexpose", "sharded_state_dict"]
+__all__ = ["STATE_KEYS", "LoadPlan", "add_compact_moments", "apply_load", "check_format", "apply_sharded_load", "expose",
+           "full_state", "plan_load", "plan_sharded_load", "reexpose", "sharded_state_dict"]
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 

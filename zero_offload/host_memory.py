@@ -194,8 +194,8 @@ class HostMemoryEstimate:
         numel (int): parameter elements being optimized.
         padded_numel (int): elements per flat buffer summed over buckets, alignment padding included.
         buffers (Dict[str, int]): bytes per buffer kind: ``master``, ``exp_avg``, ``exp_avg_sq``,
-            ``max_exp_avg_sq`` (in the state dtype; with 8-bit state also each one's float32 ``*_scale``), ``grad`` (host gradient buffers), ``staging`` (low-precision parameter copies) and
-            ``grad_prev`` (``delayed_update``'s second gradient buffer);
+            ``max_exp_avg_sq`` (in the state dtype; with 8-bit state also each one's float32 ``*_scale``), ``grad``
+            (host gradient buffers), ``staging`` (low-precision parameter copies on the CPU or sharded) and ``grad_prev`` (``delayed_update``'s second gradient buffer);
             sharded over a process group (``world_size > 1``) these hold the rank's shard only, and a CPU bucket
             adds ``flat_grad`` (the full flat gradient buffer the reduce-scatter reads) and ``params`` (the rest of
             the full flat parameter buffer the parameters are views of, outside the rank's own slice).

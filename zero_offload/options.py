@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper", "Options", "check_group",
-           "check_hparams", "check_params", "check_step", "world_without_group"]
+__all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper", "Options",
+           "check_group", "check_hparams", "check_params", "check_step", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
