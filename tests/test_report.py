@@ -84,6 +84,33 @@ def test_cpu_plan_matches_a_real_optimizer_and_a_real_adamw(dtype, amsgrad):
     assert plan.adamw["host"] == held
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype, amsgrad", [(torch.float32, True), (torch.bfloat16, False)])
+def test_cpu_plan_per_state_dtype_is_the_buffers_a_real_optimizer_allocates(dtype, amsgrad, state_dtype):
+    torch.manual_seed(0)
+    params = list(small_model(dtype).parameters())
+    meta = [torch.empty_like(p, device="meta") for p in params]
+    plan = memory_plan(meta, device="cpu", amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
+    opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
+    assert plan.host == opt.host_memory_estimate()
+    host = dict(plan.ours["host"])
+    host.pop("gradients")
+    assert host == buffer_bytes(opt)
+    assert plan.state_dtype == state_dtype
+
+
+@pytest.mark.parametrize("state_dtype, moments", [("fp32", 8.0), ("bf16", 4.0), ("int8", 2.125)])
+def test_cli_prints_the_byte_arithmetic_per_state_dtype(capsys, state_dtype, moments):
+    main(["--params", "13B", "--dtype", "bf16", "--state-dtype", state_dtype])
+    out = capsys.readouterr().out
+    host_total = [line for line in out.splitlines() if line.strip().startswith("total")][1]
+    # 4 master + the moments + 2 grad buffer, which also carries the bf16 parameters back: no staging copy (13B is
+    # a multiple of 64: no padding).
+    per_param = 4 + moments + 2
+    assert f"{per_param:.2f}" in host_total, host_total
+    assert f"= {moments:.4g} B/param" in out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_plan_is_the_optimizers_estimate_with_pinning(dtype):
     params = [torch.empty(s, dtype=dtype, device="meta") for s in ((1000, 3), (5,), (70001,))]
@@ -111,9 +138,9 @@ def test_cuda_plan_matches_a_real_cuda_optimizer(dtype):
 
 @pytest.mark.parametrize("numel, dtype, amsgrad, world_size, host_per_param, gpu_ours, gpu_adamw", [
     (7 * 10**9, torch.float32, False, 1, 16.0, 8.0, 16.0),     # 12 master+moments + 4 grad buffer
-    (7 * 10**9, torch.bfloat16, False, 1, 16.0, 4.0, 8.0),     # 12 + 2 grad buffer + 2 staging; AdamW: bf16 state
+    (7 * 10**9, torch.bfloat16, False, 1, 14.0, 4.0, 8.0),     # 12 + 2 grad buffer (no staging); AdamW: bf16 state
     (7 * 10**9, torch.float32, True, 1, 20.0, 8.0, 20.0),      # + 4 max_exp_avg_sq
-    (7 * 10**9, torch.bfloat16, False, 8, 2.0, 4.0, 8.0),      # host sharded 8 ways, GPU side whole per rank
+    (7 * 10**9, torch.bfloat16, False, 8, 2.0, 4.0, 8.0),      # 16 (sharded: a staging shard) over 8 ranks
     (1_300_000_000, torch.float16, False, 4, 4.0, 4.0, 8.0),
 ])
 def test_bytes_per_parameter(numel, dtype, amsgrad, world_size, host_per_param, gpu_ours, gpu_adamw):

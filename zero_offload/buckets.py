@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload.functional import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, empty_host, estimate_bucket, format_bytes
 from zero_offload.options import Options
 
@@ -36,8 +37,11 @@ __all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardLayout", "plan_buckets",
 logger = logging.getLogger("zero_offload")
 
 # Elements. 64 elements is a whole number of 64-byte cache lines for 1-, 2- and 4-byte dtypes and a multiple of
-# every SIMD width the kernel uses, so no slot shares a line or a vector with its neighbour.
+# every SIMD width the kernel uses, so no slot shares a line or a vector with its neighbour; and it is one block of
+# 8-bit state, so every slot (and every shard, see ShardLayout) owns whole scale blocks.
 ALIGN = 64
+assert ALIGN % Q8_BLOCK == 0
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -117,7 +121,7 @@ def should_pin(device: torch.device, pin_memory: Optional[bool]) -> bool:
 
 
 def estimate_layouts(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory: Optional[bool], world_size: int = 1,
-                     delayed_update: bool = False) -> HostMemoryEstimate:
+                     delayed_update: bool = False, state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
     """Host bytes of the buckets ``layouts`` would allocate (per rank when sharded over ``world_size``), without
     allocating: the same arithmetic as :meth:`FlatBucket.estimate` of the real buckets."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
@@ -125,12 +129,14 @@ def estimate_layouts(layouts: Sequence[BucketLayout], amsgrad: bool, pin_memory:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         total = total + estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=layout.device.type == "cpu",
                                         amsgrad=amsgrad, pin=should_pin(layout.device, pin_memory),
-                                        world_size=world_size, delayed_update=delayed_update)
+                                        world_size=world_size, delayed_update=delayed_update,
+                                        state_dtype=state_dtype)
     return total
 
 
 def estimate_params(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int, pin_memory: Optional[bool],
-                    world_size: int = 1, delayed_update: bool = False) -> HostMemoryEstimate:
+                    world_size: int = 1, delayed_update: bool = False,
+                    state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
     """:func:`estimate_layouts` of the buckets an optimizer over ``params`` (tensors or group dicts, whose own
     ``amsgrad`` is honoured) would plan; see ``OffloadOptimizer.estimate_host_memory``."""
     groups = list(params)
@@ -141,7 +147,7 @@ def estimate_params(params: Iterable[Any], *, amsgrad: bool = False, bucket_nume
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
         total = total + estimate_layouts(plan_buckets(ps, bucket_numel), bool(g.get("amsgrad", amsgrad)),
-                                         pin_memory, world_size, delayed_update)
+                                         pin_memory, world_size, delayed_update, state_dtype)
     return total
 
 
@@ -236,8 +242,12 @@ class FlatBucket:
     """The host buffers of one bucket and the per-parameter views into them.
 
     Buffers (each ``layout.padded_numel`` long): ``master`` (fp32), ``exp_avg``, ``exp_avg_sq``, optionally
-    ``max_exp_avg_sq`` (fp32), ``grad`` (the parameters' dtype) and, for low-precision parameters, ``staging``
-    (the parameters' dtype: the kernel's ``param_out``).
+    ``max_exp_avg_sq`` (in ``state_dtype``: fp32, bf16, or 8-bit codes, int8 for ``exp_avg`` and uint8 for the
+    others, each with a float32 ``<name>_scale`` buffer of one scale per 64 elements), ``grad`` (the parameters'
+    dtype) and, for low-precision parameters, ``staging`` (the parameters' dtype: the kernel's ``param_out``).
+
+    With compact state (``state_dtype`` not fp32) the optimizer's ``state`` entries hold ``step`` (and ``master``)
+    only: the moments are not fp32 tensors anywhere, and :meth:`moment_fp32` / :meth:`load_moment` convert.
 
     Where the parameter itself lives:
 
@@ -265,12 +275,15 @@ class FlatBucket:
         shard (ShardLayout, optional): this rank's cut of the bucket.
         grads_reduced (bool): sharded, the gradients arrive averaged already (no 1/world in the multiplier).
         where (str): "param group G, bucket B", for error messages.
+        state_dtype (torch.dtype): the moments' storage, ``torch.float32``, ``torch.bfloat16`` or ``torch.int8``
+            (8-bit block-wise). Default: ``torch.float32``.
     """
 
     grad_prev: Optional[torch.Tensor] = None  # delayed_update's second gradient buffer
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool,
-                 shard: Optional[ShardLayout] = None, grads_reduced: bool = False, where: str = ""):
+                 shard: Optional[ShardLayout] = None, grads_reduced: bool = False, where: str = "",
+                 state_dtype: torch.dtype = torch.float32):
         self.shard = shard
         self.where = where
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
@@ -278,6 +291,11 @@ class FlatBucket:
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
+        # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
+        # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
+        # transport orders the next gradient copies into the buffer after that upload. A CPU parameter *is* its
+        # staging slot, and a sharded bucket all-gathers from its staging shard: those keep one.
+        self.shares_grad = self.low_precision and not self.on_cpu and shard is None
         self.pin = pin and not (shard is not None and self.on_cpu)  # nothing of a sharded CPU bucket goes to a GPU
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
@@ -285,12 +303,15 @@ class FlatBucket:
         n = self.layout.padded_numel
         own = self._alloc_full() if shard is not None else None
         self.master = own if (own is not None and not self.low_precision) else self._zeros(n, torch.float32)
-        self.exp_avg = self._zeros(n, torch.float32)
-        self.exp_avg_sq = self._zeros(n, torch.float32)
-        self.max_exp_avg_sq: Optional[torch.Tensor] = self._zeros(n, torch.float32) if amsgrad else None
+        self.state_dtype = state_dtype
+        self.compact = state_dtype != torch.float32
+        self.scales: Dict[str, torch.Tensor] = {}  # 8-bit state: each moment's block scales
+        self.exp_avg = self._moment("exp_avg")
+        self.exp_avg_sq = self._moment("exp_avg_sq")
+        self.max_exp_avg_sq: Optional[torch.Tensor] = self._moment("max_exp_avg_sq") if amsgrad else None
         self.grad = self._zeros(n, layout.dtype)
         self.staging: Optional[torch.Tensor] = None
-        if self.low_precision:
+        if self.low_precision and not self.shares_grad:
             self.staging = own if own is not None else self._zeros(n, layout.dtype)
         # Per-parameter step counts in one tensor: state["step"] is a 0-dim view of an element, so counting a step
         # for a whole bucket is one add, and state_dict() still shows AdamW's 0-dim float32 CPU tensors.
@@ -315,6 +336,14 @@ class FlatBucket:
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return empty_host(n, dtype, pin=self.pin).zero_()
+
+    def _moment(self, name: str) -> torch.Tensor:
+        """A zeroed moment buffer in the state dtype (and its zeroed scales for 8-bit state)."""
+        n = self.layout.padded_numel
+        if self.state_dtype != torch.int8:
+            return self._zeros(n, self.state_dtype)
+        self.scales[name] = self._zeros(q8_scale_numel(n), torch.float32)
+        return self._zeros(n, torch.int8 if name == "exp_avg" else torch.uint8)
 
     def _alloc_full(self) -> Optional[torch.Tensor]:
         """Sharded on CPU: the full flat parameter and gradient buffers; returns the rank's slice of the former."""
@@ -351,21 +380,40 @@ class FlatBucket:
         """Whether the fp32 master is a copy (low precision or CUDA) rather than the parameter itself."""
         return not (self.on_cpu and not self.low_precision)
 
+    def param_out(self, flat_grad: torch.Tensor, a: int, b: int) -> Optional[torch.Tensor]:
+        """Where the kernel writes the low-precision parameter of elements ``[a, b)`` (None: fp32, the master is
+        the result): the staging buffer, or with :attr:`shares_grad` the gradient buffer it reads."""
+        if self.staging is not None:
+            return self.staging[a:b]
+        return flat_grad[a:b] if self.shares_grad else None
+
+    @property
+    def upload_views(self) -> List[torch.Tensor]:
+        """What the parameters are uploaded from after an update: the master (fp32), the staging copy, or with
+        :attr:`shares_grad` the gradient buffer the kernel last wrote (``delayed_update``'s second buffer, which
+        its updates read and its uploads follow before the buffers are swapped)."""
+        if not self.low_precision:
+            return self.master_views
+        if not self.shares_grad:
+            return self.staging_views
+        return self._prev_views if self.grad_prev is not None else self.grad_views
+
     def ensure_amsgrad(self) -> None:
         if self.max_exp_avg_sq is None:
-            self.max_exp_avg_sq = self._zeros(self.layout.padded_numel, torch.float32)
+            self.max_exp_avg_sq = self._moment("max_exp_avg_sq")
             self.max_views = self._views(self.max_exp_avg_sq)
 
     def estimate(self) -> HostMemoryEstimate:
         return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                                amsgrad=self.max_exp_avg_sq is not None, pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
-                               delayed_update=self.grad_prev is not None)
+                               delayed_update=self.grad_prev is not None, state_dtype=self.state_dtype)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
         if self.max_exp_avg_sq is not None:
             out["max_exp_avg_sq"] = self.max_exp_avg_sq
+        out.update((name + "_scale", scale) for name, scale in self.scales.items())
         if self.staging is not None:
             out["staging"] = self.staging
         if self.grad_prev is not None:
@@ -401,8 +449,12 @@ class FlatBucket:
 
     # -- state ---------------------------------------------------------------------------------------------------
     def state_entry(self, i: int) -> Dict[str, torch.Tensor]:
-        """Parameter ``i``'s optimizer state in AdamW's format: views, not copies."""
-        return {"step": self.steps[i], **self.state_slots(i, master=self.low_precision)}
+        """Parameter ``i``'s optimizer state in AdamW's format: views, not copies. With compact state, ``step`` and
+        ``master`` only (the moments are not fp32 anywhere; ``state_dict()`` converts them)."""
+        slots = self.state_slots(i, master=self.low_precision)
+        if self.compact:
+            slots = {k: v for k, v in slots.items() if k not in MOMENTS}
+        return {"step": self.steps[i], **slots}
 
     def state_slots(self, i: int, *, master: bool = True) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s state tensors by name (views of the buffers), the master with ``master`` where it is
@@ -413,6 +465,66 @@ class FlatBucket:
         if master and self.separate_master:
             out["master"] = self.master_views[i]
         return out
+
+    def kernel_state(self, a: int, b: int, amsgrad: bool,
+                     into: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = None
+                     ) -> Dict[str, Optional[torch.Tensor]]:
+        """The kernel's state arguments for elements ``[a, b)`` (``a`` a slot or piece start, so a multiple of
+        :data:`ALIGN`): the moments, and their scales' blocks for 8-bit state; of ``into`` (copies of the buffers
+        by name, and of the scales) where given."""
+        flat, scales = into if into is not None else ({n: getattr(self, n) for n in MOMENTS}, self.scales)
+        out = {"exp_avg": flat["exp_avg"][a:b], "exp_avg_sq": flat["exp_avg_sq"][a:b],
+               "max_exp_avg_sq": flat["max_exp_avg_sq"][a:b] if amsgrad else None}
+        if scales:
+            blocks = slice(a // Q8_BLOCK, q8_scale_numel(b))
+            out.update((name + "_scale", scales[name][blocks]) for name in MOMENTS
+                       if name in scales and (amsgrad or name != "max_exp_avg_sq"))
+        return out
+
+    def moment_fp32(self, name: str) -> torch.Tensor:
+        """Moment ``name``'s whole buffer as float32: the buffer itself for fp32 state, else a new tensor,
+        converted in one pass (8-bit state: chunk by chunk, with no other temporary)."""
+        buf = getattr(self, name)
+        if not self.compact:
+            return buf
+        if name in self.scales:
+            return dequantize_state(buf, self.scales[name])
+        return buf.float()
+
+    def _slot_range(self, i: int) -> Tuple[int, int]:
+        """Element range of parameter ``i``'s slot (its piece when sharded) in this bucket's buffers."""
+        if self.shard is not None:
+            return self.shard.pieces[i]
+        o = self.layout.offsets[i]
+        return o, o + self.layout.numels[i]
+
+    def load_moment(self, name: str, i: int, value: Optional[torch.Tensor]) -> None:
+        """Write parameter ``i``'s moment ``name`` (its piece when sharded) from ``value``, parameter-shaped, any
+        floating dtype and device, converted to the state dtype (quantised for 8-bit state); None: zeros.
+        ``value`` is already validated (for 8-bit second moments: no negative value)."""
+        a, b = self._slot_range(i)
+        if value is not None and self.shard is not None:
+            src = self.shard.piece_src[i]
+            value = memory_order_flat(value)[src : src + b - a]
+        if name not in self.scales:
+            slot = self.state_slots(i)[name]  # shaped like the parameter, or the 1-D piece
+            if value is None:
+                slot.zero_()
+            else:
+                slot.copy_(value)
+            return
+        blocks = self.scales[name][a // Q8_BLOCK : q8_scale_numel(b)]
+        codes = getattr(self, name)[a:b]
+        if value is None:
+            codes.zero_()
+            blocks.zero_()
+            return
+        flat = torch.empty(b - a, dtype=torch.float32)
+        if self.shard is not None:
+            flat.copy_(value)
+        else:  # in the slot's memory order, whatever the value's strides
+            view_like(flat, 0, self.params[i]).copy_(value)
+        quantize_state_(codes, blocks, flat)
 
     def set_exposed(self, i: int, exposed: bool) -> None:
         """Record whether parameter ``i`` has an entry in the optimizer's ``state`` (see checkpoint.expose)."""
@@ -480,8 +592,10 @@ class FlatBucket:
         # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
         # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a
         # scratch copy when the master may be kept: it is compared before being overwritten.
+        # (Never into a gradient slot that carries parameters out: it holds this step's gradient.)
         landing = self.staging_views if self.low_precision else self.master_views
-        host = [landing[i] if self.versions[i] == -1 else torch.empty_like(landing[i]) for i in stale]
+        host = [landing[i] if self.versions[i] == -1 and landing is not None
+                else torch.empty_like(self.master_views[i], dtype=self.dtype) for i in stale]
         torch._foreach_copy_(host, [self.params[i].detach() for i in stale], non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
         return host
@@ -498,18 +612,15 @@ class FlatBucket:
             a, b = self.shard.pieces[i]
             src = self.shard.piece_src[i]
             slots = self.state_slots(i)
+            for name in slots:
+                if name != "master":
+                    self.load_moment(name, i, None if entry is None else entry.get(name))
             if entry is None:
-                for name, slot in slots.items():
-                    if name != "master":
-                        slot.zero_()
                 self.reset_param(i)
                 continue
             self.steps[i] = entry["step"]
-            for name, slot in slots.items():
-                if name in entry:
-                    slot.copy_(memory_order_flat(entry[name])[src : src + b - a])
-                elif name != "master":
-                    slot.zero_()
+            if "master" in slots and "master" in entry:
+                slots["master"].copy_(memory_order_flat(entry["master"])[src : src + b - a])
             self.master_loaded(i, "master" in entry)
 
     # -- gradients -----------------------------------------------------------------------------------------------
@@ -648,20 +759,25 @@ def _check_room(layouts: Sequence[BucketLayout], gi: int, amsgrad: bool, options
     the kernel's OOM killer would end the process instead, with nothing said. The peak is the whole estimate, as a
     CPU parameter's own storage is freed only once its buckets are filled. ``ZERO_OFFLOAD_ALLOW_OVERCOMMIT=1``
     turns the error into a warning (swap, or memory about to be freed elsewhere)."""
-    est = estimate_layouts(layouts, amsgrad, options.pin_memory, world, options.delayed_update)
+    def estimate(amsgrad: bool = amsgrad, world: int = world, delayed: bool = options.delayed_update,
+                 state_dtype: torch.dtype = options.state_dtype) -> HostMemoryEstimate:
+        return estimate_layouts(layouts, amsgrad, options.pin_memory, world, delayed, state_dtype)
+
+    est = estimate()
     avail = available_host_bytes()
     if avail is None or est.total_bytes <= avail:
         return
     smaller = []
     if amsgrad:
-        smaller.append(("amsgrad=False", estimate_layouts(layouts, False, options.pin_memory, world,
-                                                          options.delayed_update)))
+        smaller.append(("amsgrad=False", estimate(amsgrad=False)))
     if options.delayed_update:
-        smaller.append(("delayed_update=False", estimate_layouts(layouts, amsgrad, options.pin_memory, world)))
+        smaller.append(("delayed_update=False", estimate(delayed=False)))
+    for dtype, name in ((torch.bfloat16, "torch.bfloat16"), (torch.int8, "torch.int8")):
+        if options.state_dtype.itemsize > dtype.itemsize:
+            smaller.append((f"state_dtype={name}", estimate(state_dtype=dtype)))
     for n in (2, 4, 8):
         if n > world:
-            smaller.append((f"process_group of {n} ranks (per rank)",
-                            estimate_layouts(layouts, amsgrad, options.pin_memory, n, options.delayed_update)))
+            smaller.append((f"process_group of {n} ranks (per rank)", estimate(world=n)))
     ways = "; ".join(f"{what}: {format_bytes(e.total_bytes)}" for what, e in smaller)
     message = (f"OffloadOptimizer: param group {gi} needs {format_bytes(est.total_bytes)} of host RAM "
                f"({est.bytes_per_param:.2f} B/param for {est.numel:,} parameters), but this process can take "
@@ -685,7 +801,8 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options,
     for bi, layout in enumerate(layouts):
         shard = None if sharded is None else ShardLayout.cut(layout, world, rank)
         bucket = FlatBucket(layout, group["params"], amsgrad=amsgrad, pin=should_pin(layout.device, options.pin_memory),
-                            shard=shard, grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}")
+                            shard=shard, grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
+                            state_dtype=options.state_dtype)
         if options.delayed_update:
             bucket.add_grad_prev()  # allocated now, so the logged estimate and the RSS include it
         buckets.append(bucket)

@@ -18,12 +18,12 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload.buckets import FlatBucket, memory_order_flat, view_like
+from zero_offload.buckets import MOMENTS, FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateMap", "ahead_entries", "apply_load",
-           "apply_sharded_load", "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
-           "sharded_state_dict", "sync_state"]
+__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateMap", "add_compact_moments",
+           "ahead_entries", "apply_load", "apply_sharded_load", "check_format", "check_param_lists", "expose",
+           "full_state", "plan_load", "plan_sharded_load", "sharded_state_dict", "sync_state"]
 
 # "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param")
@@ -163,7 +163,8 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     slots = bucket.state_slots(i)
     unknown = set(entry) - {"step", *slots}
-    missing = {"step", "exp_avg", "exp_avg_sq"} - set(entry)
+    # Compact state's entries show no moments (see FlatBucket.state_entry): an edit may leave them out.
+    missing = {"step"} - set(entry) if bucket.compact else {"step", "exp_avg", "exp_avg_sq"} - set(entry)
     if unknown or missing:
         raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs step, exp_avg and exp_avg_sq, and "
                          f"may hold {', '.join(k for k in slots if k not in ('exp_avg', 'exp_avg_sq'))}")
@@ -172,6 +173,8 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
                                or v.shape != slots[name].shape):
             raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
                              f"holding values, got {v!r:.80}")
+        if bucket.state_dtype == torch.int8 and name in ("exp_avg_sq", "max_exp_avg_sq") and bool((v < 0).any()):
+            raise ValueError(f"{where}: {name} has negative values, which a second moment cannot have")
     return {**entry, "step": check_step(entry["step"], where)}
 
 
@@ -179,6 +182,10 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
     """Write a validated edit into the buffers: ``None`` starts the parameter afresh, as AdamW's next step does for
     a missing or empty entry (zero moments, step 1 next); an entry's tensors are copied in."""
     slots = bucket.state_slots(i)
+    if bucket.compact:  # moments converted (quantised) through the bucket; left as they are where not given
+        for name in [n for n in slots if n != "master" and (entry is None or n in entry)]:
+            bucket.load_moment(name, i, None if entry is None else entry[name])
+        slots = {k: v for k, v in slots.items() if k == "master"}
     if entry is None:
         for name, slot in slots.items():
             if name != "master":
@@ -268,7 +275,7 @@ def _param_value(bucket: FlatBucket, i: int, after: Optional[Ahead]) -> torch.Te
     if after is not None and after.flat is not None:
         flat = after.flat["staging" if bucket.low_precision else "master"]
         return view_like(flat, bucket.layout.offsets[i], bucket.params[i])
-    slot = (bucket.staging_views if bucket.low_precision else bucket.master_views)[i]
+    slot = bucket.upload_views[i]
     if bucket.on_cpu or after is not None or bucket.versions[i] == bucket.params[i]._version:
         return slot
     return bucket.params[i].detach().to("cpu")  # changed since the optimizer last wrote it, or never written
@@ -283,11 +290,16 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
     out: Dict[int, Dict[str, torch.Tensor]] = {}
     for bucket in chain.from_iterable(buckets):
         after = ahead.get(id(bucket))
+        # Compact moments in the buffers (the worker wrote them) are converted, as state_dict() does.
+        fp32 = ({n: bucket.moment_fp32(n) for n in MOMENTS if getattr(bucket, n) is not None}
+                if after is not None and after.flat is None and bucket.compact else {})
         for i in after.indices if after is not None else ():
+            p = bucket.params[i]
             # The step is a view like the other tensors where they are views (as state_dict() gives them).
             entry = {"step": bucket.steps[i] if after.flat is None else after.steps[i].clone()}
             entry.update(_entry_tensors(bucket, i, after, param=True))
-            out[index[id(bucket.params[i])]] = entry
+            entry.update((n, view_like(t, bucket.layout.offsets[i], p)) for n, t in fp32.items())
+            out[index[id(p)]] = entry
     return out
 
 
@@ -390,7 +402,13 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             raise ValueError(f"loaded state dict has state for parameter id {key!r}, which none of its "
                              "param_groups lists")
         p = id_map[key]
-        entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[where[p][0]]["amsgrad"]))
+        gi, bucket, _ = where[p]
+        entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[gi]["amsgrad"]))
+        if bucket.state_dtype == torch.int8:
+            for k in ("exp_avg_sq", "max_exp_avg_sq"):
+                if k in entry and bool((entry[k] < 0).any()):
+                    raise ValueError(f"loaded state for parameter id {key!r}: {k} has negative values, which a second "
+                                     "moment cannot have (and 8-bit state cannot hold)")
     return LoadPlan(new_groups, entries)
 
 
@@ -427,6 +445,11 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
     zero: List[torch.Tensor] = []
     for i, entry in enumerate(entries):
         slots = bucket.state_slots(i)
+        if bucket.compact:  # converted (quantised) parameter by parameter
+            for name in slots:
+                if name != "master":
+                    bucket.load_moment(name, i, None if entry is None else entry.get(name))
+            slots = {"master": slots["master"]} if "master" in slots else {}
         if entry is None:
             zero.extend(v for k, v in slots.items() if k != "master")
             bucket.reset_param(i)
@@ -460,13 +483,35 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
         full = {}
         for name in names:
             full[name] = torch.empty(bucket.full.padded_numel, dtype=torch.float32)
-            all_gather(full[name], getattr(bucket, name), f"state '{name}' of {bucket.where}")
+            # Compact moments are converted one shard of one bucket at a time (a temporary of the shard's size).
+            mine = bucket.master if name == "master" else bucket.moment_fp32(name)
+            all_gather(full[name], mine, f"state '{name}' of {bucket.where}")
         for i, p in enumerate(bucket.params):
             if bucket.exposed[i]:
                 entry = {"step": bucket.steps[i].clone()}
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
                 out[index[id(p)]] = entry
     return out
+
+
+def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict[str, Any]], buckets: Buckets
+                        ) -> None:
+    """Complete the entries ``Optimizer.state_dict()`` packed (keyed by parameter index) for unsharded buckets
+    with compact state: fp32 moments, new tensors, converted one bucket at a time. They cost 4 bytes per element
+    and moment for as long as the state dict is kept; nothing else is allocated. The entries are replaced, never
+    edited: they are the optimizer's own ``state`` dicts."""
+    index = _positions(groups)
+    for bucket in chain.from_iterable(buckets):
+        if not bucket.compact or bucket.sharded or not any(bucket.exposed):
+            continue
+        names = [n for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if getattr(bucket, n) is not None]
+        full = {n: bucket.moment_fp32(n) for n in names}
+        for i, p in enumerate(bucket.params):
+            k = index[id(p)]
+            if bucket.exposed[i] and k in packed:
+                old = packed[k]
+                moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
+                packed[k] = {"step": old["step"], **moments, **{n: v for n, v in old.items() if n not in moments}}
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
@@ -546,6 +591,12 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
     instead of the buffers'; ``param``: each parameter's value too (``delayed_update``, whose parameters can be a
     step behind the state)."""
     ahead = ahead or {}
+    compact = next((b for b in chain.from_iterable(buckets) if b.compact), None)
+    if compact is not None:
+        raise RuntimeError(f"sharded_state_dict() hands out the live state buffers for torch.distributed.checkpoint "
+                           f"to save and load in place, which needs fp32 moments; this optimizer keeps them as "
+                           f"{compact.state_dtype} (state_dtype). Use state_dict() / load_state_dict() (fp32 moments, "
+                           f"converted a bucket at a time), or state_dtype=torch.float32.")
     position = _positions(groups)
     state: Dict[str, Dict[str, Any]] = {}
     out_groups = []

@@ -16,14 +16,17 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "SUPPORTED_DTYPES", "Hyper", "Options", "check_group",
-           "check_hparams", "check_impl_flags", "check_params", "check_step", "world_without_group"]
+__all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper", "Options",
+           "check_group", "check_hparams", "check_impl_flags", "check_params", "check_step", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
 # that with the model on a GPU the copies of one bucket overlap the CPU update of the previous one.
 DEFAULT_BUCKET_NUMEL = 1 << 25
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The moments' storage: fp32 (exactly AdamW), bf16, or int8 meaning 8-bit block-wise (int8 exp_avg, uint8
+# exp_avg_sq, a float32 scale per 64 elements; see zero_offload.functional).
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # Bias corrections are exact in double far beyond this; AdamW's own step counts are float32, whose integers are
 # exact up to 2**24.
 MAX_STEP = 2**24
@@ -182,6 +185,7 @@ class Options:
     grads_reduced: bool = False
     timeout: Optional[Union[datetime.timedelta, float]] = None
     outside_world: int = 1
+    state_dtype: torch.dtype = torch.float32
 
     def validate(self) -> "Options":
         """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""
@@ -191,6 +195,9 @@ class Options:
         n = self.bucket_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"Invalid bucket_numel: {n!r} (a positive number of elements)")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"Invalid state_dtype: {self.state_dtype!r} (expected torch.float32, torch.bfloat16, or "
+                             "torch.int8 for 8-bit block-wise moments)")
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self._check_modes()
@@ -250,4 +257,4 @@ class Options:
         """The options that must agree across the ranks of a process group: they shape the buckets and decide which
         collectives run when."""
         return tuple((name, getattr(self, name)) for name in ("bucket_numel", "stream_grads", "release_grads",
-                                                              "grads_reduced"))
+                                                              "grads_reduced", "state_dtype"))

@@ -8,8 +8,8 @@ With ``--params`` (``7B``, ``350M``, ``1.3e9``...) it prints a memory plan and a
 buffers come from :meth:`OffloadOptimizer.estimate_host_memory` run over meta tensors (shape and dtype, no
 storage), so they are the bytes the optimizer's own bucket layout would allocate; the GPU side and the
 ``torch.optim.AdamW`` column are the parameters, gradients and state those optimizers keep there. Activations,
-the CUDA context and allocator caches are not counted. Options: ``--dtype``, ``--amsgrad``, ``--device``,
-``--world-size``, ``--bucket-numel``; ``--help`` lists them.
+the CUDA context and allocator caches are not counted. Options: ``--dtype``, ``--state-dtype``, ``--amsgrad``,
+``--device``, ``--world-size``, ``--bucket-numel``; ``--help`` lists them.
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def lines() -> List[str]:
 
 # ------------------------------------------------------------------------------------------------ memory plan --
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# OffloadOptimizer's state_dtype by its name here; int8 is the 8-bit block-wise state.
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
@@ -151,6 +154,7 @@ class MemoryPlan:
         adamw (Dict[str, Dict[str, int]]): the same for ``torch.optim.AdamW``: parameters, gradients and moments
             (in the parameters' dtype, as AdamW keeps them), all on the model's device, the same on every rank.
         pinned (int): bytes per rank of the optimizer's buffers that are page-locked (default ``pin_memory``).
+        state_dtype (torch.dtype): the optimizer's ``state_dtype``.
     """
 
     numel: int
@@ -161,6 +165,7 @@ class MemoryPlan:
     ours: Dict[str, Dict[str, int]]
     adamw: Dict[str, Dict[str, int]]
     pinned: int
+    state_dtype: torch.dtype = torch.float32
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -174,6 +179,7 @@ def memory_plan(
     amsgrad: bool = False,
     world_size: int = 1,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    state_dtype: torch.dtype = torch.float32,
 ) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
@@ -189,6 +195,7 @@ def memory_plan(
         amsgrad (bool): as for the optimizer. Default: False.
         world_size (int): data-parallel ranks. Default: 1.
         bucket_numel (int): as for the optimizer. Default: 2**25.
+        state_dtype (torch.dtype): as for the optimizer. Default: torch.float32.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -205,7 +212,7 @@ def memory_plan(
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
                for layout in plan_buckets(params, bucket_numel)]
-    host = estimate_layouts(layouts, amsgrad, device == "cuda", world_size)
+    host = estimate_layouts(layouts, amsgrad, device == "cuda", world_size, state_dtype=state_dtype)
     numel = host.numel
     param_bytes = sum(p.nbytes for p in params)
     if device == "cpu":
@@ -224,7 +231,7 @@ def memory_plan(
         # The parameters are views of master/staging, counted there; backward's .grad tensors come on top.
         ours = {"gpu": {}, "host": {"gradients": param_bytes, **buffers}}
         adamw = {"gpu": {}, "host": adamw_side}
-    return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned)
+    return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned, state_dtype)
 
 
 def plan_lines(plan: MemoryPlan) -> List[str]:
@@ -242,8 +249,9 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
                    f"{plan.world_size} ranks")
     dtypes = {"params": name, "gradients": name, "grad buffer": name, "staging": name}
-    order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "grad buffer", "staging",
-             "grad_prev", "flat_grad"]
+    order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
+             "exp_avg_sq_scale", "max_exp_avg_sq_scale", "grad buffer", "staging", "grad_prev", "flat_grad"]
+    state = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "8-bit"}[plan.state_dtype]
     home = "master" if plan.dtype == torch.float32 else "staging"
 
     def cell(b: Optional[int]) -> str:
@@ -259,9 +267,15 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
             if item not in ours and item not in adamw:
                 continue
             dtype = dtypes.get(item, "fp32")
-            if item in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and item in adamw and name != "fp32":
-                # AdamW keeps its moments in the parameters' dtype, ours are fp32.
-                dtype = name if item not in ours else f"fp32; AdamW {name}"
+            if item in _MOMENTS:
+                # AdamW keeps its moments in the parameters' dtype, ours in the state dtype.
+                ours_dtype = ("int8" if item == "exp_avg" else "uint8") if state == "8-bit" else state
+                if item not in ours:
+                    dtype = name
+                elif item in adamw and ours_dtype != name:
+                    dtype = f"{ours_dtype}; AdamW {name}"
+                else:
+                    dtype = ours_dtype
             ours_cell = cell(ours.get(item))
             if item == "params" and item not in ours and plan.device == "cpu":
                 ours_cell = f"{'in ' + home:>16}{'':>10}"
@@ -271,8 +285,9 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     out += ["", f"{'':{width}}{'OffloadOptimizer':>26}{'torch.optim.AdamW':>26}",
             f"{'':{width}}{'bytes':>16}{'B/param':>10}{'bytes':>16}{'B/param':>10}"]
     out += [f"{label:<{width}}{a}{b}".rstrip() if a else label for label, a, b in rows]
-    if plan.dtype != torch.float32:
-        out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are fp32)")
+    if plan.dtype != torch.float32 or plan.state_dtype != torch.float32:
+        out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are {state})")
+    out += _state_lines(plan, state)
     out.append("")
     pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
     out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
@@ -289,6 +304,9 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors "
                    "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
+        if plan.dtype != torch.float32 and not sharded:
+            out.append(f"                 the grad buffer also carries the updated {name} parameters back (no staging "
+                       "copy)")
     avail = available_host_bytes()
     if avail is not None:
         need = plan.total("ours", "host")
@@ -296,6 +314,17 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         out.append(f"this machine     {format_bytes(avail)} host RAM available now: one rank's host share {verdict}"
                    + (" (ranks on one node add up)" if sharded else ""))
     return out
+
+
+def _state_lines(plan: MemoryPlan, state: str) -> List[str]:
+    """The byte arithmetic of the moments for the plan's ``state_dtype``, per parameter and per rank."""
+    moments = [m for m in _MOMENTS if plan.host.buffers.get(m)]
+    per = {"fp32": "4 B", "bf16": "2 B", "8-bit": "1 B code + 4 B scale / 64 = 1.0625 B"}[state]
+    share = sum(plan.host.buffers.get(m, 0) + plan.host.buffers.get(m + "_scale", 0) for m in moments)
+    fp32 = 4 * len(moments) * plan.host.padded_numel / plan.world_size
+    return [f"state_dtype      {state}: {len(moments)} moments x {per} per element = {share / plan.numel:.4g} B/param "
+            f"per rank with padding", f"                 (fp32 state: {fp32 / plan.numel:.4g} B/param; state_dtype="
+            "torch.bfloat16 or torch.int8 saves 4 or 5.875 B/param)"]
 
 
 def _count_arg(text: str) -> int:
@@ -320,7 +349,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="the model's parameter dtype (default: fp32)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="where the model trains (default: cuda)")
-    ap.add_argument("--amsgrad", action="store_true", help="plan for amsgrad=True (one more fp32 buffer)")
+    ap.add_argument("--state-dtype", choices=list(_STATE_DTYPES), default="fp32",
+                    help="the optimizer's state_dtype: fp32 (exactly AdamW), bf16, or int8 (8-bit block-wise moments)"
+                         " (default: fp32)")
+    ap.add_argument("--amsgrad", action="store_true", help="plan for amsgrad=True (one more moment buffer)")
     ap.add_argument("--world-size", type=int, default=1, metavar="N",
                     help="data-parallel ranks sharing the host buffers (arithmetic estimate; default: 1)")
     ap.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
@@ -335,7 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         ap.error(f"--bucket-numel must be at least 1, got {args.bucket_numel}")
     params = meta_params(args.params, _DTYPES[args.dtype], args.bucket_numel)
     plan = memory_plan(params, device=args.device, amsgrad=args.amsgrad, world_size=args.world_size,
-                       bucket_numel=args.bucket_numel)
+                       bucket_numel=args.bucket_numel, state_dtype=_STATE_DTYPES[args.state_dtype])
     print("\n".join(plan_lines(plan)))
 
 

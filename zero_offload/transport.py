@@ -226,6 +226,7 @@ class Transport:
             link.incoming = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
         landing = [_slot(link.incoming, bucket, i) if a else bucket.grad_views[i] for i, a in zip(idx, add)]
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        self._after_upload(link, stream)
         with torch.cuda.stream(stream):
             if grads:
                 torch._foreach_copy_(landing, grads, non_blocking=True)
@@ -334,7 +335,10 @@ class Transport:
 
     def _gather_cuda(self, bg: BucketGrads, stream) -> None:
         bucket = bg.bucket
+        if bucket.shares_grad:
+            self.before_update(bucket)  # _slot_copies zeroes slots on the host
         dsts, srcs = self._slot_copies(bg)
+        self._after_upload(self._links[id(bucket)], stream)
         with torch.cuda.stream(stream):
             if dsts:
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
@@ -478,6 +482,13 @@ class Transport:
         for device in {b.device for b in buckets if not b.on_cpu}:
             self.stream(device, upload=True).wait_stream(torch.cuda.current_stream(device))
 
+    @staticmethod
+    def _after_upload(link: _Link, stream) -> None:
+        """A gradient buffer that also carries the parameters out (``FlatBucket.shares_grad``) is written again
+        only after the last upload has read it: ``stream``, about to copy gradients into it, waits for that."""
+        if link.bucket.shares_grad and link.h2d is not None:
+            stream.wait_event(link.h2d)
+
     def before_update(self, bucket: FlatBucket) -> None:
         """Wait until the bucket's last upload has read master and staging, which the kernel is about to write."""
         link = self._links[id(bucket)]
@@ -494,7 +505,7 @@ class Transport:
             torch.autograd.graph.increment_version(params)
         else:
             stream = self.stream(bucket.device, upload=True)
-            srcs = bucket.staging_views if bucket.low_precision else bucket.master_views
+            srcs = bucket.upload_views
             # no_grad here, not at the callers: grad mode is per thread, and overlap_step uploads from its worker.
             with torch.no_grad(), torch.cuda.stream(stream):
                 torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
@@ -532,6 +543,8 @@ class Transport:
                 bucket.zero_grads_as_views()
                 continue
             if self.release and any(link.had):
+                if bucket.shares_grad:
+                    self.before_update(bucket)  # the slots cleared below may still be uploading parameters
                 link.present = list(link.had)
                 for i, has in enumerate(link.had):
                     if has:

@@ -6,19 +6,21 @@ during the next forward and backward). A schedule is chosen once, at constructio
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
-from typing import Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload import functional
-from zero_offload.buckets import FlatBucket, view_like
+from zero_offload.buckets import MOMENTS, FlatBucket, view_like
 from zero_offload.checkpoint import Ahead, expose
 from zero_offload.options import Hyper, Options
 from zero_offload.transport import BucketGrads, Plans, Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "preview_bucket", "update_bucket"]
+__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "preview_bucket", "update_bucket",
+           "weak_method"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
@@ -71,17 +73,16 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Hyper, multip
     runs = bucket.runs(present)
     if not runs:
         return None
-    flat = {"master": bucket.master.clone(), "exp_avg": bucket.exp_avg.clone(),
-            "exp_avg_sq": bucket.exp_avg_sq.clone()}
-    if bucket.max_exp_avg_sq is not None:
-        flat["max_exp_avg_sq"] = bucket.max_exp_avg_sq.clone()
-    if bucket.staging is not None:
-        flat["staging"] = bucket.staging.clone()
+    names = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "staging")
+    flat = {n: getattr(bucket, n).clone() for n in names if getattr(bucket, n) is not None}
+    scales = {n: t.clone() for n, t in bucket.scales.items()}
     full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
     indices = list(range(len(bucket.params))) if full else [i for a, b, _ in runs for i in range(a, b + 1)]
     bucket.refresh_masters(indices, into=[view_like(flat["master"], o, p)
                                           for o, p in zip(bucket.layout.offsets, bucket.params)])
-    _kernel(bucket, runs, grad, None, h, multiplier, full, into=flat)
+    _kernel(bucket, runs, grad, None, h, multiplier, full, into=(flat, scales))
+    for name in [n for n in MOMENTS if n in flat and bucket.compact]:  # saved as fp32, as state_dict() does
+        flat[name] = functional.dequantize_state(flat[name], scales[name]) if name in scales else flat[name].float()
     steps = bucket.steps.clone()
     for first, last, _ in runs:
         steps[first : last + 1] += 1
@@ -90,28 +91,27 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Hyper, multip
 
 def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad: torch.Tensor,
             in_place: Optional[List[Optional[torch.Tensor]]], h: Hyper, multiplier: float, full: bool,
-            into: Optional[Dict[str, torch.Tensor]] = None) -> None:
-    """One kernel call per run of parameters with the same step count, on the bucket's buffers or ``into``."""
-    bufs = into if into is not None else {"master": bucket.master, "exp_avg": bucket.exp_avg,
-                                          "exp_avg_sq": bucket.exp_avg_sq, "max_exp_avg_sq": bucket.max_exp_avg_sq,
-                                          "staging": bucket.staging}
-    vmax = bufs.get("max_exp_avg_sq") if h.amsgrad else None
-    staging, master, exp_avg, exp_avg_sq = bufs.get("staging"), bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"]
+            into: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = None) -> None:
+    """One kernel call per run of parameters with the same step count, on the bucket's buffers or ``into`` (copies
+    of them: flat buffers by name, and the 8-bit scales by moment name). A run starts on a slot, so it owns whole
+    scale blocks of 8-bit state."""
+    master = bucket.master if into is None else into[0]["master"]
     offsets = bucket.layout.offsets
     for first, last, step in runs:
         a, b = bucket.layout.span(first, last)
         kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                  decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad,
-                  max_exp_avg_sq=None if vmax is None else vmax[a:b], maximize=h.maximize,
+                  decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
                   grad_scale=multiplier * bucket.grad_multiplier,
-                  param_out=None if staging is None else staging[a:b])
+                  **bucket.kernel_state(a, b, h.amsgrad, into))
+        if into is None:
+            kw["param_out"] = bucket.param_out(flat_grad, a, b)
+        elif "staging" in into[0]:
+            kw["param_out"] = into[0]["staging"][a:b]
         if in_place is None:
-            functional.cpu_adam_(master[a:b], flat_grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], **kw)
+            functional.cpu_adam_(master[a:b], flat_grad[a:b], **kw)
         else:
-            functional.cpu_adam_segments_(
-                master[a:b], in_place if full else in_place[first : last + 1],
-                [o - a for o in offsets[first : last + 1]], exp_avg[a:b], exp_avg_sq[a:b], **kw,
-            )  # fmt: skip
+            functional.cpu_adam_segments_(master[a:b], in_place if full else in_place[first : last + 1],
+                                          [o - a for o in offsets[first : last + 1]], **kw)
 
 
 class _Worker:
@@ -321,3 +321,17 @@ def make_mode(options: Options, transport: Transport,
     if options.delayed_update:
         return Delayed(transport)
     return Immediate(transport)
+
+
+def weak_method(method: Callable) -> Callable:
+    """A callable that calls ``method`` without keeping its object alive (the hooks live on the parameters, which
+    usually outlive the optimizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise RuntimeError("OffloadOptimizer was garbage-collected while its gradient stream was in use")
+        return target(*args)
+
+    return call
