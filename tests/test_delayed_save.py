@@ -236,3 +236,60 @@ def test_delayed_checkpoint_loads_into_a_sharded_optimizer(tmp_path):
     saved["flushed_state"] = ref.state_dict()["state"]
     torch.save(saved, tmp_path / "ckpt.pt")
     launch(_sharded_resume_worker, 2, str(tmp_path / "ckpt.pt"), timeout=120)
+
+
+def _moments(opt):
+    """The fp32 moments and steps of ``opt.state_dict()``, by parameter index (compact state shows them only there)."""
+    return {i: {k: v.clone() for k, v in entry.items() if k != "param"} for i, entry in opt.state_dict()["state"].items()}
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8], ids=["bf16_state", "int8_state"])
+def test_saving_a_delayed_compact_run_changes_nothing(where, state_dtype):
+    """Compact moments: the pending update is previewed into copies of the codes and scales (CPU) or read after the
+    worker (CUDA path), dequantised for the checkpoint, and the run goes on bitwise as one that never saves."""
+    model, opt = _make(state_dtype=state_dtype)
+    ref_model, ref = _make(state_dtype=state_dtype)
+    for step in range(8):
+        _step(model, opt, step)
+        _step(ref_model, ref, step)
+        if step in (0, SAVE_AT, SAVE_AT + 1):
+            ckpt = _save(model, opt)
+            _assert_identical(model, opt, ref_model, ref, f"right after saving at step {step}")
+        _assert_identical(model, opt, ref_model, ref, f"step {step}")
+    ref.flush()  # the checkpoint of the last save is the state the flushed run has
+    model2, opt2 = _make(state_dtype=state_dtype)
+    for step in range(SAVE_AT + 2):
+        _step(model2, opt2, step)
+    opt2.flush()
+    expected = _moments(opt2)
+    for i, entry in ckpt["opt"]["state"].items():
+        for key, value in expected[i].items():
+            assert torch.equal(entry[key], value), f"param {i}, {key}"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8], ids=["bf16_state", "int8_state"])
+def test_clearing_compact_state_restarts_as_a_fresh_optimizer(state_dtype):
+    """``opt.state.clear()`` (the Adam reset) on compact state: zero moments and scales, step 1 next, exactly as an
+    optimizer built fresh at that point (the reference)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(model.parameters(), lr=LR, state_dtype=state_dtype)
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    opt.state.clear()
+    ref_model = copy.deepcopy(model)
+    ref = OffloadOptimizer(ref_model.parameters(), lr=LR, state_dtype=state_dtype)
+    for step in range(3, 6):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            o.step()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p, q), f"step {step}"
+        got, expected = _moments(opt), _moments(ref)
+        assert got.keys() == expected.keys()
+        for i in expected:
+            for key, value in expected[i].items():
+                assert torch.equal(got[i][key], value), f"step {step}, param {i}, {key}"
