@@ -150,6 +150,7 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
 // boundary touches no other block, and a partial last block takes its scale from its live elements only.
 constexpr float kMCode = 127.0f, kVCode = 255.0f;
 constexpr float kFltMin = 1.17549435e-38f;
+constexpr float kTinyCode = 0x1p-100f;  // see quantise_m
 
 struct QPointers {
   float* p;
@@ -165,6 +166,9 @@ struct QPointers {
 
 // c * (1/127) is exactly 1 at c = 127 (likewise for 255), so a block's largest code dequantises to its scale
 // exactly, and a dequantised block requantises to the same codes and scale (state_dict round trips are lossless).
+// (Folding the constants into a per-block sqrt(s) / 127 saves a multiply per moment but measured no faster, and on
+// the scalar path its rounding, amplified where the update cancels most of the old moment, went past the tests'
+// 16-ulp bound on a scale.)
 static inline VF dequant_m(VF c, float s) {
   const VF f = mul(c, set1(1.0f / kMCode));
   return mul(mul(f, vabs(f)), set1(s));
@@ -188,9 +192,12 @@ static_assert(kBlockVecs % 4 == 0, "a block must be a whole number of 4-vector c
 
 // The position of a value on the code line is u = sqrt(|x| * k), k = code^2 / s: code * sqrt(|x| / s) with one
 // multiply fewer per vector, and the root taken by sqrt_nodiv (see simd.h), so that the divider serves only the
-// update's own square root and division, as in the fp32 path. u exceeds the top code by a few ulps at most, which
-// rounds to it; the narrowing saturates anyway.
-__attribute__((always_inline)) static inline float quantise_m(const VF* m, float largest, bool nonfinite, int8_t* codes) {
+// update's own square root and division, as in the fp32 path. The FMA adds kTinyCode to |x| * k, keeping the
+// root's argument off 0 for free (it changes a u above 2^-38 by less than half an ulp, and a smaller u rounds to
+// code 0 either way). u exceeds the top code by a few ulps at most, which rounds to it; the narrowing saturates
+// anyway.
+__attribute__((always_inline)) static inline float quantise_m(const VF* m, float largest, bool nonfinite,
+                                                              int8_t* codes) {
   const float s = block_scale(largest, nonfinite);
   if (!(s > 0.0f)) {
     __builtin_memset(codes, 0, zo::kQBlock);
@@ -204,7 +211,7 @@ __attribute__((always_inline)) static inline float quantise_m(const VF* m, float
     for (int t = 0; t < 4; ++t) {
       VF x = vabs(m[j + t]);
       if (tiny) x = mul(x, set1(0x1p64f));
-      u[t] = sqrt_nodiv(mul(x, k));
+      u[t] = sqrt_nodiv(fma(x, k, set1(kTinyCode)));
     }
     store_s8x4(codes + j * kW, u[0], u[1], u[2], u[3], m[j], m[j + 1], m[j + 2], m[j + 3]);
   }
@@ -213,7 +220,8 @@ __attribute__((always_inline)) static inline float quantise_m(const VF* m, float
 
 // roots holds sqrt(v) (the update computed it already); largest is the block's largest v. u = sqrt(sqrt(v) * k),
 // k = 255^2 / sqrt(s), finite for every s >= FLT_MIN.
-__attribute__((always_inline)) static inline float quantise_v(const VF* roots, float largest, bool nonfinite, uint8_t* codes) {
+__attribute__((always_inline)) static inline float quantise_v(const VF* roots, float largest, bool nonfinite,
+                                                              uint8_t* codes) {
   const float s = block_scale(largest, nonfinite);
   if (!(s > 0.0f)) {
     __builtin_memset(codes, 0, zo::kQBlock);
@@ -221,18 +229,26 @@ __attribute__((always_inline)) static inline float quantise_v(const VF* roots, f
   }
   const VF k = set1(kVCode * kVCode / __builtin_sqrtf(s));
   for (int j = 0; j < kBlockVecs; j += 4)
-    store_u8x4(codes + j * kW, sqrt_nodiv(mul(roots[j], k)), sqrt_nodiv(mul(roots[j + 1], k)),
-               sqrt_nodiv(mul(roots[j + 2], k)), sqrt_nodiv(mul(roots[j + 3], k)));
+    store_u8x4(codes + j * kW, sqrt_nodiv(fma(roots[j], k, set1(kTinyCode))),
+               sqrt_nodiv(fma(roots[j + 1], k, set1(kTinyCode))), sqrt_nodiv(fma(roots[j + 2], k, set1(kTinyCode))),
+               sqrt_nodiv(fma(roots[j + 3], k, set1(kTinyCode))));
   return s;
 }
 
-// One whole block starting at element i (a multiple of kQBlock from the pointers' origin). The new moments wait in
-// registers or L1 (a block is 4 to 64 vectors) for the block's scale, then are requantised from there. q comes by
-// value and c.amsgrad is the constant kAms, so that pointers and modes stay in registers across the stores.
+// A block between its two passes: the updated moments (with sqrt(v), which the update computed already, instead of
+// v) and their largest magnitudes, waiting in L1 for the block's scale.
+struct QBlock {
+  VF m[kBlockVecs], root[kBlockVecs], root_max[kBlockVecs];
+  VF m_top, v_top, x_top;
+};
+
+// Pass one of the block starting at element i (a multiple of kQBlock from the pointers' origin): dequantise, update
+// the parameter (from the unquantised new moments, as the GPU 8-bit optimizers do) and keep the new moments in blk.
+// q comes by value and c.amsgrad is the constant kAms, so pointers and modes stay in registers across the stores.
 template <zo::DType G, zo::DType O, bool kStreamOut, bool kAms>
-__attribute__((always_inline)) static inline void adam_block_q8(const Coeffs& c, const QPointers q, int64_t i) {
+__attribute__((always_inline)) static inline void update_block_q8(const Coeffs& c, const QPointers q, int64_t i,
+                                                                  QBlock& blk) {
   const int64_t b = i / zo::kQBlock;
-  VF mb[kBlockVecs], rb[kBlockVecs], xb[kBlockVecs];
   const float sm = q.m_scale[b], sv = q.v_scale[b], sx = kAms ? q.vmax_scale[b] : 0.0f;
   // Largest magnitudes by bit pattern: a NaN sorts above inf above every finite value, so one integer max per moment
   // both finds the scale and keeps any non-finite value visible.
@@ -247,22 +263,44 @@ __attribute__((always_inline)) static inline void adam_block_q8(const Coeffs& c,
     store_f32(q.p + k, u.p);
     if constexpr (kStreamOut) stream_from_float<O>(q.out, k, u.p);
     else store_from_float<O>(q.out, k, u.p);
-    mb[j] = u.m;
+    blk.m[j] = u.m;
     m_top = vmax_magnitude(m_top, u.m);
-    v_top = vmax_magnitude(v_top, u.v);
+    v_top = vmax_nonneg(v_top, u.v);
     if constexpr (kAms) {
-      rb[j] = vsqrt(u.v);
-      xb[j] = u.root_used;
-      x_top = vmax_magnitude(x_top, u.v_used);
+      blk.root[j] = vsqrt(u.v);
+      blk.root_max[j] = u.root_used;
+      x_top = vmax_nonneg(x_top, u.v_used);
     } else {
-      rb[j] = u.root_used;  // sqrt(v) itself when there is no running max
+      blk.root[j] = u.root_used;  // sqrt(v) itself when there is no running max
     }
   }
-  const float largest_m = hmax_magnitude(m_top), largest_v = hmax_magnitude(v_top);
+  blk.m_top = m_top;
+  blk.v_top = v_top;
+  blk.x_top = x_top;
+}
+
+// Pass two: the block's scales from its largest magnitudes, and its codes.
+template <bool kAms>
+__attribute__((always_inline)) static inline void requantise_block_q8(const QPointers q, int64_t i,
+                                                                      const QBlock& blk) {
+  const int64_t b = i / zo::kQBlock;
+  const float largest_m = hmax_magnitude(blk.m_top), largest_v = hmax_magnitude(blk.v_top);
   const bool nonfinite = !(largest_m <= 3.40282347e38f && largest_v <= 3.40282347e38f);  // false for inf and NaN
-  q.m_scale[b] = quantise_m(mb, largest_m, nonfinite, q.m + i);
-  q.v_scale[b] = quantise_v(rb, largest_v, nonfinite, q.v + i);
-  if constexpr (kAms) q.vmax_scale[b] = quantise_v(xb, hmax_magnitude(x_top), nonfinite, q.vmax + i);
+  q.m_scale[b] = quantise_m(blk.m, largest_m, nonfinite, q.m + i);
+  q.v_scale[b] = quantise_v(blk.root, largest_v, nonfinite, q.v + i);
+  if constexpr (kAms) q.vmax_scale[b] = quantise_v(blk.root_max, hmax_magnitude(blk.x_top), nonfinite, q.vmax + i);
+}
+
+// Whole blocks from i to end; returns where they end. (Software-pipelining the two passes, pass two of a block
+// after pass one of the next, measured no faster: the out-of-order core overlaps them already.)
+template <zo::DType G, zo::DType O, bool kStreamOut, bool kAms>
+static inline int64_t adam_blocks_q8(const Coeffs& c, const QPointers q, int64_t i, int64_t end) {
+  QBlock blk;
+  for (; i + zo::kQBlock <= end; i += zo::kQBlock) {
+    update_block_q8<G, O, kStreamOut, kAms>(c, q, i, blk);
+    requantise_block_q8<kAms>(q, i, blk);
+  }
+  return i;
 }
 
 template <zo::DType G, zo::DType O, bool kAms>
@@ -277,10 +315,10 @@ static void adam_range_q8(const zo::AdamArgs& a, int64_t begin, int64_t end) {
   const bool stream = O != zo::DType::kNone && q.out != q.g &&  // as in adam_range_typed
                       (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
   if (stream) {
-    for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, true, kAms>(c, q, i);
+    i = adam_blocks_q8<G, O, true, kAms>(c, q, i, end);
     stream_fence();
   } else {
-    for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, false, kAms>(c, q, i);
+    i = adam_blocks_q8<G, O, false, kAms>(c, q, i, end);
   }
   if (i == end) return;
   // Partial last block: the same block code on zero-padded copies, copied back for the live elements only. The
@@ -297,7 +335,7 @@ static void adam_range_q8(const zo::AdamArgs& a, int64_t begin, int64_t end) {
   __builtin_memcpy(mb, q.m + i, n);
   __builtin_memcpy(vb, q.v + i, n);
   if (kAms) __builtin_memcpy(xb, q.vmax + i, n);
-  adam_block_q8<G, O, false, kAms>(c, QPointers{pb, gb, mb, vb, xb, ob, &sm, &sv, &sx}, 0);
+  adam_blocks_q8<G, O, false, kAms>(c, QPointers{pb, gb, mb, vb, xb, ob, &sm, &sv, &sx}, 0, B);
   __builtin_memcpy(q.p + i, pb, n * 4);
   __builtin_memcpy(q.m + i, mb, n);
   __builtin_memcpy(q.v + i, vb, n);

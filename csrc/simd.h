@@ -7,15 +7,17 @@
 // Conversions round to nearest-even. A NaN stays a NaN on the way down: bf16 NaNs become the canonical 0x7FC0
 // (what c10::BFloat16 produces), so results compare bit-for-bit with `tensor.to(torch.bfloat16)`.
 //
-// 8-bit codes: load_s8/load_u8 widen kW codes to floats; store_s8/store_u8 round kW floats to the nearest integer
-// (ties to even, the default MXCSR mode) and narrow them. The callers pass values already clamped to the code range
-// and never NaN, so the narrowing never saturates in practice; it does saturate if it must. store_s8x4/store_u8x4 do
-// the same for 4 vectors at once (one shuffle chain instead of four), store_s8x4 giving each code its value's sign.
+// 8-bit codes: load_s8/load_u8 widen kW codes to floats; store_s8x4/store_u8x4 round 4 vectors of non-negative
+// floats to the nearest integer (ties to even, the default MXCSR mode) and narrow them with saturation, one shuffle
+// chain for all four; store_s8x4 gives each code the sign of its value. The callers pass values at most a few ulps
+// above the top code, so saturation never changes a code.
 //
-// For the 8-bit state's block maxima: vmax_magnitude keeps the largest |x| by bit pattern (NaN > inf > finite), so
-// a NaN is never dropped the way vmaxps drops it, and hmax_magnitude reduces it. sqrt_nodiv is a square root off the
-// divider unit (an rsqrt estimate and one Newton step, a few ulps from the rounded root; exact on the scalar path):
-// the divider is what the kernel's throughput hangs on.
+// For the 8-bit state's block maxima: vmax_magnitude keeps the largest |x| by bit pattern, compared as unsigned
+// integers (NaN > inf > finite), so a NaN is never dropped the way vmaxps drops it; vmax_nonneg does the same
+// without the absolute value, for x that is +0 or more or NaN (a NaN of either sign sorts above every such value);
+// hmax_magnitude reduces either accumulator the same way. sqrt_nodiv is a square root off the divider unit (an
+// rsqrt estimate and one Newton step, a few ulps from the true root; exact on the scalar path): the divider is what
+// the fp32 kernel's throughput hangs on, and the 8-bit path already uses it as often as the fp32 path does.
 #pragma once
 
 #if defined(ZO_ISA_AVX512)
@@ -58,26 +60,17 @@ static inline void stream_bf16(uint16_t* p, VF x) { _mm256_stream_si256(reinterp
 static inline void stream_f16(uint16_t* p, VF x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), f16_bits(x)); }
 static inline void stream_fence() { _mm_sfence(); }
 
-static inline VF vmin(VF a, VF b) { return _mm512_min_ps(a, b); }
 static inline VF vabs(VF a) { return _mm512_abs_ps(a); }
 static inline VF with_sign_of(VF mag, VF sign) {  // mag must be >= 0
   // One ternary-logic op: mag | (sign & 0x80000000), imm8 0xF8 is the truth table of a | (b & c).
   return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), _mm512_castps_si512(sign),
                                                        _mm512_set1_epi32(int(0x80000000u)), 0xF8));
 }
-static inline float hmax(VF a) { return _mm512_reduce_max_ps(a); }
 static inline VF load_s8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 static inline VF load_u8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-static inline void store_s8(int8_t* p, VF x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
-}
-static inline void store_u8(uint8_t* p, VF x) {
-  const __m512i i = _mm512_max_epi32(_mm512_cvtps_epi32(x), _mm512_setzero_si512());
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(i));
 }
 // The two saturating packs interleave the four vectors' 128-bit lanes; one dword permute puts them back in order.
 static inline __m512i codes_in_order(__m512i packed) {
@@ -95,16 +88,18 @@ static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
   _mm512_storeu_si512(p, codes_in_order(_mm512_packus_epi16(a, b)));
 }
 static inline VF vmax_magnitude(VF acc, VF x) {
-  return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_castps_si512(acc), _mm512_castps_si512(vabs(x))));
+  return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), _mm512_castps_si512(vabs(x))));
+}
+static inline VF vmax_nonneg(VF acc, VF x) {
+  return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), _mm512_castps_si512(x)));
 }
 static inline float hmax_magnitude(VF a) {
-  const int32_t m = _mm512_reduce_max_epi32(_mm512_castps_si512(a));
+  const uint32_t m = _mm512_reduce_max_epu32(_mm512_castps_si512(a));
   float f;
   __builtin_memcpy(&f, &m, 4);
   return f;
 }
-static inline VF sqrt_nodiv(VF x) {  // x >= 0; below 2^-100 it returns about 2^-50 rather than 0
-  x = _mm512_max_ps(x, _mm512_set1_ps(0x1p-100f));  // rsqrt(0) is inf, and 0 * inf would be NaN
+static inline VF sqrt_nodiv(VF x) {  // x >= 2^-100, normal: rsqrt(0) is inf, and 0 * inf NaN
   const VF r = _mm512_rsqrt14_ps(x), s = _mm512_mul_ps(x, r);  // r to 14 bits, s = x r ~ sqrt(x)
   // One Newton step on the residual, which the FMA computes exactly: s + (x - s^2) r / 2. Measured over every float
   // in [1, 4): within 0.6 ulp of the true root.
@@ -157,34 +152,12 @@ static inline void stream_bf16(uint16_t* p, VF x) { _mm_stream_si128(reinterpret
 static inline void stream_f16(uint16_t* p, VF x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), f16_bits(x)); }
 static inline void stream_fence() { _mm_sfence(); }
 
-static inline VF vmin(VF a, VF b) { return _mm256_min_ps(a, b); }
 static inline VF vabs(VF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
-static inline VF with_sign_of(VF mag, VF sign) {  // mag must be >= 0
-  return _mm256_or_ps(mag, _mm256_and_ps(sign, _mm256_set1_ps(-0.0f)));
-}
-static inline float hmax(VF a) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
 static inline VF load_s8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 static inline VF load_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-static inline __m128i i16_of(VF x) {  // 8 rounded int32 lanes narrowed (saturating) to 8 int16, in order
-  const __m256i i = _mm256_cvtps_epi32(x);
-  return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-}
-static inline void store_s8(int8_t* p, VF x) {
-  const __m128i w = i16_of(x);
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
-}
-static inline void store_u8(uint8_t* p, VF x) {
-  const __m128i w = i16_of(x);
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
 }
 // The two saturating packs interleave the four vectors' 128-bit lanes; one dword permute puts them back in order.
 static inline void store_codes_x4(void* p, __m256i packed) {
@@ -207,17 +180,19 @@ static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
   store_codes_x4(p, _mm256_packus_epi16(a, b));
 }
 static inline VF vmax_magnitude(VF acc, VF x) {
-  return _mm256_castsi256_ps(_mm256_max_epi32(_mm256_castps_si256(acc), _mm256_castps_si256(vabs(x))));
+  return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), _mm256_castps_si256(vabs(x))));
+}
+static inline VF vmax_nonneg(VF acc, VF x) {
+  return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), _mm256_castps_si256(x)));
 }
 static inline float hmax_magnitude(VF a) {
-  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(_mm256_castps_si256(a)),
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(_mm256_castps_si256(a)),
                             _mm256_extracti128_si256(_mm256_castps_si256(a), 1));
-  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
-  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
   return _mm_cvtss_f32(_mm_castsi128_ps(m));
 }
-static inline VF sqrt_nodiv(VF x) {  // x >= 0; below 2^-100 it returns about 2^-50 rather than 0
-  x = _mm256_max_ps(x, _mm256_set1_ps(0x1p-100f));  // rsqrt(0) is inf, and 0 * inf would be NaN
+static inline VF sqrt_nodiv(VF x) {  // x >= 2^-100, normal: rsqrt(0) is inf, and 0 * inf NaN
   const VF r = _mm256_rsqrt_ps(x), s = _mm256_mul_ps(x, r);  // r to 12 bits, s = x r ~ sqrt(x)
   // One Newton step on the residual, which the FMA computes exactly: s + (x - s^2) r / 2. Measured over every float
   // in [1, 4): within 2.4 ulps of the true root.
@@ -281,10 +256,8 @@ static inline void stream_bf16(uint16_t* p, VF x) { store_bf16(p, x); }
 static inline void stream_f16(uint16_t* p, VF x) { store_f16(p, x); }
 static inline void stream_fence() {}
 
-static inline VF vmin(VF a, VF b) { return a < b ? a : b; }
 static inline VF vabs(VF a) { return float_of(bits_of(a) & 0x7FFFFFFFu); }
 static inline VF with_sign_of(VF mag, VF sign) { return float_of(bits_of(mag) | (bits_of(sign) & 0x80000000u)); }
-static inline float hmax(VF a) { return a; }
 static inline VF load_s8(const int8_t* p) { return static_cast<float>(*p); }
 static inline VF load_u8(const uint8_t* p) { return static_cast<float>(*p); }
 // Nearest integer, ties to even, without libm: adding 1.5 * 2^23 leaves no fraction bits, so the FPU rounds (in its
@@ -312,6 +285,10 @@ static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
 }
 static inline VF vmax_magnitude(VF acc, VF x) {
   const uint32_t a = bits_of(acc), b = bits_of(x) & 0x7FFFFFFFu;
+  return float_of(a > b ? a : b);
+}
+static inline VF vmax_nonneg(VF acc, VF x) {
+  const uint32_t a = bits_of(acc), b = bits_of(x);
   return float_of(a > b ? a : b);
 }
 static inline float hmax_magnitude(VF a) { return a; }
