@@ -291,12 +291,29 @@ __attribute__((always_inline)) static inline void requantise_block_q8(const QPoi
   if constexpr (kAms) q.vmax_scale[b] = quantise_v(blk.root_max, hmax_magnitude(blk.x_top), nonfinite, q.vmax + i);
 }
 
+// The inputs of the block starting at element i, into the cache ahead of use. The hardware prefetcher alone leaves
+// this compute-heavy loop waiting on memory: prefetching 8 blocks (512 elements) ahead measured 20-25% faster on
+// 2e7 elements (AVX2 and AVX-512 alike; 2 and 4 blocks ahead gain less). The output is stored, not read.
+// always_inline: out of line, GCC finds a function of prefetches free of side effects and deletes the call.
+template <zo::DType G, bool kAms>
+__attribute__((always_inline)) static inline void prefetch_block_q8(const QPointers& q, int64_t i) {
+  const char* p = reinterpret_cast<const char*>(q.p + i);
+  for (int o = 0; o < zo::kQBlock * 4; o += 64) __builtin_prefetch(p + o);
+  const char* g = static_cast<const char*>(q.g) + i * elem_size(G);
+  for (int o = 0; o < zo::kQBlock * elem_size(G); o += 64) __builtin_prefetch(g + o);
+  __builtin_prefetch(q.m + i);
+  __builtin_prefetch(q.v + i);
+  if constexpr (kAms) __builtin_prefetch(q.vmax + i);
+}
+
 // Whole blocks from i to end; returns where they end. (Software-pipelining the two passes, pass two of a block
 // after pass one of the next, measured no faster: the out-of-order core overlaps them already.)
 template <zo::DType G, zo::DType O, bool kStreamOut, bool kAms>
 static inline int64_t adam_blocks_q8(const Coeffs& c, const QPointers q, int64_t i, int64_t end) {
+  constexpr int64_t kAhead = 8 * zo::kQBlock;
   QBlock blk;
   for (; i + zo::kQBlock <= end; i += zo::kQBlock) {
+    if (i + kAhead + zo::kQBlock <= end) prefetch_block_q8<G, kAms>(q, i + kAhead);
     update_block_q8<G, O, kStreamOut, kAms>(c, q, i, blk);
     requantise_block_q8<kAms>(q, i, blk);
   }
