@@ -11,17 +11,18 @@ Both paths move 28 bytes per element in a single fused pass (fp32: 4 grad + 3 x 
 2 grad + 24 + 2 out); GB/s below is each candidate's logical traffic divided by time, so it is directly comparable
 to the ceiling.
 
---state-dtype adds ours with compact moments beside ours with fp32 moments (always run, the reference line):
-bf16 moments move 8 bytes less per element (20 B), 8-bit block-wise moments 11.75 bytes less (16.25 B: one byte
-per moment each way plus a 4-byte scale per 64 elements each way). Each line prints its bytes per element, and
-"ours x" is its time per element relative to ours with fp32 state in the same round. The ceiling is the best of three streaming kernels (in-place scale, copy, triad) at
-the same size and thread count. Candidates and ceiling kernels run interleaved, round by round, and medians are
-reported, because shared machines drift.
+Ours runs once per state dtype (--state-dtype, all three by default), side by side: fp32 moments (the reference
+line), bf16 moments, 8 bytes less per element (20 B on the fp32 path), and 8-bit block-wise moments, 11.75 bytes
+less (16.25 B: one byte per moment each way plus a 4-byte scale per 64 elements each way). Each line prints its
+bytes per element, ns per element, GB/s, and "x fp32 state": its time per element over ours with fp32 moments in
+the same rounds (below 1 is faster). The ceiling is the best of three streaming kernels (in-place scale, copy,
+triad) at the same size and thread count. Candidates and ceiling kernels run interleaved, round by round, and
+medians are reported (--stat min for the best round), because shared machines drift.
 
     python benchmarks/cpu_adam.py                  # 1M..200M elements, 1..all threads
     python benchmarks/cpu_adam.py --quick          # small sizes, a smoke run
     python benchmarks/cpu_adam.py --sizes 1e8 --threads 2
-    python benchmarks/cpu_adam.py --sizes 2e7 --threads 1,2 --state-dtype fp32,bf16,int8 --no-anchors
+    python benchmarks/cpu_adam.py --sizes 2e7 --threads 1,2 --no-anchors --stat min   # state dtypes only
 """
 
 from __future__ import annotations
@@ -169,14 +170,15 @@ def run(args):
                         t0 = time.perf_counter()
                         fn()
                         times[name].append(time.perf_counter() - t0)
-                ceiling = statistics.median(ceiling_rounds)
-                ours_t = statistics.median(times["zero_offload"])
+                stat = min if args.stat == "min" else statistics.median
+                ceiling = max(ceiling_rounds) if args.stat == "min" else statistics.median(ceiling_rounds)
+                ours_t = stat(times["zero_offload"])
                 for name, ts in times.items():
-                    t = statistics.median(ts)
+                    t = stat(ts)
                     nbytes = cands[name][1]
                     gbps = n * nbytes / t / 1e9
                     rows.append(dict(path=path, elements=n, threads=threads, candidate=name, seconds=t,
-                                     bytes_per_elem=nbytes,
+                                     bytes_per_elem=nbytes, ns_per_elem=t / n * 1e9,
                                      melem_per_s=n / t / 1e6, gb_per_s=gbps, ceiling_gb_per_s=ceiling,
                                      fraction_of_ceiling=gbps / ceiling, ours_speedup=t / ours_t))
                 print_rows([r for r in rows if r["path"] == path and r["elements"] == n and r["threads"] == threads])
@@ -194,18 +196,20 @@ def machine_info():
 def print_rows(rows):
     for r in rows:
         print(f"{r['path']:8s} {r['elements']:>11,d} el {r['threads']:>2d} thr  {r['candidate']:17s} "
-              f"{r['bytes_per_elem']:6.2f} B/el {r['melem_per_s']:8.0f} Melem/s {r['gb_per_s']:6.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% "
-              f"of {r['ceiling_gb_per_s']:.1f} GB/s  ours x{r['ours_speedup']:.2f}", flush=True)
+              f"{r['bytes_per_elem']:6.2f} B/el {r['ns_per_elem']:6.3f} ns/el {r['melem_per_s']:6.0f} Melem/s "
+              f"{r['gb_per_s']:6.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of {r['ceiling_gb_per_s']:.1f} GB/s  "
+              f"x{r['ours_speedup']:.2f} fp32 state", flush=True)
 
 
 def markdown(rows, info):
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores ({info['features']}); torch {info['torch']}; "
              f"kernel path {info['kernel_path']}.", "",
-             "| path | elements | threads | candidate | B/elem | Melem/s | GB/s | % of ceiling | zero_offload speedup |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| path | elements | threads | candidate | B/elem | ns/elem | Melem/s | GB/s | % of ceiling | "
+             "time / ours (fp32 state) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['path']} | {r['elements']:,} | {r['threads']} | {r['candidate']} | "
-                     f"{r['bytes_per_elem']:.2f} | "
+                     f"{r['bytes_per_elem']:.2f} | {r['ns_per_elem']:.3f} | "
                      f"{r['melem_per_s']:.0f} | {r['gb_per_s']:.1f} | {100 * r['fraction_of_ceiling']:.0f}% "
                      f"(of {r['ceiling_gb_per_s']:.1f}) | {r['ours_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -247,9 +251,11 @@ def main():
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per candidate (median reported)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if installed")
-    ap.add_argument("--state-dtype", default="fp32",
+    ap.add_argument("--state-dtype", default="fp32,bf16,int8",
                     help="comma-separated moment dtypes of ours, from fp32, bf16, int8 (8-bit block-wise); ours "
                          "with fp32 moments always runs beside them")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="per candidate, the median round (default) or the fastest (and the ceiling's best)")
     ap.add_argument("--no-anchors", action="store_true", help="ours only (torch and DeepSpeed skipped)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1e5 and 1e6 elements, 3 rounds")
     args = ap.parse_args()

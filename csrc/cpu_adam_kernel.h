@@ -44,35 +44,50 @@ struct Pointers {
   void* out;
 };
 
+// The update's scalars, broadcast once per range into a local: read through the AdamArgs reference instead, each
+// would be reloaded and re-broadcast for every vector, since the compiler must assume any store to the buffers may
+// have changed it (measured with callgrind, AVX2: the fp32 path ran 5.75 instructions per element with the reloads,
+// 2.13 without; its time, bound by the divider, barely moved, but the 8-bit path's did).
+struct Coeffs {
+  VF grad_scale;  // with maximize's sign folded in (a sign flip is exact, so the product is the same)
+  VF l2, decay, w, one_minus_w, one_minus_beta2, beta2, inv_bc2_sqrt, eps, neg_step;
+  bool l2_on, lerp_low, amsgrad;
+};
+
+static inline Coeffs coeffs_of(const zo::AdamArgs& a) {
+  const float w = a.lerp_weight;
+  return Coeffs{set1(a.maximize ? -a.grad_scale : a.grad_scale), set1(a.l2_weight_decay), set1(a.decay_factor),
+                set1(w), set1(1.0f - w), set1(a.one_minus_beta2), set1(a.beta2), set1(a.inv_bc2_sqrt),
+                set1(a.eps), set1(-a.step_size), a.l2_weight_decay != 0.0f, w < 0.5f, a.amsgrad};
+}
+
 // The update of one vector from its (float) inputs, shared by every state dtype.
 struct Updated {
   VF p, m, v, v_used, root_used;  // root_used = sqrt(v_used), the denominator's square root
 };
 
 template <zo::DType G>
-static inline Updated adam_math(const zo::AdamArgs& a, const void* grad, int64_t i, VF p, VF m, VF v_old,
-                                VF vmax_old) {
-  VF g = mul(load_as_float<G>(grad, i), set1(a.grad_scale));
-  if (a.maximize) g = mul(g, set1(-1.0f));
-  if (a.l2_weight_decay != 0.0f) g = fma(p, set1(a.l2_weight_decay), g);  // Adam: grad + wd * param
-  p = mul(p, set1(a.decay_factor));                                         // AdamW: param * (1 - lr * wd)
+static inline Updated adam_math(const Coeffs& c, const void* grad, int64_t i, VF p, VF m, VF v_old, VF vmax_old) {
+  VF g = mul(load_as_float<G>(grad, i), c.grad_scale);
+  if (c.l2_on) g = fma(p, c.l2, g);  // Adam: grad + wd * param
+  p = mul(p, c.decay);               // AdamW: param * (1 - lr * wd)
 
-  const float w = a.lerp_weight;  // torch's lerp: two forms, chosen by the weight, for accuracy near 1
-  m = (w < 0.5f) ? fma(set1(w), sub(g, m), m) : sub(g, mul(sub(g, m), set1(1.0f - w)));
-  const VF v = fma(mul(g, set1(a.one_minus_beta2)), g, mul(v_old, set1(a.beta2)));
-  const VF v_used = a.amsgrad ? vmax(vmax_old, v) : v;
+  // torch's lerp: two forms, chosen by the weight, for accuracy near 1
+  m = c.lerp_low ? fma(c.w, sub(g, m), m) : sub(g, mul(sub(g, m), c.one_minus_w));
+  const VF v = fma(mul(g, c.one_minus_beta2), g, mul(v_old, c.beta2));
+  const VF v_used = c.amsgrad ? vmax(vmax_old, v) : v;
   const VF root = vsqrt(v_used);
-  const VF denom = fma(root, set1(a.inv_bc2_sqrt), set1(a.eps));
-  p = fma(set1(-a.step_size), div(m, denom), p);
+  const VF denom = fma(root, c.inv_bc2_sqrt, c.eps);
+  p = fma(c.neg_step, div(m, denom), p);
   return Updated{p, m, v, v_used, root};
 }
 
 template <zo::DType G, zo::DType S, zo::DType O, bool kStreamOut>
-static inline void adam_vector(const zo::AdamArgs& a, const Pointers& q, int64_t i) {
+static inline void adam_vector(const Coeffs& c, const Pointers& q, int64_t i) {
   // The gradient is read before the output is written, at the same index: param_out may be the gradient's memory.
-  const Updated u = adam_math<G>(a, q.g, i, load_f32(q.p + i), load_as_float<S>(q.m, i), load_as_float<S>(q.v, i),
-                                 a.amsgrad ? load_as_float<S>(q.vmax, i) : set1(0.0f));
-  if (a.amsgrad) store_from_float<S>(q.vmax, i, u.v_used);
+  const Updated u = adam_math<G>(c, q.g, i, load_f32(q.p + i), load_as_float<S>(q.m, i), load_as_float<S>(q.v, i),
+                                 c.amsgrad ? load_as_float<S>(q.vmax, i) : set1(0.0f));
+  if (c.amsgrad) store_from_float<S>(q.vmax, i, u.v_used);
   store_f32(q.p + i, u.p);
   store_from_float<S>(q.m, i, u.m);
   store_from_float<S>(q.v, i, u.v);
@@ -83,6 +98,7 @@ static inline void adam_vector(const zo::AdamArgs& a, const Pointers& q, int64_t
 template <zo::DType G, zo::DType S, zo::DType O>
 static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) {
   const Pointers q{a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.max_exp_avg_sq, a.param_out};
+  const Coeffs c = coeffs_of(a);
   int64_t i = begin;
   // The low-precision output is written once and next read by a copy to the GPU, not by this core: streaming
   // stores skip the read-for-ownership of its lines (measured: about 5% of the offload path's time at 100M
@@ -92,10 +108,10 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
   const bool stream = O != zo::DType::kNone && q.out != q.g &&
                       (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
   if (stream) {
-    for (; i + kW <= end; i += kW) adam_vector<G, S, O, true>(a, q, i);
+    for (; i + kW <= end; i += kW) adam_vector<G, S, O, true>(c, q, i);
     stream_fence();  // order the streaming stores before whatever reads the output after this call
   } else {
-    for (; i + kW <= end; i += kW) adam_vector<G, S, O, false>(a, q, i);
+    for (; i + kW <= end; i += kW) adam_vector<G, S, O, false>(c, q, i);
   }
   if (i == end) return;
   // Tail shorter than one vector: run the very same vector code on a zero-padded copy, then copy back only
@@ -109,7 +125,7 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
   __builtin_memcpy(mb, static_cast<uint8_t*>(q.m) + i * ss, n * ss);
   __builtin_memcpy(vb, static_cast<uint8_t*>(q.v) + i * ss, n * ss);
   if (a.amsgrad) __builtin_memcpy(xb, static_cast<uint8_t*>(q.vmax) + i * ss, n * ss);
-  adam_vector<G, S, O, false>(a, Pointers{pb, gb, mb, vb, xb, ob}, 0);
+  adam_vector<G, S, O, false>(c, Pointers{pb, gb, mb, vb, xb, ob}, 0);
   __builtin_memcpy(q.p + i, pb, n * 4);
   __builtin_memcpy(static_cast<uint8_t*>(q.m) + i * ss, mb, n * ss);
   __builtin_memcpy(static_cast<uint8_t*>(q.v) + i * ss, vb, n * ss);
@@ -135,6 +151,7 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
 // boundary touches no other block, and a partial last block takes its scale from its live elements only.
 constexpr float kMCode = 127.0f, kVCode = 255.0f;
 constexpr float kFltMin = 1.17549435e-38f;
+constexpr float kTinyCode = 0x1p-100f;  // see quantise_m
 
 struct QPointers {
   float* p;
@@ -150,6 +167,9 @@ struct QPointers {
 
 // c * (1/127) is exactly 1 at c = 127 (likewise for 255), so a block's largest code dequantises to its scale
 // exactly, and a dequantised block requantises to the same codes and scale (state_dict round trips are lossless).
+// (Folding the constants into a per-block sqrt(s) / 127 saves a multiply per moment but measured no faster, and on
+// the scalar path its rounding, amplified where the update cancels most of the old moment, went past the tests'
+// 16-ulp bound on a scale.)
 static inline VF dequant_m(VF c, float s) {
   const VF f = mul(c, set1(1.0f / kMCode));
   return mul(mul(f, vabs(f)), set1(s));
@@ -167,81 +187,156 @@ static inline float block_scale(float largest, bool nonfinite) {
   return largest >= kFltMin ? largest : 0.0f;
 }
 
-static inline float quantise_m(const float* m, float largest, bool nonfinite, int8_t* codes) {
+// Vectors per block; codes are narrowed and stored four vectors at a time.
+constexpr int kBlockVecs = static_cast<int>(zo::kQBlock) / kW;
+static_assert(kBlockVecs % 4 == 0, "a block must be a whole number of 4-vector code groups");
+
+// The position of a value on the code line is u = sqrt(|x| * k), k = code^2 / s: code * sqrt(|x| / s) with one
+// multiply fewer per vector, and the root taken by sqrt_nodiv (see simd.h), so that the divider serves only the
+// update's own square root and division, as in the fp32 path. The FMA adds kTinyCode to |x| * k, keeping the
+// root's argument off 0 for free (it changes a u above 2^-38 by less than half an ulp, and a smaller u rounds to
+// code 0 either way). u exceeds the top code by a few ulps at most, which rounds to it; the narrowing saturates
+// anyway.
+__attribute__((always_inline)) static inline float quantise_m(const VF* m, float largest, bool nonfinite,
+                                                              int8_t* codes) {
   const float s = block_scale(largest, nonfinite);
   if (!(s > 0.0f)) {
     __builtin_memset(codes, 0, zo::kQBlock);
     return s;
   }
-  const VF inv = set1(1.0f / s), top = set1(kMCode);
-  for (int j = 0; j < zo::kQBlock; j += kW) {
-    const VF x = load_f32(m + j);
-    store_s8(codes + j, with_sign_of(vmin(mul(vsqrt(mul(vabs(x), inv)), top), top), x));
+  // 127^2 / s overflows below s = 4.7e-35 (2^-114): for blocks under 2^-60, magnitudes are raised by 2^64 first.
+  const bool tiny = s < 0x1p-60f;
+  const VF k = set1(kMCode * kMCode / (tiny ? s * 0x1p64f : s));
+  for (int j = 0; j < kBlockVecs; j += 4) {
+    VF u[4];
+    for (int t = 0; t < 4; ++t) {
+      VF x = vabs(m[j + t]);
+      if (tiny) x = mul(x, set1(0x1p64f));
+      u[t] = sqrt_nodiv(fma(x, k, set1(kTinyCode)));
+    }
+    store_s8x4(codes + j * kW, u[0], u[1], u[2], u[3], m[j], m[j + 1], m[j + 2], m[j + 3]);
   }
   return s;
 }
 
-// roots holds sqrt(v) (the update computed it already); largest is the block's largest v.
-static inline float quantise_v(const float* roots, float largest, bool nonfinite, uint8_t* codes) {
+// roots holds sqrt(v) (the update computed it already); largest is the block's largest v. u = sqrt(sqrt(v) * k),
+// k = 255^2 / sqrt(s), finite for every s >= FLT_MIN.
+__attribute__((always_inline)) static inline float quantise_v(const VF* roots, float largest, bool nonfinite,
+                                                              uint8_t* codes) {
   const float s = block_scale(largest, nonfinite);
   if (!(s > 0.0f)) {
     __builtin_memset(codes, 0, zo::kQBlock);
     return s;
   }
-  const VF inv_root = set1(1.0f / __builtin_sqrtf(s)), top = set1(kVCode);
-  for (int j = 0; j < zo::kQBlock; j += kW)
-    store_u8(codes + j, vmin(mul(vsqrt(mul(load_f32(roots + j), inv_root)), top), top));
+  const VF k = set1(kVCode * kVCode / __builtin_sqrtf(s));
+  for (int j = 0; j < kBlockVecs; j += 4)
+    store_u8x4(codes + j * kW, sqrt_nodiv(fma(roots[j], k, set1(kTinyCode))),
+               sqrt_nodiv(fma(roots[j + 1], k, set1(kTinyCode))), sqrt_nodiv(fma(roots[j + 2], k, set1(kTinyCode))),
+               sqrt_nodiv(fma(roots[j + 3], k, set1(kTinyCode))));
   return s;
 }
 
-// One whole block starting at element i (a multiple of kQBlock from the pointers' origin).
-template <zo::DType G, zo::DType O, bool kStreamOut>
-static inline void adam_block_q8(const zo::AdamArgs& a, const QPointers& q, int64_t i) {
+// A block between its two passes: the updated moments (with sqrt(v), which the update computed already, instead of
+// v) and their largest magnitudes, waiting in L1 for the block's scale.
+struct QBlock {
+  VF m[kBlockVecs], root[kBlockVecs], root_max[kBlockVecs];
+  VF m_top, v_top, x_top;
+};
+
+// Pass one of the block starting at element i (a multiple of kQBlock from the pointers' origin): dequantise, update
+// the parameter (from the unquantised new moments, as the GPU 8-bit optimizers do) and keep the new moments in blk.
+// q comes by value and c.amsgrad is the constant kAms, so pointers and modes stay in registers across the stores.
+template <zo::DType G, zo::DType O, bool kStreamOut, bool kAms>
+__attribute__((always_inline)) static inline void update_block_q8(const Coeffs& c, const QPointers q, int64_t i,
+                                                                  QBlock& blk) {
   const int64_t b = i / zo::kQBlock;
-  alignas(64) float mb[zo::kQBlock], rb[zo::kQBlock], xb[zo::kQBlock];
-  const float sm = q.m_scale[b], sv = q.v_scale[b], sx = a.amsgrad ? q.vmax_scale[b] : 0.0f;
-  VF m_abs = set1(0.0f), v_top = set1(0.0f), x_top = set1(0.0f), bad = set1(0.0f);
-  for (int j = 0; j < zo::kQBlock; j += kW) {
-    const int64_t k = i + j;
+  const float sm = q.m_scale[b], sv = q.v_scale[b], sx = kAms ? q.vmax_scale[b] : 0.0f;
+  // Largest magnitudes by bit pattern: a NaN sorts above inf above every finite value, so one integer max per moment
+  // both finds the scale and keeps any non-finite value visible.
+  VF m_top = set1(0.0f), v_top = set1(0.0f), x_top = set1(0.0f);
+#pragma GCC unroll 8
+  for (int j = 0; j < kBlockVecs; ++j) {
+    const int64_t k = i + j * kW;
     // The gradient is read before the output is written, at the same index: param_out may be the gradient's memory.
-    const Updated u = adam_math<G>(a, q.g, k, load_f32(q.p + k), dequant_m(load_s8(q.m + k), sm),
+    const Updated u = adam_math<G>(c, q.g, k, load_f32(q.p + k), dequant_m(load_s8(q.m + k), sm),
                                    dequant_v(load_u8(q.v + k), sv),
-                                   a.amsgrad ? dequant_v(load_u8(q.vmax + k), sx) : set1(0.0f));
+                                   kAms ? dequant_v(load_u8(q.vmax + k), sx) : set1(0.0f));
     store_f32(q.p + k, u.p);
     if constexpr (kStreamOut) stream_from_float<O>(q.out, k, u.p);
     else store_from_float<O>(q.out, k, u.p);
-    store_f32(mb + j, u.m);
-    m_abs = vmax(m_abs, vabs(u.m));
-    v_top = vmax(v_top, u.v);
-    bad = add(bad, add(sub(u.m, u.m), sub(u.v, u.v)));  // NaN iff an m or v is inf or NaN (vmax would drop NaNs)
-    if (a.amsgrad) {
-      store_f32(rb + j, vsqrt(u.v));
-      store_f32(xb + j, u.root_used);
-      x_top = vmax(x_top, u.v_used);
+    blk.m[j] = u.m;
+    m_top = vmax_magnitude(m_top, u.m);
+    v_top = vmax_nonneg(v_top, u.v);
+    if constexpr (kAms) {
+      blk.root[j] = vsqrt(u.v);
+      blk.root_max[j] = u.root_used;
+      x_top = vmax_nonneg(x_top, u.v_used);
     } else {
-      store_f32(rb + j, u.root_used);  // sqrt(v) itself when there is no running max
+      blk.root[j] = u.root_used;  // sqrt(v) itself when there is no running max
     }
   }
-  const bool nonfinite = any_nan(bad);
-  q.m_scale[b] = quantise_m(mb, hmax(m_abs), nonfinite, q.m + i);
-  q.v_scale[b] = quantise_v(rb, hmax(v_top), nonfinite, q.v + i);
-  if (a.amsgrad) q.vmax_scale[b] = quantise_v(xb, hmax(x_top), nonfinite, q.vmax + i);
+  blk.m_top = m_top;
+  blk.v_top = v_top;
+  blk.x_top = x_top;
 }
 
-template <zo::DType G, zo::DType O>
+// Pass two: the block's scales from its largest magnitudes, and its codes.
+template <bool kAms>
+__attribute__((always_inline)) static inline void requantise_block_q8(const QPointers q, int64_t i,
+                                                                      const QBlock& blk) {
+  const int64_t b = i / zo::kQBlock;
+  const float largest_m = hmax_magnitude(blk.m_top), largest_v = hmax_magnitude(blk.v_top);
+  const bool nonfinite = !(largest_m <= 3.40282347e38f && largest_v <= 3.40282347e38f);  // false for inf and NaN
+  q.m_scale[b] = quantise_m(blk.m, largest_m, nonfinite, q.m + i);
+  q.v_scale[b] = quantise_v(blk.root, largest_v, nonfinite, q.v + i);
+  if constexpr (kAms) q.vmax_scale[b] = quantise_v(blk.root_max, hmax_magnitude(blk.x_top), nonfinite, q.vmax + i);
+}
+
+// The inputs of the block starting at element i, into the cache ahead of use. The hardware prefetcher alone leaves
+// this compute-heavy loop waiting on memory: prefetching 8 blocks (512 elements) ahead measured 20-25% faster on
+// 2e7 elements (AVX2 and AVX-512 alike; 2 and 4 blocks ahead gain less). The output is stored, not read.
+// always_inline: out of line, GCC finds a function of prefetches free of side effects and deletes the call.
+template <zo::DType G, bool kAms>
+__attribute__((always_inline)) static inline void prefetch_block_q8(const QPointers& q, int64_t i) {
+  const char* p = reinterpret_cast<const char*>(q.p + i);
+  for (int o = 0; o < zo::kQBlock * 4; o += 64) __builtin_prefetch(p + o);
+  const char* g = static_cast<const char*>(q.g) + i * elem_size(G);
+  for (int o = 0; o < zo::kQBlock * elem_size(G); o += 64) __builtin_prefetch(g + o);
+  __builtin_prefetch(q.m + i);
+  __builtin_prefetch(q.v + i);
+  if constexpr (kAms) __builtin_prefetch(q.vmax + i);
+}
+
+// Whole blocks from i to end; returns where they end. (Software-pipelining the two passes, pass two of a block
+// after pass one of the next, measured no faster: the out-of-order core overlaps them already.)
+template <zo::DType G, zo::DType O, bool kStreamOut, bool kAms>
+static inline int64_t adam_blocks_q8(const Coeffs& c, const QPointers q, int64_t i, int64_t end) {
+  constexpr int64_t kAhead = 8 * zo::kQBlock;
+  QBlock blk;
+  for (; i + zo::kQBlock <= end; i += zo::kQBlock) {
+    if (i + kAhead + zo::kQBlock <= end) prefetch_block_q8<G, kAms>(q, i + kAhead);
+    update_block_q8<G, O, kStreamOut, kAms>(c, q, i, blk);
+    requantise_block_q8<kAms>(q, i, blk);
+  }
+  return i;
+}
+
+template <zo::DType G, zo::DType O, bool kAms>
 static void adam_range_q8(const zo::AdamArgs& a, int64_t begin, int64_t end) {
   // begin is a block boundary (the dispatcher splits at multiples of kQBlock and checks segment offsets).
   const QPointers q{a.param, a.grad, static_cast<int8_t*>(a.exp_avg), static_cast<uint8_t*>(a.exp_avg_sq),
                     static_cast<uint8_t*>(a.max_exp_avg_sq), a.param_out, a.exp_avg_scale, a.exp_avg_sq_scale,
                     a.max_exp_avg_sq_scale};
+  Coeffs c = coeffs_of(a);
+  c.amsgrad = kAms;
   int64_t i = begin;
   const bool stream = O != zo::DType::kNone && q.out != q.g &&  // as in adam_range_typed
                       (reinterpret_cast<uintptr_t>(q.out) + i * elem_size(O)) % 64 == 0;
   if (stream) {
-    for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, true>(a, q, i);
+    i = adam_blocks_q8<G, O, true, kAms>(c, q, i, end);
     stream_fence();
   } else {
-    for (; i + zo::kQBlock <= end; i += zo::kQBlock) adam_block_q8<G, O, false>(a, q, i);
+    i = adam_blocks_q8<G, O, false, kAms>(c, q, i, end);
   }
   if (i == end) return;
   // Partial last block: the same block code on zero-padded copies, copied back for the live elements only. The
@@ -251,33 +346,33 @@ static void adam_range_q8(const zo::AdamArgs& a, int64_t begin, int64_t end) {
   alignas(64) float pb[B] = {};
   alignas(64) uint8_t gb[B * 4] = {}, ob[B * 4] = {}, vb[B] = {}, xb[B] = {};
   alignas(64) int8_t mb[B] = {};
-  float sm = q.m_scale[b], sv = q.v_scale[b], sx = a.amsgrad ? q.vmax_scale[b] : 0.0f;
+  float sm = q.m_scale[b], sv = q.v_scale[b], sx = kAms ? q.vmax_scale[b] : 0.0f;
   const int gs = elem_size(G), os = elem_size(O);
   __builtin_memcpy(pb, q.p + i, n * 4);
   __builtin_memcpy(gb, static_cast<const uint8_t*>(q.g) + i * gs, n * gs);
   __builtin_memcpy(mb, q.m + i, n);
   __builtin_memcpy(vb, q.v + i, n);
-  if (a.amsgrad) __builtin_memcpy(xb, q.vmax + i, n);
-  adam_block_q8<G, O, false>(a, QPointers{pb, gb, mb, vb, xb, ob, &sm, &sv, &sx}, 0);
+  if (kAms) __builtin_memcpy(xb, q.vmax + i, n);
+  adam_blocks_q8<G, O, false, kAms>(c, QPointers{pb, gb, mb, vb, xb, ob, &sm, &sv, &sx}, 0, B);
   __builtin_memcpy(q.p + i, pb, n * 4);
   __builtin_memcpy(q.m + i, mb, n);
   __builtin_memcpy(q.v + i, vb, n);
   q.m_scale[b] = sm;
   q.v_scale[b] = sv;
-  if (a.amsgrad) {
+  if (kAms) {
     __builtin_memcpy(q.vmax + i, xb, n);
     q.vmax_scale[b] = sx;
   }
   if (os) __builtin_memcpy(static_cast<uint8_t*>(q.out) + i * os, ob, n * os);
 }
 
-template <zo::DType G>
+template <zo::DType G, bool kAms>
 static void adam_range_q8_out(const zo::AdamArgs& a, int64_t b, int64_t e) {
   switch (a.out_dtype) {
-    case zo::DType::kF32: return adam_range_q8<G, zo::DType::kF32>(a, b, e);
-    case zo::DType::kBF16: return adam_range_q8<G, zo::DType::kBF16>(a, b, e);
-    case zo::DType::kF16: return adam_range_q8<G, zo::DType::kF16>(a, b, e);
-    default: return adam_range_q8<G, zo::DType::kNone>(a, b, e);
+    case zo::DType::kF32: return adam_range_q8<G, zo::DType::kF32, kAms>(a, b, e);
+    case zo::DType::kBF16: return adam_range_q8<G, zo::DType::kBF16, kAms>(a, b, e);
+    case zo::DType::kF16: return adam_range_q8<G, zo::DType::kF16, kAms>(a, b, e);
+    default: return adam_range_q8<G, zo::DType::kNone, kAms>(a, b, e);
   }
 }
 
@@ -293,7 +388,8 @@ static void adam_range_out(const zo::AdamArgs& a, int64_t b, int64_t e) {
 
 template <zo::DType G>
 static void adam_range_state(const zo::AdamArgs& a, int64_t b, int64_t e) {
-  if (a.state_dtype == zo::DType::kQ8) adam_range_q8_out<G>(a, b, e);
+  if (a.state_dtype == zo::DType::kQ8 && a.amsgrad) adam_range_q8_out<G, true>(a, b, e);
+  else if (a.state_dtype == zo::DType::kQ8) adam_range_q8_out<G, false>(a, b, e);
   else if (a.state_dtype == zo::DType::kBF16) adam_range_out<G, zo::DType::kBF16>(a, b, e);
   else adam_range_out<G, zo::DType::kF32>(a, b, e);
 }

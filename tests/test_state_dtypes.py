@@ -359,18 +359,28 @@ def test_8bit_segments_must_start_on_a_block(path):
     assert torch.equal(p, torch.zeros(n)) and not kw["exp_avg"].any()
 
 
-def test_8bit_nonfinite_gradient_poisons_only_its_block(path):
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_8bit_nonfinite_gradient_poisons_only_its_block(path, bad):
     n = 300
     gen = torch.Generator().manual_seed(8)
     p, kw = torch.randn(n, generator=gen), _q8(n)
     grad = torch.randn(n, generator=gen)
-    grad[130] = float("inf")  # block 2
+    grad[130] = bad  # block 2
     functional.cpu_adam_(p, grad, step=1, lr=1e-3, **kw)
     for name in ("exp_avg_scale", "exp_avg_sq_scale"):
         s = kw[name]
         assert s[2].isnan() and torch.isfinite(s[torch.arange(s.numel()) != 2]).all(), name
     assert not kw["exp_avg"][128:192].any() and not kw["exp_avg_sq"][128:192].any()
     assert not torch.isfinite(p[130])
+
+
+@pytest.mark.parametrize("grad_scale", [1e-21, 1e-33])
+def test_8bit_tiny_moments_match_float64_oracle(path, grad_scale):
+    """Moments far below 1: first-moment scales under 2^-60, where the kernel's code position takes its
+    overflow-safe form, and (at 1e-33, gradients spanning four decades) blocks under 4.7e-35, where 127^2 / scale
+    overflows a float; second moments underflow to zero. (Much smaller, fp32's subnormal arithmetic, the torch
+    path's as much as the kernel's, leaves the 16-ulp bound.)"""
+    _run(path, "int8", 4097, grad_scale=grad_scale)
 
 
 def test_8bit_results_do_not_depend_on_thread_count(path):

@@ -7,7 +7,11 @@ full-size fp32 temporary. The arithmetic runs in the master's dtype: float32 nor
 masters (and scales) to get a float64 oracle of the very same (quantised) arithmetic.
 
 8-bit block-wise state (int8 ``exp_avg``, uint8 ``exp_avg_sq``/``max_exp_avg_sq``, one scale per :data:`Q8_BLOCK`
-elements) follows the kernel's mapping (csrc/cpu_adam_kernel.h), operation for operation in float32:
+elements) follows the kernel's mapping (csrc/cpu_adam_kernel.h): dequantisation operation for operation in float32;
+requantisation evaluates the same code positions below in float32, where the kernel evaluates them as
+:math:`\\sqrt{|m|\\,127^2/s}` and :math:`\\sqrt{\\sqrt{v}\\,255^2/\\sqrt{s}}` with a square root that avoids the
+divider (a few ulps from the true root), so the two may round a value that lies within a few ulps of a half-code
+boundary to neighbouring codes; both are held to the float64 oracle of this mapping:
 
 * ``exp_avg``: code :math:`c \\in [-127, 127]`, value :math:`s\\,c|c|/127^2`; quantised as
   :math:`\\mathrm{round}(127\\sqrt{|m|/s})` with the sign of :math:`m`.

@@ -299,8 +299,8 @@ def quantize_state_(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tens
     """Quantise a moment into 8-bit block-wise state in place: the form :func:`cpu_adam_` reads and writes.
 
     The mapping follows the dtype of ``codes``: int8 is the first moment's signed code, uint8 the second moment's
-    (see the module docstring), the same arithmetic as the kernel's requantisation. A block holding a non-finite
-    value gets a NaN scale. Works a chunk at a time, so a whole bucket needs no full-size float temporary.
+    (see the module docstring), the kernel's requantisation (to a few ulps of the code position). A block holding a
+    non-finite value gets a NaN scale. Works a chunk at a time, so a whole bucket needs no full-size float temporary.
 
     Args:
         codes (Tensor): int8 (``exp_avg``) or uint8 (``exp_avg_sq``, ``max_exp_avg_sq``), n elements, contiguous,
