@@ -32,7 +32,7 @@ import torch
 
 # Elements per chunk: large enough that per-op overhead is noise, small enough that fp32 temporaries stay in cache.
 # A multiple of Q8_BLOCK, so chunks of 8-bit state own whole scale blocks.
-_CHUNK = 1 << 18
+CHUNK = 1 << 18
 Q8_BLOCK = 64
 _M_CODE, _V_CODE = 127.0, 255.0
 _FLT_MIN = torch.finfo(torch.float32).tiny
@@ -94,7 +94,7 @@ def quantize_v_(codes: torch.Tensor, scale: torch.Tensor, v: torch.Tensor, nonfi
     scale.copy_(s)
 
 
-def _nonfinite_blocks(*xs: torch.Tensor) -> torch.Tensor:
+def nonfinite_blocks(*xs: torch.Tensor) -> torch.Tensor:
     bad = None
     for x in xs:
         b = ~torch.isfinite(_blocks(x)).all(dim=1)
@@ -133,9 +133,9 @@ def adam_(
     m_all, v_all = exp_avg.view(-1), exp_avg_sq.view(-1)
     vmax_all = None if max_exp_avg_sq is None else max_exp_avg_sq.view(-1)
     out_all = None if param_out is None else param_out.view(-1)
-    for start in range(0, p_all.numel(), _CHUNK):
-        sl = slice(start, start + _CHUNK)
-        bl = slice(start // Q8_BLOCK, (start + _CHUNK) // Q8_BLOCK)  # this chunk's scale blocks (8-bit state)
+    for start in range(0, p_all.numel(), CHUNK):
+        sl = slice(start, start + CHUNK)
+        bl = slice(start // Q8_BLOCK, (start + CHUNK) // Q8_BLOCK)  # this chunk's scale blocks (8-bit state)
         p = p_all[sl]
         g = g_all[sl].to(cdt)
         if grad_scale != 1.0:
@@ -164,7 +164,7 @@ def adam_(
         denom = (root / bc2_sqrt).add_(eps)
         p.addcdiv_(m, denom, value=-step_size)
         if q8:
-            bad = _nonfinite_blocks(m, v)
+            bad = nonfinite_blocks(m, v)
             quantize_m_(m_all[sl], exp_avg_scale[bl], m, bad)
             quantize_v_(v_all[sl], exp_avg_sq_scale[bl], v, bad, None if vmax is not None else root)
             if vmax is not None:
@@ -183,8 +183,8 @@ def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
     """(sum of squares in float64, whether any element is inf or nan) of a gradient buffer."""
     g = grad.view(-1)
     total, nonfinite = 0.0, False
-    for start in range(0, g.numel(), _CHUNK):
-        chunk = g[start : start + _CHUNK].float()
+    for start in range(0, g.numel(), CHUNK):
+        chunk = g[start : start + CHUNK].float()
         nonfinite = nonfinite or not bool(torch.isfinite(chunk).all())
         total += float(chunk.double().square().sum())
     return total, nonfinite

@@ -316,13 +316,13 @@ def quantize_state_(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tens
         raise ValueError(f"quantize_state_: values must be a contiguous CPU tensor of {n} elements, got "
                          f"{values.numel()} on {values.device}, contiguous={values.is_contiguous()}")
     signed = codes.dtype == torch.int8
-    flat, c, chunk = values.reshape(-1), codes.view(-1), _reference._CHUNK
+    flat, c, chunk = values.reshape(-1), codes.view(-1), _reference.CHUNK
     if not signed and bool((flat < 0).any()):
         raise ValueError("quantize_state_: a second moment (uint8 codes) must be >= 0; values holds negatives")
     for start in range(0, n, chunk):
         x = flat[start : start + chunk].float()
         sl, bl = slice(start, start + chunk), slice(start // Q8_BLOCK, q8_scale_numel(start + chunk))
-        bad = _reference._nonfinite_blocks(x)
+        bad = _reference.nonfinite_blocks(x)
         if signed:
             _reference.quantize_m_(c[sl], scale[bl], x, bad)
         else:
@@ -349,7 +349,7 @@ def dequantize_state(codes: torch.Tensor, scale: torch.Tensor, *, out: Optional[
           or not out.is_contiguous() or out.numel() != n):
         raise ValueError(f"dequantize_state: out must be a contiguous float32 CPU tensor of {n} elements")
     deq = _reference.dequantize_m if codes.dtype == torch.int8 else _reference.dequantize_v
-    flat, c, chunk = out.view(-1), codes.view(-1), _reference._CHUNK
+    flat, c, chunk = out.view(-1), codes.view(-1), _reference.CHUNK
     for start in range(0, n, chunk):
         sl, bl = slice(start, start + chunk), slice(start // Q8_BLOCK, q8_scale_numel(start + chunk))
         flat[sl] = deq(c[sl], scale[bl], torch.float32)
