@@ -827,8 +827,12 @@ def test_nonfinite_gradient_policy(policy, device):
     assert ours.opt.skipped_steps == (1 if policy == "skip" else 0)
 
 
-def test_pure_torch_path_gives_the_same_results(monkeypatch):
-    monkeypatch.setenv("ZERO_OFFLOAD_SIMD", "torch")
+@pytest.mark.parametrize("path", ["torch", "torch-fused"])
+def test_torch_paths_give_the_same_results(monkeypatch, path):
+    """The fallbacks without the native kernel: the pure-torch reference, and torch's fused CPU AdamW."""
+    if path == "torch-fused" and torch.__version__ < (2, 4):
+        pytest.skip(f"torch {torch.__version__} has no fused CPU Adam")
+    monkeypatch.setenv("ZERO_OFFLOAD_SIMD", path)
     ours, ref = make_runs(Recipe("torch_path", kw=dict(amsgrad=True), clip=0.5), "cpu")
     for step in range(10):
         ours.step(step)

@@ -170,14 +170,22 @@ def load_native() -> Optional[ModuleType]:
                     problem = _short_reason(exc)
             if _module is None:
                 _status.state, _status.detail = "failed", problem or "unknown"
-                warnings.warn(
-                    f"zero_offload: the native CPU-Adam kernel is unavailable ({_status.detail}); using the "
-                    "pure-torch implementation (same results, slower). `python -m zero_offload.report` shows details.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                warnings.warn(f"zero_offload: the native CPU-Adam kernel is unavailable ({_status.detail}); "
+                              f"{fallback_summary()} `python -m zero_offload.report` shows details.",
+                              RuntimeWarning, stacklevel=3)
         _attempted = True
         return _module
+
+
+def fallback_summary() -> str:
+    """What runs instead of the native kernel, and how much slower it is (measured on a 2-core AVX2 machine, 16M
+    elements per update: native 38 ms, torch's fused 94 ms, the pure-torch reference 1.3-3.5 s)."""
+    from zero_offload import _torch_fused
+
+    if _torch_fused.AVAILABLE:
+        return ("using torch's fused CPU AdamW for fp32 state (same results, about 2.5x slower than the native "
+                "kernel) and the pure-torch reference for bf16/8-bit state (30x slower or more).")
+    return "using the pure-torch reference (same results, 30x slower or more; torch >= 2.4 has a faster fallback)."
 
 
 def status() -> BuildStatus:
