@@ -10,6 +10,7 @@ Everything runs on the CPU. A test is skipped when its package is absent (``pip 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -286,3 +287,33 @@ def test_example_runs(script, needs):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "same parameters as torch.optim.AdamW" in result.stdout, result.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------ report: a model from its HF config --
+def test_report_plans_a_model_from_a_local_hf_config(tmp_path, capsys):
+    """`python -m zero_offload.report --model config.json`: the model is built on the meta device from its config
+    (offline), and the plan counts exactly the parameters the real model has (tied embeddings once)."""
+    transformers = pytest.importorskip("transformers")
+    from zero_offload.report import main
+
+    config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=24, n_layer=2, n_head=2)
+    config.save_pretrained(tmp_path)
+    real = transformers.AutoModelForCausalLM.from_config(config)
+    numel = sum(p.numel() for p in real.parameters())
+    main(["--model", str(tmp_path / "config.json"), "--dtype", "bf16", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == numel and data["dtype"] == "bf16"
+    assert data["per_rank"]["torch.optim.AdamW"]["gpu"]["params"] == 2 * numel
+    main(["--model", str(tmp_path)])  # the folder works too
+    assert f"GPT2LMHeadModel, {numel:,} parameters" in capsys.readouterr().out
+
+
+def test_report_hub_id_without_network_is_a_clear_error(tmp_path):
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # an empty cache, no network
+    result = subprocess.run([sys.executable, "-m", "zero_offload.report", "--model", "no-such-org/no-such-model"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "could not load a model config from 'no-such-org/no-such-model'" in result.stderr
+    assert "a hub model id needs network access" in result.stderr
