@@ -158,3 +158,21 @@ def test_setup_loads_the_build_config_for_the_ahead_of_time_build(tmp_path):
                          text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == __import__("zero_offload").__version__
+
+
+def test_compile_messages_go_through_logging(tmp_path, monkeypatch, caplog, capsys):
+    """The JIT build's two messages are log records of logger ``zero_offload`` (filterable, and shown by Python's
+    last-resort handler when logging is unconfigured), not prints."""
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("ZERO_OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_build, "_status", _build.BuildStatus())  # this process's real status stays as it was
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: types.SimpleNamespace(name=kw["name"]))
+    with caplog.at_level("INFO", logger="zero_offload"):
+        _build._jit_build()
+    messages = [r.getMessage() for r in caplog.records if r.name == "zero_offload"]
+    assert any("compiling the CPU-Adam kernel" in m for m in messages), messages
+    assert any("CPU-Adam kernel built in" in m for m in messages), messages
+    assert capsys.readouterr().err == ""

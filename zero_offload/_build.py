@@ -6,7 +6,7 @@ Nothing here runs at import. ``load_native()`` is called on the first kernel cal
 2. a JIT build with ninja through ``torch.utils.cpp_extension.load`` into a cache folder keyed by a hash of the
    sources' content, flags, torch and Python versions (not by where the sources are: every venv and checkout
    with the same sources shares one build), so a rebuild happens exactly when one of them changes;
-   one line on stderr says that it is compiling and how long it took;
+   two log records (logger ``zero_offload``, WARNING) say that it is compiling and how long it took;
 3. if that fails (no compiler, no ninja, a compile error), ``None``, with the reason kept in ``status()`` and
    one warning. Import never breaks.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -46,6 +47,7 @@ class BuildStatus:
     cache_dir: Optional[str] = None
 
 
+logger = logging.getLogger("zero_offload")
 _lock = threading.Lock()
 _status = BuildStatus()
 _module: Optional[ModuleType] = None
@@ -129,8 +131,10 @@ def _jit_build() -> ModuleType:
     _status.cache_dir = str(build)
     fresh = not any(build.glob(f"{EXTENSION_NAME}*.so"))
     if fresh:
-        print(f"zero_offload: compiling the CPU-Adam kernel (first use; cached in {build}) ...", file=sys.stderr,
-              flush=True)
+        # WARNING, not INFO: a first use stalls for about a minute, which must not look like a hang when logging
+        # is left unconfigured (Python then shows WARNING and above).
+        logger.warning("zero_offload: compiling the CPU-Adam kernel (first use, about a minute; cached in %s) ...",
+                       build)
     start = time.perf_counter()
     module = load(
         name=EXTENSION_NAME,
@@ -145,7 +149,7 @@ def _jit_build() -> ModuleType:
     _status.seconds = time.perf_counter() - start
     _status.state = "jit-built" if fresh else "jit-cached"
     if fresh:
-        print(f"zero_offload: CPU-Adam kernel built in {_status.seconds:.1f} s", file=sys.stderr, flush=True)
+        logger.warning("zero_offload: CPU-Adam kernel built in %.1f s", _status.seconds)
     return module
 
 
