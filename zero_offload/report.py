@@ -283,6 +283,12 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     if plan.dtype != torch.float32:
         out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are fp32)")
     out.append("")
+    return out + _note_lines(plan, home)
+
+def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
+    """Where the host buffers and the gradients live, under the plan's table."""
+    sharded = plan.world_size > 1
+    out: List[str] = []
     pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
     out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
     if plan.device == "cpu" and sharded:
@@ -303,6 +309,7 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
                    "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
     return out
+
 
 # ------------------------------------------------------------------------------------------ verdicts, JSON, HF --
 def gpu_capacity() -> Optional[int]:
