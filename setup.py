@@ -10,11 +10,11 @@ Either way the flags are portable (no -march=native); the kernel picks AVX-512, 
 
 import importlib.util
 import os
-import re
 import shutil
+import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -24,8 +24,11 @@ CSRC = ROOT / "csrc"
 def _build_config():
     """zero_offload/_build.py, loaded on its own (it imports only the standard library at module level), so the
     source list and flags of the ahead-of-time build are the JIT build's."""
-    spec = importlib.util.spec_from_file_location("_zero_offload_build", ROOT / "zero_offload" / "_build.py")
+    name = "_zero_offload_build"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "zero_offload" / "_build.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclasses look their own module up in sys.modules.
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -53,28 +56,15 @@ if os.environ.get("ZERO_OFFLOAD_BUILD_EXT") == "1":
             "zero_offload._C",
             [str(Path("csrc") / name) for name in cfg.SOURCES],
             include_dirs=[str(CSRC)],
-            extra_compile_args=cfg.CFLAGS,
-            extra_link_args=cfg.LDFLAGS,
+            extra_compile_args=list(cfg.CFLAGS),
+            extra_link_args=list(cfg.LDFLAGS),
         )
     )
     cmdclass["build_ext"] = BuildExtension
 
-version = re.search(r'__version__ = "([^"]+)"', (ROOT / "zero_offload" / "__init__.py").read_text()).group(1)
-
+# Metadata (name, version, dependencies, license, classifiers) is in pyproject.toml; this file adds only the
+# ahead-of-time extension and the shipped C++ sources.
 setup(
-    name="zero_offload",
-    version=version,
-    description="ZeRO-Offload for any PyTorch training loop: a drop-in AdamW with state in pinned host memory",
-    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=find_packages(include=["zero_offload", "zero_offload.*"]),
-    install_requires=["torch>=2.3", "pybind11", "ninja"],
-    # integrations: what tests/test_integrations.py and examples/ need (Hugging Face Trainer, Lightning); the
-    # torch.compile test needs only torch and a C++ compiler. Install with torch pinned on the same line, e.g.
-    # `pip install torch==2.13.0 -e ".[integrations]"`, so pip never swaps the installed torch.
-    extras_require={"test": ["pytest"], "demo": ["matplotlib"], "bench": ["matplotlib"],
-                    "integrations": ["transformers", "accelerate", "lightning"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

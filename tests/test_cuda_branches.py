@@ -35,9 +35,9 @@ def cuda_branches(monkeypatch):
 
 # Streaming is the default for CUDA parameters: no stream_grads here.
 CUDA_RECIPES = (
-    [dataclasses.replace(r, name=f"{r.name}+release", ours_kw={"release_grads": True}) for r in RECIPES
+    [dataclasses.replace(r, name=f"{r.name}+release", ours_kw={**r.ours_kw, "release_grads": True}) for r in RECIPES
      if r.name in ("adamw", "amsgrad", "clip", "clip_inf_norm", "accumulate", "closure", "add_param_group")]
-    + [dataclasses.replace(r, ours_kw={"release_grads": False}) for r in RECIPES]
+    + [dataclasses.replace(r, ours_kw={**r.ours_kw, "release_grads": False}) for r in RECIPES]
     + [Recipe("accumulate_no_sync+release", accumulate=3, clip=0.5, no_sync=True, ours_kw={"release_grads": True}),
        Recipe("accumulate_host+release", accumulate=3, clip=0.5, ours_kw={"release_grads": True}),
        Recipe("not_streamed", clip=0.5, ours_kw={"stream_grads": False})]

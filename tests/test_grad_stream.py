@@ -28,7 +28,8 @@ NEEDS_GRADS = {"scaler", "scaler_unscale_clip", "scaler_fused_clip", "clip_with_
 
 
 def _streamed(recipe: Recipe, **kw) -> Recipe:
-    return dataclasses.replace(recipe, name=f"{recipe.name}+{kw}", ours_kw={"stream_grads": True, **kw})
+    return dataclasses.replace(recipe, name=f"{recipe.name}+{kw}",
+                               ours_kw={**recipe.ours_kw, "stream_grads": True, **kw})
 
 
 STREAM_RECIPES = (

@@ -10,6 +10,7 @@ Everything runs on the CPU. A test is skipped when its package is absent (``pip 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -55,21 +56,26 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 def hf_train(make_opt: Callable, out: Path, steps: int = 8, save_steps: int = 0, resume: str = None,
-             max_grad_norm: float = 1.0):
+             max_grad_norm: float = 1.0, build_in_trainer: bool = False):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     # Tiny GPT-2 from a config (no download, no tokenizer), dropout off so both runs see the same function.
     config = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
-    opt = make_opt(model.parameters(), lr=LR, weight_decay=WD)
-    sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=steps)
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, use_cpu=True, report_to="none",
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, logging_steps=1, seed=0,
-        disable_tqdm=True, max_grad_norm=max_grad_norm,
+        disable_tqdm=True, max_grad_norm=max_grad_norm, weight_decay=WD,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(opt, sched))
+    if build_in_trainer:  # the Trainer builds it (its decay groups, after placing the model) and its scheduler
+        cls, kw = (torch.optim.AdamW, {"foreach": False}) if make_opt is adamw else (make_opt, {})
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(),
+                                       optimizer_cls_and_kwargs=(cls, {"lr": LR, **kw}))
+    else:
+        opt = make_opt(model.parameters(), lr=LR, weight_decay=WD)
+        sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=steps)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(opt, sched))
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return model, losses, trainer
@@ -86,6 +92,15 @@ def test_hf_trainer_matches_adamw(tmp_path):
     # params, which keep their gradients): without it the trajectory differs.
     unclipped, _, _ = hf_train(OffloadOptimizer, tmp_path / "unclipped", max_grad_norm=0.0)
     assert_differs(ours, unclipped)
+
+
+def test_hf_trainer_builds_it_from_optimizer_cls_and_kwargs(tmp_path):
+    ref, ref_losses, _ = hf_train(adamw, tmp_path / "adamw", build_in_trainer=True)
+    ours, losses, trainer = hf_train(OffloadOptimizer, tmp_path / "ours", build_in_trainer=True)
+    assert isinstance(trainer.optimizer.optimizer, OffloadOptimizer)
+    assert [g["weight_decay"] for g in trainer.optimizer.optimizer.param_groups] == [WD, 0.0]  # the Trainer's groups
+    torch.testing.assert_close(losses, ref_losses)
+    assert_same_params(ref, ours, "after 8 Trainer steps, optimizer built by the Trainer")
 
 
 def test_hf_trainer_checkpoint_resumes_the_same_trajectory(tmp_path):
@@ -286,3 +301,33 @@ def test_example_runs(script, needs):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "same parameters as torch.optim.AdamW" in result.stdout, result.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------ report: a model from its HF config --
+def test_report_plans_a_model_from_a_local_hf_config(tmp_path, capsys):
+    """`python -m zero_offload.report --model config.json`: the model is built on the meta device from its config
+    (offline), and the plan counts exactly the parameters the real model has (tied embeddings once)."""
+    transformers = pytest.importorskip("transformers")
+    from zero_offload.report import main
+
+    config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=24, n_layer=2, n_head=2)
+    config.save_pretrained(tmp_path)
+    real = transformers.AutoModelForCausalLM.from_config(config)
+    numel = sum(p.numel() for p in real.parameters())
+    main(["--model", str(tmp_path / "config.json"), "--dtype", "bf16", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == numel and data["dtype"] == "bf16"
+    assert data["per_rank"]["torch.optim.AdamW"]["gpu"]["params"] == 2 * numel
+    main(["--model", str(tmp_path)])  # the folder works too
+    assert f"GPT2LMHeadModel, {numel:,} parameters" in capsys.readouterr().out
+
+
+def test_report_hub_id_without_network_is_a_clear_error(tmp_path):
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}  # an empty cache, no network
+    result = subprocess.run([sys.executable, "-m", "zero_offload.report", "--model", "no-such-org/no-such-model"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "could not load a model config from 'no-such-org/no-such-model'" in result.stderr
+    assert "a hub model id needs network access" in result.stderr

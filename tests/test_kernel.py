@@ -6,16 +6,18 @@ import itertools
 import pytest
 import torch
 
-from zero_offload import _build, _reference, functional
+from zero_offload import _build, _reference, _torch_fused, functional
 
 SIZES = [1, 7, 15, 16, 17, 4097, 278011]
-PATHS = ["avx512", "avx2", "neon", "scalar", "torch"]
+PATHS = ["avx512", "avx2", "neon", "scalar", "torch-fused", "torch"]
 STEPS = 30
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    if request.param != "torch" and request.param not in _build.native_isas():
+    if request.param == "torch-fused" and not _torch_fused.AVAILABLE:
+        pytest.skip(f"torch {torch.__version__} has no fused CPU Adam")
+    elif request.param not in ("torch", "torch-fused") and request.param not in _build.native_isas():
         pytest.skip(f"{request.param} is not available on this CPU/build")
     monkeypatch.setenv("ZERO_OFFLOAD_SIMD", request.param)
     return request.param

@@ -4,6 +4,7 @@ holds, and it must allocate nothing however large the model."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from zero_offload import OffloadOptimizer
-from zero_offload.report import main, memory_plan, meta_params, parse_count
+from zero_offload.report import main, memory_plan, meta_params, parse_count, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,6 +214,63 @@ def test_cli_allocates_nothing_for_a_huge_model():
     assert "1,000,000,000,000 parameters" in result.stdout
     rss_kb = int(result.stdout.split("RSS_KB")[1])
     assert rss_kb < 2 * 1024 * 1024, f"peak RSS {rss_kb} KiB"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_release_grads_plan_keeps_two_buckets_of_gradients_on_the_gpu(dtype):
+    params = meta_params(10**9, dtype, 2**25)
+    keep = memory_plan(params, release_grads=False)
+    release = memory_plan(params, release_grads=True)
+    assert keep.ours["gpu"]["gradients"] == 10**9 * dtype.itemsize == keep.adamw["gpu"]["gradients"]
+    assert release.ours["gpu"]["gradients"] == 2 * 2**25 * dtype.itemsize
+    assert release.ours["host"] == keep.ours["host"] and release.adamw == keep.adamw
+    small = memory_plan(meta_params(1000, dtype), release_grads=True)  # smaller than two buckets: all of it
+    assert small.ours["gpu"]["gradients"] == 1000 * dtype.itemsize
+
+
+def test_verdicts_add_up_the_ranks_of_a_node_and_judge_the_gpu():
+    """--world-size 8 alone judged one rank's 13 GiB share against the node's RAM: 8 ranks on a node need 8x."""
+    plan = memory_plan(meta_params(7 * 10**9, torch.bfloat16), world_size=8)
+    per_rank = plan.total("ours", "host")
+    v = verdicts(plan, nproc_per_node=8, gpu_bytes=80 * 10**9, host_bytes=4 * per_rank)
+    assert v["host_per_node"] == 8 * per_rank and v["host_fits"] is False
+    assert verdicts(plan, nproc_per_node=1, host_bytes=4 * per_rank)["host_fits"] is True
+    assert v["gpu_fits"] is True and v["gpu_left"] == 80 * 10**9 - plan.total("ours", "gpu")
+    # bf16 7B: AdamW's params, gradients and two moments take 56 GB, ours 28 GB.
+    assert verdicts(plan, gpu_bytes=40 * 10**9)["adamw_gpu_fits"] is False
+    assert verdicts(plan, gpu_bytes=40 * 10**9)["gpu_fits"] is True
+    assert verdicts(plan)["gpu_fits"] is None  # capacity unknown: no verdict, not a guess
+
+
+def test_cli_json_and_gpu_verdict(capsys):
+    main(["--params", "7B", "--dtype", "bf16", "--world-size", "8", "--nproc-per-node", "8", "--gpu-memory", "80GB",
+          "--release-grads", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == 7 * 10**9 and data["nproc_per_node"] == 8 and data["release_grads"] is True
+    per_rank = data["totals_per_rank"]["OffloadOptimizer"]["host"]
+    assert data["verdict"]["host_per_node"] == 8 * per_rank
+    assert data["capacity"]["gpu_bytes"] == 80 * 10**9 and data["verdict"]["gpu_fits"] is True
+    main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "24GiB"])
+    out = capsys.readouterr().out
+    assert "GPU verdict      24.0 GiB per GPU: OffloadOptimizer does NOT fit, torch.optim.AdamW does NOT fit" in out
+
+
+def test_help_is_plain_text_and_python_m_zero_offload_works():
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-m", "zero_offload", "--help"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--nproc-per-node" in result.stdout and "--model" in result.stdout
+    for markup in ("``", ":class:", ":meth:", ":func:"):
+        assert markup not in result.stdout
+
+
+def test_model_without_transformers_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "gpt2"])
+    assert exc.value.code == 2
+    assert "--model needs the transformers package" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])

@@ -4,8 +4,9 @@ Nothing here runs at import. ``load_native()`` is called on the first kernel cal
 
 1. ``zero_offload._C``, compiled ahead of time by ``ZERO_OFFLOAD_BUILD_EXT=1 pip install .``;
 2. a JIT build with ninja through ``torch.utils.cpp_extension.load`` into a cache folder keyed by a hash of the
-   sources (content and folder), flags and torch version, so a rebuild happens exactly when one of them changes;
-   one line on stderr says that it is compiling and how long it took;
+   sources' content, flags, torch and Python versions (not by where the sources are: every venv and checkout
+   with the same sources shares one build), so a rebuild happens exactly when one of them changes;
+   two log records (logger ``zero_offload``, WARNING) say that it is compiling and how long it took;
 3. if that fails (no compiler, no ninja, a compile error), ``None``, with the reason kept in ``status()`` and
    one warning. Import never breaks.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -31,8 +33,8 @@ EXTENSION_NAME = "zero_offload_cpu_adam"
 SOURCES = ("cpu_adam.cpp", "bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
 HEADERS = ("cpu_adam.h", "kernel_args.h", "simd.h", "cpu_adam_kernel.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the kernel silently runs on one thread.
-CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-std=c++17", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 @dataclasses.dataclass
@@ -45,6 +47,7 @@ class BuildStatus:
     cache_dir: Optional[str] = None
 
 
+logger = logging.getLogger("zero_offload")
 _lock = threading.Lock()
 _status = BuildStatus()
 _module: Optional[ModuleType] = None
@@ -61,8 +64,9 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Build folder for this exact combination of sources (their content and where they are), flags, torch and
-    Python (``ZERO_OFFLOAD_CACHE_DIR`` overrides the root, which defaults to torch's extension cache)."""
+    """Build folder for this exact combination of sources (their content only, not where they are), flags, torch
+    and Python (``ZERO_OFFLOAD_CACHE_DIR`` overrides the root, which defaults to torch's extension cache), so every
+    venv, worktree and installed copy with the same sources and torch shares one build."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -72,10 +76,24 @@ def cache_dir() -> Path:
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((src / name).read_bytes())
-    # The source folder too: torch writes its absolute path into build.ninja, so two checkouts with the same
-    # sources sharing one folder would each rewrite it and rebuild everything (and race) on every switch.
-    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version, str(src.resolve())]).encode())
+    digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, sys.version)).encode())
     return Path(root) / digest.hexdigest()[:16]
+
+
+def _stage_sources(build: Path) -> Path:
+    """The sources copied into the build folder, compiled from there: torch writes their absolute paths into
+    build.ninja, so compiling each checkout's own copy would make checkouts sharing the folder rewrite it and
+    rebuild (and race) on every switch. Files are written once (atomically) and never touched again: a fresh mtime
+    would make ninja rebuild."""
+    staged, src = build / "src", source_dir()
+    staged.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES + HEADERS:
+        target = staged / name
+        if not target.is_file():
+            tmp = staged / f".{name}.{os.getpid()}.tmp"
+            shutil.copyfile(src / name, tmp)
+            os.replace(tmp, target)
+    return staged
 
 
 def _toolchain_problem() -> Optional[str]:
@@ -108,20 +126,22 @@ def _short_reason(exc: BaseException) -> str:
 def _jit_build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    src = source_dir()
     build = cache_dir()
-    build.mkdir(parents=True, exist_ok=True)
+    src = _stage_sources(build)
     _status.cache_dir = str(build)
     fresh = not any(build.glob(f"{EXTENSION_NAME}*.so"))
     if fresh:
-        print(f"zero_offload: compiling the CPU-Adam kernel (first use; cached in {build}) ...", file=sys.stderr,
-              flush=True)
+        # WARNING, not INFO: a first use stalls for about a minute, which must not look like a hang when logging
+        # is left unconfigured (Python then shows WARNING and above).
+        logger.warning("zero_offload: compiling the CPU-Adam kernel (first use, about a minute; cached in %s) ...",
+                       build)
     start = time.perf_counter()
     module = load(
         name=EXTENSION_NAME,
         sources=[str(src / name) for name in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
+        # Copies: torch appends its own libraries to the list it is given, which would change the cache key.
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(src)],
         build_directory=str(build),
         verbose=False,
@@ -129,7 +149,7 @@ def _jit_build() -> ModuleType:
     _status.seconds = time.perf_counter() - start
     _status.state = "jit-built" if fresh else "jit-cached"
     if fresh:
-        print(f"zero_offload: CPU-Adam kernel built in {_status.seconds:.1f} s", file=sys.stderr, flush=True)
+        logger.warning("zero_offload: CPU-Adam kernel built in %.1f s", _status.seconds)
     return module
 
 
@@ -154,14 +174,22 @@ def load_native() -> Optional[ModuleType]:
                     problem = _short_reason(exc)
             if _module is None:
                 _status.state, _status.detail = "failed", problem or "unknown"
-                warnings.warn(
-                    f"zero_offload: the native CPU-Adam kernel is unavailable ({_status.detail}); using the "
-                    "pure-torch implementation (same results, slower). `python -m zero_offload.report` shows details.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                warnings.warn(f"zero_offload: the native CPU-Adam kernel is unavailable ({_status.detail}); "
+                              f"{fallback_summary()} `python -m zero_offload.report` shows details.",
+                              RuntimeWarning, stacklevel=3)
         _attempted = True
         return _module
+
+
+def fallback_summary() -> str:
+    """What runs instead of the native kernel, and how much slower it is (measured on a 2-core AVX2 machine, 16M
+    elements per update: native 38 ms, torch's fused 94 ms, the pure-torch reference 1.3-3.5 s)."""
+    from zero_offload import _torch_fused
+
+    if _torch_fused.AVAILABLE:
+        return ("using torch's fused CPU AdamW for fp32 state (same results, about 2.5x slower than the native "
+                "kernel) and the pure-torch reference for bf16/8-bit state (30x slower or more).")
+    return "using the pure-torch reference (same results, 30x slower or more; torch >= 2.4 has a faster fallback)."
 
 
 def status() -> BuildStatus:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from zero_offload import functional
+from zero_offload._compat import increment_version
 from zero_offload.buckets import FlatBucket, view_like
 from zero_offload.host_memory import copy_many_, empty_host
 from zero_offload.transport import BucketGrads, Plans, Transport
@@ -578,7 +579,7 @@ class ShardedTransport(Transport):
         if bucket.on_cpu:
             # The shard is flat_param's own slice: gathered in place.
             coll.ag = self.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard], where)
-            torch.autograd.graph.increment_version([bucket.params[i] for i in indices])
+            increment_version([bucket.params[i] for i in indices])
         else:
             src = bucket.staging if bucket.low_precision else bucket.master
             stream = self.stream(bucket.device, upload=True)

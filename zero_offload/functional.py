@@ -29,9 +29,11 @@ State dtypes (chosen by the dtype of ``exp_avg``), bytes per element for the two
   :func:`quantize_state_` and :func:`dequantize_state` convert to and from float32.
 
 Implementation choice, made in :func:`resolve_path` and nowhere else: the environment variable
-``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar`` or ``torch``) forces a path and an impossible
-choice is an error, never a silent substitute; unset (or ``auto``), the best ISA of the native kernel, or the
-pure-torch path with one warning when the kernel cannot be built.
+``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar``, ``torch-fused`` or ``torch``) forces a path and
+an impossible choice is an error, never a silent substitute; unset (or ``auto``), the best ISA of the native
+kernel or, with one warning when the kernel cannot be built, ``torch-fused``: torch's own fused CPU Adam(W) for
+fp32 state (torch >= 2.4, see :mod:`zero_offload._torch_fused`) and the pure-torch reference for bf16 and 8-bit
+state; ``torch`` is the pure-torch reference for everything (on torch 2.3, the fallback).
 """
 
 from __future__ import annotations
@@ -45,13 +47,14 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from zero_offload import _build, _reference
+from zero_offload import _build, _reference, _torch_fused
 from zero_offload.options import check_hparams
 
 __all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path", "PATHS",
            "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
-PATHS = ("avx512", "avx2", "neon", "scalar", "torch")
+PATHS = ("avx512", "avx2", "neon", "scalar", "torch-fused", "torch")
+_TORCH_PATHS = ("torch-fused", "torch")
 Q8_BLOCK = _reference.Q8_BLOCK  # elements per scale of 8-bit state: the buckets' 64-element slot alignment
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -60,14 +63,18 @@ _get_layout, _get_dtype = operator.attrgetter("layout"), operator.attrgetter("dt
 
 
 def resolve_path() -> str:
-    """The implementation the next call will use: an ISA name of the native kernel, or ``"torch"``."""
+    """The implementation the next call will use: an ISA name of the native kernel, ``"torch-fused"`` or
+    ``"torch"`` (see the module docstring)."""
     forced = os.environ.get("ZERO_OFFLOAD_SIMD", "").strip().lower()
     if forced in ("", "auto"):
         isas = _build.native_isas()
-        return isas[0] if isas else "torch"
+        return isas[0] if isas else ("torch-fused" if _torch_fused.AVAILABLE else "torch")
     if forced not in PATHS:
         raise ValueError(f"Invalid ZERO_OFFLOAD_SIMD={forced!r}: expected one of {', '.join(PATHS)} or auto")
-    if forced == "torch":
+    if forced == "torch-fused" and not _torch_fused.AVAILABLE:
+        raise RuntimeError(f"ZERO_OFFLOAD_SIMD=torch-fused needs torch's fused CPU Adam (torch >= 2.4); this is "
+                           f"torch {torch.__version__}")
+    if forced in _TORCH_PATHS:
         return forced
     if _build.load_native() is None:
         raise RuntimeError(
@@ -263,7 +270,13 @@ def cpu_adam_(
     path = resolve_path()
     if numel == 0:
         return
-    if path == "torch":
+    if path == "torch-fused" and _torch_fused.handles(exp_avg):
+        _torch_fused.adam_(
+            [param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if amsgrad else None, step=step_i, lr=lr_f,
+            beta1=beta1, beta2=beta2, eps=eps_f, weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
+            maximize=bool(maximize), grad_scale=scale, param_outs=None if param_out is None else [param_out],
+        )  # fmt: skip
+    elif path in _TORCH_PATHS:
         _reference.adam_(
             param, grad, exp_avg, exp_avg_sq, step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f,
             weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
@@ -377,7 +390,7 @@ def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
     path = resolve_path()
     if grad.numel() == 0:
         return 0.0, False
-    if path == "torch":
+    if path in _TORCH_PATHS:
         return _reference.grad_sq_norm(grad)
     total, nonfinite = _build.load_native().grad_sq_norm(path, grad)
     return float(total), bool(nonfinite)
@@ -465,21 +478,24 @@ def cpu_adam_segments_(
         return
     vmax = max_exp_avg_sq if amsgrad else None
     q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
-    if path == "torch":
+    if path in _TORCH_PATHS:
         if param_out is not None:  # the native path checks this in C++, without a Python loop
             for i, (o, g) in enumerate(zip(offsets, grads)):
                 _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
+        kw = dict(step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f, weight_decay=wd,
+                  decoupled_weight_decay=bool(decoupled_weight_decay), maximize=bool(maximize), grad_scale=scale)
+        if path == "torch-fused" and _torch_fused.handles(exp_avg):
+            _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw)
+            return
         for o, g in zip(offsets, grads):
             n = g.numel()
             if n == 0:
                 continue
             sl, bl = slice(o, o + n), slice(o // Q8_BLOCK, q8_scale_numel(o + n))
             _reference.adam_(
-                param[sl], g, exp_avg[sl], exp_avg_sq[sl], step=step_i, lr=lr_f, beta1=beta1, beta2=beta2,
-                eps=eps_f, weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
-                max_exp_avg_sq=None if vmax is None else vmax[sl], maximize=bool(maximize), grad_scale=scale,
+                param[sl], g, exp_avg[sl], exp_avg_sq[sl], max_exp_avg_sq=None if vmax is None else vmax[sl],
                 param_out=None if param_out is None else param_out[sl],
-                **{k: None if t is None else t[bl] for k, t in q8_kw.items()},
+                **{k: None if t is None else t[bl] for k, t in q8_kw.items()}, **kw,
             )  # fmt: skip
     else:
         _build.load_native().adam_step_segments(
@@ -488,13 +504,24 @@ def cpu_adam_segments_(
         )  # fmt: skip
 
 
+def _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw) -> None:
+    """All the segments in one call of torch's fused kernel (fp32 state), each a slice of the flat buffers."""
+    live = [(o, g) for o, g in zip(offsets, grads) if g.numel()]
+    sls = [slice(o, o + g.numel()) for o, g in live]
+    _torch_fused.adam_(
+        [param[sl] for sl in sls], [g for _, g in live], [exp_avg[sl] for sl in sls], [exp_avg_sq[sl] for sl in sls],
+        None if vmax is None else [vmax[sl] for sl in sls],
+        param_outs=None if param_out is None else [param_out[sl] for sl in sls], **kw,
+    )  # fmt: skip
+
+
 def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
     """:func:`grad_sq_norm` of several gradient tensors taken as one vector (each a dense, contiguous CPU
     tensor, all of one dtype), without gathering them into one buffer. The combination order is fixed, so the
     result does not depend on thread timing."""
     _check_grads(grads, "grad_sq_norm_segments")
     path = resolve_path()
-    if path == "torch":
+    if path in _TORCH_PATHS:
         total, nonfinite = 0.0, False
         for g in grads:
             if g.numel():

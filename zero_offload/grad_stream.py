@@ -141,14 +141,21 @@ class GradStreamer:
                 self._forget_backward()
 
     def _rearm_after(self, node) -> None:
-        handle = None
+        """Arm again on the outer backward once ``node`` has run: from a post-hook of ``node`` and, because torch
+        before 2.4 ignores a post-hook registered while its node runs (checked on 2.3.1), from a pre-hook of each
+        node that receives its output, which can only run after it, in the outer backward. The first to fire
+        wins."""
+        handles = []
 
-        def rearm(grad_inputs, grad_outputs) -> None:
-            handle.remove()
+        def rearm(*_) -> None:
+            for h in handles:
+                h.remove()
+            handles.clear()
             with self._lock:
                 self._arm()  # (unless a hook of a later segment has queued the callback already)
 
-        handle = node.register_hook(rearm)
+        handles.append(node.register_hook(rearm))
+        handles.extend(nxt.register_prehook(rearm) for nxt, _ in node.next_functions if nxt is not None)
 
     def _arm(self) -> None:
         """Have ``_end_backward`` run when the current backward finishes (a callback queued from a hook or a node

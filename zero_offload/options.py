@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import sys
 from numbers import Real
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -107,12 +108,28 @@ def check_step(step: Any, where: str) -> float:
     return float(value)
 
 
+def _is_dtensor(p: torch.Tensor) -> bool:
+    """A DTensor can only exist once its module was imported: look there, without importing torch.distributed."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if cls is not None and isinstance(p, cls):
+            return True
+    return False
+
+
 def check_params(params: Sequence[Any]) -> None:
     """What the buckets can hold: dense leaf tensors of a supported dtype on CPU or CUDA, each once."""
     seen = set()
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
+        if _is_dtensor(p):
+            raise TypeError(
+                f"OffloadOptimizer does not take DTensor parameters (shape {tuple(p.shape)}, placements "
+                f"{tuple(p.placements)}), such as FSDP2's fully_shard or tensor parallelism make: it keeps whole "
+                "parameters and shards their optimizer state itself. Build it on the plain model (with DDP, or with "
+                "process_group=... for ZeRO sharding of the state), or keep FSDP2 and use its own "
+                "CPUOffloadPolicy; the README's 'FSDP2' section compares the two")
         if not p.is_leaf:
             raise ValueError("can't optimize a non-leaf Tensor")
         if p.is_complex():

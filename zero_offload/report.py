@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import re
@@ -155,6 +156,8 @@ class MemoryPlan:
             (in the parameters' dtype, as AdamW keeps them), all on the model's device, the same on every rank.
         pinned (int): bytes per rank of the optimizer's buffers that are page-locked (default ``pin_memory``).
         state_dtype (torch.dtype): the optimizer's ``state_dtype``.
+        release_grads (bool): planned for ``release_grads=True``: on the GPU, ours counts only the gradients of the
+            buckets not yet sent (two buckets' worth at most) instead of all of them.
     """
 
     numel: int
@@ -166,6 +169,7 @@ class MemoryPlan:
     adamw: Dict[str, Dict[str, int]]
     pinned: int
     state_dtype: torch.dtype = torch.float32
+    release_grads: bool = False
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -180,6 +184,7 @@ def memory_plan(
     world_size: int = 1,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     state_dtype: torch.dtype = torch.float32,
+    release_grads: bool = False,
 ) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
@@ -196,6 +201,9 @@ def memory_plan(
         world_size (int): data-parallel ranks. Default: 1.
         bucket_numel (int): as for the optimizer. Default: 2**25.
         state_dtype (torch.dtype): as for the optimizer. Default: torch.float32.
+        release_grads (bool): as for the optimizer (CUDA model): ``p.grad`` is dropped once its bucket is on its
+            way, so the GPU holds the gradients of at most two buckets (the one filling, the one in flight).
+            Default: False.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -225,13 +233,15 @@ def memory_plan(
     model_side = {"params": param_bytes, "gradients": param_bytes}
     adamw_side = {**model_side, **{k: param_bytes for k in state_names}}
     if device == "cuda":
-        ours = {"gpu": model_side, "host": buffers}
+        in_flight = min(param_bytes, 2 * bucket_numel * dtype.itemsize) if release_grads else param_bytes
+        ours = {"gpu": {**model_side, "gradients": in_flight}, "host": buffers}
         adamw = {"gpu": adamw_side, "host": {}}
     else:
         # The parameters are views of master/staging, counted there; backward's .grad tensors come on top.
         ours = {"gpu": {}, "host": {"gradients": param_bytes, **buffers}}
         adamw = {"gpu": {}, "host": adamw_side}
-    return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned, state_dtype)
+    return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned, state_dtype,
+                      release_grads and device == "cuda")
 
 
 def plan_lines(plan: MemoryPlan) -> List[str]:
@@ -289,6 +299,12 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are {state})")
     out += _state_lines(plan, state)
     out.append("")
+    return out + _note_lines(plan, home)
+
+def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
+    """Where the host buffers and the gradients live, under the plan's table."""
+    sharded = plan.world_size > 1
+    out: List[str] = []
     pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
     out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
     if plan.device == "cpu" and sharded:
@@ -300,19 +316,18 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
         out.append(f"                 the parameters are views of {home}; after zero_grad(set_to_none=False) the "
                    ".grad tensors")
         out.append("                 are views of the grad buffer, which saves the gradients row")
-    if plan.device == "cuda":
+    if plan.device == "cuda" and plan.release_grads:
+        out.append("gradients        release_grads=True: each .grad is dropped once its bucket is copied, so the GPU "
+                   "holds at most")
+        out.append("                 two buckets' gradients (clip with opt.clip_grad_norm_; no GradScaler)")
+    elif plan.device == "cuda":
         out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors "
                    "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
         if plan.dtype != torch.float32 and not sharded:
+            name = {v: k for k, v in _DTYPES.items()}[plan.dtype]
             out.append(f"                 the grad buffer also carries the updated {name} parameters back (no staging "
                        "copy)")
-    avail = available_host_bytes()
-    if avail is not None:
-        need = plan.total("ours", "host")
-        verdict = "fits" if need <= avail else "does NOT fit"
-        out.append(f"this machine     {format_bytes(avail)} host RAM available now: one rank's host share {verdict}"
-                   + (" (ranks on one node add up)" if sharded else ""))
     return out
 
 
@@ -325,6 +340,114 @@ def _state_lines(plan: MemoryPlan, state: str) -> List[str]:
     return [f"state_dtype      {state}: {len(moments)} moments x {per} per element = {share / plan.numel:.4g} B/param "
             f"per rank with padding", f"                 (fp32 state: {fp32 / plan.numel:.4g} B/param; state_dtype="
             "torch.bfloat16 or torch.int8 saves 4 or 5.875 B/param)"]
+
+
+# ------------------------------------------------------------------------------------------ verdicts, JSON, HF --
+def gpu_capacity() -> Optional[int]:
+    """Total memory of CUDA device 0 in bytes, or None without one (never initialises CUDA when there is none)."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def verdicts(plan: MemoryPlan, nproc_per_node: int = 1, gpu_bytes: Optional[int] = None,
+             host_bytes: Optional[int] = None) -> Dict[str, Optional[object]]:
+    """Whether the plan fits: host RAM for all ranks of one node together, and one GPU for one rank.
+
+    Args:
+        plan (MemoryPlan): from :func:`memory_plan`.
+        nproc_per_node (int): ranks (GPUs) per node: their host buffers add up on the node. Default: 1.
+        gpu_bytes (int, optional): memory of one GPU; None: unknown (no verdict). Default: None.
+        host_bytes (int, optional): host RAM available on the node; None: unknown. Default: None.
+
+    Returns:
+        dict: ``host_per_node`` (bytes), ``host_fits``, ``gpu_fits`` and ``adamw_gpu_fits`` (bool, or None when
+        the capacity is unknown), ``gpu_left`` (bytes a GPU keeps for activations, the CUDA context and the
+        allocator with ours, or None).
+    """
+    host_node = plan.total("ours", "host") * nproc_per_node
+    ours_gpu, adamw_gpu = plan.total("ours", "gpu"), plan.total("adamw", "gpu")
+    known_gpu = gpu_bytes is not None and plan.device == "cuda"
+    return {
+        "host_per_node": host_node,
+        "host_fits": None if host_bytes is None else host_node <= host_bytes,
+        "gpu_fits": ours_gpu <= gpu_bytes if known_gpu else None,
+        "adamw_gpu_fits": adamw_gpu <= gpu_bytes if known_gpu else None,
+        "gpu_left": gpu_bytes - ours_gpu if known_gpu else None,
+    }
+
+
+def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int,
+                  gpu_bytes: Optional[int], host_bytes: Optional[int]) -> List[str]:
+    """The verdicts of :func:`verdicts` as report lines."""
+    yes = {True: "fits", False: "does NOT fit", None: "unknown"}
+    node = f"{nproc_per_node} ranks on one node: " if nproc_per_node > 1 else ""
+    need = format_bytes(v["host_per_node"])
+    if host_bytes is None:
+        out = [f"host verdict     {node}{need} of host RAM needed (available RAM unknown)"]
+    else:
+        out = [f"host verdict     {node}{need} needed, {format_bytes(host_bytes)} available now: {yes[v['host_fits']]}"]
+    if plan.device != "cuda":
+        return out
+    if gpu_bytes is None:
+        out.append("GPU verdict      no GPU here: give --gpu-memory (e.g. 80GB) for a verdict")
+        return out
+    out.append(f"GPU verdict      {format_bytes(gpu_bytes)} per GPU: OffloadOptimizer {yes[v['gpu_fits']]}, "
+               f"torch.optim.AdamW {yes[v['adamw_gpu_fits']]}")
+    left = v["gpu_left"]
+    if left is not None and left > 0:
+        out.append(f"                 with OffloadOptimizer {format_bytes(left)} per GPU remain for activations, the "
+                   "CUDA context and the allocator")
+    return out
+
+
+def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int, gpu_bytes: Optional[int],
+              host_bytes: Optional[int]) -> Dict[str, object]:
+    """The plan and its verdicts as plain JSON-ready data (bytes as integers)."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[plan.dtype]
+    return {
+        "params": plan.numel, "dtype": name, "device": plan.device, "world_size": plan.world_size,
+        "nproc_per_node": nproc_per_node, "release_grads": plan.release_grads,
+        "state_dtype": {v: k for k, v in _STATE_DTYPES.items()}[plan.state_dtype],
+        "per_rank": {"OffloadOptimizer": plan.ours, "torch.optim.AdamW": plan.adamw},
+        "totals_per_rank": {which: {where: plan.total(key, where) for where in ("gpu", "host")}
+                            for which, key in (("OffloadOptimizer", "ours"), ("torch.optim.AdamW", "adamw"))},
+        "pinned_per_rank": plan.pinned,
+        "capacity": {"gpu_bytes": gpu_bytes, "host_available_bytes": host_bytes},
+        "verdict": v,
+    }
+
+
+def hf_meta_params(model: str, dtype: torch.dtype) -> Tuple[str, List[torch.Tensor]]:
+    """The parameters of a Hugging Face model as meta tensors of ``dtype`` (no weights downloaded or allocated).
+
+    Args:
+        model (str): a local ``config.json`` (or a folder holding one: works offline) or a hub model id (needs
+            network access, or the Hugging Face cache).
+        dtype (torch.dtype): the parameters' dtype in training.
+
+    Returns:
+        (str, List[Tensor]): the model's class name and one meta tensor per (untied) parameter.
+
+    Raises:
+        RuntimeError: without ``transformers``, or when the config cannot be had (with the reason).
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise RuntimeError("--model needs the transformers package (pip install transformers)") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        hint = "" if os.path.exists(model) else (" (not a local path: a hub model id needs network access or the "
+                                                 "Hugging Face cache; a local config.json works offline)")
+        raise RuntimeError(f"could not load a model config from {model!r}{hint}: {exc}") from None
+    with torch.device("meta"):  # shapes only: nothing is allocated, whatever the size
+        try:
+            net = transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:  # not a causal LM (an encoder, say)
+            net = transformers.AutoModel.from_config(config)
+    return type(net).__name__, [torch.empty(p.shape, dtype=dtype, device="meta") for p in net.parameters()]
 
 
 def _count_arg(text: str) -> int:
@@ -340,7 +463,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     Args:
         argv (Sequence[str], optional): command-line arguments. Default: ``sys.argv[1:]``.
     """
-    ap = argparse.ArgumentParser(prog="python -m zero_offload.report", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m zero_offload.report", description=_DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=_count_arg, metavar="N",
                     help="print the memory plan for a model of N parameters (7B, 350M, 1.3e9...) instead of the "
@@ -357,18 +480,83 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="data-parallel ranks sharing the host buffers (arithmetic estimate; default: 1)")
     ap.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
                     help="elements per bucket, as for the optimizer (default: 2**25)")
+    ap.add_argument("--model", metavar="CONFIG_OR_ID",
+                    help="plan for a Hugging Face model instead of --params: a local config.json (or its folder; "
+                         "works offline) or a hub model id (needs network); needs transformers")
+    ap.add_argument("--release-grads", action="store_true",
+                    help="plan for release_grads=True: the GPU holds at most two buckets' gradients")
+    ap.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                    help="ranks per node: their host buffers add up in the node's RAM (default: 1)")
+    ap.add_argument("--gpu-memory", type=_bytes_arg, metavar="SIZE",
+                    help="memory of one GPU for the GPU verdict, e.g. 80GB or 24GiB (default: this machine's GPU 0)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = ap.parse_args(argv)
-    if args.params is None:
-        print("\n".join(lines()))
+    if args.params is None and args.model is None:
+        report = lines()
+        print(json.dumps(dict(ln.split(None, 1) if " " in ln else (ln, "") for ln in report)) if args.json
+              else "\n".join(report))
         return
-    if args.world_size < 1:
-        ap.error(f"--world-size must be at least 1, got {args.world_size}")
-    if args.bucket_numel < 1:
-        ap.error(f"--bucket-numel must be at least 1, got {args.bucket_numel}")
-    params = meta_params(args.params, _DTYPES[args.dtype], args.bucket_numel)
+    for name in ("world_size", "bucket_numel", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.params is not None and args.model is not None:
+        ap.error("give --params or --model, not both")
+    _print_plan(args, ap)
+
+
+def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """The memory plan and its verdicts for ``main``'s arguments, as text or JSON."""
+    dtype = _DTYPES[args.dtype]
+    model_name = None
+    if args.model is not None:
+        try:
+            model_name, params = hf_meta_params(args.model, dtype)
+        except RuntimeError as exc:
+            ap.exit(2, f"python -m zero_offload.report: error: {exc}\n")
+    else:
+        params = meta_params(args.params, dtype, args.bucket_numel)
     plan = memory_plan(params, device=args.device, amsgrad=args.amsgrad, world_size=args.world_size,
-                       bucket_numel=args.bucket_numel, state_dtype=_STATE_DTYPES[args.state_dtype])
-    print("\n".join(plan_lines(plan)))
+                       bucket_numel=args.bucket_numel, state_dtype=_STATE_DTYPES[args.state_dtype],
+                       release_grads=args.release_grads)
+    gpu = args.gpu_memory if args.gpu_memory is not None else (gpu_capacity() if args.device == "cuda" else None)
+    host = available_host_bytes()
+    v = verdicts(plan, args.nproc_per_node, gpu, host)
+    if args.json:
+        data = plan_dict(plan, v, args.nproc_per_node, gpu, host)
+        print(json.dumps({"model": model_name or args.model, **data}, indent=2))
+        return
+    out = plan_lines(plan)
+    if model_name is not None:
+        out.insert(0, f"model            {args.model}: {model_name}, {plan.numel:,} parameters (meta-device init)")
+    print("\n".join(out + verdict_lines(plan, v, args.nproc_per_node, gpu, host)))
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
+
+
+def _bytes_arg(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text, re.IGNORECASE)
+    if m is None or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (expected e.g. 80GB, 24GiB or 8e10)")
+    return round(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+_DESCRIPTION = """\
+Without arguments: what this machine has, what was built and which kernel path runs (paste it into bug
+reports; the first run may compile the kernel, about a minute).
+
+With --params N or --model CONFIG_OR_ID: what OffloadOptimizer would keep on the GPU and in host RAM per rank,
+beside torch.optim.AdamW, and whether that fits: host RAM for all --nproc-per-node ranks of a node together,
+GPU memory per rank (this machine's GPU 0, or --gpu-memory). Nothing is allocated: the host buffers come from
+the optimizer's own estimate over meta tensors. Activations, the CUDA context and allocator caches are not
+counted.
+
+examples:
+  python -m zero_offload.report --params 7B --dtype bf16 --gpu-memory 80GB
+  python -m zero_offload.report --params 7B --dtype bf16 --world-size 8 --nproc-per-node 8 --release-grads
+  python -m zero_offload.report --model path/to/config.json --dtype bf16 --json
+"""
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import functional
+from zero_offload._compat import foreach_norm_fp32, increment_version
 from zero_offload.buckets import FlatBucket, check_grads, view_like
 from zero_offload.host_memory import copy_many_, empty_host
 
@@ -235,7 +236,7 @@ class Transport:
                 # The bucket's squared norm, on the GPU, while the copies run: step() reads every bucket's in one
                 # synchronisation. Only when this launch carries all of the bucket's gradients (not when it is
                 # summed on the host with an earlier micro-batch's).
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                norms = foreach_norm_fp32(grads)
                 link.norm = torch.stack(norms).double().square().sum()
             else:
                 link.norm = None
@@ -502,7 +503,7 @@ class Transport:
         have made (so a stale saved tensor is still caught)."""
         params = bucket.params if len(indices) == len(bucket.params) else [bucket.params[i] for i in indices]
         if bucket.on_cpu:
-            torch.autograd.graph.increment_version(params)
+            increment_version(params)
         else:
             stream = self.stream(bucket.device, upload=True)
             srcs = bucket.upload_views

@@ -1,0 +1,58 @@
+"""torch's own fused CPU Adam(W) (``torch._fused_adamw_`` / ``torch._fused_adam_``, torch >= 2.4) as the fallback
+when the native kernel cannot be built: about 20x faster than the pure-torch reference, which stays the fallback
+for what torch's kernel does not do (bf16 and 8-bit state) and on older torch.
+
+Where its arithmetic matches ours (checked by tests/test_kernel.py, every mode at the SIMD tail sizes, against
+``torch.optim.AdamW``/``Adam`` at default fp32 tolerance):
+
+* fp32 master and fp32 moments (its kernel wants every tensor in one dtype);
+* AdamW and Adam (L2) decay, amsgrad, maximize: the same operations in the same order, bias corrections in double;
+* the gradient: torch's kernel *divides* by its ``grad_scale`` while ours multiplies, so a gradient that is not
+  fp32, or a multiplier other than 1, is first made an fp32 temporary ``grad * grad_scale`` (our rounding
+  exactly), and the kernel runs unscaled;
+* ``param_out``: the master cast to its dtype afterwards (nearest-even, as ours rounds).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["AVAILABLE", "handles", "adam_"]
+
+AVAILABLE = hasattr(torch, "_fused_adamw_") and torch.__version__ >= (2, 4)  # CPU kernels arrived in torch 2.4
+
+
+def handles(exp_avg: torch.Tensor) -> bool:
+    """Whether an update with this state goes to torch's fused kernel (fp32 state) or the reference."""
+    return AVAILABLE and exp_avg.dtype == torch.float32
+
+
+def _scaled(grads: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
+    if scale == 1.0 and all(g.dtype == torch.float32 for g in grads):
+        return list(grads)
+    # Upcast (exact) then multiply in fp32: the native kernel's order, so the same rounding.
+    return [g.to(torch.float32).mul_(scale) if g.dtype != torch.float32 else g * scale for g in grads]
+
+
+def adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+          exp_avg_sqs: Sequence[torch.Tensor], max_exp_avg_sqs: Optional[Sequence[torch.Tensor]], *, step: int,
+          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
+          maximize: bool, grad_scale: float, param_outs: Optional[Sequence[torch.Tensor]]) -> None:
+    """One update of several same-length lists of fp32 CPU tensors (validated by the caller) in one kernel call.
+
+    ``grad_scale`` multiplies the gradients; ``param_outs`` (optional) receive the updated params in their dtype.
+    """
+    if not params:
+        return
+    grads = _scaled(grads, grad_scale)
+    steps = [torch.tensor(float(step))] * len(params)  # read, not written, by the kernel
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    amsgrad = max_exp_avg_sqs is not None
+    kernel(list(params), grads, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs) if amsgrad else [],
+           steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+           maximize=maximize)
+    if param_outs is not None:
+        for out, p in zip(param_outs, params):
+            out.copy_(p)
