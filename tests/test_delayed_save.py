@@ -4,8 +4,9 @@ Three claims, each against a reference run of the same data:
 
 * a run that calls ``state_dict()`` / ``sharded_state_dict()`` with an update pending is bitwise the run that does
   not (parameters and state, every step after);
-* its checkpoint, loaded into a fresh delayed optimizer after the model, resumes bitwise as the run that called
-  ``flush()`` at the save;
+* its checkpoint, loaded into a fresh delayed optimizer after the model, is bitwise the state of the run that
+  called ``flush()`` at the save, and resumes as that run (default fp32 tolerance: a fresh optimizer's first
+  ``clip_grad_norm_`` sums the gradients in another order, which moves the last bit with several threads);
 * loaded into ``torch.optim.AdamW`` (after writing each ``param`` into its parameter) or into an optimizer without
   ``delayed_update``, it is the flushed run's state, and the two continue alike (default fp32 tolerance).
 
@@ -58,16 +59,22 @@ def _settle(opt):
         pending.job.result()
 
 
-def _assert_identical(model, opt, ref_model, ref, where):
-    """Bitwise: every parameter and every state tensor."""
+def _assert_identical(model, opt, ref_model, ref, where, exact=True):
+    """Bitwise (``exact``; else default fp32 tolerance): every parameter and every state tensor."""
     _settle(opt)
     _settle(ref)
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), f"{where}, {name}: max diff {(p.float() - q.float()).abs().max()}"
+        if not exact:
+            torch.testing.assert_close(p, q, msg=lambda m: f"{where}, {name}: {m}")
+        else:
+            assert torch.equal(p, q), f"{where}, {name}: max diff {(p.float() - q.float()).abs().max()}"
         actual, expected = opt.state.get(p, {}), ref.state.get(q, {})
         assert set(actual) == set(expected), f"{where}, {name}: state keys {set(actual)} vs {set(expected)}"
         for key, value in expected.items():
-            assert torch.equal(actual[key], value), f"{where}, {name}, {key}"
+            if not exact:
+                torch.testing.assert_close(actual[key], value, msg=lambda m: f"{where}, {name}, {key}: {m}")
+            else:
+                assert torch.equal(actual[key], value), f"{where}, {name}, {key}"
 
 
 def _save(model, opt, how="state_dict"):
@@ -131,7 +138,7 @@ def test_resumed_delayed_run_equals_the_run_flushed_at_the_save(where, dtype):
     for step in range(SAVE_AT + 1, SAVE_AT + 8):
         _step(model, opt, step)
         _step(ref_model, ref, step)
-        _assert_identical(model, opt, ref_model, ref, f"resumed step {step}")
+        _assert_identical(model, opt, ref_model, ref, f"resumed step {step}", exact=False)
 
 
 def test_delayed_checkpoint_loads_into_adamw_and_a_non_delayed_optimizer(where):
@@ -186,7 +193,7 @@ def test_delayed_dcp_checkpoint_resumes_as_the_run_flushed_at_the_save(where, ta
     for step in range(SAVE_AT + 1, SAVE_AT + 6):
         _step(resumed_model, resumed, step)
         _step(ref_model, ref, step)
-        _assert_identical(resumed_model, resumed, ref_model, ref, f"resumed step {step}")
+        _assert_identical(resumed_model, resumed, ref_model, ref, f"resumed step {step}", exact=False)
 
 
 # -------------------------------------------------------------------- into a sharded optimizer (gloo world 2) --

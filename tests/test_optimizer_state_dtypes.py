@@ -392,8 +392,9 @@ def test_host_memory_estimate_is_the_rss_growth(state, model, amsgrad):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     numel, total, replaced, grown = map(int, result.stdout.split("RESULT")[1].split())
-    # Allocator bookkeeping and the heap's page granularity: well under 1% of tens of MB.
-    assert abs(grown - (total - replaced)) <= 0.01 * total, (grown, total, replaced)
+    # Allocator bookkeeping, the heap's page granularity and when malloc returns freed pages: up to 1.6% of 45 MB
+    # was seen under CI's load, so 2.5% (a missing buffer of even 1 B/param would be 9%).
+    assert abs(grown - (total - replaced)) <= 0.025 * total, (grown, total, replaced)
 
 
 def test_gradient_copies_wait_for_the_upload_of_the_parameters_sharing_their_buffer(standins, monkeypatch):
