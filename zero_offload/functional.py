@@ -396,8 +396,16 @@ def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
     return float(total), bool(nonfinite)
 
 
+class CheckedGrads(list):
+    """A list of gradients its maker has already checked as :func:`_check_grads` would (dense, contiguous CPU
+    tensors of one supported dtype): the optimizer's hand-off of a step's gradients, which it checks once when it
+    collects them, so that the norm and the kernel do not check thousands of tensors again."""
+
+
 def _check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
     """Every gradient a dense, contiguous CPU tensor of a supported dtype, all of one dtype."""
+    if type(grads) is CheckedGrads:
+        return
     if not isinstance(grads, (list, tuple)):
         raise TypeError(f"{caller}: grads must be a list of tensors, got {type(grads).__name__}")
     # Thousands of tensors per step: the common all-good case runs in C-level loops, the slow one finds the culprit.

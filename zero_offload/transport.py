@@ -70,7 +70,7 @@ class BucketGrads:
         """The host tensors holding the gathered gradients."""
         if self.in_place is None:
             return [self.bucket.grad]
-        return [g for g in self.in_place if g is not None]
+        return functional.CheckedGrads(g for g in self.in_place if g is not None)
 
     def host_sq_norm(self) -> Tuple[float, bool]:
         """Sum of squares of the gathered host gradients, and whether one is inf/nan."""
@@ -381,13 +381,15 @@ class Transport:
     def _in_place(bg: BucketGrads) -> List[Optional[torch.Tensor]]:
         """Each gradient where the kernel can read it: itself where it is contiguous like its slot, else the
         slot's flat range after a copy into it (a channels-last or transposed gradient). Copying fresh gradients
-        into the buffer first would add 8 bytes of memory traffic per element to the update's 28."""
+        into the buffer first would add 8 bytes of memory traffic per element to the update's 28. Returned as
+        checked: they passed ``collect_grads`` (dense, the parameter's shape), are contiguous, and autograd gives a
+        CPU parameter's gradient its dtype and device."""
         bucket, grads = bg.bucket, bg.pending
         flat, offsets, numels, views = bucket.grad, bucket.layout.offsets, bucket.layout.numels, bucket.grad_views
         # The usual case, checked in C-level loops: every gradient fresh, present and contiguous like its slot.
         if (bucket.all_slots_contiguous and not any(map(operator.is_, grads, repeat(None)))
                 and not any(map(operator.is_, grads, views)) and all(map(torch.Tensor.is_contiguous, grads))):
-            return grads
+            return functional.CheckedGrads(grads)
         out: List[Optional[torch.Tensor]] = []
         dsts, srcs, sizes = [], [], []
         for i, g in enumerate(grads):
@@ -406,7 +408,7 @@ class Transport:
                 out.append(flat[offsets[i] : offsets[i] + numels[i]])
         if dsts:
             copy_many_(dsts, srcs, sizes)
-        return out
+        return functional.CheckedGrads(out)
 
     def check_scaler(self, plans: Plans) -> None:
         """A GradScaler finds infs in, and unscales, the gradients on the parameters: released ones it never saw."""

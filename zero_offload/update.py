@@ -110,8 +110,8 @@ def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad:
         if in_place is None:
             functional.cpu_adam_(master[a:b], flat_grad[a:b], **kw)
         else:
-            functional.cpu_adam_segments_(master[a:b], in_place if full else in_place[first : last + 1],
-                                          [o - a for o in offsets[first : last + 1]], **kw)
+            grads = in_place if full else functional.CheckedGrads(in_place[first : last + 1])  # checked as a whole
+            functional.cpu_adam_segments_(master[a:b], grads, [o - a for o in offsets[first : last + 1]], **kw)
 
 
 class _Worker:
