@@ -82,6 +82,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_offload import OffloadOptimizer, functional  # noqa: E402
 from zero_offload.host_memory import available_host_bytes  # noqa: E402
+from zero_offload.options import STATE_DTYPES, dtypes_by_name  # noqa: E402
 from zero_offload.report import meta_params  # noqa: E402
 
 LR, WD = 1e-4, 0.01
@@ -99,8 +100,8 @@ class RunOptions:
 
 
 RUN = RunOptions()
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+DTYPE_CHOICES = dtypes_by_name((torch.float32, torch.bfloat16))
+STATE_DTYPE_CHOICES = dtypes_by_name(STATE_DTYPES)
 
 # name -> (layers, d_model, heads); GPT-2/GPT-3 shapes. Embeddings are tied, so "1.3b" is GPT-3 XL's 1.3B.
 PRESETS = {
@@ -694,9 +695,9 @@ def main():
     ap.add_argument("--find-max-batch", type=int, default=1, help="batch for --find-max (default 1)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="activation checkpointing of every block, for every contender")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    ap.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), default=None,
                     help="build every contender's model in this dtype (default: fp32, DeepSpeed bf16)")
-    ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="fp32",
+    ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPE_CHOICES), default="fp32",
                     help="OffloadOptimizer(state_dtype=...) for ours: fp32 (default), bf16 or int8 (8-bit block-wise)")
     ap.add_argument("--gpu-cap-gib", type=float, default=None,
                     help="cap the GPU memory this process may allocate (torch.cuda.set_per_process_memory_fraction)")
@@ -709,8 +710,8 @@ def main():
         torch.set_num_threads(args.threads)
 
     cuda = torch.cuda.is_available() and not args.cpu
-    RUN.checkpoint, RUN.state_dtype = args.checkpoint, STATE_DTYPES[args.state_dtype]
-    RUN.dtype = DTYPES[args.dtype] if args.dtype else None
+    RUN.checkpoint, RUN.state_dtype = args.checkpoint, STATE_DTYPE_CHOICES[args.state_dtype]
+    RUN.dtype = DTYPE_CHOICES[args.dtype] if args.dtype else None
     if args.gpu_cap_gib is not None:
         if not cuda:
             ap.error("--gpu-cap-gib needs a GPU")

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper", "Options",
+__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper", "Options",
            "check_group", "check_hparams", "check_impl_flags", "check_params", "check_step", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -28,6 +28,13 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The moments' storage: fp32 (exactly AdamW), bf16, or int8 meaning 8-bit block-wise (int8 exp_avg, uint8
 # exp_avg_sq, a float32 scale per 64 elements; see zero_offload.functional).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# The dtypes' short names, as the command-line tools and benchmarks spell them (int8: the 8-bit block-wise state).
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
+
+
+def dtypes_by_name(dtypes: Sequence[torch.dtype]) -> Dict[str, torch.dtype]:
+    """``dtypes`` keyed by their :data:`DTYPE_NAMES`, e.g. for a command-line choice."""
+    return {DTYPE_NAMES[d]: d for d in dtypes}
 # Bias corrections are exact in double far beyond this; AdamW's own step counts are float32, whose integers are
 # exact up to 2**24.
 MAX_STEP = 2**24

@@ -29,7 +29,8 @@ import zero_offload
 from zero_offload import _build, functional
 from zero_offload.buckets import estimate_layouts, plan_buckets
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
-from zero_offload.options import DEFAULT_BUCKET_NUMEL
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPES, SUPPORTED_DTYPES,
+                                  dtypes_by_name)
 
 
 def cpu_features() -> Tuple[str, List[str]]:
@@ -88,9 +89,8 @@ def lines() -> List[str]:
 
 
 # ------------------------------------------------------------------------------------------------ memory plan --
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# OffloadOptimizer's state_dtype by its name here; int8 is the 8-bit block-wise state.
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+_DTYPES = dtypes_by_name(SUPPORTED_DTYPES)
+_STATE_DTYPES = dtypes_by_name(STATE_DTYPES)
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -246,7 +246,7 @@ def memory_plan(
 
 def plan_lines(plan: MemoryPlan) -> List[str]:
     """The memory plan as a table: bytes and bytes per parameter, per rank, ours beside AdamW's."""
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[plan.dtype]
+    name = DTYPE_NAMES[plan.dtype]
     n = plan.numel
     sharded = plan.world_size > 1
     out = [
@@ -261,7 +261,7 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     dtypes = {"params": name, "gradients": name, "grad buffer": name, "staging": name}
     order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
              "exp_avg_sq_scale", "max_exp_avg_sq_scale", "grad buffer", "staging", "grad_prev", "flat_grad"]
-    state = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "8-bit"}[plan.state_dtype]
+    state = "8-bit" if plan.state_dtype == torch.int8 else DTYPE_NAMES[plan.state_dtype]
     home = "master" if plan.dtype == torch.float32 else "staging"
 
     def cell(b: Optional[int]) -> str:
@@ -404,11 +404,11 @@ def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_no
 def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int, gpu_bytes: Optional[int],
               host_bytes: Optional[int]) -> Dict[str, object]:
     """The plan and its verdicts as plain JSON-ready data (bytes as integers)."""
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[plan.dtype]
+    name = DTYPE_NAMES[plan.dtype]
     return {
         "params": plan.numel, "dtype": name, "device": plan.device, "world_size": plan.world_size,
         "nproc_per_node": nproc_per_node, "release_grads": plan.release_grads,
-        "state_dtype": {v: k for k, v in _STATE_DTYPES.items()}[plan.state_dtype],
+        "state_dtype": DTYPE_NAMES[plan.state_dtype],
         "per_rank": {"OffloadOptimizer": plan.ours, "torch.optim.AdamW": plan.adamw},
         "totals_per_rank": {which: {where: plan.total(key, where) for where in ("gpu", "host")}
                             for which, key in (("OffloadOptimizer", "ours"), ("torch.optim.AdamW", "adamw"))},
