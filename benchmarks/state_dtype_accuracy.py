@@ -4,50 +4,58 @@ source, ``zero_offload.demo``) trained with ``torch.optim.AdamW`` and with ``Off
 the mean of the last 10 steps, its change from fp32 state, host bytes of the moments per parameter) and, with
 matplotlib, writes the loss curves to ``--out``.
 
-    python benchmarks/state_dtype_accuracy.py --steps 300
+    python benchmarks/state_dtype_accuracy.py --steps 600
+    python benchmarks/state_dtype_accuracy.py --preset gpt2-small --seq 64 --batch 4 --steps 2000 --runs fp32,bf16,int8
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from pathlib import Path
 
 import torch
 
 from zero_offload import OffloadOptimizer, _build
-from zero_offload.demo import TinyGPT, load_stdlib_text, param_groups, train
+from zero_offload.demo import add_task_args, param_groups, setup_task, train
+from zero_offload.options import STATE_DTYPES, dtypes_by_name
 
-STATES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+STATES = dtypes_by_name(STATE_DTYPES)
+# GPT-2 small's body (12 blocks, width 768, 12 heads) on the demo's bytes: 85M parameters with a 256-entry vocabulary.
+PRESETS = {"gpt2-small": dict(layers=12, width=768, heads=12, lr=6e-4)}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--data-mb", type=float, default=4.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_task_args(ap)
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="a model shape users know, in place of --layers/--width/--heads/--lr")
+    ap.add_argument("--runs", default="adamw,fp32,bf16,int8",
+                    help="which runs, comma-separated: adamw and state dtypes (default: all four)")
     ap.add_argument("--out", default="state_dtype_out")
     args = ap.parse_args(argv)
+    if args.preset:
+        vars(args).update(PRESETS[args.preset])
+    wanted = args.runs.split(",")
+    unknown = sorted(set(wanted) - set(STATES) - {"adamw"})
+    if unknown or "fp32" not in wanted:
+        ap.error(f"--runs: unknown {unknown}" if unknown else "--runs must include fp32, the baseline")
     _build.load_native()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    data = load_stdlib_text(int(args.data_mb * 1e6))
-    torch.manual_seed(args.seed)
-    base = TinyGPT(args.layers, args.width, args.heads, args.seq).to(device=device, dtype=dtype)
+    device, dtype, data, base = setup_task(args)
     n = sum(p.numel() for p in base.parameters())
     print(f"{n / 1e6:.2f}M-parameter byte-level GPT ({dtype}) on {device}, {args.steps} steps x "
           f"{args.batch}x{args.seq} bytes, lr {args.lr}", file=sys.stderr)
-    runs = {"torch AdamW": lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95))}
+    runs = {}
+    if "adamw" in wanted:
+        runs["torch AdamW"] = lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95))
     for name, sd in STATES.items():
-        runs[f"ours, state {name}"] = lambda ps, sd=sd: OffloadOptimizer(ps, lr=args.lr, betas=(0.9, 0.95),
-                                                                          state_dtype=sd)
+        if name in wanted:
+            runs[f"ours, state {name}"] = lambda ps, sd=sd: OffloadOptimizer(ps, lr=args.lr, betas=(0.9, 0.95),
+                                                                              state_dtype=sd)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results, moments = {}, {}
     for name, make in runs.items():
         model = copy.deepcopy(base)
@@ -56,7 +64,10 @@ def main(argv=None) -> None:
             est = opt.host_memory_estimate()
             moments[name] = sum(v for k, v in est.buffers.items() if k.startswith(("exp_avg", "max_exp_avg"))) / n
         results[name] = train(name, model, opt, data, args, device)
-    final = {name: sum(r["losses"][-10:]) / 10 for name, r in results.items()}
+        del model, opt
+        # Each curve is kept as soon as its run ends, so a long run that is stopped later keeps what it finished.
+        (out / "losses.json").write_text(json.dumps({k: r["losses"] for k, r in results.items()}))
+    final = {name: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for name, r in results.items()}
     base_loss = final["ours, state fp32"]
     rows = ["| optimizer | final loss (mean of last 10) | vs fp32 state | moments, host B/param |",
             "|---|---:|---:|---:|"]
@@ -66,8 +77,6 @@ def main(argv=None) -> None:
                     f"{moments[name]:.3f} |" if name in moments else f"| {name} | {final[name]:.4f} | {change} | - |")
     table = "\n".join(rows)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "state_dtypes.md").write_text(table + "\n")
     try:
         import matplotlib
@@ -79,7 +88,7 @@ def main(argv=None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():
         ax.plot(r["losses"], label=f"{name} ({final[name]:.3f})", linewidth=1.2)
-    ax.set(xlabel="step", ylabel="training loss (nats/byte)", title="Loss by optimizer state dtype (demo task)")
+    ax.set(xlabel="step", ylabel="training loss (nats/byte)", title=f"Loss by optimizer state dtype ({args.preset or 'demo task'})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "state_dtypes.png", dpi=110)

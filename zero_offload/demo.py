@@ -17,7 +17,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -191,8 +191,8 @@ def chart(results: Dict[str, Dict], path: Path) -> bool:
     return True
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_task_args(ap: argparse.ArgumentParser) -> None:
+    """The task's options (model shape, batches, learning rate, data, seed, device), shared with the benchmarks."""
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default: 300)")
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks (default: 4)")
     ap.add_argument("--width", type=int, default=128, help="model width (default: 128)")
@@ -203,6 +203,22 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto (default: auto)")
     ap.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source to read (default: 4)")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def setup_task(args) -> Tuple[torch.device, torch.dtype, torch.Tensor, nn.Module]:
+    """The device, the model dtype (bf16 on a GPU, fp32 on a CPU), the text and the seeded initial model."""
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    data = load_stdlib_text(int(args.data_mb * 1e6))
+    torch.manual_seed(args.seed)
+    base = TinyGPT(args.layers, args.width, args.heads, args.seq).to(device=device, dtype=dtype)
+    return device, dtype, data, base
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_task_args(ap)
     ap.add_argument("--out", default="demo_out", help="folder for the chart and table (default: demo_out)")
     args = ap.parse_args(argv)
 
@@ -211,12 +227,7 @@ def main(argv=None) -> None:
     # Build (or load) the kernel before anything is timed: a first build takes ~30 s and is not a step.
     _build.load_native()
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    data = load_stdlib_text(int(args.data_mb * 1e6))
-    torch.manual_seed(args.seed)
-    base = TinyGPT(args.layers, args.width, args.heads, args.seq).to(device=device, dtype=dtype)
+    device, dtype, data, base = setup_task(args)
     n_params = sum(p.numel() for p in base.parameters())
     print(f"zero_offload demo: {n_params / 1e6:.2f}M-parameter byte-level GPT ({dtype}) on {device}, "
           f"{data.numel() / 1e6:.1f} MB of Python stdlib source, {args.steps} steps x {args.batch}x{args.seq} bytes",
