@@ -58,15 +58,16 @@ def test_cuda_branches_overlap_step_uploads_from_the_worker(cuda_branches, accum
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip):
+@pytest.mark.parametrize("exact_steps", [0, 3])
+def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip, exact_steps):
     """On CUDA the delayed update runs in the worker thread and uploads at the next step() or flush():
     parameters are compared every step, the whole state once flushed."""
     torch.manual_seed(0)
     model = TinyTransformer()
     ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=exact_steps or True, release_grads=True)
     assert not ours._buckets[0][0].on_cpu
-    ref = LateAdamW(ref_model)
+    ref = LateAdamW(ref_model, exact_steps)
     for step in range(12):
         ours.zero_grad()
         ref.opt.zero_grad()

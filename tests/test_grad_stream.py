@@ -210,10 +210,12 @@ def test_overlap_step_refuses_what_needs_the_whole_step():
 # --------------------------------------------------------------------------------------------- delayed_update --
 class LateAdamW:
     """The reference for ``delayed_update``: AdamW applied one step late. At step t it applies the (clipped)
-    gradients of step t-1, with the hyperparameters and clip coefficient they had at step t-1."""
+    gradients of step t-1, with the hyperparameters and clip coefficient they had at step t-1. The first
+    ``exact_steps`` steps are AdamW's own (``delayed_update=N``)."""
 
-    def __init__(self, model, **kw):
+    def __init__(self, model, exact_steps=0, **kw):
         self.model, self.opt, self.prev = model, torch.optim.AdamW(model.parameters(), foreach=False, **kw), None
+        self.exact_steps = exact_steps
 
     def step(self, clip=None):
         grads = [p.grad.clone() if p.grad is not None else None for p in self.model.parameters()]
@@ -222,6 +224,10 @@ class LateAdamW:
             grads = [p.grad.clone() if p.grad is not None else None for p in self.model.parameters()]
         else:
             norm = None
+        if self.exact_steps:
+            self.exact_steps -= 1
+            self.opt.step()
+            return norm
         if self.prev is not None:
             for p, g in zip(self.model.parameters(), self.prev):
                 p.grad = g
@@ -232,12 +238,13 @@ class LateAdamW:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_delayed_update_is_adamw_one_step_late(device, clip):
+@pytest.mark.parametrize("exact_steps", [0, 3])
+def test_delayed_update_is_adamw_one_step_late(device, clip, exact_steps):
     torch.manual_seed(0)
     model = TinyTransformer().to(device)
     ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(model.parameters(), delayed_update=True)
-    ref = LateAdamW(ref_model)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=exact_steps or True)
+    ref = LateAdamW(ref_model, exact_steps)
     for step in range(30):
         ours.zero_grad()
         ref.opt.zero_grad()
@@ -258,13 +265,39 @@ def test_delayed_update_is_adamw_one_step_late(device, clip):
     assert_same(model, ref_model, ours, ref.opt, "after flush")
 
 
+def test_delayed_update_warmup_counts_from_the_state():
+    """``delayed_update=N``: a run resumed during the N exact steps does the rest of them, not N more."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    resumed = copy.deepcopy(model)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=4)
+    other = OffloadOptimizer(resumed.parameters(), delayed_update=4)
+    for step in range(8):
+        if step == 2:
+            saved = other.state_dict()
+            other = OffloadOptimizer(resumed.parameters(), delayed_update=4)
+            other.load_state_dict(saved)
+        for m, opt in ((model, ours), (resumed, other)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+        for p, q in zip(model.parameters(), resumed.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "yes"])
+def test_delayed_update_refuses_what_is_not_a_bool_or_a_count(value):
+    with pytest.raises(ValueError, match="Invalid delayed_update"):
+        OffloadOptimizer(TinyTransformer().parameters(), delayed_update=value)
+
+
 @pytest.mark.parametrize("how", ["state_dict", "sharded_state_dict"])
 def test_delayed_update_saving_shows_the_pending_update_and_leaves_it_pending(how):
     """The checkpoint holds the state after the pending update; the live optimizer still has it pending (the
     trajectory against a run that does not save is in test_delayed_save.py)."""
     torch.manual_seed(0)
     model = _bucketed_model()
-    ours = OffloadOptimizer(model.parameters(), delayed_update=True)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=exact_steps or True)
     _loss(model, 0).backward()
     ours.step()
     before = [p.detach().clone() for p in model.parameters()]

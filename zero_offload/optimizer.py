@@ -25,7 +25,7 @@ from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, check_group, check_params,
-                                  world_without_group)
+                                  delayed_setting, world_without_group)
 from zero_offload.transport import PendingClip, Plans, Transport
 from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_method
 
@@ -70,8 +70,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with :meth:`clip_grad_norm_`, and no ``GradScaler``). Default: False.
         overlap_step (bool): update each streamed bucket during backward (needs ``nonfinite="ignore"``; no
             clipping or ``GradScaler``). Default: False.
-        delayed_update (bool): apply each step's update one step late, overlapped with the next forward and
-            backward (parameters one step stale). Default: False.
+        delayed_update (bool or int): apply each step's update one step late, overlapped with the next forward
+            and backward (parameters one step stale). An int N >= 1: the first N steps are exact (AdamW's), the
+            later ones delayed; the README's "Delayed update: choosing N" measures what the warm-up buys.
+            Default: False.
         process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO): 12/N bytes
             per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
             ``clip_grad_norm_()`` and ``state_dict()`` together. Default: None.
@@ -110,7 +112,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stream_grads: Optional[bool] = None,
         release_grads: bool = False,
         overlap_step: bool = False,
-        delayed_update: bool = False,
+        delayed_update: Union[bool, int] = False,
         process_group: Optional[Any] = None,
         grads_reduced: bool = False,
         timeout: Optional[Any] = None,
@@ -120,10 +122,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
         check_group(defaults)
+        delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
-                               bool(overlap_step), bool(delayed_update), process_group is not None,
+                               bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
-                               state_dtype).validate()
+                               state_dtype, exact_steps).validate()
         self._transport = _make_transport(process_group, self.options)
         self._mode = make_mode(self.options, self._transport, weak_method(self._early_update))
         self._streamer = GradStreamer(self._transport, self._mode)

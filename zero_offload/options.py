@@ -182,6 +182,17 @@ class Hyper:
                      bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
 
 
+def delayed_setting(value: Union[bool, int]) -> Tuple[bool, int]:
+    """``delayed_update`` as (on, exact steps first): True is on from the first step, an int N >= 1 on after N
+    exact steps, False (or 0) off."""
+    if isinstance(value, bool):
+        return value, 0
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"Invalid delayed_update: {value!r} (True, False, or a number N >= 1 of exact steps "
+                         "before the updates are delayed)")
+    return value > 0, value
+
+
 def world_without_group(process_group: Optional[Any]) -> int:
     """torch.distributed's world size when it is initialised and no ``process_group`` was given (else 1): the model
     is then likely DDP-wrapped, and DDP averages the gradients only as backward ends."""
@@ -210,6 +221,7 @@ class Options:
     timeout: Optional[Union[datetime.timedelta, float]] = None
     outside_world: int = 1
     state_dtype: torch.dtype = torch.float32
+    delayed_exact_steps: int = 0
 
     def validate(self) -> "Options":
         """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""

@@ -250,12 +250,16 @@ class Delayed(Immediate):
     """``delayed_update``, ZeRO-Offload's delayed parameter update: ``step()`` applies the *previous* step's update
     (sending its parameters back) and starts this step's from a second gradient buffer, in the worker thread while
     the next forward and backward run (with the model on CPU, at the next ``step()``: the parameters *are* the
-    masters there). Hyperparameters, clipping and loss scaling of a step apply to its own gradients."""
+    masters there). Hyperparameters, clipping and loss scaling of a step apply to its own gradients.
 
-    def __init__(self, transport: Transport):
+    ``exact_steps``: the updates that take a parameter's step count up to this many are applied before ``step()``
+    returns, as without delay (counted from the state, so a resumed run goes on where it was)."""
+
+    def __init__(self, transport: Transport, exact_steps: int = 0):
         super().__init__(transport)
         self._worker = _Worker()
         self._pending: Optional[_Pending] = None
+        self._exact_steps = exact_steps
 
     def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
         self.flush(state)
@@ -275,8 +279,11 @@ class Delayed(Immediate):
             return [(b, update_bucket(transport, b, present, None, h, multiplier, state, grad=b.grad_prev,
                                       scatter=False)) for b, present, h in work]
 
+        exact = bool(work) and max(float(b.steps.max()) for b, _, _ in work) < self._exact_steps  # (before the worker)
         on_gpu = any(not b.on_cpu for b, _, _ in work)
         self._pending = _Pending(run, self._worker.submit(run) if on_gpu else None, work, multiplier)
+        if exact:
+            self.flush(state)
 
     def flush(self, state: State) -> None:
         pending, self._pending = self._pending, None
@@ -319,7 +326,7 @@ def make_mode(options: Options, transport: Transport,
     if options.overlap_step:
         return Overlap(transport, early_update)
     if options.delayed_update:
-        return Delayed(transport)
+        return Delayed(transport, options.delayed_exact_steps)
     return Immediate(transport)
 
 
