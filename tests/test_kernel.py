@@ -154,20 +154,34 @@ def test_grad_sq_norm_overflow_is_not_nonfinite(path):
     assert total == float("inf") or total == pytest.approx(1e63, rel=1e-6)
 
 
-def test_thread_count_does_not_change_results(path):
-    n = 3_000_017
+THREAD_TEST_NUMEL = 3_000_017  # many blocks per thread, and a tail
+
+
+def per_thread_count(run):
+    """``run(init, grad)`` with 1 and then 2 threads, on the same fp32 parameter and bf16 gradient of
+    :data:`THREAD_TEST_NUMEL` elements; the thread setting is restored after."""
     gen = torch.Generator().manual_seed(3)
-    init, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
-    results = []
+    init = torch.randn(THREAD_TEST_NUMEL, generator=gen)
+    grad = torch.randn(THREAD_TEST_NUMEL, generator=gen).bfloat16()
     before = torch.get_num_threads()
     try:
+        results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            p, m, v, out = init.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
-            functional.cpu_adam_(p, grad, m, v, step=1, lr=1e-3, param_out=out)
-            results.append((p, m, v, out, functional.grad_sq_norm(grad)))
+            results.append(run(init, grad))
+        return results
     finally:
         torch.set_num_threads(before)
+
+
+def test_thread_count_does_not_change_results(path):
+    def run(init, grad):
+        n = init.numel()
+        p, m, v, out = init.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        functional.cpu_adam_(p, grad, m, v, step=1, lr=1e-3, param_out=out)
+        return p, m, v, out, functional.grad_sq_norm(grad)
+
+    results = per_thread_count(run)
     for a, b in zip(results[0][:4], results[1][:4]):
         assert torch.equal(a, b)
     assert results[0][4][0] == pytest.approx(results[1][4][0], rel=1e-12)

@@ -24,6 +24,8 @@ import torch
 from zero_offload import _build, _reference, functional
 from zero_offload.functional import Q8_BLOCK, q8_scale_numel
 
+from test_kernel import per_thread_count
+
 SIZES = [1, 7, 15, 17, 4097, 278011]
 PATHS = ["avx512", "avx2", "neon", "scalar", "torch"]
 STATES = ["float32", "bfloat16", "int8"]
@@ -384,21 +386,14 @@ def test_8bit_tiny_moments_match_float64_oracle(path, grad_scale):
 
 
 def test_8bit_results_do_not_depend_on_thread_count(path):
-    n = 3_000_017
-    gen = torch.Generator().manual_seed(3)
-    init, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
-    results = []
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            p, kw, out = init.clone(), _q8(n), torch.empty(n, dtype=torch.bfloat16)
-            for step in (1, 2):
-                functional.cpu_adam_(p, grad, step=step, lr=1e-3, param_out=out, **kw)
-            results.append([p, out, *kw.values()])
-    finally:
-        torch.set_num_threads(before)
-    for a, b in zip(*results):
+    def run(init, grad):
+        n = init.numel()
+        p, kw, out = init.clone(), _q8(n), torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2):
+            functional.cpu_adam_(p, grad, step=step, lr=1e-3, param_out=out, **kw)
+        return [p, out, *kw.values()]
+
+    for a, b in zip(*per_thread_count(run)):
         assert torch.equal(a, b)
 
 
