@@ -258,39 +258,9 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     if sharded:
         out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
                    f"{plan.world_size} ranks")
-    dtypes = {"params": name, "gradients": name, "grad buffer": name, "staging": name}
-    order = ["params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
-             "exp_avg_sq_scale", "max_exp_avg_sq_scale", "grad buffer", "staging", "grad_prev", "flat_grad"]
     state = "8-bit" if plan.state_dtype == torch.int8 else DTYPE_NAMES[plan.state_dtype]
     home = "master" if plan.dtype == torch.float32 else "staging"
-
-    def cell(b: Optional[int]) -> str:
-        return f"{'-':>16}{'':>10}" if b is None else f"{format_bytes(b):>16}{b / n:>10.2f}"
-
-    rows: List[Tuple[str, str, str]] = []  # label, ours, AdamW; a label without cells is a heading
-    for where in ("gpu", "host"):
-        ours, adamw = plan.ours[where], plan.adamw[where]
-        if not ours and not adamw:
-            continue
-        rows.append((f"{'GPU' if where == 'gpu' else 'host'} (per rank)", "", ""))
-        for item in order:
-            if item not in ours and item not in adamw:
-                continue
-            dtype = dtypes.get(item, "fp32")
-            if item in _MOMENTS:
-                # AdamW keeps its moments in the parameters' dtype, ours in the state dtype.
-                ours_dtype = ("int8" if item == "exp_avg" else "uint8") if state == "8-bit" else state
-                if item not in ours:
-                    dtype = name
-                elif item in adamw and ours_dtype != name:
-                    dtype = f"{ours_dtype}; AdamW {name}"
-                else:
-                    dtype = ours_dtype
-            ours_cell = cell(ours.get(item))
-            if item == "params" and item not in ours and plan.device == "cpu":
-                ours_cell = f"{'in ' + home:>16}{'':>10}"
-            rows.append((f"  {item} ({dtype})", ours_cell, cell(adamw.get(item))))
-        rows.append(("  total", cell(plan.total("ours", where)), cell(plan.total("adamw", where))))
+    rows = _table_rows(plan, state, home)
     width = max(26, *(len(label) + 1 for label, _, _ in rows))
     out += ["", f"{'':{width}}{'OffloadOptimizer':>26}{'torch.optim.AdamW':>26}",
             f"{'':{width}}{'bytes':>16}{'B/param':>10}{'bytes':>16}{'B/param':>10}"]
@@ -300,6 +270,47 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     out += _state_lines(plan, state)
     out.append("")
     return out + _note_lines(plan, home)
+
+
+_ROW_ORDER = ("params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
+              "exp_avg_sq_scale", "max_exp_avg_sq_scale", "grad buffer", "staging", "grad_prev", "flat_grad")
+
+
+def _table_rows(plan: MemoryPlan, state: str, home: str) -> List[Tuple[str, str, str]]:
+    """The table's rows: (label, ours' cells, AdamW's cells); a label without cells is a heading."""
+    n, name = plan.numel, DTYPE_NAMES[plan.dtype]
+
+    def cell(b: Optional[int]) -> str:
+        return f"{'-':>16}{'':>10}" if b is None else f"{format_bytes(b):>16}{b / n:>10.2f}"
+
+    rows: List[Tuple[str, str, str]] = []
+    for where in ("gpu", "host"):
+        ours, adamw = plan.ours[where], plan.adamw[where]
+        if not ours and not adamw:
+            continue
+        rows.append((f"{'GPU' if where == 'gpu' else 'host'} (per rank)", "", ""))
+        for item in (i for i in _ROW_ORDER if i in ours or i in adamw):
+            ours_cell = cell(ours.get(item))
+            if item == "params" and item not in ours and plan.device == "cpu":
+                ours_cell = f"{'in ' + home:>16}{'':>10}"
+            rows.append((f"  {item} ({_row_dtype(item, name, state, item in ours, item in adamw)})", ours_cell,
+                         cell(adamw.get(item))))
+        rows.append(("  total", cell(plan.total("ours", where)), cell(plan.total("adamw", where))))
+    return rows
+
+
+def _row_dtype(item: str, name: str, state: str, in_ours: bool, in_adamw: bool) -> str:
+    """A row's dtype: the model's for parameters and gradients, fp32 for masters and scales; AdamW keeps its
+    moments in the parameters' dtype, ours in the state dtype."""
+    if item in ("params", "gradients", "grad buffer", "staging"):
+        return name
+    if item not in _MOMENTS:
+        return "fp32"
+    ours = ("int8" if item == "exp_avg" else "uint8") if state == "8-bit" else state
+    if not in_ours:
+        return name
+    return f"{ours}; AdamW {name}" if in_adamw and ours != name else ours
+
 
 def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
     """Where the host buffers and the gradients live, under the plan's table."""
@@ -325,8 +336,7 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
                    "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
         if plan.dtype != torch.float32 and not sharded:
-            name = {v: k for k, v in _DTYPES.items()}[plan.dtype]
-            out.append(f"                 the grad buffer also carries the updated {name} parameters back (no staging "
+            out.append(f"                 the grad buffer also carries the updated {DTYPE_NAMES[plan.dtype]} parameters back (no staging "
                        "copy)")
     return out
 
