@@ -49,6 +49,8 @@ file is rewritten after each contender, so a run cut short keeps what it measure
 
 Options that apply to every contender: ``--checkpoint`` (activation checkpointing of each block),
 ``--dtype bf16`` (every model built in bf16: AdamW then keeps bf16 moments, ours fp32 masters on the host),
+``--clip MAX_NORM`` (the gradients' norm clipped every step, as each contender's users do it; not with
+``overlap_step``),
 ``--gpu-cap-gib N`` (the process may allocate at most N GiB of the GPU). ``--state-dtype`` applies to ours only.
 For ours, the host RAM a size needs is its own exact estimate (``estimate_host_memory`` over meta tensors).
 """
@@ -92,9 +94,10 @@ GIB = 2**30
 @dataclasses.dataclass
 class RunOptions:
     """What applies to every contender (set once from the command line): activation checkpointing, the model's
-    dtype, and the state dtype of ours."""
+    dtype, gradient clipping, and the state dtype of ours."""
 
     checkpoint: bool = False
+    clip: Optional[float] = None  # max norm of the gradients, each contender clipping its own way
     dtype: Optional[torch.dtype] = None  # None: each contender's own (fp32, DeepSpeed bf16)
     state_dtype: torch.dtype = torch.float32
 
@@ -221,8 +224,17 @@ class Runner:
         loss.backward()
 
     def step(self):
+        if RUN.clip is not None:
+            self.clip(RUN.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def clip(self, max_norm: float):
+        """Ours clips what it holds (released gradients included); the others clip the gradients on the model."""
+        if isinstance(self.opt, OffloadOptimizer):
+            self.opt.clip_grad_norm_(max_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def finish(self):
         """Apply anything still pending (delayed_update), so that the step is really done."""
@@ -294,7 +306,7 @@ def _deepspeed_engine(model: nn.Module, cfg: Config):
     config = {
         "train_micro_batch_size_per_gpu": cfg.batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": RUN.clip or 0.0,
         "bf16": {"enabled": True},
         "zero_optimization": {
             "stage": 2,
@@ -351,9 +363,11 @@ def _model_dtype(con: "Contender") -> torch.dtype:
 
 
 def _torchao(model, cfg, amp):
+    """torchao offloads each gradient as backward makes it, then nothing can clip them: with ``--clip`` they stay
+    on the GPU for torch's clip (its documented way)."""
     cls = _import_torchao()
-    return Runner(model, cls(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True, lr=LR,
-                             weight_decay=WD), amp)
+    return Runner(model, cls(model.parameters(), torch.optim.AdamW, offload_gradients=RUN.clip is None, fused=True,
+                             lr=LR, weight_decay=WD), amp)
 
 
 CONTENDERS = [
@@ -406,6 +420,8 @@ def free_memory(cuda: bool):
 def _missing(con: Contender) -> Optional[str]:
     if con.requires is not None and importlib.util.find_spec(con.requires) is None:
         return f"{con.requires} is not installed"
+    if RUN.clip is not None and con.key == "ours-overlap":
+        return "overlap_step cannot clip (its buckets are updated during backward)"
     return None
 
 
@@ -699,6 +715,9 @@ def main():
                     help="build every contender's model in this dtype (default: fp32, DeepSpeed bf16)")
     ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPE_CHOICES), default="fp32",
                     help="OffloadOptimizer(state_dtype=...) for ours: fp32 (default), bf16 or int8 (8-bit block-wise)")
+    ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                    help="clip the gradients' norm every step: ours with opt.clip_grad_norm_, torchao with its "
+                         "gradients kept on the GPU and torch's clip, DeepSpeed with gradient_clipping")
     ap.add_argument("--gpu-cap-gib", type=float, default=None,
                     help="cap the GPU memory this process may allocate (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -712,6 +731,9 @@ def main():
     cuda = torch.cuda.is_available() and not args.cpu
     RUN.checkpoint, RUN.state_dtype = args.checkpoint, STATE_DTYPE_CHOICES[args.state_dtype]
     RUN.dtype = DTYPE_CHOICES[args.dtype] if args.dtype else None
+    if args.clip is not None and not args.clip > 0:
+        ap.error("--clip must be a positive max norm")
+    RUN.clip = args.clip
     if args.gpu_cap_gib is not None:
         if not cuda:
             ap.error("--gpu-cap-gib needs a GPU")
@@ -758,7 +780,7 @@ def main():
               "hidden transfers, torchao, DeepSpeed, release_grads/overlap_step/delayed_update, --find-max) need a "
               "GPU. ***\n")
     print(f"model ({mode}, preset {preset}): {cfg.describe()}")
-    options = dict(checkpoint=args.checkpoint, dtype=args.dtype, state_dtype=args.state_dtype,
+    options = dict(checkpoint=args.checkpoint, dtype=args.dtype, state_dtype=args.state_dtype, clip=args.clip,
                    gpu_cap_gib=args.gpu_cap_gib)
     print("options: " + ", ".join(f"{k} {v}" for k, v in options.items()))
     results: Dict[str, Any] = dict(machine=machine(cuda), mode=mode, config=dataclasses.asdict(cfg), options=options)
