@@ -1,11 +1,16 @@
-"""The accuracy cost of compact optimizer state: the demo's task (a byte-level GPT on the Python standard library's
-source, ``zero_offload.demo``) trained with ``torch.optim.AdamW`` and with ``OffloadOptimizer`` at each
-``state_dtype`` (fp32, bf16, 8-bit), from the same seed on the same batches. Prints a markdown table (final loss as
-the mean of the last 10 steps, its change from fp32 state, host bytes of the moments per parameter) and, with
-matplotlib, writes the loss curves to ``--out``.
+"""The accuracy cost of the options that change the arithmetic: compact optimizer state (``state_dtype`` bf16 and
+8-bit) and ``delayed_update`` (parameters one step stale, with or without N exact steps first). The demo's task (a
+byte-level GPT on the Python standard library's source, ``zero_offload.demo``) is trained with ``torch.optim.AdamW``
+and with ``OffloadOptimizer`` in each setting, from the same seed on the same batches. Prints a markdown table
+(final loss as the mean of the last 10 steps, its change from ours with fp32 state and no delay, host bytes of the
+moments per parameter) and, with matplotlib, writes the loss curves to ``--out``.
 
-    python benchmarks/state_dtype_accuracy.py --steps 600
-    python benchmarks/state_dtype_accuracy.py --preset gpt2-small --seq 64 --batch 4 --steps 2000 --runs fp32,bf16,int8
+    python benchmarks/accuracy.py --steps 600
+    python benchmarks/accuracy.py --steps 600 --runs fp32,delayed,delayed=10,delayed=50
+    python benchmarks/accuracy.py --preset gpt2-small --seq 64 --batch 4 --steps 2000 --runs fp32,bf16,int8
+
+``--runs``: ``adamw``; ``fp32``, ``bf16``, ``int8`` (ours at that ``state_dtype``); ``delayed`` (ours,
+``delayed_update=True``) and ``delayed=N`` (``delayed_update=N``). ``fp32`` is the baseline and always runs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import copy
 import json
 import sys
 from pathlib import Path
+from typing import Callable, Dict, List
 
 import torch
 
@@ -25,6 +31,26 @@ from zero_offload.options import STATE_DTYPES, dtypes_by_name
 STATES = dtypes_by_name(STATE_DTYPES)
 # GPT-2 small's body (12 blocks, width 768, 12 heads) on the demo's bytes: 85M parameters with a 256-entry vocabulary.
 PRESETS = {"gpt2-small": dict(layers=12, width=768, heads=12, lr=6e-4)}
+BASELINE = "ours, state fp32"
+
+
+def make_runs(wanted: List[str], lr: float) -> Dict[str, Callable]:
+    """Each run's name and the optimizer it builds over parameter groups; ``ValueError`` names an unknown run."""
+    kw = dict(lr=lr, betas=(0.9, 0.95))
+    runs: Dict[str, Callable] = {BASELINE: lambda ps: OffloadOptimizer(ps, **kw)}
+    for spec in wanted:
+        name, _, n = spec.partition("=")
+        if spec == "adamw":
+            runs["torch AdamW"] = lambda ps: torch.optim.AdamW(ps, **kw)
+        elif spec in STATES and spec != "fp32":
+            runs[f"ours, state {spec}"] = lambda ps, sd=STATES[spec]: OffloadOptimizer(ps, state_dtype=sd, **kw)
+        elif spec == "delayed" or (name == "delayed" and n.isdigit() and int(n) > 0):
+            setting = int(n) if n else True
+            runs[f"ours, delayed_update={setting}"] = lambda ps, d=setting: OffloadOptimizer(ps, delayed_update=d,
+                                                                                              **kw)
+        elif spec != "fp32":
+            raise ValueError(f"--runs: unknown run {spec!r}")
+    return runs
 
 
 def main(argv=None) -> None:
@@ -32,28 +58,21 @@ def main(argv=None) -> None:
     add_task_args(ap)
     ap.add_argument("--preset", choices=sorted(PRESETS),
                     help="a model shape users know, in place of --layers/--width/--heads/--lr")
-    ap.add_argument("--runs", default="adamw,fp32,bf16,int8",
-                    help="which runs, comma-separated: adamw and state dtypes (default: all four)")
-    ap.add_argument("--out", default="state_dtype_out")
+    ap.add_argument("--runs", default="adamw,fp32,bf16,int8", help="which runs, comma-separated (see above; "
+                    "default: adamw,fp32,bf16,int8)")
+    ap.add_argument("--out", default="accuracy_out")
     args = ap.parse_args(argv)
     if args.preset:
         vars(args).update(PRESETS[args.preset])
-    wanted = args.runs.split(",")
-    unknown = sorted(set(wanted) - set(STATES) - {"adamw"})
-    if unknown or "fp32" not in wanted:
-        ap.error(f"--runs: unknown {unknown}" if unknown else "--runs must include fp32, the baseline")
+    try:
+        runs = make_runs(args.runs.split(","), args.lr)
+    except ValueError as exc:
+        ap.error(str(exc))
     _build.load_native()
     device, dtype, data, base = setup_task(args)
     n = sum(p.numel() for p in base.parameters())
     print(f"{n / 1e6:.2f}M-parameter byte-level GPT ({dtype}) on {device}, {args.steps} steps x "
           f"{args.batch}x{args.seq} bytes, lr {args.lr}", file=sys.stderr)
-    runs = {}
-    if "adamw" in wanted:
-        runs["torch AdamW"] = lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95))
-    for name, sd in STATES.items():
-        if name in wanted:
-            runs[f"ours, state {name}"] = lambda ps, sd=sd: OffloadOptimizer(ps, lr=args.lr, betas=(0.9, 0.95),
-                                                                              state_dtype=sd)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, moments = {}, {}
@@ -68,16 +87,19 @@ def main(argv=None) -> None:
         # Each curve is kept as soon as its run ends, so a long run that is stopped later keeps what it finished.
         (out / "losses.json").write_text(json.dumps({k: r["losses"] for k, r in results.items()}))
     final = {name: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for name, r in results.items()}
-    base_loss = final["ours, state fp32"]
-    rows = ["| optimizer | final loss (mean of last 10) | vs fp32 state | moments, host B/param |",
+    rows = ["| optimizer | final loss (mean of last 10) | vs ours, fp32 state | moments, host B/param |",
             "|---|---:|---:|---:|"]
     for name in results:
-        change = f"{100 * (final[name] / base_loss - 1):+.2f}%"
-        rows.append(f"| {name} | {final[name]:.4f} | {change} | "
-                    f"{moments[name]:.3f} |" if name in moments else f"| {name} | {final[name]:.4f} | {change} | - |")
+        moment = f"{moments[name]:.3f}" if name in moments else "-"
+        rows.append(f"| {name} | {final[name]:.4f} | {100 * (final[name] / final[BASELINE] - 1):+.2f}% | {moment} |")
     table = "\n".join(rows)
     print(table)
-    (out / "state_dtypes.md").write_text(table + "\n")
+    (out / "accuracy.md").write_text(table + "\n")
+    chart(results, final, out / "accuracy.png", args.preset or "demo task")
+
+
+def chart(results: Dict[str, Dict], final: Dict[str, float], path: Path, task: str) -> None:
+    """The loss curves, one per run (needs matplotlib; nothing without it)."""
     try:
         import matplotlib
 
@@ -88,10 +110,10 @@ def main(argv=None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():
         ax.plot(r["losses"], label=f"{name} ({final[name]:.3f})", linewidth=1.2)
-    ax.set(xlabel="step", ylabel="training loss (nats/byte)", title=f"Loss by optimizer state dtype ({args.preset or 'demo task'})")
+    ax.set(xlabel="step", ylabel="training loss (nats/byte)", title=f"Loss by optimizer setting ({task})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "state_dtypes.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
