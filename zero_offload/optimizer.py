@@ -72,7 +72,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             clipping or ``GradScaler``). Default: False.
         delayed_update (bool or int): apply each step's update one step late, overlapped with the next forward
             and backward (parameters one step stale). An int N >= 1: the first N steps are exact (AdamW's), the
-            later ones delayed; the README's "Delayed update: choosing N" measures what the warm-up buys.
+            later ones delayed; the README's "Delayed update: what the stale step costs" measures it.
             Default: False.
         process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO): 12/N bytes
             per parameter per rank. Every rank builds the same optimizer and calls ``step()``,

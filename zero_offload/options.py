@@ -17,8 +17,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper", "Options",
-           "check_group", "check_hparams", "check_impl_flags", "check_params", "check_step", "world_without_group"]
+__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper",
+           "Options", "check_group", "check_hparams", "check_impl_flags", "check_params", "check_step",
+           "delayed_setting", "dtypes_by_name", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -35,6 +36,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 def dtypes_by_name(dtypes: Sequence[torch.dtype]) -> Dict[str, torch.dtype]:
     """``dtypes`` keyed by their :data:`DTYPE_NAMES`, e.g. for a command-line choice."""
     return {DTYPE_NAMES[d]: d for d in dtypes}
+
+
 # Bias corrections are exact in double far beyond this; AdamW's own step counts are float32, whose integers are
 # exact up to 2**24.
 MAX_STEP = 2**24

@@ -336,8 +336,8 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
                    "stay on")
         out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
         if plan.dtype != torch.float32 and not sharded:
-            out.append(f"                 the grad buffer also carries the updated {DTYPE_NAMES[plan.dtype]} parameters back (no staging "
-                       "copy)")
+            out.append(f"                 the grad buffer also carries the updated {DTYPE_NAMES[plan.dtype]} parameters "
+                       "back (no staging copy)")
     return out
 
 
