@@ -279,7 +279,9 @@ class Delayed(Immediate):
             return [(b, update_bucket(transport, b, present, None, h, multiplier, state, grad=b.grad_prev,
                                       scatter=False)) for b, present, h in work]
 
-        exact = bool(work) and max(float(b.steps.max()) for b, _, _ in work) < self._exact_steps  # (before the worker)
+        # Read before the worker starts on the step counts; only while a warm-up is asked for (a tensor read per
+        # bucket per step otherwise).
+        exact = bool(self._exact_steps and work) and max(float(b.steps.max()) for b, _, _ in work) < self._exact_steps
         on_gpu = any(not b.on_cpu for b, _, _ in work)
         self._pending = _Pending(run, self._worker.submit(run) if on_gpu else None, work, multiplier)
         if exact:
