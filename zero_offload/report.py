@@ -65,9 +65,9 @@ def lines() -> List[str]:
     ]
     _build.load_native()
     st = _build.status()
-    build = st.state + (f" in {st.seconds:.1f} s" if st.state == "jit-built" else "")
-    out.append(f"native kernel    {build}{': ' + st.detail if st.detail else ''}")
-    out.append(f"build cache      {st.cache_dir or '-'}")
+    out.append(f"native kernel    {st.summary()}")
+    out.append(f"build cache      {st.cache_dir or '-'} (root: {_build.cache_root()}; ZERO_OFFLOAD_CACHE_DIR, "
+               "TORCH_EXTENSIONS_DIR)")
     out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
     forced = os.environ.get("ZERO_OFFLOAD_SIMD")
     try:
