@@ -120,33 +120,6 @@ def test_report_runs():
         assert key in result.stdout
 
 
-def test_checkouts_with_identical_sources_share_one_build(tmp_path):
-    """The JIT cache is keyed on the sources' content, flags, torch and Python, not on where the sources are: a
-    second checkout (or venv, or installed copy) with the same sources reuses the build instead of paying a
-    compile, and the build compiles a staged copy, so build.ninja does not name either checkout."""
-    if _build._toolchain_problem():
-        pytest.skip(_build._toolchain_problem())
-    assert _build.load_native() is not None, _build.status().detail
-    if _build.status().state == "prebuilt":
-        pytest.skip("a prebuilt extension is installed")
-    copy = tmp_path / "checkout"
-    (copy / "zero_offload").mkdir(parents=True)
-    (copy / "csrc").mkdir()
-    for f in (REPO / "zero_offload").glob("*.py"):
-        (copy / "zero_offload" / f.name).write_bytes(f.read_bytes())
-    for name in _build.SOURCES + _build.HEADERS:
-        (copy / "csrc" / name).write_bytes((_build.source_dir() / name).read_bytes())
-    env = dict(os.environ, PYTHONPATH=str(copy))
-    env.pop("ZERO_OFFLOAD_SIMD", None)
-    code = "from zero_offload import _build; _build.load_native(); s = _build.status(); print(s.state, s.cache_dir)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["jit-cached", str(_build.cache_dir())], out.stdout + out.stderr
-    ninja = (_build.cache_dir() / "build.ninja").read_text()
-    assert str(REPO) not in ninja and str(copy) not in ninja
-
-
 def test_setup_loads_the_build_config_for_the_ahead_of_time_build(tmp_path):
     """setup.py reads _build.py's sources and flags with ZERO_OFFLOAD_BUILD_EXT=1 (its dataclass needs the module
     registered in sys.modules); the wheel itself is built, installed and used in .ci/run."""
@@ -160,19 +133,212 @@ def test_setup_loads_the_build_config_for_the_ahead_of_time_build(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == __import__("zero_offload").__version__
 
 
-def test_compile_messages_go_through_logging(tmp_path, monkeypatch, caplog, capsys):
-    """The JIT build's two messages are log records of logger ``zero_offload`` (filterable, and shown by Python's
-    last-resort handler when logging is unconfigured), not prints."""
-    import types
+# ------------------------------------------------------------------------------------------- the JIT cache --
+# Most cache tests replace the compile step with a tiny stand-in (a .py "extension" written after an optional
+# sleep), so they exercise the real key, lock, rename and manifest logic in seconds; the module-scoped fixture
+# below runs the one real compile of this file (and kills another one midway).
 
-    import torch.utils.cpp_extension as cpp_extension
+def fake_compile(build, seconds=0.0):
+    """Stands in for ``_build._compile``: writes an importable module into ``build`` and names it."""
+    import time
 
-    monkeypatch.setenv("ZERO_OFFLOAD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_build, "_status", _build.BuildStatus())  # this process's real status stays as it was
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: types.SimpleNamespace(name=kw["name"]))
-    with caplog.at_level("INFO", logger="zero_offload"):
-        _build._jit_build()
+    time.sleep(seconds)
+    (Path(build) / "fake_kernel.py").write_text("def available_isas():\n    return ['scalar']\n")
+    return "fake_kernel.py"
+
+
+_FAKE = """
+    import os, sys, time
+    from pathlib import Path
+    from zero_offload import _build
+    def _fake(build):
+        time.sleep(float(os.environ.get("FAKE_BUILD_SECONDS", "0")))
+        (Path(build) / "fake_kernel.py").write_text("def available_isas():\\n    return ['scalar']\\n")
+        return "fake_kernel.py"
+    _build._compile = _fake
+    _build.load_native()
+    s = _build.status()
+    print("STATE", s.state)
+    print("DETAIL", s.detail)
+    print("DIR", s.cache_dir)
+"""
+
+
+def _start(code, env_extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO), **env_extra)
+    env.pop("ZERO_OFFLOAD_SIMD", None)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout, what):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def fresh_status(monkeypatch, tmp_path):
+    """An in-process build into an empty cache with the stand-in compile; this process's real status untouched."""
+    monkeypatch.setenv("ZERO_OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_compile", fake_compile)
+
+    def build():
+        monkeypatch.setattr(_build, "_status", _build.BuildStatus())
+        module = _build._jit_build()
+        return module, _build.status()
+
+    return build
+
+
+def test_cache_root_honours_both_variables(monkeypatch, tmp_path):
+    monkeypatch.delenv("ZERO_OFFLOAD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_ext"))
+    assert _build.cache_root() == tmp_path / "torch_ext" / "zero_offload"
+    monkeypatch.setenv("ZERO_OFFLOAD_CACHE_DIR", str(tmp_path / "ours"))  # ours wins
+    assert _build.cache_root() == tmp_path / "ours"
+    assert _build.cache_dir().parent == tmp_path / "ours"
+
+
+def test_cache_key_names_no_path():
+    """The key is made of what changes the binary; where the sources, the venv or torch live is not part of it."""
+    import json
+
+    text = json.dumps(_build.build_inputs())
+    for path in (REPO, Path(torch.__file__).parent, Path(sys.prefix), Path(sys.executable).parent):
+        assert str(path) not in text, (path, text)
+
+
+def test_checkouts_with_identical_sources_have_one_key(tmp_path):
+    copy = tmp_path / "checkout"
+    (copy / "zero_offload").mkdir(parents=True)
+    (copy / "csrc").mkdir()
+    for f in (REPO / "zero_offload").glob("*.py"):
+        (copy / "zero_offload" / f.name).write_bytes(f.read_bytes())
+    for name in _build.SOURCES + _build.HEADERS:
+        (copy / "csrc" / name).write_bytes((_build.source_dir() / name).read_bytes())
+    env = dict(os.environ, PYTHONPATH=str(copy))
+    code = "from zero_offload import _build; print(_build.__file__); print(_build.cache_dir())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(copy / "zero_offload" / "_build.py"), str(_build.cache_dir())]
+
+
+def test_status_says_why_a_build_ran(fresh_status, monkeypatch, caplog):
+    """First use, then a build for another torch, for changed sources, then the cached one: each says so, in the
+    status and in the log line that announces the compile."""
+    with caplog.at_level("WARNING", logger="zero_offload"):
+        module, st = fresh_status()
+    assert module.available_isas() == ["scalar"]
+    assert (st.state, st.detail.split(":")[0]) == ("jit-built", "first use")
+    assert st.summary().startswith("jit-built now in ")
     messages = [r.getMessage() for r in caplog.records if r.name == "zero_offload"]
-    assert any("compiling the CPU-Adam kernel" in m for m in messages), messages
+    assert any("compiling the CPU-Adam kernel (first use" in m for m in messages), messages
     assert any("CPU-Adam kernel built in" in m for m in messages), messages
-    assert capsys.readouterr().err == ""
+
+    real = _build.build_inputs()
+    monkeypatch.setattr(_build, "build_inputs", lambda: {**real, "torch": "9.9.9+cpu (git 0, cxx11 abi 1)"})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zero_offload"):
+        _, st = fresh_status()
+    assert st.state == "jit-built"
+    assert st.detail == f"another torch ({real['torch']} -> 9.9.9+cpu (git 0, cxx11 abi 1))"
+    assert any(f"compiling the CPU-Adam kernel ({st.detail})" in r.getMessage() for r in caplog.records)
+
+    monkeypatch.setattr(_build, "build_inputs", lambda: {**real, "sources": "0123456789abcdef"})
+    _, st = fresh_status()
+    assert (st.state, st.detail) == ("jit-built", "the C++ sources changed")
+
+    monkeypatch.setattr(_build, "build_inputs", lambda: real)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zero_offload"):
+        _, st = fresh_status()
+    assert st.state == "jit-cached" and st.detail.endswith(f"by {sys.executable}"), st
+    assert not caplog.records  # nothing compiled, nothing said
+    root = _build.cache_root()
+    assert len(list(root.glob("*/manifest.json"))) == 3 and not list(root.glob(".build-*"))
+
+
+def test_a_failed_build_leaves_nothing_behind(fresh_status, monkeypatch):
+    def broken(build):
+        (Path(build) / "half.o").write_text("")
+        raise RuntimeError("error: simulated")
+
+    monkeypatch.setattr(_build, "_compile", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        fresh_status()
+    root = _build.cache_root()
+    assert sorted(p.name for p in root.iterdir()) == [f"{_build.cache_key()}.lock"]
+
+
+def test_planted_stale_locks_do_not_block(tmp_path):
+    """A lock file left by a dead process (ours, with a holder that no longer runs) and torch's ``lock`` left in
+    the build folder by a killed older build: neither is waited for."""
+    import time
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    key = _build.cache_key()
+    (root / f"{key}.lock").write_text(f"999999 deadhost {time.time() - 7200}\n")
+    (root / key).mkdir()
+    (root / key / "lock").write_text("")
+    os.utime(root / key / "lock", (time.time() - 7200,) * 2)
+    proc = _start(_FAKE, {"ZERO_OFFLOAD_CACHE_DIR": str(root), "ZERO_OFFLOAD_BUILD_WAIT": "30"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "STATE jit-built" in out, out + err
+    assert f"{root / key} holds no finished build" in out
+    assert (root / key / "manifest.json").is_file() and not (root / key / "lock").exists()
+
+
+def test_a_lock_held_too_long_ends_in_the_fallback_naming_it(tmp_path):
+    """A live process holding the build lock (a hung build) is waited for ZERO_OFFLOAD_BUILD_WAIT seconds, then
+    the fallback runs, with one warning that names the lock, its holder and its age."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    lock = root / f"{_build.cache_key()}.lock"
+    holder = _start(f"""
+        import fcntl, os, time
+        fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"{{os.getpid()}} somehost {{time.time() - 300}}".encode())
+        print("held", flush=True)
+        time.sleep(120)
+    """, {})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        never = "\n    _build._compile = lambda build: 1 / 0  # the lock is never had: no build\n"
+        check = _FALLBACK_CHECK.replace("_torch_fused\n", "_torch_fused" + never, 1)
+        result = _run(check, {"ZERO_OFFLOAD_CACHE_DIR": str(root), "ZERO_OFFLOAD_BUILD_WAIT": "2"})
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert result.returncode == 0, result.stderr
+    assert "STATE failed" in result.stdout and "WARNINGS 1" in result.stdout, result.stdout
+    assert f"gave up after 2 s waiting for the build lock {lock} (pid {holder.pid} on somehost, held for " \
+        in result.stdout, result.stdout
+    assert "another process is building the CPU-Adam kernel" in result.stderr  # said at once, not after the wait
+    assert not list(root.glob("*/manifest.json"))
+
+
+def test_a_waiter_loads_what_another_process_built(tmp_path):
+    """Two processes asking at once: one builds, the other waits for it and loads its build (one build)."""
+    root = tmp_path / "cache"
+    env = {"ZERO_OFFLOAD_CACHE_DIR": str(root), "FAKE_BUILD_SECONDS": "6"}
+    builder = _start(_FAKE, env)
+    try:
+        _wait_for(lambda: list(root.glob(".build-*")), 120, "the first process to start building")
+        waiter = _start(_FAKE, env)
+        w_out, w_err = waiter.communicate(timeout=120)
+        b_out, b_err = builder.communicate(timeout=120)
+    finally:
+        builder.kill()
+    assert "STATE jit-built" in b_out, b_out + b_err
+    assert "STATE jit-cached" in w_out, w_out + w_err
+    assert "another process is building the CPU-Adam kernel" in w_err
+    assert len(list(root.glob("*/manifest.json"))) == 1

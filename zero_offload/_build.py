@@ -315,24 +315,27 @@ def _short_reason(exc: BaseException) -> str:
 
 
 def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
-    """Why this build runs, in words: first use, or what differs from the newest finished build in ``root``."""
+    """Why this build runs, in words: first use, or what differs from the closest finished build in ``root``
+    (fewest differing inputs, then newest: switching sources on one torch says "sources changed" even when a
+    build for another torch is also cached)."""
     if final.exists():
         return f"{final} holds no finished build (left by an interrupted build of an older version?)"
-    newest, newest_time = None, -1.0
+    best = None
     for manifest in root.glob(f"*/{MANIFEST}"):
         try:
             data = json.loads(manifest.read_text())
-        except (OSError, ValueError):
+            old, when = dict(data["inputs"]), float(data["built_at"])
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        if data.get("built_at", 0) > newest_time:
-            newest, newest_time = data, data.get("built_at", 0)
-    if newest is None:
+        changed = [k for k in inputs if old.get(k) != inputs[k]]
+        if best is None or (len(changed), -when) < (len(best[0]), -best[2]):
+            best = (changed, old, when)
+    if best is None:
         return f"first use: no build in {root} yet"
-    old = newest.get("inputs", {})
-    changed = [k for k in inputs if old.get(k) != inputs[k]]
-    words = {"sources": "the C++ sources changed", "flags": "the build flags changed"}
-    parts = [words.get(k) or f"another {k} ({old.get(k, '?')} -> {inputs[k]})" for k in changed if k != "layout"]
-    return "; ".join(parts) or "no build for this combination yet"
+    changed, old, _ = best
+    words = {"sources": "the C++ sources changed", "flags": "the build flags changed",
+             "layout": "the cache layout changed"}
+    return "; ".join(words.get(k) or f"another {k} ({old.get(k, '?')} -> {inputs[k]})" for k in changed)
 
 
 def _load_built(folder: Path) -> ModuleType:
