@@ -164,11 +164,11 @@ _FAKE = """
 """
 
 
-def _start(code, env_extra):
+def _start(code, env_extra, new_session=False):
     env = dict(os.environ, PYTHONPATH=str(REPO), **env_extra)
     env.pop("ZERO_OFFLOAD_SIMD", None)
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
 
 
 def _wait_for(predicate, timeout, what):
@@ -342,3 +342,113 @@ def test_a_waiter_loads_what_another_process_built(tmp_path):
     assert "STATE jit-cached" in w_out, w_out + w_err
     assert "another process is building the CPU-Adam kernel" in w_err
     assert len(list(root.glob("*/manifest.json"))) == 1
+
+
+def _kill_leftover_compilers(root):
+    """SIGKILL the compiler processes a killed build left running: ninja starts each command in its own process
+    group, so killing the builder's group does not reach them (they would only burn CPU into a dead folder)."""
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(root) in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def killed_then_built(tmp_path_factory):
+    """This file's one real compile. A build is SIGKILLed midway with its process group (as a scheduler's time
+    limit or ``timeout -s KILL`` does), then ``python -m zero_offload.report`` runs in a fresh process with
+    ``ZERO_OFFLOAD_BUILD_WAIT=60``: it must build, not wait for the dead one."""
+    import signal
+    import time
+
+    problem = _build._toolchain_problem()
+    if problem:
+        pytest.skip(problem)
+    if (Path(_build.__file__).parent / "_C.so").exists() or list(Path(_build.__file__).parent.glob("_C*.so")):
+        pytest.skip("a prebuilt extension is installed")
+    work = tmp_path_factory.mktemp("real_build")
+    root = work / "cache"
+    env = {"ZERO_OFFLOAD_CACHE_DIR": str(root), "ZERO_OFFLOAD_BUILD_WAIT": "60"}
+    victim = _start("from zero_offload import _build; _build.load_native()", env, new_session=True)
+    try:
+        # torch writes build.ninja just before it starts ninja: from then on the compilers are running.
+        _wait_for(lambda: list(root.glob(".build-*/build.ninja")), 300, "the build to start compiling")
+        time.sleep(3)
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.communicate(timeout=60)
+    finally:
+        victim.kill()
+        _kill_leftover_compilers(root)
+    after_kill = {
+        "returncode": victim.returncode,
+        "finished": list(root.glob(f"*/{_build.MANIFEST}")),
+        "leftovers": list(root.glob(".build-*")),
+        "torch_lock_left": [d for d in root.glob(".build-*") if (d / "lock").exists()],
+        "lock_file": list(root.glob("*.lock")),
+    }
+    env_all = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    env_all.pop("ZERO_OFFLOAD_SIMD", None)
+    report = subprocess.run([sys.executable, "-m", "zero_offload.report"], env=env_all, capture_output=True,
+                            text=True, timeout=900, cwd=work)
+    return {"root": root, "env": env_all, "after_kill": after_kill, "report": report, "work": work}
+
+
+def _report_line(stdout, key):
+    return next(ln for ln in stdout.splitlines() if ln.startswith(key))[len(key):].strip()
+
+
+def test_a_build_killed_mid_compile_does_not_block_the_next_run(killed_then_built):
+    k = killed_then_built["after_kill"]
+    assert k["returncode"] == -9 and not k["finished"]
+    # It died holding both locks: its own (released by the kernel with it) and torch's FileBaton, which the
+    # killed build left behind in its private folder, where nobody waits for it.
+    assert k["lock_file"] and k["torch_lock_left"], k
+    report, root = killed_then_built["report"], killed_then_built["root"]
+    assert report.returncode == 0, report.stderr
+    assert "compiling the CPU-Adam kernel (first use" in report.stderr
+    assert _report_line(report.stdout, "native kernel").startswith(f"jit-built now in "), report.stdout
+    assert _report_line(report.stdout, "native kernel").endswith(f"(first use: no build in {root} yet)")
+    assert _report_line(report.stdout, "native ISAs") != "none"
+    (manifest,) = root.glob(f"*/{_build.MANIFEST}")
+    assert _report_line(report.stdout, "build cache").startswith(str(manifest.parent) + " ")
+    assert not list(root.glob(".build-*")), "the killed build's folder was not cleared"
+
+
+def test_a_second_venv_with_torch_at_another_path_shares_the_build(killed_then_built):
+    """A venv whose torch is at another path (a link in its own site-packages) loads the first one's build:
+    nothing compiled, and the report says whose build it is."""
+    import json
+
+    work, root = killed_then_built["work"], killed_then_built["root"]
+    assert killed_then_built["report"].returncode == 0
+    venv = work / "venv2"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True, timeout=120).stdout.strip()
+    os.symlink(Path(torch.__file__).parent, Path(site) / "torch")
+    code = "import sys, torch; print(sys.prefix); print(torch.__file__)"
+    where = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True, timeout=300,
+                           env=killed_then_built["env"]).stdout.split()
+    assert where[0] == str(venv) and where[1].startswith(site), where
+    report = subprocess.run([str(python), "-m", "zero_offload.report"], env=killed_then_built["env"],
+                            capture_output=True, text=True, timeout=600, cwd=work)
+    assert report.returncode == 0, report.stderr
+    assert "compiling" not in report.stderr, report.stderr
+    (manifest,) = root.glob(f"*/{_build.MANIFEST}")
+    built = json.loads(manifest.read_text())
+    assert built["built_by"] == sys.executable
+    line = _report_line(report.stdout, "native kernel")
+    assert line.startswith("jit-cached (built ") and line.endswith(f" by {sys.executable})"), line
+    assert _report_line(report.stdout, "build cache").startswith(str(manifest.parent) + " ")
