@@ -252,7 +252,27 @@ def test_cli_json_and_gpu_verdict(capsys):
     assert data["capacity"]["gpu_bytes"] == 80 * 10**9 and data["verdict"]["gpu_fits"] is True
     main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "24GiB"])
     out = capsys.readouterr().out
-    assert "GPU verdict      24.0 GiB per GPU: OffloadOptimizer does NOT fit, torch.optim.AdamW does NOT fit" in out
+    assert "GPU verdict      25.8 GB (24.0 GiB) per GPU: OffloadOptimizer does NOT fit, torch.optim.AdamW does NOT " \
+        "fit" in out
+    main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "80GB"])
+    assert "GPU verdict      80.0 GB (74.5 GiB) per GPU: OffloadOptimizer fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, expected", [("80GB", 80 * 10**9), ("80gb", 80 * 10**9), ("80GiB", 80 * 2**30),
+                                            ("24 GiB", 24 * 2**30), ("8e10", 8 * 10**10), ("1000", 1000),
+                                            ("1.5TB", 15 * 10**11), ("512MiB", 2**29)])
+def test_gpu_memory_units(text, expected):
+    from zero_offload.report import _bytes_arg
+
+    assert _bytes_arg(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80G", "80 gigs", "GB", "0x10"])
+def test_gpu_memory_without_a_clear_unit_is_refused(text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--params", "7B", "--gpu-memory", text])
+    assert exc.value.code == 2
+    assert "Invalid size" in capsys.readouterr().err
 
 
 def test_help_is_plain_text_and_python_m_zero_offload_works():
