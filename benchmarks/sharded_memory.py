@@ -52,7 +52,7 @@ def worker(rank, world, port, numel, dtype, queue):
         for t in b.values():
             t.zero_()
     grown = rss_bytes() - before
-    est = opt.host_memory_estimate()
+    est = opt.estimate_host_memory()
     counted = sum(t.numel() * t.element_size() for name, b in
                   ((n, t) for bufs in opt.host_buffers() for n, t in bufs.items())
                   for t in [b] if name in ("master", "exp_avg", "exp_avg_sq"))

@@ -98,7 +98,7 @@ def main() -> None:
                            stream_grads=True if args.stream else None, release_grads=not args.ddp)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
     if rank == 0:
-        est = opt.host_memory_estimate()
+        est = opt.estimate_host_memory()
         n = sum(p.numel() for p in model.parameters())
         print(f"world {world} ({'nccl' if cuda else 'gloo'}{', DDP' if args.ddp else ''}"
               f"{', streamed' if not args.ddp and (cuda or args.stream) else ''}): {n:,} parameters, "

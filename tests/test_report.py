@@ -64,7 +64,7 @@ def test_cpu_plan_matches_a_real_optimizer_and_a_real_adamw(dtype, amsgrad):
     assert plan == memory_plan(params, device="cpu", amsgrad=amsgrad, bucket_numel=500)
 
     opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500)
-    assert plan.host == opt.host_memory_estimate()
+    assert plan.host == opt.estimate_host_memory()
     assert len(opt.host_buffers()) > 1  # bucket_numel=500 cuts this model into several buckets
     host = dict(plan.ours["host"])
     assert host.pop("gradients") == sum(p.nbytes for p in params)
@@ -93,7 +93,7 @@ def test_cpu_plan_per_state_dtype_is_the_buffers_a_real_optimizer_allocates(dtyp
     meta = [torch.empty_like(p, device="meta") for p in params]
     plan = memory_plan(meta, device="cpu", amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
     opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
-    assert plan.host == opt.host_memory_estimate()
+    assert plan.host == opt.estimate_host_memory()
     host = dict(plan.ours["host"])
     host.pop("gradients")
     assert host == buffer_bytes(opt)
@@ -132,7 +132,7 @@ def test_cuda_plan_matches_a_real_cuda_optimizer(dtype):
     params = list(model.parameters())
     plan = memory_plan([torch.empty_like(p, device="meta") for p in params], device="cuda", bucket_numel=500)
     opt = OffloadOptimizer(params, bucket_numel=500)
-    assert plan.host == opt.host_memory_estimate()
+    assert plan.host == opt.estimate_host_memory()
     assert plan.ours["host"] == buffer_bytes(opt)
     assert all(t.is_pinned() for buffers in opt.host_buffers() for t in buffers.values())
 

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import warnings
 import weakref
 from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -23,7 +24,7 @@ import torch
 from zero_offload import checkpoint
 from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
-from zero_offload.host_memory import HostMemoryEstimate
+from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, check_group, check_params,
                                   delayed_setting, world_without_group)
 from zero_offload.transport import PendingClip, Plans, Transport
@@ -32,6 +33,35 @@ from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_m
 __all__ = ["OffloadOptimizer"]
 
 logger = logging.getLogger("zero_offload")
+
+
+def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                     pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
+                     state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
+    """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
+
+    Two ways to ask, one name:
+
+    * ``OffloadOptimizer.estimate_host_memory(params, **options)``, before constructing: what an optimizer over
+      ``params`` with these options will allocate (exact: the same bucket layout), allocating nothing; meta
+      tensors do as ``params``. The options are the constructor's; ``amsgrad`` is the default for groups that do
+      not set it, ``world_size`` that of the ``process_group`` (the estimate is then per rank).
+    * ``opt.estimate_host_memory()``, on an optimizer: the buffers it holds now (per rank when sharded).
+
+    Args:
+        params (iterable): parameters or parameter groups, as for the constructor.
+        amsgrad (bool): Default: False.
+        bucket_numel (int): Default: 2**25.
+        pin_memory (bool, optional): None: exactly the buckets on CUDA. Default: None.
+        world_size (int): ranks of the ``process_group``. Default: 1.
+        delayed_update (bool): Default: False.
+        state_dtype (torch.dtype): Default: torch.float32.
+
+    Returns:
+        HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
+    """
+    return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
+                           world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -143,7 +173,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._transport.bind(bucket)
         self._constructed = True
         logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
-                    sum(len(b) for b in self._buckets), self.host_memory_estimate().describe())
+                    sum(len(b) for b in self._buckets), self._held_host_memory().describe())
 
     @property
     def nonfinite(self) -> str:
@@ -155,26 +185,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.options = dataclasses.replace(self.options, nonfinite=policy).validate()
 
     # ------------------------------------------------------------------------------------------------ memory --
-    @staticmethod
-    def estimate_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                             pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
-                             state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
-        """Host RAM an ``OffloadOptimizer`` over ``params`` will allocate (exact: the same bucket layout), computed
-        without allocating. The arguments are the constructor's; ``amsgrad`` is the default for groups that do not
-        set it, ``world_size`` that of the ``process_group`` (the estimate is then per rank).
-
-        Returns:
-            HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
-        """
-        return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
-                               world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
-
-    def host_memory_estimate(self) -> HostMemoryEstimate:
-        """What the buffers allocated so far take (an :class:`HostMemoryEstimate` of the live layout)."""
+    def _held_host_memory(self) -> HostMemoryEstimate:
         total = HostMemoryEstimate(0, 0, {}, 0, 0)
         for bucket in chain.from_iterable(self._buckets):
             total = total + bucket.estimate()
         return total
+
+    estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
+
+    def host_memory_estimate(self) -> HostMemoryEstimate:
+        """Deprecated: ``opt.estimate_host_memory()`` (the same result, under the one documented name)."""
+        warnings.warn("OffloadOptimizer.host_memory_estimate() is deprecated and will be removed: call "
+                      "opt.estimate_host_memory() (same result)", FutureWarning, stacklevel=2)
+        return self._held_host_memory()
 
     def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
         """The flat host buffers of every bucket (name -> tensor), for inspection and measurement."""
