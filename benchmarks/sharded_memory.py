@@ -79,9 +79,10 @@ def measure(world, numel, dtype):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--numel", type=int, default=50_000_000)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=50_000_000, help="parameters of the model (default: 50_000_000)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                    help="the parameters' dtype (default: bf16, so the fp32 masters are buffers of their own)")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
