@@ -292,7 +292,7 @@ def test_planted_stale_locks_do_not_block(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "STATE jit-built" in out, out + err
-    assert f"{root / key} holds no finished build" in out
+    assert f"DETAIL {root / key} held an unfinished build, cleared first" in out
     assert (root / key / "manifest.json").is_file() and not (root / key / "lock").exists()
 
 

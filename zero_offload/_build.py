@@ -319,7 +319,7 @@ def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
     (fewest differing inputs, then newest: switching sources on one torch says "sources changed" even when a
     build for another torch is also cached)."""
     if final.exists():
-        return f"{final} holds no finished build (left by an interrupted build of an older version?)"
+        return f"{final} held an unfinished build, cleared first"
     best = None
     for manifest in root.glob(f"*/{MANIFEST}"):
         try:
