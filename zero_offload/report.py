@@ -66,8 +66,8 @@ def lines() -> List[str]:
     _build.load_native()
     st = _build.status()
     out.append(f"native kernel    {st.summary()}")
-    out.append(f"build cache      {st.cache_dir or '-'} (root: {_build.cache_root()}; ZERO_OFFLOAD_CACHE_DIR, "
-               "TORCH_EXTENSIONS_DIR)")
+    out.append(f"build cache      {st.cache_dir or '-'} (root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or "
+               "TORCH_EXTENSIONS_DIR moves it)")
     out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
     forced = os.environ.get("ZERO_OFFLOAD_SIMD")
     try:
