@@ -265,10 +265,14 @@ def _stage_sources(build: Path) -> Path:
     return staged
 
 
+# The child reports a failure as torch's message (which carries ninja's and the compiler's output), not a traceback.
 _CHILD = """
 import json, sys
 from torch.utils.cpp_extension import load
-module = load(**json.loads(sys.argv[1]))
+try:
+    module = load(**json.loads(sys.argv[1]))
+except Exception as exc:
+    sys.exit(str(exc))
 print(module.__file__)
 """
 
