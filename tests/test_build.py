@@ -229,9 +229,9 @@ def test_checkouts_with_identical_sources_have_one_key(tmp_path):
     assert out.stdout.split() == [str(copy / "zero_offload" / "_build.py"), str(_build.cache_dir())]
 
 
-def test_status_says_why_a_build_ran(fresh_status, monkeypatch, caplog):
+def test_status_says_why_a_build_ran(fresh_status, monkeypatch, caplog, capsys):
     """First use, then a build for another torch, for changed sources, then the cached one: each says so, in the
-    status and in the log line that announces the compile."""
+    status and in the log line (a record of logger ``zero_offload``, not a print) that announces the compile."""
     with caplog.at_level("WARNING", logger="zero_offload"):
         module, st = fresh_status()
     assert module.available_isas() == ["scalar"]
@@ -262,6 +262,7 @@ def test_status_says_why_a_build_ran(fresh_status, monkeypatch, caplog):
     assert not caplog.records  # nothing compiled, nothing said
     root = _build.cache_root()
     assert len(list(root.glob("*/manifest.json"))) == 3 and not list(root.glob(".build-*"))
+    assert capsys.readouterr().err == ""
 
 
 def test_a_failed_build_leaves_nothing_behind(fresh_status, monkeypatch):
