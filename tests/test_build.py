@@ -265,6 +265,16 @@ def test_status_says_why_a_build_ran(fresh_status, monkeypatch, caplog, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_an_older_versions_builds_are_named_not_reused(fresh_status):
+    old = _build.cache_root() / "0123456789abcdef"
+    old.mkdir(parents=True)
+    (old / "build.ninja").write_text("")
+    (old / "zero_offload_cpu_adam.so").write_text("")
+    _, st = fresh_status()
+    assert st.state == "jit-built"
+    assert st.detail == f"first use of this zero_offload's cache: 1 older build(s) in {_build.cache_root()} are not reused"
+
+
 def test_a_failed_build_leaves_nothing_behind(fresh_status, monkeypatch):
     def broken(build):
         (Path(build) / "half.o").write_text("")

@@ -335,6 +335,10 @@ def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
         if best is None or (len(changed), -when) < (len(best[0]), -best[2]):
             best = (changed, old, when)
     if best is None:
+        # Folders with a build.ninja but no manifest: builds of an older zero_offload, whose layout had no manifest.
+        older = [d for d in root.glob("[!.]*/build.ninja")]
+        if older:
+            return f"first use of this zero_offload's cache: {len(older)} older build(s) in {root} are not reused"
         return f"first use: no build in {root} yet"
     changed, old, _ = best
     words = {"sources": "the C++ sources changed", "flags": "the build flags changed",
