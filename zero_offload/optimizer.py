@@ -71,8 +71,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     The update is operation for operation ``torch.optim.AdamW(foreach=False)``'s (the math is in
     :mod:`zero_offload.functional`; bias corrections in double), so an fp32 model follows AdamW's trajectory to
     within rounding. Where bytes live, how gradients stream, clipping, mixed precision, sharding and the state
-    dict are described in the README ("Usage"); what differs from AdamW, each refused with an error (pickling,
-    float64, editing a group's ``params``...), in its "Differences from AdamW".
+    dict are described in docs/ (how-it-works.md, options.md, multi-gpu.md, checkpoints.md); what differs from
+    AdamW, each refused with an error (pickling, float64, editing a group's ``params``...), in docs/differences.md.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups (optionally ``(name, param)`` pairs),
@@ -102,7 +102,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             clipping or ``GradScaler``). Default: False.
         delayed_update (bool or int): apply each step's update one step late, overlapped with the next forward
             and backward (parameters one step stale). An int N >= 1: the first N steps are exact (AdamW's), the
-            later ones delayed; the README's "Delayed update: what the stale step costs" measures it.
+            later ones delayed; docs/accuracy.md measures what the stale step costs.
             Default: False.
         process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO): 12/N bytes
             per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
@@ -112,8 +112,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         timeout (timedelta or float, optional): the longest one collective may take (seconds if a number).
             Needs ``process_group``. Default: 30 minutes.
         state_dtype (torch.dtype): the moments' storage: ``torch.float32`` (exactly AdamW), ``torch.bfloat16``
-            (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See the README's
-            "Compact optimizer state" for the accuracy; the state dict stays fp32. Default: torch.float32.
+            (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See docs/accuracy.md
+            for what that costs in loss; the state dict stays fp32. Default: torch.float32.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite.
@@ -426,8 +426,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
         """AdamW's state dict: views of the host buffers (compact moments: fp32 copies, a bucket at a time); saving
-        changes nothing (``delayed_update``: the state after the pending update, with ``param``; README). Sharded: a
-        collective gathering the full state onto *every* rank: prefer :meth:`sharded_state_dict` for large models."""
+        changes nothing (``delayed_update``: the state after the pending update, with ``param``; see
+        docs/checkpoints.md). Sharded: a collective gathering the full state onto *every* rank: prefer
+        :meth:`sharded_state_dict` for large models."""
         self._sync()
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
         sd, sharded = super().state_dict(), self._transport.sharded  # entries as plain dicts; sharded: gathered
@@ -484,7 +485,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
         elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
         the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
-        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See the README's "Multi-GPU"."""
+        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
         self._sync()
         return checkpoint.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
                                              param=self.options.delayed_update)

@@ -1,0 +1,71 @@
+"""The GPU runbook's plumbing, on the CPU: its plan names what train_step.py can run and fits the time a lent
+machine gives; a tiny run writes a report whose table comes from what train_step.py measured."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_suite  # noqa: E402
+import train_step  # noqa: E402
+
+
+def test_plan_matches_train_step_and_fits_25_minutes():
+    known = [c.key for c in train_step.CONTENDERS]
+    # A renamed contender would silently drop a row from the GPU matrix.
+    assert set(gpu_suite.MATRIX) <= set(known)
+    assert set(gpu_suite.TINY_MATRIX) <= set(known)
+    stages = gpu_suite.plan(False, known)
+    assert sum(s.timeout_s for s in stages) <= 25 * 60
+    assert all(s.timeout_s <= 600 for s in stages)
+    steps = {s.name: s for s in stages}
+    assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
+    assert steps["steps-clip"].argv[-2:] == ["--clip", "1.0"]
+    assert "--find-max" in steps["find-max-int8"].argv and "int8" in steps["find-max-int8"].argv
+    assert steps["find-max-cap12"].argv[steps["find-max-cap12"].argv.index("--gpu-cap-gib") + 1] == "12"
+    assert "-m" in steps["cuda-tests"].argv and "cuda" in steps["cuda-tests"].argv
+
+
+def test_dry_run_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "total limit: 25.0 min" in proc.stdout
+    assert not out.exists()
+
+
+def test_unknown_stage_is_refused():
+    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--stages", "steps,nope"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "unknown stage(s) nope" in proc.stderr
+
+
+def test_tiny_run_reports_what_train_step_measured(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--out", str(out), "--stages", "machine,pinned,steps"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = json.loads((out / "steps.stage.json").read_text())
+    assert steps["status"] == "ok", steps.get("tail")
+    rows = steps["result"]["rows"]
+    assert set(rows) == {"adamw-ref", "ours"}
+    # Same seed and batches, AdamW's arithmetic: the sanity loss agrees (as train_step prints it, 4 decimals).
+    assert rows["ours"]["loss"] == pytest.approx(rows["adamw-ref"]["loss"], abs=1e-4)
+    report = (out / "REPORT.md").read_text()
+    ratio = rows["ours"]["step_s"] / rows["adamw-ref"]["step_s"]
+    assert f"| ours | ok | {rows['ours']['step_s'] * 1e3:.0f} | {ratio:.2f} |" in report
+    assert "| adamw-ref | ok |" in report and "| 1.00 |" in report
+    if not json.loads((out / "pinned.stage.json").read_text()).get("result"):
+        assert "| pinned | skipped (no CUDA GPU on this machine) |" in report
+    # --report-only rebuilds the same report from the stage files (how folders of several runs are merged).
+    before = report
+    (out / "REPORT.md").unlink()
+    subprocess.run([sys.executable, str(SUITE), "--report-only", "--out", str(out)], check=True,
+                   capture_output=True, timeout=120, cwd=ROOT)
+    assert (out / "REPORT.md").read_text() == before
