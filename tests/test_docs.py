@@ -125,3 +125,14 @@ def test_quickstart_is_the_two_commands_ci_runs():
 
 def test_readme_is_a_front_page():
     assert len(README.read_text(encoding="utf-8").splitlines()) < 250
+
+
+def test_ci_runs_the_first_quickstart_command_on_a_fresh_clone():
+    # .ci/frontdoor.sh (called by .ci/run) runs the first command in fresh venvs, over a cache with stale locks.
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    install, run = _blocks(section, "bash")[0].splitlines()[0].split(" && ")
+    frontdoor = (ROOT / ".ci" / "frontdoor.sh").read_text(encoding="utf-8")
+    assert install.replace("pip install ", "pip install -q ") in frontdoor
+    assert run.replace("python ", "") in frontdoor
+    assert "\n.ci/frontdoor.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
