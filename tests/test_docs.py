@@ -133,6 +133,7 @@ def test_ci_runs_the_first_quickstart_command_on_a_fresh_clone():
     section = text.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
     install, run = _blocks(section, "bash")[0].splitlines()[0].split(" && ")
     frontdoor = (ROOT / ".ci" / "frontdoor.sh").read_text(encoding="utf-8")
-    assert install.replace("pip install ", "pip install -q ") in frontdoor
-    assert run.replace("python ", "") in frontdoor
+    # The venv's own pip and python run them: "$WORK/a/bin/pip" install -q ..., "$WORK/a/bin/python" -m ...
+    assert install.replace("pip install ", 'pip" install -q ') in frontdoor
+    assert run.replace("python ", 'python" ') in frontdoor
     assert "\n.ci/frontdoor.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
