@@ -216,8 +216,9 @@ static inline VF sqrt_nodiv(VF x) {  // x >= 2^-100, normal: rsqrt(0) is inf, an
 // - code rounding is FCVTNS/FCVTNU (nearest, ties to even, as cvtps2dq under the default MXCSR); the callers never
 //   pass a NaN there (a non-finite block takes the all-zero-codes branch), where the two would differ;
 // - Linux runs user code with FPCR.FZ = 0, so subnormals are kept, as on x86 with MXCSR's default.
-// Streaming stores: AArch64's STNP is only a hint, and Neoverse cores already detect a line being written whole
-// (write-streaming mode) and skip its read-for-ownership, so the stream_* functions are plain stores.
+// Streaming stores: AArch64's STNP is only a hint, and Neoverse cores have a write-streaming mode for runs of
+// whole-line writes that skips fetching those lines, so the stream_* functions are plain stores (not measured on
+// hardware: see docs/platforms.md).
 constexpr int kW = 4;
 using VF = float32x4_t;
 static inline VF set1(float x) { return vdupq_n_f32(x); }
