@@ -442,8 +442,8 @@ void check_norm_overflow(Tally& t, const Unit& u) {
   if (r.nonfinite || !std::isinf(r.sum_sq)) t.fail(c, 0, "norm of finite overflowing squares", 0, r.sum_sq, INFINITY, 0);
 }
 
-// One unit's step: run the kernel split as the dispatcher splits (at a multiple of its 1024-element blocks), the
-// oracle from the state the unit started with, then the checks.
+// One unit's step: run the kernel in two ranges as the dispatcher may split it, the oracle from the state the unit
+// started with, then the checks.
 void run_step(Tally& t, const Unit& u, const Case& c, int step, State& st, const Buf& grad, Buf& work, Buf& out,
               std::vector<Elem>& want) {
   state_values(st, c, want);
@@ -461,7 +461,9 @@ void run_step(Tally& t, const Unit& u, const Case& c, int step, State& st, const
     a.exp_avg_sq_scale = st.vs.f32();
     a.max_exp_avg_sq_scale = c.ams ? st.xs.f32() : nullptr;
   }
-  const int64_t split = c.n >= 2048 ? (c.n / 2) / 1024 * 1024 : 0;
+  // 8-bit state: at a multiple of the dispatcher's 1024-element blocks, as adam_step splits; other states also at an
+  // odd element, as adam_step_segments can (a thread's range starting mid-vector in a segment).
+  const int64_t split = c.s == DType::kQ8 ? (c.n >= 2048 ? (c.n / 2) / 1024 * 1024 : 0) : (c.n > 2 ? (c.n / 2) | 1 : 0);
   if (split) u.adam(a, 0, split);
   u.adam(a, split, c.n);
   for (int64_t i = 0; i < c.n; ++i) oracle_elem(a, load_value(grad.ptr, c.g, i), want[i]);
