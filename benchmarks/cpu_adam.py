@@ -227,7 +227,7 @@ def _of_ceiling(r, width=5):
 def machine_info():
     model, flags = cpu_features()
     return dict(cpu=model, cores=os.cpu_count(), features=" ".join(flags), torch=torch.__version__,
-                python=platform.python_version(), kernel_path=functional.resolve_path())
+                python=platform.python_version(), kernel_path=functional.path_reason())
 
 
 def print_rows(rows):

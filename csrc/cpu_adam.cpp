@@ -11,6 +11,11 @@
 
 #include "kernel_args.h"
 
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
 namespace zo {
 namespace {
 
@@ -38,6 +43,10 @@ bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 #endif
+#if defined(__aarch64__)
+// AdvSIMD is in every AArch64 core Linux runs on, but the kernel says so in HWCAP: ask rather than assume.
+bool cpu_has_neon() { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0; }
+#endif
 bool always() { return true; }
 
 const std::vector<IsaEntry>& isa_table() {
@@ -45,6 +54,9 @@ const std::vector<IsaEntry>& isa_table() {
 #if defined(__x86_64__) || defined(_M_X64)
       {"avx512", cpu_has_avx512, avx512::adam_range, avx512::sq_norm_range},
       {"avx2", cpu_has_avx2, avx2::adam_range, avx2::sq_norm_range},
+#endif
+#if defined(__aarch64__)
+      {"neon", cpu_has_neon, neon::adam_range, neon::sq_norm_range},
 #endif
       {"scalar", always, scalar::adam_range, scalar::sq_norm_range},
   };

@@ -13,7 +13,7 @@ enum class DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kQ8 = 4 }
 
 // Elements per scale block of kQ8 state: the buckets' 64-element slot alignment, so that any 64-aligned segment of a
 // flat buffer owns whole blocks (its last possibly partial) and can be updated alone; a multiple of every vector
-// width (16, 8, 1 floats).
+// width (16, 8, 4, 1 floats).
 constexpr int64_t kQBlock = 64;
 
 struct AdamArgs {
@@ -61,6 +61,9 @@ ZO_DECLARE_ISA(scalar)
 #if defined(__x86_64__) || defined(_M_X64)
 ZO_DECLARE_ISA(avx2)
 ZO_DECLARE_ISA(avx512)
+#endif
+#if defined(__aarch64__)
+ZO_DECLARE_ISA(neon)
 #endif
 
 }  // namespace zo

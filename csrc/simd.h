@@ -1,8 +1,9 @@
 // The ISA layer: a float vector type `VF` of width `kW` and the handful of operations the kernels need, for one
-// instruction set chosen by the including translation unit (ZO_ISA_AVX512, ZO_ISA_AVX2 or ZO_ISA_SCALAR). The
-// including unit includes <cstdint> (and <immintrin.h> on x86) at global scope, then opens the matching
-// `#pragma GCC target` region and namespace and includes this file inside them: every function here is static and
-// compiled for that one ISA, so no symbol can be shared, and mis-chosen by the linker, between ISAs.
+// instruction set chosen by the including translation unit (ZO_ISA_AVX512, ZO_ISA_AVX2, ZO_ISA_NEON or
+// ZO_ISA_SCALAR). The including unit includes <cstdint> (and <immintrin.h> on x86, <arm_neon.h> on AArch64) at
+// global scope, then opens the matching `#pragma GCC target` region (x86 only) and namespace and includes this file
+// inside them: every function here is static and compiled for that one ISA, so no symbol can be shared, and
+// mis-chosen by the linker, between ISAs.
 //
 // Conversions round to nearest-even. A NaN stays a NaN on the way down: bf16 NaNs become the canonical 0x7FC0
 // (what c10::BFloat16 produces), so results compare bit-for-bit with `tensor.to(torch.bfloat16)`.
@@ -199,6 +200,102 @@ static inline VF sqrt_nodiv(VF x) {  // x >= 2^-100, normal: rsqrt(0) is inf, an
   return _mm256_fmadd_ps(_mm256_fnmadd_ps(s, s, x), _mm256_mul_ps(r, _mm256_set1_ps(0.5f)), s);
 }
 
+#elif defined(ZO_ISA_NEON)
+
+// AArch64 Advanced SIMD as every ARMv8.0-A core has it: no target flags, so the unit runs on any aarch64 Linux
+// (Grace's Neoverse V2 and Graviton included). 128-bit vectors; a Neoverse V2 core has four such pipes, the width
+// its SVE2 has too, which is why there is no SVE unit (docs/platforms.md).
+//
+// Where ARM and x86 semantics differ, this layer follows the x86 units (and so `tensor.to(...)`):
+// - vmax is not FMAX/FMAXNM (which return the NaN, or the number): it is vmaxps's "a > b ? a : b", b when either
+//   is NaN, by a compare and a bit select;
+// - bf16 rounding is done in integers with the canonical NaN 0x7FC0, not by BFCVTN (ARMv8.6, which keeps NaN
+//   payloads);
+// - fp16 goes through FCVTL/FCVTN (base ARMv8.0): nearest-even under Linux's default FPCR, payload-keeping quiet NaN
+//   like vcvtps2ph;
+// - code rounding is FCVTNS/FCVTNU (nearest, ties to even, as cvtps2dq under the default MXCSR); the callers never
+//   pass a NaN there (a non-finite block takes the all-zero-codes branch), where the two would differ;
+// - Linux runs user code with FPCR.FZ = 0, so subnormals are kept, as on x86 with MXCSR's default.
+// Streaming stores: AArch64's STNP is only a hint, and Neoverse cores have a write-streaming mode for runs of
+// whole-line writes that skips fetching those lines, so the stream_* functions are plain stores (not measured on
+// hardware: see docs/platforms.md).
+constexpr int kW = 4;
+using VF = float32x4_t;
+static inline VF set1(float x) { return vdupq_n_f32(x); }
+static inline VF add(VF a, VF b) { return vaddq_f32(a, b); }
+static inline VF sub(VF a, VF b) { return vsubq_f32(a, b); }
+static inline VF mul(VF a, VF b) { return vmulq_f32(a, b); }
+static inline VF div(VF a, VF b) { return vdivq_f32(a, b); }
+static inline VF fma(VF a, VF b, VF c) { return vfmaq_f32(c, a, b); }  // a * b + c
+static inline VF vsqrt(VF a) { return vsqrtq_f32(a); }
+static inline VF vmax(VF a, VF b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }  // b when either is NaN
+static inline float hsum(VF a) { return vaddvq_f32(a); }
+static inline bool any_nan(VF a) { return vminvq_u32(vceqq_f32(a, a)) == 0; }  // x == x fails only for NaN
+
+static inline VF load_f32(const float* p) { return vld1q_f32(p); }
+static inline void store_f32(float* p, VF x) { vst1q_f32(p, x); }
+static inline VF load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+static inline uint16x4_t bf16_bits(VF x) {
+  const uint32x4_t u = vreinterpretq_u32_f32(x);
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+  uint32x4_t r = vaddq_u32(u, vaddq_u32(odd, vdupq_n_u32(0x7FFF)));
+  r = vbslq_u32(vceqq_f32(x, x), r, vdupq_n_u32(0x7FC00000));  // keep r where x == x, the canonical NaN elsewhere
+  return vshrn_n_u32(r, 16);
+}
+static inline void store_bf16(uint16_t* p, VF x) { vst1_u16(p, bf16_bits(x)); }
+static inline VF load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+static inline void store_f16(uint16_t* p, VF x) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+static inline void stream_f32(float* p, VF x) { store_f32(p, x); }
+static inline void stream_bf16(uint16_t* p, VF x) { store_bf16(p, x); }
+static inline void stream_f16(uint16_t* p, VF x) { store_f16(p, x); }
+static inline void stream_fence() {}
+
+static inline VF vabs(VF a) { return vabsq_f32(a); }
+static inline VF with_sign_of(VF mag, VF sign) {  // mag must be >= 0
+  return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(mag),
+                                         vandq_u32(vreinterpretq_u32_f32(sign), vdupq_n_u32(0x80000000u))));
+}
+// Four codes are one 32-bit word: read it whole (unaligned is fine on AArch64), then widen twice.
+static inline uint32x2_t four_codes(const void* p) {
+  uint32_t w;
+  __builtin_memcpy(&w, p, 4);
+  return vdup_n_u32(w);
+}
+static inline VF load_s8(const int8_t* p) {
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(four_codes(p))))));
+}
+static inline VF load_u8(const uint8_t* p) {
+  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(four_codes(p))))));
+}
+// Saturating narrows keep lane order, so the four vectors' codes come out in order with no shuffle.
+static inline void store_s8x4(int8_t* p, VF u0, VF u1, VF u2, VF u3, VF s0, VF s1, VF s2, VF s3) {
+  const int16x8_t a = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u0, s0))),
+                                   vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u1, s1))));
+  const int16x8_t b = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u2, s2))),
+                                   vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u3, s3))));
+  vst1q_s8(p, vcombine_s8(vqmovn_s16(a), vqmovn_s16(b)));
+}
+static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
+  const uint16x8_t a = vcombine_u16(vqmovn_u32(vcvtnq_u32_f32(u0)), vqmovn_u32(vcvtnq_u32_f32(u1)));
+  const uint16x8_t b = vcombine_u16(vqmovn_u32(vcvtnq_u32_f32(u2)), vqmovn_u32(vcvtnq_u32_f32(u3)));
+  vst1q_u8(p, vcombine_u8(vqmovn_u16(a), vqmovn_u16(b)));
+}
+static inline VF vmax_magnitude(VF acc, VF x) {
+  return vreinterpretq_f32_u32(vmaxq_u32(vreinterpretq_u32_f32(acc), vreinterpretq_u32_f32(vabs(x))));
+}
+static inline VF vmax_nonneg(VF acc, VF x) {
+  return vreinterpretq_f32_u32(vmaxq_u32(vreinterpretq_u32_f32(acc), vreinterpretq_u32_f32(x)));
+}
+static inline float hmax_magnitude(VF a) {
+  const uint32_t m = vmaxvq_u32(vreinterpretq_u32_f32(a));
+  float f;
+  __builtin_memcpy(&f, &m, 4);
+  return f;
+}
+// The exact root: FRSQRTE is an 8-bit estimate, so matching the x86 units' accuracy would take two FRSQRTS steps
+// and a residual correction, a trade that only a measurement on ARM hardware could justify; none was available.
+static inline VF sqrt_nodiv(VF x) { return vsqrtq_f32(x); }
+
 #elif defined(ZO_ISA_SCALAR)
 
 // Portable path for every other CPU: one element at a time, conversions by bit manipulation. Plain a * b + c
@@ -295,5 +392,5 @@ static inline float hmax_magnitude(VF a) { return a; }
 static inline VF sqrt_nodiv(VF x) { return __builtin_sqrtf(x); }  // scalar code has no cheaper exact-enough root
 
 #else
-#error "define one of ZO_ISA_AVX512, ZO_ISA_AVX2, ZO_ISA_SCALAR before including simd.h"
+#error "define one of ZO_ISA_AVX512, ZO_ISA_AVX2, ZO_ISA_NEON, ZO_ISA_SCALAR before including simd.h"
 #endif

@@ -463,3 +463,43 @@ def test_a_second_venv_with_torch_at_another_path_shares_the_build(killed_then_b
     line = _report_line(report.stdout, "native kernel")
     assert line.startswith("jit-cached (built ") and line.endswith(f" by {sys.executable})"), line
     assert _report_line(report.stdout, "build cache").startswith(str(manifest.parent) + " ")
+
+
+def test_cpu_without_a_simd_unit_never_runs_the_scalar_loop_where_torch_fused_is_faster(monkeypatch):
+    """A CPU for which the native kernel has only its scalar loop (x86 without AVX2, ARM other than AArch64, ...):
+    auto dispatch sends fp32 state to torch's vectorized fused AdamW, and bf16/8-bit state, which torch's kernel does
+    not do, to the scalar loop rather than the slower pure-torch reference; report says so."""
+    from zero_offload import _torch_fused, functional
+
+    if not _torch_fused.AVAILABLE or "scalar" not in _build.native_isas():
+        pytest.skip("needs torch's fused CPU AdamW and the native kernel")
+    real = _build.load_native()
+    calls = []
+
+    class Spy:  # the native module, recording which entry point ran on which ISA
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                calls.append((name, args[0]))
+                return getattr(real, name)(*args, **kwargs)
+            return call
+
+    monkeypatch.delenv("ZERO_OFFLOAD_SIMD", raising=False)
+    monkeypatch.setattr(_build, "native_isas", lambda: ["scalar"])
+    monkeypatch.setattr(_build, "load_native", lambda: Spy())
+    fused = []
+    monkeypatch.setattr(_torch_fused, "adam_", lambda *args, **kwargs: fused.append(kwargs["step"]))
+    assert [functional.resolve_path(d) for d in (torch.float32, torch.bfloat16, torch.int8)] == [
+        "torch-fused", "scalar", "scalar"]
+    assert functional.path_reason().startswith("torch-fused for fp32 state, scalar for bf16/8-bit state: ")
+
+    n = 4097
+    p, g = torch.randn(n), torch.randn(n)
+    functional.cpu_adam_(p, g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-3)
+    assert fused == [1] and calls == []
+    functional.cpu_adam_(p, g, torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16), step=2,
+                         lr=1e-3)
+    functional.cpu_adam_segments_(p, [g[:64], g[64:]], [0, 64], torch.zeros(n, dtype=torch.int8),
+                                  torch.zeros(n, dtype=torch.uint8), step=3, lr=1e-3,
+                                  exp_avg_scale=torch.zeros(functional.q8_scale_numel(n)),
+                                  exp_avg_sq_scale=torch.zeros(functional.q8_scale_numel(n)))
+    assert fused == [1] and calls == [("adam_step", "scalar"), ("adam_step_segments", "scalar")]

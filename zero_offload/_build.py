@@ -67,7 +67,7 @@ from types import ModuleType
 from typing import Callable, Dict, List, Optional
 
 EXTENSION_NAME = "zero_offload_cpu_adam"
-SOURCES = ("cpu_adam.cpp", "bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
+SOURCES = ("cpu_adam.cpp", "bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_neon.cpp", "isa_scalar.cpp")
 HEADERS = ("cpu_adam.h", "kernel_args.h", "simd.h", "cpu_adam_kernel.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the kernel silently runs on one thread.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")

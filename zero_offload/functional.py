@@ -28,12 +28,18 @@ State dtypes (chosen by the dtype of ``exp_avg``), bytes per element for the two
   multiple of 64 (with the matching slice of the scales) can be updated alone.
   :func:`quantize_state_` and :func:`dequantize_state` convert to and from float32.
 
-Implementation choice, made in :func:`resolve_path` and nowhere else: the environment variable
-``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar``, ``torch-fused`` or ``torch``) forces a path and
-an impossible choice is an error, never a silent substitute; unset (or ``auto``), the best ISA of the native
-kernel or, with one warning when the kernel cannot be built, ``torch-fused``: torch's own fused CPU Adam(W) for
-fp32 state (torch >= 2.4, see :mod:`zero_offload._torch_fused`) and the pure-torch reference for bf16 and 8-bit
-state; ``torch`` is the pure-torch reference for everything (on torch 2.3, the fallback).
+Implementation choice, made in :func:`resolve_path` and nowhere else (:func:`path_reason` says why): the environment
+variable ``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar``, ``torch-fused`` or ``torch``) forces a path
+and an impossible choice is an error, never a silent substitute; unset (or ``auto``):
+
+* the best SIMD unit of the native kernel this CPU runs (AVX-512, AVX2, NEON);
+* on a CPU with none of them (the native kernel then has only its scalar loop: x86 without AVX2, ARM other than
+  AArch64, any other architecture), ``torch-fused`` for fp32 state, where torch's vectorized kernel is faster than a
+  scalar loop (2x, measured on x86), and ``scalar`` for bf16 and 8-bit state, which torch's kernel does not do and
+  the pure-torch reference does 24-42x slower;
+* with one warning when the kernel cannot be built, ``torch-fused``: torch's own fused CPU Adam(W) for fp32 state
+  (torch >= 2.4, see :mod:`zero_offload._torch_fused`) and the pure-torch reference for bf16 and 8-bit state;
+  ``torch`` is the pure-torch reference for everything (on torch 2.3, the fallback).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ import torch
 from zero_offload import _build, _reference, _torch_fused
 from zero_offload.options import check_hparams
 
-__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path", "PATHS",
+__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path",
+           "path_reason", "PATHS",
            "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
 PATHS = ("avx512", "avx2", "neon", "scalar", "torch-fused", "torch")
@@ -62,13 +69,26 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _get_layout, _get_dtype = operator.attrgetter("layout"), operator.attrgetter("dtype")
 
 
-def resolve_path() -> str:
+_SIMD_ISAS = ("avx512", "avx2", "neon")  # the native kernel's vector units; "scalar" is its portable loop
+
+
+def resolve_path(state_dtype: torch.dtype = torch.float32) -> str:
     """The implementation the next call will use: an ISA name of the native kernel, ``"torch-fused"`` or
-    ``"torch"`` (see the module docstring)."""
+    ``"torch"`` (see the module docstring; :func:`path_reason` says why).
+
+    Args:
+        state_dtype (torch.dtype): the dtype of ``exp_avg`` of the update asked about (float32, bfloat16 or int8):
+            where the native kernel has no SIMD unit for this CPU, fp32 state goes to torch's fused kernel and the
+            compact states to ours. Default: torch.float32.
+    """
     forced = os.environ.get("ZERO_OFFLOAD_SIMD", "").strip().lower()
     if forced in ("", "auto"):
         isas = _build.native_isas()
-        return isas[0] if isas else ("torch-fused" if _torch_fused.AVAILABLE else "torch")
+        if not isas:
+            return "torch-fused" if _torch_fused.AVAILABLE else "torch"
+        if isas[0] not in _SIMD_ISAS and state_dtype == torch.float32 and _torch_fused.AVAILABLE:
+            return "torch-fused"
+        return isas[0]
     if forced not in PATHS:
         raise ValueError(f"Invalid ZERO_OFFLOAD_SIMD={forced!r}: expected one of {', '.join(PATHS)} or auto")
     if forced == "torch-fused" and not _torch_fused.AVAILABLE:
@@ -87,6 +107,25 @@ def resolve_path() -> str:
             f"ZERO_OFFLOAD_SIMD={forced}: that ISA is not available on this CPU/build (available: {', '.join(isas)})"
         )
     return forced
+
+
+def path_reason() -> str:
+    """One line: the paths :func:`resolve_path` picks for fp32 and for compact (bf16, 8-bit) state, and why (shown
+    by ``python -m zero_offload.report``). Raises as :func:`resolve_path` does for an impossible forced choice."""
+    fp32, compact = resolve_path(torch.float32), resolve_path(torch.bfloat16)
+    forced = os.environ.get("ZERO_OFFLOAD_SIMD", "").strip().lower()
+    if forced not in ("", "auto"):
+        return f"{fp32}: forced by ZERO_OFFLOAD_SIMD={forced}"
+    if fp32 in _SIMD_ISAS:
+        return f"{fp32}: the widest SIMD unit of the native kernel that this CPU runs"
+    if fp32 == "scalar":
+        return (f"scalar: the native kernel has no SIMD unit for this CPU, and torch {torch.__version__} has no fused "
+                "CPU AdamW (torch >= 2.4) to take fp32 state instead")
+    if fp32 == compact:
+        return f"{fp32}: the native kernel is unavailable ({_build.status().detail or 'not built'})"
+    return (f"{fp32} for fp32 state, {compact} for bf16/8-bit state: the native kernel has no SIMD unit for this CPU "
+            "(only its scalar loop), so fp32 state goes to torch's vectorized fused AdamW, faster than a scalar "
+            "loop; torch's kernel has no bf16/8-bit state, and our scalar loop beats the pure-torch reference there")
 
 
 def _as_float(value: Union[float, torch.Tensor], name: str) -> float:
@@ -267,7 +306,7 @@ def cpu_adam_(
         _check_out_vs_grad(param_out, grad, "grad")
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
 
-    path = resolve_path()
+    path = resolve_path(exp_avg.dtype)
     if numel == 0:
         return
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
@@ -481,7 +520,7 @@ def cpu_adam_segments_(
                          f"{Q8_BLOCK}: 8-bit state needs each segment to own whole scale blocks")
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
 
-    path = resolve_path()
+    path = resolve_path(exp_avg.dtype)
     if not grads:
         return
     vmax = max_exp_avg_sq if amsgrad else None

@@ -69,12 +69,11 @@ def lines() -> List[str]:
     out.append(f"build cache      {st.cache_dir or '-'} (root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or "
                "TORCH_EXTENSIONS_DIR moves it)")
     out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
-    forced = os.environ.get("ZERO_OFFLOAD_SIMD")
     try:
-        chosen = functional.resolve_path()
+        chosen = functional.path_reason()
     except (ValueError, RuntimeError) as exc:
         chosen = f"error: {exc}"
-    out.append(f"path chosen      {chosen}" + (f" (forced by ZERO_OFFLOAD_SIMD={forced})" if forced else ""))
+    out.append(f"path chosen      {chosen}")
     if torch.cuda.is_available():
         out.append(f"cuda             {torch.version.cuda}, {torch.cuda.device_count()} device(s): "
                    f"{torch.cuda.get_device_name(0)}")
