@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import io
 import logging
@@ -925,3 +926,107 @@ def test_construction_refuses_what_cannot_fit_in_host_ram_before_allocating(monk
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
         OffloadOptimizer([w], amsgrad=True)
     assert "allocating anyway" in caplog.text
+
+
+# ------------------------------------------------------ gradients rebound inside the host buffer's views --
+def _rebind(how, grad, value):
+    if how == "data":
+        grad.data = value
+    else:
+        grad.set_(value)
+
+
+def _two_steps_with_rebound_grads(make, how, shape_of=None):
+    """Two steps, gradients given after ``zero_grad(set_to_none=False)`` by rebinding ``p.grad`` (``.data =`` or
+    ``.set_()``) to new tensors: the steady state in which ``p.grad`` is a view of the flat gradient buffer."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    opt = make([w, b])
+    for step in range(2):
+        opt.zero_grad(set_to_none=False)
+        if step == 0:
+            w.grad, b.grad = torch.zeros(6, 6), torch.zeros(6)
+        gen = torch.Generator().manual_seed(step)
+        for p in (w, b):
+            _rebind(how, p.grad, torch.randn(p.shape if shape_of is None else shape_of(p), generator=gen))
+        opt.step()
+    return w, b, opt
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("kw", [dict(), dict(nonfinite="ignore"), dict(state_dtype=torch.int8)],
+                         ids=["default", "ignore", "int8"])
+def test_a_gradient_rebound_after_zero_grad_keep_is_the_one_stepped(how, kw):
+    """``p.grad.data = t`` / ``p.grad.set_(t)`` on a gradient that is a view of the host buffer: AdamW steps with
+    ``t``, and so must this optimizer (not with the zeroed buffer the view was rebound away from). 8-bit state is
+    held to the same optimizer given the same gradients by assignment, the path the oracle tests check."""
+    w, b, opt = _two_steps_with_rebound_grads(lambda ps: OffloadOptimizer(ps, lr=0.1, **kw), how)
+    torch.manual_seed(0)
+    rw, rb = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    compact = "state_dtype" in kw
+    ref = OffloadOptimizer([rw, rb], lr=0.1, **kw) if compact else torch.optim.AdamW([rw, rb], lr=0.1, foreach=False)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        if compact:
+            rw.grad, rb.grad = (torch.randn(p.shape, generator=gen) for p in (rw, rb))
+        else:
+            ref.zero_grad(set_to_none=False)
+            if step == 0:
+                rw.grad, rb.grad = torch.zeros(6, 6), torch.zeros(6)
+            for p in (rw, rb):
+                _rebind(how, p.grad, torch.randn(p.shape, generator=gen))
+        ref.step()
+    torch.testing.assert_close(w.detach(), rw.detach())
+    torch.testing.assert_close(b.detach(), rb.detach())
+    ours, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    for k in theirs:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours[k][name], theirs[k][name])
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("kw", [dict(), dict(nonfinite="ignore"), dict(state_dtype=torch.int8)],
+                         ids=["default", "ignore", "int8"])
+def test_a_rebound_gradient_of_the_wrong_shape_raises_naming_the_parameter(how, kw):
+    """AdamW raises on a (3, 3) gradient for a (6, 6) parameter; reading the (zeroed) slot instead would step
+    silently. The error names the parameter and both shapes; nothing is updated."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    opt = OffloadOptimizer([{"params": [w, b], "param_names": ["w", "b"]}], lr=0.1, **kw)
+    w.grad, b.grad = torch.ones(6, 6), torch.ones(6)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    b.grad.copy_(torch.ones(6))
+    snap = [w.detach().clone(), b.detach().clone()], copy.deepcopy(opt.state_dict())
+    _rebind(how, w.grad, torch.ones(3, 3))
+    with pytest.raises(RuntimeError, match=r"param group 0, parameter 0 \('w'\) of shape \(6, 6\) has a gradient "
+                                           r"of shape \(3, 3\)"):
+        opt.step()
+    assert torch.equal(w, snap[0][0]) and torch.equal(b, snap[0][1])
+    now = opt.state_dict()["state"]
+    for k, entry in snap[1]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now[k][key], value), (k, key)
+    # Once the gradient is right, the step goes on as AdamW's would.
+    w.grad = torch.ones(6, 6)
+    opt.step()
+    assert not torch.equal(w, snap[0][0])
+
+
+def test_zero_grad_keep_after_a_rebound_gradient_zeroes_what_backward_accumulates_into():
+    """Rebound, then ``zero_grad(set_to_none=False)`` again before any step: the next backward's gradient alone is
+    stepped, as in AdamW (whose zero_grad zeroes the rebound tensor in place)."""
+    results = []
+    for cls in (OffloadOptimizer, functools.partial(torch.optim.AdamW, foreach=False)):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 3)
+        opt = cls(lin.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            if step == 1:
+                lin.weight.grad.data = torch.full((3, 4), 7.0)
+                opt.zero_grad(set_to_none=False)
+            lin(torch.full((2, 4), float(step + 1))).square().sum().backward()
+            opt.step()
+        results.append([p.detach().clone() for p in lin.parameters()])
+    torch.testing.assert_close(results[0], results[1])
