@@ -1030,3 +1030,77 @@ def test_zero_grad_keep_after_a_rebound_gradient_zeroes_what_backward_accumulate
             opt.step()
         results.append([p.detach().clone() for p in lin.parameters()])
     torch.testing.assert_close(results[0], results[1])
+
+
+# --------------------------------------------------------------------- state tensors that require grad --
+def _requiring_grad(sd, keys, names=("exp_avg", "exp_avg_sq")):
+    sd = copy.deepcopy(sd)
+    for k in keys:
+        for name in names:
+            sd["state"][k][name] = sd["state"][k][name].clone().requires_grad_(True) * 1.0  # a non-leaf, as well
+    return sd
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("which", ["first", "last", "all"])
+def test_load_state_dict_takes_the_values_of_tensors_that_require_grad(state_dtype, which):
+    """AdamW loads such a state dict and steps; so must this optimizer, with the values only: no host buffer may
+    join autograd, and the load goes on from the values as from the same dict without grad."""
+    model, opt = trained(state_dtype=state_dtype)
+    saved = copy.deepcopy(opt.state_dict())
+    keys = sorted(saved["state"])
+    keys = {"first": keys[:1], "last": keys[-1:], "all": keys}[which]
+    twin_model = copy.deepcopy(model)
+    twin = OffloadOptimizer(param_groups(twin_model), state_dtype=state_dtype)
+    twin.load_state_dict(saved)
+    opt.load_state_dict(_requiring_grad(saved, keys))
+    for o in (opt, twin):
+        o.zero_grad()
+    loss_fn(model, 7, 0, "cpu").backward()
+    loss_fn(twin_model, 7, 0, "cpu").backward()
+    opt.step()
+    twin.step()
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    for entry in opt.state.values():
+        assert all(v.grad_fn is None and not v.requires_grad for v in entry.values() if isinstance(v, torch.Tensor))
+    for buffers in opt.host_buffers():
+        assert all(v.grad_fn is None and not v.requires_grad for v in buffers.values())
+    mine, theirs = opt.state_dict()["state"], twin.state_dict()["state"]
+    for k in theirs:
+        for name, value in theirs[k].items():
+            assert torch.equal(mine[k][name], value), (k, name)
+
+
+def test_load_state_dict_of_tensors_that_require_grad_matches_adamw():
+    """The AdamW side of the same load: its state dict, requiring grad, loaded into both, then one step each."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = _requiring_grad(ref.state_dict(), sorted(ref.state_dict()["state"]))
+    ours_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(ours_model))
+    ours.load_state_dict(sd)
+    ref.load_state_dict(sd)
+    for m, o in ((model, ref), (ours_model, ours)):
+        o.zero_grad()
+        loss_fn(m, 1, 0, "cpu").backward()
+        o.step()
+    for p, q in zip(model.parameters(), ours_model.parameters()):
+        torch.testing.assert_close(q, p)
+
+
+def test_a_failing_load_with_tensors_that_require_grad_changes_nothing():
+    """All or nothing: tensors requiring grad in the first entries, an unreadable one in the last."""
+    model, opt = trained()
+    snap = snapshot(model, opt)
+    keys = sorted(opt.state_dict()["state"])
+    sd = _requiring_grad(opt.state_dict(), keys[:-1])
+    sd["state"][keys[-1]]["exp_avg"] = torch.empty_like(sd["state"][keys[-1]]["exp_avg"], device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        opt.load_state_dict(sd)
+    assert_unchanged(snap, model, opt)
+    for buffers in opt.host_buffers():
+        assert all(v.grad_fn is None for v in buffers.values())

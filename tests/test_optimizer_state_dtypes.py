@@ -416,3 +416,51 @@ def test_gradient_copies_wait_for_the_upload_of_the_parameters_sharing_their_buf
     h2d = {id(link.h2d) for link in links}
     # Steps 2 and 3: every bucket's copies waited for its own upload event (step 1 had none yet).
     assert {id(e) for e in waits} == h2d and len(waits) >= 2 * len(h2d)
+
+
+# ------------------------------------------------------------------------------- what loading refuses --
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["exp_avg_sq", "max_exp_avg_sq"])
+@pytest.mark.parametrize("how", ["load_state_dict", "opt.state"])
+def test_a_negative_second_moment_is_refused_naming_parameter_and_value(kind, name, how):
+    """A second moment cannot be negative; AdamW's next step would take its square root (NaN parameters). Compact
+    state refuses it where it enters, naming the parameter and the value, and changes nothing."""
+    model, opt = _trained(kind, steps=3, amsgrad=True)
+    before = [{k: v.clone() for k, v in b.items()} for b in opt.host_buffers()]
+    params = [p.detach().clone() for p in model.parameters()]
+    sd = copy.deepcopy(opt.state_dict())
+    key = sorted(sd["state"])[1]
+    value = sd["state"][key][name].clone()
+    value.view(-1)[3] = -0.25
+    p = opt.param_groups[0]["params"][key]
+    with pytest.raises(ValueError, match=rf"{name} .*-0\.25"):
+        if how == "load_state_dict":
+            sd["state"][key][name] = value
+            opt.load_state_dict(sd)
+        else:
+            opt.state[p] = {**opt.state[p], "exp_avg": sd["state"][key]["exp_avg"],
+                            "exp_avg_sq": sd["state"][key]["exp_avg_sq"], name: value}
+            opt.step()
+    if how == "opt.state":
+        opt.state[p] = {k: v for k, v in opt.state[p].items() if k in ("step", "master")}  # as it was
+        opt.state_dict()
+    for b, was in zip(opt.host_buffers(), before):
+        for k, v in b.items():
+            assert torch.equal(v, was[k]), k
+    for q, was in zip(model.parameters(), params):
+        assert torch.equal(q, was)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.float64, torch.uint8, None, "int8", "bfloat16",
+                                         "float32", torch.bfloat16.__class__])
+def test_estimate_host_memory_refuses_the_state_dtypes_the_constructor_refuses(state_dtype):
+    params = [nn.Parameter(torch.zeros(100))]
+    with pytest.raises(Exception) as built:
+        OffloadOptimizer(params, state_dtype=state_dtype)
+    with pytest.raises(Exception) as estimated:
+        OffloadOptimizer.estimate_host_memory(params, state_dtype=state_dtype)
+    assert type(estimated.value) is type(built.value) is ValueError
+    assert str(estimated.value) == str(built.value)
+    for ok in DTYPES.values():  # and both take what the constructor takes
+        OffloadOptimizer(params, state_dtype=ok)
+        assert OffloadOptimizer.estimate_host_memory(params, state_dtype=ok).total_bytes > 0
