@@ -464,3 +464,67 @@ def test_estimate_host_memory_refuses_the_state_dtypes_the_constructor_refuses(s
     for ok in DTYPES.values():  # and both take what the constructor takes
         OffloadOptimizer(params, state_dtype=ok)
         assert OffloadOptimizer.estimate_host_memory(params, state_dtype=ok).total_bytes > 0
+
+
+# ------------------------------------------------------------------------- non-finite values, per element --
+def _nonfinite_count(t):
+    return int((~torch.isfinite(t)).sum())
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_nan_gradient_under_nonfinite_ignore_stays_in_its_element(kind):
+    """nonfinite="ignore" applies a NaN gradient as AdamW does: its parameter element turns NaN, and nothing else
+    does, whatever the state dtype (8-bit state shares a scale among 64 elements, which must not spread it)."""
+    counts = {}
+    for name, make in (("adamw", lambda ps: torch.optim.AdamW(ps, foreach=False)),
+                       ("ours", lambda ps: OffloadOptimizer(ps, nonfinite="ignore", state_dtype=DTYPES[kind]))):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(8, 16))
+        opt = make([w])
+        for step in range(3):
+            w.grad = torch.randn(8, 16)
+            if step == 0:
+                w.grad[2, 5] = float("nan")
+            opt.step()
+            counts.setdefault(name, []).append(_nonfinite_count(w.detach()))
+        state = opt.state_dict()["state"][0]
+        counts[name].append(tuple(_nonfinite_count(state[k]) for k in ("exp_avg", "exp_avg_sq")))
+        assert not torch.isfinite(w[2, 5])
+    assert counts["ours"] == counts["adamw"] == [1, 1, 1, (1, 1)]
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_nonfinite_second_moment_loaded_stays_in_its_element_or_is_refused(kind, value):
+    """AdamW loads an inf (or NaN) exp_avg_sq and keeps it to its element (inf: the element stops moving but for
+    weight decay; NaN: it turns NaN). fp32 and bf16 state hold it per element as AdamW does; 8-bit state, whose
+    elements share a scale, refuses it where it enters, naming parameter and value, and changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    for m in (ref_model,):
+        m(torch.randn(4, 16)).sum().backward()
+    ref.step()
+    sd = copy.deepcopy(ref.state_dict())
+    sd["state"][0]["exp_avg_sq"][3, 7] = value
+    ours_model = copy.deepcopy(ref_model)
+    opt = OffloadOptimizer(ours_model.parameters(), state_dtype=DTYPES[kind])
+    if kind == "int8":
+        before = [{k: v.clone() for k, v in b.items()} for b in opt.host_buffers()]
+        with pytest.raises(ValueError, match=rf"parameter id 0 \(shape \(8, 16\)\): exp_avg_sq holds a non-finite "
+                                             rf"value \({value}\)"):
+            opt.load_state_dict(sd)
+        for b, was in zip(opt.host_buffers(), before):
+            assert all(torch.equal(v, was[k]) for k, v in b.items())
+        return
+    ref.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    x = torch.randn(4, 16)
+    for m, o in ((ref_model, ref), (ours_model, opt)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    assert _nonfinite_count(ours_model.weight.detach()) == _nonfinite_count(ref_model.weight.detach()) == (
+        1 if value != value else 0)
+    assert _nonfinite_count(opt.state_dict()["state"][0]["exp_avg_sq"]) == 1

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import operator
 import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload._reference import poisoned_elements
 from zero_offload.functional import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, empty_host, estimate_bucket, format_bytes
 from zero_offload.options import Options
@@ -493,7 +495,12 @@ class FlatBucket:
         if not self.compact:
             return buf
         if name in self.scales:
-            return dequantize_state(buf, self.scales[name])
+            out = dequantize_state(buf, self.scales[name])
+            m_scale = self.scales["exp_avg"]
+            if name != "exp_avg" and bool(torch.signbit(m_scale).any()):
+                # A poisoned element (a non-finite moment, kept per element) is marked in exp_avg's codes only.
+                out.masked_fill_(poisoned_elements(self.exp_avg, m_scale).view(-1)[: out.numel()], math.nan)
+            return out
         return buf.float()
 
     def _slot_range(self, i: int) -> Tuple[int, int]:
