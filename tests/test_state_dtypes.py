@@ -478,8 +478,9 @@ def test_quantize_state_is_validated():
         functional.dequantize_state(codes, scale, out=torch.empty(99))
 
 
-def _mlp_final_loss(kind, steps=400):
-    """A small MLP regression, its flat parameters updated by cpu_adam_ with the given state dtype."""
+def _mlp_losses(kind, steps=400):
+    """A small MLP regression, its flat parameters updated by cpu_adam_ with the given state dtype: the training
+    loss before each step."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 16, generator=gen)
     # Noisy targets, as real data has: the loss floor is the noise's variance (0.01), reached by every state dtype
@@ -493,23 +494,30 @@ def _mlp_final_loss(kind, steps=400):
     params = list(model.parameters())
     flat = torch.cat([q.detach().reshape(-1) for q in params])
     state = State(kind, flat.numel(), False)
+    losses = []
     for step in range(1, steps + 1):
         loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(float(loss))
         grads = torch.autograd.grad(loss, params)
         functional.cpu_adam_(flat, torch.cat([g.reshape(-1) for g in grads]), step=step, lr=1e-2,
                              weight_decay=0.01, **state.kwargs())
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat, params)
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(x), y))
+    return losses
 
 
 def test_compact_state_trains_as_well_as_fp32(path):
-    """Accuracy sanity check: after 400 steps, bf16 and 8-bit state reach a loss within 10% of fp32 state's (the
-    bound; measured on AVX2: bf16 +4%, 8-bit -2%; printed with -s)."""
-    losses = {kind: _mlp_final_loss(kind) for kind in STATES}
-    print(f"\nfinal MLP loss by state dtype ({path}): {losses}")
-    start = _mlp_final_loss("float32", steps=0)
-    assert losses["float32"] < 0.2 * start  # the problem is learnt at all
+    """Accuracy sanity check: over the last 50 of 400 steps, bf16 and 8-bit state average a loss within 10% of
+    fp32 state's (printed with -s).
+
+    The statistic is a mean, not the loss after the last step: at this constant lr the loss keeps oscillating
+    around its floor, and one evaluation of a trajectory that float rounding makes chaotic moved by up to 17%
+    (8-bit), 13% (bf16) and 14% (fp32 against fp32 on another ISA path) between runs that differ only in ISA path or
+    thread count. The 50-step mean of the same runs (6 seeds, 1 and 2 threads, scalar and AVX-512 paths) stayed
+    within 4.5% of fp32's for both compact dtypes: the bound has a 2x margin."""
+    runs = {kind: _mlp_losses(kind) for kind in STATES}
+    means = {kind: sum(losses[-50:]) / 50 for kind, losses in runs.items()}
+    print(f"\nmean MLP loss over the last 50 steps by state dtype ({path}): {means}")
+    assert means["float32"] < 0.2 * runs["float32"][0]  # the problem is learnt at all
     for kind in ("bfloat16", "int8"):
-        assert losses[kind] <= 1.10 * losses["float32"], (kind, losses)
+        assert means[kind] <= 1.10 * means["float32"], (kind, means)
