@@ -21,9 +21,10 @@ import torch
 from zero_offload.buckets import MOMENTS, FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap", "add_compact_moments",
-           "ahead_entries", "apply_load", "apply_sharded_load", "check_format", "check_param_lists", "expose",
-           "full_state", "plan_load", "plan_sharded_load", "sharded_state_dict", "sync_state"]
+__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
+           "add_compact_moments", "ahead_entries", "apply_load", "apply_sharded_load", "check_compact_moment",
+           "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
+           "sharded_state_dict", "sync_state"]
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
 # "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
@@ -390,8 +391,10 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict
 def check_compact_moment(state_dtype: torch.dtype, name: str, value: torch.Tensor, where: str) -> None:
     """What compact state refuses where a moment enters it (a load, an ``opt.state`` edit), naming ``where`` and
     the value: a negative second moment (AdamW's next step would take its square root: NaN parameters), and for
-    8-bit state an inf or NaN, which a block's shared scale cannot hold for one element alone (its 64-element
-    block would turn non-finite). fp32 state takes anything, as AdamW does; bf16 holds inf and NaN per element."""
+    8-bit state an inf or NaN, which its codes cannot hold as AdamW holds it (an element shares its block's scale;
+    the kernel keeps a moment that turns non-finite only as a NaN marker, and an inf second moment, which leaves
+    AdamW's parameter finite, would turn it NaN). fp32 state takes anything, as AdamW does; bf16 holds inf and NaN
+    per element."""
     if state_dtype == torch.float32:
         return
     if name != "exp_avg" and bool((value < 0).any()):
@@ -399,9 +402,9 @@ def check_compact_moment(state_dtype: torch.dtype, name: str, value: torch.Tenso
                          f"moment cannot have; {DTYPE_LABELS[state_dtype]} state refuses it")
     if state_dtype == torch.int8 and not bool(torch.isfinite(value).all()):
         bad = value[~torch.isfinite(value)].view(-1)[0]
-        raise ValueError(f"{where}: {name} holds a non-finite value ({float(bad)}), which 8-bit state cannot keep per "
-                         "element (its 64-element block's shared scale would make the whole block non-finite); load "
-                         "it into fp32 or bf16 state, or repair the checkpoint")
+        raise ValueError(f"{where}: {name} holds a non-finite value ({float(bad)}), which 8-bit state cannot hold "
+                         "(its elements share their 64-element block's scale); load it into fp32 or bf16 state, or "
+                         "repair the checkpoint")
 
 
 def check_format(state_dict: Any) -> None:
