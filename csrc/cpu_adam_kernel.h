@@ -149,9 +149,18 @@ static void adam_range_typed(const zo::AdamArgs& a, int64_t begin, int64_t end) 
 // optimizers do), keep the new moments in a block-sized buffer in L1, then take the block's scale and requantise
 // from that buffer. Rounding is to nearest, ties to even. Blocks are independent: a range that starts on a block
 // boundary touches no other block, and a partial last block takes its scale from its live elements only.
+//
+// Non-finite moments stay per element, as AdamW keeps them: an element whose new m, v (or running max) is inf or
+// NaN is *poisoned*: exp_avg code kPoison (-128, which quantisation never writes: it saturates at +-127), 0 in the
+// other codes, and it reads back as NaN moments. The block's scales come from its finite elements, and the sign bit
+// of its exp_avg scale says that it holds a poisoned element, so the common block pays one branch. Such a block is
+// updated like any other (its scales' magnitudes), after its poisoned elements' parameters are set to NaN, the value
+// AdamW's NaN moments give them; its second-moment scales are the largest sqrt(v) squared (v itself is not kept),
+// within an ulp of the largest v.
 constexpr float kMCode = 127.0f, kVCode = 255.0f;
-constexpr float kFltMin = 1.17549435e-38f;
+constexpr float kFltMin = 1.17549435e-38f, kFltMax = 3.40282347e38f;
 constexpr float kTinyCode = 0x1p-100f;  // see quantise_m
+constexpr int8_t kPoison = -128;
 
 struct QPointers {
   float* p;
@@ -179,13 +188,9 @@ static inline VF dequant_v(VF c, float s) {
   return mul(mul(f2, f2), set1(s));
 }
 
-// A block's new scale from its largest magnitude: 0, with all codes 0, below FLT_MIN (where 1/s would overflow);
-// NaN, with all codes 0, when a value is not finite, so a poisoned moment stays visible instead of being rounded
-// into a code.
-static inline float block_scale(float largest, bool nonfinite) {
-  if (nonfinite) return __builtin_nanf("");
-  return largest >= kFltMin ? largest : 0.0f;
-}
+// A block's new scale from its largest (finite) magnitude: 0, with all codes 0, below FLT_MIN (where 1/s would
+// overflow).
+static inline float block_scale(float largest) { return largest >= kFltMin ? largest : 0.0f; }
 
 // Vectors per block; codes are narrowed and stored four vectors at a time.
 constexpr int kBlockVecs = static_cast<int>(zo::kQBlock) / kW;
@@ -197,9 +202,8 @@ static_assert(kBlockVecs % 4 == 0, "a block must be a whole number of 4-vector c
 // root's argument off 0 for free (it changes a u above 2^-38 by less than half an ulp, and a smaller u rounds to
 // code 0 either way). u exceeds the top code by a few ulps at most, which rounds to it; the narrowing saturates
 // anyway.
-__attribute__((always_inline)) static inline float quantise_m(const VF* m, float largest, bool nonfinite,
-                                                              int8_t* codes) {
-  const float s = block_scale(largest, nonfinite);
+__attribute__((always_inline)) static inline float quantise_m(const VF* m, float largest, int8_t* codes) {
+  const float s = block_scale(largest);
   if (!(s > 0.0f)) {
     __builtin_memset(codes, 0, zo::kQBlock);
     return s;
@@ -221,9 +225,8 @@ __attribute__((always_inline)) static inline float quantise_m(const VF* m, float
 
 // roots holds sqrt(v) (the update computed it already); largest is the block's largest v. u = sqrt(sqrt(v) * k),
 // k = 255^2 / sqrt(s), finite for every s >= FLT_MIN.
-__attribute__((always_inline)) static inline float quantise_v(const VF* roots, float largest, bool nonfinite,
-                                                              uint8_t* codes) {
-  const float s = block_scale(largest, nonfinite);
+__attribute__((always_inline)) static inline float quantise_v(const VF* roots, float largest, uint8_t* codes) {
+  const float s = block_scale(largest);
   if (!(s > 0.0f)) {
     __builtin_memset(codes, 0, zo::kQBlock);
     return s;
@@ -250,7 +253,7 @@ template <zo::DType G, zo::DType O, bool kStreamOut, bool kAms>
 __attribute__((always_inline)) static inline void update_block_q8(const Coeffs& c, const QPointers q, int64_t i,
                                                                   QBlock& blk) {
   const int64_t b = i / zo::kQBlock;
-  const float sm = q.m_scale[b], sv = q.v_scale[b], sx = kAms ? q.vmax_scale[b] : 0.0f;
+  const float sm = __builtin_fabsf(q.m_scale[b]), sv = q.v_scale[b], sx = kAms ? q.vmax_scale[b] : 0.0f;
   // Largest magnitudes by bit pattern: a NaN sorts above inf above every finite value, so one integer max per moment
   // both finds the scale and keeps any non-finite value visible.
   VF m_top = set1(0.0f), v_top = set1(0.0f), x_top = set1(0.0f);
@@ -280,16 +283,63 @@ __attribute__((always_inline)) static inline void update_block_q8(const Coeffs& 
   blk.x_top = x_top;
 }
 
+// Pass two for a block with a poisoned element (old ones in the mask, new ones found here; see kPoison): scales and
+// codes of its finite elements, then the poisoned ones marked. Rare, so plain scalar code on a copy of the block.
+template <bool kAms>
+__attribute__((noinline)) static void requantise_poisoned_block_q8(const QPointers q, int64_t i, QBlock blk,
+                                                                   uint64_t poisoned) {
+  float* m = reinterpret_cast<float*>(blk.m);
+  float* root = reinterpret_cast<float*>(blk.root);
+  float* root_max = reinterpret_cast<float*>(blk.root_max);
+  float top_m = 0.0f, top_v = 0.0f, top_x = 0.0f;
+  for (int e = 0; e < zo::kQBlock; ++e) {
+    const bool finite = __builtin_fabsf(m[e]) <= kFltMax && root[e] <= kFltMax && (!kAms || root_max[e] <= kFltMax);
+    if (!finite || (poisoned >> e & 1)) {
+      poisoned |= uint64_t{1} << e;
+      m[e] = root[e] = root_max[e] = 0.0f;
+      continue;
+    }
+    top_m = __builtin_fmaxf(top_m, __builtin_fabsf(m[e]));
+    top_v = __builtin_fmaxf(top_v, __builtin_fminf(root[e] * root[e], kFltMax));
+    if (kAms) top_x = __builtin_fmaxf(top_x, __builtin_fminf(root_max[e] * root_max[e], kFltMax));
+  }
+  const int64_t b = i / zo::kQBlock;
+  q.m_scale[b] = -quantise_m(blk.m, top_m, q.m + i);  // the sign bit flags the block (-0.0 for a zero scale)
+  q.v_scale[b] = quantise_v(blk.root, top_v, q.v + i);
+  if constexpr (kAms) q.vmax_scale[b] = quantise_v(blk.root_max, top_x, q.vmax + i);
+  for (int e = 0; e < zo::kQBlock; ++e) {
+    if (poisoned >> e & 1) {
+      q.m[i + e] = kPoison;
+      q.v[i + e] = 0;
+      if constexpr (kAms) q.vmax[i + e] = 0;
+    }
+  }
+}
+
+// Before a flagged block's pass one: its poisoned elements' parameters become NaN, what AdamW's NaN moments make
+// of them (the update then carries the NaN into param_out as well); returns them as a mask.
+static inline uint64_t poison_params_q8(const QPointers& q, int64_t i) {
+  uint64_t poisoned = 0;
+  for (int e = 0; e < zo::kQBlock; ++e) {
+    if (q.m[i + e] == kPoison) {
+      poisoned |= uint64_t{1} << e;
+      q.p[i + e] = __builtin_nanf("");
+    }
+  }
+  return poisoned;
+}
+
 // Pass two: the block's scales from its largest magnitudes, and its codes.
 template <bool kAms>
 __attribute__((always_inline)) static inline void requantise_block_q8(const QPointers q, int64_t i,
-                                                                      const QBlock& blk) {
+                                                                      const QBlock& blk, uint64_t poisoned) {
   const int64_t b = i / zo::kQBlock;
   const float largest_m = hmax_magnitude(blk.m_top), largest_v = hmax_magnitude(blk.v_top);
-  const bool nonfinite = !(largest_m <= 3.40282347e38f && largest_v <= 3.40282347e38f);  // false for inf and NaN
-  q.m_scale[b] = quantise_m(blk.m, largest_m, nonfinite, q.m + i);
-  q.v_scale[b] = quantise_v(blk.root, largest_v, nonfinite, q.v + i);
-  if constexpr (kAms) q.vmax_scale[b] = quantise_v(blk.root_max, hmax_magnitude(blk.x_top), nonfinite, q.vmax + i);
+  const bool nonfinite = !(largest_m <= kFltMax && largest_v <= kFltMax);  // true for inf and NaN
+  if (__builtin_expect(nonfinite || poisoned != 0, 0)) return requantise_poisoned_block_q8<kAms>(q, i, blk, poisoned);
+  q.m_scale[b] = quantise_m(blk.m, largest_m, q.m + i);
+  q.v_scale[b] = quantise_v(blk.root, largest_v, q.v + i);
+  if constexpr (kAms) q.vmax_scale[b] = quantise_v(blk.root_max, hmax_magnitude(blk.x_top), q.vmax + i);
 }
 
 // The inputs of the block starting at element i, into the cache ahead of use. The hardware prefetcher alone leaves
@@ -315,8 +365,10 @@ static inline int64_t adam_blocks_q8(const Coeffs& c, const QPointers q, int64_t
   QBlock blk;
   for (; i + zo::kQBlock <= end; i += zo::kQBlock) {
     if (i + kAhead + zo::kQBlock <= end) prefetch_block_q8<G, kAms>(q, i + kAhead);
+    const uint64_t poisoned =
+        __builtin_expect(__builtin_signbit(q.m_scale[i / zo::kQBlock]), 0) ? poison_params_q8(q, i) : 0;
     update_block_q8<G, O, kStreamOut, kAms>(c, q, i, blk);
-    requantise_block_q8<kAms>(q, i, blk);
+    requantise_block_q8<kAms>(q, i, blk, poisoned);
   }
   return i;
 }

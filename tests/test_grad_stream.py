@@ -470,3 +470,29 @@ def test_delayed_update_host_memory_estimate_counts_its_second_gradient_buffer()
     assert est.total_bytes == opt.estimate_host_memory().total_bytes
     assert est.buffers["grad_prev"] == est.buffers["grad"] > 0
     assert est.total_bytes == sum(t.numel() * t.element_size() for b in opt.host_buffers() for t in b.values())
+
+
+@pytest.mark.parametrize("release", [True, False])
+@pytest.mark.parametrize("bucket_numel", [700, 10**6, 1])
+def test_a_backward_retried_after_one_that_raised_sums_both_as_adamw(release, bucket_numel, monkeypatch):
+    """A backward raises half-way (after some buckets streamed, with their gradients released), and the loop
+    retries it without zero_grad(): AdamW steps with the sum of both passes for every parameter, and so must the
+    streaming optimizer, whichever buckets the failed pass had sent, and its hooks must stream the retry."""
+    model = _bucketed_model()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=release, bucket_numel=bucket_numel)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    launched = _record_launches(opt, monkeypatch)
+    for step in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            x, _ = _data(step)
+            with pytest.raises(RuntimeError, match="halfway"):
+                m[3:](_FailingBackward.apply(m[:3](x))).pow(2).mean().backward()
+            if step == 0 and o is opt:
+                assert launched or len(opt._buckets[0]) == 1, "the failed pass streamed some buckets"
+                launched.clear()
+            _loss(m, step).backward()  # the retry, without zero_grad()
+            o.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+    assert len(launched) >= len(opt._buckets[0]), "the retries streamed"

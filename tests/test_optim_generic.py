@@ -411,3 +411,119 @@ def test_named_parameters_state_dict(kwargs):
     for k, entry in ref_sd["state"].items():
         for name, v in entry.items():
             torch.testing.assert_close(sd["state"][k][name], v)
+
+
+# PyTorch's state_dict / load_state_dict hook tests (TestOptimRenewed.test_state_dict_pre_hook and the five after
+# it), with the step after them that a training loop takes: a hook may put a non-tensor entry into ``opt.state``,
+# which AdamW's state_dict() carries and its load_state_dict() puts back.
+def _sd_pre_hook(optimizer):
+    optimizer.state["test"] = 1
+
+
+def _sd_post_hook(optimizer, state_dict):
+    state_dict["ran_state_dict_pre_hook"] = "test" in state_dict["state"]
+    state_dict["state"].pop("test", None)
+    return state_dict
+
+
+def _load_pre_hook_lr(optimizer, state_dict):
+    state_dict["param_groups"][0]["lr"] = 0.002
+
+
+def _load_pre_hook_copy(optimizer, state_dict):
+    mine = copy.deepcopy(state_dict)  # a hook may return another dict, which is the one loaded
+    mine["param_groups"][0]["lr"] = 0.003
+    return mine
+
+
+def _load_post_hook(optimizer):
+    optimizer.state["ran_load_state_dict_pre_hook2"] = optimizer.param_groups[0]["lr"] == 0.003
+    optimizer.state["ran_load_state_dict_post_hook"] = True
+
+
+def _hooked(kwargs, make=None):
+    param = Parameter(torch.rand(2, 3))
+    return param, _make([param], kwargs) if make is None else make([param])
+
+
+def _steps_after(optimizer, param):
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    return optimizer.state_dict()
+
+
+@pytest.mark.parametrize("kwargs", ALL)
+def test_state_dict_pre_hook(kwargs):
+    param, optimizer = _hooked(kwargs)
+    optimizer.register_state_dict_pre_hook(_sd_pre_hook)
+    assert optimizer.state_dict()["state"]["test"] == 1
+    assert _steps_after(optimizer, param)["state"]["test"] == 1  # AdamW steps with it in its state, and keeps it
+
+
+@pytest.mark.parametrize("kwargs", ALL)
+def test_state_dict_post_hook(kwargs):
+    param, optimizer = _hooked(kwargs)
+    optimizer.register_state_dict_post_hook(_sd_post_hook)
+    assert optimizer.state_dict()["ran_state_dict_pre_hook"] is False
+
+
+@pytest.mark.parametrize("kwargs", ALL)
+def test_state_dict_pre_post_hook(kwargs):
+    param, optimizer = _hooked(kwargs)
+    optimizer.register_state_dict_pre_hook(_sd_pre_hook)
+    optimizer.register_state_dict_post_hook(_sd_post_hook)
+    state_dict = optimizer.state_dict()
+    assert "test" not in state_dict["state"] and state_dict["ran_state_dict_pre_hook"] is True
+
+
+@pytest.mark.parametrize("kwargs", ALL)
+def test_load_state_dict_pre_hook_and_prepend(kwargs):
+    param, optimizer = _hooked(kwargs)
+    state_dict = optimizer.state_dict()
+    optimizer.register_load_state_dict_pre_hook(_load_pre_hook_lr)
+    optimizer.load_state_dict(state_dict)
+    assert optimizer.param_groups[0]["lr"] == 0.002
+    optimizer.register_load_state_dict_pre_hook(_load_pre_hook_copy, prepend=True)
+    optimizer.load_state_dict(state_dict)
+    assert optimizer.param_groups[0]["lr"] == 0.002  # the prepended hook ran first, the other overrode it
+
+
+@pytest.mark.parametrize("kwargs", ALL)
+def test_load_state_dict_post_hook(kwargs):
+    param, optimizer = _hooked(kwargs)
+    optimizer.register_load_state_dict_post_hook(_load_post_hook)
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.state["ran_load_state_dict_pre_hook2"] is False
+    assert optimizer.state["ran_load_state_dict_post_hook"] is True
+    state_dict = _steps_after(optimizer, param)
+    assert state_dict["state"]["ran_load_state_dict_post_hook"] is True
+
+
+@pytest.mark.parametrize("kwargs", ALL)
+def test_load_state_dict_pre_post_hook(kwargs):
+    param, optimizer = _hooked(kwargs)
+    optimizer.register_load_state_dict_pre_hook(_load_pre_hook_copy)
+    optimizer.register_load_state_dict_post_hook(_load_post_hook)
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.state["ran_load_state_dict_pre_hook2"] is True
+    assert optimizer.state["ran_load_state_dict_post_hook"] is True
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_non_tensor_state_entries_round_trip_like_adamw(state_dtype):
+    """A non-tensor key in ``opt.state`` (put there by a hook) is saved, loaded back and kept, as in AdamW, with
+    every state dtype; and a state_dict post-hook sees the finished dict (the fp32 moments of compact state)."""
+    seen = []
+    dicts = []
+    for cls in (functools.partial(torch.optim.AdamW, foreach=False),
+                functools.partial(OffloadOptimizer, state_dtype=state_dtype)):
+        torch.manual_seed(0)
+        param, optimizer = _hooked({}, make=cls)
+        optimizer.register_state_dict_post_hook(lambda opt, sd: seen.append(sorted(sd["state"][0])))
+        _steps_after(optimizer, param)
+        optimizer.state["epoch"] = {"n": 3}
+        saved = copy.deepcopy(optimizer.state_dict())
+        optimizer.load_state_dict(saved)
+        dicts.append(_steps_after(optimizer, param))
+    assert seen[0] == seen[-1] == ["exp_avg", "exp_avg_sq", "step"]
+    assert dicts[0]["state"]["epoch"] == dicts[1]["state"]["epoch"] == {"n": 3}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import io
 import logging
@@ -941,3 +942,181 @@ def test_estimate_host_memory_is_one_name_before_and_after_construction():
         assert opt.host_memory_estimate() == planned
     assert "Two ways to ask, one name" in OffloadOptimizer.estimate_host_memory.__doc__
     assert opt.estimate_host_memory.__doc__ == OffloadOptimizer.estimate_host_memory.__doc__
+
+
+# ------------------------------------------------------ gradients rebound inside the host buffer's views --
+def _rebind(how, grad, value):
+    if how == "data":
+        grad.data = value
+    else:
+        grad.set_(value)
+
+
+def _two_steps_with_rebound_grads(make, how, shape_of=None):
+    """Two steps, gradients given after ``zero_grad(set_to_none=False)`` by rebinding ``p.grad`` (``.data =`` or
+    ``.set_()``) to new tensors: the steady state in which ``p.grad`` is a view of the flat gradient buffer."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    opt = make([w, b])
+    for step in range(2):
+        opt.zero_grad(set_to_none=False)
+        if step == 0:
+            w.grad, b.grad = torch.zeros(6, 6), torch.zeros(6)
+        gen = torch.Generator().manual_seed(step)
+        for p in (w, b):
+            _rebind(how, p.grad, torch.randn(p.shape if shape_of is None else shape_of(p), generator=gen))
+        opt.step()
+    return w, b, opt
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("kw", [dict(), dict(nonfinite="ignore"), dict(state_dtype=torch.int8)],
+                         ids=["default", "ignore", "int8"])
+def test_a_gradient_rebound_after_zero_grad_keep_is_the_one_stepped(how, kw):
+    """``p.grad.data = t`` / ``p.grad.set_(t)`` on a gradient that is a view of the host buffer: AdamW steps with
+    ``t``, and so must this optimizer (not with the zeroed buffer the view was rebound away from). 8-bit state is
+    held to the same optimizer given the same gradients by assignment, the path the oracle tests check."""
+    w, b, opt = _two_steps_with_rebound_grads(lambda ps: OffloadOptimizer(ps, lr=0.1, **kw), how)
+    torch.manual_seed(0)
+    rw, rb = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    compact = "state_dtype" in kw
+    ref = OffloadOptimizer([rw, rb], lr=0.1, **kw) if compact else torch.optim.AdamW([rw, rb], lr=0.1, foreach=False)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        if compact:
+            rw.grad, rb.grad = (torch.randn(p.shape, generator=gen) for p in (rw, rb))
+        else:
+            ref.zero_grad(set_to_none=False)
+            if step == 0:
+                rw.grad, rb.grad = torch.zeros(6, 6), torch.zeros(6)
+            for p in (rw, rb):
+                _rebind(how, p.grad, torch.randn(p.shape, generator=gen))
+        ref.step()
+    torch.testing.assert_close(w.detach(), rw.detach())
+    torch.testing.assert_close(b.detach(), rb.detach())
+    ours, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    for k in theirs:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours[k][name], theirs[k][name])
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("kw", [dict(), dict(nonfinite="ignore"), dict(state_dtype=torch.int8)],
+                         ids=["default", "ignore", "int8"])
+def test_a_rebound_gradient_of_the_wrong_shape_raises_naming_the_parameter(how, kw):
+    """AdamW raises on a (3, 3) gradient for a (6, 6) parameter; reading the (zeroed) slot instead would step
+    silently. The error names the parameter and both shapes; nothing is updated."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.randn(6))
+    opt = OffloadOptimizer([{"params": [w, b], "param_names": ["w", "b"]}], lr=0.1, **kw)
+    w.grad, b.grad = torch.ones(6, 6), torch.ones(6)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    b.grad.copy_(torch.ones(6))
+    snap = [w.detach().clone(), b.detach().clone()], copy.deepcopy(opt.state_dict())
+    _rebind(how, w.grad, torch.ones(3, 3))
+    with pytest.raises(RuntimeError, match=r"param group 0, parameter 0 \('w'\) of shape \(6, 6\) has a gradient "
+                                           r"of shape \(3, 3\)"):
+        opt.step()
+    assert torch.equal(w, snap[0][0]) and torch.equal(b, snap[0][1])
+    now = opt.state_dict()["state"]
+    for k, entry in snap[1]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now[k][key], value), (k, key)
+    # Once the gradient is right, the step goes on as AdamW's would.
+    w.grad = torch.ones(6, 6)
+    opt.step()
+    assert not torch.equal(w, snap[0][0])
+
+
+def test_zero_grad_keep_after_a_rebound_gradient_zeroes_what_backward_accumulates_into():
+    """Rebound, then ``zero_grad(set_to_none=False)`` again before any step: the next backward's gradient alone is
+    stepped, as in AdamW (whose zero_grad zeroes the rebound tensor in place)."""
+    results = []
+    for cls in (OffloadOptimizer, functools.partial(torch.optim.AdamW, foreach=False)):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 3)
+        opt = cls(lin.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            if step == 1:
+                lin.weight.grad.data = torch.full((3, 4), 7.0)
+                opt.zero_grad(set_to_none=False)
+            lin(torch.full((2, 4), float(step + 1))).square().sum().backward()
+            opt.step()
+        results.append([p.detach().clone() for p in lin.parameters()])
+    torch.testing.assert_close(results[0], results[1])
+
+
+# --------------------------------------------------------------------- state tensors that require grad --
+def _requiring_grad(sd, keys, names=("exp_avg", "exp_avg_sq")):
+    sd = copy.deepcopy(sd)
+    for k in keys:
+        for name in names:
+            sd["state"][k][name] = sd["state"][k][name].clone().requires_grad_(True) * 1.0  # a non-leaf, as well
+    return sd
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("which", ["first", "last", "all"])
+def test_load_state_dict_takes_the_values_of_tensors_that_require_grad(state_dtype, which):
+    """AdamW loads such a state dict and steps; so must this optimizer, with the values only: no host buffer may
+    join autograd, and the load goes on from the values as from the same dict without grad."""
+    model, opt = trained(state_dtype=state_dtype)
+    saved = copy.deepcopy(opt.state_dict())
+    keys = sorted(saved["state"])
+    keys = {"first": keys[:1], "last": keys[-1:], "all": keys}[which]
+    twin_model = copy.deepcopy(model)
+    twin = OffloadOptimizer(param_groups(twin_model), state_dtype=state_dtype)
+    twin.load_state_dict(saved)
+    opt.load_state_dict(_requiring_grad(saved, keys))
+    for o in (opt, twin):
+        o.zero_grad()
+    loss_fn(model, 7, 0, "cpu").backward()
+    loss_fn(twin_model, 7, 0, "cpu").backward()
+    opt.step()
+    twin.step()
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    for entry in opt.state.values():
+        assert all(v.grad_fn is None and not v.requires_grad for v in entry.values() if isinstance(v, torch.Tensor))
+    for buffers in opt.host_buffers():
+        assert all(v.grad_fn is None and not v.requires_grad for v in buffers.values())
+    mine, theirs = opt.state_dict()["state"], twin.state_dict()["state"]
+    for k in theirs:
+        for name, value in theirs[k].items():
+            assert torch.equal(mine[k][name], value), (k, name)
+
+
+def test_load_state_dict_of_tensors_that_require_grad_matches_adamw():
+    """The AdamW side of the same load: its state dict, requiring grad, loaded into both, then one step each."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = _requiring_grad(ref.state_dict(), sorted(ref.state_dict()["state"]))
+    ours_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(ours_model))
+    ours.load_state_dict(sd)
+    ref.load_state_dict(sd)
+    for m, o in ((model, ref), (ours_model, ours)):
+        o.zero_grad()
+        loss_fn(m, 1, 0, "cpu").backward()
+        o.step()
+    for p, q in zip(model.parameters(), ours_model.parameters()):
+        torch.testing.assert_close(q, p)
+
+
+def test_a_failing_load_with_tensors_that_require_grad_changes_nothing():
+    """All or nothing: tensors requiring grad in the first entries, an unreadable one in the last."""
+    model, opt = trained()
+    snap = snapshot(model, opt)
+    keys = sorted(opt.state_dict()["state"])
+    sd = _requiring_grad(opt.state_dict(), keys[:-1])
+    sd["state"][keys[-1]]["exp_avg"] = torch.empty_like(sd["state"][keys[-1]]["exp_avg"], device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        opt.load_state_dict(sd)
+    assert_unchanged(snap, model, opt)
+    for buffers in opt.host_buffers():
+        assert all(v.grad_fn is None for v in buffers.values())

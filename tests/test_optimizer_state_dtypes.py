@@ -416,3 +416,115 @@ def test_gradient_copies_wait_for_the_upload_of_the_parameters_sharing_their_buf
     h2d = {id(link.h2d) for link in links}
     # Steps 2 and 3: every bucket's copies waited for its own upload event (step 1 had none yet).
     assert {id(e) for e in waits} == h2d and len(waits) >= 2 * len(h2d)
+
+
+# ------------------------------------------------------------------------------- what loading refuses --
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["exp_avg_sq", "max_exp_avg_sq"])
+@pytest.mark.parametrize("how", ["load_state_dict", "opt.state"])
+def test_a_negative_second_moment_is_refused_naming_parameter_and_value(kind, name, how):
+    """A second moment cannot be negative; AdamW's next step would take its square root (NaN parameters). Compact
+    state refuses it where it enters, naming the parameter and the value, and changes nothing."""
+    model, opt = _trained(kind, steps=3, amsgrad=True)
+    before = [{k: v.clone() for k, v in b.items()} for b in opt.host_buffers()]
+    params = [p.detach().clone() for p in model.parameters()]
+    sd = copy.deepcopy(opt.state_dict())
+    key = sorted(sd["state"])[1]
+    value = sd["state"][key][name].clone()
+    value.view(-1)[3] = -0.25
+    p = opt.param_groups[0]["params"][key]
+    with pytest.raises(ValueError, match=rf"{name} .*-0\.25"):
+        if how == "load_state_dict":
+            sd["state"][key][name] = value
+            opt.load_state_dict(sd)
+        else:
+            opt.state[p] = {**opt.state[p], "exp_avg": sd["state"][key]["exp_avg"],
+                            "exp_avg_sq": sd["state"][key]["exp_avg_sq"], name: value}
+            opt.step()
+    if how == "opt.state":
+        opt.state[p] = {k: v for k, v in opt.state[p].items() if k in ("step", "master")}  # as it was
+        opt.state_dict()
+    for b, was in zip(opt.host_buffers(), before):
+        for k, v in b.items():
+            assert torch.equal(v, was[k]), k
+    for q, was in zip(model.parameters(), params):
+        assert torch.equal(q, was)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.float64, torch.uint8, None, "int8", "bfloat16",
+                                         "float32", torch.bfloat16.__class__])
+def test_estimate_host_memory_refuses_the_state_dtypes_the_constructor_refuses(state_dtype):
+    params = [nn.Parameter(torch.zeros(100))]
+    with pytest.raises(Exception) as built:
+        OffloadOptimizer(params, state_dtype=state_dtype)
+    with pytest.raises(Exception) as estimated:
+        OffloadOptimizer.estimate_host_memory(params, state_dtype=state_dtype)
+    assert type(estimated.value) is type(built.value) is ValueError
+    assert str(estimated.value) == str(built.value)
+    for ok in DTYPES.values():  # and both take what the constructor takes
+        OffloadOptimizer(params, state_dtype=ok)
+        assert OffloadOptimizer.estimate_host_memory(params, state_dtype=ok).total_bytes > 0
+
+
+# ------------------------------------------------------------------------- non-finite values, per element --
+def _nonfinite_count(t):
+    return int((~torch.isfinite(t)).sum())
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_nan_gradient_under_nonfinite_ignore_stays_in_its_element(kind):
+    """nonfinite="ignore" applies a NaN gradient as AdamW does: its parameter element turns NaN, and nothing else
+    does, whatever the state dtype (8-bit state shares a scale among 64 elements, which must not spread it)."""
+    counts = {}
+    for name, make in (("adamw", lambda ps: torch.optim.AdamW(ps, foreach=False)),
+                       ("ours", lambda ps: OffloadOptimizer(ps, nonfinite="ignore", state_dtype=DTYPES[kind]))):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(8, 16))
+        opt = make([w])
+        for step in range(3):
+            w.grad = torch.randn(8, 16)
+            if step == 0:
+                w.grad[2, 5] = float("nan")
+            opt.step()
+            counts.setdefault(name, []).append(_nonfinite_count(w.detach()))
+        state = opt.state_dict()["state"][0]
+        counts[name].append(tuple(_nonfinite_count(state[k]) for k in ("exp_avg", "exp_avg_sq")))
+        assert not torch.isfinite(w[2, 5])
+    assert counts["ours"] == counts["adamw"] == [1, 1, 1, (1, 1)]
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_nonfinite_second_moment_loaded_stays_in_its_element_or_is_refused(kind, value):
+    """AdamW loads an inf (or NaN) exp_avg_sq and keeps it to its element (inf: the element stops moving but for
+    weight decay; NaN: it turns NaN). fp32 and bf16 state hold it per element as AdamW does; 8-bit state, whose
+    elements share a scale, refuses it where it enters, naming parameter and value, and changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    for m in (ref_model,):
+        m(torch.randn(4, 16)).sum().backward()
+    ref.step()
+    sd = copy.deepcopy(ref.state_dict())
+    sd["state"][0]["exp_avg_sq"][3, 7] = value
+    ours_model = copy.deepcopy(ref_model)
+    opt = OffloadOptimizer(ours_model.parameters(), state_dtype=DTYPES[kind])
+    if kind == "int8":
+        before = [{k: v.clone() for k, v in b.items()} for b in opt.host_buffers()]
+        with pytest.raises(ValueError, match=rf"parameter id 0 \(shape \(8, 16\)\): exp_avg_sq holds a non-finite "
+                                             rf"value \({value}\)"):
+            opt.load_state_dict(sd)
+        for b, was in zip(opt.host_buffers(), before):
+            assert all(torch.equal(v, was[k]) for k, v in b.items())
+        return
+    ref.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    x = torch.randn(4, 16)
+    for m, o in ((ref_model, ref), (ours_model, opt)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    assert _nonfinite_count(ours_model.weight.detach()) == _nonfinite_count(ref_model.weight.detach()) == (
+        1 if value != value else 0)
+    assert _nonfinite_count(opt.state_dict()["state"][0]["exp_avg_sq"]) == 1

@@ -362,18 +362,63 @@ def test_8bit_segments_must_start_on_a_block(path):
 
 
 @pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
-def test_8bit_nonfinite_gradient_poisons_only_its_block(path, bad):
+@pytest.mark.parametrize("at", [130, 290], ids=["whole_block", "partial_block"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_8bit_nonfinite_gradient_stays_in_its_element(path, bad, at, amsgrad):
+    """AdamW keeps a non-finite gradient to its element: that parameter turns NaN (and stays NaN), nothing else
+    changes. So does 8-bit state, though 64 elements share a scale: the element is marked (its moments read back as
+    NaN) and the other 63 go on as with fp32 state: exactly so at the first step, whose update uses the unquantised
+    moments, and within 8-bit rounding after (atol 1e-3, a tenth of lr: the moments' rounding moves each update by
+    well under that here)."""
     n = 300
     gen = torch.Generator().manual_seed(8)
-    p, kw = torch.randn(n, generator=gen), _q8(n)
-    grad = torch.randn(n, generator=gen)
-    grad[130] = bad  # block 2
-    functional.cpu_adam_(p, grad, step=1, lr=1e-3, **kw)
-    for name in ("exp_avg_scale", "exp_avg_sq_scale"):
-        s = kw[name]
-        assert s[2].isnan() and torch.isfinite(s[torch.arange(s.numel()) != 2]).all(), name
-    assert not kw["exp_avg"][128:192].any() and not kw["exp_avg_sq"][128:192].any()
-    assert not torch.isfinite(p[130])
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(4)]
+    grads[0][at] = bad
+    runs = {}
+    for kind in ("float32", "int8"):
+        p, state = p0.clone(), State(kind, n, amsgrad)
+        for step, grad in enumerate(grads, 1):
+            functional.cpu_adam_(p, grad, step=step, **HYPER, **state.kwargs())
+            assert (~torch.isfinite(p)).nonzero().view(-1).tolist() == [at], (kind, step)
+            if step == 1:
+                runs[kind + "@1"] = p.clone()
+        runs[kind] = p, state
+    others = torch.arange(n) != at
+    assert torch.equal(runs["int8@1"][others], runs["float32@1"][others])
+    torch.testing.assert_close(runs["int8"][0][others], runs["float32"][0][others], atol=1e-3, rtol=0)
+    state = runs["int8"][1]
+    block = at // Q8_BLOCK
+    assert state.t["exp_avg"][at] == _reference.POISON and torch.signbit(state.t["exp_avg_scale"][block])
+    assert not torch.signbit(state.t["exp_avg_scale"][torch.arange(q8_scale_numel(n)) != block]).any()
+    for name in state.moments():
+        assert torch.isfinite(state.t[name + "_scale"]).all(), name
+    m = functional.dequantize_state(state.t["exp_avg"], state.t["exp_avg_scale"])
+    assert (~torch.isfinite(m)).nonzero().view(-1).tolist() == [at]
+    lo, hi = block * Q8_BLOCK, min(n, (block + 1) * Q8_BLOCK)
+    assert (state.t["exp_avg"][lo:hi] != 0).sum() > (hi - lo) // 2  # the block's other elements keep their codes
+
+
+def test_8bit_state_keeps_a_poisoned_element_through_quantize_dequantize():
+    """quantize_state_ keeps an inf/NaN first moment per element as the kernel does; dequantize_state reads it back
+    as NaN and the block's other values as they were; a second moment must be finite."""
+    m = torch.randn(200)
+    m[70] = float("inf")
+    codes, scale = torch.empty(200, dtype=torch.int8), torch.empty(q8_scale_numel(200))
+    functional.quantize_state_(codes, scale, m)
+    back = functional.dequantize_state(codes, scale)
+    assert (~torch.isfinite(back)).nonzero().view(-1).tolist() == [70]
+    clean = m.clone()
+    clean[70] = 0.0
+    ref_codes, ref_scale = torch.empty_like(codes), torch.empty_like(scale)
+    functional.quantize_state_(ref_codes, ref_scale, clean)
+    keep = torch.arange(200) != 70
+    assert torch.equal(codes[keep], ref_codes[keep]) and torch.equal(scale.abs(), ref_scale)
+    again_codes, again_scale = torch.empty_like(codes), torch.empty_like(scale)
+    functional.quantize_state_(again_codes, again_scale, back)
+    assert torch.equal(again_codes, codes) and torch.equal(again_scale, scale)
+    with pytest.raises(ValueError, match="must be finite"):
+        functional.quantize_state_(torch.empty(200, dtype=torch.uint8), torch.empty(4), m.abs())
 
 
 @pytest.mark.parametrize("grad_scale", [1e-21, 1e-33])
@@ -433,8 +478,9 @@ def test_quantize_state_is_validated():
         functional.dequantize_state(codes, scale, out=torch.empty(99))
 
 
-def _mlp_final_loss(kind, steps=400):
-    """A small MLP regression, its flat parameters updated by cpu_adam_ with the given state dtype."""
+def _mlp_losses(kind, steps=400):
+    """A small MLP regression, its flat parameters updated by cpu_adam_ with the given state dtype: the training
+    loss before each step."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 16, generator=gen)
     # Noisy targets, as real data has: the loss floor is the noise's variance (0.01), reached by every state dtype
@@ -448,23 +494,30 @@ def _mlp_final_loss(kind, steps=400):
     params = list(model.parameters())
     flat = torch.cat([q.detach().reshape(-1) for q in params])
     state = State(kind, flat.numel(), False)
+    losses = []
     for step in range(1, steps + 1):
         loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(float(loss))
         grads = torch.autograd.grad(loss, params)
         functional.cpu_adam_(flat, torch.cat([g.reshape(-1) for g in grads]), step=step, lr=1e-2,
                              weight_decay=0.01, **state.kwargs())
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat, params)
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(x), y))
+    return losses
 
 
 def test_compact_state_trains_as_well_as_fp32(path):
-    """Accuracy sanity check: after 400 steps, bf16 and 8-bit state reach a loss within 10% of fp32 state's (the
-    bound; measured on AVX2: bf16 +4%, 8-bit -2%; printed with -s)."""
-    losses = {kind: _mlp_final_loss(kind) for kind in STATES}
-    print(f"\nfinal MLP loss by state dtype ({path}): {losses}")
-    start = _mlp_final_loss("float32", steps=0)
-    assert losses["float32"] < 0.2 * start  # the problem is learnt at all
+    """Accuracy sanity check: over the last 50 of 400 steps, bf16 and 8-bit state average a loss within 10% of
+    fp32 state's (printed with -s).
+
+    The statistic is a mean, not the loss after the last step: at this constant lr the loss keeps oscillating
+    around its floor, and one evaluation of a trajectory that float rounding makes chaotic moved by up to 17%
+    (8-bit), 13% (bf16) and 14% (fp32 against fp32 on another ISA path) between runs that differ only in ISA path or
+    thread count. The 50-step mean of the same 17 runs (seeds 0-5 on the scalar and AVX-512 paths with one thread,
+    seeds 0-2 with two) stayed within -3.2%..+4.5% of fp32's for both compact dtypes: the bound has a 2x margin."""
+    runs = {kind: _mlp_losses(kind) for kind in STATES}
+    means = {kind: sum(losses[-50:]) / 50 for kind, losses in runs.items()}
+    print(f"\nmean MLP loss over the last 50 steps by state dtype ({path}): {means}")
+    assert means["float32"] < 0.2 * runs["float32"][0]  # the problem is learnt at all
     for kind in ("bfloat16", "int8"):
-        assert losses[kind] <= 1.10 * losses["float32"], (kind, losses)
+        assert means[kind] <= 1.10 * means["float32"], (kind, means)

@@ -19,8 +19,11 @@ boundary to neighbouring codes; both are held to the float64 oracle of this mapp
   :math:`\\mathrm{round}(255\\sqrt{\\sqrt{v}/\\sqrt{s}})`.
 
 :math:`s` is the block's largest magnitude after the update; rounding is to nearest, ties to even; a block whose
-largest magnitude is below FLT_MIN stores scale 0 and codes 0; a block holding a non-finite moment stores a NaN scale
-(and codes 0) for every moment, so the problem stays visible.
+largest magnitude is below FLT_MIN stores scale 0 and codes 0. Non-finite moments stay per element, as in AdamW: an
+element whose new moment is inf or NaN is *poisoned* (``exp_avg`` code :data:`POISON`, which quantisation never
+writes; 0 in the other codes) and reads back as NaN; its block's scales come from the finite elements (the second
+moments' from the largest :math:`\\sqrt{v}^2`), and the sign bit of its ``exp_avg`` scale flags the block. Before a
+flagged block is updated, its poisoned elements' parameters become NaN, what AdamW's NaN moments make of them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import torch
 CHUNK = 1 << 18
 Q8_BLOCK = 64
 _M_CODE, _V_CODE = 127.0, 255.0
-_FLT_MIN = torch.finfo(torch.float32).tiny
+_FLT_MIN, _FLT_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+POISON = -128  # the exp_avg code of an element whose moments are not finite (see the module docstring)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -47,57 +51,73 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_m(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values of int8 first-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``."""
+    """Values of int8 first-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``; NaN where
+    an element is poisoned."""
     n = codes.numel()
-    f = _blocks(codes.to(dtype)) * (1.0 / _M_CODE)  # exactly 1 at the top code: the largest value is the scale
-    return (f * f.abs() * scale.to(dtype)[:, None]).view(-1)[:n]
+    c = _blocks(codes.to(dtype))
+    f = c * (1.0 / _M_CODE)  # exactly 1 at the top code: the largest value is the scale
+    out = f * f.abs() * scale.to(dtype).abs()[:, None]
+    return torch.where(c == POISON, torch.full_like(out, math.nan), out).view(-1)[:n]
 
 
 def dequantize_v(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values of uint8 second-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype``."""
+    """Values of uint8 second-moment codes (1-D, n) with their block scales (ceil(n / 64)), as ``dtype`` (a
+    poisoned element reads 0 here: it is marked in the first moment's codes, see :func:`poisoned_elements`)."""
     n = codes.numel()
     f = _blocks(codes.to(dtype)) * (1.0 / _V_CODE)
     f2 = f * f
     return (f2 * f2 * scale.to(dtype)[:, None]).view(-1)[:n]
 
 
-def _block_scale(largest: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
-    s = torch.where(largest >= _FLT_MIN, largest, torch.zeros_like(largest))
-    return torch.where(nonfinite, torch.full_like(s, math.nan), s)
+def poisoned_elements(m_codes: torch.Tensor, m_scale: torch.Tensor) -> torch.Tensor:
+    """(blocks, Q8_BLOCK) mask of the poisoned elements of 8-bit state, from its first moment's codes and scales."""
+    return (_blocks(m_codes) == POISON) & torch.signbit(m_scale)[:, None]
 
 
-def quantize_m_(codes: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, nonfinite: torch.Tensor) -> None:
-    """Write int8 codes and block scales of first-moment values ``m`` (1-D); ``nonfinite`` flags blocks to poison."""
+def _block_scale(largest: torch.Tensor) -> torch.Tensor:
+    return torch.where(largest >= _FLT_MIN, largest, torch.zeros_like(largest))
+
+
+def quantize_m_(codes: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, poisoned: torch.Tensor) -> None:
+    """Write int8 codes and block scales of first-moment values ``m`` (1-D); ``poisoned`` ((blocks, Q8_BLOCK)
+    bool) marks the elements stored as :data:`POISON`, whose blocks get a negative scale."""
     n = m.numel()
-    x = _blocks(m)
-    s = _block_scale(x.abs().amax(dim=1), nonfinite)
+    x = torch.where(poisoned, torch.zeros_like(poisoned, dtype=m.dtype), _blocks(m))
+    s = _block_scale(x.abs().amax(dim=1))
     live = s > 0
     inv = torch.where(live, 1.0 / torch.where(live, s, torch.ones_like(s)), torch.zeros_like(s))
     u = torch.clamp_max(torch.sqrt(x.abs() * inv[:, None]) * _M_CODE, _M_CODE)
     c = torch.where(live[:, None], torch.round(torch.copysign(u, x)), torch.zeros_like(u))
+    c = torch.where(poisoned, torch.full_like(c, POISON), c)
     codes.copy_(c.view(-1)[:n])
-    scale.copy_(s)
+    scale.copy_(torch.where(poisoned.any(dim=1), -s, s))
 
 
-def quantize_v_(codes: torch.Tensor, scale: torch.Tensor, v: torch.Tensor, nonfinite: torch.Tensor,
+def quantize_v_(codes: torch.Tensor, scale: torch.Tensor, v: torch.Tensor, poisoned: torch.Tensor,
                 roots: Optional[torch.Tensor] = None) -> None:
     """Write uint8 codes and block scales of second-moment values ``v`` (1-D, >= 0); ``roots`` is ``sqrt(v)`` when
-    the caller has it already."""
+    the caller has it already; ``poisoned`` marks the elements stored as code 0 and left out of the scales."""
     n = v.numel()
-    s = _block_scale(_blocks(v).amax(dim=1), nonfinite)
-    r = _blocks(torch.sqrt(v) if roots is None else roots)
+    zero = torch.zeros_like(poisoned, dtype=v.dtype)
+    r = torch.where(poisoned, zero, _blocks(torch.sqrt(v) if roots is None else roots))
+    flagged = poisoned.any(dim=1)
+    largest = _blocks(v).amax(dim=1)
+    if bool(flagged.any()):
+        largest = torch.where(flagged, torch.clamp_max((r * r).amax(dim=1), _FLT_MAX), largest)
+    s = _block_scale(largest)
     live = s > 0
     inv_root = torch.where(live, 1.0 / torch.sqrt(torch.where(live, s, torch.ones_like(s))), torch.zeros_like(s))
     u = torch.clamp_max(torch.sqrt(r * inv_root[:, None]) * _V_CODE, _V_CODE)
-    c = torch.where(live[:, None], torch.round(u), torch.zeros_like(u))
+    c = torch.where(live[:, None] & ~poisoned, torch.round(u), torch.zeros_like(u))
     codes.copy_(c.view(-1)[:n])
     scale.copy_(s)
 
 
-def nonfinite_blocks(*xs: torch.Tensor) -> torch.Tensor:
+def nonfinite_elements(*xs: torch.Tensor) -> torch.Tensor:
+    """(blocks, Q8_BLOCK) mask of the elements that are inf or NaN in any of ``xs``."""
     bad = None
     for x in xs:
-        b = ~torch.isfinite(_blocks(x)).all(dim=1)
+        b = ~torch.isfinite(_blocks(x))
         bad = b if bad is None else bad | b
     return bad
 
@@ -148,6 +168,9 @@ def adam_(
             else:
                 g = g.add(p, alpha=weight_decay)
         if q8:
+            poisoned = poisoned_elements(m_all[sl], exp_avg_scale[bl])
+            if bool(poisoned.any()):
+                p.masked_fill_(poisoned.view(-1)[: p.numel()], math.nan)
             m = dequantize_m(m_all[sl], exp_avg_scale[bl], cdt)
             v = dequantize_v(v_all[sl], exp_avg_sq_scale[bl], cdt)
         else:
@@ -164,7 +187,7 @@ def adam_(
         denom = (root / bc2_sqrt).add_(eps)
         p.addcdiv_(m, denom, value=-step_size)
         if q8:
-            bad = nonfinite_blocks(m, v)
+            bad = poisoned | nonfinite_elements(m, v, *(() if vmax is None else (vmax,)))
             quantize_m_(m_all[sl], exp_avg_scale[bl], m, bad)
             quantize_v_(v_all[sl], exp_avg_sq_scale[bl], v, bad, None if vmax is not None else root)
             if vmax is not None:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import operator
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload._reference import poisoned_elements
 from zero_offload.functional import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, empty_host, estimate_bucket, format_bytes
 from zero_offload.options import Options
@@ -275,6 +277,8 @@ class FlatBucket:
         shard (ShardLayout, optional): this rank's cut of the bucket.
         grads_reduced (bool): sharded, the gradients arrive averaged already (no 1/world in the multiplier).
         where (str): "param group G, bucket B", for error messages.
+        group (int): the param group's index, and ``names`` (optional) its ``param_names``: error messages name
+            a parameter by both.
         state_dtype (torch.dtype): the moments' storage, ``torch.float32``, ``torch.bfloat16`` or ``torch.int8``
             (8-bit block-wise). Default: ``torch.float32``.
     """
@@ -283,9 +287,11 @@ class FlatBucket:
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, amsgrad: bool, pin: bool,
                  shard: Optional[ShardLayout] = None, grads_reduced: bool = False, where: str = "",
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, group: int = 0, names: Optional[Sequence[str]] = None):
         self.shard = shard
         self.where = where
+        self.group = group
+        self.names = None if not names else [names[i] for i in layout.indices]
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
         self.shapes = [p.shape for p in self.params]
         self.device, self.dtype = layout.device, layout.dtype
@@ -333,6 +339,7 @@ class FlatBucket:
         self.exposed = [False] * len(self.params)
         self.all_exposed = False
         self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
+        self._grad_ptrs: Dict[int, List[int]] = {}  # data_ptr of a gradient buffer -> its slots' (_slot_grad_ptrs)
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return empty_host(n, dtype, pin=self.pin).zero_()
@@ -488,7 +495,12 @@ class FlatBucket:
         if not self.compact:
             return buf
         if name in self.scales:
-            return dequantize_state(buf, self.scales[name])
+            out = dequantize_state(buf, self.scales[name])
+            m_scale = self.scales["exp_avg"]
+            if name != "exp_avg" and bool(torch.signbit(m_scale).any()):
+                # A poisoned element (a non-finite moment, kept per element) is marked in exp_avg's codes only.
+                out.masked_fill_(poisoned_elements(self.exp_avg, m_scale).view(-1)[: out.numel()], math.nan)
+            return out
         return buf.float()
 
     def _slot_range(self, i: int) -> Tuple[int, int]:
@@ -642,15 +654,52 @@ class FlatBucket:
                 "optimizer."
             )
         in_slot = list(map(operator.is_, grads, self.grad_targets))
+        if any(in_slot) and self.unbind_rebound_grads():
+            in_slot = list(map(operator.is_, grads, self.grad_targets))
         if all(in_slot):
             return grads  # every gradient already is its slot: dense, nothing more to check
         # Only a gradient that is not already its slot can be sparse or shaped unlike its parameter.
         if not any(in_slot) and not any(map(operator.is_, grads, itertools.repeat(None))):
-            check_grads(grads, params, self.shapes)  # the usual fresh gradients: C-level loops only
+            check_grads(grads, params, self.shapes, self.label)  # the usual fresh gradients: C-level loops only
             return grads
         others = [(g, i) for i, (g, s) in enumerate(zip(grads, in_slot)) if not s and g is not None]
-        check_grads([g for g, _ in others], [params[i] for _, i in others], [self.shapes[i] for _, i in others])
+        check_grads([g for g, _ in others], [params[i] for _, i in others], [self.shapes[i] for _, i in others],
+                    lambda k: self.label(others[k][1]))
         return grads
+
+    def unbind_rebound_grads(self) -> bool:
+        """A gradient that is a view of its slot (``zero_grad(set_to_none=False)``) can be rebound by the user,
+        ``p.grad.data = t`` or ``p.grad.set_(t)``: the very view object then holds ``t``'s storage. Such a slot gets
+        a fresh view, so the rebound tensor is read like any gradient assigned by hand (and shape-checked), as
+        AdamW would read it. Returns whether any was rebound. One ``data_ptr`` per parameter (C-level loop)."""
+        targets = self.grad_targets
+        expected = self._slot_grad_ptrs()
+        if list(map(torch.Tensor.data_ptr, targets)) == expected:
+            return False
+        flat, offsets = (self.flat_grad, self.full.offsets) if targets is not self.grad_views else (
+            self.grad, self.layout.offsets)
+        for i, t in enumerate(targets):
+            if t.data_ptr() != expected[i]:
+                targets[i] = view_like(flat, offsets[i], self.params[i])
+                self.grad_slot_zero[i] = False  # (unknown: zeroed at its next use)
+        return True
+
+    def _slot_grad_ptrs(self) -> List[int]:
+        """The ``data_ptr`` each view of :attr:`grad_targets` has while it views its slot (cached per buffer:
+        ``delayed_update`` swaps two)."""
+        sharded_cpu = self.shard is not None and self.on_cpu
+        flat = self.flat_grad if sharded_cpu else self.grad
+        key = flat.data_ptr()
+        ptrs = self._grad_ptrs.get(key)
+        if ptrs is None:
+            offsets = self.full.offsets if sharded_cpu else self.layout.offsets
+            ptrs = self._grad_ptrs[key] = [view_like(flat, o, p).data_ptr() for o, p in zip(offsets, self.params)]
+        return ptrs
+
+    def label(self, i: int) -> str:
+        """Parameter ``i`` as error messages name it: its group, index in the group and name (where given)."""
+        name = f" ({self.names[i]!r})" if self.names else ""
+        return f"param group {self.group}, parameter {self.layout.indices[i]}{name}"
 
     def _moved(self, i: int) -> bool:
         p = self.params[i]
@@ -698,6 +747,7 @@ class FlatBucket:
     def zero_grads_as_views(self) -> None:
         """``zero_grad(set_to_none=False)`` for a CPU bucket: every existing gradient becomes its (zeroed) slot of
         the flat buffer, so the next backward accumulates straight into it and the step copies nothing."""
+        self.unbind_rebound_grads()  # a rebound view must not stay p.grad: AdamW would zero the tensor it holds
         targets = self.grad_targets
         (self.flat_grad if self.shard is not None else self.grad).zero_()
         for i, p in enumerate(self.params):
@@ -727,22 +777,23 @@ class FlatBucket:
 
 
 def check_grads(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                shapes: Optional[Sequence[torch.Size]] = None) -> None:
+                shapes: Optional[Sequence[torch.Size]] = None, label: Optional[Callable[[int], str]] = None) -> None:
     """Refuse gradients the kernel cannot take for their parameters: sparse ones, and any shaped unlike the
     parameter (a broadcastable one would be silently expanded by a copy, a smaller one partly applied). C-level
-    loops on the hot path."""
+    loops on the hot path. ``label(k)`` names parameter ``k`` in the error (else its shape alone does)."""
     # (``shapes``: the parameters' own, read once: a Parameter's attributes are slow to read.)
     if set(map(_get_layout, grads)) <= {torch.strided} and list(map(_get_shape, grads)) == list(
             shapes if shapes is not None else map(_get_shape, params)):
         return
-    for g, p in zip(grads, params):
+    for k, (g, p) in enumerate(zip(grads, params)):
+        what = "a parameter" if label is None else label(k)
         if g.layout != torch.strided:
             raise RuntimeError(
-                f"OffloadOptimizer does not support sparse gradients (parameter of shape {tuple(p.shape)} has a "
+                f"OffloadOptimizer does not support sparse gradients ({what} of shape {tuple(p.shape)} has a "
                 f"{g.layout} gradient); consider torch.optim.SparseAdam"
             )
         if g.shape != p.shape:
-            raise RuntimeError(f"OffloadOptimizer: a parameter of shape {tuple(p.shape)} has a gradient of shape "
+            raise RuntimeError(f"OffloadOptimizer: {what} of shape {tuple(p.shape)} has a gradient of shape "
                                f"{tuple(g.shape)}; nothing was updated")
 
 
@@ -802,7 +853,7 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options,
         shard = None if sharded is None else ShardLayout.cut(layout, world, rank)
         bucket = FlatBucket(layout, group["params"], amsgrad=amsgrad, pin=should_pin(layout.device, options.pin_memory),
                             shard=shard, grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
-                            state_dtype=options.state_dtype)
+                            state_dtype=options.state_dtype, group=gi, names=group.get("param_names"))
         if options.delayed_update:
             bucket.add_grad_prev()  # allocated now, so the logged estimate and the RSS include it
         buckets.append(bucket)

@@ -21,10 +21,12 @@ import torch
 from zero_offload.buckets import MOMENTS, FlatBucket, memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateMap", "add_compact_moments",
-           "ahead_entries", "apply_load", "apply_sharded_load", "check_format", "check_param_lists", "expose",
-           "full_state", "plan_load", "plan_sharded_load", "sharded_state_dict", "sync_state"]
+__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
+           "add_compact_moments", "ahead_entries", "apply_load", "apply_sharded_load", "check_compact_moment",
+           "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
+           "sharded_state_dict", "sync_state"]
 
+DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
 # "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param")
 
@@ -173,9 +175,10 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
                                or v.shape != slots[name].shape):
             raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
                              f"holding values, got {v!r:.80}")
-        if bucket.state_dtype == torch.int8 and name in ("exp_avg_sq", "max_exp_avg_sq") and bool((v < 0).any()):
-            raise ValueError(f"{where}: {name} has negative values, which a second moment cannot have")
-    return {**entry, "step": check_step(entry["step"], where)}
+        if name in MOMENTS:
+            check_compact_moment(bucket.state_dtype, name, v, where)
+    # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
+    return {**{k: v.detach() for k, v in entry.items() if k != "step"}, "step": check_step(entry["step"], where)}
 
 
 def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
@@ -347,10 +350,12 @@ def _where(buckets: Buckets) -> Dict[torch.Tensor, Tuple[int, FlatBucket, int]]:
 # --------------------------------------------------------------------------------------- full state dicts --
 @dataclasses.dataclass
 class LoadPlan:
-    """A validated state dict: the new param groups and each parameter's entry (``step`` as a float)."""
+    """A validated state dict: the new param groups, each parameter's entry (``step`` as a float), and the entries
+    keyed by no parameter id (``extras``, a hook's ``opt.state["epoch"]``: put back as they are, as AdamW does)."""
 
     groups: List[Dict[str, Any]]
     entries: Dict[torch.Tensor, Dict[str, Any]]
+    extras: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
 def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict[str, Any]:
@@ -377,9 +382,29 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict
         if v.shape != p.shape:
             raise ValueError(f"{where}: {k} has shape {tuple(v.shape)}, the parameter has {tuple(p.shape)}: "
                              "is this state dict from another model?")
-    out = dict(entry)
+    # Values only, as AdamW loads them: a tensor that requires grad must not pull a host buffer into autograd.
+    out = {k: v.detach() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
     out["step"] = check_step(entry["step"], where)
     return out
+
+
+def check_compact_moment(state_dtype: torch.dtype, name: str, value: torch.Tensor, where: str) -> None:
+    """What compact state refuses where a moment enters it (a load, an ``opt.state`` edit), naming ``where`` and
+    the value: a negative second moment (AdamW's next step would take its square root: NaN parameters), and for
+    8-bit state an inf or NaN, which its codes cannot hold as AdamW holds it (an element shares its block's scale;
+    the kernel keeps a moment that turns non-finite only as a NaN marker, and an inf second moment, which leaves
+    AdamW's parameter finite, would turn it NaN). fp32 state takes anything, as AdamW does; bf16 holds inf and NaN
+    per element."""
+    if state_dtype == torch.float32:
+        return
+    if name != "exp_avg" and bool((value < 0).any()):
+        raise ValueError(f"{where}: {name} has a negative value ({float(value[value < 0].min()):g}), which a second "
+                         f"moment cannot have; {DTYPE_LABELS[state_dtype]} state refuses it")
+    if state_dtype == torch.int8 and not bool(torch.isfinite(value).all()):
+        bad = value[~torch.isfinite(value)].view(-1)[0]
+        raise ValueError(f"{where}: {name} holds a non-finite value ({float(bad)}), which 8-bit state cannot hold "
+                         "(its elements share their 64-element block's scale); load it into fp32 or bf16 state, or "
+                         "repair the checkpoint")
 
 
 def check_format(state_dict: Any) -> None:
@@ -397,19 +422,22 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
                       chain.from_iterable(g["params"] for g in groups)))
     where = _where(buckets)
     entries: Dict[torch.Tensor, Dict[str, Any]] = {}
+    extras: Dict[Any, Any] = {}
     for key, entry in state_dict["state"].items():
+        if key not in id_map and not isinstance(key, int):
+            extras[key] = entry  # not a parameter's: Optimizer.state_dict() numbers parameters with ints
+            continue
         if key not in id_map:
             raise ValueError(f"loaded state dict has state for parameter id {key!r}, which none of its "
                              "param_groups lists")
         p = id_map[key]
         gi, bucket, _ = where[p]
         entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[gi]["amsgrad"]))
-        if bucket.state_dtype == torch.int8:
-            for k in ("exp_avg_sq", "max_exp_avg_sq"):
-                if k in entry and bool((entry[k] < 0).any()):
-                    raise ValueError(f"loaded state for parameter id {key!r}: {k} has negative values, which a second "
-                                     "moment cannot have (and 8-bit state cannot hold)")
-    return LoadPlan(new_groups, entries)
+        for k in MOMENTS:
+            if k in entry:
+                check_compact_moment(bucket.state_dtype, k, entry[k],
+                                     f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})")
+    return LoadPlan(new_groups, entries, extras)
 
 
 def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
@@ -424,8 +452,9 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
         _install_params(bucket, [None if e is None else e.get("param") for e in entries])
     where = _where(buckets)
     for p in list(state.keys()):
-        if isinstance(p, torch.Tensor) and p in where and p not in plan.entries:
+        if (p in where and p not in plan.entries) if isinstance(p, torch.Tensor) else p not in plan.extras:
             del state[p]
+    state.update(plan.extras)
 
 
 def _install_params(bucket: FlatBucket, values: Sequence[Optional[torch.Tensor]]) -> None:

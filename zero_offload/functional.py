@@ -25,8 +25,10 @@ State dtypes (chosen by the dtype of ``exp_avg``), bytes per element for the two
   keep resolution: :math:`m = s\,c|c|/127^2`, :math:`v = s\,(c/255)^4`, :math:`s` the block's largest magnitude,
   recomputed from the block's new values each step. The parameter is updated from the unquantised new moments;
   the moments are then requantised in the same memory pass. Blocks are independent: a slice that starts at a
-  multiple of 64 (with the matching slice of the scales) can be updated alone.
-  :func:`quantize_state_` and :func:`dequantize_state` convert to and from float32.
+  multiple of 64 (with the matching slice of the scales) can be updated alone. An element whose moment turns inf
+  or NaN keeps it alone, as in AdamW (it reads back as NaN, its parameter becomes NaN; the rest of its block is
+  untouched): see ``_reference`` for how it is marked. :func:`quantize_state_` and :func:`dequantize_state` convert
+  to and from float32.
 
 Implementation choice, made in :func:`resolve_path` and nowhere else (:func:`path_reason` says why): the environment
 variable ``ZERO_OFFLOAD_SIMD`` (``avx512``, ``avx2``, ``neon``, ``scalar``, ``torch-fused`` or ``torch``) forces a path
@@ -351,15 +353,17 @@ def quantize_state_(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tens
     """Quantise a moment into 8-bit block-wise state in place: the form :func:`cpu_adam_` reads and writes.
 
     The mapping follows the dtype of ``codes``: int8 is the first moment's signed code, uint8 the second moment's
-    (see the module docstring), the kernel's requantisation (to a few ulps of the code position). A block holding a
-    non-finite value gets a NaN scale. Works a chunk at a time, so a whole bucket needs no full-size float temporary.
+    (see the module docstring), the kernel's requantisation (to a few ulps of the code position). An inf or NaN first
+    moment is kept per element as the kernel keeps it (poisoned: it reads back as NaN); a second moment must be
+    finite, as its codes cannot mark an element alone. Works a chunk at a time, so a whole bucket needs no full-size
+    float temporary.
 
     Args:
         codes (Tensor): int8 (``exp_avg``) or uint8 (``exp_avg_sq``, ``max_exp_avg_sq``), n elements, contiguous,
             CPU; written.
         scale (Tensor): float32, ``q8_scale_numel(n)`` elements, contiguous, CPU; written.
         values (Tensor): the moment, any floating dtype, n elements (any shape, contiguous), CPU; >= 0 for uint8
-            codes. Never written.
+            codes, and finite. Never written.
     """
     n = _check_codes(codes, scale, "quantize_state_")
     if not isinstance(values, torch.Tensor) or not values.is_floating_point():
@@ -371,10 +375,12 @@ def quantize_state_(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tens
     flat, c, chunk = values.reshape(-1), codes.view(-1), _reference.CHUNK
     if not signed and bool((flat < 0).any()):
         raise ValueError("quantize_state_: a second moment (uint8 codes) must be >= 0; values holds negatives")
+    if not signed and not bool(torch.isfinite(flat).all()):
+        raise ValueError("quantize_state_: a second moment (uint8 codes) must be finite; values holds inf or NaN")
     for start in range(0, n, chunk):
         x = flat[start : start + chunk].float()
         sl, bl = slice(start, start + chunk), slice(start // Q8_BLOCK, q8_scale_numel(start + chunk))
-        bad = _reference.nonfinite_blocks(x)
+        bad = _reference.nonfinite_elements(x)
         if signed:
             _reference.quantize_m_(c[sl], scale[bl], x, bad)
         else:

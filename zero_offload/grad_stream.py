@@ -65,6 +65,7 @@ class GradStreamer:
         self._epoch = 0
         self._in_backward = False
         self._touched: List[BucketStream] = []
+        self._armed: Optional[weakref.ref] = None  # the end-of-backward callback last queued (see _arm)
         self._sharded: List[BucketStream] = []  # sharded buckets in launch order
         self._next = 0  # how many of them this backward has launched
         self._lock = threading.Lock()
@@ -99,6 +100,11 @@ class GradStreamer:
         if self._no_sync:
             return
         with self._lock:
+            if self._in_backward and self._armed() is None:
+                # The backward that armed us was destroyed without running its callback: it raised, and this hook
+                # belongs to a new backward (a retry without zero_grad(), which accumulates onto what the failed
+                # one left, as autograd does). Its counts start afresh, or no bucket would complete in it.
+                self._forget_backward()
             # Buckets with parameters that get no gradient in this backward never complete: launch them when the
             # backward ends.
             self._arm()
@@ -162,7 +168,9 @@ class GradStreamer:
         runs then), once per backward."""
         if not self._in_backward:
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            callback = _EndOfBackward(self)
+            self._armed = weakref.ref(callback)  # dead once autograd has dropped it: run, or the backward raised
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     def _forget_backward(self) -> None:
         """The backward is over (or was aborted): the next one counts its gradients afresh."""
@@ -190,6 +198,19 @@ class GradStreamer:
         with self._lock:
             if self._in_backward:
                 self._forget_backward()
+
+
+class _EndOfBackward:
+    """The callback queued on a backward: calls ``_end_backward``. Its own object (not a bound method, which dies at
+    once) so that a weak reference to it tells whether autograd still holds it."""
+
+    __slots__ = ("streamer", "__weakref__")
+
+    def __init__(self, streamer: GradStreamer) -> None:
+        self.streamer = streamer
+
+    def __call__(self) -> None:
+        self.streamer._end_backward()
 
 
 def _hook(streamer_ref: "weakref.ref[GradStreamer]", key: int, i: int):

@@ -26,7 +26,7 @@ from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, check_group, check_params,
-                                  delayed_setting, world_without_group)
+                                  check_state_dtype, delayed_setting, world_without_group)
 from zero_offload.transport import PendingClip, Plans, Transport
 from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_method
 
@@ -59,7 +59,11 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
 
     Returns:
         HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
+
+    Raises:
+        ValueError: a ``state_dtype`` the constructor refuses (its very error).
     """
+    check_state_dtype(state_dtype)
     return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
                            world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
 
@@ -428,14 +432,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """AdamW's state dict: views of the host buffers (compact moments: fp32 copies, a bucket at a time); saving
         changes nothing (``delayed_update``: the state after the pending update, with ``param``; see
         docs/checkpoints.md). Sharded: a collective gathering the full state onto *every* rank: prefer
-        :meth:`sharded_state_dict` for large models."""
+        :meth:`sharded_state_dict` for large models.
+        Entries of ``opt.state`` that are not a parameter's (a hook's ``opt.state["epoch"] = 3``) are carried as
+        AdamW carries them. The pre-hooks run first and the post-hooks see the finished dict."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._sync()
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
-        sd, sharded = super().state_dict(), self._transport.sharded  # entries as plain dicts; sharded: gathered
-        sd["state"] = (checkpoint.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
-                       if sharded else {k: dict(v) for k, v in sd["state"].items()})
+        with _hooks_set_aside(self):  # torch's own packing of the param groups, without running the hooks twice
+            sd = super().state_dict()
+        if self._transport.sharded:  # gathered, then the entries that are no parameter's
+            state = checkpoint.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
+            state.update((k, v) for k, v in self.state.items() if not isinstance(k, torch.Tensor))
+            sd["state"] = state
+        else:  # entries as plain dicts
+            sd["state"] = {k: dict(v) if isinstance(v, checkpoint.StateEntry) else v for k, v in sd["state"].items()}
         checkpoint.add_compact_moments(sd["state"], self.param_groups, self._buckets)
         sd["state"].update(checkpoint.ahead_entries(self.param_groups, self._buckets, ahead))
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def _sync(self) -> None:
@@ -508,6 +525,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError("OffloadOptimizer cannot be pickled or deep-copied: its state lives in host buffers bound to "
                         "the parameters. Save and restore it with state_dict() / load_state_dict().")
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(opt: torch.optim.Optimizer):
+    """``torch.optim.Optimizer.state_dict`` without its hooks, which :meth:`OffloadOptimizer.state_dict` runs
+    around its own completion of the dict."""
+    pre, post = opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks
+    opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = type(pre)(), type(post)()
+    try:
+        yield
+    finally:
+        opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = pre, post
 
 
 def _make_transport(process_group: Optional[Any], options: Options) -> Transport:

@@ -18,8 +18,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper",
-           "Options", "check_group", "check_hparams", "check_impl_flags", "check_params", "check_step",
-           "delayed_setting", "dtypes_by_name", "world_without_group"]
+           "Options", "check_group", "check_hparams", "check_impl_flags", "check_params", "check_state_dtype",
+           "check_step", "delayed_setting", "dtypes_by_name", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -100,6 +100,14 @@ def check_impl_flags(group: Dict[str, Any]) -> None:
         # RuntimeError; the non-leaf tensors it can differentiate through are refused here anyway.)
         raise RuntimeError("OffloadOptimizer does not support differentiable=True: the update runs in a host kernel "
                            "outside autograd")
+
+
+def check_state_dtype(state_dtype: Any) -> None:
+    """``state_dtype`` as the constructor and ``estimate_host_memory`` take it: one of :data:`STATE_DTYPES`
+    (torch dtypes; names such as ``"int8"`` are refused, as torch's own ``dtype=`` arguments refuse them)."""
+    if not any(state_dtype is d for d in STATE_DTYPES):
+        raise ValueError(f"Invalid state_dtype: {state_dtype!r} (expected torch.float32, torch.bfloat16, or "
+                         "torch.int8 for 8-bit block-wise moments)")
 
 
 def check_step(step: Any, where: str) -> float:
@@ -234,9 +242,7 @@ class Options:
         n = self.bucket_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"Invalid bucket_numel: {n!r} (a positive number of elements)")
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"Invalid state_dtype: {self.state_dtype!r} (expected torch.float32, torch.bfloat16, or "
-                             "torch.int8 for 8-bit block-wise moments)")
+        check_state_dtype(self.state_dtype)
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self._check_modes()

@@ -193,7 +193,7 @@ class Transport:
         self._settle(link)
         idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         grads = [bucket.params[i].grad for i in idx]
-        check_grads(grads, [bucket.params[i] for i in idx])
+        check_grads(grads, [bucket.params[i] for i in idx], label=lambda k: bucket.label(idx[k]))
         self._send(link, idx, grads)
         for i, g in zip(idx, grads):
             link.present[i] = True
