@@ -84,6 +84,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state_dtype (torch.dtype): the moments' storage: ``torch.float32`` (exactly AdamW), ``torch.bfloat16``
             (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See the README's
             "Compact optimizer state" for the accuracy; the state dict stays fp32. Default: torch.float32.
+        speculate (bool, optional): update each streamed GPU bucket in a worker thread as soon as backward has
+            sent its gradients, and keep the update at ``step()`` only if it is bit-exactly what ``step()``
+            computes (same clip coefficient and loss scale, same hyperparameters, step not skipped, gradients
+            unchanged); otherwise restore the bucket's saved state and update it at ``step()``. The result is
+            always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory for
+            the saved state (+12 B per GPU parameter with fp32 state) and a copy pass per speculated bucket.
+            None: on wherever it applies (not with ``overlap_step``, ``delayed_update`` or a ``process_group``,
+            which True refuses); CPU parameters are updated at ``step()`` either way. See docs/speculation.md.
+            Default: None.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite.
@@ -117,6 +126,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grads_reduced: bool = False,
         timeout: Optional[Any] = None,
         state_dtype: torch.dtype = torch.float32,
+        speculate: Optional[bool] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
@@ -126,9 +136,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
-                               state_dtype, exact_steps).validate()
+                               state_dtype, exact_steps, speculate).validate()
         self._transport = _make_transport(process_group, self.options)
-        self._mode = make_mode(self.options, self._transport, weak_method(self._early_update))
+        self._mode = make_mode(self.options, self._transport, weak_method(self._early_update),
+                               weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
         weakref.finalize(self, self._streamer.remove)
         self.skipped_steps = 0
@@ -279,6 +290,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
         coef = 1.0 if pending is None else pending.coefficient(inv_scale if grad_scale is not None else 1.0)
+        self._mode.observe(inv_scale, pending)
         self._mode.run(hypers, plans, inv_scale * coef, self.state)
 
     def _take_clip(self, unscaled: bool) -> Optional[PendingClip]:
@@ -329,6 +341,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if hyper.amsgrad:
             ensure_amsgrad(self.state, bucket)
         update_bucket(self._transport, bucket, self._transport.sent(bucket), None, hyper, 1.0, self.state)
+
+    def _speculation_inputs(self, group: int) -> Tuple[Hyper, str]:
+        """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
+        read them now, and the ``nonfinite`` policy."""
+        return Hyper.read(self.param_groups[group]), self.options.nonfinite
+
+    @property
+    def speculation_stats(self) -> Optional[Any]:
+        """With speculation (``speculate``): a :class:`~zero_offload.speculation.SpeculationStats` counting the
+        buckets speculated, committed and rolled back (with the reasons); None without."""
+        return getattr(self._mode, "stats", None)
 
     def flush(self) -> None:
         """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). Else: nothing."""

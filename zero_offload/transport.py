@@ -106,7 +106,7 @@ class _Link:
     step."""
 
     __slots__ = ("bucket", "streamed", "present", "had", "launches", "sources", "adds", "incoming", "norm", "d2h",
-                 "h2d", "stale")
+                 "h2d", "stale", "norm_host")
 
     def __init__(self, bucket: FlatBucket, streamed: bool):
         self.bucket, self.streamed = bucket, streamed
@@ -123,6 +123,7 @@ class _Link:
         self.d2h = None  # torch.cuda.Event after the last gradient copy to the host
         self.h2d = None  # torch.cuda.Event after the last upload had read master/staging
         self.stale = False  # sharded: this rank's gradients changed after backward reduce-scattered them
+        self.norm_host: Optional[torch.Tensor] = None  # with ``host_norms``: ``norm``, copied before ``d2h``
 
     def clear(self) -> None:
         if any(self.present):
@@ -143,6 +144,9 @@ class Transport:
     """
 
     sharded = False
+    # Copy each streamed bucket's GPU norm to the host before its d2h event, so a reader that waited for the
+    # gradients has it too, without a device synchronisation (speculation's early stops read it).
+    host_norms = False
 
     def __init__(self, *, release: bool):
         self.release = release
@@ -238,6 +242,10 @@ class Transport:
                 # summed on the host with an earlier micro-batch's).
                 norms = foreach_norm_fp32(grads)
                 link.norm = torch.stack(norms).double().square().sum()
+                if self.host_norms:
+                    if link.norm_host is None:
+                        link.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
+                    link.norm_host.copy_(link.norm.view(1), non_blocking=True)
             else:
                 link.norm = None
             self.record_d2h(bucket, stream)
@@ -261,6 +269,14 @@ class Transport:
         link = self._links[id(bucket)]
         if link.d2h is not None:
             link.d2h.synchronize()
+
+    def host_norm(self, bucket: FlatBucket) -> Optional[float]:
+        """The squared norm of the gradients backward streamed for the bucket, read on the host (None: not
+        known). Only after :meth:`wait_grads`, and with :attr:`host_norms`."""
+        link = self._links[id(bucket)]
+        if link.bucket.on_cpu or link.norm is None or link.norm_host is None:
+            return None
+        return float(link.norm_host[0])
 
     # -- gradients, at step() --------------------------------------------------------------------------------
     def receive(self, bucket: FlatBucket, *, fresh: bool = False) -> BucketGrads:
@@ -498,17 +514,19 @@ class Transport:
         if link.h2d is not None:
             link.h2d.synchronize()
 
-    def send_params(self, bucket: FlatBucket, indices: Sequence[int]) -> None:
+    def send_params(self, bucket: FlatBucket, indices: Sequence[int],
+                    srcs: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Make the updated values visible in the parameters ``indices``: on CUDA, async copies of the master or
         the staging copy on the upload stream, then an event the next kernel on this bucket waits for; on CPU,
         where the kernel already wrote the parameter's storage, only the autograd version bump an in-place op would
-        have made (so a stale saved tensor is still caught)."""
+        have made (so a stale saved tensor is still caught). ``srcs``: per parameter, where to upload from instead
+        of :attr:`FlatBucket.upload_views` (a speculative update's own low-precision output)."""
         params = bucket.params if len(indices) == len(bucket.params) else [bucket.params[i] for i in indices]
         if bucket.on_cpu:
             increment_version(params)
         else:
             stream = self.stream(bucket.device, upload=True)
-            srcs = bucket.upload_views
+            srcs = bucket.upload_views if srcs is None else srcs
             # no_grad here, not at the callers: grad mode is per thread, and overlap_step uploads from its worker.
             with torch.no_grad(), torch.cuda.stream(stream):
                 torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)

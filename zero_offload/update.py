@@ -152,6 +152,10 @@ class Immediate:
         """Whether the bucket's update for this step has already run."""
         return False
 
+    def observe(self, inv_scale: float, clip: Optional[Any]) -> None:
+        """``step()`` is about to :meth:`run` with this loss-scale inverse and this pending clip (a
+        ``PendingClip`` or None)."""
+
     def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
         """Update every bucket of ``plans`` not yet updated, and send the results back."""
         _ensure_amsgrad(state, hypers, plans)
@@ -323,12 +327,17 @@ class Delayed(Immediate):
 
 
 def make_mode(options: Options, transport: Transport,
-              early_update: Optional[Callable[[FlatBucket, int], None]] = None) -> Immediate:
-    """The schedule ``options`` ask for."""
+              early_update: Optional[Callable[[FlatBucket, int], None]] = None,
+              inputs: Optional[Callable[[int], Tuple[Hyper, str]]] = None) -> Immediate:
+    """The schedule ``options`` ask for (``inputs``: what speculation reads of a group, see
+    :class:`~zero_offload.speculation.Speculative`)."""
     if options.overlap_step:
         return Overlap(transport, early_update)
     if options.delayed_update:
         return Delayed(transport, options.delayed_exact_steps)
+    if options.speculates and inputs is not None:
+        from zero_offload.speculation import Speculative  # (it builds on this module)
+        return Speculative(transport, inputs)
     return Immediate(transport)
 
 
