@@ -81,10 +81,12 @@ def test_recipes_match_adamw_and_the_run_without_speculation(eager, recipe):
         assert_same(ours.model, ref.model, ours.opt, ref.opt, f"{recipe.name} step {step}")
         assert_bitwise(ours.model, plain.model, ours.opt, plain.opt, f"{recipe.name} step {step}")
     stats = ours.opt.speculation_stats
-    assert stats.speculated > 0, stats
+    # (A recipe that clips every step stops speculating from its second step on: the norm passes max_norm.)
+    assert stats.speculated > 0 or stats.not_started["stopped"] > 0, stats
     assert stats.commits + stats.rollbacks == stats.speculated, stats
-    if recipe.clip is None and recipe.scaler is None and recipe.scheduler is None:
-        # Nothing to refuse: every speculation is kept (the first step only refreshes the masters).
+    if recipe.clip is None and recipe.scaler is None and recipe.scheduler is None and recipe.accumulate == 1:
+        # Nothing to refuse: every speculation is kept (the first step only initialises the masters). (A second
+        # backward without no_sync is refused: test_a_second_backward_without_no_sync_is_not_speculated.)
         assert stats.rollbacks == 0 and stats.commits > 0, stats
 
 
