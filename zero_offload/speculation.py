@@ -173,7 +173,7 @@ class Speculative(Immediate):
         bucket = spec.bucket
         if spec.hyper.amsgrad and bucket.max_exp_avg_sq is None:
             return "amsgrad switched on"  # its buffer and state entries are made at step()
-        if any(p._version != v for p, v in zip(bucket.params, bucket.versions)):
+        if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
         sq = self.transport.host_norm(bucket)
         if sq is not None:
