@@ -316,3 +316,64 @@ def test_cpu_model_is_not_speculated():
     _loss(model, 0).backward()
     opt.step()
     assert opt.speculation_stats.speculated == 0 and not opt.speculation_stats.not_started
+
+
+# -- the step timeline -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize("clip", [None, 1e6])
+def test_host_waits_per_step_at_most_buckets_plus_two(eager, speculate, clip):
+    """Each bucket's gradient copy is waited for once per step (by the worker or by step()), plus the one fetch
+    of the GPU norms; an upload is waited for only if not complete, and a wait on an event already waited for
+    and not recorded since is not made."""
+    (model, opt), (plain_model, plain) = _pair()
+    if not speculate:
+        model, opt = plain_model, plain
+    opt.record_timeline()
+    for step in range(4):
+        opt.timeline()
+        opt.zero_grad()
+        _loss(model, step).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        events = opt.timeline()
+        if step == 0:
+            continue  # (the first step: masters initialised, and a clip re-reads the gradients for a scaler)
+        waits = [e for e in events if e.kind == "wait"]
+        assert len(waits) <= N_BUCKETS + 2, (step, [(e.what, e.bucket) for e in waits])
+        assert sorted(e.bucket for e in waits if e.what == "d2h") == list(range(N_BUCKETS))
+        kernels = [e for e in events if e.kind == "kernel"]
+        assert sorted(e.bucket for e in kernels) == list(range(N_BUCKETS))
+        if speculate:  # every kernel ran before step() began, in the order backward sent them
+            (step_event,) = [e for e in events if e.kind == "step"]
+            assert all(e.what == "speculative" and e.end <= step_event.start for e in kernels)
+            assert [e.bucket for e in kernels] == list(reversed(range(N_BUCKETS)))
+            assert sum(e.kind == "commit" for e in events) == N_BUCKETS
+    opt.record_timeline(False)
+    opt.zero_grad()
+    _loss(model, 9).backward()
+    opt.step()
+    assert opt.timeline() == []
+
+
+def test_timeline_shows_rollbacks_and_writes_a_chrome_trace(eager, tmp_path):
+    from zero_offload import timeline
+
+    (model, opt), _ = _pair()
+    opt.record_timeline()
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        if step == 2:
+            opt.clip_grad_norm_(1e-3)
+        opt.step()
+    events = opt.timeline()
+    rolled = [e for e in events if e.kind == "rollback"]
+    assert [e.what for e in rolled] == ["multiplier"] * N_BUCKETS
+    assert sum(e.kind == "copy" and e.what == "restore" for e in events) == N_BUCKETS
+    table = timeline.breakdown(events)
+    assert table["kernel speculative"]["count"] == 2 * N_BUCKETS and table["kernel step"]["count"] == 2 * N_BUCKETS
+    path = tmp_path / "trace.json"
+    timeline.chrome_trace(events, str(path))
+    import json
+    assert len(json.loads(path.read_text())["traceEvents"]) == len(events)

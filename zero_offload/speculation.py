@@ -42,6 +42,7 @@ import torch
 from zero_offload.buckets import MOMENTS, FlatBucket, view_like
 from zero_offload.checkpoint import expose
 from zero_offload.options import Hyper
+from zero_offload.timeline import span
 from zero_offload.transport import BucketGrads, PendingClip, Plans, Transport
 from zero_offload.update import Immediate, State, _ensure_amsgrad, _kernel, _Worker, update_bucket
 
@@ -153,14 +154,17 @@ class Speculative(Immediate):
             spec.skipped = "no gradient"
             return
         transport.before_update(bucket)  # the last upload may still be reading staging or master
-        undo = self._save(bucket, spec.hyper.amsgrad)
+        with span(transport.timeline, "copy", "save", bucket):
+            undo = self._save(bucket, spec.hyper.amsgrad)
         full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
         flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper.amsgrad)}
         if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
             flat["staging"] = undo["out"]
         spec.steps = bucket.steps.clone()
         try:
-            _kernel(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, full, into=(flat, bucket.scales))
+            with span(transport.timeline, "kernel", "speculative", bucket):
+                _kernel(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, full,
+                        into=(flat, bucket.scales))
         except BaseException:
             self._restore(bucket, spec.hyper.amsgrad)
             raise
@@ -251,7 +255,10 @@ class Speculative(Immediate):
         if spec.runs is None:
             return
         if restore:
-            self._restore(spec.bucket, spec.hyper.amsgrad)
+            with span(self.transport.timeline, "copy", "restore", spec.bucket):
+                self._restore(spec.bucket, spec.hyper.amsgrad)
+        if self.transport.timeline is not None:
+            self.transport.timeline.mark("rollback", reason, spec.bucket)
         spec.runs = None
         self.stats.rollbacks += 1
         self.stats.reasons[reason] += 1
@@ -307,6 +314,8 @@ class Speculative(Immediate):
             out = self._undo[id(bucket)]["out"]
             srcs = [view_like(out, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
         self.transport.send_params(bucket, list(indices), srcs)
+        if self.transport.timeline is not None:
+            self.transport.timeline.mark("commit", "", bucket)
         spec.runs = None
         self.stats.commits += 1
 

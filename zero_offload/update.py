@@ -17,6 +17,7 @@ from zero_offload import functional
 from zero_offload.buckets import MOMENTS, FlatBucket, view_like
 from zero_offload.checkpoint import Ahead, expose
 from zero_offload.options import Hyper, Options
+from zero_offload.timeline import span
 from zero_offload.transport import BucketGrads, Plans, Transport
 
 __all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "preview_bucket", "update_bucket",
@@ -57,7 +58,8 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
     full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
     indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
     bucket.refresh_masters(indices)
-    _kernel(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier, full)
+    with span(transport.timeline, "kernel", "step", bucket):
+        _kernel(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier, full)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
