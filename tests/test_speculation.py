@@ -377,3 +377,11 @@ def test_timeline_shows_rollbacks_and_writes_a_chrome_trace(eager, tmp_path):
     timeline.chrome_trace(events, str(path))
     import json
     assert len(json.loads(path.read_text())["traceEvents"]) == len(events)
+
+
+def test_no_speculation_without_host_memory_for_the_undo_buffers(eager, monkeypatch):
+    monkeypatch.setattr(speculation, "available_host_bytes", lambda: 1000)
+    pairs = _pair()
+    _drive(pairs, 3)
+    stats = pairs[0][1].speculation_stats
+    assert stats.speculated == 0 and stats.not_started["host memory"] == 2 * N_BUCKETS, stats

@@ -41,6 +41,7 @@ import torch
 
 from zero_offload.buckets import MOMENTS, FlatBucket, view_like
 from zero_offload.checkpoint import expose
+from zero_offload.host_memory import available_host_bytes
 from zero_offload.options import Hyper
 from zero_offload.timeline import span
 from zero_offload.transport import BucketGrads, PendingClip, Plans, Transport
@@ -66,7 +67,7 @@ class SpeculationStats:
         not_started (Counter[str]): buckets sent but not speculated, by reason (``"stopped"``: an inf/nan or a
             norm over ``max_norm`` earlier in the step; ``"queued at step()"``: ``step()`` came first, the bucket
             is updated there; ``"masters refresh"``: a parameter was changed outside the optimizer;
-            ``"sent again"``...).
+            ``"sent again"``; ``"host memory"``: no room for the bucket's undo buffer...).
     """
 
     speculated: int = 0
@@ -156,6 +157,9 @@ class Speculative(Immediate):
         transport.before_update(bucket)  # the last upload may still be reading staging or master
         with span(transport.timeline, "copy", "save", bucket):
             undo = self._save(bucket, spec.hyper.amsgrad)
+        if undo is None:
+            spec.skipped = "host memory"
+            return
         full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
         flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper.amsgrad)}
         if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
@@ -191,10 +195,17 @@ class Speculative(Immediate):
                 return "stopped"
         return None
 
-    def _save(self, bucket: FlatBucket, amsgrad: bool) -> Dict[str, torch.Tensor]:
-        """Copy what the kernel will change into the bucket's undo buffers (allocated at its first speculation)."""
+    def _save(self, bucket: FlatBucket, amsgrad: bool) -> Optional[Dict[str, torch.Tensor]]:
+        """Copy what the kernel will change into the bucket's undo buffers (allocated at its first speculation;
+        None: not, as the host could not spare twice their size)."""
         undo = self._undo.get(id(bucket))
         if undo is None or (amsgrad and "max_exp_avg_sq" not in undo):
+            need = sum(buf.nbytes for _, buf in _state_buffers(bucket, True)) + (
+                bucket.layout.padded_numel * bucket.dtype.itemsize if bucket.low_precision else 0)
+            avail = available_host_bytes()
+            # An optional speedup must never be what pushes the host into the OOM killer.
+            if avail is not None and 2 * need > avail:
+                return None
             undo = {name: torch.empty_like(buf) for name, buf in _state_buffers(bucket, True)}
             if bucket.low_precision:
                 undo["out"] = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype)
