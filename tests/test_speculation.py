@@ -62,11 +62,8 @@ def assert_bitwise(model, other, opt, other_opt, where):
 
 
 # -- the recipes of the streamed/optimizer tests --------------------------------------------------------------------
-SPEC_RECIPES = [r for r in CUDA_RECIPES if r.name in (
-    "adamw+release", "amsgrad+release", "clip+release", "accumulate+release", "closure+release",
-    "add_param_group+release", "adamw", "tensor_lr", "maximize", "clip", "clip_inf_norm", "accumulate",
-    "zero_grad_keep", "scaler", "scaler_unscale_clip", "scaler_fused_clip", "warmup_cosine", "plateau",
-    "accumulate_no_sync+release")]
+# Every recipe of the CUDA-branch tests (the streamed ones: speculate=True refuses stream_grads=False).
+SPEC_RECIPES = [r for r in CUDA_RECIPES if r.ours_kw.get("stream_grads") is not False]
 
 
 @pytest.mark.parametrize("recipe", SPEC_RECIPES, ids=lambda r: r.name)

@@ -70,7 +70,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         release_grads (bool): with streaming, set ``p.grad`` to None once its copy is under way (then clip only
             with :meth:`clip_grad_norm_`, and no ``GradScaler``). Default: False.
         overlap_step (bool): update each streamed bucket during backward (needs ``nonfinite="ignore"``; no
-            clipping or ``GradScaler``). Default: False.
+            clipping or ``GradScaler``). Redundant with ``speculate``, which does the same exactly and with all
+            three; kept for compatibility. Default: False.
         delayed_update (bool or int): apply each step's update one step late, overlapped with the next forward
             and backward (parameters one step stale). An int N >= 1: the first N steps are exact (AdamW's), the
             later ones delayed; the README's "Delayed update: what the stale step costs" measures it.
