@@ -41,7 +41,7 @@ import torch
 
 from zero_offload.buckets import MOMENTS, FlatBucket, view_like
 from zero_offload.checkpoint import expose
-from zero_offload.host_memory import available_host_bytes
+from zero_offload.host_memory import available_host_bytes, empty_host
 from zero_offload.options import Hyper
 from zero_offload.timeline import span
 from zero_offload.transport import BucketGrads, PendingClip, Plans, Transport
@@ -207,8 +207,8 @@ class Speculative(Immediate):
             if avail is not None and 2 * need > avail:
                 return None
             undo = {name: torch.empty_like(buf) for name, buf in _state_buffers(bucket, True)}
-            if bucket.low_precision:
-                undo["out"] = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype)
+            if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
+                undo["out"] = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
             self._undo[id(bucket)] = undo
         for name, buf in _state_buffers(bucket, amsgrad):
             undo[name].copy_(buf)
