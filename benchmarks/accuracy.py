@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         model = copy.deepcopy(base)
         opt = make(param_groups(model, 0.1))
         if isinstance(opt, OffloadOptimizer):
-            est = opt.host_memory_estimate()
+            est = opt.estimate_host_memory()
             moments[name] = sum(v for k, v in est.buffers.items() if k.startswith(("exp_avg", "max_exp_avg"))) / n
         results[name] = train(name, model, opt, data, args, device)
         del model, opt

@@ -17,7 +17,9 @@ less (16.25 B: one byte per moment each way plus a 4-byte scale per 64 elements 
 bytes per element, ns per element, GB/s, and "x fp32 state": its time per element over ours with fp32 moments in
 the same rounds (below 1 is faster). The ceiling is the best of three streaming kernels (in-place scale, copy,
 triad) at the same size and thread count. Candidates and ceiling kernels run interleaved, round by round, and
-medians are reported (--stat min for the best round), because shared machines drift.
+medians are reported (--stat min for the best round), because shared machines drift. A ceiling that cannot be
+one (not measured, under 0.5 GB/s, or beaten by more than 10% by a candidate of the same rounds: its rounds were
+disturbed by other load) is reported as invalid, with the reason, instead of as a percentage.
 
     python benchmarks/cpu_adam.py                  # 1M..200M elements, 1..all threads
     python benchmarks/cpu_adam.py --quick          # small sizes, a smoke run
@@ -170,21 +172,56 @@ def run(args):
                         t0 = time.perf_counter()
                         fn()
                         times[name].append(time.perf_counter() - t0)
-                stat = min if args.stat == "min" else statistics.median
-                ceiling = max(ceiling_rounds) if args.stat == "min" else statistics.median(ceiling_rounds)
-                ours_t = stat(times["zero_offload"])
-                for name, ts in times.items():
-                    t = stat(ts)
-                    nbytes = cands[name][1]
-                    gbps = n * nbytes / t / 1e9
-                    rows.append(dict(path=path, elements=n, threads=threads, candidate=name, seconds=t,
-                                     bytes_per_elem=nbytes, ns_per_elem=t / n * 1e9,
-                                     melem_per_s=n / t / 1e6, gb_per_s=gbps, ceiling_gb_per_s=ceiling,
-                                     fraction_of_ceiling=gbps / ceiling, ours_speedup=t / ours_t))
-                print_rows([r for r in rows if r["path"] == path and r["elements"] == n and r["threads"] == threads])
+                point = point_rows(args.stat, dict(path=path, elements=n, threads=threads), times,
+                                   {name: c[1] for name, c in cands.items()}, ceiling_rounds)
+                print_rows(point)
+                rows += point
             del cands, ceilings
             gc.collect()
     return rows
+
+
+# No machine this runs on streams below this; a ceiling under it is a stalled measurement, not a bandwidth.
+MIN_PLAUSIBLE_GBPS = 0.5
+# A candidate may beat a streaming kernel by a little (its traffic is counted logically, caches help both); by more
+# than this, the ceiling's rounds were disturbed (other load on the machine), not the candidate's.
+MAX_FRACTION = 1.10
+
+
+def ceiling_problem(ceiling, gbps):
+    """Why the ceiling measured at one point cannot serve as one (None if it can): not measured, implausibly low,
+    or beaten by a candidate measured in the same rounds."""
+    if not ceiling or ceiling != ceiling or ceiling == float("inf"):
+        return "not measured"
+    if ceiling < MIN_PLAUSIBLE_GBPS:
+        return f"{ceiling:.2f} GB/s is implausibly low: a stalled measurement (other load?)"
+    name, best = max(gbps.items(), key=lambda kv: kv[1])
+    if best > MAX_FRACTION * ceiling:
+        return (f"{name} ran at {best / ceiling:.1f}x it: the ceiling's rounds were disturbed (other load?); "
+                "rerun on a quiet machine or with --stat min")
+    return None
+
+
+def point_rows(stat_name, where, times, bytes_per_elem, ceiling_rounds):
+    """One row per candidate at one (path, size, threads) point; the ceiling and each fraction of it only where
+    the ceiling is valid (else None, with the reason in ``ceiling_problem``)."""
+    stat = min if stat_name == "min" else statistics.median
+    ceiling = max(ceiling_rounds) if stat_name == "min" else statistics.median(ceiling_rounds)
+    n, ours_t = where["elements"], stat(times["zero_offload"])
+    t = {name: stat(ts) for name, ts in times.items()}
+    gbps = {name: n * bytes_per_elem[name] / t[name] / 1e9 for name in times}
+    problem = ceiling_problem(ceiling, gbps)
+    return [dict(where, candidate=name, seconds=t[name], bytes_per_elem=bytes_per_elem[name],
+                 ns_per_elem=t[name] / n * 1e9, melem_per_s=n / t[name] / 1e6, gb_per_s=gbps[name],
+                 ceiling_gb_per_s=None if problem else ceiling, ceiling_measured_gb_per_s=ceiling,
+                 ceiling_problem=problem, fraction_of_ceiling=None if problem else gbps[name] / ceiling,
+                 ours_speedup=t[name] / ours_t) for name in times]
+
+
+def _of_ceiling(r, width=5):
+    if r["ceiling_problem"]:
+        return f"{'-':>{width}}  (ceiling invalid)"
+    return f"{100 * r['fraction_of_ceiling']:{width}.1f}% of {r['ceiling_gb_per_s']:.1f} GB/s"
 
 
 def machine_info():
@@ -197,8 +234,9 @@ def print_rows(rows):
     for r in rows:
         print(f"{r['path']:8s} {r['elements']:>11,d} el {r['threads']:>2d} thr  {r['candidate']:17s} "
               f"{r['bytes_per_elem']:6.2f} B/el {r['ns_per_elem']:6.3f} ns/el {r['melem_per_s']:6.0f} Melem/s "
-              f"{r['gb_per_s']:6.1f} GB/s  {100 * r['fraction_of_ceiling']:5.1f}% of {r['ceiling_gb_per_s']:.1f} GB/s  "
-              f"x{r['ours_speedup']:.2f} fp32 state", flush=True)
+              f"{r['gb_per_s']:6.1f} GB/s  {_of_ceiling(r)}  x{r['ours_speedup']:.2f} fp32 state", flush=True)
+    if rows and rows[0]["ceiling_problem"]:
+        print(f"  bandwidth ceiling invalid here: {rows[0]['ceiling_problem']}", flush=True)
 
 
 def markdown(rows, info):
@@ -210,9 +248,17 @@ def markdown(rows, info):
     for r in rows:
         lines.append(f"| {r['path']} | {r['elements']:,} | {r['threads']} | {r['candidate']} | "
                      f"{r['bytes_per_elem']:.2f} | {r['ns_per_elem']:.3f} | "
-                     f"{r['melem_per_s']:.0f} | {r['gb_per_s']:.1f} | {100 * r['fraction_of_ceiling']:.0f}% "
-                     f"(of {r['ceiling_gb_per_s']:.1f}) | {r['ours_speedup']:.2f}x |")
+                     f"{r['melem_per_s']:.0f} | {r['gb_per_s']:.1f} | {_md_of_ceiling(r)} | {r['ours_speedup']:.2f}x |")
+    bad = {r["ceiling_problem"] for r in rows if r["ceiling_problem"]}
+    if bad:
+        lines += ["", "Ceiling invalid where marked: " + "; ".join(sorted(bad))]
     return "\n".join(lines) + "\n"
+
+
+def _md_of_ceiling(r):
+    if r["ceiling_problem"]:
+        return "n/a (ceiling invalid)"
+    return f"{100 * r['fraction_of_ceiling']:.0f}% (of {r['ceiling_gb_per_s']:.1f})"
 
 
 def chart(rows, path_png):
@@ -231,7 +277,8 @@ def chart(rows, path_png):
         for name in dict.fromkeys(r["candidate"] for r in sel):
             pts = sorted((r["elements"], r["melem_per_s"]) for r in sel if r["candidate"] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ceil = sorted({(r["elements"], r["ceiling_gb_per_s"] * 1e3 / BYTES_PER_ELEM) for r in sel})
+        ceil = sorted({(r["elements"], r["ceiling_gb_per_s"] * 1e3 / BYTES_PER_ELEM) for r in sel
+                       if not r["ceiling_problem"]})
         ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", label="bandwidth ceiling")
         ax.set_xscale("log")
         ax.set_xlabel("elements")

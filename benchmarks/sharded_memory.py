@@ -52,7 +52,7 @@ def worker(rank, world, port, numel, dtype, queue):
         for t in b.values():
             t.zero_()
     grown = rss_bytes() - before
-    est = opt.host_memory_estimate()
+    est = opt.estimate_host_memory()
     counted = sum(t.numel() * t.element_size() for name, b in
                   ((n, t) for bufs in opt.host_buffers() for n, t in bufs.items())
                   for t in [b] if name in ("master", "exp_avg", "exp_avg_sq"))
@@ -79,9 +79,10 @@ def measure(world, numel, dtype):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--numel", type=int, default=50_000_000)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=50_000_000, help="parameters of the model (default: 50_000_000)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                    help="the parameters' dtype (default: bf16, so the fp32 masters are buffers of their own)")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "

@@ -7,7 +7,7 @@ under DDP (the usual data-parallel baseline, full state on every rank) measured 
 The model is a stack of ``width x width`` fp32 linear layers (one bucket each with the default ``--bucket``), so
 backward produces buckets one after another, as a transformer's blocks do. Each rank trains on its own batch;
 reported: median time of forward + backward + clip + step (first two steps dropped), and that time relative to
-the first variant. Timings on a shared 2-core VM drift; compare the ratios of one run.
+the first variant. Timings on a busy or shared machine drift; compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -74,11 +74,11 @@ def worker(rank, world, port, args, queue):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=12)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=1024, help="width of each square linear layer (default: 1024)")
+    ap.add_argument("--layers", type=int, default=8, help="linear layers (default: 8)")
+    ap.add_argument("--batch", type=int, default=256, help="rows per rank and step (default: 256)")
+    ap.add_argument("--steps", type=int, default=12, help="steps per variant; the first two are not timed (default: 12)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: 2 ranks, 2 cores)")
     ap.add_argument("--bucket", type=int, default=1 << 20, help="bucket_numel (default 2**20: a layer a bucket)")
     args = ap.parse_args()

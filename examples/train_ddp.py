@@ -9,13 +9,15 @@ Launch one process per GPU (or, without GPUs, per CPU worker)::
 A small GPT-style model learns a synthetic task (predict the next token of noisy repeated patterns); each rank
 trains on its own part of every global batch, and the loss averaged over the ranks is printed by rank 0. Every
 rank keeps 1/N of the fp32 masters and Adam moments in its host memory. Halfway, the optimizer state is saved with
-``torch.distributed.checkpoint`` (sharded, reshardable: it could resume on any number of ranks) and loaded back.
+``torch.distributed.checkpoint`` (sharded, reshardable: it could resume on any number of ranks) into a temporary
+folder, loaded back, and the folder removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -98,16 +100,30 @@ def main() -> None:
                            stream_grads=True if args.stream else None, release_grads=not args.ddp)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
     if rank == 0:
-        est = opt.host_memory_estimate()
+        est = opt.estimate_host_memory()
         n = sum(p.numel() for p in model.parameters())
         print(f"world {world} ({'nccl' if cuda else 'gloo'}{', DDP' if args.ddp else ''}"
               f"{', streamed' if not args.ddp and (cuda or args.stream) else ''}): {n:,} parameters, "
               f"optimizer state on this rank {est.state_bytes / n:.2f} bytes/param (12/{world} = {12 / world:.2f})")
 
-    ckpt = tempfile.mkdtemp(prefix="zero_offload_dcp_") if rank == 0 else None
-    holder = [ckpt]
+    ckpt = shared_checkpoint_dir(rank)
+    try:
+        train(args, net, opt, sched, ckpt, rank, world, device, cuda)
+    finally:
+        if rank == 0:  # every rank has loaded the checkpoint: each step's all_reduce comes after it
+            shutil.rmtree(ckpt, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def shared_checkpoint_dir(rank: int) -> str:
+    """A temporary folder made by rank 0 (one node: every rank sees it), its name sent to the others."""
+    holder = [tempfile.mkdtemp(prefix="zero_offload_dcp_") if rank == 0 else None]
     dist.broadcast_object_list(holder)
-    ckpt = holder[0]
+    return holder[0]
+
+
+def train(args, net, opt, sched, ckpt, rank, world, device, cuda) -> None:
+    """The training loop; halfway, the sharded optimizer state goes through ``torch.distributed.checkpoint``."""
     for step in range(args.steps):
         x, y = batch(step, rank, world, args.global_batch, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -126,7 +142,6 @@ def main() -> None:
         dist.all_reduce(mean)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {mean.item() / world:.3f}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

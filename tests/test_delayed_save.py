@@ -154,7 +154,7 @@ def test_delayed_checkpoint_loads_into_adamw_and_a_non_delayed_optimizer(where):
     ours_model.load_state_dict(ckpt["model"])
     ours = OffloadOptimizer(ours_model.parameters(), lr=LR)
     ours.load_state_dict(ckpt["opt"])
-    # torch.optim.AdamW knows nothing of ``param``: write it into the parameters (the README's recipe).
+    # torch.optim.AdamW knows nothing of ``param``: write it into the parameters (the recipe in docs/checkpoints.md).
     adamw_model.load_state_dict(ckpt["model"])
     sd = copy.deepcopy(ckpt["opt"])
     with torch.no_grad():

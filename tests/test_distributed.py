@@ -234,7 +234,7 @@ def _trajectory(rank, world, variant):
     assert 0 < aux_steps < STEPS or not v.get("set_to_none", True) or v.get("accumulate", 1) > 1, (variant, aux_steps)
     # Each rank holds a 1/world shard of the state.
     numel = sum(p.numel() for p in model.parameters())
-    est = opt.host_memory_estimate()
+    est = opt.estimate_host_memory()
     return est.state_bytes / numel
 
 

@@ -467,6 +467,6 @@ def test_delayed_update_host_memory_estimate_counts_its_second_gradient_buffer()
     model = _bucketed_model()
     est = OffloadOptimizer.estimate_host_memory(model.parameters(), delayed_update=True)
     opt = OffloadOptimizer(model.parameters(), delayed_update=True)
-    assert est.total_bytes == opt.host_memory_estimate().total_bytes
+    assert est.total_bytes == opt.estimate_host_memory().total_bytes
     assert est.buffers["grad_prev"] == est.buffers["grad"] > 0
     assert est.total_bytes == sum(t.numel() * t.element_size() for b in opt.host_buffers() for t in b.values())

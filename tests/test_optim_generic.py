@@ -5,7 +5,7 @@ wheel), ported to run against OffloadOptimizer on the CPU and driven by AdamW's 
 
 Where the original compares an optimizer with itself under another implementation flag (foreach or fused against
 the for-loop), the port compares with ``torch.optim.AdamW(foreach=False)`` instead, at default fp32 tolerance.
-Every case passes or is skipped with the reason of its row in the README's "Differences from AdamW".
+Every case passes or is skipped with the reason of its row in docs/differences.md.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from torch.testing._internal import common_optimizers as co  # noqa: E402
 ADAMW = next(info for info in co.optim_db if info.optim_cls is torch.optim.AdamW)
 F32 = torch.float32
 
-# The README's rows, as skip reasons.
-DIFFERENTIABLE = "README, Differences from AdamW: differentiable=True is refused (the update runs outside autograd)"
-DUPLICATE = "README, Differences from AdamW: a parameter twice in one group raises ValueError (AdamW warns)"
-COMPLEX = "README, Differences from AdamW: complex parameters are refused"
-DEEPCOPY = "README, Differences from AdamW: the optimizer cannot be deep-copied or pickled"
-PARAM_GROUPS = "README, Differences from AdamW: editing param_groups is refused at step() and state_dict()"
+# The rows of docs/differences.md, as skip reasons.
+DIFFERENTIABLE = "docs/differences.md: differentiable=True is refused (the update runs outside autograd)"
+DUPLICATE = "docs/differences.md: a parameter twice in one group raises ValueError (AdamW warns)"
+COMPLEX = "docs/differences.md: complex parameters are refused"
+DEEPCOPY = "docs/differences.md: the optimizer cannot be deep-copied or pickled"
+PARAM_GROUPS = "docs/differences.md: editing param_groups is refused at step() and state_dict()"
 
 
 def _inputs(cliquey: bool):

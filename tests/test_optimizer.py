@@ -496,7 +496,7 @@ def test_host_memory_estimate_is_exact_and_logged(caplog):
         for name, t in buffers.items():
             actual[name] = actual.get(name, 0) + t.nbytes
     assert {k: v for k, v in estimate.buffers.items() if v} == actual
-    assert estimate == opt.host_memory_estimate()
+    assert estimate == opt.estimate_host_memory()
     n = sum(p.numel() for g in groups for p in g["params"])
     assert estimate.numel == n
     # fp32 master + 2 moments = 12 B/element (+4 for amsgrad's max on the bf16 group), gradients besides.
@@ -621,7 +621,7 @@ def test_cuda_buffers_are_pinned_at_exact_size_and_unregistered_when_freed():
     opt = OffloadOptimizer(param_groups(model))
     for buffers in opt.host_buffers():
         assert all(b.is_pinned() for b in buffers.values())
-    assert opt.host_memory_estimate().pinned_bytes == opt.host_memory_estimate().total_bytes
+    assert opt.estimate_host_memory().pinned_bytes == opt.estimate_host_memory().total_bytes
 
 
 # ------------------------------------------------------------------------------------------------- bad input --
@@ -925,3 +925,19 @@ def test_construction_refuses_what_cannot_fit_in_host_ram_before_allocating(monk
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
         OffloadOptimizer([w], amsgrad=True)
     assert "allocating anyway" in caplog.text
+
+
+def test_estimate_host_memory_is_one_name_before_and_after_construction():
+    """``OffloadOptimizer.estimate_host_memory(params)`` plans, ``opt.estimate_host_memory()`` measures the buffers
+    held; the old second name still answers, with a FutureWarning pointing at the documented one."""
+    model = nn.Sequential(nn.Linear(7, 13), nn.Linear(13, 3))
+    planned = OffloadOptimizer.estimate_host_memory(model.parameters(), amsgrad=True)
+    opt = OffloadOptimizer(model.parameters(), amsgrad=True)
+    assert opt.estimate_host_memory() == planned
+    assert opt.estimate_host_memory(model.parameters(), amsgrad=True) == planned  # planning through an instance
+    with pytest.raises(TypeError, match="takes no options"):
+        opt.estimate_host_memory(amsgrad=False)
+    with pytest.warns(FutureWarning, match=r"use|call opt\.estimate_host_memory\(\)"):
+        assert opt.host_memory_estimate() == planned
+    assert "Two ways to ask, one name" in OffloadOptimizer.estimate_host_memory.__doc__
+    assert opt.estimate_host_memory.__doc__ == OffloadOptimizer.estimate_host_memory.__doc__

@@ -302,7 +302,7 @@ def test_host_memory_estimate_is_the_allocated_buffers(kind, amsgrad):
         for name, t in bufs.items():
             actual[name] = actual.get(name, 0) + t.nbytes
     assert {k: v for k, v in est.buffers.items() if v} == actual
-    assert est == opt.host_memory_estimate()
+    assert est == opt.estimate_host_memory()
     moment = {"float32": 4, "bfloat16": 2, "int8": 1}[kind]
     n = est.padded_numel
     assert est.buffers["exp_avg"] == est.buffers["exp_avg_sq"] == moment * n
@@ -406,7 +406,7 @@ def test_gradient_copies_wait_for_the_upload_of_the_parameters_sharing_their_buf
     torch.manual_seed(0)
     model = TinyTransformer().bfloat16()
     opt = OffloadOptimizer(param_groups(model), state_dtype=torch.int8)
-    est = opt.host_memory_estimate()
+    est = opt.estimate_host_memory()
     assert est.buffers["staging"] == 0 and "staging" not in opt.host_buffers()[0]
     for step in range(3):
         opt.zero_grad()

@@ -64,7 +64,7 @@ def test_cpu_plan_matches_a_real_optimizer_and_a_real_adamw(dtype, amsgrad):
     assert plan == memory_plan(params, device="cpu", amsgrad=amsgrad, bucket_numel=500)
 
     opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500)
-    assert plan.host == opt.host_memory_estimate()
+    assert plan.host == opt.estimate_host_memory()
     assert len(opt.host_buffers()) > 1  # bucket_numel=500 cuts this model into several buckets
     host = dict(plan.ours["host"])
     assert host.pop("gradients") == sum(p.nbytes for p in params)
@@ -93,7 +93,7 @@ def test_cpu_plan_per_state_dtype_is_the_buffers_a_real_optimizer_allocates(dtyp
     meta = [torch.empty_like(p, device="meta") for p in params]
     plan = memory_plan(meta, device="cpu", amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
     opt = OffloadOptimizer(params, amsgrad=amsgrad, bucket_numel=500, state_dtype=state_dtype)
-    assert plan.host == opt.host_memory_estimate()
+    assert plan.host == opt.estimate_host_memory()
     host = dict(plan.ours["host"])
     host.pop("gradients")
     assert host == buffer_bytes(opt)
@@ -132,7 +132,7 @@ def test_cuda_plan_matches_a_real_cuda_optimizer(dtype):
     params = list(model.parameters())
     plan = memory_plan([torch.empty_like(p, device="meta") for p in params], device="cuda", bucket_numel=500)
     opt = OffloadOptimizer(params, bucket_numel=500)
-    assert plan.host == opt.host_memory_estimate()
+    assert plan.host == opt.estimate_host_memory()
     assert plan.ours["host"] == buffer_bytes(opt)
     assert all(t.is_pinned() for buffers in opt.host_buffers() for t in buffers.values())
 
@@ -252,7 +252,27 @@ def test_cli_json_and_gpu_verdict(capsys):
     assert data["capacity"]["gpu_bytes"] == 80 * 10**9 and data["verdict"]["gpu_fits"] is True
     main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "24GiB"])
     out = capsys.readouterr().out
-    assert "GPU verdict      24.0 GiB per GPU: OffloadOptimizer does NOT fit, torch.optim.AdamW does NOT fit" in out
+    assert "GPU verdict      25.8 GB (24.0 GiB) per GPU: OffloadOptimizer does NOT fit, torch.optim.AdamW does NOT " \
+        "fit" in out
+    main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "80GB"])
+    assert "GPU verdict      80.0 GB (74.5 GiB) per GPU: OffloadOptimizer fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, expected", [("80GB", 80 * 10**9), ("80gb", 80 * 10**9), ("80GiB", 80 * 2**30),
+                                            ("24 GiB", 24 * 2**30), ("8e10", 8 * 10**10), ("1000", 1000),
+                                            ("1.5TB", 15 * 10**11), ("512MiB", 2**29)])
+def test_gpu_memory_units(text, expected):
+    from zero_offload.report import _bytes_arg
+
+    assert _bytes_arg(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80G", "80 gigs", "GB", "0x10"])
+def test_gpu_memory_without_a_clear_unit_is_refused(text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--params", "7B", "--gpu-memory", text])
+    assert exc.value.code == 2
+    assert "Invalid size" in capsys.readouterr().err
 
 
 def test_help_is_plain_text_and_python_m_zero_offload_works():

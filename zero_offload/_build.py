@@ -3,31 +3,68 @@
 Nothing here runs at import. ``load_native()`` is called on the first kernel call and caches its outcome:
 
 1. ``zero_offload._C``, compiled ahead of time by ``ZERO_OFFLOAD_BUILD_EXT=1 pip install .``;
-2. a JIT build with ninja through ``torch.utils.cpp_extension.load`` into a cache folder keyed by a hash of the
-   sources' content, flags, torch and Python versions (not by where the sources are: every venv and checkout
-   with the same sources shares one build), so a rebuild happens exactly when one of them changes;
-   two log records (logger ``zero_offload``, WARNING) say that it is compiling and how long it took;
-3. if that fails (no compiler, no ninja, a compile error), ``None``, with the reason kept in ``status()`` and
-   one warning. Import never breaks.
+2. a JIT build (ninja, through ``torch.utils.cpp_extension.load``) into a cache shared by every process, venv and
+   checkout of this machine, described below;
+3. if that fails (no compiler, no ninja, a compile error, a build lock held too long), ``None``, with the reason
+   kept in ``status()`` and one warning. Import never breaks.
 
 Both builds use portable flags (no ``-march=native``): each ISA's kernel is its own translation unit compiled
 under ``#pragma GCC target`` and the CPU is asked at run time which to use.
+
+The JIT cache, and why it is not torch's own
+--------------------------------------------
+``torch.utils.cpp_extension.load`` serialises builders with a ``FileBaton``: a ``lock`` file created with
+``O_EXCL`` in the build folder and deleted when the build ends. A process killed by a signal (``timeout``, a
+scheduler's time limit, the OOM killer) never deletes it, and every later ``load`` of that folder waits for it to
+disappear, forever. Its folder is also rebuilt in place: ``build.ninja`` records the absolute paths of the torch
+it was written for, so two venvs sharing the folder rebuild it on every switch. Here instead:
+
+* **Content-keyed folders, finished before they appear.** ``<root>/<key>/`` holds one finished build. The key
+  hashes what changes the binary (:func:`build_inputs`): the sources' content and flags, the compiler's identity
+  and version, torch's version, git revision and C++ ABI, and the Python ABI. Paths are left out on purpose (of
+  the sources, the venv, torch's headers and libraries): two venvs with the same torch build and the same
+  compiler share one build. A build runs in a private temporary folder (``<root>/.build-<key>-*``) and is
+  renamed into place whole, with a ``manifest.json``, once it has been compiled and imported; ``rename`` is
+  atomic, so a reader sees either no folder or a finished one and never waits for a writer, nor runs ninja.
+* **A lock a dead process cannot hold.** Builders of one key take ``fcntl.flock`` on ``<root>/<key>.lock`` (the
+  kernel drops the lock when its holder dies, however it dies; the file itself is left in place and means
+  nothing on its own, so a stale one never blocks). A waiter polls: when the folder appears it loads it; after
+  ``ZERO_OFFLOAD_BUILD_WAIT`` seconds (default 600, about three times the slowest build seen on a loaded 2-core
+  machine) it gives up and takes the fallback, naming the lock, its holder and how long it has held it. The
+  lock holder clears what killed builders left behind (their temporary folders) before it starts.
+* **The root** is ``ZERO_OFFLOAD_CACHE_DIR`` if set, else ``$TORCH_EXTENSIONS_DIR/zero_offload``, else
+  ``zero_offload`` in torch's default extension folder (``~/.cache/torch_extensions/...``).
+* **Said, not silent.** A build logs (logger ``zero_offload``, WARNING, so it shows when logging is left
+  unconfigured) that it starts and why (first use, sources changed, another torch, compiler or Python), and
+  how long it took; :func:`status` (and ``python -m zero_offload.report``) says whether this process loaded a
+  prebuilt module, a cached build (when and by which interpreter it was built) or built it now (and why).
+
+The compile itself runs in a child Python process, so this process imports the module only from its final
+place (``torch.utils.cpp_extension.load`` imports what it builds: in the child, that checks the build loads).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.util
+import json
 import logging
 import os
+import platform
 import shutil
+import socket
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 EXTENSION_NAME = "zero_offload_cpu_adam"
 SOURCES = ("cpu_adam.cpp", "bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
@@ -35,16 +72,41 @@ HEADERS = ("cpu_adam.h", "kernel_args.h", "simd.h", "cpu_adam_kernel.h")
 # -fopenmp: at::parallel_for is inline OpenMP code; without it the kernel silently runs on one thread.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+# Bumped when the cache's layout changes, so an older zero_offload's folders are never taken for ours.
+CACHE_LAYOUT = 2
+MANIFEST = "manifest.json"
+DEFAULT_BUILD_WAIT = 600.0
 
 
 @dataclasses.dataclass
 class BuildStatus:
-    """What happened when the native kernel was asked for."""
+    """What happened when the native kernel was asked for.
 
-    state: str = "not loaded yet"  # "prebuilt", "jit-built", "jit-cached", "failed", "not loaded yet"
+    Attributes:
+        state (str): ``"prebuilt"`` (``zero_offload._C``), ``"jit-cached"`` (a finished build loaded from the
+            cache), ``"jit-built"`` (compiled by this process, now), ``"failed"`` or ``"not loaded yet"``.
+        detail (str): for ``jit-built`` why it was built, for ``jit-cached`` when and by which interpreter, for
+            ``failed`` the reason, for ``prebuilt`` the module's file.
+        seconds (float): how long this process spent building (``jit-built``) or waiting and loading.
+        cache_dir (str, optional): the build's folder in the cache.
+    """
+
+    state: str = "not loaded yet"
     detail: str = ""
     seconds: float = 0.0
     cache_dir: Optional[str] = None
+
+    def summary(self) -> str:
+        """One line for reports, e.g. ``jit-built now in 91.2 s (first use: ...)`` or ``failed: <reason>``."""
+        if self.state == "jit-built":
+            return f"jit-built now in {self.seconds:.1f} s ({self.detail})"
+        if not self.detail:
+            return self.state
+        return f"{self.state}: {self.detail}" if self.state == "failed" else f"{self.state} ({self.detail})"
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held the build lock for longer than ``ZERO_OFFLOAD_BUILD_WAIT`` seconds."""
 
 
 logger = logging.getLogger("zero_offload")
@@ -63,37 +125,170 @@ def source_dir() -> Path:
     raise FileNotFoundError(f"zero_offload: C++ sources not found next to {here}")
 
 
-def cache_dir() -> Path:
-    """Build folder for this exact combination of sources (their content only, not where they are), flags, torch
-    and Python (``ZERO_OFFLOAD_CACHE_DIR`` overrides the root, which defaults to torch's extension cache), so every
-    venv, worktree and installed copy with the same sources and torch shares one build."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
+def cache_root() -> Path:
+    """The cache's root: ``ZERO_OFFLOAD_CACHE_DIR``, else ``$TORCH_EXTENSIONS_DIR/zero_offload``, else
+    ``zero_offload`` in torch's default extension folder."""
+    own = os.environ.get("ZERO_OFFLOAD_CACHE_DIR")
+    if own:
+        return Path(own)
+    torch_root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not torch_root:
+        from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("ZERO_OFFLOAD_CACHE_DIR") or os.path.join(get_default_build_root(), "zero_offload")
+        torch_root = get_default_build_root()
+    return Path(torch_root) / "zero_offload"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(compiler: str) -> str:
+    """The compiler torch will call (``CXX`` or ``c++``) as its resolved path and first line of ``--version``:
+    ``c++`` is often a link that another install can repoint."""
+    path = shutil.which(compiler)
+    if path is None:
+        return f"{compiler} (not found)"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        out = f"version unknown: {exc}"
+    first = (out.strip().splitlines() or ["version unknown"])[0]
+    return f"{os.path.realpath(path)}: {first}"
+
+
+def build_inputs() -> Dict[str, str]:
+    """Everything that changes the built binary, by name (the cache key is their hash; a rebuild names the ones
+    that differ from the last build). Not paths: a venv's torch at another path is the same torch."""
+    import torch
+
     digest = hashlib.sha256()
     src = source_dir()
     for name in SOURCES + HEADERS:
-        digest.update(name.encode())
-        digest.update((src / name).read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, sys.version)).encode())
-    return Path(root) / digest.hexdigest()[:16]
+        digest.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
+    return {
+        "layout": str(CACHE_LAYOUT),
+        "sources": digest.hexdigest()[:16],
+        "flags": " ".join(CFLAGS) + " | " + " ".join(LDFLAGS),
+        "compiler": _compiler_identity(os.environ.get("CXX", "c++")),
+        "torch": f"{torch.__version__} (git {torch.version.git_version[:12]}, "
+                 f"cxx11 abi {int(torch.compiled_with_cxx11_abi())})",
+        "python": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')} {platform.machine()}",
+    }
 
 
+def cache_key(inputs: Optional[Dict[str, str]] = None) -> str:
+    """The build's folder name: a hash of :func:`build_inputs`."""
+    text = json.dumps(inputs if inputs is not None else build_inputs(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """The folder a finished build for this process's sources, flags, compiler, torch and Python lives in."""
+    return cache_root() / cache_key()
+
+
+# ------------------------------------------------------------------------------------------------ the lock --
+def _build_wait() -> float:
+    """Seconds to wait for another process's build: ``ZERO_OFFLOAD_BUILD_WAIT``, default 600."""
+    text = os.environ.get("ZERO_OFFLOAD_BUILD_WAIT", "")
+    if not text.strip():
+        return DEFAULT_BUILD_WAIT
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = -1.0
+    if not wait >= 0:
+        raise ValueError(f"Invalid ZERO_OFFLOAD_BUILD_WAIT={text!r} (seconds to wait for another process's "
+                         f"build, e.g. {DEFAULT_BUILD_WAIT:.0f})")
+    return wait
+
+
+def lock_holder(lock_path: Path) -> str:
+    """Who holds (or last held) a build lock, from what its holder wrote into it: pid, host and for how long."""
+    try:
+        pid, host, since = lock_path.read_text().split()[:3]
+        return f"pid {pid} on {host}, held for {time.time() - float(since):.0f} s"
+    except (OSError, ValueError):
+        try:
+            return f"holder unknown, file {time.time() - lock_path.stat().st_mtime:.0f} s old"
+        except OSError:
+            return "holder unknown"
+
+
+def _take_lock(lock_path: Path, wait: float, done: Callable[[], bool]) -> Optional[int]:
+    """The build lock's file descriptor, once held; None as soon as ``done()`` (another process finished the
+    build meanwhile). Raises :class:`BuildLockTimeout` after ``wait`` seconds."""
+    import fcntl
+
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    start, told = time.monotonic(), False
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {socket.gethostname()} {time.time():.3f}\n".encode())
+                return fd
+            except BlockingIOError:
+                pass
+            if done():
+                break
+            if not told:
+                logger.warning("zero_offload: another process is building the CPU-Adam kernel (lock %s: %s); "
+                               "waiting up to %.0f s (ZERO_OFFLOAD_BUILD_WAIT) ...", lock_path,
+                               lock_holder(lock_path), wait)
+                told = True
+            if time.monotonic() - start >= wait:
+                raise BuildLockTimeout(
+                    f"gave up after {wait:.0f} s waiting for the build lock {lock_path} ({lock_holder(lock_path)}); "
+                    "a lock whose holder has died is released by itself: this one's holder still runs. "
+                    "Set ZERO_OFFLOAD_BUILD_WAIT to wait longer")
+            time.sleep(min(0.5, max(wait / 4, 0.01)))
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _release_lock(fd: int) -> None:
+    # The file stays: deleting it would let a waiter lock the old inode while a newcomer locks a new one.
+    os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ the build --
 def _stage_sources(build: Path) -> Path:
-    """The sources copied into the build folder, compiled from there: torch writes their absolute paths into
-    build.ninja, so compiling each checkout's own copy would make checkouts sharing the folder rewrite it and
-    rebuild (and race) on every switch. Files are written once (atomically) and never touched again: a fresh mtime
-    would make ninja rebuild."""
+    """The sources copied into the private build folder and compiled from there, so the build never depends on
+    (nor records) which checkout or installed copy asked for it."""
     staged, src = build / "src", source_dir()
     staged.mkdir(parents=True, exist_ok=True)
     for name in SOURCES + HEADERS:
-        target = staged / name
-        if not target.is_file():
-            tmp = staged / f".{name}.{os.getpid()}.tmp"
-            shutil.copyfile(src / name, tmp)
-            os.replace(tmp, target)
+        shutil.copyfile(src / name, staged / name)
     return staged
+
+
+# The child reports a failure as torch's message (which carries ninja's and the compiler's output), not a traceback.
+_CHILD = """
+import json, sys
+from torch.utils.cpp_extension import load
+try:
+    module = load(**json.loads(sys.argv[1]))
+except Exception as exc:
+    sys.exit(str(exc))
+print(module.__file__)
+"""
+
+
+def _compile(build: Path) -> str:
+    """Compile the kernel into the empty folder ``build`` (in a child Python, which also imports the result to
+    check it loads) and return the module's file name there. Raises RuntimeError with the build's output."""
+    src = _stage_sources(build)
+    kwargs = dict(name=EXTENSION_NAME, sources=[str(src / name) for name in SOURCES], extra_cflags=list(CFLAGS),
+                  extra_ldflags=list(LDFLAGS), extra_include_paths=[str(src)], build_directory=str(build),
+                  verbose=False)
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(kwargs)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the kernel failed (exit status {done.returncode}):\n"
+                           f"{done.stderr[-20000:]}{done.stdout[-2000:]}")
+    return Path(done.stdout.strip().splitlines()[-1]).name
 
 
 def _toolchain_problem() -> Optional[str]:
@@ -123,33 +318,106 @@ def _short_reason(exc: BaseException) -> str:
     return " | ".join(ln[:200] for ln in lines[:3]) or type(exc).__name__
 
 
-def _jit_build() -> ModuleType:
-    from torch.utils.cpp_extension import load
+def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
+    """Why this build runs, in words: first use, or what differs from the closest finished build in ``root``
+    (fewest differing inputs, then newest: switching sources on one torch says "sources changed" even when a
+    build for another torch is also cached)."""
+    if final.exists():
+        return f"{final} held an unfinished build, cleared first"
+    best = None
+    for manifest in root.glob(f"*/{MANIFEST}"):
+        try:
+            data = json.loads(manifest.read_text())
+            old, when = dict(data["inputs"]), float(data["built_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        changed = [k for k in inputs if old.get(k) != inputs[k]]
+        if best is None or (len(changed), -when) < (len(best[0]), -best[2]):
+            best = (changed, old, when)
+    if best is None:
+        # Folders with a build.ninja but no manifest: builds of an older zero_offload, whose layout had no manifest.
+        older = [d for d in root.glob("[!.]*/build.ninja")]
+        if older:
+            return f"first use of this zero_offload's cache: {len(older)} older build(s) in {root} are not reused"
+        return f"first use: no build in {root} yet"
+    changed, old, _ = best
+    words = {"sources": "the C++ sources changed", "flags": "the build flags changed",
+             "layout": "the cache layout changed"}
+    return "; ".join(words.get(k) or f"another {k} ({old.get(k, '?')} -> {inputs[k]})" for k in changed)
 
-    build = cache_dir()
-    src = _stage_sources(build)
-    _status.cache_dir = str(build)
-    fresh = not any(build.glob(f"{EXTENSION_NAME}*.so"))
-    if fresh:
-        # WARNING, not INFO: a first use stalls for about a minute, which must not look like a hang when logging
-        # is left unconfigured (Python then shows WARNING and above).
-        logger.warning("zero_offload: compiling the CPU-Adam kernel (first use, about a minute; cached in %s) ...",
-                       build)
+
+def _load_built(folder: Path) -> ModuleType:
+    """Import the finished build in ``folder`` (the name and file its manifest records)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    spec = importlib.util.spec_from_file_location(manifest["module"], folder / manifest["file"])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {folder / manifest['file']}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cached_detail(folder: Path) -> str:
+    manifest = json.loads((folder / MANIFEST).read_text())
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(manifest["built_at"]))
+    return f"built {when} in {manifest['seconds']:.1f} s by {manifest['built_by']}"
+
+
+def _clear_leftovers(root: Path, key: str, final: Path) -> None:
+    """With the key's lock held no other builder of it runs: what its temporary folders hold was left by killed
+    builds, and a final folder without a manifest is not a finished build. Both go."""
+    if final.exists() and not (final / MANIFEST).is_file():
+        aside = Path(tempfile.mkdtemp(prefix=f".build-{key}-stale-", dir=root))
+        os.replace(final, aside / "old")
+    for leftover in root.glob(f".build-{key}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _build_into(root: Path, key: str, final: Path, inputs: Dict[str, str], reason: str) -> None:
+    """Compile in a private folder and rename it into place with its manifest (the lock is held)."""
+    logger.warning("zero_offload: compiling the CPU-Adam kernel (%s); about a minute, once: later runs load it "
+                   "from %s ...", reason, final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-{os.getpid()}-", dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the finished build from a cache shared between users
+        start = time.perf_counter()
+        file = _compile(tmp)
+        seconds = time.perf_counter() - start
+        for obj in tmp.glob("*.o"):  # kept: the module, build.ninja and the staged sources, to see what was built
+            obj.unlink()
+        manifest = {"module": EXTENSION_NAME, "file": file, "inputs": inputs, "built_at": time.time(),
+                    "seconds": round(seconds, 1), "built_by": sys.executable, "reason": reason}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        os.rename(tmp, final)  # atomic; fails if `final` exists, which the lock rules out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.warning("zero_offload: CPU-Adam kernel built in %.1f s", seconds)
+
+
+def _jit_build() -> ModuleType:
+    """The cached build, waiting (bounded) for another builder of it or building it under the lock."""
+    inputs = build_inputs()
+    root, key = cache_root(), cache_key(inputs)
+    final = root / key
+    _status.cache_dir = str(final)
+    finished = (final / MANIFEST).is_file
     start = time.perf_counter()
-    module = load(
-        name=EXTENSION_NAME,
-        sources=[str(src / name) for name in SOURCES],
-        # Copies: torch appends its own libraries to the list it is given, which would change the cache key.
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        extra_include_paths=[str(src)],
-        build_directory=str(build),
-        verbose=False,
-    )
+    if not finished():
+        root.mkdir(parents=True, exist_ok=True)
+        fd = _take_lock(root / f"{key}.lock", _build_wait(), finished)
+        if fd is not None:
+            try:
+                if not finished():
+                    reason = _why_build(root, final, inputs)
+                    _clear_leftovers(root, key, final)
+                    _build_into(root, key, final, inputs, reason)
+                    _status.state, _status.detail = "jit-built", reason
+            finally:
+                _release_lock(fd)
+    module = _load_built(final)
     _status.seconds = time.perf_counter() - start
-    _status.state = "jit-built" if fresh else "jit-cached"
-    if fresh:
-        logger.warning("zero_offload: CPU-Adam kernel built in %.1f s", _status.seconds)
+    if _status.state != "jit-built":
+        _status.state, _status.detail = "jit-cached", _cached_detail(final)
     return module
 
 
@@ -164,14 +432,14 @@ def load_native() -> Optional[ModuleType]:
         try:
             from zero_offload import _C  # type: ignore[attr-defined]
 
-            _module, _status.state = _C, "prebuilt"
+            _module, _status.state, _status.detail = _C, "prebuilt", str(getattr(_C, "__file__", ""))
         except ImportError:
             problem = _toolchain_problem()
             if problem is None:
                 try:
                     _module = _jit_build()
                 except Exception as exc:  # a failed build must never break the caller
-                    problem = _short_reason(exc)
+                    problem = str(exc) if isinstance(exc, (BuildLockTimeout, ValueError)) else _short_reason(exc)
             if _module is None:
                 _status.state, _status.detail = "failed", problem or "unknown"
                 warnings.warn(f"zero_offload: the native CPU-Adam kernel is unavailable ({_status.detail}); "
@@ -193,6 +461,7 @@ def fallback_summary() -> str:
 
 
 def status() -> BuildStatus:
+    """What happened when the native kernel was asked for (see :class:`BuildStatus`)."""
     return _status
 
 

@@ -1,4 +1,4 @@
-"""What differs between the torch releases we support (the floor is in setup.py and the README; CI runs it).
+"""What differs between the torch releases we support (the floor is in pyproject.toml and the README; CI runs it).
 
 Each helper picks its form once, from the installed torch's version, so the hot path pays no feature probing.
 """

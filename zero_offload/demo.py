@@ -224,8 +224,10 @@ def main(argv=None) -> None:
 
     from zero_offload import OffloadOptimizer, _build
 
-    # Build (or load) the kernel before anything is timed: a first build takes ~30 s and is not a step.
+    # Build (or load) the kernel before anything is timed: a build takes a minute or more and is not a step. The
+    # build itself logs that it starts and why; the line below says what this run got, built or not.
     _build.load_native()
+    print(f"zero_offload demo: native kernel {_build.status().summary()}", file=sys.stderr)
 
     device, dtype, data, base = setup_task(args)
     n_params = sum(p.numel() for p in base.parameters())

@@ -218,7 +218,7 @@ class Comm:
             f"failed ({self.failure}), so this rank is out of step with the others and this optimizer runs no "
             "further collective. sharded_state_dict() still gives this rank's shard of the state (no collective); "
             "state_dict(), step() and clip_grad_norm_() cannot run. Build a new process group and optimizer to go "
-            "on; this process group is not usable either (see the README's Limits)."
+            "on; this process group is not usable either (see docs/reliability.md, Known limits)."
         )
 
     def _wait_work(self, work: Any) -> None:

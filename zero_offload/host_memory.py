@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import logging
 import mmap
@@ -240,6 +241,30 @@ class HostMemoryEstimate:
             f"{format_bytes(self.total_bytes)} of host RAM for {self.numel:,} parameters "
             f"({self.bytes_per_param:.2f} B/param: {parts}; pinned {format_bytes(self.pinned_bytes)})"
         )
+
+
+class PlanOrMeasure:
+    """The descriptor behind ``OffloadOptimizer.estimate_host_memory``: one name for "the host RAM this optimizer
+    takes", asked before the optimizer exists (on the class, with ``params``: a plan, nothing allocated) or after
+    (on an instance, without arguments: the buffers it holds, including groups added since)."""
+
+    def __init__(self, plan, measure):
+        self.plan, self.measure = plan, measure
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self.plan
+
+        @functools.wraps(self.plan)
+        def bound(params=None, **options):
+            if params is not None:
+                return self.plan(params, **options)
+            if options:
+                raise TypeError("opt.estimate_host_memory() takes no options: it measures the buffers this optimizer "
+                                "holds; to plan other settings call OffloadOptimizer.estimate_host_memory(params, ...)")
+            return self.measure(obj)
+
+        return bound
 
 
 def format_bytes(n: float) -> str:

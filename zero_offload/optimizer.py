@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import warnings
 import weakref
 from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -23,7 +24,7 @@ import torch
 from zero_offload import checkpoint
 from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
-from zero_offload.host_memory import HostMemoryEstimate
+from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, check_group, check_params,
                                   delayed_setting, world_without_group)
 from zero_offload.timeline import Timeline, TimelineEvent, span
@@ -35,6 +36,35 @@ __all__ = ["OffloadOptimizer"]
 logger = logging.getLogger("zero_offload")
 
 
+def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                     pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
+                     state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
+    """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
+
+    Two ways to ask, one name:
+
+    * ``OffloadOptimizer.estimate_host_memory(params, **options)``, before constructing: what an optimizer over
+      ``params`` with these options will allocate (exact: the same bucket layout), allocating nothing; meta
+      tensors do as ``params``. The options are the constructor's; ``amsgrad`` is the default for groups that do
+      not set it, ``world_size`` that of the ``process_group`` (the estimate is then per rank).
+    * ``opt.estimate_host_memory()``, on an optimizer: the buffers it holds now (per rank when sharded).
+
+    Args:
+        params (iterable): parameters or parameter groups, as for the constructor.
+        amsgrad (bool): Default: False.
+        bucket_numel (int): Default: 2**25.
+        pin_memory (bool, optional): None: exactly the buckets on CUDA. Default: None.
+        world_size (int): ranks of the ``process_group``. Default: 1.
+        delayed_update (bool): Default: False.
+        state_dtype (torch.dtype): Default: torch.float32.
+
+    Returns:
+        HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
+    """
+    return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
+                           world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     r"""AdamW (or Adam) whose fp32 master weights and moments live in flat host buffers, updated by a fused SIMD
     CPU kernel: a drop-in for ``torch.optim.AdamW`` that takes the optimizer state off the GPU.
@@ -42,8 +72,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     The update is operation for operation ``torch.optim.AdamW(foreach=False)``'s (the math is in
     :mod:`zero_offload.functional`; bias corrections in double), so an fp32 model follows AdamW's trajectory to
     within rounding. Where bytes live, how gradients stream, clipping, mixed precision, sharding and the state
-    dict are described in the README ("Usage"); what differs from AdamW, each refused with an error (pickling,
-    float64, editing a group's ``params``...), in its "Differences from AdamW".
+    dict are described in docs/ (how-it-works.md, options.md, multi-gpu.md, checkpoints.md); what differs from
+    AdamW, each refused with an error (pickling, float64, editing a group's ``params``...), in docs/differences.md.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups (optionally ``(name, param)`` pairs),
@@ -74,7 +104,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             three; kept for compatibility. Default: False.
         delayed_update (bool or int): apply each step's update one step late, overlapped with the next forward
             and backward (parameters one step stale). An int N >= 1: the first N steps are exact (AdamW's), the
-            later ones delayed; the README's "Delayed update: what the stale step costs" measures it.
+            later ones delayed; docs/accuracy.md measures what the stale step costs.
             Default: False.
         process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO): 12/N bytes
             per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
@@ -84,8 +114,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         timeout (timedelta or float, optional): the longest one collective may take (seconds if a number).
             Needs ``process_group``. Default: 30 minutes.
         state_dtype (torch.dtype): the moments' storage: ``torch.float32`` (exactly AdamW), ``torch.bfloat16``
-            (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See the README's
-            "Compact optimizer state" for the accuracy; the state dict stays fp32. Default: torch.float32.
+            (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See docs/accuracy.md
+            for what that costs in loss; the state dict stays fp32. Default: torch.float32.
         speculate (bool, optional): update each streamed GPU bucket in a worker thread as soon as backward has
             sent its gradients, and keep the update at ``step()`` only if it is bit-exactly what ``step()``
             computes (same clip coefficient and loss scale, same hyperparameters, step not skipped, gradients
@@ -156,7 +186,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._transport.bind(bucket)
         self._constructed = True
         logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
-                    sum(len(b) for b in self._buckets), self.host_memory_estimate().describe())
+                    sum(len(b) for b in self._buckets), self._held_host_memory().describe())
 
     @property
     def nonfinite(self) -> str:
@@ -168,26 +198,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.options = dataclasses.replace(self.options, nonfinite=policy).validate()
 
     # ------------------------------------------------------------------------------------------------ memory --
-    @staticmethod
-    def estimate_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                             pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
-                             state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
-        """Host RAM an ``OffloadOptimizer`` over ``params`` will allocate (exact: the same bucket layout), computed
-        without allocating. The arguments are the constructor's; ``amsgrad`` is the default for groups that do not
-        set it, ``world_size`` that of the ``process_group`` (the estimate is then per rank).
-
-        Returns:
-            HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
-        """
-        return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
-                               world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
-
-    def host_memory_estimate(self) -> HostMemoryEstimate:
-        """What the buffers allocated so far take (an :class:`HostMemoryEstimate` of the live layout)."""
+    def _held_host_memory(self) -> HostMemoryEstimate:
         total = HostMemoryEstimate(0, 0, {}, 0, 0)
         for bucket in chain.from_iterable(self._buckets):
             total = total + bucket.estimate()
         return total
+
+    estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
+
+    def host_memory_estimate(self) -> HostMemoryEstimate:
+        """Deprecated: ``opt.estimate_host_memory()`` (the same result, under the one documented name)."""
+        warnings.warn("OffloadOptimizer.host_memory_estimate() is deprecated and will be removed: call "
+                      "opt.estimate_host_memory() (same result)", FutureWarning, stacklevel=2)
+        return self._held_host_memory()
 
     def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
         """The flat host buffers of every bucket (name -> tensor), for inspection and measurement."""
@@ -446,8 +469,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------- state dict --
     def state_dict(self) -> Dict[str, Any]:
         """AdamW's state dict: views of the host buffers (compact moments: fp32 copies, a bucket at a time); saving
-        changes nothing (``delayed_update``: the state after the pending update, with ``param``; README). Sharded: a
-        collective gathering the full state onto *every* rank: prefer :meth:`sharded_state_dict` for large models."""
+        changes nothing (``delayed_update``: the state after the pending update, with ``param``; see
+        docs/checkpoints.md). Sharded: a collective gathering the full state onto *every* rank: prefer
+        :meth:`sharded_state_dict` for large models."""
         self._sync()
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
         sd, sharded = super().state_dict(), self._transport.sharded  # entries as plain dicts; sharded: gathered
@@ -504,7 +528,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
         elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
         the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
-        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See the README's "Multi-GPU"."""
+        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
         self._sync()
         return checkpoint.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
                                              param=self.options.delayed_update)

@@ -139,7 +139,7 @@ def check_params(params: Sequence[Any]) -> None:
                 f"{tuple(p.placements)}), such as FSDP2's fully_shard or tensor parallelism make: it keeps whole "
                 "parameters and shards their optimizer state itself. Build it on the plain model (with DDP, or with "
                 "process_group=... for ZeRO sharding of the state), or keep FSDP2 and use its own "
-                "CPUOffloadPolicy; the README's 'FSDP2' section compares the two")
+                "CPUOffloadPolicy; docs/multi-gpu.md, 'FSDP2 or OffloadOptimizer', compares the two")
         if not p.is_leaf:
             raise ValueError("can't optimize a non-leaf Tensor")
         if p.is_complex():

@@ -65,9 +65,9 @@ def lines() -> List[str]:
     ]
     _build.load_native()
     st = _build.status()
-    build = st.state + (f" in {st.seconds:.1f} s" if st.state == "jit-built" else "")
-    out.append(f"native kernel    {build}{': ' + st.detail if st.detail else ''}")
-    out.append(f"build cache      {st.cache_dir or '-'}")
+    out.append(f"native kernel    {st.summary()}")
+    out.append(f"build cache      {st.cache_dir or '-'} (root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or "
+               "TORCH_EXTENSIONS_DIR moves it)")
     out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
     forced = os.environ.get("ZERO_OFFLOAD_SIMD")
     try:
@@ -387,6 +387,12 @@ def verdicts(plan: MemoryPlan, nproc_per_node: int = 1, gpu_bytes: Optional[int]
     }
 
 
+def gpu_size(n: int) -> str:
+    """A GPU's memory in both units, ``80.0 GB (74.5 GiB)``: GPUs are sold in GB (10**9 bytes), the rest of the
+    report counts in GiB (2**30), and ``80GB`` and ``80GiB`` are different cards' worth."""
+    return f"{n / 1e9:.1f} GB ({format_bytes(n)})"
+
+
 def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int,
                   gpu_bytes: Optional[int], host_bytes: Optional[int]) -> List[str]:
     """The verdicts of :func:`verdicts` as report lines."""
@@ -402,7 +408,7 @@ def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_no
     if gpu_bytes is None:
         out.append("GPU verdict      no GPU here: give --gpu-memory (e.g. 80GB) for a verdict")
         return out
-    out.append(f"GPU verdict      {format_bytes(gpu_bytes)} per GPU: OffloadOptimizer {yes[v['gpu_fits']]}, "
+    out.append(f"GPU verdict      {gpu_size(gpu_bytes)} per GPU: OffloadOptimizer {yes[v['gpu_fits']]}, "
                f"torch.optim.AdamW {yes[v['adamw_gpu_fits']]}")
     left = v["gpu_left"]
     if left is not None and left > 0:
@@ -498,7 +504,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                     help="ranks per node: their host buffers add up in the node's RAM (default: 1)")
     ap.add_argument("--gpu-memory", type=_bytes_arg, metavar="SIZE",
-                    help="memory of one GPU for the GPU verdict, e.g. 80GB or 24GiB (default: this machine's GPU 0)")
+                    help="memory of one GPU for the GPU verdict: 80GB (GB = 10**9 bytes, as GPUs are sold), 24GiB "
+                         "(GiB = 2**30 bytes; also kB/MB/TB, KiB/MiB/TiB) or a plain number of bytes (default: this "
+                         "machine's GPU 0)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = ap.parse_args(argv)
     if args.params is None and args.model is None:
@@ -546,9 +554,12 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 
 def _bytes_arg(text: str) -> int:
+    """A size with its unit said: decimal ``GB`` (10**9) or binary ``GiB`` (2**30), or plain bytes; a bare ``G``
+    is refused, since it could mean either."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text, re.IGNORECASE)
     if m is None or m.group(2).lower() not in _BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (expected e.g. 80GB, 24GiB or 8e10)")
+        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (expected e.g. 80GB = 80*10**9 bytes, 24GiB = "
+                                         "24*2**30 bytes, or a plain number of bytes such as 8e10)")
     return round(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 
