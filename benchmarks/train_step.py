@@ -86,6 +86,7 @@ from zero_offload import OffloadOptimizer, functional  # noqa: E402
 from zero_offload.host_memory import available_host_bytes  # noqa: E402
 from zero_offload.options import STATE_DTYPES, dtypes_by_name  # noqa: E402
 from zero_offload.report import meta_params  # noqa: E402
+from zero_offload import timeline as timeline_mod  # noqa: E402
 
 LR, WD = 1e-4, 0.01
 GIB = 2**30
@@ -383,6 +384,7 @@ CONTENDERS = [
     Contender("ours", "OffloadOptimizer", _ours(), ("gpu", "cpu")),
     Contender("ours-stream", "OffloadOptimizer stream_grads", _ours(stream_grads=True), ("cpu",)),
     Contender("ours-release", "OffloadOptimizer release_grads", _ours(release_grads=True), ("gpu",)),
+    Contender("ours-nospec", "OffloadOptimizer speculate=False", _ours(speculate=False), ("gpu",)),
     Contender("ours-overlap", "OffloadOptimizer release+overlap_step",
               _ours(release_grads=True, overlap_step=True, nonfinite="ignore"), ("gpu",)),
     Contender("ours-delayed", "OffloadOptimizer release+delayed_update",
@@ -454,6 +456,31 @@ def _iteration(runner: Runner, batch, cuda: bool, phases: Optional[List[List[flo
     return loss
 
 
+def _start_timeline(runner: Runner, args) -> None:
+    if args.timeline and isinstance(runner.opt, OffloadOptimizer):
+        runner.opt.record_timeline()
+        runner.opt.timeline()
+
+
+def _timeline_result(runner: Runner, key: str, steps: int, args) -> Optional[Dict[str, Any]]:
+    """``--timeline``: the recorded events per step (count and ms by kind), printed, and a Chrome trace."""
+    if not (args.timeline and isinstance(runner.opt, OffloadOptimizer)):
+        return None
+    events = runner.opt.timeline()
+    runner.opt.record_timeline(False)
+    Path(args.timeline).mkdir(parents=True, exist_ok=True)
+    timeline_mod.chrome_trace(events, str(Path(args.timeline) / f"{key}.json"))
+    table = {k: {"per_step": v["count"] / steps, "ms_per_step": v["ms"] / steps}
+             for k, v in sorted(timeline_mod.breakdown(events).items())}
+    print(f"timeline of {key} (per step, host clock; trace in {args.timeline}/{key}.json):")
+    for k, v in table.items():
+        print(f"  {k:24s} {v['per_step']:7.1f} x {v['ms_per_step']:9.3f} ms")
+    stats = runner.opt.speculation_stats
+    if stats is not None:
+        print(f"  speculation: {stats}")
+    return table
+
+
 def _failure(exc: BaseException, args) -> Dict[str, Any]:
     if args.verbose:
         traceback.print_exc()
@@ -483,6 +510,7 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
         for i in range(args.steps):
             loss = _iteration(runner, batches[(args.warmup + i) % len(batches)], True, phases)
         # Free-running pass: events on the compute stream, nothing synchronised by us until the end.
+        _start_timeline(runner, args)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
         for i in range(args.steps):
             events[i].record()
@@ -493,6 +521,7 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
         runner.finish()
         torch.cuda.synchronize()
         result = _summary(phases, step_s, loss)
+        result["timeline"] = _timeline_result(runner, con.key, args.steps, args)
         result.update(peak_bytes=torch.cuda.max_memory_allocated(), rest_bytes=torch.cuda.memory_allocated(),
                       reserved_bytes=torch.cuda.max_memory_reserved())
         return result
@@ -519,6 +548,8 @@ def measure_interleaved(contenders: Dict[str, Contender], cfg: Config, batches, 
     losses: Dict[str, Any] = {}
     for i in range(args.warmup + args.steps):
         for key in list(runners):
+            if i == args.warmup:
+                _start_timeline(runners[key], args)
             try:
                 losses[key] = _iteration(runners[key], batches[i % len(batches)], False,
                                          phases[key] if i >= args.warmup else [])
@@ -528,6 +559,7 @@ def measure_interleaved(contenders: Dict[str, Contender], cfg: Config, batches, 
     for key, runner in runners.items():
         runner.finish()
         rows[key] = _summary(phases[key], statistics.median(p[3] for p in phases[key]), losses[key])
+        rows[key]["timeline"] = _timeline_result(runner, key, args.steps, args)
         runner.close()
     free_memory(False)
     return {key: rows[key] for key in contenders}
@@ -724,6 +756,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--verbose", action="store_true", help="print the traceback of a contender that fails")
+    ap.add_argument("--timeline", default=None, metavar="DIR",
+                    help="record ours' step timeline (OffloadOptimizer.record_timeline) over the timed steps: print "
+                         "host waits, kernels, copies, commits and rollbacks per step, and write DIR/<key>.json "
+                         "Chrome traces")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

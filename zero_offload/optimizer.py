@@ -27,6 +27,7 @@ from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, check_group, check_params,
                                   check_state_dtype, delayed_setting, world_without_group)
+from zero_offload.timeline import Timeline, TimelineEvent, span
 from zero_offload.transport import PendingClip, Plans, Transport
 from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_method
 
@@ -103,7 +104,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         release_grads (bool): with streaming, set ``p.grad`` to None once its copy is under way (then clip only
             with :meth:`clip_grad_norm_`, and no ``GradScaler``). Default: False.
         overlap_step (bool): update each streamed bucket during backward (needs ``nonfinite="ignore"``; no
-            clipping or ``GradScaler``). Default: False.
+            clipping or ``GradScaler``). Redundant with ``speculate``, which does the same exactly and with all
+            three; kept for compatibility. Default: False.
         delayed_update (bool or int): apply each step's update one step late, overlapped with the next forward
             and backward (parameters one step stale). An int N >= 1: the first N steps are exact (AdamW's), the
             later ones delayed; docs/accuracy.md measures what the stale step costs.
@@ -118,6 +120,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state_dtype (torch.dtype): the moments' storage: ``torch.float32`` (exactly AdamW), ``torch.bfloat16``
             (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See docs/accuracy.md
             for what that costs in loss; the state dict stays fp32. Default: torch.float32.
+        speculate (bool, optional): update each streamed GPU bucket in a worker thread as soon as backward has
+            sent its gradients, and keep the update at ``step()`` only if it is bit-exactly what ``step()``
+            computes (same clip coefficient and loss scale, same hyperparameters, step not skipped, gradients
+            unchanged); otherwise restore the bucket's saved state and update it at ``step()``. The result is
+            always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory for
+            the saved state (+12 B per GPU parameter with fp32 state) and a copy pass per speculated bucket.
+            None: on wherever it applies (not with ``overlap_step``, ``delayed_update`` or a ``process_group``,
+            which True refuses); CPU parameters are updated at ``step()`` either way. See docs/speculation.md.
+            Default: None.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite.
@@ -151,6 +162,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grads_reduced: bool = False,
         timeout: Optional[Any] = None,
         state_dtype: torch.dtype = torch.float32,
+        speculate: Optional[bool] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
@@ -160,9 +172,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
-                               state_dtype, exact_steps).validate()
+                               state_dtype, exact_steps, speculate).validate()
         self._transport = _make_transport(process_group, self.options)
-        self._mode = make_mode(self.options, self._transport, weak_method(self._early_update))
+        self._mode = make_mode(self.options, self._transport, weak_method(self._early_update),
+                               weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
         weakref.finalize(self, self._streamer.remove)
         self.skipped_steps = 0
@@ -273,7 +286,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._step()
+            with span(self._transport.timeline, "step", "step()"):
+                self._step()
         finally:
             self._end_step()
         return loss
@@ -306,6 +320,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
         coef = 1.0 if pending is None else pending.coefficient(inv_scale if grad_scale is not None else 1.0)
+        self._mode.observe(inv_scale, pending)
         self._mode.run(hypers, plans, inv_scale * coef, self.state)
 
     def _take_clip(self, unscaled: bool) -> Optional[PendingClip]:
@@ -356,6 +371,34 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if hyper.amsgrad:
             ensure_amsgrad(self.state, bucket)
         update_bucket(self._transport, bucket, self._transport.sent(bucket), None, hyper, 1.0, self.state)
+
+    def _speculation_inputs(self, group: int) -> Tuple[Hyper, str]:
+        """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
+        read them now, and the ``nonfinite`` policy."""
+        return Hyper.read(self.param_groups[group]), self.options.nonfinite
+
+    @property
+    def speculation_stats(self) -> Optional[Any]:
+        """With speculation (``speculate``): a :class:`~zero_offload.speculation.SpeculationStats` counting the
+        buckets speculated, committed and rolled back (with the reasons); None without."""
+        return getattr(self._mode, "stats", None)
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Start (or with ``enabled=False`` stop) recording a :class:`~zero_offload.timeline.Timeline` of the
+        steps: host waits, kernels, copies issued, speculation's commits and rollbacks, by the host clock. Costs a
+        few microseconds per bucket per step while on; nothing while off. See :meth:`timeline`."""
+        if not enabled:
+            self._transport.timeline = None
+        elif self._transport.timeline is None:
+            index = {id(b): i for i, b in enumerate(chain.from_iterable(self._buckets))}
+            self._transport.timeline = Timeline(index)
+
+    def timeline(self) -> List[TimelineEvent]:
+        """The events recorded since :meth:`record_timeline` or the last call, by start time (and forgets them).
+        ``zero_offload.timeline.breakdown`` sums them per kind; ``chrome_trace`` writes a Chrome trace."""
+        if self._transport.timeline is None:
+            return []
+        return self._transport.timeline.take()
 
     def flush(self) -> None:
         """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). Else: nothing."""

@@ -233,6 +233,15 @@ class Options:
     outside_world: int = 1
     state_dtype: torch.dtype = torch.float32
     delayed_exact_steps: int = 0
+    speculate: Optional[bool] = None
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the speculating schedule runs (``speculate`` None: wherever it is exact and applies, i.e. not
+        with another schedule or a process group; it then acts on streamed buckets on a GPU only)."""
+        if self.speculate is None:
+            return not (self.overlap_step or self.delayed_update or self.sharded or self.stream_grads is False)
+        return self.speculate
 
     def validate(self) -> "Options":
         """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""
@@ -259,6 +268,14 @@ class Options:
         if (self.overlap_step or self.delayed_update) and self.stream_grads is False:
             raise ValueError(f"{self._mode}=True needs the gradients streamed in backward: leave stream_grads at "
                              "None or True")
+        if self.speculate not in (None, True, False):
+            raise ValueError(f"Invalid speculate: {self.speculate!r} (True, False or None)")
+        if self.speculate and (self.overlap_step or self.delayed_update):
+            raise ValueError(f"speculate=True and {self._mode}=True are alternatives: speculate does what "
+                             "overlap_step does, exactly; delayed_update applies each update a step late")
+        if self.speculate and self.stream_grads is False:
+            raise ValueError("speculate=True needs the gradients streamed in backward: leave stream_grads at None "
+                             "or True")
         if self.overlap_step and self.nonfinite != "ignore":
             raise ValueError(
                 "overlap_step=True updates each bucket as soon as its gradients are complete, before later buckets' "
@@ -269,6 +286,9 @@ class Options:
     def _check_distributed(self) -> None:
         if not self.sharded and (self.grads_reduced or self.timeout is not None):
             raise ValueError("grads_reduced and timeout only apply with a process_group, and none was given")
+        if self.sharded and self.speculate:
+            raise ValueError("speculate=True is not yet combined with a process_group (its validation needs the "
+                             "norm all-reduced at step()): leave speculate at None or False")
         if self.sharded and (self.overlap_step or self.delayed_update):
             raise ValueError("overlap_step and delayed_update are not yet combined with a process_group: a sharded "
                              "bucket is updated at step(), after the gradient statistics are agreed over the group")

@@ -35,6 +35,7 @@ from zero_offload import functional
 from zero_offload._compat import foreach_norm_fp32, increment_version
 from zero_offload.buckets import FlatBucket, check_grads, view_like
 from zero_offload.host_memory import copy_many_, empty_host
+from zero_offload.timeline import Timeline, span
 
 __all__ = ["BucketGrads", "PendingClip", "Plans", "Transport", "record_event"]
 
@@ -106,7 +107,8 @@ class _Link:
     step."""
 
     __slots__ = ("bucket", "streamed", "present", "had", "launches", "sources", "adds", "incoming", "norm", "d2h",
-                 "h2d", "stale")
+                 "h2d", "stale", "norm_host", "d2h_gen",
+                 "d2h_seen", "h2d_gen", "h2d_seen")
 
     def __init__(self, bucket: FlatBucket, streamed: bool):
         self.bucket, self.streamed = bucket, streamed
@@ -123,6 +125,10 @@ class _Link:
         self.d2h = None  # torch.cuda.Event after the last gradient copy to the host
         self.h2d = None  # torch.cuda.Event after the last upload had read master/staging
         self.stale = False  # sharded: this rank's gradients changed after backward reduce-scattered them
+        self.norm_host: Optional[torch.Tensor] = None  # with ``host_norms``: ``norm``, copied before ``d2h``
+        # How often d2h/h2d was recorded, and the recording the host last waited for: an event waited for and not
+        # recorded since is complete, so waiting again would be a host call for nothing.
+        self.d2h_gen = self.d2h_seen = self.h2d_gen = self.h2d_seen = 0
 
     def clear(self) -> None:
         if any(self.present):
@@ -143,9 +149,13 @@ class Transport:
     """
 
     sharded = False
+    # Copy each streamed bucket's GPU norm to the host before its d2h event, so a reader that waited for the
+    # gradients has it too, without a device synchronisation (speculation's early stops read it).
+    host_norms = False
 
     def __init__(self, *, release: bool):
         self.release = release
+        self.timeline: Optional[Timeline] = None  # OffloadOptimizer.record_timeline()
         self._links: Dict[int, _Link] = {}
         # Per device: the stream of the copies off the GPU (and a sharded bucket's reduce-scatter), and the stream
         # of the uploads back (and all-gathers).
@@ -168,11 +178,13 @@ class Transport:
         """Mark, on ``stream``, the point after which the bucket's host gradients hold what was sent."""
         link = self._links[id(bucket)]
         link.d2h = record_event(link.d2h, stream)
+        link.d2h_gen += 1
 
     def record_h2d(self, bucket: FlatBucket, stream) -> None:
         """Mark, on ``stream``, the point after which the bucket's last upload has read master and staging."""
         link = self._links[id(bucket)]
         link.h2d = record_event(link.h2d, stream)
+        link.h2d_gen += 1
 
     def stream(self, device: torch.device, upload: bool = False):
         streams = self._upload_streams if upload else self._streams
@@ -194,7 +206,8 @@ class Transport:
         idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         grads = [bucket.params[i].grad for i in idx]
         check_grads(grads, [bucket.params[i] for i in idx], label=lambda k: bucket.label(idx[k]))
-        self._send(link, idx, grads)
+        with span(self.timeline, "copy", "d2h", bucket):
+            self._send(link, idx, grads)
         for i, g in zip(idx, grads):
             link.present[i] = True
             bucket.slot_filled(i)
@@ -238,6 +251,10 @@ class Transport:
                 # summed on the host with an earlier micro-batch's).
                 norms = foreach_norm_fp32(grads)
                 link.norm = torch.stack(norms).double().square().sum()
+                if self.host_norms:
+                    if link.norm_host is None:
+                        link.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
+                    link.norm_host.copy_(link.norm.view(1), non_blocking=True)
             else:
                 link.norm = None
             self.record_d2h(bucket, stream)
@@ -259,8 +276,19 @@ class Transport:
     def wait_grads(self, bucket: FlatBucket) -> None:
         """Wait until the bucket's host gradient buffer holds what was sent."""
         link = self._links[id(bucket)]
-        if link.d2h is not None:
-            link.d2h.synchronize()
+        gen = link.d2h_gen
+        if link.d2h is not None and link.d2h_seen != gen:
+            with span(self.timeline, "wait", "d2h", bucket):
+                link.d2h.synchronize()
+            link.d2h_seen = gen  # (if recorded again meanwhile, the newer recording is still to be waited for)
+
+    def host_norm(self, bucket: FlatBucket) -> Optional[float]:
+        """The squared norm of the gradients backward streamed for the bucket, read on the host (None: not
+        known). Only after :meth:`wait_grads`, and with :attr:`host_norms`."""
+        link = self._links[id(bucket)]
+        if link.bucket.on_cpu or link.norm is None or link.norm_host is None:
+            return None
+        return float(link.norm_host[0])
 
     # -- gradients, at step() --------------------------------------------------------------------------------
     def receive(self, bucket: FlatBucket, *, fresh: bool = False) -> BucketGrads:
@@ -340,10 +368,10 @@ class Transport:
             self.before_update(bucket)  # _slot_copies zeroes slots on the host
         dsts, srcs = self._slot_copies(bg)
         self._after_upload(self._links[id(bucket)], stream)
-        with torch.cuda.stream(stream):
-            if dsts:
+        if dsts:  # (nothing copied: the last recording still covers the buffer)
+            with torch.cuda.stream(stream):
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            self.record_d2h(bucket, stream)
+                self.record_d2h(bucket, stream)
 
     @staticmethod
     def _slot_copies(bg: BucketGrads) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
@@ -431,7 +459,8 @@ class Transport:
                 by_device.setdefault(link.norm.device, []).append((id(bg.bucket), link.norm))
         out: Dict[int, float] = {}
         for items in by_device.values():
-            out.update(zip((k for k, _ in items), torch.stack([n for _, n in items]).cpu().tolist()))
+            with span(self.timeline, "wait", "norms"):
+                out.update(zip((k for k, _ in items), torch.stack([n for _, n in items]).cpu().tolist()))
         return out
 
     def wait_all(self, plans: Plans) -> None:
@@ -493,24 +522,31 @@ class Transport:
             stream.wait_event(link.h2d)
 
     def before_update(self, bucket: FlatBucket) -> None:
-        """Wait until the bucket's last upload has read master and staging, which the kernel is about to write."""
+        """Wait until the bucket's last upload has read master and staging, which the kernel is about to write.
+        (Usually it has long since: ``query`` first, which does not block.)"""
         link = self._links[id(bucket)]
-        if link.h2d is not None:
-            link.h2d.synchronize()
+        gen = link.h2d_gen
+        if link.h2d is not None and link.h2d_seen != gen:
+            if not link.h2d.query():
+                with span(self.timeline, "wait", "h2d", bucket):
+                    link.h2d.synchronize()
+            link.h2d_seen = gen
 
-    def send_params(self, bucket: FlatBucket, indices: Sequence[int]) -> None:
+    def send_params(self, bucket: FlatBucket, indices: Sequence[int],
+                    srcs: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Make the updated values visible in the parameters ``indices``: on CUDA, async copies of the master or
         the staging copy on the upload stream, then an event the next kernel on this bucket waits for; on CPU,
         where the kernel already wrote the parameter's storage, only the autograd version bump an in-place op would
-        have made (so a stale saved tensor is still caught)."""
+        have made (so a stale saved tensor is still caught). ``srcs``: per parameter, where to upload from instead
+        of :attr:`FlatBucket.upload_views` (a speculative update's own low-precision output)."""
         params = bucket.params if len(indices) == len(bucket.params) else [bucket.params[i] for i in indices]
         if bucket.on_cpu:
             increment_version(params)
         else:
             stream = self.stream(bucket.device, upload=True)
-            srcs = bucket.upload_views
+            srcs = bucket.upload_views if srcs is None else srcs
             # no_grad here, not at the callers: grad mode is per thread, and overlap_step uploads from its worker.
-            with torch.no_grad(), torch.cuda.stream(stream):
+            with torch.no_grad(), torch.cuda.stream(stream), span(self.timeline, "copy", "h2d", bucket):
                 torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
             self.record_h2d(bucket, stream)
         bucket.record_versions(indices)
@@ -524,7 +560,8 @@ class Transport:
     def synchronize(self) -> None:
         """Wait for copies in flight from the host buffers (before anything rewrites them)."""
         for stream in chain(self._streams.values(), self._upload_streams.values()):
-            stream.synchronize()
+            with span(self.timeline, "wait", "streams"):
+                stream.synchronize()
 
     # -- between steps ---------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -17,6 +17,7 @@ from zero_offload import functional
 from zero_offload.buckets import MOMENTS, FlatBucket, view_like
 from zero_offload.checkpoint import Ahead, expose
 from zero_offload.options import Hyper, Options
+from zero_offload.timeline import span
 from zero_offload.transport import BucketGrads, Plans, Transport
 
 __all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "preview_bucket", "update_bucket",
@@ -57,7 +58,8 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
     full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
     indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
     bucket.refresh_masters(indices)
-    _kernel(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier, full)
+    with span(transport.timeline, "kernel", "step", bucket):
+        _kernel(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier, full)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
@@ -151,6 +153,10 @@ class Immediate:
     def updated(self, bucket: FlatBucket) -> bool:
         """Whether the bucket's update for this step has already run."""
         return False
+
+    def observe(self, inv_scale: float, clip: Optional[Any]) -> None:
+        """``step()`` is about to :meth:`run` with this loss-scale inverse and this pending clip (a
+        ``PendingClip`` or None)."""
 
     def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
         """Update every bucket of ``plans`` not yet updated, and send the results back."""
@@ -323,12 +329,17 @@ class Delayed(Immediate):
 
 
 def make_mode(options: Options, transport: Transport,
-              early_update: Optional[Callable[[FlatBucket, int], None]] = None) -> Immediate:
-    """The schedule ``options`` ask for."""
+              early_update: Optional[Callable[[FlatBucket, int], None]] = None,
+              inputs: Optional[Callable[[int], Tuple[Hyper, str]]] = None) -> Immediate:
+    """The schedule ``options`` ask for (``inputs``: what speculation reads of a group, see
+    :class:`~zero_offload.speculation.Speculative`)."""
     if options.overlap_step:
         return Overlap(transport, early_update)
     if options.delayed_update:
         return Delayed(transport, options.delayed_exact_steps)
+    if options.speculates and inputs is not None:
+        from zero_offload.speculation import Speculative  # (it builds on this module)
+        return Speculative(transport, inputs)
     return Immediate(transport)
 
 

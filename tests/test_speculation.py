@@ -1,0 +1,384 @@
+"""Speculation with validation (``speculate``), on CPU tensors with the CUDA stand-ins of test_cuda_branches.py.
+
+Two references: ``torch.optim.AdamW`` (foreach=False) at default tolerance, as every test; and the same optimizer
+with ``speculate=False``, *bitwise*, every step, parameters and state: a commit must be exactly the update
+``step()`` computes, a rollback must leave exactly the state a run without speculation has.
+
+Most tests make each speculation finish before backward goes on (the ``eager`` fixture), so which buckets were
+speculated does not depend on thread timing and the commit/rollback counts can be asserted. One test runs the
+worker freely and checks that the kernels start before ``step()`` is called, in the order backward sent them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cuda_standins
+from test_cuda_branches import CUDA_RECIPES
+from test_optimizer import Run, assert_same, make_runs
+from zero_offload import OffloadOptimizer, speculation
+from zero_offload.options import Options
+
+N_BUCKETS = 6
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    planned = cuda_standins.install(monkeypatch.setattr)
+    yield
+    assert planned, "no optimizer was built on the stand-in device"
+
+
+@pytest.fixture
+def eager(cuda_branches, monkeypatch):
+    """Each speculation completes (in the worker) before the hook that started it returns."""
+    real = speculation._Worker.submit
+
+    def submit(self, fn, *args):
+        job = real(self, fn, *args)
+        concurrent.futures.wait([job])
+        return job
+
+    monkeypatch.setattr(speculation._Worker, "submit", submit)
+
+
+def assert_bitwise(model, other, opt, other_opt, where):
+    """Parameters and every state tensor identical, bit for bit (NaN where the other has NaN)."""
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p, q, **exact, msg=lambda m: f"{where}, param {name}: {m}")
+        mine, theirs = opt.state.get(p, {}), other_opt.state.get(q, {})
+        assert set(mine) == set(theirs), f"{where}, {name}: keys {set(mine)} vs {set(theirs)}"
+        for key, value in theirs.items():
+            torch.testing.assert_close(mine[key], value, **exact, msg=lambda m: f"{where}, {name}, {key}: {m}")
+
+
+# -- the recipes of the streamed/optimizer tests --------------------------------------------------------------------
+# Every recipe of the CUDA-branch tests (the streamed ones: speculate=True refuses stream_grads=False).
+SPEC_RECIPES = [r for r in CUDA_RECIPES if r.ours_kw.get("stream_grads") is not False]
+
+
+@pytest.mark.parametrize("recipe", SPEC_RECIPES, ids=lambda r: r.name)
+def test_recipes_match_adamw_and_the_run_without_speculation(eager, recipe):
+    steps = 14
+    ours, ref = make_runs(dataclasses.replace(recipe, ours_kw={**recipe.ours_kw, "speculate": True}), "cpu")
+    plain, _ = make_runs(dataclasses.replace(recipe, ours_kw={**recipe.ours_kw, "speculate": False}), "cpu")
+    assert plain.opt.speculation_stats is None
+    for step in range(steps):
+        for run in (ours, ref, plain):
+            run.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"{recipe.name} step {step}")
+        assert_bitwise(ours.model, plain.model, ours.opt, plain.opt, f"{recipe.name} step {step}")
+    stats = ours.opt.speculation_stats
+    # (A recipe that clips every step stops speculating from its second step on: the norm passes max_norm.)
+    assert stats.speculated > 0 or stats.not_started["stopped"] > 0, stats
+    assert stats.commits + stats.rollbacks == stats.speculated, stats
+    if recipe.clip is None and recipe.scaler is None and recipe.scheduler is None and recipe.accumulate == 1:
+        # Nothing to refuse: every speculation is kept (the first step only initialises the masters). (A second
+        # backward without no_sync is refused: test_a_second_backward_without_no_sync_is_not_speculated.)
+        assert stats.rollbacks == 0 and stats.commits > 0, stats
+
+
+# -- forced rollbacks, against the run without speculation ----------------------------------------------------------
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(17, 17) for _ in range(N_BUCKETS)]).to(dtype)
+
+
+def _loss(model, step):
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 17, generator=gen), torch.randn(8, 17, generator=gen)
+    dtype = next(model.parameters()).dtype
+    return (model(x.to(dtype)).float() - y).pow(2).mean()
+
+
+def _pair(dtype=torch.float32, **kw):
+    """(model, optimizer) with speculation, and an identical pair without."""
+    a = _model(dtype)
+    b = copy.deepcopy(a)
+    spec = OffloadOptimizer(a.parameters(), bucket_numel=400, speculate=True, **kw)
+    plain = OffloadOptimizer(b.parameters(), bucket_numel=400, speculate=False, **kw)
+    assert len(spec._buckets[0]) == N_BUCKETS and not spec._buckets[0][0].on_cpu
+    return (a, spec), (b, plain)
+
+
+def _drive(pairs, steps, between=None, scaler=False):
+    """Train both pairs alike; ``between(step, model, opt)`` runs after backward, before ``step()``; returns how
+    many steps raised, per pair."""
+    raised = [0, 0]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3) if scaler else None
+               for _ in pairs]
+    for step in range(steps):
+        for k, ((model, opt), sc) in enumerate(zip(pairs, scalers)):
+            opt.zero_grad()
+            loss = _loss(model, step)
+            (sc.scale(loss) if sc else loss).backward()
+            if between is not None:
+                between(step, model, opt)
+            try:
+                if sc:
+                    sc.step(opt)
+                    sc.update()
+                else:
+                    opt.step()
+            except RuntimeError as exc:
+                assert "non-finite" in str(exc)
+                raised[k] += 1
+        (a, spec), (b, plain) = pairs
+        assert_bitwise(a, b, spec, plain, f"step {step}")
+    return raised
+
+
+def _reasons(opt):
+    return dict(opt.speculation_stats.reasons)
+
+
+def test_clipping_active_rolls_back_then_stops_speculating(eager):
+    pairs = _pair()
+    _drive(pairs, 6, between=lambda step, m, opt: opt.clip_grad_norm_(1e-3) if step >= 2 else None)
+    stats = pairs[0][1].speculation_stats
+    # Step 1 commits; step 2, the first to clip, speculates every bucket and rolls back (coefficient < 1); from
+    # then on the running norm passes the max_norm of the last step at the first bucket: speculation stops.
+    assert _reasons(pairs[0][1]) == {"multiplier": N_BUCKETS}, stats
+    assert stats.commits == N_BUCKETS and stats.not_started["stopped"] == 3 * N_BUCKETS, stats
+
+
+def test_clipping_inactive_commits(eager):
+    pairs = _pair()
+    _drive(pairs, 6, between=lambda step, m, opt: opt.clip_grad_norm_(1e6))  # coefficient exactly 1.0
+    stats = pairs[0][1].speculation_stats
+    assert stats.rollbacks == 0 and stats.commits == 5 * N_BUCKETS, stats
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_nonfinite_gradient_in_the_last_bucket(eager, policy, value):
+    pairs = _pair(nonfinite=policy)
+    for model, _ in pairs:
+        model.training_step = 0  # the hook below reads it; set to the next step's number after each backward
+        # The first layer's gradient is the last backward sends: every other bucket has been speculated.
+        model[0].weight.register_hook(lambda g, model=model: g * value if model.training_step == 3 else g)
+    raised = _drive(pairs, 6, between=lambda step, m, opt: setattr(m, "training_step", step + 1))
+    spec = pairs[0][1]
+    stats = spec.speculation_stats
+    if policy == "ignore":  # applied, as AdamW would: the NaN/inf is in both runs' state, bit for bit
+        assert stats.rollbacks == 0, stats
+        assert raised == [0, 0]
+    else:
+        assert _reasons(spec) == {"skipped step": N_BUCKETS - 1}, stats
+        assert stats.not_started["stopped"] == 1, stats
+        assert raised == ([1, 1] if policy == "raise" else [0, 0])
+        assert spec.skipped_steps == pairs[1][1].skipped_steps == (policy == "skip")
+
+
+def test_gradscaler_overflow_rolls_back(eager):
+    pairs = _pair()
+    for model, _ in pairs:
+        model.training_step = 0
+        model[2].weight.register_hook(lambda g, model=model: g * float("inf") if model.training_step == 4 else g)
+    _drive(pairs, 9, between=lambda step, m, opt: setattr(m, "training_step", step + 1), scaler=True)
+    spec, plain = pairs[0][1], pairs[1][1]
+    assert spec.skipped_steps == plain.skipped_steps
+    reasons = _reasons(spec)
+    # The overflow skips the step; the next one's scale (halved) is not the one guessed; growth every 3 steps
+    # changes it again.
+    assert reasons.get("skipped step", 0) >= 1 and reasons.get("multiplier", 0) >= 1, reasons
+    assert spec.speculation_stats.commits > 0
+
+
+def test_lr_changed_between_backward_and_step_rolls_back(eager):
+    pairs = _pair()
+
+    def halve_lr(step, model, opt):
+        if step % 2:
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
+
+    _drive(pairs, 6, between=halve_lr)
+    stats = pairs[0][1].speculation_stats
+    assert _reasons(pairs[0][1]) == {"hyperparameters": 3 * N_BUCKETS}, stats
+    assert stats.commits == 2 * N_BUCKETS, stats
+
+
+def test_state_dict_between_backward_and_step_shows_the_state_before_the_step(eager):
+    pairs = _pair()
+    saved = []
+    _drive(pairs, 4, between=lambda step, m, opt: saved.append(opt.state_dict()) if step == 2 else None)
+    mine, theirs = saved
+    for k, entry in theirs["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(mine["state"][k][name], value, rtol=0, atol=0)
+    assert _reasons(pairs[0][1]) == {"state read or replaced": N_BUCKETS}
+
+
+def test_zero_grad_after_backward_rolls_back(eager):
+    pairs = _pair()
+    _drive(pairs, 2)
+    for model, opt in pairs:
+        _loss(model, 7).backward()
+        opt.zero_grad()  # the step never comes
+    (a, spec), (b, plain) = pairs
+    assert_bitwise(a, b, spec, plain, "after zero_grad")
+    assert _reasons(spec) == {"no step": N_BUCKETS}
+    _drive(pairs, 3)
+
+
+def test_a_second_backward_without_no_sync_is_not_speculated(eager):
+    pairs = _pair(release_grads=True)
+    for step in range(4):
+        for model, opt in pairs:
+            opt.zero_grad()
+            _loss(model, step).backward()
+            _loss(model, step + 100).backward()  # accumulates: the first speculation read half the gradient
+            opt.step()
+        assert_bitwise(pairs[0][0], pairs[1][0], pairs[0][1], pairs[1][1], f"step {step}")
+    stats = pairs[0][1].speculation_stats
+    assert _reasons(pairs[0][1]) == {"gradients changed": 3 * N_BUCKETS}, stats
+    assert stats.not_started["sent again"] == 4 * N_BUCKETS and stats.commits == 0
+
+
+@pytest.mark.parametrize("kw", [dict(dtype=torch.bfloat16), dict(state_dtype=torch.int8, amsgrad=True),
+                                dict(state_dtype=torch.bfloat16)], ids=["bf16_params", "int8_state", "bf16_state"])
+def test_low_precision_params_and_compact_state(eager, kw):
+    """bf16 parameters: the kernel's rounded output goes to a buffer of its own, not over the gradient (which a
+    rollback needs); compact state: the 8-bit scales are saved and restored with the codes."""
+    pairs = _pair(**kw)
+    _drive(pairs, 6, between=lambda step, m, opt: opt.clip_grad_norm_(1e-3) if step in (2, 3) else None)
+    stats = pairs[0][1].speculation_stats
+    # Steps 1 and 5 commit, 2 rolls back (clipped); 3 and 4 stop at once (each expects a clip as the last step
+    # had).
+    assert stats.commits == 2 * N_BUCKETS and _reasons(pairs[0][1]) == {"multiplier": N_BUCKETS}, stats
+    assert stats.not_started["stopped"] == 2 * N_BUCKETS, stats
+
+
+# -- when the kernels run ---------------------------------------------------------------------------------------
+def test_kernels_start_before_step_in_arrival_order(cuda_branches, monkeypatch):
+    (model, opt), _ = _pair()
+    ran = []
+    real_kernel = speculation._kernel
+
+    def kernel(bucket, *args, **kw):
+        ran.append((id(bucket), threading.current_thread() is threading.main_thread()))
+        return real_kernel(bucket, *args, **kw)
+
+    monkeypatch.setattr(speculation, "_kernel", kernel)
+    sent = []
+    real_send = opt._transport.send_grads
+    monkeypatch.setattr(opt._transport, "send_grads", lambda b: (sent.append(id(b)), real_send(b)))
+    for step in range(3):
+        opt.zero_grad()
+        ran.clear()
+        sent.clear()
+        _loss(model, step).backward()
+        if step == 0:
+            opt.step()  # (the first step initialises the masters: nothing to speculate)
+            continue
+        deadline = time.monotonic() + 120
+        while len(ran) < N_BUCKETS and time.monotonic() < deadline:
+            time.sleep(0.01)  # step() is not called: the kernels run on their own
+        assert [k for k, _ in ran] == sent, "kernels not run in the order backward sent the buckets"
+        assert not any(main for _, main in ran), "a speculative kernel ran on the main thread"
+        assert sent == [id(b) for b in reversed(opt._buckets[0])]
+        opt.step()
+    assert opt.speculation_stats.commits == 2 * N_BUCKETS
+
+
+# -- options ---------------------------------------------------------------------------------------------------
+def test_options():
+    with pytest.raises(ValueError, match="alternatives"):
+        Options(speculate=True, overlap_step=True, nonfinite="ignore").validate()
+    with pytest.raises(ValueError, match="alternatives"):
+        Options(speculate=True, delayed_update=True).validate()
+    with pytest.raises(ValueError, match="process_group"):
+        Options(speculate=True, sharded=True).validate()
+    with pytest.raises(ValueError, match="streamed"):
+        Options(speculate=True, stream_grads=False).validate()
+    with pytest.raises(ValueError, match="Invalid speculate"):
+        Options(speculate="yes").validate()
+    assert Options().speculates and not Options(sharded=True).speculates
+    assert not Options(delayed_update=True).speculates and not Options(stream_grads=False).speculates
+
+
+def test_cpu_model_is_not_speculated():
+    model = _model()
+    opt = OffloadOptimizer(model.parameters(), stream_grads=True, speculate=True)
+    _loss(model, 0).backward()
+    opt.step()
+    assert opt.speculation_stats.speculated == 0 and not opt.speculation_stats.not_started
+
+
+# -- the step timeline -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize("clip", [None, 1e6])
+def test_host_waits_per_step_at_most_buckets_plus_two(eager, speculate, clip):
+    """Each bucket's gradient copy is waited for once per step (by the worker or by step()), plus the one fetch
+    of the GPU norms; an upload is waited for only if not complete, and a wait on an event already waited for
+    and not recorded since is not made."""
+    (model, opt), (plain_model, plain) = _pair()
+    if not speculate:
+        model, opt = plain_model, plain
+    opt.record_timeline()
+    for step in range(4):
+        opt.timeline()
+        opt.zero_grad()
+        _loss(model, step).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        events = opt.timeline()
+        if step == 0:
+            continue  # (the first step: masters initialised, and a clip re-reads the gradients for a scaler)
+        waits = [e for e in events if e.kind == "wait"]
+        assert len(waits) <= N_BUCKETS + 2, (step, [(e.what, e.bucket) for e in waits])
+        assert sorted(e.bucket for e in waits if e.what == "d2h") == list(range(N_BUCKETS))
+        kernels = [e for e in events if e.kind == "kernel"]
+        assert sorted(e.bucket for e in kernels) == list(range(N_BUCKETS))
+        if speculate:  # every kernel ran before step() began, in the order backward sent them
+            (step_event,) = [e for e in events if e.kind == "step"]
+            assert all(e.what == "speculative" and e.end <= step_event.start for e in kernels)
+            assert [e.bucket for e in kernels] == list(reversed(range(N_BUCKETS)))
+            assert sum(e.kind == "commit" for e in events) == N_BUCKETS
+    opt.record_timeline(False)
+    opt.zero_grad()
+    _loss(model, 9).backward()
+    opt.step()
+    assert opt.timeline() == []
+
+
+def test_timeline_shows_rollbacks_and_writes_a_chrome_trace(eager, tmp_path):
+    from zero_offload import timeline
+
+    (model, opt), _ = _pair()
+    opt.record_timeline()
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        if step == 2:
+            opt.clip_grad_norm_(1e-3)
+        opt.step()
+    events = opt.timeline()
+    rolled = [e for e in events if e.kind == "rollback"]
+    assert [e.what for e in rolled] == ["multiplier"] * N_BUCKETS
+    assert sum(e.kind == "copy" and e.what == "restore" for e in events) == N_BUCKETS
+    table = timeline.breakdown(events)
+    assert table["kernel speculative"]["count"] == 2 * N_BUCKETS and table["kernel step"]["count"] == 2 * N_BUCKETS
+    path = tmp_path / "trace.json"
+    timeline.chrome_trace(events, str(path))
+    import json
+    assert len(json.loads(path.read_text())["traceEvents"]) == len(events)
+
+
+def test_no_speculation_without_host_memory_for_the_undo_buffers(eager, monkeypatch):
+    monkeypatch.setattr(speculation, "available_host_bytes", lambda: 1000)
+    pairs = _pair()
+    _drive(pairs, 3)
+    stats = pairs[0][1].speculation_stats
+    assert stats.speculated == 0 and stats.not_started["host memory"] == 2 * N_BUCKETS, stats

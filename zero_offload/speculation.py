@@ -1,0 +1,370 @@
+"""Speculation with validation: each streamed bucket's update runs in a worker thread as soon as backward has sent
+its gradients (in arrival order, while backward goes on), and ``step()`` keeps it only if it is exactly what
+``step()`` would have computed; otherwise the bucket's state is restored and the step runs as without speculation.
+
+**Exact by construction.** Before the kernel touches a bucket, the worker copies the bytes it will change (master,
+moments, 8-bit scales) into an undo buffer of the bucket's own; the kernel then runs in place, with the
+hyperparameters and the gradient multiplier that ``step()`` is expected to use. Nothing is uploaded and no step
+count is bumped before validation, so the GPU parameters and ``opt.state``'s steps never see a speculative value.
+At ``step()`` a bucket *commits* (its step counts bumped, its parameters uploaded) only if
+
+* the multiplier ``step()`` computes (GradScaler's inverse scale times the clip coefficient) is bit-equal to the
+  one the kernel used (without clipping, or with a coefficient of exactly 1.0, it is);
+* the hyperparameters read at ``step()`` equal those read when the bucket was sent (an LR set between backward
+  and ``step()`` does not);
+* the step is not skipped or refused (a GradScaler's ``found_inf``, an inf/nan with ``nonfinite`` "skip" or
+  "raise");
+* its gradients are those the kernel read: none assigned, edited in place, re-read (``GradScaler.unscale_``) or
+  sent again (a second backward without ``no_sync``) since, and its step counts unchanged.
+
+Anything else *rolls back*: the undo buffer is copied back (a ``memcpy`` of the saved bytes, bit-exact), and the
+bucket is updated at ``step()`` like any other. A rollback also happens where the step never comes
+(``zero_grad()`` after backward), and before anything reads or replaces the state between backward and
+``step()`` (``state_dict()``, ``load_state_dict()``, an edit of ``opt.state``), which thereby sees the state as a
+run without speculation has it.
+
+Speculation stops for the rest of a step once a bucket's gradient norm is not finite (the step will be skipped or
+refused, unless ``nonfinite="ignore"``) or the running norm already exceeds the last ``max_norm`` clipped with
+(the step will clip): nothing to gain there. See docs/speculation.md for the design, its costs and the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from concurrent.futures import Future
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload.buckets import MOMENTS, FlatBucket, view_like
+from zero_offload.checkpoint import expose
+from zero_offload.host_memory import available_host_bytes, empty_host
+from zero_offload.options import Hyper
+from zero_offload.timeline import span
+from zero_offload.transport import BucketGrads, PendingClip, Plans, Transport
+from zero_offload.update import Immediate, State, _ensure_amsgrad, _kernel, _Worker, update_bucket
+
+__all__ = ["SpeculationStats", "Speculative"]
+
+logger = logging.getLogger("zero_offload")
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """Counts of what speculation did, over the optimizer's life (``OffloadOptimizer.speculation_stats``).
+
+    Attributes:
+        speculated (int): bucket updates run during backward.
+        commits (int): of those, kept by ``step()``.
+        rollbacks (int): of those, undone (the bucket then updated as without speculation).
+        reasons (Counter[str]): rollbacks by reason: ``"multiplier"`` (clipping active, or the loss scale
+            changed), ``"hyperparameters"``, ``"skipped step"`` (inf/nan or GradScaler overflow; also an error
+            raised by ``step()``), ``"gradients changed"``, ``"steps changed"``, ``"state read or replaced"``,
+            ``"no step"`` (``zero_grad()`` after backward).
+        not_started (Counter[str]): buckets sent but not speculated, by reason (``"stopped"``: an inf/nan or a
+            norm over ``max_norm`` earlier in the step; ``"queued at step()"``: ``step()`` came first, the bucket
+            is updated there; ``"masters refresh"``: a parameter was changed outside the optimizer;
+            ``"sent again"``; ``"host memory"``: no room for the bucket's undo buffer...).
+    """
+
+    speculated: int = 0
+    commits: int = 0
+    rollbacks: int = 0
+    reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    not_started: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass
+class _Spec:
+    """One bucket's speculative update in this step: what it was given, and what it did (``runs`` None: it did
+    not run, for ``skipped``)."""
+
+    bucket: FlatBucket
+    group: int
+    hyper: Hyper
+    multiplier: float
+    present: List[bool]
+    job: Optional[Future] = None
+    runs: Optional[List[Tuple[int, int, int]]] = None
+    steps: Optional[torch.Tensor] = None
+    skipped: Optional[str] = None
+
+
+class Speculative(Immediate):
+    """The speculating schedule (see the module docstring). Buckets on the CPU (whose parameters *are* the
+    masters) and buckets not streamed are updated at ``step()`` as by :class:`Immediate`.
+
+    Args:
+        transport (Transport): the optimizer's transport (not sharded).
+        inputs (Callable[[int], Tuple[Hyper, str]]): for a group index, the hyperparameters ``step()`` would read
+            now and the ``nonfinite`` policy.
+    """
+
+    def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Hyper, str]]):
+        super().__init__(transport)
+        transport.host_norms = True
+        self._inputs = inputs
+        self._worker = _Worker()
+        self._specs: Dict[int, _Spec] = {}  # this step's, by id(bucket), in arrival order
+        self._barred: set = set()  # id(bucket): sent twice this step, no speculation
+        self._undo: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._stopped = False
+        self._running_sq = 0.0
+        self._guess = 1.0  # the multiplier expected: the last step's loss-scale inverse
+        self._max_norm: Optional[float] = None  # the last max_norm clipped with (2-norm)
+        self._broken = False
+        self._stepping = False
+        self.stats = SpeculationStats()
+
+    # -- backward (the autograd thread) ----------------------------------------------------------------------
+    def before_send(self, bucket: FlatBucket) -> None:
+        spec = self._specs.get(id(bucket))
+        if spec is not None:  # a second backward (no ``no_sync``): the speculation read a partial gradient
+            self._finish(spec)
+            self._undo_spec(spec, "gradients changed", restore=True)
+            del self._specs[id(bucket)]
+            self._barred.add(id(bucket))
+
+    def after_send(self, bucket: FlatBucket, group: int) -> None:
+        if bucket.on_cpu or bucket.sharded or self._broken:
+            return
+        if id(bucket) in self._barred:
+            self.stats.not_started["sent again"] += 1
+            return
+        try:
+            hyper, _ = self._inputs(group)
+        except ValueError:  # an invalid hyperparameter: step() will say so
+            return
+        spec = _Spec(bucket, group, hyper, self._guess, self.transport.sent(bucket))
+        self._specs[id(bucket)] = spec
+        spec.job = self._worker.submit(self._speculate, spec)
+
+    # -- the worker --------------------------------------------------------------------------------------------
+    def _speculate(self, spec: _Spec) -> None:
+        bucket, transport = spec.bucket, self.transport
+        transport.wait_grads(bucket)
+        reason = self._why_not(spec)
+        if reason is not None:
+            spec.skipped = reason
+            return
+        runs = bucket.runs(spec.present)
+        if not runs:
+            spec.skipped = "no gradient"
+            return
+        transport.before_update(bucket)  # the last upload may still be reading staging or master
+        with span(transport.timeline, "copy", "save", bucket):
+            undo = self._save(bucket, spec.hyper.amsgrad)
+        if undo is None:
+            spec.skipped = "host memory"
+            return
+        full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
+        flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper.amsgrad)}
+        if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
+            flat["staging"] = undo["out"]
+        spec.steps = bucket.steps.clone()
+        try:
+            with span(transport.timeline, "kernel", "speculative", bucket):
+                _kernel(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, full,
+                        into=(flat, bucket.scales))
+        except BaseException:
+            self._restore(bucket, spec.hyper.amsgrad)
+            raise
+        spec.runs = runs
+
+    def _why_not(self, spec: _Spec) -> Optional[str]:
+        """Why the bucket is not worth (or not safe) speculating on now; None if it is."""
+        if self._stopped:
+            return "stopped"
+        bucket = spec.bucket
+        if spec.hyper.amsgrad and bucket.max_exp_avg_sq is None:
+            return "amsgrad switched on"  # its buffer and state entries are made at step()
+        if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
+            return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
+        sq = self.transport.host_norm(bucket)
+        if sq is not None:
+            _, policy = self._inputs(spec.group)
+            if not math.isfinite(sq) and policy != "ignore":
+                self._stopped = True
+                return "stopped"
+            self._running_sq += sq
+            if self._max_norm is not None and math.sqrt(self._running_sq) * spec.multiplier > self._max_norm:
+                self._stopped = True
+                return "stopped"
+        return None
+
+    def _save(self, bucket: FlatBucket, amsgrad: bool) -> Optional[Dict[str, torch.Tensor]]:
+        """Copy what the kernel will change into the bucket's undo buffers (allocated at its first speculation;
+        None: not, as the host could not spare twice their size)."""
+        undo = self._undo.get(id(bucket))
+        if undo is None or (amsgrad and "max_exp_avg_sq" not in undo):
+            need = sum(buf.nbytes for _, buf in _state_buffers(bucket, True)) + (
+                bucket.layout.padded_numel * bucket.dtype.itemsize if bucket.low_precision else 0)
+            avail = available_host_bytes()
+            # An optional speedup must never be what pushes the host into the OOM killer.
+            if avail is not None and 2 * need > avail:
+                return None
+            undo = {name: torch.empty_like(buf) for name, buf in _state_buffers(bucket, True)}
+            if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
+                undo["out"] = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
+            self._undo[id(bucket)] = undo
+        for name, buf in _state_buffers(bucket, amsgrad):
+            undo[name].copy_(buf)
+        return undo
+
+    def _restore(self, bucket: FlatBucket, amsgrad: bool) -> None:
+        undo = self._undo[id(bucket)]
+        for name, buf in _state_buffers(bucket, amsgrad):
+            buf.copy_(undo[name])
+
+    # -- step() (the main thread) ------------------------------------------------------------------------------
+    def _finish(self, spec: _Spec) -> None:
+        """Wait for the bucket's speculation (a queued one is cancelled: the bucket is then updated at step())."""
+        job = spec.job
+        if job is None:
+            return
+        if job.cancel():
+            spec.skipped = spec.skipped or "queued at step()"
+        else:
+            try:
+                job.result()
+            except BaseException as exc:  # the exact update runs at step() and meets the same problem if real
+                logger.warning("OffloadOptimizer: speculation failed (%r); it is off from now on, every update "
+                               "runs at step()", exc)
+                self._broken = True
+                spec.runs, spec.skipped = None, "failed"
+        spec.job = None
+        if spec.runs is not None:
+            self.stats.speculated += 1
+        elif spec.skipped:
+            self.stats.not_started[spec.skipped] += 1
+
+    def settle(self) -> None:
+        """``step()`` has begun. Speculation goes on while it waits for the last gradients; :meth:`run` stops it
+        (and a rollback from now on is of a skipped or failed step, not of an abandoned one)."""
+        self._stepping = True
+
+    def _finish_all(self) -> None:
+        for spec in list(self._specs.values()):
+            self._finish(spec)
+
+    def check_received(self, bg: BucketGrads) -> None:
+        spec = self._specs.get(id(bg.bucket))
+        if spec is not None and (bg.stale or any(g is not None for g in bg.pending) or bg.present != spec.present):
+            # The gradients are about to be copied again into the buffer the speculation reads.
+            self._finish(spec)
+            self._undo_spec(spec, "gradients changed", restore=True)
+
+    def observe(self, inv_scale: float, clip: Optional[PendingClip]) -> None:
+        """The next step is expected to look like this one: its loss-scale inverse, and its clipping."""
+        self._guess = inv_scale
+        self._max_norm = clip.max_norm if clip is not None and clip.norm_type == 2.0 else None
+
+    def _undo_spec(self, spec: _Spec, reason: str, restore: bool) -> None:
+        if spec.runs is None:
+            return
+        if restore:
+            with span(self.transport.timeline, "copy", "restore", spec.bucket):
+                self._restore(spec.bucket, spec.hyper.amsgrad)
+        if self.transport.timeline is not None:
+            self.transport.timeline.mark("rollback", reason, spec.bucket)
+        spec.runs = None
+        self.stats.rollbacks += 1
+        self.stats.reasons[reason] += 1
+
+    def _verdict(self, bg: BucketGrads, spec: _Spec, hyper: Hyper, multiplier: float) -> Optional[str]:
+        """Why ``step()`` cannot keep the speculative update; None if it can."""
+        if multiplier != spec.multiplier:
+            return "multiplier"
+        if hyper != spec.hyper:
+            return "hyperparameters"
+        if bg.stale or bg.present != spec.present or any(g is not None for g in bg.pending):
+            return "gradients changed"
+        if not torch.equal(spec.bucket.steps, spec.steps):
+            return "steps changed"
+        return None
+
+    def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
+        if not self._specs:
+            return super().run(hypers, plans, multiplier, state)
+        self._finish_all()  # the one running ends; those still queued are cancelled and updated below
+        _ensure_amsgrad(state, hypers, plans)
+        entries = {id(bg.bucket): (bg, hypers[gi]) for gi, group_plan in enumerate(plans) for bg in group_plan}
+        buckets = [bg.bucket for bg, _ in entries.values()]
+        self.transport.before_uploads(buckets)
+        done = set()
+        for key, spec in self._specs.items():  # commits first: their uploads overlap the updates left
+            if spec.runs is None or key not in entries:
+                continue
+            bg, hyper = entries[key]
+            reason = self._verdict(bg, spec, hyper, multiplier)
+            if reason is not None:
+                self._undo_spec(spec, reason, restore=True)
+                continue
+            self._commit(spec, state)
+            done.add(key)
+        # The rest in arrival order, then what backward did not send.
+        order = list(self._specs) + [k for k in entries if k not in self._specs]
+        for key in order:
+            if key in entries and key not in done:
+                bg, hyper = entries[key]
+                update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
+        self.transport.finish_params(buckets)
+
+    def _commit(self, spec: _Spec, state: State) -> None:
+        bucket, runs = spec.bucket, spec.runs
+        bucket.count_steps(runs)
+        full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
+        indices = range(len(bucket.params)) if full else [i for a, b, _ in runs for i in range(a, b + 1)]
+        if not bucket.all_exposed:
+            expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
+        srcs = None
+        if bucket.low_precision:
+            out = self._undo[id(bucket)]["out"]
+            srcs = [view_like(out, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
+        self.transport.send_params(bucket, list(indices), srcs)
+        if self.transport.timeline is not None:
+            self.transport.timeline.mark("commit", "", bucket)
+        spec.runs = None
+        self.stats.commits += 1
+
+    def _roll_back_all(self, reason: str, restore: bool = True) -> None:
+        self._finish_all()
+        for spec in self._specs.values():
+            self._undo_spec(spec, reason, restore)
+
+    def flush(self, state: State) -> None:
+        """The state is about to be edited: it must be the state before this step's update."""
+        self._roll_back_all("state read or replaced")
+
+    def ahead(self) -> Dict[int, object]:
+        """Saving between backward and ``step()``: the state as a run without speculation has it."""
+        self._roll_back_all("state read or replaced")
+        return {}
+
+    def drop(self) -> None:
+        """The state is being replaced (a load): what speculation wrote is overwritten, not restored."""
+        self._roll_back_all("state read or replaced", restore=False)
+
+    def reset(self) -> None:
+        # An update not committed by now belongs to a step that did not happen (skipped, refused, raised, or
+        # abandoned by zero_grad()).
+        self._roll_back_all("no step" if not self._stepping else "skipped step")
+        self._specs = {}
+        self._barred = set()
+        self._stopped = False
+        self._running_sq = 0.0
+        self._stepping = False
+
+
+def _state_buffers(bucket: FlatBucket, amsgrad: bool):
+    """(name, flat buffer) of everything the kernel writes in the bucket's state: master, moments, 8-bit scales."""
+    yield "master", bucket.master
+    for name in MOMENTS:
+        if name == "max_exp_avg_sq" and (not amsgrad or bucket.max_exp_avg_sq is None):
+            continue
+        yield name, getattr(bucket, name)
+        if name in bucket.scales:
+            yield name + "_scale", bucket.scales[name]
