@@ -624,14 +624,17 @@ def _bad_input_worker(rank, world):
         except ValueError as exc:
             errors[f"ddp_{name}"] = str(exc)
     # A group that runs NCCL alone cannot shard parameters on the CPU: refused on every rank, nothing changed.
-    real = zero_offload.distributed.moves_host_tensors
+    # (Its small collectives would go through the GPU; this gloo group's stay on the CPU.)
+    real, real_device = zero_offload.distributed.moves_host_tensors, zero_offload.distributed.Comm._device
     zero_offload.distributed.moves_host_tensors = lambda backend: False
+    zero_offload.distributed.Comm._device = lambda self: torch.device("cpu")
     try:
         OffloadOptimizer(model.parameters(), process_group=world_group)
     except ValueError as exc:
         errors["nccl_cpu"] = str(exc)
     finally:
         zero_offload.distributed.moves_host_tensors = real
+        zero_offload.distributed.Comm._device = real_device
     cuda = torch.device("cuda")
     assert not OffloadOptimizer(model.parameters()).options.streams(cuda)
     assert OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True).options.streams(cuda)

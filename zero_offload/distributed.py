@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import pickle
 import time
 from itertools import chain
 from numbers import Real
@@ -39,6 +40,9 @@ __all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "ShardedTransport"
 
 # torch.distributed's own default for a process group's collectives.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a gloo worker may take to let go of a completed collective's tensors (microseconds, normally; see
+# _Held) before they are kept for good instead.
+_LET_GO_SECONDS = 10.0
 
 
 def _dist():
@@ -75,15 +79,45 @@ class GradStats:
     nonfinite: bool
 
 
+class _Held:
+    """The tensors of one collective on host tensors, held by Python until the gloo worker that ran it has let go
+    of them.
+
+    A tensor whose Python object dies while C++ still holds it (gloo's ``Work`` does until its worker thread has
+    finished with it, a little after ``wait()`` returns) has its Python object kept alive *by* C++, and the last
+    C++ owner then needs the GIL to release it. When that is a gloo worker at interpreter shutdown, Python ends
+    the thread with ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor is
+    ``std::terminate``: "terminate called without an active exception" after a run without error (issue 27; the
+    temporaries were the all-gather's shard view and the reduce-scatter's copy). So the references each tensor
+    had before the collective started are counted, and :meth:`let_go` waits until the worker's are gone."""
+
+    __slots__ = ("tensors", "counts")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.counts = [t._use_count() for t in self.tensors]
+
+    def let_go(self, limit: float) -> bool:
+        """Wait (yielding the GIL) until only the references from before the collective remain, at most ``limit``
+        seconds; whether they did (if not, the caller keeps the tensors forever)."""
+        deadline = time.monotonic() + limit
+        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0)  # the worker releases the work a few microseconds after completing it
+        return True
+
+
 class Pending:
     """A collective in flight (see :meth:`Comm.start`). :meth:`wait` returns once it has completed, waiting at most
     the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the collective and the bucket otherwise,
     or at once if the :class:`Comm` is broken. Waiting twice is free."""
 
-    __slots__ = ("comm", "what", "where", "work", "event", "done")
+    __slots__ = ("comm", "what", "where", "work", "event", "done", "held")
 
-    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any):
+    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any, held: Optional[_Held]):
         self.comm, self.what, self.where, self.work, self.event = comm, what, where, work, event
+        self.held = held
         self.done = False
 
     def wait(self) -> None:
@@ -98,6 +132,10 @@ class Pending:
         except Exception as exc:
             raise self.comm._fail(self.what, self.where, exc) from exc
         self.done = True
+        self.work = None  # our reference to the work (and, through it, to the tensors) first
+        if self.held is not None:
+            self.comm._let_go(self.held)
+            self.held = None
 
 
 class _HostReduceScatter:
@@ -163,15 +201,20 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
         self.failure: Optional[str] = None
+        # The tensors of the host collectives started and not yet let go of (see _Held), by id.
+        self._held: Dict[int, _Held] = {}
 
     # -- collectives ---------------------------------------------------------------------------------------
-    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> "Pending":
+    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool,
+              tensors: Sequence[torch.Tensor] = ()) -> "Pending":
         """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. For CUDA tensors
         (``on_device``; NCCL, whatever else the group also runs) the current stream is made to wait for it
         (``Work.wait()`` does only that: the host goes on, and it must be called here, where that stream is
         current) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
-        For CPU tensors (gloo) the work itself is waited for then."""
+        For CPU tensors (gloo) the work itself is waited for then, and ``tensors`` (every tensor ``launch`` hands
+        the collective) are held until its worker has let go of them (see :class:`_Held`)."""
         self.check_usable(what, where)
+        held = None if on_device else _Held(tensors)
         try:
             work = launch()
             event = None
@@ -180,11 +223,24 @@ class Comm:
                 event = torch.cuda.Event()
                 event.record()
         except Exception as exc:
+            if held is not None:
+                self._held[id(held)] = held
             raise self._fail(what, where, exc) from exc
-        return Pending(self, what, where, work, event)
+        if held is not None:
+            self._held[id(held)] = held
+        return Pending(self, what, where, work, event, held)
 
-    def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> None:
-        self.start(what, where, launch, on_device).wait()
+    def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool,
+             tensors: Sequence[torch.Tensor] = ()) -> None:
+        self.start(what, where, launch, on_device, tensors).wait()
+
+    def _let_go(self, held: _Held) -> None:
+        """Release a completed collective's tensors once its worker has (see :class:`_Held`); a worker that has not
+        within the timeout is still running it, so they are kept until the process ends."""
+        if held.let_go(min(self.timeout.total_seconds(), _LET_GO_SECONDS)):
+            self._held.pop(id(held), None)
+        elif self._held.pop(id(held), None) is not None:
+            _keep_forever(held)
 
     def _error(self, what: str, where: str, exc: BaseException) -> RuntimeError:
         return RuntimeError(
@@ -207,6 +263,11 @@ class Comm:
         if self.failure is None:
             self.failure = f"{what} of {where}: {exc}"
             _keep_forever(self.group)
+        # The workers of collectives in flight hold their tensors until they give up on them, which may be at
+        # interpreter shutdown (see _Held): those tensors are never released either.
+        held, self._held = list(self._held.values()), {}
+        if held:
+            _keep_forever(held)
         return self._error(what, where, exc)
 
     def check_usable(self, what: str, where: str) -> None:
@@ -252,11 +313,11 @@ class Comm:
         total, n = inp.clone(), out.numel()
         part = total[self.rank * n : (self.rank + 1) * n]
         return self.start("reduce_scatter", where, lambda: _HostReduceScatter(
-            dist.all_reduce(total, group=self.group, async_op=True), out, part), False)
+            dist.all_reduce(total, group=self.group, async_op=True), out, part), False, (total,))
 
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
         return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True),
-                          inp.is_cuda)
+                          inp.is_cuda, (out, inp))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> None:
         self.start_all_gather(out, inp, where).wait()
@@ -264,12 +325,12 @@ class Comm:
     def broadcast(self, t: torch.Tensor, where: str) -> None:
         dist = _dist()
         self._run("broadcast", where, lambda: dist.broadcast(t, self.src, group=self.group, async_op=True),
-                  t.is_cuda)
+                  t.is_cuda, (t,))
 
     def all_reduce(self, t: torch.Tensor, op: Any, where: str) -> None:
         dist = _dist()
         self._run("all_reduce", where, lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True),
-                  t.is_cuda)
+                  t.is_cuda, (t,))
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self.host_ok else torch.device("cuda", torch.cuda.current_device())
@@ -289,6 +350,20 @@ class Comm:
         self.all_gather(full, shard.to(dev), where)
         out.copy_(full)
 
+    def all_gather_objects(self, obj: Any, where: str) -> List[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: ``torch.distributed.all_gather_object`` through
+        :meth:`start`, so its tensors are let go of as every collective's are (see :class:`_Held`) and its wait is
+        bounded by ``timeout``. Two all-gathers: the pickles' sizes, then the pickles padded to the largest."""
+        data = pickle.dumps(obj)
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        self.all_gather_host(sizes, torch.tensor([len(data)], dtype=torch.int64), f"the sizes of {where}")
+        longest = int(sizes.max())
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(self.world * longest, dtype=torch.uint8)
+        self.all_gather_host(out, mine, where)
+        return [pickle.loads(out[r * longest : r * longest + int(n)].numpy().tobytes()) for r, n in enumerate(sizes)]
+
     # -- construction --------------------------------------------------------------------------------------
     def check_same_params(self, tensors: Sequence[torch.Tensor], group_index: int,
                           layout: Sequence[Tuple[str, Any]] = ()) -> None:
@@ -296,14 +371,8 @@ class Comm:
         parameters with the same shapes, dtypes and device types, and the same ``layout`` (the options that shape
         buckets and collectives, as ``(name, value)`` pairs): otherwise their flat buckets would not line up and
         the collectives would mix unrelated values, or wait for each other forever."""
-        dist = _dist()
         mine = (list(layout), [(tuple(p.shape), str(p.dtype).replace("torch.", ""), p.device.type) for p in tensors])
-        everyone: List[Any] = [None] * self.world
-        try:
-            dist.all_gather_object(everyone, mine, group=self.group)
-        except Exception as exc:
-            raise RuntimeError(f"zero_offload: rank {self.rank} of {self.world}: comparing param group "
-                               f"{group_index} across ranks failed: {exc}") from exc
+        everyone = self.all_gather_objects(mine, f"the description of param group {group_index}")
         (options0, params0) = everyone[0]
         for r, (options, params) in enumerate(everyone):
             for (name, ours), (_, theirs) in zip(options0, options):
