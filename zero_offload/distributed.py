@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import math
 import pickle
+import struct
 import time
 from itertools import chain
 from numbers import Real
@@ -170,9 +172,12 @@ class Comm:
         timeout (timedelta or float): how long to wait for any one collective (seconds if a number).
         grads_reduced (bool): gradients arrive already averaged over the group (DDP); take the owned slice instead
             of reduce-scattering.
+        compact_state (bool): the moments are kept as bf16 or 8-bit (``state_dtype``), which
+            ``sharded_state_dict()`` cannot hand out: what a broken optimizer still gives says so. Default: False.
     """
 
-    def __init__(self, group: Any, timeout: Union[datetime.timedelta, float], grads_reduced: bool):
+    def __init__(self, group: Any, timeout: Union[datetime.timedelta, float], grads_reduced: bool,
+                 compact_state: bool = False):
         dist = _dist()
         if not dist.is_available():
             raise RuntimeError("process_group was given but this torch build has no torch.distributed")
@@ -189,6 +194,7 @@ class Comm:
         self.group = group
         self.timeout = timeout
         self.grads_reduced = bool(grads_reduced)
+        self.compact_state = bool(compact_state)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if self.rank < 0:
@@ -277,10 +283,18 @@ class Comm:
         raise RuntimeError(
             f"zero_offload: rank {self.rank} of {self.world}: {what} of {where} refused: an earlier collective "
             f"failed ({self.failure}), so this rank is out of step with the others and this optimizer runs no "
-            "further collective. sharded_state_dict() still gives this rank's shard of the state (no collective); "
-            "state_dict(), step() and clip_grad_norm_() cannot run. Build a new process group and optimizer to go "
-            "on; this process group is not usable either (see the README's Limits)."
+            f"further collective. {self._salvage()} state_dict(), step() and clip_grad_norm_() cannot run. Build a "
+            "new process group and optimizer to go on; this process group is not usable either (see the README's "
+            "Limits)."
         )
+
+    def _salvage(self) -> str:
+        """What a broken optimizer still gives of this rank's state, without a collective."""
+        if not self.compact_state:
+            return "sharded_state_dict() still gives this rank's shard of the state (no collective);"
+        return ("No state dict can be had: sharded_state_dict() needs state_dtype=torch.float32 and state_dict() "
+                "the other ranks; this rank's shard stays in host_buffers() (moments in state_dtype, 8-bit ones "
+                "with their scales), to be saved as raw buffers only;")
 
     def _wait_work(self, work: Any) -> None:
         """Wait for a collective on host tensors (gloo) on this thread, at most ``timeout``: gloo's works for the
@@ -391,6 +405,25 @@ class Comm:
                              f"{detail}. Every rank must pass the same parameters in the same order.")
 
 
+# Where a rank is when it runs a collective of the statistics' size (see ShardedTransport._agree).
+_BACKWARD, _STEP_REDUCE, _STATS, _CLIPPED_STEP = 1.0, 2.0, 3.0, 4.0
+
+
+def _describe(phase: float, backwards: int) -> str:
+    after = f"after {backwards} streamed backward{'s' if backwards != 1 else ''}"
+    return {_BACKWARD: f"in backward {backwards + 1} of this step, reduce-scattering its gradients",
+            _STEP_REDUCE: f"at step(), reduce-scattering the gradients backward did not send ({after})",
+            _STATS: f"at step() or clip_grad_norm_(), combining the gradient statistics ({after})",
+            _CLIPPED_STEP: f"at step() after clip_grad_norm_() ({after})"}.get(phase, f"lost (phase {phase})")
+
+
+def _digest(settings: Sequence[Tuple[str, float]]) -> float:
+    """A 48-bit digest of the settings' values, exact as a float64 (it travels in a float64 all-reduce)."""
+    values = [float(v) for _, v in settings]
+    raw = hashlib.blake2b(struct.pack(f"<{len(values)}d", *values), digest_size=6).digest()
+    return float(int.from_bytes(raw, "little"))
+
+
 class _Collectives:
     """The collectives in flight for one sharded bucket."""
 
@@ -430,6 +463,7 @@ class ShardedTransport(Transport):
         self.comm = comm
         self._stats: Optional[GradStats] = None
         self._collectives: Dict[int, _Collectives] = {}
+        self._backwards = 0  # backward passes of this step whose reduce-scatters have begun (see _send)
 
     def add(self, bucket: FlatBucket, streamed: bool) -> None:
         super().add(bucket, streamed)
@@ -457,8 +491,13 @@ class ShardedTransport(Transport):
     def _send(self, link, idx: List[int], grads: List[torch.Tensor]) -> None:
         """Start the reduce-scatter of a bucket complete in backward. Its shard of the reduced sum is added to an
         earlier micro-batch's with ``release``; otherwise it is recomputed from the gradients accumulated on the
-        parameters."""
+        parameters. The first bucket of each backward (every backward sends every bucket once, in a fixed order)
+        is preceded by :meth:`_agree`: a rank running one more backward than another meets its ``step()`` there
+        and both raise, where their reduce-scatters would have met the step's all-reduce and aborted gloo."""
         bucket = link.bucket
+        if link.launches >= self._backwards:
+            self._agree(_BACKWARD, (), "reduce_scatter", f"gradients of {bucket.where}")
+            self._backwards += 1
         stream = None if bucket.on_cpu else self.stream(bucket.device)
         self._reduce_scatter(bucket, [p.grad for p in bucket.params], stream,
                              add=self.release and self.launched(bucket))
@@ -542,7 +581,12 @@ class ShardedTransport(Transport):
             coll.adding = False
             bucket.grad.add_(coll.shard_in)
 
-    def gather(self, plans: Plans, check: bool = False, clipping: bool = False) -> bool:
+    def reset(self) -> None:
+        super().reset()
+        self._backwards = 0
+
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
         flag and which parameters have a gradient in one all-reduce (each :class:`BucketGrads`'s ``present``
         becomes the group's answer: a gradient on some ranks only counts as zero on the others).
@@ -553,19 +597,30 @@ class ShardedTransport(Transport):
         bucket's ``stale`` flag: a gradient changed on some rank after its reduce-scatter (an in-place clip or
         unscale, or one assigned by hand), and every rank then reduce-scatters that bucket again from the
         gradients on the parameters, with a second all-reduce for the norm (impossible with ``release``, whose
-        gradients are gone: an error on every rank)."""
+        gradients are gone: an error on every rank).
+
+        The all-reduce also checks that every rank is at the same point (see :meth:`_agree`) with the same
+        ``settings`` (name, value) pairs: the hyperparameters a step uses, which the all-gather of the updated
+        shards would otherwise silently reconcile (a scheduler stepped on one rank only)."""
         entries = list(chain.from_iterable(plans))
-        for bg in entries:
-            if not self.launched(bg.bucket):
-                self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
+        todo = [bg for bg in entries if not self.launched(bg.bucket)]
+        if todo and any(link.streamed for link in self._links.values()):
+            # Another rank may have sent these from backward already: it is at the statistics, not here.
+            self._agree(_STEP_REDUCE, (), "reduce_scatter", f"gradients of {todo[0].bucket.where}")
+        for bg in todo:
+            self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
         local = [list(bg.present) for bg in entries]
         sqs, bads = self._shard_stats(entries)
         stale = [float(self.launched(bg.bucket) and bg.stale) for bg in entries]
         dist = _dist()
+        where = "the gradient norm, non-finite check and gradient presence"
         vals = self.comm.all_reduce_host([sum(sqs), sum(bads), float(clipping), *map(float, chain.from_iterable(local)),
-                                          *stale], dist.ReduceOp.SUM,
-                                         "the gradient norm, non-finite check and gradient presence")
+                                          *stale, *self._tail(_STATS, settings)], dist.ReduceOp.SUM, where)
+        tail = vals[len(vals) - 3 * self.comm.world :]
+        self._check_phases(tail, "all_reduce", where)
         self._check_clipping(int(vals[2]), clipping)
+        self._check_settings(tail, settings, where)
+        del vals[len(vals) - 3 * self.comm.world :]
         k = 3
         for bg in entries:
             bg.agree([v > 0 for v in vals[k : k + len(bg.present)]])
@@ -575,6 +630,72 @@ class ShardedTransport(Transport):
             vals[:2] = self._reduce_again(entries, local, redo, sqs, bads)
         self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
         return check and self._stats.nonfinite
+
+    # -- agreement -------------------------------------------------------------------------------------------
+    def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
+        """``step()`` after ``clip_grad_norm_`` (whose all-reduce was the gradient statistics'): check that every
+        rank steps with the same ``settings``, in an all-reduce of its own."""
+        self._agree(_CLIPPED_STEP, settings, "all_reduce", "the hyperparameters of step()")
+
+    def _stats_numel(self) -> int:
+        """The length of :meth:`gather`'s all-reduce: fixed for the optimizer's life, the same on every rank."""
+        return 3 + sum(len(link.bucket.params) + 1 for link in self._links.values()) + 3 * self.comm.world
+
+    def _tail(self, phase: float, settings: Sequence[Tuple[str, float]]) -> List[float]:
+        """What the statistics' all-reduce ends with: per rank, a digest of ``settings``, then where the rank is
+        (``phase``, and how many streamed backwards this step has had); zeros in the other ranks' places, so the
+        sum holds every rank's."""
+        world, rank = self.comm.world, self.comm.rank
+        tail = [0.0] * (3 * world)
+        tail[rank] = _digest(settings)
+        tail[world + 2 * rank], tail[world + 2 * rank + 1] = phase, float(self._backwards)
+        return tail
+
+    def _agree(self, phase: float, settings: Sequence[Tuple[str, float]], what: str, where: str) -> None:
+        """An all-reduce the size of the gradient statistics', carrying only :meth:`_tail`: collectives of
+        different sizes meeting each other abort gloo in C++ (``EnforceNotMet``, exit -6), so the points where
+        ranks can part ways (a backward's reduce-scatters, or step()'s) begin with this, which meets the same on
+        the other ranks or the statistics' all-reduce; each rank raises if they are not at the same point."""
+        vals = [0.0] * (self._stats_numel() - 3 * self.comm.world) + self._tail(phase, settings)
+        tail = self.comm.all_reduce_host(vals, _dist().ReduceOp.SUM, f"the check before the {what} of {where}")
+        tail = tail[len(tail) - 3 * self.comm.world :]
+        self._check_phases(tail, what, where)
+        self._check_settings(tail, settings, where)
+
+    def _check_phases(self, tail: List[float], what: str, where: str) -> None:
+        world = self.comm.world
+        at = [(tail[world + 2 * r], int(tail[world + 2 * r + 1])) for r in range(world)]
+        if len(set(at)) == 1:
+            return
+        ranks = "; ".join(f"rank {r} is {_describe(*a)}" for r, a in enumerate(at))
+        raise RuntimeError(
+            f"zero_offload: rank {self.comm.rank} of {world}: {what} of {where} refused: the ranks are at different "
+            f"collectives: {ranks}. Every rank must run each backward outside no_sync() the same number of times "
+            "between steps, and call step(), clip_grad_norm_() and state_dict() together. Nothing was sent or "
+            "updated; the ranks are still in step (call zero_grad() on every rank to go on)."
+        )
+
+    def _check_settings(self, tail: List[float], settings: Sequence[Tuple[str, float]], where: str) -> None:
+        """Raise on every rank, naming what differs and where, unless every rank's digest is the same (the values
+        are exchanged only then: every rank sees the same digests, so every rank takes the same path)."""
+        world, rank = self.comm.world, self.comm.rank
+        if len(set(tail[:world])) == 1:
+            return
+        n = len(settings)
+        mine = [0.0] * (world * n)
+        mine[rank * n : (rank + 1) * n] = [float(v) for _, v in settings]
+        every = self.comm.all_reduce_host(mine, _dist().ReduceOp.SUM, "the hyperparameters, to name the difference")
+        diffs = []
+        for j, (name, _) in enumerate(settings):
+            values = [every[r * n + j] for r in range(world)]
+            if len(set(values)) > 1:
+                diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+        raise RuntimeError(
+            f"zero_offload: rank {rank} of {world}: the ranks step with different hyperparameters ({where}): "
+            f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}. Each rank's shard would be updated with its "
+            "own and the all-gather would hide it: every rank must use the same (an LR scheduler stepped on one "
+            "rank only?). Nothing was updated."
+        )
 
     def _check_clipping(self, clipping_ranks: int, clipping: bool) -> None:
         """``clip_grad_norm_`` gathers the gradients itself, so a rank that clips meets the others' ``step()`` in
