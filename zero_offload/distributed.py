@@ -11,7 +11,14 @@ the next bucket is updated. Every collective is started asynchronously (:meth:`C
 with a timeout (:class:`Pending`), and a failure is re-raised naming this rank, the collective and the bucket,
 so one rank dying cannot hang the others forever. After a failure the optimizer's :class:`Comm` is *broken*: it
 starts and waits for no further collective (an error says why), and its process group is never destroyed, so
-that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`).
+that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`). The tensors of
+every host collective are held until gloo's worker has let go of them (:class:`_Held`), or a clean run could end in
+``std::terminate`` at interpreter shutdown.
+
+Ranks that part ways are caught before gloo meets collectives of different sizes (which aborts the process): the
+statistics' all-reduce carries, per rank, where the rank is and a digest of the hyperparameters it steps with,
+and each streamed backward begins with an all-reduce of the same size (:meth:`ShardedTransport._agree`); every
+rank raises the same error, naming what differs.
 
 ``torch.distributed`` is imported here only, and only when a process group is used: ``import zero_offload`` stays
 cheap.

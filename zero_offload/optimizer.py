@@ -76,7 +76,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             Default: False.
         process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO): 12/N bytes
             per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
-            ``clip_grad_norm_()`` and ``state_dict()`` together. Default: None.
+            ``clip_grad_norm_()`` and ``state_dict()`` together, with the same hyperparameters (checked at every
+            step: a ``RuntimeError`` naming what differs) and the same number of streamed backward passes.
+            Default: None.
         grads_reduced (bool): the gradients arrive already averaged (DDP): take this rank's slice (ZeRO-1).
             Needs ``process_group``. Default: False.
         timeout (timedelta or float, optional): the longest one collective may take (seconds if a number).
