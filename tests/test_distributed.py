@@ -905,7 +905,8 @@ def _amsgrad_worker(rank, world):
     errors = {}
     torch.manual_seed(0)
     model = Net()
-    for name, kw in {"amsgrad": dict(amsgrad=rank == 1), "nonfinite": dict(nonfinite=("raise", "ignore")[rank])}.items():
+    differing = {"amsgrad": dict(amsgrad=rank == 1), "nonfinite": dict(nonfinite=("raise", "ignore")[rank])}
+    for name, kw in differing.items():
         try:
             OffloadOptimizer(model.parameters(), process_group=dist.group.WORLD, timeout=20, **kw)
         except ValueError as exc:

@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper",
-           "Options", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params", "check_step",
-           "delayed_setting", "dtypes_by_name", "world_without_group"]
+           "Options", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
+           "check_step", "delayed_setting", "dtypes_by_name", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough

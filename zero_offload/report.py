@@ -279,9 +279,9 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
     def add(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
         return {key: a.get(key, 0) + k * b.get(key, 0) for key in dict.fromkeys([*a, *b])}
 
-    host = HostMemoryEstimate(head.host.numel + k * one.host.numel, head.host.padded_numel + k * one.host.padded_numel,
-                              add(head.host.buffers, one.host.buffers), head.host.pinned_bytes + k * one.host.pinned_bytes,
-                              head.host.replaces_param_bytes + k * one.host.replaces_param_bytes)
+    h, o = head.host, one.host
+    host = HostMemoryEstimate(h.numel + k * o.numel, h.padded_numel + k * o.padded_numel, add(h.buffers, o.buffers),
+                              h.pinned_bytes + k * o.pinned_bytes, h.replaces_param_bytes + k * o.replaces_param_bytes)
     ours = {where: add(head.ours[where], one.ours[where]) for where in head.ours}
     if head.release_grads:
         ours["gpu"]["gradients"] = head.ours["gpu"]["gradients"]
