@@ -925,7 +925,21 @@ def _amsgrad_worker(rank, world):
     except RuntimeError as exc:
         errors["step"] = str(exc)
     sd = opt.state_dict()
-    return errors, sorted(sd["state"][0])
+    keys = sorted(sd["state"][0])
+    # A state dict with amsgrad loaded on one rank only (which allocates the buffer there): state_dict() refuses on
+    # every rank instead of gathering unlike sizes.
+    opt.param_groups[0]["amsgrad"] = False
+    if rank == 1:
+        sd["param_groups"][0]["amsgrad"] = True
+        for k in sd["param_groups"][0]["params"]:
+            if k in sd["state"]:
+                sd["state"][k]["max_exp_avg_sq"] = sd["state"][k]["exp_avg_sq"].clone()
+    opt.load_state_dict(sd)
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        errors["loaded"] = str(exc)
+    return errors, keys
 
 
 def test_amsgrad_differing_across_ranks_is_refused_at_construction():
@@ -936,6 +950,8 @@ def test_amsgrad_differing_across_ranks_is_refused_at_construction():
         assert "amsgrad of param group 1 differs across ranks: True on rank 0, False on rank 1" in errors[
             "added_group"]
         assert "amsgrad of param group 0: 0.0 on rank 0, 1.0 on rank 1" in errors["step"]
+        assert f"rank {rank} of 2: the ranks hold different state buffers" in errors["loaded"], errors["loaded"]
+        assert "max_exp_avg_sq buffer of param group 0, bucket 0: 0.0 on rank 0, 1.0 on rank 1" in errors["loaded"]
         assert keys == ["exp_avg", "exp_avg_sq", "step"]
 
 

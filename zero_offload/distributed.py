@@ -413,7 +413,7 @@ class Comm:
 
 
 # Where a rank is when it runs a collective of the statistics' size (see ShardedTransport._agree).
-_BACKWARD, _STEP_REDUCE, _STATS, _CLIPPED_STEP = 1.0, 2.0, 3.0, 4.0
+_BACKWARD, _STEP_REDUCE, _STATS, _CLIPPED_STEP, _STATE_DICT = 1.0, 2.0, 3.0, 4.0, 5.0
 
 
 def _describe(phase: float, backwards: int) -> str:
@@ -421,7 +421,8 @@ def _describe(phase: float, backwards: int) -> str:
     return {_BACKWARD: f"in backward {backwards + 1} of this step, reduce-scattering its gradients",
             _STEP_REDUCE: f"at step(), reduce-scattering the gradients backward did not send ({after})",
             _STATS: f"at step() or clip_grad_norm_(), combining the gradient statistics ({after})",
-            _CLIPPED_STEP: f"at step() after clip_grad_norm_() ({after})"}.get(phase, f"lost (phase {phase})")
+            _CLIPPED_STEP: f"at step() after clip_grad_norm_() ({after})",
+            _STATE_DICT: "in state_dict(), about to gather the state"}.get(phase, f"lost (phase {phase})")
 
 
 def _digest(settings: Sequence[Tuple[str, float]]) -> float:
@@ -644,6 +645,12 @@ class ShardedTransport(Transport):
         rank steps with the same ``settings``, in an all-reduce of its own."""
         self._agree(_CLIPPED_STEP, settings, "all_reduce", "the hyperparameters of step()")
 
+    def agree_state(self, buckets: Iterable[FlatBucket]) -> None:
+        """``state_dict()``, before gathering: every rank is there, and holds the same state buffers (an amsgrad
+        buffer on some ranks only, from a state dict loaded there, would gather unlike sizes and abort gloo)."""
+        settings = [(f"max_exp_avg_sq buffer of {b.where}", float(b.max_exp_avg_sq is not None)) for b in buckets]
+        self._agree(_STATE_DICT, settings, "all_gather", "the state", state=True)
+
     def _stats_numel(self) -> int:
         """The length of :meth:`gather`'s all-reduce: fixed for the optimizer's life, the same on every rank."""
         return 3 + sum(len(link.bucket.params) + 1 for link in self._links.values()) + 3 * self.comm.world
@@ -658,7 +665,8 @@ class ShardedTransport(Transport):
         tail[world + 2 * rank], tail[world + 2 * rank + 1] = phase, float(self._backwards)
         return tail
 
-    def _agree(self, phase: float, settings: Sequence[Tuple[str, float]], what: str, where: str) -> None:
+    def _agree(self, phase: float, settings: Sequence[Tuple[str, float]], what: str, where: str,
+               state: bool = False) -> None:
         """An all-reduce the size of the gradient statistics', carrying only :meth:`_tail`: collectives of
         different sizes meeting each other abort gloo in C++ (``EnforceNotMet``, exit -6), so the points where
         ranks can part ways (a backward's reduce-scatters, or step()'s) begin with this, which meets the same on
@@ -667,7 +675,7 @@ class ShardedTransport(Transport):
         tail = self.comm.all_reduce_host(vals, _dist().ReduceOp.SUM, f"the check before the {what} of {where}")
         tail = tail[len(tail) - 3 * self.comm.world :]
         self._check_phases(tail, what, where)
-        self._check_settings(tail, settings, where)
+        self._check_settings(tail, settings, where, state)
 
     def _check_phases(self, tail: List[float], what: str, where: str) -> None:
         world = self.comm.world
@@ -682,7 +690,8 @@ class ShardedTransport(Transport):
             "updated; the ranks are still in step (call zero_grad() on every rank to go on)."
         )
 
-    def _check_settings(self, tail: List[float], settings: Sequence[Tuple[str, float]], where: str) -> None:
+    def _check_settings(self, tail: List[float], settings: Sequence[Tuple[str, float]], where: str,
+                        state: bool = False) -> None:
         """Raise on every rank, naming what differs and where, unless every rank's digest is the same (the values
         are exchanged only then: every rank sees the same digests, so every rank takes the same path)."""
         world, rank = self.comm.world, self.comm.rank
@@ -691,17 +700,23 @@ class ShardedTransport(Transport):
         n = len(settings)
         mine = [0.0] * (world * n)
         mine[rank * n : (rank + 1) * n] = [float(v) for _, v in settings]
-        every = self.comm.all_reduce_host(mine, _dist().ReduceOp.SUM, "the hyperparameters, to name the difference")
+        every = self.comm.all_reduce_host(mine, _dist().ReduceOp.SUM, "the values that differ, to name them")
         diffs = []
         for j, (name, _) in enumerate(settings):
             values = [every[r * n + j] for r in range(world)]
             if len(set(values)) > 1:
                 diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+        listed = f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}"
+        if state:
+            raise RuntimeError(
+                f"zero_offload: rank {rank} of {world}: the ranks hold different state buffers ({where}): {listed}. "
+                "Their state cannot be gathered (a state dict with amsgrad loaded on some ranks only?); every rank "
+                "must load the same one. Nothing was gathered."
+            )
         raise RuntimeError(
             f"zero_offload: rank {rank} of {world}: the ranks step with different hyperparameters ({where}): "
-            f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}. Each rank's shard would be updated with its "
-            "own and the all-gather would hide it: every rank must use the same (an LR scheduler stepped on one "
-            "rank only?). Nothing was updated."
+            f"{listed}. Each rank's shard would be updated with its own and the all-gather would hide it: every "
+            "rank must use the same (an LR scheduler stepped on one rank only?). Nothing was updated."
         )
 
     def _check_clipping(self, clipping_ranks: int, clipping: bool) -> None:

@@ -419,6 +419,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._sync()
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
         sd, sharded = super().state_dict(), self._transport.sharded  # entries as plain dicts; sharded: gathered
+        if sharded:
+            self._transport.agree_state(chain.from_iterable(self._buckets))
         sd["state"] = (checkpoint.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
                        if sharded else {k: dict(v) for k, v in sd["state"].items()})
         checkpoint.add_compact_moments(sd["state"], self.param_groups, self._buckets)
