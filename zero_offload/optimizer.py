@@ -278,7 +278,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ multiplies by this float32 reciprocal computed in double: same bits here.
         inv_scale = 1.0 if grad_scale is None else float(torch.as_tensor(grad_scale).double().reciprocal().float())
         check = found_inf is None and self.options.nonfinite != "ignore"
-        settings = agreed_settings(hypers, self.options.nonfinite)  # sharded: checked the same on every rank
+        # Sharded: checked to be the same on every rank.
+        settings = agreed_settings(hypers, self.options.nonfinite) if self._transport.sharded else ()
         if pending is None:
             bad = self._transport.gather(plans, check=check, settings=settings)
         else:
@@ -392,8 +393,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         plans = self._receive(fresh=fresh)
         first = next((bg.bucket.params[i] for bg in chain.from_iterable(plans)
                       for i, has in enumerate(bg.present) if has), None)
-        self._transport.gather(plans, clipping=True,
-                               settings=agreed_settings((), self.options.nonfinite, (max_norm, norm_type)))
+        settings = agreed_settings((), self.options.nonfinite, (max_norm, norm_type)) if self._transport.sharded else ()
+        self._transport.gather(plans, clipping=True, settings=settings)
         total, nonfinite = self._transport.total_norm(plans, norm_type)
         nonfinite = nonfinite or not math.isfinite(total)
         if error_if_nonfinite and nonfinite:
