@@ -258,8 +258,8 @@ def _cuda_branches_worker(rank, world, variants):
     cuda_standins.install(setattr)
     start = zero_offload.distributed.Comm.start
 
-    def start_and_wait(comm, what, where, launch, on_device):
-        pending = start(comm, what, where, launch, on_device)
+    def start_and_wait(comm, what, where, launch, on_device, tensors=()):
+        pending = start(comm, what, where, launch, on_device, tensors)
         pending.wait()
         return pending
 
@@ -356,9 +356,9 @@ def _order_worker(rank, world):
     log: List[str] = []
     start, wait, kernel = distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_
 
-    def logged_start(comm, what, where, launch, on_device):
+    def logged_start(comm, what, where, launch, on_device, tensors=()):
         log.append(f"start {what} {where}")
-        return start(comm, what, where, launch, on_device)
+        return start(comm, what, where, launch, on_device, tensors)
 
     def logged_wait(pending):
         if not pending.done:
