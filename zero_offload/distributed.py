@@ -33,6 +33,7 @@ import math
 import pickle
 import struct
 import time
+import weakref
 from itertools import chain
 from numbers import Real
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -214,8 +215,12 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
         self.failure: Optional[str] = None
-        # The tensors of the host collectives started and not yet let go of (see _Held), by id.
+        # The tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
+        # collective never waited for (a rank that raised or exits with one in flight, or whose collective failed)
+        # are kept for good when this Comm dies or the interpreter exits, whichever comes first: the worker may
+        # still be running it then.
         self._held: Dict[int, _Held] = {}
+        weakref.finalize(self, _keep_forever, self._held)
 
     # -- collectives ---------------------------------------------------------------------------------------
     def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool,
@@ -276,11 +281,8 @@ class Comm:
         if self.failure is None:
             self.failure = f"{what} of {where}: {exc}"
             _keep_forever(self.group)
-        # The workers of collectives in flight hold their tensors until they give up on them, which may be at
-        # interpreter shutdown (see _Held): those tensors are never released either.
-        held, self._held = list(self._held.values()), {}
-        if held:
-            _keep_forever(held)
+        # (The workers of the collectives in flight hold their tensors until they give up on them, which may be at
+        # interpreter shutdown: they stay in _held, kept for good when this Comm goes; see __init__.)
         return self._error(what, where, exc)
 
     def check_usable(self, what: str, where: str) -> None:
