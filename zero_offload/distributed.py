@@ -99,7 +99,9 @@ class _Held:
     the thread with ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor is
     ``std::terminate``: "terminate called without an active exception" after a run without error (issue 27; the
     temporaries were the all-gather's shard view and the reduce-scatter's copy). So the references each tensor
-    had before the collective started are counted, and :meth:`let_go` waits until the worker's are gone."""
+    had before the collective started are counted, and :meth:`let_go` waits until the worker's are gone. No view
+    of a held tensor may be made or dropped meanwhile: a view holds a reference to its base, and dropping one made
+    before the count would let the tensor go early (it did: the reduce-scatter's part of its copy)."""
 
     __slots__ = ("tensors", "counts")
 
@@ -154,17 +156,19 @@ class _HostReduceScatter:
     given and it never reports itself completed; this one keeps the all-reduce's work, which honours both (see
     :meth:`Comm._wait_work`), for the same cost."""
 
-    __slots__ = ("work", "out", "part")
+    __slots__ = ("work", "out", "total", "lo")
 
-    def __init__(self, work: Any, out: torch.Tensor, part: torch.Tensor):
-        self.work, self.out, self.part = work, out, part
+    def __init__(self, work: Any, out: torch.Tensor, total: torch.Tensor, lo: int):
+        self.work, self.out, self.total, self.lo = work, out, total, lo
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if timeout is None:
             self.work.wait()
         else:
             self.work.wait(timeout)
-        self.out.copy_(self.part)
+        # (The part is sliced here, not kept: a view holds a reference to ``total``, which would blur the count
+        # of references that tells when gloo's worker has let go of it; see _Held.)
+        self.out.copy_(self.total[self.lo : self.lo + self.out.numel()])
         return True
 
     def is_completed(self) -> bool:
@@ -333,10 +337,10 @@ class Comm:
             return self.start("reduce_scatter", where,
                               lambda: self._rs(out, inp, group=self.group, async_op=True), True)
         dist = _dist()
-        total, n = inp.clone(), out.numel()
-        part = total[self.rank * n : (self.rank + 1) * n]
+        total = inp.clone()
         return self.start("reduce_scatter", where, lambda: _HostReduceScatter(
-            dist.all_reduce(total, group=self.group, async_op=True), out, part), False, (total,))
+            dist.all_reduce(total, group=self.group, async_op=True), out, total, self.rank * out.numel()), False,
+            (total,))
 
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
         return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True),
