@@ -258,8 +258,8 @@ def _cuda_branches_worker(rank, world, variants):
     cuda_standins.install(setattr)
     start = zero_offload.distributed.Comm.start
 
-    def start_and_wait(comm, what, where, launch, on_device):
-        pending = start(comm, what, where, launch, on_device)
+    def start_and_wait(comm, what, where, launch, on_device, tensors=()):
+        pending = start(comm, what, where, launch, on_device, tensors)
         pending.wait()
         return pending
 
@@ -356,9 +356,9 @@ def _order_worker(rank, world):
     log: List[str] = []
     start, wait, kernel = distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_
 
-    def logged_start(comm, what, where, launch, on_device):
+    def logged_start(comm, what, where, launch, on_device, tensors=()):
         log.append(f"start {what} {where}")
-        return start(comm, what, where, launch, on_device)
+        return start(comm, what, where, launch, on_device, tensors)
 
     def logged_wait(pending):
         if not pending.done:
@@ -580,7 +580,11 @@ def test_one_rank_failing_ends_the_others_with_an_error_naming_rank_and_bucket(s
     assert status == "ok" and result is not None, result
     elapsed, message = result
     assert FAIL_TIMEOUT * 0.9 <= elapsed < FAIL_TIMEOUT + 5, elapsed
-    assert "rank 0 of 2" in message and "reduce_scatter of gradients of param group 0, bucket 0" in message, message
+    # Streamed, each backward begins with a check that every rank is there (an all-reduce), before the last
+    # bucket's reduce-scatter: that is where rank 0 now waits.
+    where = ("the check before the reduce_scatter of gradients of param group 1, bucket 1" if stream
+             else "reduce_scatter of gradients of param group 0, bucket 0")
+    assert "rank 0 of 2" in message and where in message, message
 
 
 def _bad_input_worker(rank, world):
@@ -624,14 +628,17 @@ def _bad_input_worker(rank, world):
         except ValueError as exc:
             errors[f"ddp_{name}"] = str(exc)
     # A group that runs NCCL alone cannot shard parameters on the CPU: refused on every rank, nothing changed.
-    real = zero_offload.distributed.moves_host_tensors
+    # (Its small collectives would go through the GPU; this gloo group's stay on the CPU.)
+    real, real_device = zero_offload.distributed.moves_host_tensors, zero_offload.distributed.Comm._device
     zero_offload.distributed.moves_host_tensors = lambda backend: False
+    zero_offload.distributed.Comm._device = lambda self: torch.device("cpu")
     try:
         OffloadOptimizer(model.parameters(), process_group=world_group)
     except ValueError as exc:
         errors["nccl_cpu"] = str(exc)
     finally:
         zero_offload.distributed.moves_host_tensors = real
+        zero_offload.distributed.Comm._device = real_device
     cuda = torch.device("cuda")
     assert not OffloadOptimizer(model.parameters()).options.streams(cuda)
     assert OffloadOptimizer(model.parameters(), stream_grads=True, release_grads=True).options.streams(cuda)
@@ -783,3 +790,204 @@ def test_fsdp2_dtensor_parameters_are_refused_with_a_clear_message():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED OffloadOptimizer does not take DTensor parameters" in result.stdout
     assert "fully_shard" in result.stdout and "CPUOffloadPolicy" in result.stdout
+
+
+# ------------------------------------------------------------------------------- disagreements across ranks --
+def _snapshot(model, opt):
+    """This rank's parameters and its own shard of the state (no collective; the gradient buffers left out)."""
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: t.clone() for k, t in b.items() if "grad" not in k} for b in opt.host_buffers()])
+
+
+def _unchanged(model, opt, before):
+    params, buffers = _snapshot(model, opt)
+    return (all(torch.equal(a, b) for a, b in zip(params, before[0]))
+            and all(torch.equal(x[k], y[k]) for x, y in zip(buffers, before[1]) for k in x))
+
+
+HYPER_EDITS = {  # a hyperparameter of param group 1 set differently on rank 1 (AdamW's names), and its value
+    "lr": ("lr", 0.04), "betas": ("betas", (0.8, 0.999)), "eps": ("eps", 1e-6), "weight_decay": ("weight_decay", 0.5),
+    "maximize": ("maximize", True), "amsgrad": ("amsgrad", True), "decoupled": ("decoupled_weight_decay", False),
+}
+
+
+def _hyper_worker(rank, world, clip):
+    """Each hyperparameter set differently on rank 1 (an LR scheduler stepped there only, say), then the
+    nonfinite policy and the clip settings: every rank raises at the step, naming it, and nothing changes."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=20)
+    _step(model, opt, 0, rank, world, clip=clip)
+    errors, unchanged = {}, {}
+    cases = {**HYPER_EDITS, "nonfinite": None, "clip_max_norm": None}
+    for step, (name, edit) in enumerate(cases.items(), start=1):
+        if name == "clip_max_norm" and clip is None:
+            continue
+        saved = {k: v for k, v in opt.param_groups[1].items() if k != "params"}
+        if rank == 1 and edit is not None:
+            opt.param_groups[1][edit[0]] = edit[1]
+        if rank == 1 and name == "nonfinite":
+            opt.nonfinite = "skip"
+        before = _snapshot(model, opt)
+        try:
+            max_norm = clip * (1 + rank) if name == "clip_max_norm" else clip
+            _step(model, opt, step, rank, world, clip=max_norm)
+        except RuntimeError as exc:
+            errors[name] = str(exc)
+        unchanged[name] = _unchanged(model, opt, before)
+        opt.param_groups[1].update(saved)
+        opt.nonfinite = "raise"
+        opt.zero_grad()
+    _step(model, opt, 50, rank, world, clip=clip)  # the ranks go on together
+    return errors, unchanged, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["step", "clipped"])
+def test_hyperparameters_differing_across_ranks_are_refused_at_the_step(clip):
+    out = launch(_hyper_worker, 2, clip, timeout=120)
+    for rank, (errors, unchanged, _) in out.items():
+        for name, (key, value) in HYPER_EDITS.items():
+            msg = errors.get(name, f"no error for {name}")
+            shown = {"betas": "betas[0] of param group 1: 0.9 on rank 0, 0.8 on rank 1",
+                     "lr": "lr of param group 1: 0.02 on rank 0, 0.04 on rank 1",
+                     "eps": "eps of param group 1: 1e-08 on rank 0, 1e-06 on rank 1",
+                     "weight_decay": "weight_decay of param group 1: 0.0 on rank 0, 0.5 on rank 1",
+                     "maximize": "maximize of param group 1: 0.0 on rank 0, 1.0 on rank 1",
+                     "amsgrad": "amsgrad of param group 1: 0.0 on rank 0, 1.0 on rank 1",
+                     "decoupled": "decoupled_weight_decay of param group 1: 1.0 on rank 0, 0.0 on rank 1"}[name]
+            assert f"rank {rank} of 2: the ranks step with different hyperparameters" in msg and shown in msg, msg
+            assert "Nothing was updated" in msg and unchanged[name], (name, msg)
+        assert "nonfinite (0: raise, 1: skip, 2: ignore): 0.0 on rank 0, 1.0 on rank 1" in errors["nonfinite"]
+        assert unchanged["nonfinite"]
+        if clip is not None:
+            assert "clip_grad_norm_ max_norm: 0.5 on rank 0, 1.0 on rank 1" in errors["clip_max_norm"]
+            assert unchanged["clip_max_norm"]
+    torch.testing.assert_close(out[0][2], out[1][2], rtol=0, atol=0)
+
+
+def _extra_backward_worker(rank, world, release, backwards):
+    """Rank 0 runs ``backwards[0]`` backward passes before the step, rank 1 ``backwards[1]``, gradients streamed:
+    every rank raises a RuntimeError naming itself and the collective (gloo aborted the process), nothing changes,
+    and after zero_grad() on every rank the ranks go on in step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD, timeout=20,
+                           stream_grads=True, release_grads=release)
+    _step(model, opt, 0, rank, world)
+    before = _snapshot(model, opt)
+    error = None
+    try:
+        for micro in range(backwards[rank]):
+            loss_on(model, 1, micro, rows_of(rank, world)).backward()
+        opt.step()
+    except RuntimeError as exc:
+        error = str(exc)
+    unchanged = _unchanged(model, opt, before)
+    opt.zero_grad()
+    _step(model, opt, 2, rank, world)
+    return error, unchanged, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("release", [True, False], ids=["release", "keep"])
+@pytest.mark.parametrize("backwards", [(2, 1), (1, 0), (3, 1)])
+def test_an_extra_streamed_backward_on_one_rank_raises_on_every_rank(release, backwards):
+    out = launch(_extra_backward_worker, 2, release, backwards, timeout=120)
+    for rank, (error, unchanged, _) in out.items():
+        assert error is not None and f"zero_offload: rank {rank} of 2:" in error, error
+        assert "refused: the ranks are at different collectives" in error, error
+        assert f"rank 0 is in backward {backwards[1] + 1} of this step" in error, error
+        assert "Nothing was sent or updated" in error and unchanged, error
+    torch.testing.assert_close(out[0][2], out[1][2], rtol=0, atol=0)
+
+
+def _amsgrad_worker(rank, world):
+    errors = {}
+    torch.manual_seed(0)
+    model = Net()
+    differing = {"amsgrad": dict(amsgrad=rank == 1), "nonfinite": dict(nonfinite=("raise", "ignore")[rank])}
+    for name, kw in differing.items():
+        try:
+            OffloadOptimizer(model.parameters(), process_group=dist.group.WORLD, timeout=20, **kw)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    try:  # a group added later
+        opt = OffloadOptimizer([model.a], process_group=dist.group.WORLD, timeout=20)
+        opt.add_param_group({"params": [model.b], "amsgrad": rank == 0})
+    except ValueError as exc:
+        errors["added_group"] = str(exc)
+    # Set on one rank after construction: refused at the step, and state_dict() still gathers on both.
+    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD, timeout=20)
+    _step(model, opt, 0, rank, world)
+    opt.param_groups[0]["amsgrad"] = rank == 1
+    try:
+        _step(model, opt, 1, rank, world)
+    except RuntimeError as exc:
+        errors["step"] = str(exc)
+    sd = opt.state_dict()
+    keys = sorted(sd["state"][0])
+    # A state dict with amsgrad loaded on one rank only (which allocates the buffer there): state_dict() refuses on
+    # every rank instead of gathering unlike sizes.
+    opt.param_groups[0]["amsgrad"] = False
+    if rank == 1:
+        sd["param_groups"][0]["amsgrad"] = True
+        for k in sd["param_groups"][0]["params"]:
+            if k in sd["state"]:
+                sd["state"][k]["max_exp_avg_sq"] = sd["state"][k]["exp_avg_sq"].clone()
+    opt.load_state_dict(sd)
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        errors["loaded"] = str(exc)
+    return errors, keys
+
+
+def test_amsgrad_differing_across_ranks_is_refused_at_construction():
+    out = launch(_amsgrad_worker, 2, timeout=120)
+    for rank, (errors, keys) in out.items():
+        assert "amsgrad of param group 0 differs across ranks: False on rank 0, True on rank 1" in errors["amsgrad"]
+        assert "nonfinite differs across ranks: 'raise' on rank 0, 'ignore' on rank 1" in errors["nonfinite"]
+        assert "amsgrad of param group 1 differs across ranks: True on rank 0, False on rank 1" in errors[
+            "added_group"]
+        assert "amsgrad of param group 0: 0.0 on rank 0, 1.0 on rank 1" in errors["step"]
+        assert f"rank {rank} of 2: the ranks hold different state buffers" in errors["loaded"], errors["loaded"]
+        assert "max_exp_avg_sq buffer of param group 0, bucket 0: 0.0 on rank 0, 1.0 on rank 1" in errors["loaded"]
+        assert keys == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def _compact_failure_worker(rank, world, state_dtype):
+    model, _ = _make(rank)
+    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=FAIL_TIMEOUT, state_dtype=state_dtype)
+    _step(model, opt, 0, rank, world)
+    if rank == 1:
+        time.sleep(3 * FAIL_TIMEOUT)
+        raise RuntimeError("rank 1 failed before its step")
+    try:
+        _step(model, opt, 1, rank, world)
+    except RuntimeError:
+        pass
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        refusal = str(exc)
+    # Every way of getting the state that the refusal says still works, tried.
+    works = {}
+    for call in ("sharded_state_dict", "host_buffers"):
+        if f"{call}() still gives" in refusal or f"stays in {call}()" in refusal:
+            try:
+                getattr(opt, call)()
+                works[call] = True
+            except RuntimeError as exc:
+                works[call] = str(exc)
+    return refusal, works
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_after_a_failure_the_refusal_says_what_still_works_for_every_state_dtype(state_dtype):
+    out = launch(_compact_failure_worker, 2, state_dtype, timeout=60, expect_errors=True)
+    status, result = out[0]
+    assert status == "ok", result
+    refusal, works = result
+    assert "refused: an earlier collective failed" in refusal, refusal
+    assert works and all(v is True for v in works.values()), (refusal, works)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from zero_offload import OffloadOptimizer
-from zero_offload.report import main, memory_plan, meta_params, parse_count, verdicts
+from zero_offload.report import count_plan, main, memory_plan, meta_params, parse_count, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,22 @@ def test_parse_count(text, expected):
 def test_parse_count_rejects(text):
     with pytest.raises(ValueError, match="Invalid parameter count"):
         parse_count(text)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("1.5", "not a whole number"), ("1.2345k", "not a whole number"), ("1.0005k", "not a whole number"),
+    ("1.00000000000000000000000000000001", "not a whole number"),
+    ("1e20", "at most 9.223e"), ("1e40", "at most 9.223e"), ("1e999999999", "at most 9.223e"),
+])
+def test_parse_count_refuses_what_it_cannot_plan_exactly(text, why):
+    """1.5 was planned as 2 parameters, 1e40 was an OverflowError, 1e20 a MemoryError."""
+    with pytest.raises(ValueError, match=f"Invalid parameter count: '{text}' \\({why}"):
+        parse_count(text)
+
+
+def test_parse_count_is_exact():
+    assert parse_count("1.2345M") == 1_234_500 and parse_count("9007199254740993") == 2**53 + 1
+    assert parse_count("9.223372036854775807e18") == 2**63 - 1
 
 
 @pytest.mark.parametrize("dtype, amsgrad", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
@@ -214,6 +230,53 @@ def test_cli_allocates_nothing_for_a_huge_model():
     assert "1,000,000,000,000 parameters" in result.stdout
     rss_kb = int(result.stdout.split("RSS_KB")[1])
     assert rss_kb < 2 * 1024 * 1024, f"peak RSS {rss_kb} KiB"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("kw", [dict(), dict(amsgrad=True, release_grads=True), dict(world_size=3),
+                                dict(state_dtype=torch.int8, world_size=2), dict(release_grads=True)],
+                         ids=["plain", "amsgrad_release", "world3", "int8_world2", "release"])
+@pytest.mark.parametrize("numel", [1, 499, 1000, 1003, 10 * 500 + 37, 1000 * 500])
+def test_count_plan_is_the_plan_of_the_stand_ins(numel, kw, device):
+    """The plan of a parameter count is made arithmetically from a few stand-ins; it must be byte for byte the
+    plan of all of them."""
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = memory_plan(meta_params(numel, dtype, 500), device=device, bucket_numel=500, **kw)
+        assert count_plan(numel, dtype, device=device, bucket_numel=500, **kw) == expected
+
+
+def test_cli_plan_allocates_nothing_that_grows_with_the_model(capsys):
+    """--params 1e15 made 30 million stand-in tensors: 7.5 GB and 50 s, then std::bad_alloc. Measured here on
+    Python's own allocations for a count of a million buckets; and the largest count is planned."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        main(["--params", "1e9", "--bucket-numel", "1000", "--device", "cpu", "--json"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert json.loads(capsys.readouterr().out)["params"] == 10**9
+    assert peak < 4 * 2**20, f"{peak} bytes allocated for the plan"
+    main(["--params", "9.223372036854775807e18", "--bucket-numel", "1", "--json"])
+    assert json.loads(capsys.readouterr().out)["params"] == 2**63 - 1
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--dtype", "bf16"], "--dtype"), (["--world-size", "8", "--amsgrad"], "--amsgrad, --world-size"),
+    (["--release-grads", "--json"], "--release-grads"), (["--state-dtype", "fp32"], "--state-dtype"),
+    (["--gpu-memory", "80GB"], "--gpu-memory"),
+    (["--params", "1.5"], "argument --params: Invalid parameter count: '1.5' (not a whole number"),
+    (["--params", "1e40"], "argument --params: Invalid parameter count: '1e40' (at most"),
+])
+def test_cli_refuses_plan_options_without_a_model_and_bad_counts(args, named, capsys):
+    """Plan options without --params or --model were silently ignored (the machine report was printed)."""
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and named in err, err
+    if args[0] != "--params":
+        assert "only apply to a memory plan: give --params N or --model CONFIG_OR_ID" in err, err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,7 +11,14 @@ the next bucket is updated. Every collective is started asynchronously (:meth:`C
 with a timeout (:class:`Pending`), and a failure is re-raised naming this rank, the collective and the bucket,
 so one rank dying cannot hang the others forever. After a failure the optimizer's :class:`Comm` is *broken*: it
 starts and waits for no further collective (an error says why), and its process group is never destroyed, so
-that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`).
+that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`). The tensors of
+every host collective are held until gloo's worker has let go of them (:class:`_Held`), or a clean run could end in
+``std::terminate`` at interpreter shutdown.
+
+Ranks that part ways are caught before gloo meets collectives of different sizes (which aborts the process): the
+statistics' all-reduce carries, per rank, where the rank is and a digest of the hyperparameters it steps with,
+and each streamed backward begins with an all-reduce of the same size (:meth:`ShardedTransport._agree`); every
+rank raises the same error, naming what differs.
 
 ``torch.distributed`` is imported here only, and only when a process group is used: ``import zero_offload`` stays
 cheap.
@@ -21,8 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import math
+import pickle
+import struct
 import time
+import weakref
 from itertools import chain
 from numbers import Real
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -39,6 +50,9 @@ __all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "ShardedTransport"
 
 # torch.distributed's own default for a process group's collectives.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a gloo worker may take to let go of a completed collective's tensors (microseconds, normally; see
+# _Held) before they are kept for good instead.
+_LET_GO_SECONDS = 10.0
 
 
 def _dist():
@@ -75,15 +89,47 @@ class GradStats:
     nonfinite: bool
 
 
+class _Held:
+    """The tensors of one collective on host tensors, held by Python until the gloo worker that ran it has let go
+    of them.
+
+    A tensor whose Python object dies while C++ still holds it (gloo's ``Work`` does until its worker thread has
+    finished with it, a little after ``wait()`` returns) has its Python object kept alive *by* C++, and the last
+    C++ owner then needs the GIL to release it. When that is a gloo worker at interpreter shutdown, Python ends
+    the thread with ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor is
+    ``std::terminate``: "terminate called without an active exception" after a run without error (issue 27; the
+    temporaries were the all-gather's shard view and the reduce-scatter's copy). So the references each tensor
+    had before the collective started are counted, and :meth:`let_go` waits until the worker's are gone. No view
+    of a held tensor may be made or dropped meanwhile: a view holds a reference to its base, and dropping one made
+    before the count would let the tensor go early (it did: the reduce-scatter's part of its copy)."""
+
+    __slots__ = ("tensors", "counts")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.counts = [t._use_count() for t in self.tensors]
+
+    def let_go(self, limit: float) -> bool:
+        """Wait (yielding the GIL) until only the references from before the collective remain, at most ``limit``
+        seconds; whether they did (if not, the caller keeps the tensors forever)."""
+        deadline = time.monotonic() + limit
+        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0)  # the worker releases the work a few microseconds after completing it
+        return True
+
+
 class Pending:
     """A collective in flight (see :meth:`Comm.start`). :meth:`wait` returns once it has completed, waiting at most
     the group's ``timeout``, and raises ``RuntimeError`` naming this rank, the collective and the bucket otherwise,
     or at once if the :class:`Comm` is broken. Waiting twice is free."""
 
-    __slots__ = ("comm", "what", "where", "work", "event", "done")
+    __slots__ = ("comm", "what", "where", "work", "event", "done", "held")
 
-    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any):
+    def __init__(self, comm: "Comm", what: str, where: str, work: Any, event: Any, held: Optional[_Held]):
         self.comm, self.what, self.where, self.work, self.event = comm, what, where, work, event
+        self.held = held
         self.done = False
 
     def wait(self) -> None:
@@ -98,6 +144,10 @@ class Pending:
         except Exception as exc:
             raise self.comm._fail(self.what, self.where, exc) from exc
         self.done = True
+        self.work = None  # our reference to the work (and, through it, to the tensors) first
+        if self.held is not None:
+            self.comm._let_go(self.held)
+            self.held = None
 
 
 class _HostReduceScatter:
@@ -106,17 +156,19 @@ class _HostReduceScatter:
     given and it never reports itself completed; this one keeps the all-reduce's work, which honours both (see
     :meth:`Comm._wait_work`), for the same cost."""
 
-    __slots__ = ("work", "out", "part")
+    __slots__ = ("work", "out", "total", "lo")
 
-    def __init__(self, work: Any, out: torch.Tensor, part: torch.Tensor):
-        self.work, self.out, self.part = work, out, part
+    def __init__(self, work: Any, out: torch.Tensor, total: torch.Tensor, lo: int):
+        self.work, self.out, self.total, self.lo = work, out, total, lo
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if timeout is None:
             self.work.wait()
         else:
             self.work.wait(timeout)
-        self.out.copy_(self.part)
+        # (The part is sliced here, not kept: a view holds a reference to ``total``, which would blur the count
+        # of references that tells when gloo's worker has let go of it; see _Held.)
+        self.out.copy_(self.total[self.lo : self.lo + self.out.numel()])
         return True
 
     def is_completed(self) -> bool:
@@ -132,9 +184,12 @@ class Comm:
         timeout (timedelta or float): how long to wait for any one collective (seconds if a number).
         grads_reduced (bool): gradients arrive already averaged over the group (DDP); take the owned slice instead
             of reduce-scattering.
+        compact_state (bool): the moments are kept as bf16 or 8-bit (``state_dtype``), which
+            ``sharded_state_dict()`` cannot hand out: what a broken optimizer still gives says so. Default: False.
     """
 
-    def __init__(self, group: Any, timeout: Union[datetime.timedelta, float], grads_reduced: bool):
+    def __init__(self, group: Any, timeout: Union[datetime.timedelta, float], grads_reduced: bool,
+                 compact_state: bool = False):
         dist = _dist()
         if not dist.is_available():
             raise RuntimeError("process_group was given but this torch build has no torch.distributed")
@@ -151,6 +206,7 @@ class Comm:
         self.group = group
         self.timeout = timeout
         self.grads_reduced = bool(grads_reduced)
+        self.compact_state = bool(compact_state)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if self.rank < 0:
@@ -163,15 +219,24 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
         self.failure: Optional[str] = None
+        # The tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
+        # collective never waited for (a rank that raised or exits with one in flight, or whose collective failed)
+        # are kept for good when this Comm dies or the interpreter exits, whichever comes first: the worker may
+        # still be running it then.
+        self._held: Dict[int, _Held] = {}
+        weakref.finalize(self, _keep_forever, self._held)
 
     # -- collectives ---------------------------------------------------------------------------------------
-    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> "Pending":
+    def start(self, what: str, where: str, launch: Callable[[], Any], on_device: bool,
+              tensors: Sequence[torch.Tensor] = ()) -> "Pending":
         """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. For CUDA tensors
         (``on_device``; NCCL, whatever else the group also runs) the current stream is made to wait for it
         (``Work.wait()`` does only that: the host goes on, and it must be called here, where that stream is
         current) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
-        For CPU tensors (gloo) the work itself is waited for then."""
+        For CPU tensors (gloo) the work itself is waited for then, and ``tensors`` (every tensor ``launch`` hands
+        the collective) are held until its worker has let go of them (see :class:`_Held`)."""
         self.check_usable(what, where)
+        held = None if on_device else _Held(tensors)
         try:
             work = launch()
             event = None
@@ -180,11 +245,24 @@ class Comm:
                 event = torch.cuda.Event()
                 event.record()
         except Exception as exc:
+            if held is not None:
+                self._held[id(held)] = held
             raise self._fail(what, where, exc) from exc
-        return Pending(self, what, where, work, event)
+        if held is not None:
+            self._held[id(held)] = held
+        return Pending(self, what, where, work, event, held)
 
-    def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool) -> None:
-        self.start(what, where, launch, on_device).wait()
+    def _run(self, what: str, where: str, launch: Callable[[], Any], on_device: bool,
+             tensors: Sequence[torch.Tensor] = ()) -> None:
+        self.start(what, where, launch, on_device, tensors).wait()
+
+    def _let_go(self, held: _Held) -> None:
+        """Release a completed collective's tensors once its worker has (see :class:`_Held`); a worker that has not
+        within the timeout is still running it, so they are kept until the process ends."""
+        if held.let_go(min(self.timeout.total_seconds(), _LET_GO_SECONDS)):
+            self._held.pop(id(held), None)
+        elif self._held.pop(id(held), None) is not None:
+            _keep_forever(held)
 
     def _error(self, what: str, where: str, exc: BaseException) -> RuntimeError:
         return RuntimeError(
@@ -207,6 +285,8 @@ class Comm:
         if self.failure is None:
             self.failure = f"{what} of {where}: {exc}"
             _keep_forever(self.group)
+        # (The workers of the collectives in flight hold their tensors until they give up on them, which may be at
+        # interpreter shutdown: they stay in _held, kept for good when this Comm goes; see __init__.)
         return self._error(what, where, exc)
 
     def check_usable(self, what: str, where: str) -> None:
@@ -216,10 +296,18 @@ class Comm:
         raise RuntimeError(
             f"zero_offload: rank {self.rank} of {self.world}: {what} of {where} refused: an earlier collective "
             f"failed ({self.failure}), so this rank is out of step with the others and this optimizer runs no "
-            "further collective. sharded_state_dict() still gives this rank's shard of the state (no collective); "
-            "state_dict(), step() and clip_grad_norm_() cannot run. Build a new process group and optimizer to go "
-            "on; this process group is not usable either (see docs/reliability.md, Known limits)."
+            f"further collective. {self._salvage()} state_dict(), step() and clip_grad_norm_() cannot run. Build a "
+            "new process group and optimizer to go on; this process group is not usable either (see "
+            "docs/reliability.md, Known limits)."
         )
+
+    def _salvage(self) -> str:
+        """What a broken optimizer still gives of this rank's state, without a collective."""
+        if not self.compact_state:
+            return "sharded_state_dict() still gives this rank's shard of the state (no collective);"
+        return ("No state dict can be had: sharded_state_dict() needs state_dtype=torch.float32 and state_dict() "
+                "the other ranks; this rank's shard stays in host_buffers() (moments in state_dtype, 8-bit ones "
+                "with their scales), to be saved as raw buffers only;")
 
     def _wait_work(self, work: Any) -> None:
         """Wait for a collective on host tensors (gloo) on this thread, at most ``timeout``: gloo's works for the
@@ -249,14 +337,14 @@ class Comm:
             return self.start("reduce_scatter", where,
                               lambda: self._rs(out, inp, group=self.group, async_op=True), True)
         dist = _dist()
-        total, n = inp.clone(), out.numel()
-        part = total[self.rank * n : (self.rank + 1) * n]
+        total = inp.clone()
         return self.start("reduce_scatter", where, lambda: _HostReduceScatter(
-            dist.all_reduce(total, group=self.group, async_op=True), out, part), False)
+            dist.all_reduce(total, group=self.group, async_op=True), out, total, self.rank * out.numel()), False,
+            (total,))
 
     def start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> "Pending":
         return self.start("all_gather", where, lambda: self._ag(out, inp, group=self.group, async_op=True),
-                          inp.is_cuda)
+                          inp.is_cuda, (out, inp))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, where: str) -> None:
         self.start_all_gather(out, inp, where).wait()
@@ -264,12 +352,12 @@ class Comm:
     def broadcast(self, t: torch.Tensor, where: str) -> None:
         dist = _dist()
         self._run("broadcast", where, lambda: dist.broadcast(t, self.src, group=self.group, async_op=True),
-                  t.is_cuda)
+                  t.is_cuda, (t,))
 
     def all_reduce(self, t: torch.Tensor, op: Any, where: str) -> None:
         dist = _dist()
         self._run("all_reduce", where, lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True),
-                  t.is_cuda)
+                  t.is_cuda, (t,))
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self.host_ok else torch.device("cuda", torch.cuda.current_device())
@@ -289,6 +377,20 @@ class Comm:
         self.all_gather(full, shard.to(dev), where)
         out.copy_(full)
 
+    def all_gather_objects(self, obj: Any, where: str) -> List[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: ``torch.distributed.all_gather_object`` through
+        :meth:`start`, so its tensors are let go of as every collective's are (see :class:`_Held`) and its wait is
+        bounded by ``timeout``. Two all-gathers: the pickles' sizes, then the pickles padded to the largest."""
+        data = pickle.dumps(obj)
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        self.all_gather_host(sizes, torch.tensor([len(data)], dtype=torch.int64), f"the sizes of {where}")
+        longest = int(sizes.max())
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(self.world * longest, dtype=torch.uint8)
+        self.all_gather_host(out, mine, where)
+        return [pickle.loads(out[r * longest : r * longest + int(n)].numpy().tobytes()) for r, n in enumerate(sizes)]
+
     # -- construction --------------------------------------------------------------------------------------
     def check_same_params(self, tensors: Sequence[torch.Tensor], group_index: int,
                           layout: Sequence[Tuple[str, Any]] = ()) -> None:
@@ -296,14 +398,8 @@ class Comm:
         parameters with the same shapes, dtypes and device types, and the same ``layout`` (the options that shape
         buckets and collectives, as ``(name, value)`` pairs): otherwise their flat buckets would not line up and
         the collectives would mix unrelated values, or wait for each other forever."""
-        dist = _dist()
         mine = (list(layout), [(tuple(p.shape), str(p.dtype).replace("torch.", ""), p.device.type) for p in tensors])
-        everyone: List[Any] = [None] * self.world
-        try:
-            dist.all_gather_object(everyone, mine, group=self.group)
-        except Exception as exc:
-            raise RuntimeError(f"zero_offload: rank {self.rank} of {self.world}: comparing param group "
-                               f"{group_index} across ranks failed: {exc}") from exc
+        everyone = self.all_gather_objects(mine, f"the description of param group {group_index}")
         (options0, params0) = everyone[0]
         for r, (options, params) in enumerate(everyone):
             for (name, ours), (_, theirs) in zip(options0, options):
@@ -320,6 +416,26 @@ class Comm:
                 detail = f"parameter {k} is {params0[k]} (shape, dtype, device) on rank 0, {params[k]} on rank {r}"
             raise ValueError(f"OffloadOptimizer(process_group=...): param group {group_index} differs across ranks: "
                              f"{detail}. Every rank must pass the same parameters in the same order.")
+
+
+# Where a rank is when it runs a collective of the statistics' size (see ShardedTransport._agree).
+_BACKWARD, _STEP_REDUCE, _STATS, _CLIPPED_STEP, _STATE_DICT = 1.0, 2.0, 3.0, 4.0, 5.0
+
+
+def _describe(phase: float, backwards: int) -> str:
+    after = f"after {backwards} streamed backward{'s' if backwards != 1 else ''}"
+    return {_BACKWARD: f"in backward {backwards + 1} of this step, reduce-scattering its gradients",
+            _STEP_REDUCE: f"at step(), reduce-scattering the gradients backward did not send ({after})",
+            _STATS: f"at step() or clip_grad_norm_(), combining the gradient statistics ({after})",
+            _CLIPPED_STEP: f"at step() after clip_grad_norm_() ({after})",
+            _STATE_DICT: "in state_dict(), about to gather the state"}.get(phase, f"lost (phase {phase})")
+
+
+def _digest(settings: Sequence[Tuple[str, float]]) -> float:
+    """A 48-bit digest of the settings' values, exact as a float64 (it travels in a float64 all-reduce)."""
+    values = [float(v) for _, v in settings]
+    raw = hashlib.blake2b(struct.pack(f"<{len(values)}d", *values), digest_size=6).digest()
+    return float(int.from_bytes(raw, "little"))
 
 
 class _Collectives:
@@ -361,6 +477,7 @@ class ShardedTransport(Transport):
         self.comm = comm
         self._stats: Optional[GradStats] = None
         self._collectives: Dict[int, _Collectives] = {}
+        self._backwards = 0  # backward passes of this step whose reduce-scatters have begun (see _send)
 
     def add(self, bucket: FlatBucket, streamed: bool) -> None:
         super().add(bucket, streamed)
@@ -388,8 +505,13 @@ class ShardedTransport(Transport):
     def _send(self, link, idx: List[int], grads: List[torch.Tensor]) -> None:
         """Start the reduce-scatter of a bucket complete in backward. Its shard of the reduced sum is added to an
         earlier micro-batch's with ``release``; otherwise it is recomputed from the gradients accumulated on the
-        parameters."""
+        parameters. The first bucket of each backward (every backward sends every bucket once, in a fixed order)
+        is preceded by :meth:`_agree`: a rank running one more backward than another meets its ``step()`` there
+        and both raise, where their reduce-scatters would have met the step's all-reduce and aborted gloo."""
         bucket = link.bucket
+        if link.launches >= self._backwards:
+            self._agree(_BACKWARD, (), "reduce_scatter", f"gradients of {bucket.where}")
+            self._backwards += 1
         stream = None if bucket.on_cpu else self.stream(bucket.device)
         self._reduce_scatter(bucket, [p.grad for p in bucket.params], stream,
                              add=self.release and self.launched(bucket))
@@ -473,7 +595,12 @@ class ShardedTransport(Transport):
             coll.adding = False
             bucket.grad.add_(coll.shard_in)
 
-    def gather(self, plans: Plans, check: bool = False, clipping: bool = False) -> bool:
+    def reset(self) -> None:
+        super().reset()
+        self._backwards = 0
+
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
         flag and which parameters have a gradient in one all-reduce (each :class:`BucketGrads`'s ``present``
         becomes the group's answer: a gradient on some ranks only counts as zero on the others).
@@ -484,19 +611,30 @@ class ShardedTransport(Transport):
         bucket's ``stale`` flag: a gradient changed on some rank after its reduce-scatter (an in-place clip or
         unscale, or one assigned by hand), and every rank then reduce-scatters that bucket again from the
         gradients on the parameters, with a second all-reduce for the norm (impossible with ``release``, whose
-        gradients are gone: an error on every rank)."""
+        gradients are gone: an error on every rank).
+
+        The all-reduce also checks that every rank is at the same point (see :meth:`_agree`) with the same
+        ``settings`` (name, value) pairs: the hyperparameters a step uses, which the all-gather of the updated
+        shards would otherwise silently reconcile (a scheduler stepped on one rank only)."""
         entries = list(chain.from_iterable(plans))
-        for bg in entries:
-            if not self.launched(bg.bucket):
-                self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
+        todo = [bg for bg in entries if not self.launched(bg.bucket)]
+        if todo and any(link.streamed for link in self._links.values()):
+            # Another rank may have sent these from backward already: it is at the statistics, not here.
+            self._agree(_STEP_REDUCE, (), "reduce_scatter", f"gradients of {todo[0].bucket.where}")
+        for bg in todo:
+            self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
         local = [list(bg.present) for bg in entries]
         sqs, bads = self._shard_stats(entries)
         stale = [float(self.launched(bg.bucket) and bg.stale) for bg in entries]
         dist = _dist()
+        where = "the gradient norm, non-finite check and gradient presence"
         vals = self.comm.all_reduce_host([sum(sqs), sum(bads), float(clipping), *map(float, chain.from_iterable(local)),
-                                          *stale], dist.ReduceOp.SUM,
-                                         "the gradient norm, non-finite check and gradient presence")
+                                          *stale, *self._tail(_STATS, settings)], dist.ReduceOp.SUM, where)
+        tail = vals[len(vals) - 3 * self.comm.world :]
+        self._check_phases(tail, "all_reduce", where)
         self._check_clipping(int(vals[2]), clipping)
+        self._check_settings(tail, settings, where)
+        del vals[len(vals) - 3 * self.comm.world :]
         k = 3
         for bg in entries:
             bg.agree([v > 0 for v in vals[k : k + len(bg.present)]])
@@ -506,6 +644,86 @@ class ShardedTransport(Transport):
             vals[:2] = self._reduce_again(entries, local, redo, sqs, bads)
         self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
         return check and self._stats.nonfinite
+
+    # -- agreement -------------------------------------------------------------------------------------------
+    def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
+        """``step()`` after ``clip_grad_norm_`` (whose all-reduce was the gradient statistics'): check that every
+        rank steps with the same ``settings``, in an all-reduce of its own."""
+        self._agree(_CLIPPED_STEP, settings, "all_reduce", "the hyperparameters of step()")
+
+    def agree_state(self, buckets: Iterable[FlatBucket]) -> None:
+        """``state_dict()``, before gathering: every rank is there, and holds the same state buffers (an amsgrad
+        buffer on some ranks only, from a state dict loaded there, would gather unlike sizes and abort gloo)."""
+        settings = [(f"max_exp_avg_sq buffer of {b.where}", float(b.max_exp_avg_sq is not None)) for b in buckets]
+        self._agree(_STATE_DICT, settings, "all_gather", "the state", state=True)
+
+    def _stats_numel(self) -> int:
+        """The length of :meth:`gather`'s all-reduce: fixed for the optimizer's life, the same on every rank."""
+        return 3 + sum(len(link.bucket.params) + 1 for link in self._links.values()) + 3 * self.comm.world
+
+    def _tail(self, phase: float, settings: Sequence[Tuple[str, float]]) -> List[float]:
+        """What the statistics' all-reduce ends with: per rank, a digest of ``settings``, then where the rank is
+        (``phase``, and how many streamed backwards this step has had); zeros in the other ranks' places, so the
+        sum holds every rank's."""
+        world, rank = self.comm.world, self.comm.rank
+        tail = [0.0] * (3 * world)
+        tail[rank] = _digest(settings)
+        tail[world + 2 * rank], tail[world + 2 * rank + 1] = phase, float(self._backwards)
+        return tail
+
+    def _agree(self, phase: float, settings: Sequence[Tuple[str, float]], what: str, where: str,
+               state: bool = False) -> None:
+        """An all-reduce the size of the gradient statistics', carrying only :meth:`_tail`: collectives of
+        different sizes meeting each other abort gloo in C++ (``EnforceNotMet``, exit -6), so the points where
+        ranks can part ways (a backward's reduce-scatters, or step()'s) begin with this, which meets the same on
+        the other ranks or the statistics' all-reduce; each rank raises if they are not at the same point."""
+        vals = [0.0] * (self._stats_numel() - 3 * self.comm.world) + self._tail(phase, settings)
+        tail = self.comm.all_reduce_host(vals, _dist().ReduceOp.SUM, f"the check before the {what} of {where}")
+        tail = tail[len(tail) - 3 * self.comm.world :]
+        self._check_phases(tail, what, where)
+        self._check_settings(tail, settings, where, state)
+
+    def _check_phases(self, tail: List[float], what: str, where: str) -> None:
+        world = self.comm.world
+        at = [(tail[world + 2 * r], int(tail[world + 2 * r + 1])) for r in range(world)]
+        if len(set(at)) == 1:
+            return
+        ranks = "; ".join(f"rank {r} is {_describe(*a)}" for r, a in enumerate(at))
+        raise RuntimeError(
+            f"zero_offload: rank {self.comm.rank} of {world}: {what} of {where} refused: the ranks are at different "
+            f"collectives: {ranks}. Every rank must run each backward outside no_sync() the same number of times "
+            "between steps, and call step(), clip_grad_norm_() and state_dict() together. Nothing was sent or "
+            "updated; the ranks are still in step (call zero_grad() on every rank to go on)."
+        )
+
+    def _check_settings(self, tail: List[float], settings: Sequence[Tuple[str, float]], where: str,
+                        state: bool = False) -> None:
+        """Raise on every rank, naming what differs and where, unless every rank's digest is the same (the values
+        are exchanged only then: every rank sees the same digests, so every rank takes the same path)."""
+        world, rank = self.comm.world, self.comm.rank
+        if len(set(tail[:world])) == 1:
+            return
+        n = len(settings)
+        mine = [0.0] * (world * n)
+        mine[rank * n : (rank + 1) * n] = [float(v) for _, v in settings]
+        every = self.comm.all_reduce_host(mine, _dist().ReduceOp.SUM, "the values that differ, to name them")
+        diffs = []
+        for j, (name, _) in enumerate(settings):
+            values = [every[r * n + j] for r in range(world)]
+            if len(set(values)) > 1:
+                diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+        listed = f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}"
+        if state:
+            raise RuntimeError(
+                f"zero_offload: rank {rank} of {world}: the ranks hold different state buffers ({where}): {listed}. "
+                "Their state cannot be gathered (a state dict with amsgrad loaded on some ranks only?); every rank "
+                "must load the same one. Nothing was gathered."
+            )
+        raise RuntimeError(
+            f"zero_offload: rank {rank} of {world}: the ranks step with different hyperparameters ({where}): "
+            f"{listed}. Each rank's shard would be updated with its own and the all-gather would hide it: every "
+            "rank must use the same (an LR scheduler stepped on one rank only?). Nothing was updated."
+        )
 
     def _check_clipping(self, clipping_ranks: int, clipping: bool) -> None:
         """``clip_grad_norm_`` gathers the gradients itself, so a rank that clips meets the others' ``step()`` in

@@ -25,8 +25,8 @@ from zero_offload import checkpoint
 from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
-from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, check_group, check_params,
-                                  check_state_dtype, delayed_setting, world_without_group)
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, agreed_settings, check_group,
+                                  check_params, check_state_dtype, delayed_setting, world_without_group)
 from zero_offload.timeline import Timeline, TimelineEvent, span
 from zero_offload.transport import PendingClip, Plans, Transport
 from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_method
@@ -112,7 +112,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             Default: False.
         process_group (ProcessGroup, optional): shard the state over this data-parallel group (ZeRO): 12/N bytes
             per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
-            ``clip_grad_norm_()`` and ``state_dict()`` together. Default: None.
+            ``clip_grad_norm_()`` and ``state_dict()`` together, with the same hyperparameters (checked at every
+            step: a ``RuntimeError`` naming what differs) and the same number of streamed backward passes.
+            Default: None.
         grads_reduced (bool): the gradients arrive already averaged (DDP): take this rank's slice (ZeRO-1).
             Needs ``process_group``. Default: False.
         timeout (timedelta or float, optional): the longest one collective may take (seconds if a number).
@@ -242,7 +244,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         n_groups = len(self.param_groups)
         comm = self._transport.comm if self._transport.sharded else None
         if comm is not None:
-            comm.check_same_params(tensors, n_groups, self.options.collective_layout())
+            # amsgrad decides whether the group has a max_exp_avg_sq buffer, which state_dict() gathers.
+            amsgrad = bool(param_group.get("amsgrad", self.defaults["amsgrad"]))
+            comm.check_same_params(tensors, n_groups, (*self.options.collective_layout(),
+                                                       (f"amsgrad of param group {n_groups}", amsgrad)))
             if not comm.host_ok and any(p.device.type == "cpu" for p in tensors):
                 raise ValueError("process_group runs NCCL alone, which moves CUDA tensors only, but param group "
                                  f"{n_groups} has parameters on the CPU: shard a CPU model over a gloo group")
@@ -314,7 +319,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # GradScaler.unscale_ multiplies by this float32 reciprocal computed in double: same bits here.
         inv_scale = 1.0 if grad_scale is None else float(torch.as_tensor(grad_scale).double().reciprocal().float())
         check = found_inf is None and self.options.nonfinite != "ignore"
-        bad = self._transport.gather(plans, check=check) if pending is None else (check and pending.nonfinite)
+        # Sharded: checked to be the same on every rank.
+        settings = agreed_settings(hypers, self.options.nonfinite) if self._transport.sharded else ()
+        if pending is None:
+            bad = self._transport.gather(plans, check=check, settings=settings)
+        else:
+            self._transport.agree(settings)
+            bad = check and pending.nonfinite
         if bad:
             self._refuse_nonfinite(plans)
             return
@@ -452,7 +463,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         plans = self._receive(fresh=fresh)
         first = next((bg.bucket.params[i] for bg in chain.from_iterable(plans)
                       for i, has in enumerate(bg.present) if has), None)
-        self._transport.gather(plans, clipping=True)
+        settings = agreed_settings((), self.options.nonfinite, (max_norm, norm_type)) if self._transport.sharded else ()
+        self._transport.gather(plans, clipping=True, settings=settings)
         total, nonfinite = self._transport.total_norm(plans, norm_type)
         nonfinite = nonfinite or not math.isfinite(total)
         if error_if_nonfinite and nonfinite:
@@ -485,6 +497,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with _hooks_set_aside(self):  # torch's own packing of the param groups, without running the hooks twice
             sd = super().state_dict()
         if self._transport.sharded:  # gathered, then the entries that are no parameter's
+            self._transport.agree_state(chain.from_iterable(self._buckets))
             state = checkpoint.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
             state.update((k, v) for k, v in self.state.items() if not isinstance(k, torch.Tensor))
             sd["state"] = state
@@ -587,5 +600,6 @@ def _make_transport(process_group: Optional[Any], options: Options) -> Transport
         return Transport(release=options.release_grads)
     from zero_offload.distributed import DEFAULT_TIMEOUT, Comm, ShardedTransport  # only with a process group
     timeout = DEFAULT_TIMEOUT if options.timeout is None else options.timeout
-    return ShardedTransport(Comm(process_group, timeout, options.grads_reduced), release=options.release_grads)
+    return ShardedTransport(Comm(process_group, timeout, options.grads_reduced,
+                                 compact_state=options.state_dtype != torch.float32), release=options.release_grads)
 

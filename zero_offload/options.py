@@ -13,13 +13,13 @@ import datetime
 import math
 import sys
 from numbers import Real
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper",
-           "Options", "check_group", "check_hparams", "check_impl_flags", "check_params", "check_state_dtype",
-           "check_step", "delayed_setting", "dtypes_by_name", "world_without_group"]
+           "Options", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
+           "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -193,6 +193,24 @@ class Hyper:
                      bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
 
 
+# Hyper's fields by the names a user gives them.
+_HYPER_NAMES = {"lr": "lr", "beta1": "betas[0]", "beta2": "betas[1]", "eps": "eps", "weight_decay": "weight_decay",
+                "amsgrad": "amsgrad", "maximize": "maximize", "decoupled": "decoupled_weight_decay"}
+
+
+def agreed_settings(hypers: Sequence[Hyper], nonfinite: str,
+                    clip: Optional[Tuple[float, float]] = None) -> List[Tuple[str, float]]:
+    """What every rank of a sharded optimizer must step with, as (name, value) pairs: each group's
+    hyperparameters, the ``nonfinite`` policy and (``clip_grad_norm_``) its ``(max_norm, norm_type)``."""
+    out = [(f"{_HYPER_NAMES[f.name]} of param group {i}", float(getattr(h, f.name)))
+           for i, h in enumerate(hypers) for f in dataclasses.fields(h)]
+    codes = ", ".join(f"{i}: {p}" for i, p in enumerate(NONFINITE_POLICIES))
+    out.append((f"nonfinite ({codes})", float(NONFINITE_POLICIES.index(nonfinite))))
+    if clip is not None:
+        out += [("clip_grad_norm_ max_norm", float(clip[0])), ("clip_grad_norm_ norm_type", float(clip[1]))]
+    return out
+
+
 def delayed_setting(value: Union[bool, int]) -> Tuple[bool, int]:
     """``delayed_update`` as (on, exact steps first): True is on from the first step, an int N >= 1 on after N
     exact steps, False (or 0) off."""
@@ -322,4 +340,4 @@ class Options:
         """The options that must agree across the ranks of a process group: they shape the buckets and decide which
         collectives run when."""
         return tuple((name, getattr(self, name)) for name in ("bucket_numel", "stream_grads", "release_grads",
-                                                              "grads_reduced", "state_dtype"))
+                                                              "grads_reduced", "state_dtype", "nonfinite"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import json
 import os
 import platform
@@ -92,29 +93,41 @@ _DTYPES = dtypes_by_name(SUPPORTED_DTYPES)
 _STATE_DTYPES = dtypes_by_name(STATE_DTYPES)
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+# The largest parameter count a plan is made for: torch counts elements in int64.
+MAX_COUNT = 2**63 - 1
 
 
 def parse_count(text: str) -> int:
     """A parameter count written as ``7B``, ``350M``, ``125k``, ``1.5T``, ``1.3e9``, ``1_000_000`` or ``1,000``.
 
     Suffixes are decimal (k = 1e3, M = 1e6, B or G = 1e9, T = 1e12), case-insensitive, as model names use them.
+    The number is read exactly (as a decimal, not a float), so ``1.5`` or ``1.2345k`` is refused rather than
+    rounded to a count nobody asked for.
 
     Args:
         text (str): the count.
 
     Returns:
-        int: the count, rounded to the nearest whole number.
+        int: the count.
 
     Raises:
-        ValueError: if ``text`` is not a positive number with an optional suffix.
+        ValueError: if ``text`` is not a whole number of parameters from 1 to :data:`MAX_COUNT`, with an optional
+            suffix.
     """
     m = re.fullmatch(r"\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text), re.IGNORECASE)
     if m is None:
         raise ValueError(f"Invalid parameter count: {text!r} (expected e.g. 7B, 350M, 125k or 1.3e9)")
-    count = round(float(m.group(1).replace("_", "").replace(",", "")) * _SUFFIXES[m.group(2).lower()])
+    number = decimal.Decimal(m.group(1).replace("_", "").replace(",", "")).as_tuple()
+    # Scaled by the suffix through the exponent: exact, where a decimal multiplication would round to 28 digits.
+    shift = len(str(_SUFFIXES[m.group(2).lower()])) - 1
+    count = decimal.Decimal((number.sign, number.digits, number.exponent + shift))
     if count < 1:
         raise ValueError(f"Invalid parameter count: {text!r} (must be at least 1)")
-    return count
+    if count > MAX_COUNT:  # compared as a decimal: int() of 1e999999999 alone would take minutes
+        raise ValueError(f"Invalid parameter count: {text!r} (at most {MAX_COUNT:.3e}: element counts are int64)")
+    if count != count.to_integral_value():
+        raise ValueError(f"Invalid parameter count: {text!r} (not a whole number of parameters)")
+    return int(count)
 
 
 def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = DEFAULT_BUCKET_NUMEL
@@ -241,6 +254,39 @@ def memory_plan(
         adamw = {"gpu": {}, "host": adamw_side}
     return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned, state_dtype,
                       release_grads and device == "cuda")
+
+
+def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL, **kw) -> MemoryPlan:
+    """:func:`memory_plan` of :func:`meta_params` ``(numel, dtype, bucket_numel)``, made from at most three stand-in
+    tensors whatever ``numel`` is: every full bucket costs the same, so two of them and the remainder are planned
+    and the other full buckets' bytes added arithmetically (all but the GPU gradients under ``release_grads``,
+    which two buckets already cap). Memory and time do not grow with the model.
+
+    Args:
+        numel (int): parameter count.
+        dtype (torch.dtype): the parameters' dtype.
+        bucket_numel (int): as for the optimizer. Default: 2**25.
+        **kw: the other arguments of :func:`memory_plan`.
+    """
+    full, rest = divmod(int(numel), int(bucket_numel))
+    if full <= 2:
+        return memory_plan(meta_params(numel, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
+    head = memory_plan(meta_params(2 * bucket_numel + rest, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
+    one = memory_plan(meta_params(bucket_numel, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
+    k = full - 2
+
+    def add(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
+        return {key: a.get(key, 0) + k * b.get(key, 0) for key in dict.fromkeys([*a, *b])}
+
+    h, o = head.host, one.host
+    host = HostMemoryEstimate(h.numel + k * o.numel, h.padded_numel + k * o.padded_numel, add(h.buffers, o.buffers),
+                              h.pinned_bytes + k * o.pinned_bytes, h.replaces_param_bytes + k * o.replaces_param_bytes)
+    ours = {where: add(head.ours[where], one.ours[where]) for where in head.ours}
+    if head.release_grads:
+        ours["gpu"]["gradients"] = head.ours["gpu"]["gradients"]
+    adamw = {where: add(head.adamw[where], one.adamw[where]) for where in head.adamw}
+    return dataclasses.replace(head, numel=head.numel + k * one.numel, host=host, ours=ours, adamw=adamw,
+                               pinned=head.pinned + k * one.pinned)
 
 
 def plan_lines(plan: MemoryPlan) -> List[str]:
@@ -472,6 +518,13 @@ def _count_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# The options of a memory plan and their defaults (None in the parser, so that one given without --params or
+# --model is noticed and refused instead of silently ignored).
+_PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
+                  "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1,
+                  "gpu_memory": None}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``python -m zero_offload.report``; see the module docstring.
 
@@ -483,24 +536,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--params", type=_count_arg, metavar="N",
                     help="print the memory plan for a model of N parameters (7B, 350M, 1.3e9...) instead of the "
                          "machine report")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+    ap.add_argument("--dtype", choices=sorted(_DTYPES),
                     help="the model's parameter dtype (default: fp32)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+    ap.add_argument("--device", choices=("cuda", "cpu"),
                     help="where the model trains (default: cuda)")
-    ap.add_argument("--state-dtype", choices=list(_STATE_DTYPES), default="fp32",
+    ap.add_argument("--state-dtype", choices=list(_STATE_DTYPES),
                     help="the optimizer's state_dtype: fp32 (exactly AdamW), bf16, or int8 (8-bit block-wise moments)"
                          " (default: fp32)")
-    ap.add_argument("--amsgrad", action="store_true", help="plan for amsgrad=True (one more moment buffer)")
-    ap.add_argument("--world-size", type=int, default=1, metavar="N",
+    ap.add_argument("--amsgrad", action="store_true", default=None, help="plan for amsgrad=True (one more moment buffer)")
+    ap.add_argument("--world-size", type=int, metavar="N",
                     help="data-parallel ranks sharing the host buffers (arithmetic estimate; default: 1)")
-    ap.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, metavar="N",
+    ap.add_argument("--bucket-numel", type=int, metavar="N",
                     help="elements per bucket, as for the optimizer (default: 2**25)")
     ap.add_argument("--model", metavar="CONFIG_OR_ID",
                     help="plan for a Hugging Face model instead of --params: a local config.json (or its folder; "
                          "works offline) or a hub model id (needs network); needs transformers")
-    ap.add_argument("--release-grads", action="store_true",
+    ap.add_argument("--release-grads", action="store_true", default=None,
                     help="plan for release_grads=True: the GPU holds at most two buckets' gradients")
-    ap.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+    ap.add_argument("--nproc-per-node", type=int, metavar="N",
                     help="ranks per node: their host buffers add up in the node's RAM (default: 1)")
     ap.add_argument("--gpu-memory", type=_bytes_arg, metavar="SIZE",
                     help="memory of one GPU for the GPU verdict: 80GB (GB = 10**9 bytes, as GPUs are sold), 24GiB "
@@ -508,6 +561,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          "machine's GPU 0)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = ap.parse_args(argv)
+    given = [f"--{name.replace('_', '-')}" for name in _PLAN_DEFAULTS if getattr(args, name) is not None]
+    if args.params is None and args.model is None and given:
+        ap.error(f"{', '.join(given)} only apply to a memory plan: give --params N or --model CONFIG_OR_ID too")
+    for name, default in _PLAN_DEFAULTS.items():  # None above: given or not
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.params is None and args.model is None:
         report = lines()
         print(json.dumps(dict(ln.split(None, 1) if " " in ln else (ln, "") for ln in report)) if args.json
@@ -531,10 +590,10 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         except RuntimeError as exc:
             ap.exit(2, f"python -m zero_offload.report: error: {exc}\n")
     else:
-        params = meta_params(args.params, dtype, args.bucket_numel)
-    plan = memory_plan(params, device=args.device, amsgrad=args.amsgrad, world_size=args.world_size,
-                       bucket_numel=args.bucket_numel, state_dtype=_STATE_DTYPES[args.state_dtype],
-                       release_grads=args.release_grads)
+        params = None
+    kw = dict(device=args.device, amsgrad=args.amsgrad, world_size=args.world_size, bucket_numel=args.bucket_numel,
+              state_dtype=_STATE_DTYPES[args.state_dtype], release_grads=args.release_grads)
+    plan = memory_plan(params, **kw) if params is not None else count_plan(args.params, dtype, **kw)
     gpu = args.gpu_memory if args.gpu_memory is not None else (gpu_capacity() if args.device == "cuda" else None)
     host = available_host_bytes()
     v = verdicts(plan, args.nproc_per_node, gpu, host)

@@ -323,11 +323,13 @@ class Transport:
         link.stale = stale
         return BucketGrads(bucket, present, pending, stale=stale)
 
-    def gather(self, plans: Plans, check: bool = False, clipping: bool = False) -> bool:
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """Make every bucket's gradients readable on the host (a CUDA bucket's copied into its buffer; a CPU
         bucket's where they are, in ``in_place``); with ``check``, return whether any is inf/nan. A CPU bucket is
         checked right after its own gather, when whatever it copied is still in cache. ``clipping``: called by
-        ``clip_grad_norm_`` (which the sharded transport checks every rank does)."""
+        ``clip_grad_norm_`` (which the sharded transport checks every rank does). ``settings``: what the step
+        uses, as (name, value) pairs, which the sharded transport checks every rank agrees on."""
         entries = list(chain.from_iterable(plans))
         waited = set()
         # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
@@ -462,6 +464,9 @@ class Transport:
             with span(self.timeline, "wait", "norms"):
                 out.update(zip((k for k, _ in items), torch.stack([n for _, n in items]).cpu().tolist()))
         return out
+
+    def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
+        """``step()`` after ``clip_grad_norm_``: the sharded transport checks the ranks agree on ``settings``."""
 
     def wait_all(self, plans: Plans) -> None:
         for bg in chain.from_iterable(plans):
