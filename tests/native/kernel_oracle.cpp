@@ -18,7 +18,8 @@
 //   assert_close's fp32 tolerance for the master;
 // - bf16 values and 8-bit codes are a round-to-nearest of a value inside that error interval around the oracle's
 //   (a neighbouring code only where the oracle lies within the error of a rounding boundary);
-// - 8-bit scales within the error of the block's largest magnitude; NaN and inf exactly where the oracle has them.
+// - 8-bit scales within the error of the block's largest finite magnitude; a non-finite moment kept in its element
+//   (exp_avg code -128, the block flagged by its exp_avg scale's sign bit) exactly where the oracle has one.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -279,10 +280,12 @@ void state_values(State& st, const Case& c, std::vector<Elem>& out) {
     if (c.s == DType::kQ8) {
       const int64_t b = i / kQ;
       const double cm = reinterpret_cast<int8_t*>(st.m.ptr)[i], cv = st.v.ptr[i], cx = st.x.ptr[i];
-      e.m = double(st.ms.f32()[b]) * cm * std::fabs(cm) / (127.0 * 127.0);
+      e.m = double(std::fabs(st.ms.f32()[b])) * cm * std::fabs(cm) / (127.0 * 127.0);
       const double fv = cv / 255.0, fx = cx / 255.0;
       e.v = double(st.vs.f32()[b]) * (fv * fv) * (fv * fv);
       e.x = c.ams ? double(st.xs.f32()[b]) * (fx * fx) * (fx * fx) : 0.0;
+      // A poisoned element (code -128 in a block whose exp_avg scale has its sign bit set) reads back as NaN.
+      if (cm == -128 && std::signbit(st.ms.f32()[b])) e.m = NAN;
     } else {
       e.m = load_value(st.m.ptr, c.s, i);
       e.v = load_value(st.v.ptr, c.s, i);
@@ -371,11 +374,17 @@ bool code_ok(int code, double want, double tol, double s, double top, bool fourt
 // One block of 8-bit state: scales against the oracle's block maxima, codes against the oracle's values.
 void check_block_q8(Tally& t, const Case& c, int step, State& st, const std::vector<Elem>& want, int64_t b) {
   const int64_t lo = b * kQ, hi = std::min(c.n, lo + kQ);
+  // A non-finite moment stays in its element ("poisoned": exp_avg code -128, 0 in the other codes, the block
+  // flagged by the sign bit of its exp_avg scale); the block's scales come from its finite elements.
   double top_m = 0, top_v = 0, top_x = 0, tol_m = 0, tol_v = 0, tol_x = 0;
-  bool nonfinite = false;
+  bool flagged = false;
+  const auto poisoned = [&](const Elem& e) { return !(std::fabs(e.m) <= kFltMax && e.v <= kFltMax); };
   for (int64_t i = lo; i < hi; ++i) {
     const Elem& e = want[i];
-    nonfinite = nonfinite || !(std::fabs(e.m) <= kFltMax && e.v <= kFltMax);
+    if (poisoned(e)) {
+      flagged = true;
+      continue;
+    }
     top_m = std::max(top_m, std::fabs(e.m));
     top_v = std::max(top_v, e.v);
     top_x = std::max(top_x, e.x);
@@ -383,9 +392,10 @@ void check_block_q8(Tally& t, const Case& c, int step, State& st, const std::vec
     tol_v = std::max(tol_v, e.ev);
     tol_x = std::max(tol_x, e.ex);
   }
-  const auto scale = [&](double top) { return nonfinite ? NAN : top >= kFltMin ? top : 0.0; };
-  const double sm = st.ms.f32()[b], sv = st.vs.f32()[b], sx = st.xs.f32()[b];
-  t.checked += c.ams ? 3 : 2;
+  const auto scale = [&](double top) { return top >= kFltMin ? top : 0.0; };
+  const double sm = std::fabs(st.ms.f32()[b]), sv = st.vs.f32()[b], sx = st.xs.f32()[b];
+  t.checked += c.ams ? 4 : 3;
+  if (std::signbit(st.ms.f32()[b]) != flagged) t.fail(c, step, "exp_avg_scale sign (block flag)", b, st.ms.f32()[b], flagged, 0);
   if (!close(sm, scale(top_m), tol_m + kRel * top_m)) t.fail(c, step, "exp_avg_scale", b, sm, scale(top_m), tol_m);
   if (!close(sv, scale(top_v), tol_v + kRel * top_v)) t.fail(c, step, "exp_avg_sq_scale", b, sv, scale(top_v), tol_v);
   if (c.ams && !close(sx, scale(top_x), tol_x + kRel * top_x))
@@ -394,6 +404,11 @@ void check_block_q8(Tally& t, const Case& c, int step, State& st, const std::vec
     const Elem& e = want[i];
     const int cm = reinterpret_cast<int8_t*>(st.m.ptr)[i], cv = st.v.ptr[i], cx = st.x.ptr[i];
     t.checked += c.ams ? 3 : 2;
+    if (poisoned(e)) {
+      if (cm != -128 || cv != 0 || (c.ams && cx != 0)) t.fail(c, step, "poisoned element's codes", i, cm, -128, 0);
+      continue;
+    }
+    if (cm == -128) t.fail(c, step, "exp_avg code -128 (the poison mark) on a finite element", i, cm, e.m, e.em);
     if (!code_ok(cm, e.m, e.em, sm, 127.0, false)) t.fail(c, step, "exp_avg code", i, cm, e.m, e.em);
     if (!code_ok(cv, e.v, e.ev, sv, 255.0, true)) t.fail(c, step, "exp_avg_sq code", i, cv, e.v, e.ev);
     if (c.ams && !code_ok(cx, e.x, e.ex, sx, 255.0, true)) t.fail(c, step, "max_exp_avg_sq code", i, cx, e.x, e.ex);
