@@ -555,14 +555,21 @@ def test_checkpoint_saved_at_world_2_resumes_at_world_3_and_1():
 FAIL_TIMEOUT = 3.0
 
 
-def _failing_worker(rank, world, stream):
+def _one_step_then_rank_1_fails(rank, world, **options):
+    """One step together, then rank 1 raises (after outliving rank 0's timeout); rank 0 gets its model and
+    optimizer back."""
     model, _ = _make(rank)
     opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
-                           timeout=FAIL_TIMEOUT, stream_grads=stream)
+                           timeout=FAIL_TIMEOUT, **options)
     _step(model, opt, 0, rank, world)
     if rank == 1:
         time.sleep(3 * FAIL_TIMEOUT)  # stays alive without joining: only the timeout can end rank 0's wait
         raise RuntimeError("rank 1 failed before its step")
+    return model, opt
+
+
+def _failing_worker(rank, world, stream):
+    model, opt = _one_step_then_rank_1_fails(rank, world, stream_grads=stream)
     t0 = time.monotonic()
     try:
         _step(model, opt, 1, rank, world)
@@ -956,13 +963,7 @@ def test_amsgrad_differing_across_ranks_is_refused_at_construction():
 
 
 def _compact_failure_worker(rank, world, state_dtype):
-    model, _ = _make(rank)
-    opt = OffloadOptimizer(groups(model), bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
-                           timeout=FAIL_TIMEOUT, state_dtype=state_dtype)
-    _step(model, opt, 0, rank, world)
-    if rank == 1:
-        time.sleep(3 * FAIL_TIMEOUT)
-        raise RuntimeError("rank 1 failed before its step")
+    model, opt = _one_step_then_rank_1_fails(rank, world, state_dtype=state_dtype)
     try:
         _step(model, opt, 1, rank, world)
     except RuntimeError:

@@ -866,6 +866,15 @@ def test_a_dropped_optimizer_is_freed_without_the_garbage_collector(kw):
         gc.enable()
 
 
+def _assert_unchanged(opt, params, snap):
+    """The parameters and the state dict are those of ``snap`` = (parameter copies, deep-copied state dict)."""
+    assert all(torch.equal(p, q) for p, q in zip(params, snap[0]))
+    now = opt.state_dict()["state"]
+    for k, entry in snap[1]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now[k][key], value), (k, key)
+
+
 @pytest.mark.parametrize("shape", [(3, 3), (7, 7), (36,), (6,), (1,)])
 @pytest.mark.parametrize("stream", [False, True], ids=["at_step", "streamed"])
 def test_a_gradient_shaped_unlike_its_parameter_raises_and_changes_nothing(shape, stream):
@@ -884,11 +893,7 @@ def test_a_gradient_shaped_unlike_its_parameter_raises_and_changes_nothing(shape
     with pytest.raises(RuntimeError, match=r"of shape \(6, 6\) has a gradient of shape"):
         opt.step()
     opt.zero_grad()
-    assert torch.equal(w, snap[0][0]) and torch.equal(b, snap[0][1])
-    now = opt.state_dict()["state"]
-    for k, entry in snap[1]["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(now[k][key], value), (k, key)
+    _assert_unchanged(opt, [w, b], snap)
 
 
 def test_load_state_dict_with_an_unreadable_tensor_raises_and_changes_nothing():
@@ -1018,11 +1023,7 @@ def test_a_rebound_gradient_of_the_wrong_shape_raises_naming_the_parameter(how, 
     with pytest.raises(RuntimeError, match=r"param group 0, parameter 0 \('w'\) of shape \(6, 6\) has a gradient "
                                            r"of shape \(3, 3\)"):
         opt.step()
-    assert torch.equal(w, snap[0][0]) and torch.equal(b, snap[0][1])
-    now = opt.state_dict()["state"]
-    for k, entry in snap[1]["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(now[k][key], value), (k, key)
+    _assert_unchanged(opt, [w, b], snap)
     # Once the gradient is right, the step goes on as AdamW's would.
     w.grad = torch.ones(6, 6)
     opt.step()
