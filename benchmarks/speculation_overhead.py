@@ -8,12 +8,12 @@ Two rows:
              on. On a GPU the speculative work overlaps backward; here it is only counted.
   cpu        a CPU model (nothing streamed, nothing speculated): ``step()``'s process CPU time with the default
              ``speculate`` (None) and with it off; run it once with this tree and once with ``--tree`` another
-             checkout (e.g. the main one, which has no such option: both rows are then its only schedule).
+             checkout (e.g. one from before speculation, which has no such option: both rows are then its only schedule).
 
 Min over rounds of the per-step mean (the machine may be shared: the min is the least disturbed).
 
     python benchmarks/speculation_overhead.py --tensors 2000 --rounds 7
-    python benchmarks/speculation_overhead.py --rows cpu --tree /work/main
+    python benchmarks/speculation_overhead.py --rows cpu --tree ../other-checkout
 """
 
 from __future__ import annotations
