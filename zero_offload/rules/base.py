@@ -1,0 +1,96 @@
+"""What an update rule is: the seam between the state home (which allocates, stores and exposes buffers) and the
+arithmetic of one optimizer. A rule declares its per-element state buffers and runs its update over one *run*:
+a contiguous range of a bucket's slots whose parameters all have a gradient and the same step count.
+
+A rule never calls the transport, never touches ``opt.state``, never allocates state: the store gives it views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["StateBuffer", "Run", "Rule"]
+
+
+def _always(hyper: Any) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBuffer:
+    """One per-element state buffer of a rule, shaped like the parameter in the state dict.
+
+    Attributes:
+        name (str): its key in the state dict (``"exp_avg"``).
+        compactable (bool): may be stored in a compact codec (``state_dtype`` bf16 / 8-bit); False: always fp32.
+        signed (bool): may hold negative values (8-bit: int8 codes; else uint8 codes).
+        needed (Callable[[hyper], bool]): allocated only when this holds for the group's hyperparameters (AdamW's
+            ``max_exp_avg_sq`` with amsgrad).
+    """
+
+    name: str
+    compactable: bool = True
+    signed: bool = True
+    needed: Callable[[Any], bool] = _always
+
+
+@dataclasses.dataclass
+class Run:
+    """What a rule's update reads and writes for one run of slots ``[a, b)`` of a bucket.
+
+    Attributes:
+        master (Tensor): fp32 master weights of the run, updated in place.
+        grad (Tensor, optional): the run's gradients, flat (fp32/bf16/fp16); None when ``grads`` is given.
+        grads (Sequence[Tensor], optional): one gradient per parameter, read where it lies, with ``offsets``.
+        offsets (Sequence[int]): each parameter's slot start, relative to ``a``.
+        state (Dict[str, Tensor]): the rule's buffers for the run, by name, as their codec stores them.
+        scales (Dict[str, Tensor]): 8-bit state only: each buffer's block scales covering the run.
+        step (int): the parameters' step count after this update (1 on the first).
+        grad_scale (float): multiplies the gradient first (loss-scale inverse x clip coefficient x 1/world).
+        param_out (Tensor, optional): receives the updated parameter rounded to its low-precision dtype.
+    """
+
+    master: torch.Tensor
+    grad: Optional[torch.Tensor]
+    grads: Optional[Sequence[torch.Tensor]]
+    offsets: Sequence[int]
+    state: Dict[str, torch.Tensor]
+    scales: Dict[str, torch.Tensor]
+    step: int
+    grad_scale: float
+    param_out: Optional[torch.Tensor]
+
+
+class Rule:
+    """An elementwise optimizer's update over flat buffers. Subclasses set the class attributes and implement
+    :meth:`hyper` and :meth:`update`.
+
+    Attributes:
+        name (str): for messages and ``report``.
+        optimizer_class (type): the optimizer whose state-dict format and defaults the rule reproduces.
+        buffers (Tuple[StateBuffer, ...]): the per-element state, in state-dict key order.
+        step_key (str, optional): the per-parameter step-count key of the state dict (None: the format has none).
+        state_dtypes (Tuple[torch.dtype, ...]): the codecs the update can read and write directly.
+    """
+
+    name: str = ""
+    optimizer_class: type = torch.optim.Optimizer
+    buffers: Tuple[StateBuffer, ...] = ()
+    step_key: Optional[str] = "step"
+    state_dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
+
+    def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
+        """The buffers a group with hyperparameters ``hyper`` allocates."""
+        return tuple(b for b in self.buffers if b.needed(hyper))
+
+    def hyper(self, group: Dict[str, Any]) -> Hashable:
+        """The group's hyperparameters read and validated once per step, as a frozen dataclass of plain
+        floats/bools (compared for equality by speculation, agreed across ranks field by field)."""
+        raise NotImplementedError
+
+    def update(self, run: Run, hyper: Any) -> None:
+        """Update one run in place: ``master``, ``state`` (and ``scales``) and ``param_out``."""
+        raise NotImplementedError
