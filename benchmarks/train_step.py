@@ -608,7 +608,7 @@ def machine(cuda: bool) -> str:
     ram = available_host_bytes()
     s = (f"{cpu}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads, "
          f"{'?' if ram is None else f'{ram / GIB:.0f} GiB'} host RAM available, torch {torch.__version__}, "
-         f"python {platform.python_version()}, kernel path {functional.resolve_path()}")
+         f"python {platform.python_version()}, kernel path {functional.path_reason()}")
     if cuda:
         prop = torch.cuda.get_device_properties(0)
         s += f"\ngpu: {prop.name}, {prop.total_memory / GIB:.1f} GiB, CUDA {torch.version.cuda}"
