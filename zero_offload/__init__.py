@@ -8,8 +8,9 @@ Importing this package is cheap: it compiles nothing and does not initialise CUD
 """
 
 from zero_offload import functional
+from zero_offload.lion import Lion
 from zero_offload.optimizer import OffloadOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["OffloadOptimizer", "functional", "__version__"]
+__all__ = ["Lion", "OffloadOptimizer", "functional", "__version__"]
