@@ -12,6 +12,7 @@ import torch
 
 from rule_runs import compare
 from zero_offload import Lion
+from zero_offload.rules import lion as lion_rule
 from zero_offload.rules.lion import CHUNK, LION
 
 SIZES = [1, 7, 15, 17, 4097, 278011]
@@ -29,9 +30,12 @@ def test_lion_rule_tail_sizes(n):
     compare(LION, GROUP, _ref(**GROUP), [n], zero_padding=["exp_avg"])
 
 
-def test_lion_rule_many_slots_in_one_run_longer_than_a_chunk():
-    assert sum(SIZES) > 4 * CHUNK
-    compare(LION, GROUP, _ref(**GROUP), SIZES, steps=3, zero_padding=["exp_avg"])
+@pytest.mark.parametrize("chunk", [CHUNK, 4096])
+def test_lion_rule_many_slots_in_one_run_longer_than_a_chunk(chunk, monkeypatch):
+    monkeypatch.setattr(lion_rule, "CHUNK", chunk)
+    sizes = SIZES + [CHUNK + 3] if chunk == CHUNK else SIZES
+    assert sum(sizes) > chunk
+    compare(LION, GROUP, _ref(**GROUP), sizes, steps=3, zero_padding=["exp_avg"])
 
 
 @pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
