@@ -18,17 +18,29 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload.buckets import MOMENTS, FlatBucket, memory_order_flat, view_like
+from zero_offload.buckets import FlatBucket
+from zero_offload.rules.base import Rule, StateBuffer
+from zero_offload.state.layout import memory_order_flat, view_like
 from zero_offload.options import check_group, check_step
 
-__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
+__all__ = ["Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
            "add_compact_moments", "ahead_entries", "apply_load", "apply_sharded_load", "check_compact_moment",
            "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
            "sharded_state_dict", "sync_state"]
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
-# "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param")
+
+
+def state_keys(rule: Rule) -> Tuple[str, ...]:
+    """The keys a state entry may have: the step, the rule's buffers, a separate ``master``, and ``param`` (the
+    value a parameter takes when the update still pending at saving lands, see ``Ahead``)."""
+    return (rule.step_key, *(b.name for b in rule.buffers), "master", "param")
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 Buckets = Sequence[Sequence[FlatBucket]]
 State = MutableMapping[Any, Dict[str, Any]]
@@ -165,18 +177,19 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     slots = bucket.state_slots(i)
     unknown = set(entry) - {"step", *slots}
-    # Compact state's entries show no moments (see FlatBucket.state_entry): an edit may leave them out.
-    missing = {"step"} - set(entry) if bucket.compact else {"step", "exp_avg", "exp_avg_sq"} - set(entry)
+    # Compact state's entries show no buffers of the rule (see FlatBucket.state_entry): an edit may leave them out.
+    needs = ["step", *(b.name for b in bucket.rule.buffers if not b.optional)]
+    missing = {"step"} - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
-        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs step, exp_avg and exp_avg_sq, and "
-                         f"may hold {', '.join(k for k in slots if k not in ('exp_avg', 'exp_avg_sq'))}")
+        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
+                         f"may hold {', '.join(k for k in slots if k not in needs)}")
     for name, v in entry.items():
         if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
                                or v.shape != slots[name].shape):
             raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
                              f"holding values, got {v!r:.80}")
-        if name in MOMENTS:
-            check_compact_moment(bucket.state_dtype, name, v, where)
+        if name in bucket.store.declared:
+            check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
     # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
     return {**{k: v.detach() for k, v in entry.items() if k != "step"}, "step": check_step(entry["step"], where)}
 
@@ -200,12 +213,18 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         if name in entry:
             if not _same_memory(entry[name], slot):
                 slot.copy_(entry[name])
-        elif name == "max_exp_avg_sq":
+        elif _optional(bucket, name):
             slot.zero_()
     if "master" in entry:
-        bucket.master_loaded(i, True)
+        bucket.masters.loaded(i, True)
     elif bucket.low_precision:
-        bucket.master_loaded(i, False)  # AdamW's state has no master: take it from the parameter
+        bucket.masters.loaded(i, False)  # AdamW's state has no master: take it from the parameter
+
+
+def _optional(bucket: FlatBucket, name: str) -> bool:
+    """Whether ``name`` is an optional buffer of the bucket's rule (amsgrad's: zeroed where an entry lacks it)."""
+    buf = bucket.store.declared.get(name)
+    return buf is not None and buf.optional
 
 
 def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "StateMap":
@@ -251,8 +270,7 @@ def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
 class Ahead:
     """A bucket's state after the update still pending (``delayed_update``), which saving describes without applying
     it: the parameters ``indices`` it updates and, where the buffers do not hold that state yet, copies of them
-    (``steps``, and flat buffers by name: ``master``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
-    ``staging``). ``flat`` None: the buffers hold it already (the CUDA path's worker wrote them)."""
+    (``steps``, and flat buffers by name: ``master``, the rule's buffers, ``staging``). ``flat`` None: the buffers hold it already (the CUDA path's worker wrote them)."""
 
     indices: Set[int]
     steps: Optional[torch.Tensor] = None
@@ -294,7 +312,7 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
     for bucket in chain.from_iterable(buckets):
         after = ahead.get(id(bucket))
         # Compact moments in the buffers (the worker wrote them) are converted, as state_dict() does.
-        fp32 = ({n: bucket.moment_fp32(n) for n in MOMENTS if getattr(bucket, n) is not None}
+        fp32 = ({n: bucket.moment_fp32(n) for n in bucket.store.names}
                 if after is not None and after.flat is None and bucket.compact else {})
         for i in after.indices if after is not None else ():
             p = bucket.params[i]
@@ -358,20 +376,23 @@ class LoadPlan:
     extras: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
-def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict[str, Any]:
-    """Validate one parameter's loaded state; returns it with ``step`` as a float."""
+def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer]
+                ) -> Dict[str, Any]:
+    """Validate one parameter's loaded state for ``rule``, whose group needs the buffers ``needed``; returns it
+    with ``step`` as a float."""
     where = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
-    unknown = set(entry) - set(STATE_KEYS)
+    keys = state_keys(rule)
+    unknown = set(entry) - set(keys)
     if unknown:
-        raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not Adam(W) state (expected "
-                         f"{', '.join(STATE_KEYS)}): is it from another optimizer?")
-    required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not {rule.name} state (expected "
+                         f"{', '.join(keys)}): is it from another optimizer?")
+    required = ["step", *(b.name for b in needed)]
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{where} lacks {missing}")
-    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param"):
+    for k in keys[1:]:
         if k not in entry:
             continue
         v = entry[k]
@@ -388,16 +409,17 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict
     return out
 
 
-def check_compact_moment(state_dtype: torch.dtype, name: str, value: torch.Tensor, where: str) -> None:
+def check_compact_moment(state_dtype: torch.dtype, buf: StateBuffer, value: torch.Tensor, where: str) -> None:
     """What compact state refuses where a moment enters it (a load, an ``opt.state`` edit), naming ``where`` and
     the value: a negative second moment (AdamW's next step would take its square root: NaN parameters), and for
     8-bit state an inf or NaN, which its codes cannot hold as AdamW holds it (an element shares its block's scale;
     the kernel keeps a moment that turns non-finite only as a NaN marker, and an inf second moment, which leaves
     AdamW's parameter finite, would turn it NaN). fp32 state takes anything, as AdamW does; bf16 holds inf and NaN
     per element."""
-    if state_dtype == torch.float32:
+    if state_dtype == torch.float32 or not buf.compactable:
         return
-    if name != "exp_avg" and bool((value < 0).any()):
+    name = buf.name
+    if not buf.signed and bool((value < 0).any()):
         raise ValueError(f"{where}: {name} has a negative value ({float(value[value < 0].min()):g}), which a second "
                          f"moment cannot have; {DTYPE_LABELS[state_dtype]} state refuses it")
     if state_dtype == torch.int8 and not bool(torch.isfinite(value).all()):
@@ -423,6 +445,7 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
     where = _where(buckets)
     entries: Dict[torch.Tensor, Dict[str, Any]] = {}
     extras: Dict[Any, Any] = {}
+    needed: Dict[int, Sequence[StateBuffer]] = {}  # by group: the buffers its hyperparameters need
     for key, entry in state_dict["state"].items():
         if key not in id_map and not isinstance(key, int):
             extras[key] = entry  # not a parameter's: Optimizer.state_dict() numbers parameters with ints
@@ -432,10 +455,12 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
                              "param_groups lists")
         p = id_map[key]
         gi, bucket, _ = where[p]
-        entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[gi]["amsgrad"]))
-        for k in MOMENTS:
-            if k in entry:
-                check_compact_moment(bucket.state_dtype, k, entry[k],
+        if gi not in needed:
+            needed[gi] = bucket.rule.buffers_for(new_groups[gi])
+        entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
+        for buf in bucket.rule.buffers:
+            if buf.name in entry:
+                check_compact_moment(bucket.state_dtype, buf, entry[buf.name],
                                      f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})")
     return LoadPlan(new_groups, entries, extras)
 
@@ -488,10 +513,10 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
             if name in entry:
                 dsts.append(slot)
                 srcs.append(entry[name])
-            elif name == "max_exp_avg_sq":
+            elif _optional(bucket, name):
                 zero.append(slot)
         if "master" in slots:
-            bucket.master_loaded(i, "master" in entry)
+            bucket.masters.loaded(i, "master" in entry)
     for d, s in zip(dsts, srcs):
         d.copy_(s)
     if zero:
@@ -533,7 +558,7 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
     for bucket in chain.from_iterable(buckets):
         if not bucket.compact or bucket.sharded or not any(bucket.exposed):
             continue
-        names = [n for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if getattr(bucket, n) is not None]
+        names = bucket.store.names
         full = {n: bucket.moment_fp32(n) for n in names}
         for i, p in enumerate(bucket.params):
             k = index[id(p)]
@@ -710,4 +735,4 @@ def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor,
                 state.pop(p, None)
             # A master loaded with the state is kept while the parameter still rounds from it (see
             # FlatBucket.refresh_masters); a parameter never stepped takes its master from the parameter.
-            bucket.master_loaded(i, step > 0 and bucket.low_precision)
+            bucket.masters.loaded(i, step > 0 and bucket.low_precision)

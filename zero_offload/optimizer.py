@@ -25,11 +25,14 @@ from zero_offload import checkpoint
 from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
-from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, agreed_settings, check_group,
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Options, agreed_settings, check_group,
                                   check_params, check_state_dtype, delayed_setting, world_without_group)
 from zero_offload.timeline import Timeline, TimelineEvent, span
-from zero_offload.transport import PendingClip, Plans, Transport
-from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_method
+from zero_offload.transport import Transport
+from zero_offload.records import PendingClip, Plans
+from zero_offload.rules.adamw import ADAMW
+from zero_offload.speculation import Speculative
+from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket, weak_method
 
 __all__ = ["OffloadOptimizer"]
 
@@ -65,7 +68,7 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         ValueError: a ``state_dtype`` the constructor refuses (its very error).
     """
     check_state_dtype(state_dtype)
-    return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
+    return estimate_params(params, defaults={"amsgrad": amsgrad}, bucket_numel=bucket_numel, pin_memory=pin_memory,
                            world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
 
 
@@ -175,8 +178,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
                                state_dtype, exact_steps, speculate).validate()
+        self._rule = ADAMW
         self._transport = _make_transport(process_group, self.options)
-        self._mode = make_mode(self.options, self._transport, weak_method(self._early_update),
+        self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
                                weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
         weakref.finalize(self, self._streamer.remove)
@@ -244,10 +248,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         n_groups = len(self.param_groups)
         comm = self._transport.comm if self._transport.sharded else None
         if comm is not None:
-            # amsgrad decides whether the group has a max_exp_avg_sq buffer, which state_dict() gathers.
-            amsgrad = bool(param_group.get("amsgrad", self.defaults["amsgrad"]))
-            comm.check_same_params(tensors, n_groups, (*self.options.collective_layout(),
-                                                       (f"amsgrad of param group {n_groups}", amsgrad)))
+            # The switches of optional state buffers (amsgrad's) decide which buffers state_dict() gathers.
+            switches = tuple((f"{b.switch} of param group {n_groups}", bool(param_group.get(b.switch,
+                             self.defaults[b.switch]))) for b in self._rule.buffers if b.switch)
+            comm.check_same_params(tensors, n_groups, (*self.options.collective_layout(), *switches))
             if not comm.host_ok and any(p.device.type == "cpu" for p in tensors):
                 raise ValueError("process_group runs NCCL alone, which moves CUDA tensors only, but param group "
                                  f"{n_groups} has parameters on the CPU: shard a CPU model over a gloo group")
@@ -255,7 +259,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             buckets = allocate_group(self.param_groups[-1], n_groups, self.options,
-                                     None if comm is None else (comm.world, comm.rank))
+                                     None if comm is None else (comm.world, comm.rank), self._rule)
         except BaseException:
             del self.param_groups[n_groups:]
             raise
@@ -307,7 +311,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         scaler = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         pending = self._take_clip(scaler and grad_scale is None)
         self._scaled = scaler
-        hypers = [Hyper.read(g) for g in self.param_groups]
+        hypers = [self._rule.hyper(g) for g in self.param_groups]
         # A GradScaler's unscale_ (signalled by grad_scale None) rewrote the gradients without a version bump.
         plans = pending.plans if pending is not None else self._receive(fresh=scaler and grad_scale is None)
         if scaler:  # a GradScaler finds infs in, and unscales, the gradients on the parameters
@@ -378,15 +382,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``overlap_step``: a bucket's update, run in the worker thread as soon as its gradients are sent
         (hyperparameters as they are now, which is what ``step()`` would read)."""
         self._sync()
-        hyper = Hyper.read(self.param_groups[group])
-        if hyper.amsgrad:
-            ensure_amsgrad(self.state, bucket)
+        hyper = self._rule.hyper(self.param_groups[group])
+        ensure_buffers(self.state, bucket, hyper)
         update_bucket(self._transport, bucket, self._transport.sent(bucket), None, hyper, 1.0, self.state)
 
-    def _speculation_inputs(self, group: int) -> Tuple[Hyper, str]:
+    def _speculation_inputs(self, group: int) -> Tuple[Any, str]:
         """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
         read them now, and the ``nonfinite`` policy."""
-        return Hyper.read(self.param_groups[group]), self.options.nonfinite
+        return self._rule.hyper(self.param_groups[group]), self.options.nonfinite
 
     @property
     def speculation_stats(self) -> Optional[Any]:
@@ -534,11 +537,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 state_dict = result
         plan = checkpoint.plan_load(self.param_groups, self._buckets, state_dict)
         # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
-        # amsgrad buffer is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
+        # buffer, amsgrad's, is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
         for group, buckets in zip(plan.groups, self._buckets):
-            if group["amsgrad"]:
-                for bucket in buckets:
-                    bucket.ensure_amsgrad()
+            for bucket in buckets:
+                bucket.ensure_buffers(self._rule.needed(self._rule.hyper(group)))
         self._quiesce()
         checkpoint.apply_load(self.state, self._buckets, plan)
         self.param_groups = plan.groups
@@ -593,6 +595,19 @@ def _hooks_set_aside(opt: torch.optim.Optimizer):
         yield
     finally:
         opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = pre, post
+
+
+def _make_mode(options: Options, transport: Transport, early_update: Callable[[FlatBucket, int], None],
+               inputs: Callable[[int], Tuple[Any, str]]) -> Immediate:
+    """The schedule ``options`` ask for (``inputs``: what speculation reads of a group, see
+    :class:`~zero_offload.speculation.Speculative`)."""
+    if options.overlap_step:
+        return Overlap(transport, early_update)
+    if options.delayed_update:
+        return Delayed(transport, options.delayed_exact_steps)
+    if options.speculates:
+        return Speculative(transport, inputs)
+    return Immediate(transport)
 
 
 def _make_transport(process_group: Optional[Any], options: Options) -> Transport:
