@@ -236,7 +236,8 @@ class FlatBucket:
         slots = {} if self.compact else self.store.slots(i)
         if self.low_precision:
             slots["master"] = self.master_views[i]
-        return {self.rule.step_key: self.steps[i], **slots}
+        step = {} if self.rule.step_key is None else {self.rule.step_key: self.steps[i]}  # (Lion, SGD: none)
+        return {**step, **slots}
 
     def state_slots(self, i: int, *, master: bool = True) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s state tensors by name (views of the buffers), the master with ``master`` where it is
@@ -307,7 +308,7 @@ class FlatBucket:
             if entry is None:
                 self.reset_param(i)
                 continue
-            self.steps[i] = entry[self.rule.step_key]
+            self.steps[i] = entry["step"]  # (checkpoint.check_entry's count, also for a rule whose format has none)
             if self.separate_master and "master" in entry:
                 self.master_views[i].copy_(memory_order_flat(entry["master"])[src : src + b - a])
             self.masters.loaded(i, "master" in entry)

@@ -21,7 +21,7 @@ import torch
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import memory_order_flat, view_like
-from zero_offload.options import check_group, check_step
+from zero_offload.options import check_step
 
 __all__ = ["Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
            "add_compact_moments", "ahead_entries", "apply_load", "apply_sharded_load", "check_compact_moment",
@@ -35,6 +35,20 @@ def state_keys(rule: Rule) -> Tuple[str, ...]:
     """The keys a state entry may have: the step, the rule's buffers, a separate ``master``, and ``param`` (the
     value a parameter takes when the update still pending at saving lands, see ``Ahead``)."""
     return (rule.step_key, *(b.name for b in rule.buffers), "master", "param")
+
+
+def step_entry(bucket: FlatBucket, step: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The step count as a state entry shows it: ``{"step": step}``, nothing for a rule whose format has none
+    (Lion, SGD), which still counts steps inside (runs are cut by step count)."""
+    return {} if bucket.rule.step_key is None else {bucket.rule.step_key: step}
+
+
+def _entry_step(rule: Rule, entry: Dict[str, Any], where: str, current: float = 0.0) -> float:
+    """The step count of a validated entry: its ``step``, or, for a rule whose format has none, the count so far
+    (at least 1: an entry is the state of a parameter that has been stepped)."""
+    if rule.step_key is None:
+        return max(float(current), 1.0)
+    return check_step(entry[rule.step_key], where)
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -160,8 +174,10 @@ def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
     """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
     AdamW creates its state at a parameter's first step. The one place entries are created."""
     for i in indices:
-        _put(state, bucket.params[i], bucket.state_entry(i))
-        bucket.set_exposed(i, True)
+        entry = bucket.state_entry(i)
+        if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
+            _put(state, bucket.params[i], entry)
+            bucket.set_exposed(i, True)
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
@@ -176,10 +192,11 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     slots = bucket.state_slots(i)
-    unknown = set(entry) - {"step", *slots}
+    steps = [] if bucket.rule.step_key is None else [bucket.rule.step_key]
+    unknown = set(entry) - {*steps, *slots}
     # Compact state's entries show no buffers of the rule (see FlatBucket.state_entry): an edit may leave them out.
-    needs = ["step", *(b.name for b in bucket.rule.buffers if not b.optional)]
-    missing = {"step"} - set(entry) if bucket.compact else set(needs) - set(entry)
+    needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
+    missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
         raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
                          f"may hold {', '.join(k for k in slots if k not in needs)}")
@@ -191,7 +208,8 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
         if name in bucket.store.declared:
             check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
     # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
-    return {**{k: v.detach() for k, v in entry.items() if k != "step"}, "step": check_step(entry["step"], where)}
+    return {**{k: v.detach() for k, v in entry.items() if k not in steps},
+            "step": _entry_step(bucket.rule, entry, where, float(bucket.steps[i]))}
 
 
 def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
@@ -317,7 +335,7 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
         for i in after.indices if after is not None else ():
             p = bucket.params[i]
             # The step is a view like the other tensors where they are views (as state_dict() gives them).
-            entry = {"step": bucket.steps[i] if after.flat is None else after.steps[i].clone()}
+            entry = step_entry(bucket, bucket.steps[i] if after.flat is None else after.steps[i].clone())
             entry.update(_entry_tensors(bucket, i, after, param=True))
             entry.update((n, view_like(t, bucket.layout.offsets[i], p)) for n, t in fp32.items())
             out[index[id(p)]] = entry
@@ -325,16 +343,12 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
 
 
 # ------------------------------------------------------------------------------------------ param groups --
-# What ``torch.optim.Adam.__setstate__`` gives a loaded group that lacks these flags (an older checkpoint): a
-# missing ``maximize`` is False, not the value this optimizer was built with.
-_ADAMW_FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
-                            fused=None)
-
-
-def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any]], what: str, *,
+def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any]], what: str, rule: Rule, *,
                  same_amsgrad: bool = False) -> List[Dict[str, Any]]:
     """The param groups after loading ``saved`` (a state dict's, already deep-copied) over ``groups``: the saved
-    hyperparameters, with flags an older checkpoint lacks set as AdamW sets them and other missing keys keeping
+    hyperparameters, with flags an older checkpoint lacks set as the rule's optimizer sets them (its
+    ``loaded_defaults``: a missing ``maximize`` is False, not the value this optimizer was built with) and other
+    missing keys keeping
     their current value, and this optimizer's
     parameters. Validated like a group being added; ``same_amsgrad`` also refuses a change of ``amsgrad`` (a
     sharded load writes into the existing state layout)."""
@@ -346,14 +360,15 @@ def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any
         if len(g["params"]) != len(sg["params"]):
             raise ValueError(f"{what} contains a parameter group that doesn't match the size of optimizer's group "
                              f"(group {gi}: {len(sg['params'])} vs {len(g['params'])} params)")
-        ng = {**_ADAMW_FLAG_DEFAULTS, **{k: v for k, v in sg.items() if k != "params"}}
+        ng = {**rule.loaded_defaults, **{k: v for k, v in sg.items() if k != "params"}}
         for k, v in g.items():
             ng.setdefault(k, v)
-        ng["capturable"] = ng["differentiable"] = False  # not honoured here; a loaded AdamW group may carry them
-        check_group(ng, where=f"{what}, param group {gi}")
-        if same_amsgrad and bool(ng["amsgrad"]) != bool(g["amsgrad"]):
-            raise ValueError(f"{what}, param group {gi}: amsgrad={ng['amsgrad']}, this optimizer has "
-                             f"amsgrad={g['amsgrad']} (the state layout differs; build it with the same amsgrad)")
+        ng.update((flag, False) for flag in rule.cleared_flags)
+        rule.check(ng, where=f"{what}, param group {gi}")
+        for switch in [b.switch for b in rule.buffers if b.switch] if same_amsgrad else ():
+            if bool(ng[switch]) != bool(g[switch]):
+                raise ValueError(f"{what}, param group {gi}: {switch}={ng[switch]}, this optimizer has "
+                                 f"{switch}={g[switch]} (the state layout differs; build it with the same {switch})")
         ng["params"] = g["params"]
         out.append(ng)
     return out
@@ -388,7 +403,7 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Se
     if unknown:
         raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not {rule.name} state (expected "
                          f"{', '.join(keys)}): is it from another optimizer?")
-    required = ["step", *(b.name for b in needed)]
+    required = [k for k in (rule.step_key,) if k is not None] + [b.name for b in needed]
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{where} lacks {missing}")
@@ -405,7 +420,7 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Se
                              "is this state dict from another model?")
     # Values only, as AdamW loads them: a tensor that requires grad must not pull a host buffer into autograd.
     out = {k: v.detach() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
-    out["step"] = check_step(entry["step"], where)
+    out["step"] = _entry_step(rule, entry, where)
     return out
 
 
@@ -434,12 +449,13 @@ def check_format(state_dict: Any) -> None:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from Optimizer.state_dict())")
 
 
-def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any) -> LoadPlan:
-    """Validate a full state dict (from this class, or ``torch.optim.AdamW``/``Adam``) against the optimizer."""
+def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule) -> LoadPlan:
+    """Validate a full state dict (from this class, or the rule's optimizer: ``torch.optim.AdamW``/``Adam``, ...)
+    against the optimizer."""
     check_format(state_dict)
     check_param_lists(groups, buckets)
     saved = deepcopy(state_dict["param_groups"])
-    new_groups = merge_groups(groups, saved, "loaded state dict")
+    new_groups = merge_groups(groups, saved, "loaded state dict", rule)
     id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved),
                       chain.from_iterable(g["params"] for g in groups)))
     where = _where(buckets)
@@ -542,7 +558,7 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
             all_gather(full[name], mine, f"state '{name}' of {bucket.where}")
         for i, p in enumerate(bucket.params):
             if bucket.exposed[i]:
-                entry = {"step": bucket.steps[i].clone()}
+                entry = step_entry(bucket, bucket.steps[i].clone())
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
                 out[index[id(p)]] = entry
     return out
@@ -565,7 +581,8 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
             if bucket.exposed[i] and k in packed:
                 old = packed[k]
                 moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
-                packed[k] = {"step": old["step"], **moments, **{n: v for n, v in old.items() if n not in moments}}
+                packed[k] = {**{n: old[n] for n in ("step",) if n in old}, **moments,
+                             **{n: v for n, v in old.items() if n not in moments}}
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
@@ -686,8 +703,8 @@ def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) ->
     _install_params(bucket, values)
 
 
-def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, param: bool = False
-                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
+                      param: bool = False) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
     """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
     and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
@@ -695,7 +712,7 @@ def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
     check_param_lists(groups, buckets)
-    new_groups = merge_groups(groups, state_dict["param_groups"], what, same_amsgrad=True)
+    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True)
     position = _positions(groups)
     where = _where(buckets)
     steps: Dict[torch.Tensor, float] = {}

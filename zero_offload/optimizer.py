@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import warnings
@@ -25,16 +26,17 @@ from zero_offload import checkpoint
 from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
-from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Options, agreed_settings, check_group,
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Options, agreed_settings,
                                   check_params, check_state_dtype, delayed_setting, world_without_group)
 from zero_offload.timeline import Timeline, TimelineEvent, span
 from zero_offload.transport import Transport
 from zero_offload.records import PendingClip, Plans
 from zero_offload.rules.adamw import ADAMW
+from zero_offload.rules.base import Rule
 from zero_offload.speculation import Speculative
 from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket, weak_method
 
-__all__ = ["OffloadOptimizer"]
+__all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -172,13 +174,38 @@ class OffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
-        check_group(defaults)
+        self._start(params, ADAMW, defaults, nonfinite=nonfinite, bucket_numel=bucket_numel, pin_memory=pin_memory,
+                    stream_grads=stream_grads, release_grads=release_grads, overlap_step=overlap_step,
+                    delayed_update=delayed_update, process_group=process_group, grads_reduced=grads_reduced,
+                    timeout=timeout, state_dtype=state_dtype, speculate=speculate)
+
+    @classmethod
+    def _with_rule(cls, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], **options: Any
+                   ) -> "OffloadOptimizer":
+        """An optimizer that runs ``rule`` (another optimizer's update, see :func:`zero_offload.offload`) with
+        ``defaults`` (that optimizer's) and the offload ``options`` (the constructor's, by name)."""
+        unknown = sorted(set(options) - set(OFFLOAD_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected offload option(s) {unknown}; the options are {', '.join(OFFLOAD_OPTIONS)}")
+        opt = cls.__new__(cls)
+        opt._start(params, rule, dict(defaults), **{**OFFLOAD_OPTIONS, **options})
+        return opt
+
+    def _start(self, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], *, nonfinite: str,
+               bucket_numel: int, pin_memory: Optional[bool], stream_grads: Optional[bool], release_grads: bool,
+               overlap_step: bool, delayed_update: Union[bool, int], process_group: Optional[Any],
+               grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool]
+               ) -> None:
+        rule.check(defaults)
+        if state_dtype not in rule.state_dtypes and isinstance(state_dtype, torch.dtype):
+            raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
+                             f"{', '.join(map(str, rule.state_dtypes))} only")
         delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
                                state_dtype, exact_steps, speculate).validate()
-        self._rule = ADAMW
+        self._rule = rule
         self._transport = _make_transport(process_group, self.options)
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
                                weak_method(self._speculation_inputs))
@@ -236,7 +263,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
-        check_group({**self.defaults, **param_group})
+        self._rule.check({**self.defaults, **param_group})
         raw = param_group["params"]
         raw = [raw] if isinstance(raw, torch.Tensor) else raw
         if isinstance(raw, set):
@@ -535,7 +562,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        plan = checkpoint.plan_load(self.param_groups, self._buckets, state_dict)
+        plan = checkpoint.plan_load(self.param_groups, self._buckets, state_dict, self._rule)
         # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
         # buffer, amsgrad's, is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
         for group, buckets in zip(plan.groups, self._buckets):
@@ -573,7 +600,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
         """
         groups, steps, tensors = checkpoint.plan_sharded_load(self.param_groups, self._buckets, state_dict,
-                                                              self.options.delayed_update)
+                                                              self._rule, self.options.delayed_update)
         self._mode.drop()  # dcp.load has already replaced the state it would update
         self._transport.synchronize()
         self._pending = None
@@ -618,3 +645,11 @@ def _make_transport(process_group: Optional[Any], options: Options) -> Transport
     return ShardedTransport(Comm(process_group, timeout, options.grads_reduced,
                                  compact_state=options.state_dtype != torch.float32), release=options.release_grads)
 
+
+
+# The offload options and their defaults: the constructor's keyword-only arguments that are not AdamW's (what
+# zero_offload.offload takes besides the wrapped class's own hyperparameters).
+OFFLOAD_OPTIONS: Dict[str, Any] = {
+    name: p.default for name, p in inspect.signature(OffloadOptimizer.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in inspect.signature(torch.optim.AdamW).parameters
+    and name not in ADAMW.defaults}

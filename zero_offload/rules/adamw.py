@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Dict
 import torch
 
 from zero_offload import functional
-from zero_offload.options import check_hparams
+from zero_offload.options import check_group, check_hparams
 from zero_offload.rules.base import Rule, Run, StateBuffer
 
 __all__ = ["AdamW", "Hyper", "ADAMW"]
@@ -66,8 +66,16 @@ class AdamW(Rule):
     defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False,
                     decoupled_weight_decay=True)
 
+    # What torch.optim.Adam.__setstate__ gives a loaded group that lacks these flags (an older checkpoint).
+    loaded_defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                           fused=None)
+    cleared_flags = ("capturable", "differentiable")  # not honoured here; a loaded AdamW group may carry them
+
     def hyper(self, group: Dict[str, Any]) -> Hyper:
         return Hyper.read(group)
+
+    def check(self, group: Dict[str, Any], where: str = "") -> None:
+        check_group(group, where)
 
     def update(self, run: Run, hyper: Hyper) -> None:
         state, scales = run.state, run.scales

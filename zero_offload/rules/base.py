@@ -84,6 +84,9 @@ class Rule:
         state_dtypes (Tuple[torch.dtype, ...]): the codecs the update can read and write directly.
         defaults (Dict[str, Any]): the optimizer's defaults (what ``hyper`` reads of a group), used to plan the
             buffers of groups that give only some settings (``estimate_host_memory``).
+        loaded_defaults (Dict[str, Any]): what the optimizer's ``__setstate__`` gives a loaded group lacking these
+            keys (an older checkpoint), rather than the value this optimizer was built with.
+        cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
     """
 
     name: str = ""
@@ -92,6 +95,8 @@ class Rule:
     step_key: Optional[str] = "step"
     state_dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
     defaults: Dict[str, Any] = {}
+    loaded_defaults: Dict[str, Any] = {}
+    cleared_flags: Tuple[str, ...] = ()
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
@@ -105,6 +110,16 @@ class Rule:
         """The group's hyperparameters read and validated once per step, as a frozen dataclass of plain
         floats/bools (compared for equality by speculation, agreed across ranks field by field)."""
         raise NotImplementedError
+
+    def check(self, group: Dict[str, Any], where: str = "") -> None:
+        """Validate a group's hyperparameters (the defaults, a group being added, a loaded one) before anything
+        changes: :meth:`hyper`'s checks; ``where`` prefixes the message (a loaded group)."""
+        try:
+            self.hyper(group)
+        except ValueError as exc:
+            if not where:
+                raise
+            raise ValueError(f"{where}: {exc}") from None
 
     def update(self, run: Run, hyper: Any) -> None:
         """Update one run in place: ``master``, ``state`` (and ``scales``) and ``param_out``."""
