@@ -18,7 +18,7 @@ import torch
 
 import cuda_standins
 import test_distributed as td
-from test_optimizer import Recipe, Run, TinyTransformer, param_groups
+from test_optimizer import Recipe, Run, TinyTransformer, loss_fn, param_groups
 import zero_offload
 from zero_offload import Lion, OffloadOptimizer, offload
 
@@ -258,3 +258,66 @@ def _sharded_worker(rank, world, cls_name, kw):
                                          ("Adagrad", dict(lr=0.05))])
 def test_offload_sharded_world_2_matches_the_class_on_the_whole_batch(cls_name, kw):
     assert td.launch(_sharded_worker, 2, cls_name, kw, timeout=120) == {0: True, 1: True}
+
+
+class RoundedLion(Lion):
+    """zero_offload.Lion with ``exp_avg`` rounded to bf16 after every step: what bf16 state stores."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for state in self.state.values():
+            state["exp_avg"].copy_(state["exp_avg"].bfloat16())
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2]], ids=lambda r: r.name)
+def test_offload_lion_bf16_state_is_lion_with_its_momentum_rounded(recipe):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    ours = Run(recipe, model, offload(Lion, param_groups(model), state_dtype=torch.bfloat16, **kw), "cpu", True)
+    ref = Run(recipe, ref_model, RoundedLion(param_groups(ref_model), foreach=False, **kw), "cpu", False)
+    for step in range(STEPS):
+        ours.step(step)
+        ref.step(step)
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step}, {name}: {m}")
+            assert "exp_avg" not in ours.opt.state.get(p, {})  # compact state: not an fp32 tensor anywhere
+    sd, rsd = ours.opt.state_dict(), ref.opt.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys()
+    for k, expected in rsd["state"].items():
+        assert sd["state"][k].keys() == {"exp_avg"}
+        torch.testing.assert_close(sd["state"][k]["exp_avg"], expected["exp_avg"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=map(_id, [CASES[0], CASES[2], CASES[5]]))
+def test_offload_delayed_update_is_the_class_one_step_late(case):
+    """delayed_update: step t applies the gradients of step t-1 (tests/test_grad_stream.py's LateAdamW, with the
+    wrapped class); parameters every step, the whole state once flushed."""
+    cls, kw = case
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = offload(cls, model.parameters(), delayed_update=True, **kw)
+    ref = _reference(cls, ref_model.parameters(), **kw)
+    prev = None
+    for step in range(8):
+        ours.zero_grad()
+        ref.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        grads = [None if q.grad is None else q.grad.clone() for q in ref_model.parameters()]
+        if prev is not None:
+            for q, g in zip(ref_model.parameters(), prev):
+                q.grad = g
+            ref.step()
+        prev = grads
+        ours.step()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step}, {name}: {m}")
+    ours.flush()
+    for q, g in zip(ref_model.parameters(), prev):
+        q.grad = g
+    ref.step()
+    _same(model, ref_model, ours, ref, "after flush")

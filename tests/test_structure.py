@@ -10,8 +10,11 @@ from typing import Dict, Iterator, List, Set, Tuple
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zero_offload"
 # The state code: where a class over ~300 lines means a concept without a name.
 STATE_CODE = ("state/", "rules/", "grads.py", "buckets.py", "apply.py", "records.py")
-# Adam's buffer names may appear in its rule and in the kernel's API (functional, the references) only.
-ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_reference.py", "_torch_fused.py"}
+# Adam's buffer names may appear in its rule and in the kernel's API (functional, the references) only; Lion's
+# momentum has the same state-dict key (``exp_avg``, as in the reference Lion implementations), in its rule and its
+# torch optimizer.
+ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_reference.py", "_torch_fused.py",
+                      "rules/lion.py", "lion.py"}
 # Compiled modules of the package (no source here, and they import nothing of ours).
 EXTENSIONS = {"zero_offload._C"}
 

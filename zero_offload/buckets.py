@@ -236,8 +236,17 @@ class FlatBucket:
         slots = {} if self.compact else self.store.slots(i)
         if self.low_precision:
             slots["master"] = self.master_views[i]
-        step = {} if self.rule.step_key is None else {self.rule.step_key: self.steps[i]}  # (Lion, SGD: none)
-        return {**step, **slots}
+        key = self.entry_step_key
+        return {**({} if key is None else {key: self.steps[i]}), **slots}
+
+    @property
+    def entry_step_key(self) -> Optional[str]:
+        """The key of the step count in ``opt.state`` entries: the rule's; for a rule whose format has none (Lion,
+        SGD), none, except with compact state, whose entries show no buffers: ``"step"`` then marks a parameter
+        that has state (``state_dict()`` leaves it out)."""
+        if self.rule.step_key is None and self.compact:
+            return "step"
+        return self.rule.step_key
 
     def state_slots(self, i: int, *, master: bool = True) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s state tensors by name (views of the buffers), the master with ``master`` where it is

@@ -43,12 +43,12 @@ def step_entry(bucket: FlatBucket, step: torch.Tensor) -> Dict[str, torch.Tensor
     return {} if bucket.rule.step_key is None else {bucket.rule.step_key: step}
 
 
-def _entry_step(rule: Rule, entry: Dict[str, Any], where: str, current: float = 0.0) -> float:
-    """The step count of a validated entry: its ``step``, or, for a rule whose format has none, the count so far
+def _entry_step(key: Optional[str], entry: Dict[str, Any], where: str, current: float = 0.0) -> float:
+    """The step count of a validated entry: its ``key``, or, for a rule whose format has none, the count so far
     (at least 1: an entry is the state of a parameter that has been stepped)."""
-    if rule.step_key is None:
+    if key is None or key not in entry:
         return max(float(current), 1.0)
-    return check_step(entry[rule.step_key], where)
+    return check_step(entry[key], where)
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -192,7 +192,7 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     slots = bucket.state_slots(i)
-    steps = [] if bucket.rule.step_key is None else [bucket.rule.step_key]
+    steps = [] if bucket.entry_step_key is None else [bucket.entry_step_key]
     unknown = set(entry) - {*steps, *slots}
     # Compact state's entries show no buffers of the rule (see FlatBucket.state_entry): an edit may leave them out.
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
@@ -209,7 +209,7 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
             check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
     # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
     return {**{k: v.detach() for k, v in entry.items() if k not in steps},
-            "step": _entry_step(bucket.rule, entry, where, float(bucket.steps[i]))}
+            "step": _entry_step(bucket.entry_step_key, entry, where, float(bucket.steps[i]))}
 
 
 def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
@@ -420,7 +420,7 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Se
                              "is this state dict from another model?")
     # Values only, as AdamW loads them: a tensor that requires grad must not pull a host buffer into autograd.
     out = {k: v.detach() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
-    out["step"] = _entry_step(rule, entry, where)
+    out["step"] = _entry_step(rule.step_key, entry, where)
     return out
 
 
@@ -581,8 +581,8 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
             if bucket.exposed[i] and k in packed:
                 old = packed[k]
                 moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
-                packed[k] = {**{n: old[n] for n in ("step",) if n in old}, **moments,
-                             **{n: v for n, v in old.items() if n not in moments}}
+                step = {} if bucket.rule.step_key is None else {"step": old["step"]}  # (Lion: none, see expose)
+                packed[k] = {**step, **moments, **{n: v for n, v in old.items() if n not in moments and n != "step"}}
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
