@@ -197,14 +197,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool]
                ) -> None:
         rule.check(defaults)
-        if state_dtype not in rule.state_dtypes and isinstance(state_dtype, torch.dtype):
-            raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
-                             f"{', '.join(map(str, rule.state_dtypes))} only")
         delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
                                state_dtype, exact_steps, speculate).validate()
+        if state_dtype not in rule.state_dtypes:  # (one the options take, that this rule's update does not)
+            raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
+                             f"{', '.join(map(str, rule.state_dtypes))} only")
         self._rule = rule
         self._transport = _make_transport(process_group, self.options)
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),

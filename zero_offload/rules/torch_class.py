@@ -286,9 +286,15 @@ class TorchClassRule(Rule):
     def update(self, run: Run, hyper: Any) -> None:
         param = run.master.view(run.master.shape)  # a new tensor object: its .grad is ours to set
         param.grad = _gradient(run)
-        opt = self.optimizer_class([param], **hyper.settings())
         names = [b.name for b in self.needed(hyper)]
-        if run.step > 1:  # else the class initialises its state (SGD's clone, Rprop's lr, Adagrad's initial sum)
+        if run.step == 1:  # the class initialises its state (SGD's clone, Rprop's lr, Adagrad's initial sum)
+            opt = self.optimizer_class([param], **hyper.settings())
+        else:
+            # Built on a one-element stand-in, so that a class that creates its state at construction (Adagrad)
+            # does not allocate and fill a run-sized buffer only to have it replaced by ours.
+            opt = self.optimizer_class([torch.nn.Parameter(torch.zeros(1))], **hyper.settings())
+            opt.state.clear()
+            opt.param_groups[0]["params"] = [param]
             state = {k: run.state[k] for k in names}
             if self.step_key is not None:
                 state = {self.step_key: self._step_value(run.step - 1), **state}
@@ -307,9 +313,6 @@ class TorchClassRule(Rule):
         elif run.grads:
             torch._foreach_copy_([run.param_out[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
                                  [run.master[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)])
-
-
-_RULES: Dict[type, TorchClassRule] = {}
 
 
 def rule_for(optimizer_class: type, *groups: Dict[str, Any]) -> TorchClassRule:
