@@ -84,6 +84,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     dict are described in docs/ (how-it-works.md, options.md, multi-gpu.md, checkpoints.md); what differs from
     AdamW, each refused with an error (pickling, float64, editing a group's ``params``...), in docs/differences.md.
 
+    Other elementwise optimizers (:class:`zero_offload.Lion`, ``torch.optim.SGD``, ``Adagrad``, ...) get the same
+    machinery through :func:`zero_offload.offload` (docs/other-optimizers.md): an instance of this class whose update
+    rule, ``defaults`` and state-dict format are the wrapped optimizer's.
+
     Args:
         params (iterable): parameters or dicts defining parameter groups (optionally ``(name, param)`` pairs),
             as for any ``torch.optim.Optimizer``. fp32, bf16 or fp16, dense, on CPU or CUDA; leaf tensors only.
