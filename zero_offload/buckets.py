@@ -27,6 +27,7 @@ from zero_offload.state.layout import (ALIGN, BucketLayout, ShardLayout, align_u
 from zero_offload.state.params import Masters
 from zero_offload.state.store import StateStore, state_bytes
 from zero_offload.state.tiers import HostTier, should_pin
+from zero_offload.state.views import StateViews
 
 __all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardLayout", "plan_buckets", "align_up", "view_like",
            "memory_order_flat", "check_grads", "should_pin", "estimate_layouts", "estimate_params", "allocate_group"]
@@ -70,10 +71,7 @@ def estimate_params(params: Iterable[Any], *, defaults: Optional[Dict[str, Any]]
 class FlatBucket:
     """One bucket's buffers and the per-parameter views into them: the rule's state (:attr:`store`, in
     ``state_dtype``), the fp32 masters and low-precision ``staging`` (:attr:`masters`), the gradient slots
-    (:attr:`grads`).
-
-    With compact state (``state_dtype`` not fp32) the optimizer's ``state`` entries hold ``step`` (and ``master``)
-    only: the rule's buffers are not fp32 tensors anywhere, and :meth:`moment_fp32` / :meth:`load_moment` convert.
+    (:attr:`grads`), and the state entries ``opt.state`` shows (:attr:`views`).
 
     **Sharded** (``shard`` given, see :class:`ShardLayout`): every buffer holds this rank's shard only, ``layout``
     is the shard's, and per-parameter views are 1-D pieces; the kernel's gradient multiplier carries the 1/world of
@@ -120,9 +118,8 @@ class FlatBucket:
                                 state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
         self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
                                shard is not None and self.on_cpu, tier, self.label)
+        self.views = StateViews(rule, self.store, self.masters, self.layout, shard, self.params)
         self.state_dtype, self.compact, self.steps = state_dtype, self.store.compact, self.store.steps
-        self.exposed = [False] * len(self.params)
-        self.all_exposed = False
 
     def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if flat is None:
@@ -145,6 +142,8 @@ class FlatBucket:
     grad_prev = property(lambda self: self.grads.grad_prev)
     flat_grad = property(lambda self: self.grads.flat_grad)
     grad_slot_zero = property(lambda self: self.grads.zero)
+    exposed = property(lambda self: self.views.exposed)
+    all_exposed = property(lambda self: self.views.all_exposed)
 
     @property
     def full(self) -> BucketLayout:
@@ -228,99 +227,6 @@ class FlatBucket:
             out["flat_grad"] = self.flat_grad
             out["flat_param"] = self.flat_param
         return out
-
-    # -- the state as ``opt.state`` shows it -----------------------------------------------------------------------
-    def state_entry(self, i: int) -> Dict[str, torch.Tensor]:
-        """Parameter ``i``'s optimizer state in the rule's format: views, not copies. With compact state, the step
-        and ``master`` only (the rule's buffers are not fp32 anywhere; ``state_dict()`` converts them)."""
-        slots = {} if self.compact else self.store.slots(i)
-        if self.low_precision:
-            slots["master"] = self.master_views[i]
-        key = self.entry_step_key
-        return {**({} if key is None else {key: self.steps[i]}), **slots}
-
-    @property
-    def entry_step_key(self) -> Optional[str]:
-        """The key of the step count in ``opt.state`` entries: the rule's; for a rule whose format has none (Lion,
-        SGD), none, except with compact state, whose entries show no buffers: ``"step"`` then marks a parameter
-        that has state (``state_dict()`` leaves it out)."""
-        if self.rule.step_key is None and self.compact:
-            return "step"
-        return self.rule.step_key
-
-    def state_slots(self, i: int, *, master: bool = True) -> Dict[str, torch.Tensor]:
-        """Parameter ``i``'s state tensors by name (views of the buffers), the master with ``master`` where it is
-        separate from the parameter."""
-        out = self.store.slots(i)
-        if master and self.separate_master:
-            out["master"] = self.master_views[i]
-        return out
-
-    def moment_fp32(self, name: str) -> torch.Tensor:
-        """State buffer ``name`` whole as float32: the buffer itself for fp32 state, else a new tensor."""
-        return self.store.fp32(name)
-
-    def _slot_range(self, i: int) -> Tuple[int, int]:
-        """Element range of parameter ``i``'s slot (its piece when sharded) in this bucket's buffers."""
-        if self.shard is not None:
-            return self.shard.pieces[i]
-        o = self.layout.offsets[i]
-        return o, o + self.layout.numels[i]
-
-    def load_moment(self, name: str, i: int, value: Optional[torch.Tensor]) -> None:
-        """Write parameter ``i``'s state buffer ``name`` (its piece when sharded) from ``value``, parameter-shaped,
-        any floating dtype and device, converted by the buffer's codec; None: zeros. ``value`` is already
-        validated (for 8-bit non-negative buffers: no negative value)."""
-        a, b = self._slot_range(i)
-        if value is not None and self.shard is not None:
-            src = self.shard.piece_src[i]
-            value = memory_order_flat(value)[src : src + b - a]
-        if not self.store.codecs[name].scaled:
-            slot = self.store.views[name][i]  # shaped like the parameter, or the 1-D piece
-            if value is None:
-                slot.zero_()
-            else:
-                slot.copy_(value)
-            return
-        flat = None
-        if value is not None:
-            flat = torch.empty(b - a, dtype=torch.float32)
-            if self.shard is not None:
-                flat.copy_(value)
-            else:  # in the slot's memory order, whatever the value's strides
-                view_like(flat, 0, self.params[i]).copy_(value)
-        self.store.write(name, a, b, flat)
-
-    def set_exposed(self, i: int, exposed: bool) -> None:
-        """Record whether parameter ``i`` has an entry in the optimizer's ``state`` (see checkpoint.expose)."""
-        self.exposed[i] = exposed
-        self.all_exposed = all(self.exposed)
-
-    def set_step(self, i: int, step: float) -> None:
-        self.steps[i] = step
-
-    def reset_param(self, i: int) -> None:
-        """Parameter ``i`` starts afresh (its state is zeroed by the caller): step 0, no state entry, master
-        taken from the parameter at its next update."""
-        self.steps[i] = 0.0
-        self.set_exposed(i, False)
-        self.masters.loaded(i, False)
-
-    def load_entries(self, entries: Sequence[Optional[Dict[str, object]]]) -> None:
-        """Sharded: copy this rank's piece of each parameter's full (parameter-shaped) state into the shard;
-        ``None``: fresh state. Entries are already validated (``checkpoint.check_entry``)."""
-        for i, entry in enumerate(entries):
-            a, b = self.shard.pieces[i]
-            src = self.shard.piece_src[i]
-            for name in self.store.names:
-                self.load_moment(name, i, None if entry is None else entry.get(name))
-            if entry is None:
-                self.reset_param(i)
-                continue
-            self.steps[i] = entry["step"]  # (checkpoint.check_entry's count, also for a rule whose format has none)
-            if self.separate_master and "master" in entry:
-                self.master_views[i].copy_(memory_order_flat(entry["master"])[src : src + b - a])
-            self.masters.loaded(i, "master" in entry)
 
 
 OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"

@@ -174,10 +174,10 @@ def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
     """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
     AdamW creates its state at a parameter's first step. The one place entries are created."""
     for i in indices:
-        entry = bucket.state_entry(i)
+        entry = bucket.views.entry(i)
         if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
             _put(state, bucket.params[i], entry)
-            bucket.set_exposed(i, True)
+            bucket.views.set_exposed(i, True)
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
@@ -191,10 +191,10 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     where = f"opt.state entry of a parameter of shape {tuple(bucket.shapes[i])} ({bucket.where})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
-    slots = bucket.state_slots(i)
-    steps = [] if bucket.entry_step_key is None else [bucket.entry_step_key]
+    slots = bucket.views.slots(i)
+    steps = [] if bucket.views.step_key is None else [bucket.views.step_key]
     unknown = set(entry) - {*steps, *slots}
-    # Compact state's entries show no buffers of the rule (see FlatBucket.state_entry): an edit may leave them out.
+    # Compact state's entries show no buffers of the rule (see StateViews.entry): an edit may leave them out.
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
     missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
@@ -209,24 +209,24 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
             check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
     # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
     return {**{k: v.detach() for k, v in entry.items() if k not in steps},
-            "step": _entry_step(bucket.entry_step_key, entry, where, float(bucket.steps[i]))}
+            "step": _entry_step(bucket.views.step_key, entry, where, float(bucket.steps[i]))}
 
 
 def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
     """Write a validated edit into the buffers: ``None`` starts the parameter afresh, as AdamW's next step does for
     a missing or empty entry (zero moments, step 1 next); an entry's tensors are copied in."""
-    slots = bucket.state_slots(i)
+    slots = bucket.views.slots(i)
     if bucket.compact:  # moments converted (quantised) through the bucket; left as they are where not given
         for name in [n for n in slots if n != "master" and (entry is None or n in entry)]:
-            bucket.load_moment(name, i, None if entry is None else entry[name])
+            bucket.views.load(name, i, None if entry is None else entry[name])
         slots = {k: v for k, v in slots.items() if k == "master"}
     if entry is None:
         for name, slot in slots.items():
             if name != "master":
                 slot.zero_()
-        bucket.reset_param(i)
+        bucket.views.reset(i)
         return
-    bucket.set_step(i, entry["step"])
+    bucket.views.set_step(i, entry["step"])
     for name, slot in slots.items():
         if name in entry:
             if not _same_memory(entry[name], slot):
@@ -279,7 +279,7 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "S
 
 def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
     """Whether an entry still is exactly what :func:`expose` put there (its tensors the buffers' views)."""
-    mine = bucket.state_entry(i)
+    mine = bucket.views.entry(i)
     return entry.keys() == mine.keys() and all(_same_memory(entry[k], v) for k, v in mine.items())
 
 
@@ -298,7 +298,7 @@ class Ahead:
 def _entry_tensors(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
     """Parameter ``i``'s state tensors, parameter-shaped: views of the buffers, or of ``after``'s copies where it
     has them for ``i``; with ``param``, also the parameter's value (see :func:`_param_value`)."""
-    slots = bucket.state_slots(i, master=bucket.low_precision)
+    slots = bucket.views.slots(i, master=bucket.low_precision)
     pending = after is not None and i in after.indices
     if pending and after.flat is not None:
         p, offset = bucket.params[i], bucket.layout.offsets[i]
@@ -330,7 +330,7 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
     for bucket in chain.from_iterable(buckets):
         after = ahead.get(id(bucket))
         # Compact moments in the buffers (the worker wrote them) are converted, as state_dict() does.
-        fp32 = ({n: bucket.moment_fp32(n) for n in bucket.store.names}
+        fp32 = ({n: bucket.views.fp32(n) for n in bucket.store.names}
                 if after is not None and after.flat is None and bucket.compact else {})
         for i in after.indices if after is not None else ():
             p = bucket.params[i]
@@ -486,7 +486,7 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     for bucket in chain.from_iterable(buckets):
         entries = [plan.entries.get(p) for p in bucket.params]
         if bucket.sharded:  # this rank's piece of each full entry
-            bucket.load_entries(entries)
+            bucket.views.load_pieces(entries)
         else:
             _load_flat(bucket, entries)
         expose(state, bucket, [i for i, e in enumerate(entries) if e is not None])
@@ -514,17 +514,17 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
     srcs: List[torch.Tensor] = []
     zero: List[torch.Tensor] = []
     for i, entry in enumerate(entries):
-        slots = bucket.state_slots(i)
+        slots = bucket.views.slots(i)
         if bucket.compact:  # converted (quantised) parameter by parameter
             for name in slots:
                 if name != "master":
-                    bucket.load_moment(name, i, None if entry is None else entry.get(name))
+                    bucket.views.load(name, i, None if entry is None else entry.get(name))
             slots = {"master": slots["master"]} if "master" in slots else {}
         if entry is None:
             zero.extend(v for k, v in slots.items() if k != "master")
-            bucket.reset_param(i)
+            bucket.views.reset(i)
             continue
-        bucket.set_step(i, entry["step"])
+        bucket.views.set_step(i, entry["step"])
         for name, slot in slots.items():
             if name in entry:
                 dsts.append(slot)
@@ -549,12 +549,12 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
     for bucket in chain.from_iterable(buckets):
         if not any(bucket.exposed):  # the same on every rank: exposure follows the agreed presence
             continue
-        names = list(bucket.state_slots(0, master=bucket.low_precision)) if bucket.params else []
+        names = list(bucket.views.slots(0, master=bucket.low_precision)) if bucket.params else []
         full = {}
         for name in names:
             full[name] = torch.empty(bucket.full.padded_numel, dtype=torch.float32)
             # Compact moments are converted one shard of one bucket at a time (a temporary of the shard's size).
-            mine = bucket.master if name == "master" else bucket.moment_fp32(name)
+            mine = bucket.master if name == "master" else bucket.views.fp32(name)
             all_gather(full[name], mine, f"state '{name}' of {bucket.where}")
         for i, p in enumerate(bucket.params):
             if bucket.exposed[i]:
@@ -575,7 +575,7 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
         if not bucket.compact or bucket.sharded or not any(bucket.exposed):
             continue
         names = bucket.store.names
-        full = {n: bucket.moment_fp32(n) for n in names}
+        full = {n: bucket.views.fp32(n) for n in names}
         for i, p in enumerate(bucket.params):
             k = index[id(p)]
             if bucket.exposed[i] and k in packed:
@@ -744,12 +744,12 @@ def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor,
             _copy_in(bucket, tensors)
         for i, p in enumerate(bucket.params):
             step = steps[p]
-            bucket.set_step(i, step)
+            bucket.views.set_step(i, step)
             if step > 0:
                 expose(state, bucket, [i])
             else:
-                bucket.set_exposed(i, False)
+                bucket.views.set_exposed(i, False)
                 state.pop(p, None)
             # A master loaded with the state is kept while the parameter still rounds from it (see
-            # FlatBucket.refresh_masters); a parameter never stepped takes its master from the parameter.
+            # Masters.refresh); a parameter never stepped takes its master from the parameter.
             bucket.masters.loaded(i, step > 0 and bucket.low_precision)

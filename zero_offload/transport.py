@@ -135,7 +135,7 @@ class Transport:
         return stream
 
     def bind(self, bucket: FlatBucket) -> None:
-        """Make CPU parameters views of their slots (see :meth:`FlatBucket.bind`)."""
+        """Make CPU parameters views of their slots (see :meth:`~zero_offload.state.params.Masters.bind`)."""
         bucket.masters.fill_param_slots()
         bucket.masters.bind()
 
