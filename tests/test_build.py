@@ -217,8 +217,10 @@ def test_checkouts_with_identical_sources_have_one_key(tmp_path):
     copy = tmp_path / "checkout"
     (copy / "zero_offload").mkdir(parents=True)
     (copy / "csrc").mkdir()
-    for f in (REPO / "zero_offload").glob("*.py"):
-        (copy / "zero_offload" / f.name).write_bytes(f.read_bytes())
+    for f in (REPO / "zero_offload").rglob("*.py"):  # (subpackages too: state/, rules/)
+        dest = copy / "zero_offload" / f.relative_to(REPO / "zero_offload")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(f.read_bytes())
     for name in _build.SOURCES + _build.HEADERS:
         (copy / "csrc" / name).write_bytes((_build.source_dir() / name).read_bytes())
     env = dict(os.environ, PYTHONPATH=str(copy))

@@ -478,7 +478,7 @@ def test_parameter_changed_outside_the_optimizer_reinitialises_its_master():
     master = ours.state[p]["master"].clone()
     with torch.no_grad():
         p.copy_(p.detach().clone())
-    ours._buckets[0][0].refresh_masters([0])
+    ours._buckets[0][0].masters.refresh([0])
     assert torch.equal(ours.state[p]["master"], master)
 
 
@@ -515,7 +515,7 @@ def test_buckets_are_aligned_and_fp32_cpu_params_live_in_the_master():
         assert all(o % ALIGN == 0 for o in bucket.layout.offsets)
         for i, p in enumerate(bucket.params):
             assert p.data_ptr() == bucket.master_views[i].data_ptr()
-            for views in (bucket.exp_avg_views, bucket.grad_views):
+            for views in (bucket.store.views["exp_avg"], bucket.grad_views):
                 assert views[i].data_ptr() % 64 == 0  # every slot starts on a cache line
                 assert views[i].shape == p.shape
 
@@ -913,10 +913,11 @@ def test_load_state_dict_with_an_unreadable_tensor_raises_and_changes_nothing():
 def test_construction_refuses_what_cannot_fit_in_host_ram_before_allocating(monkeypatch, caplog):
     """The OOM killer would otherwise end the process mid-allocation, with nothing said."""
     import zero_offload.buckets
+    import zero_offload.state.tiers
 
     allocated = []
     real_empty = host_memory.empty_host
-    monkeypatch.setattr(zero_offload.buckets, "empty_host", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    monkeypatch.setattr(zero_offload.state.tiers, "empty_host", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
     monkeypatch.setattr(zero_offload.buckets, "available_host_bytes", lambda: 3 << 20)
     w = nn.Parameter(torch.randn(1 << 18))  # 1 MiB per buffer: master, two moments, amsgrad maximum, gradient
     ptr, before = w.data_ptr(), w.detach().clone()

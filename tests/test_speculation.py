@@ -263,13 +263,13 @@ def test_low_precision_params_and_compact_state(eager, kw):
 def test_kernels_start_before_step_in_arrival_order(cuda_branches, monkeypatch):
     (model, opt), _ = _pair()
     ran = []
-    real_kernel = speculation._kernel
+    real_kernel = speculation.run_rule
 
     def kernel(bucket, *args, **kw):
         ran.append((id(bucket), threading.current_thread() is threading.main_thread()))
         return real_kernel(bucket, *args, **kw)
 
-    monkeypatch.setattr(speculation, "_kernel", kernel)
+    monkeypatch.setattr(speculation, "run_rule", kernel)
     sent = []
     real_send = opt._transport.send_grads
     monkeypatch.setattr(opt._transport, "send_grads", lambda b: (sent.append(id(b)), real_send(b)))

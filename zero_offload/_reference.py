@@ -123,24 +123,10 @@ def nonfinite_elements(*xs: torch.Tensor) -> torch.Tensor:
 
 
 def adam_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    max_exp_avg_sq: Optional[torch.Tensor],
-    maximize: bool,
-    grad_scale: float,
-    param_out: Optional[torch.Tensor],
-    exp_avg_scale: Optional[torch.Tensor] = None,
-    exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
+    max_exp_avg_sq: Optional[torch.Tensor], maximize: bool, grad_scale: float, param_out: Optional[torch.Tensor],
+    exp_avg_scale: Optional[torch.Tensor] = None, exp_avg_sq_scale: Optional[torch.Tensor] = None,
     max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Reference update on already-validated 1-D views (see functional.cpu_adam_ for the arguments). The arithmetic
@@ -157,16 +143,7 @@ def adam_(
         sl = slice(start, start + CHUNK)
         bl = slice(start // Q8_BLOCK, (start + CHUNK) // Q8_BLOCK)  # this chunk's scale blocks (8-bit state)
         p = p_all[sl]
-        g = g_all[sl].to(cdt)
-        if grad_scale != 1.0:
-            g = g * grad_scale  # out of place, like everything below: the caller's gradient is never written
-        if maximize:
-            g = -g
-        if weight_decay != 0.0:
-            if decoupled_weight_decay:
-                p.mul_(1.0 - lr * weight_decay)
-            else:
-                g = g.add(p, alpha=weight_decay)
+        g = _effective_grad(g_all[sl].to(cdt), p, lr, weight_decay, decoupled_weight_decay, maximize, grad_scale)
         if q8:
             poisoned = poisoned_elements(m_all[sl], exp_avg_scale[bl])
             if bool(poisoned.any()):
@@ -193,13 +170,35 @@ def adam_(
             if vmax is not None:
                 quantize_v_(vmax_all[sl], max_exp_avg_sq_scale[bl], vmax, bad, root)
         else:
-            if vmax is not None:
-                vmax_all[sl].copy_(vmax)
-            if m.data_ptr() != m_all[sl].data_ptr():
-                m_all[sl].copy_(m)
-                v_all[sl].copy_(v)
+            _store(m_all[sl], v_all[sl], None if vmax is None else vmax_all[sl], m, v, vmax)
         if out_all is not None:
             out_all[sl].copy_(p)  # last: param_out may be the gradient's memory, read above
+
+
+def _effective_grad(g: torch.Tensor, p: torch.Tensor, lr: float, weight_decay: float, decoupled: bool,
+                    maximize: bool, grad_scale: float) -> torch.Tensor:
+    """The gradient the moments see (scaled, negated for ``maximize``, plus Adam's L2 term), applying AdamW's
+    decoupled decay to ``p`` in place. Out of place on ``g``: the caller's gradient is never written."""
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if maximize:
+        g = -g
+    if weight_decay != 0.0:
+        if decoupled:
+            p.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    return g
+
+
+def _store(m_out: torch.Tensor, v_out: torch.Tensor, vmax_out: Optional[torch.Tensor], m: torch.Tensor,
+           v: torch.Tensor, vmax: Optional[torch.Tensor]) -> None:
+    """Write unquantised moments back where they are copies (state not in the compute dtype)."""
+    if vmax is not None:
+        vmax_out.copy_(vmax)
+    if m.data_ptr() != m_out.data_ptr():
+        m_out.copy_(m)
+        v_out.copy_(v)
 
 
 def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:

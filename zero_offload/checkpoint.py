@@ -18,17 +18,43 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload.buckets import MOMENTS, FlatBucket, memory_order_flat, view_like
-from zero_offload.options import check_group, check_step
+from zero_offload.buckets import FlatBucket
+from zero_offload.rules.base import Rule, StateBuffer
+from zero_offload.state.layout import memory_order_flat, view_like
+from zero_offload.options import check_step
 
-__all__ = ["STATE_KEYS", "Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
+__all__ = ["Ahead", "FlatPiece", "LoadPlan", "ParamList", "StateEntry", "StateMap",
            "add_compact_moments", "ahead_entries", "apply_load", "apply_sharded_load", "check_compact_moment",
            "check_format", "check_param_lists", "expose", "full_state", "plan_load", "plan_sharded_load",
            "sharded_state_dict", "sync_state"]
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
-# "param": the value a parameter takes when the update still pending at saving lands (see ``Ahead``).
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param")
+
+
+def state_keys(rule: Rule) -> Tuple[str, ...]:
+    """The keys a state entry may have: the step, the rule's buffers, a separate ``master``, and ``param`` (the
+    value a parameter takes when the update still pending at saving lands, see ``Ahead``)."""
+    return (rule.step_key, *(b.name for b in rule.buffers), "master", "param")
+
+
+def step_entry(bucket: FlatBucket, step: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The step count as a state entry shows it: ``{"step": step}``, nothing for a rule whose format has none
+    (Lion, SGD), which still counts steps inside (runs are cut by step count)."""
+    return {} if bucket.rule.step_key is None else {bucket.rule.step_key: step}
+
+
+def _entry_step(key: Optional[str], entry: Dict[str, Any], where: str, current: float = 0.0) -> float:
+    """The step count of a validated entry: its ``key``, or, for a rule whose format has none, the count so far
+    (at least 1: an entry is the state of a parameter that has been stepped)."""
+    if key is None or key not in entry:
+        return max(float(current), 1.0)
+    return check_step(entry[key], where)
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 Buckets = Sequence[Sequence[FlatBucket]]
 State = MutableMapping[Any, Dict[str, Any]]
@@ -148,8 +174,10 @@ def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
     """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
     AdamW creates its state at a parameter's first step. The one place entries are created."""
     for i in indices:
-        _put(state, bucket.params[i], bucket.state_entry(i))
-        bucket.set_exposed(i, True)
+        entry = bucket.views.entry(i)
+        if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
+            _put(state, bucket.params[i], entry)
+            bucket.views.set_exposed(i, True)
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
@@ -163,49 +191,58 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     where = f"opt.state entry of a parameter of shape {tuple(bucket.shapes[i])} ({bucket.where})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
-    slots = bucket.state_slots(i)
-    unknown = set(entry) - {"step", *slots}
-    # Compact state's entries show no moments (see FlatBucket.state_entry): an edit may leave them out.
-    missing = {"step"} - set(entry) if bucket.compact else {"step", "exp_avg", "exp_avg_sq"} - set(entry)
+    slots = bucket.views.slots(i)
+    steps = [] if bucket.views.step_key is None else [bucket.views.step_key]
+    unknown = set(entry) - {*steps, *slots}
+    # Compact state's entries show no buffers of the rule (see StateViews.entry): an edit may leave them out.
+    needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
+    missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
-        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs step, exp_avg and exp_avg_sq, and "
-                         f"may hold {', '.join(k for k in slots if k not in ('exp_avg', 'exp_avg_sq'))}")
+        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
+                         f"may hold {', '.join(k for k in slots if k not in needs)}")
     for name, v in entry.items():
         if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
                                or v.shape != slots[name].shape):
             raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
                              f"holding values, got {v!r:.80}")
-        if name in MOMENTS:
-            check_compact_moment(bucket.state_dtype, name, v, where)
+        if name in bucket.store.declared:
+            check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
     # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
-    return {**{k: v.detach() for k, v in entry.items() if k != "step"}, "step": check_step(entry["step"], where)}
+    return {**{k: v.detach() for k, v in entry.items() if k not in steps},
+            "step": _entry_step(bucket.views.step_key, entry, where, float(bucket.steps[i]))}
 
 
 def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
     """Write a validated edit into the buffers: ``None`` starts the parameter afresh, as AdamW's next step does for
     a missing or empty entry (zero moments, step 1 next); an entry's tensors are copied in."""
-    slots = bucket.state_slots(i)
+    slots = bucket.views.slots(i)
     if bucket.compact:  # moments converted (quantised) through the bucket; left as they are where not given
         for name in [n for n in slots if n != "master" and (entry is None or n in entry)]:
-            bucket.load_moment(name, i, None if entry is None else entry[name])
+            bucket.views.load(name, i, None if entry is None else entry[name])
         slots = {k: v for k, v in slots.items() if k == "master"}
     if entry is None:
         for name, slot in slots.items():
             if name != "master":
                 slot.zero_()
-        bucket.reset_param(i)
+        bucket.views.reset(i)
         return
-    bucket.set_step(i, entry["step"])
+    bucket.views.set_step(i, entry["step"])
     for name, slot in slots.items():
         if name in entry:
             if not _same_memory(entry[name], slot):
                 slot.copy_(entry[name])
-        elif name == "max_exp_avg_sq":
+        elif _optional(bucket, name):
             slot.zero_()
     if "master" in entry:
-        bucket.master_loaded(i, True)
+        bucket.masters.loaded(i, True)
     elif bucket.low_precision:
-        bucket.master_loaded(i, False)  # AdamW's state has no master: take it from the parameter
+        bucket.masters.loaded(i, False)  # AdamW's state has no master: take it from the parameter
+
+
+def _optional(bucket: FlatBucket, name: str) -> bool:
+    """Whether ``name`` is an optional buffer of the bucket's rule (amsgrad's: zeroed where an entry lacks it)."""
+    buf = bucket.store.declared.get(name)
+    return buf is not None and buf.optional
 
 
 def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "StateMap":
@@ -242,7 +279,7 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "S
 
 def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
     """Whether an entry still is exactly what :func:`expose` put there (its tensors the buffers' views)."""
-    mine = bucket.state_entry(i)
+    mine = bucket.views.entry(i)
     return entry.keys() == mine.keys() and all(_same_memory(entry[k], v) for k, v in mine.items())
 
 
@@ -251,8 +288,7 @@ def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
 class Ahead:
     """A bucket's state after the update still pending (``delayed_update``), which saving describes without applying
     it: the parameters ``indices`` it updates and, where the buffers do not hold that state yet, copies of them
-    (``steps``, and flat buffers by name: ``master``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
-    ``staging``). ``flat`` None: the buffers hold it already (the CUDA path's worker wrote them)."""
+    (``steps``, and flat buffers by name: ``master``, the rule's buffers, ``staging``). ``flat`` None: the buffers hold it already (the CUDA path's worker wrote them)."""
 
     indices: Set[int]
     steps: Optional[torch.Tensor] = None
@@ -262,7 +298,7 @@ class Ahead:
 def _entry_tensors(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
     """Parameter ``i``'s state tensors, parameter-shaped: views of the buffers, or of ``after``'s copies where it
     has them for ``i``; with ``param``, also the parameter's value (see :func:`_param_value`)."""
-    slots = bucket.state_slots(i, master=bucket.low_precision)
+    slots = bucket.views.slots(i, master=bucket.low_precision)
     pending = after is not None and i in after.indices
     if pending and after.flat is not None:
         p, offset = bucket.params[i], bucket.layout.offsets[i]
@@ -294,12 +330,12 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
     for bucket in chain.from_iterable(buckets):
         after = ahead.get(id(bucket))
         # Compact moments in the buffers (the worker wrote them) are converted, as state_dict() does.
-        fp32 = ({n: bucket.moment_fp32(n) for n in MOMENTS if getattr(bucket, n) is not None}
+        fp32 = ({n: bucket.views.fp32(n) for n in bucket.store.names}
                 if after is not None and after.flat is None and bucket.compact else {})
         for i in after.indices if after is not None else ():
             p = bucket.params[i]
             # The step is a view like the other tensors where they are views (as state_dict() gives them).
-            entry = {"step": bucket.steps[i] if after.flat is None else after.steps[i].clone()}
+            entry = step_entry(bucket, bucket.steps[i] if after.flat is None else after.steps[i].clone())
             entry.update(_entry_tensors(bucket, i, after, param=True))
             entry.update((n, view_like(t, bucket.layout.offsets[i], p)) for n, t in fp32.items())
             out[index[id(p)]] = entry
@@ -307,16 +343,12 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
 
 
 # ------------------------------------------------------------------------------------------ param groups --
-# What ``torch.optim.Adam.__setstate__`` gives a loaded group that lacks these flags (an older checkpoint): a
-# missing ``maximize`` is False, not the value this optimizer was built with.
-_ADAMW_FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
-                            fused=None)
-
-
-def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any]], what: str, *,
+def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any]], what: str, rule: Rule, *,
                  same_amsgrad: bool = False) -> List[Dict[str, Any]]:
     """The param groups after loading ``saved`` (a state dict's, already deep-copied) over ``groups``: the saved
-    hyperparameters, with flags an older checkpoint lacks set as AdamW sets them and other missing keys keeping
+    hyperparameters, with flags an older checkpoint lacks set as the rule's optimizer sets them (its
+    ``loaded_defaults``: a missing ``maximize`` is False, not the value this optimizer was built with) and other
+    missing keys keeping
     their current value, and this optimizer's
     parameters. Validated like a group being added; ``same_amsgrad`` also refuses a change of ``amsgrad`` (a
     sharded load writes into the existing state layout)."""
@@ -328,14 +360,15 @@ def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any
         if len(g["params"]) != len(sg["params"]):
             raise ValueError(f"{what} contains a parameter group that doesn't match the size of optimizer's group "
                              f"(group {gi}: {len(sg['params'])} vs {len(g['params'])} params)")
-        ng = {**_ADAMW_FLAG_DEFAULTS, **{k: v for k, v in sg.items() if k != "params"}}
+        ng = {**rule.loaded_defaults, **{k: v for k, v in sg.items() if k != "params"}}
         for k, v in g.items():
             ng.setdefault(k, v)
-        ng["capturable"] = ng["differentiable"] = False  # not honoured here; a loaded AdamW group may carry them
-        check_group(ng, where=f"{what}, param group {gi}")
-        if same_amsgrad and bool(ng["amsgrad"]) != bool(g["amsgrad"]):
-            raise ValueError(f"{what}, param group {gi}: amsgrad={ng['amsgrad']}, this optimizer has "
-                             f"amsgrad={g['amsgrad']} (the state layout differs; build it with the same amsgrad)")
+        ng.update((flag, False) for flag in rule.cleared_flags)
+        rule.check(ng, where=f"{what}, param group {gi}")
+        for switch in [b.switch for b in rule.buffers if b.switch] if same_amsgrad else ():
+            if bool(ng[switch]) != bool(g[switch]):
+                raise ValueError(f"{what}, param group {gi}: {switch}={ng[switch]}, this optimizer has "
+                                 f"{switch}={g[switch]} (the state layout differs; build it with the same {switch})")
         ng["params"] = g["params"]
         out.append(ng)
     return out
@@ -358,20 +391,23 @@ class LoadPlan:
     extras: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
-def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict[str, Any]:
-    """Validate one parameter's loaded state; returns it with ``step`` as a float."""
+def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer]
+                ) -> Dict[str, Any]:
+    """Validate one parameter's loaded state for ``rule``, whose group needs the buffers ``needed``; returns it
+    with ``step`` as a float."""
     where = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
-    unknown = set(entry) - set(STATE_KEYS)
+    keys = state_keys(rule)
+    unknown = set(entry) - set(keys)
     if unknown:
-        raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not Adam(W) state (expected "
-                         f"{', '.join(STATE_KEYS)}): is it from another optimizer?")
-    required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not {rule.name} state (expected "
+                         f"{', '.join(keys)}): is it from another optimizer?")
+    required = [k for k in (rule.step_key,) if k is not None] + [b.name for b in needed]
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{where} lacks {missing}")
-    for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "param"):
+    for k in keys[1:]:
         if k not in entry:
             continue
         v = entry[k]
@@ -384,20 +420,21 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, amsgrad: bool) -> Dict
                              "is this state dict from another model?")
     # Values only, as AdamW loads them: a tensor that requires grad must not pull a host buffer into autograd.
     out = {k: v.detach() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
-    out["step"] = check_step(entry["step"], where)
+    out["step"] = _entry_step(rule.step_key, entry, where)
     return out
 
 
-def check_compact_moment(state_dtype: torch.dtype, name: str, value: torch.Tensor, where: str) -> None:
+def check_compact_moment(state_dtype: torch.dtype, buf: StateBuffer, value: torch.Tensor, where: str) -> None:
     """What compact state refuses where a moment enters it (a load, an ``opt.state`` edit), naming ``where`` and
     the value: a negative second moment (AdamW's next step would take its square root: NaN parameters), and for
     8-bit state an inf or NaN, which its codes cannot hold as AdamW holds it (an element shares its block's scale;
     the kernel keeps a moment that turns non-finite only as a NaN marker, and an inf second moment, which leaves
     AdamW's parameter finite, would turn it NaN). fp32 state takes anything, as AdamW does; bf16 holds inf and NaN
     per element."""
-    if state_dtype == torch.float32:
+    if state_dtype == torch.float32 or not buf.compactable:
         return
-    if name != "exp_avg" and bool((value < 0).any()):
+    name = buf.name
+    if not buf.signed and bool((value < 0).any()):
         raise ValueError(f"{where}: {name} has a negative value ({float(value[value < 0].min()):g}), which a second "
                          f"moment cannot have; {DTYPE_LABELS[state_dtype]} state refuses it")
     if state_dtype == torch.int8 and not bool(torch.isfinite(value).all()):
@@ -412,17 +449,19 @@ def check_format(state_dict: Any) -> None:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from Optimizer.state_dict())")
 
 
-def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any) -> LoadPlan:
-    """Validate a full state dict (from this class, or ``torch.optim.AdamW``/``Adam``) against the optimizer."""
+def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule) -> LoadPlan:
+    """Validate a full state dict (from this class, or the rule's optimizer: ``torch.optim.AdamW``/``Adam``, ...)
+    against the optimizer."""
     check_format(state_dict)
     check_param_lists(groups, buckets)
     saved = deepcopy(state_dict["param_groups"])
-    new_groups = merge_groups(groups, saved, "loaded state dict")
+    new_groups = merge_groups(groups, saved, "loaded state dict", rule)
     id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved),
                       chain.from_iterable(g["params"] for g in groups)))
     where = _where(buckets)
     entries: Dict[torch.Tensor, Dict[str, Any]] = {}
     extras: Dict[Any, Any] = {}
+    needed: Dict[int, Sequence[StateBuffer]] = {}  # by group: the buffers its hyperparameters need
     for key, entry in state_dict["state"].items():
         if key not in id_map and not isinstance(key, int):
             extras[key] = entry  # not a parameter's: Optimizer.state_dict() numbers parameters with ints
@@ -432,10 +471,12 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
                              "param_groups lists")
         p = id_map[key]
         gi, bucket, _ = where[p]
-        entries[p] = check_entry(entry, p, key, amsgrad=bool(new_groups[gi]["amsgrad"]))
-        for k in MOMENTS:
-            if k in entry:
-                check_compact_moment(bucket.state_dtype, k, entry[k],
+        if gi not in needed:
+            needed[gi] = bucket.rule.buffers_for(new_groups[gi])
+        entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
+        for buf in bucket.rule.buffers:
+            if buf.name in entry:
+                check_compact_moment(bucket.state_dtype, buf, entry[buf.name],
                                      f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})")
     return LoadPlan(new_groups, entries, extras)
 
@@ -445,7 +486,7 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     for bucket in chain.from_iterable(buckets):
         entries = [plan.entries.get(p) for p in bucket.params]
         if bucket.sharded:  # this rank's piece of each full entry
-            bucket.load_entries(entries)
+            bucket.views.load_pieces(entries)
         else:
             _load_flat(bucket, entries)
         expose(state, bucket, [i for i, e in enumerate(entries) if e is not None])
@@ -473,25 +514,25 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
     srcs: List[torch.Tensor] = []
     zero: List[torch.Tensor] = []
     for i, entry in enumerate(entries):
-        slots = bucket.state_slots(i)
+        slots = bucket.views.slots(i)
         if bucket.compact:  # converted (quantised) parameter by parameter
             for name in slots:
                 if name != "master":
-                    bucket.load_moment(name, i, None if entry is None else entry.get(name))
+                    bucket.views.load(name, i, None if entry is None else entry.get(name))
             slots = {"master": slots["master"]} if "master" in slots else {}
         if entry is None:
             zero.extend(v for k, v in slots.items() if k != "master")
-            bucket.reset_param(i)
+            bucket.views.reset(i)
             continue
-        bucket.set_step(i, entry["step"])
+        bucket.views.set_step(i, entry["step"])
         for name, slot in slots.items():
             if name in entry:
                 dsts.append(slot)
                 srcs.append(entry[name])
-            elif name == "max_exp_avg_sq":
+            elif _optional(bucket, name):
                 zero.append(slot)
         if "master" in slots:
-            bucket.master_loaded(i, "master" in entry)
+            bucket.masters.loaded(i, "master" in entry)
     for d, s in zip(dsts, srcs):
         d.copy_(s)
     if zero:
@@ -508,16 +549,16 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
     for bucket in chain.from_iterable(buckets):
         if not any(bucket.exposed):  # the same on every rank: exposure follows the agreed presence
             continue
-        names = list(bucket.state_slots(0, master=bucket.low_precision)) if bucket.params else []
+        names = list(bucket.views.slots(0, master=bucket.low_precision)) if bucket.params else []
         full = {}
         for name in names:
             full[name] = torch.empty(bucket.full.padded_numel, dtype=torch.float32)
             # Compact moments are converted one shard of one bucket at a time (a temporary of the shard's size).
-            mine = bucket.master if name == "master" else bucket.moment_fp32(name)
+            mine = bucket.master if name == "master" else bucket.views.fp32(name)
             all_gather(full[name], mine, f"state '{name}' of {bucket.where}")
         for i, p in enumerate(bucket.params):
             if bucket.exposed[i]:
-                entry = {"step": bucket.steps[i].clone()}
+                entry = step_entry(bucket, bucket.steps[i].clone())
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
                 out[index[id(p)]] = entry
     return out
@@ -533,14 +574,15 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
     for bucket in chain.from_iterable(buckets):
         if not bucket.compact or bucket.sharded or not any(bucket.exposed):
             continue
-        names = [n for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if getattr(bucket, n) is not None]
-        full = {n: bucket.moment_fp32(n) for n in names}
+        names = bucket.store.names
+        full = {n: bucket.views.fp32(n) for n in names}
         for i, p in enumerate(bucket.params):
             k = index[id(p)]
             if bucket.exposed[i] and k in packed:
                 old = packed[k]
                 moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
-                packed[k] = {"step": old["step"], **moments, **{n: v for n, v in old.items() if n not in moments}}
+                step = {} if bucket.rule.step_key is None else {"step": old["step"]}  # (Lion: none, see expose)
+                packed[k] = {**step, **moments, **{n: v for n, v in old.items() if n not in moments and n != "step"}}
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
@@ -661,8 +703,8 @@ def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) ->
     _install_params(bucket, values)
 
 
-def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, param: bool = False
-                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
+                      param: bool = False) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
     """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
     and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
@@ -670,7 +712,7 @@ def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
     check_param_lists(groups, buckets)
-    new_groups = merge_groups(groups, state_dict["param_groups"], what, same_amsgrad=True)
+    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True)
     position = _positions(groups)
     where = _where(buckets)
     steps: Dict[torch.Tensor, float] = {}
@@ -702,12 +744,12 @@ def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor,
             _copy_in(bucket, tensors)
         for i, p in enumerate(bucket.params):
             step = steps[p]
-            bucket.set_step(i, step)
+            bucket.views.set_step(i, step)
             if step > 0:
                 expose(state, bucket, [i])
             else:
-                bucket.set_exposed(i, False)
+                bucket.views.set_exposed(i, False)
                 state.pop(p, None)
             # A master loaded with the state is kept while the parameter still rounds from it (see
-            # FlatBucket.refresh_masters); a parameter never stepped takes its master from the parameter.
-            bucket.master_loaded(i, step > 0 and bucket.low_precision)
+            # Masters.refresh); a parameter never stepped takes its master from the parameter.
+            bucket.masters.loaded(i, step > 0 and bucket.low_precision)

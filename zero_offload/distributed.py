@@ -42,9 +42,11 @@ import torch
 
 from zero_offload import functional
 from zero_offload._compat import increment_version
-from zero_offload.buckets import FlatBucket, view_like
+from zero_offload.buckets import FlatBucket
+from zero_offload.state.layout import view_like
 from zero_offload.host_memory import copy_many_, empty_host
-from zero_offload.transport import BucketGrads, Plans, Transport
+from zero_offload.records import BucketGrads, Plans
+from zero_offload.transport import Transport
 
 __all__ = ["DEFAULT_TIMEOUT", "Comm", "GradStats", "Pending", "ShardedTransport"]
 
@@ -489,9 +491,9 @@ class ShardedTransport(Transport):
         order."""
         where = f"initial parameters of {bucket.where}"
         if bucket.on_cpu:
-            bucket.fill_param_slots()
+            bucket.masters.fill_param_slots()
             self.comm.broadcast(bucket.flat_param, where)
-            bucket.bind()
+            bucket.masters.bind()
             return
         full = bucket.full
         flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
@@ -544,13 +546,13 @@ class ShardedTransport(Transport):
 
     @staticmethod
     def _flatten_cpu(bucket: FlatBucket, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        targets, numels = bucket.grad_targets, bucket.full.numels
+        targets, numels = bucket.grads.targets, bucket.full.numels
         dsts, srcs, sizes = [], [], []
         for i, g in enumerate(grads):
             if g is None:
-                bucket.clear_slot(i)
+                bucket.grads.clear(i)
                 continue
-            bucket.slot_filled(i)
+            bucket.grads.filled(i)
             if g is not targets[i]:  # a view installed by zero_grad(set_to_none=False) needs no copy
                 dsts.append(targets[i])
                 srcs.append(g)
@@ -654,7 +656,8 @@ class ShardedTransport(Transport):
     def agree_state(self, buckets: Iterable[FlatBucket]) -> None:
         """``state_dict()``, before gathering: every rank is there, and holds the same state buffers (an amsgrad
         buffer on some ranks only, from a state dict loaded there, would gather unlike sizes and abort gloo)."""
-        settings = [(f"max_exp_avg_sq buffer of {b.where}", float(b.max_exp_avg_sq is not None)) for b in buckets]
+        settings = [(f"{buf.name} buffer of {b.where}", float(buf.name in b.store.flat))
+                    for b in buckets for buf in b.rule.buffers if buf.optional]
         self._agree(_STATE_DICT, settings, "all_gather", "the state", state=True)
 
     def _stats_numel(self) -> int:
@@ -810,7 +813,7 @@ class ShardedTransport(Transport):
                 torch._foreach_copy_([bucket.params[i] for i in indices],
                                      [view_like(flat, full.offsets[i], bucket.params[i]) for i in indices])
             self.record_h2d(bucket, stream)
-        bucket.record_versions(indices)
+        bucket.masters.record_versions(indices)
 
     def finish_params(self, buckets: Iterable[FlatBucket]) -> None:
         buckets = list(buckets)

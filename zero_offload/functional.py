@@ -51,7 +51,7 @@ import math
 import operator
 import os
 from numbers import Real
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -248,25 +248,12 @@ def _check_hyper(step, lr, betas, eps, weight_decay, grad_scale
 
 
 def cpu_adam_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: Union[int, torch.Tensor],
-    lr: Union[float, torch.Tensor],
-    betas: Tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    decoupled_weight_decay: bool = True,
-    amsgrad: bool = False,
-    max_exp_avg_sq: Optional[torch.Tensor] = None,
-    maximize: bool = False,
-    grad_scale: float = 1.0,
-    param_out: Optional[torch.Tensor] = None,
-    exp_avg_scale: Optional[torch.Tensor] = None,
-    exp_avg_sq_scale: Optional[torch.Tensor] = None,
-    max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+    step: Union[int, torch.Tensor], lr: Union[float, torch.Tensor], betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = True, amsgrad: bool = False,
+    max_exp_avg_sq: Optional[torch.Tensor] = None, maximize: bool = False, grad_scale: float = 1.0,
+    param_out: Optional[torch.Tensor] = None, exp_avg_scale: Optional[torch.Tensor] = None,
+    exp_avg_sq_scale: Optional[torch.Tensor] = None, max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """One fused Adam/AdamW update of flat CPU buffers, in place, in one memory pass.
 
@@ -311,24 +298,33 @@ def cpu_adam_(
     path = resolve_path(exp_avg.dtype)
     if numel == 0:
         return
+    vmax = max_exp_avg_sq if amsgrad else None
+    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
+    _adam_dispatch(path, (param, grad, exp_avg, exp_avg_sq, vmax, param_out), q8_kw, step_i, lr_f, beta1, beta2,
+                   eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale)
+
+
+def _adam_dispatch(path: str, tensors: tuple, q8_kw: dict, step: int, lr: float, beta1: float, beta2: float,
+                   eps: float, wd: float, decoupled: bool, maximize: bool, scale: float) -> None:
+    """:func:`cpu_adam_`'s update on validated arguments by ``path``: ``tensors`` are (param, grad, exp_avg,
+    exp_avg_sq, the amsgrad maximum or None, param_out or None)."""
+    param, grad, exp_avg, exp_avg_sq, vmax, param_out = tensors
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
         _torch_fused.adam_(
-            [param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if amsgrad else None, step=step_i, lr=lr_f,
-            beta1=beta1, beta2=beta2, eps=eps_f, weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
-            maximize=bool(maximize), grad_scale=scale, param_outs=None if param_out is None else [param_out],
+            [param], [grad], [exp_avg], [exp_avg_sq], None if vmax is None else [vmax], step=step, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, decoupled_weight_decay=decoupled,
+            maximize=maximize, grad_scale=scale, param_outs=None if param_out is None else [param_out],
         )  # fmt: skip
     elif path in _TORCH_PATHS:
         _reference.adam_(
-            param, grad, exp_avg, exp_avg_sq, step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f,
-            weight_decay=wd, decoupled_weight_decay=bool(decoupled_weight_decay),
-            max_exp_avg_sq=max_exp_avg_sq if amsgrad else None, maximize=bool(maximize), grad_scale=scale,
-            param_out=param_out, **_q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad),
+            param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=wd, decoupled_weight_decay=decoupled, max_exp_avg_sq=vmax, maximize=maximize,
+            grad_scale=scale, param_out=param_out, **q8_kw,
         )  # fmt: skip
     else:
         _build.load_native().adam_step(
-            path, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, param_out, step_i,
-            lr_f, beta1, beta2, eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale,
-            **_q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad),
+            path, param, grad, exp_avg, exp_avg_sq, vmax, param_out, step, lr, beta1, beta2, eps, wd, decoupled,
+            maximize, scale, **q8_kw,
         )  # fmt: skip
 
 
@@ -473,25 +469,12 @@ def _check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
 
 
 def cpu_adam_segments_(
-    param: torch.Tensor,
-    grads: Sequence[torch.Tensor],
-    offsets: Sequence[int],
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: Union[int, torch.Tensor],
-    lr: Union[float, torch.Tensor],
-    betas: Tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    decoupled_weight_decay: bool = True,
-    amsgrad: bool = False,
-    max_exp_avg_sq: Optional[torch.Tensor] = None,
-    maximize: bool = False,
-    grad_scale: float = 1.0,
-    param_out: Optional[torch.Tensor] = None,
-    exp_avg_scale: Optional[torch.Tensor] = None,
-    exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    param: torch.Tensor, grads: Sequence[torch.Tensor], offsets: Sequence[int], exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor, *, step: Union[int, torch.Tensor], lr: Union[float, torch.Tensor],
+    betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = True, amsgrad: bool = False, max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False, grad_scale: float = 1.0, param_out: Optional[torch.Tensor] = None,
+    exp_avg_scale: Optional[torch.Tensor] = None, exp_avg_sq_scale: Optional[torch.Tensor] = None,
     max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """:func:`cpu_adam_` on the flat buffers where the gradient of elements
@@ -508,6 +491,27 @@ def cpu_adam_segments_(
     numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
                          exp_avg_sq_scale, max_exp_avg_sq_scale)
     _check_grads(grads, "cpu_adam_segments_")
+    offsets = _check_segments(grads, offsets, numel, exp_avg.dtype == torch.int8)
+    step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
+
+    path = resolve_path(exp_avg.dtype)
+    if not grads:
+        return
+    vmax = max_exp_avg_sq if amsgrad else None
+    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
+    if path in _TORCH_PATHS:
+        kw = dict(step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f, weight_decay=wd,
+                  decoupled_weight_decay=bool(decoupled_weight_decay), maximize=bool(maximize), grad_scale=scale)
+        _torch_segments(path, param, grads, offsets, (exp_avg, exp_avg_sq, vmax), param_out, q8_kw, kw)
+    else:
+        _build.load_native().adam_step_segments(
+            path, param, list(grads), offsets, exp_avg, exp_avg_sq, vmax, param_out, step_i, lr_f, beta1, beta2,
+            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, **q8_kw,
+        )  # fmt: skip
+
+
+def _check_segments(grads: Sequence[torch.Tensor], offsets: Sequence[int], numel: int, q8: bool) -> List[int]:
+    """:func:`cpu_adam_segments_`'s checks of the segments; returns the offsets as ints."""
     offsets = list(map(operator.index, offsets))
     if len(offsets) != len(grads):
         raise ValueError(f"cpu_adam_segments_: {len(grads)} grads but {len(offsets)} offsets")
@@ -519,41 +523,32 @@ def cpu_adam_segments_(
     if ends and ends[-1] > numel:
         raise ValueError(f"cpu_adam_segments_: the last segment ends at {ends[-1]}, past the buffers' {numel} "
                          "elements")
-    q8 = exp_avg.dtype == torch.int8
     if q8 and any(map(operator.mod, offsets, itertools.repeat(Q8_BLOCK))):
         i = next(i for i, o in enumerate(offsets) if o % Q8_BLOCK)
         raise ValueError(f"cpu_adam_segments_: segment {i} starts at offset {offsets[i]}, not a multiple of "
                          f"{Q8_BLOCK}: 8-bit state needs each segment to own whole scale blocks")
-    step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
+    return offsets
 
-    path = resolve_path(exp_avg.dtype)
-    if not grads:
+
+def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw) -> None:
+    """:func:`cpu_adam_segments_` on a torch path: ``state`` is (exp_avg, exp_avg_sq, the amsgrad maximum or
+    None), ``kw`` the validated hyperparameters."""
+    exp_avg, exp_avg_sq, vmax = state
+    if param_out is not None:  # the native path checks this in C++, without a Python loop
+        for i, (o, g) in enumerate(zip(offsets, grads)):
+            _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
+    if path == "torch-fused" and _torch_fused.handles(exp_avg):
+        _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw)
         return
-    vmax = max_exp_avg_sq if amsgrad else None
-    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
-    if path in _TORCH_PATHS:
-        if param_out is not None:  # the native path checks this in C++, without a Python loop
-            for i, (o, g) in enumerate(zip(offsets, grads)):
-                _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
-        kw = dict(step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f, weight_decay=wd,
-                  decoupled_weight_decay=bool(decoupled_weight_decay), maximize=bool(maximize), grad_scale=scale)
-        if path == "torch-fused" and _torch_fused.handles(exp_avg):
-            _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw)
-            return
-        for o, g in zip(offsets, grads):
-            n = g.numel()
-            if n == 0:
-                continue
-            sl, bl = slice(o, o + n), slice(o // Q8_BLOCK, q8_scale_numel(o + n))
-            _reference.adam_(
-                param[sl], g, exp_avg[sl], exp_avg_sq[sl], max_exp_avg_sq=None if vmax is None else vmax[sl],
-                param_out=None if param_out is None else param_out[sl],
-                **{k: None if t is None else t[bl] for k, t in q8_kw.items()}, **kw,
-            )  # fmt: skip
-    else:
-        _build.load_native().adam_step_segments(
-            path, param, list(grads), offsets, exp_avg, exp_avg_sq, vmax, param_out, step_i, lr_f, beta1, beta2,
-            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, **q8_kw,
+    for o, g in zip(offsets, grads):
+        n = g.numel()
+        if n == 0:
+            continue
+        sl, bl = slice(o, o + n), slice(o // Q8_BLOCK, q8_scale_numel(o + n))
+        _reference.adam_(
+            param[sl], g, exp_avg[sl], exp_avg_sq[sl], max_exp_avg_sq=None if vmax is None else vmax[sl],
+            param_out=None if param_out is None else param_out[sl],
+            **{k: None if t is None else t[bl] for k, t in q8_kw.items()}, **kw,
         )  # fmt: skip
 
 

@@ -24,7 +24,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from zero_offload.functional import q8_scale_numel
 
 __all__ = ["empty_host", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
            "format_bytes", "copy_many_"]
@@ -194,8 +193,8 @@ class HostMemoryEstimate:
     Attributes:
         numel (int): parameter elements being optimized.
         padded_numel (int): elements per flat buffer summed over buckets, alignment padding included.
-        buffers (Dict[str, int]): bytes per buffer kind: ``master``, ``exp_avg``, ``exp_avg_sq``,
-            ``max_exp_avg_sq`` (in the state dtype; with 8-bit state also each one's float32 ``*_scale``), ``grad``
+        buffers (Dict[str, int]): bytes per buffer kind: ``master``, the update rule's state buffers by name (in
+            the state dtype; with 8-bit state also each one's float32 ``*_scale``), ``grad``
             (host gradient buffers), ``staging`` (low-precision parameter copies on the CPU or sharded) and ``grad_prev`` (``delayed_update``'s second gradient buffer);
             sharded over a process group (``world_size > 1``) these hold the rank's shard only, and a CPU bucket
             adds ``flat_grad`` (the full flat gradient buffer the reduce-scatter reads) and ``params`` (the rest of
@@ -281,36 +280,25 @@ def estimate_bucket(
     param_dtype: torch.dtype,
     *,
     on_cpu: bool,
-    amsgrad: bool,
+    state: Dict[str, int],
     pin: bool,
     world_size: int = 1,
     delayed_update: bool = False,
-    state_dtype: torch.dtype = torch.float32,
 ) -> HostMemoryEstimate:
-    """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. The buffer set is decided here and in
-    ``buckets.FlatBucket`` together: keep them in step.
+    """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. ``state`` is the update rule's state
+    buffers' bytes by name, from the rule's declarations (``zero_offload.state.store.state_bytes``, which the
+    allocation uses too); this adds the master, the gradient buffers and the parameter copies.
 
     With ``world_size > 1``, ``padded_numel`` is the bucket's full padded length (a multiple of ``world_size``)
     and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard. ``delayed_update`` adds
-    the second gradient buffer it double-buffers with. ``state_dtype`` is the moments' (see ``OffloadOptimizer``):
-    float32 (4 B each), bfloat16 (2 B) or int8 (8-bit block-wise: 1 B, plus a float32 ``*_scale`` buffer of one
-    scale per 64 elements for each moment)."""
+    the second gradient buffer it double-buffers with."""
     low_precision = param_dtype != torch.float32
     # An unsharded CUDA bucket's kernel writes the low-precision parameter into the gradient buffer it reads
     # (buckets.FlatBucket.shares_grad): no staging buffer.
     staging = low_precision and (on_cpu or world_size > 1)
     grad_itemsize = torch.empty((), dtype=param_dtype).element_size()
     shard = padded_numel // world_size
-    moment = torch.empty((), dtype=state_dtype).element_size()
-    buffers = {
-        "master": 4 * shard,
-        "exp_avg": moment * shard,
-        "exp_avg_sq": moment * shard,
-        "max_exp_avg_sq": moment * shard if amsgrad else 0,
-    }
-    if state_dtype == torch.int8:
-        scales = 4 * q8_scale_numel(shard)
-        buffers.update(exp_avg_scale=scales, exp_avg_sq_scale=scales, max_exp_avg_sq_scale=scales if amsgrad else 0)
+    buffers = {"master": 4 * shard, **state}
     buffers.update({
         "grad": grad_itemsize * shard,
         "staging": grad_itemsize * shard if staging else 0,

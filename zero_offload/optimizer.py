@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import warnings
@@ -25,13 +26,17 @@ from zero_offload import checkpoint
 from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
-from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Hyper, Options, agreed_settings, check_group,
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Options, agreed_settings,
                                   check_params, check_state_dtype, delayed_setting, world_without_group)
 from zero_offload.timeline import Timeline, TimelineEvent, span
-from zero_offload.transport import PendingClip, Plans, Transport
-from zero_offload.update import ensure_amsgrad, make_mode, update_bucket, weak_method
+from zero_offload.transport import Transport
+from zero_offload.records import PendingClip, Plans
+from zero_offload.rules.adamw import ADAMW
+from zero_offload.rules.base import Rule
+from zero_offload.speculation import Speculative
+from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket, weak_method
 
-__all__ = ["OffloadOptimizer"]
+__all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -65,7 +70,7 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         ValueError: a ``state_dtype`` the constructor refuses (its very error).
     """
     check_state_dtype(state_dtype)
-    return estimate_params(params, amsgrad=amsgrad, bucket_numel=bucket_numel, pin_memory=pin_memory,
+    return estimate_params(params, defaults={"amsgrad": amsgrad}, bucket_numel=bucket_numel, pin_memory=pin_memory,
                            world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
 
 
@@ -78,6 +83,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     within rounding. Where bytes live, how gradients stream, clipping, mixed precision, sharding and the state
     dict are described in docs/ (how-it-works.md, options.md, multi-gpu.md, checkpoints.md); what differs from
     AdamW, each refused with an error (pickling, float64, editing a group's ``params``...), in docs/differences.md.
+
+    Other elementwise optimizers (:class:`zero_offload.Lion`, ``torch.optim.SGD``, ``Adagrad``, ...) get the same
+    machinery through :func:`zero_offload.offload` (docs/other-optimizers.md): an instance of this class whose update
+    rule, ``defaults`` and state-dict format are the wrapped optimizer's.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups (optionally ``(name, param)`` pairs),
@@ -169,14 +178,40 @@ class OffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
-        check_group(defaults)
+        self._start(params, ADAMW, defaults, nonfinite=nonfinite, bucket_numel=bucket_numel, pin_memory=pin_memory,
+                    stream_grads=stream_grads, release_grads=release_grads, overlap_step=overlap_step,
+                    delayed_update=delayed_update, process_group=process_group, grads_reduced=grads_reduced,
+                    timeout=timeout, state_dtype=state_dtype, speculate=speculate)
+
+    @classmethod
+    def _with_rule(cls, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], **options: Any
+                   ) -> "OffloadOptimizer":
+        """An optimizer that runs ``rule`` (another optimizer's update, see :func:`zero_offload.offload`) with
+        ``defaults`` (that optimizer's) and the offload ``options`` (the constructor's, by name)."""
+        unknown = sorted(set(options) - set(OFFLOAD_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected offload option(s) {unknown}; the options are {', '.join(OFFLOAD_OPTIONS)}")
+        opt = cls.__new__(cls)
+        opt._start(params, rule, dict(defaults), **{**OFFLOAD_OPTIONS, **options})
+        return opt
+
+    def _start(self, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], *, nonfinite: str,
+               bucket_numel: int, pin_memory: Optional[bool], stream_grads: Optional[bool], release_grads: bool,
+               overlap_step: bool, delayed_update: Union[bool, int], process_group: Optional[Any],
+               grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool]
+               ) -> None:
+        rule.check(defaults)
         delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
                                state_dtype, exact_steps, speculate).validate()
+        if state_dtype not in rule.state_dtypes:  # (one the options take, that this rule's update does not)
+            raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
+                             f"{', '.join(map(str, rule.state_dtypes))} only")
+        self._rule = rule
         self._transport = _make_transport(process_group, self.options)
-        self._mode = make_mode(self.options, self._transport, weak_method(self._early_update),
+        self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
                                weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
         weakref.finalize(self, self._streamer.remove)
@@ -232,7 +267,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
-        check_group({**self.defaults, **param_group})
+        self._rule.check({**self.defaults, **param_group})
         raw = param_group["params"]
         raw = [raw] if isinstance(raw, torch.Tensor) else raw
         if isinstance(raw, set):
@@ -244,10 +279,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         n_groups = len(self.param_groups)
         comm = self._transport.comm if self._transport.sharded else None
         if comm is not None:
-            # amsgrad decides whether the group has a max_exp_avg_sq buffer, which state_dict() gathers.
-            amsgrad = bool(param_group.get("amsgrad", self.defaults["amsgrad"]))
-            comm.check_same_params(tensors, n_groups, (*self.options.collective_layout(),
-                                                       (f"amsgrad of param group {n_groups}", amsgrad)))
+            # The switches of optional state buffers (amsgrad's) decide which buffers state_dict() gathers.
+            switches = tuple((f"{b.switch} of param group {n_groups}", bool(param_group.get(b.switch,
+                             self.defaults[b.switch]))) for b in self._rule.buffers if b.switch)
+            comm.check_same_params(tensors, n_groups, (*self.options.collective_layout(), *switches))
             if not comm.host_ok and any(p.device.type == "cpu" for p in tensors):
                 raise ValueError("process_group runs NCCL alone, which moves CUDA tensors only, but param group "
                                  f"{n_groups} has parameters on the CPU: shard a CPU model over a gloo group")
@@ -255,7 +290,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             buckets = allocate_group(self.param_groups[-1], n_groups, self.options,
-                                     None if comm is None else (comm.world, comm.rank))
+                                     None if comm is None else (comm.world, comm.rank), self._rule)
         except BaseException:
             del self.param_groups[n_groups:]
             raise
@@ -307,7 +342,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         scaler = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         pending = self._take_clip(scaler and grad_scale is None)
         self._scaled = scaler
-        hypers = [Hyper.read(g) for g in self.param_groups]
+        hypers = [self._rule.hyper(g) for g in self.param_groups]
         # A GradScaler's unscale_ (signalled by grad_scale None) rewrote the gradients without a version bump.
         plans = pending.plans if pending is not None else self._receive(fresh=scaler and grad_scale is None)
         if scaler:  # a GradScaler finds infs in, and unscales, the gradients on the parameters
@@ -378,15 +413,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``overlap_step``: a bucket's update, run in the worker thread as soon as its gradients are sent
         (hyperparameters as they are now, which is what ``step()`` would read)."""
         self._sync()
-        hyper = Hyper.read(self.param_groups[group])
-        if hyper.amsgrad:
-            ensure_amsgrad(self.state, bucket)
+        hyper = self._rule.hyper(self.param_groups[group])
+        ensure_buffers(self.state, bucket, hyper)
         update_bucket(self._transport, bucket, self._transport.sent(bucket), None, hyper, 1.0, self.state)
 
-    def _speculation_inputs(self, group: int) -> Tuple[Hyper, str]:
+    def _speculation_inputs(self, group: int) -> Tuple[Any, str]:
         """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
         read them now, and the ``nonfinite`` policy."""
-        return Hyper.read(self.param_groups[group]), self.options.nonfinite
+        return self._rule.hyper(self.param_groups[group]), self.options.nonfinite
 
     @property
     def speculation_stats(self) -> Optional[Any]:
@@ -532,13 +566,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        plan = checkpoint.plan_load(self.param_groups, self._buckets, state_dict)
+        plan = checkpoint.plan_load(self.param_groups, self._buckets, state_dict, self._rule)
         # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
-        # amsgrad buffer is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
+        # buffer, amsgrad's, is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
         for group, buckets in zip(plan.groups, self._buckets):
-            if group["amsgrad"]:
-                for bucket in buckets:
-                    bucket.ensure_amsgrad()
+            for bucket in buckets:
+                bucket.ensure_buffers(self._rule.needed(self._rule.hyper(group)))
         self._quiesce()
         checkpoint.apply_load(self.state, self._buckets, plan)
         self.param_groups = plan.groups
@@ -571,7 +604,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
         """
         groups, steps, tensors = checkpoint.plan_sharded_load(self.param_groups, self._buckets, state_dict,
-                                                              self.options.delayed_update)
+                                                              self._rule, self.options.delayed_update)
         self._mode.drop()  # dcp.load has already replaced the state it would update
         self._transport.synchronize()
         self._pending = None
@@ -595,6 +628,19 @@ def _hooks_set_aside(opt: torch.optim.Optimizer):
         opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = pre, post
 
 
+def _make_mode(options: Options, transport: Transport, early_update: Callable[[FlatBucket, int], None],
+               inputs: Callable[[int], Tuple[Any, str]]) -> Immediate:
+    """The schedule ``options`` ask for (``inputs``: what speculation reads of a group, see
+    :class:`~zero_offload.speculation.Speculative`)."""
+    if options.overlap_step:
+        return Overlap(transport, early_update)
+    if options.delayed_update:
+        return Delayed(transport, options.delayed_exact_steps)
+    if options.speculates:
+        return Speculative(transport, inputs)
+    return Immediate(transport)
+
+
 def _make_transport(process_group: Optional[Any], options: Options) -> Transport:
     if process_group is None:
         return Transport(release=options.release_grads)
@@ -603,3 +649,11 @@ def _make_transport(process_group: Optional[Any], options: Options) -> Transport
     return ShardedTransport(Comm(process_group, timeout, options.grads_reduced,
                                  compact_state=options.state_dtype != torch.float32), release=options.release_grads)
 
+
+
+# The offload options and their defaults: the constructor's keyword-only arguments that are not AdamW's (what
+# zero_offload.offload takes besides the wrapped class's own hyperparameters).
+OFFLOAD_OPTIONS: Dict[str, Any] = {
+    name: p.default for name, p in inspect.signature(OffloadOptimizer.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in inspect.signature(torch.optim.AdamW).parameters
+    and name not in ADAMW.defaults}

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES", "Hyper",
+__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES",
            "Options", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
            "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name", "world_without_group"]
 
@@ -26,8 +26,8 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # that with the model on a GPU the copies of one bucket overlap the CPU update of the previous one.
 DEFAULT_BUCKET_NUMEL = 1 << 25
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The moments' storage: fp32 (exactly AdamW), bf16, or int8 meaning 8-bit block-wise (int8 exp_avg, uint8
-# exp_avg_sq, a float32 scale per 64 elements; see zero_offload.functional).
+# The state's storage (zero_offload.state.codecs): fp32 (exactly AdamW), bf16, or int8 meaning 8-bit block-wise
+# (int8 codes for a signed buffer, uint8 for a non-negative one, a float32 scale per 64 elements).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # The dtypes' short names, as the command-line tools and benchmarks spell them (int8: the 8-bit block-wise state).
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
@@ -172,37 +172,12 @@ def check_params(params: Sequence[Any]) -> None:
         seen.add(id(p))
 
 
-@dataclasses.dataclass(frozen=True)
-class Hyper:
-    """One group's hyperparameters as plain floats, read (and validated) at the start of a step."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-    maximize: bool
-    decoupled: bool
-
-    @staticmethod
-    def read(group: Dict[str, Any]) -> "Hyper":
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        b1, b2 = group["betas"]
-        return Hyper(float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
-                     bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
-
-
-# Hyper's fields by the names a user gives them.
-_HYPER_NAMES = {"lr": "lr", "beta1": "betas[0]", "beta2": "betas[1]", "eps": "eps", "weight_decay": "weight_decay",
-                "amsgrad": "amsgrad", "maximize": "maximize", "decoupled": "decoupled_weight_decay"}
-
-
-def agreed_settings(hypers: Sequence[Hyper], nonfinite: str,
+def agreed_settings(hypers: Sequence[Any], nonfinite: str,
                     clip: Optional[Tuple[float, float]] = None) -> List[Tuple[str, float]]:
     """What every rank of a sharded optimizer must step with, as (name, value) pairs: each group's
-    hyperparameters, the ``nonfinite`` policy and (``clip_grad_norm_``) its ``(max_norm, norm_type)``."""
-    out = [(f"{_HYPER_NAMES[f.name]} of param group {i}", float(getattr(h, f.name)))
+    hyperparameters (a rule's frozen dataclass, its ``user_names`` naming the fields), the ``nonfinite`` policy and
+    (``clip_grad_norm_``) its ``(max_norm, norm_type)``."""
+    out = [(f"{getattr(h, 'user_names', {}).get(f.name, f.name)} of param group {i}", float(getattr(h, f.name)))
            for i, h in enumerate(hypers) for f in dataclasses.fields(h)]
     codes = ", ".join(f"{i}: {p}" for i, p in enumerate(NONFINITE_POLICIES))
     out.append((f"nonfinite ({codes})", float(NONFINITE_POLICIES.index(nonfinite))))

@@ -29,6 +29,7 @@ import torch
 import zero_offload
 from zero_offload import _build, functional
 from zero_offload.buckets import estimate_layouts, plan_buckets
+from zero_offload.rules.adamw import ADAMW
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPES, SUPPORTED_DTYPES,
                                   dtypes_by_name)
@@ -91,7 +92,9 @@ def lines() -> List[str]:
 # ------------------------------------------------------------------------------------------------ memory plan --
 _DTYPES = dtypes_by_name(SUPPORTED_DTYPES)
 _STATE_DTYPES = dtypes_by_name(STATE_DTYPES)
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The plan is of AdamW's state (the drop-in's), its buffer names from the rule's declarations.
+_RULE = ADAMW
+_BUFFERS = {b.name: b for b in _RULE.buffers}
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 # The largest parameter count a plan is made for: torch counts elements in int64.
 MAX_COUNT = 2**63 - 1
@@ -160,8 +163,8 @@ class MemoryPlan:
         host (HostMemoryEstimate): the optimizer's host buffers for the whole model, from
             :meth:`OffloadOptimizer.estimate_host_memory` (unsharded).
         ours (Dict[str, Dict[str, int]]): with ``OffloadOptimizer``, ``{"gpu": {...}, "host": {...}}`` item ->
-            bytes per rank. Host items are the optimizer's buffers (``master``, ``exp_avg``, ``exp_avg_sq``,
-            ``max_exp_avg_sq``, ``grad buffer``, ``staging``), each divided evenly over ``world_size`` ranks, and,
+            bytes per rank. Host items are the optimizer's buffers (``master``, the update rule's state buffers,
+            ``grad buffer``, ``staging``), each divided evenly over ``world_size`` ranks, and,
             for a CPU model, its ``.grad`` tensors. The parameters of a CPU model live in ``master`` (fp32) or
             ``staging`` (bf16/fp16) and are not counted twice.
         adamw (Dict[str, Dict[str, int]]): the same for ``torch.optim.AdamW``: parameters, gradients and moments
@@ -221,25 +224,19 @@ def memory_plan(
         MemoryPlan: bytes per rank by location and item.
     """
     params = list(params)
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1:
-        raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-    (dtype,) = dtypes
+    dtype = _check_plan_args(params, device, world_size)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
                for layout in plan_buckets(params, bucket_numel)]
-    host = estimate_layouts(layouts, amsgrad, device == "cuda", world_size, state_dtype=state_dtype)
+    needed = _RULE.buffers_for({"amsgrad": amsgrad})
+    host = estimate_layouts(layouts, needed, device == "cuda", world_size, state_dtype=state_dtype, rule=_RULE)
     numel = host.numel
     param_bytes = sum(p.nbytes for p in params)
     if device == "cpu":
         # A CPU model's parameter storage becomes a view of master/staging (the estimate can only see that for
         # real CPU tensors, not for meta stand-ins).
         host = dataclasses.replace(host, replaces_param_bytes=param_bytes)
-    state_names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    state_names = [b.name for b in needed]
     buffers = {("grad buffer" if k == "grad" else k): v for k, v in host.buffers.items() if v}
     pinned = host.pinned_bytes
     model_side = {"params": param_bytes, "gradients": param_bytes}
@@ -254,6 +251,18 @@ def memory_plan(
         adamw = {"gpu": {}, "host": adamw_side}
     return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned, state_dtype,
                       release_grads and device == "cuda")
+
+
+def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: int) -> torch.dtype:
+    """:func:`memory_plan`'s checks of its arguments; returns the parameters' one dtype."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+    return next(iter(dtypes))
 
 
 def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL, **kw) -> MemoryPlan:
@@ -317,8 +326,8 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     return out + _note_lines(plan, home)
 
 
-_ROW_ORDER = ("params", "gradients", "master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
-              "exp_avg_sq_scale", "max_exp_avg_sq_scale", "grad buffer", "staging", "grad_prev", "flat_grad")
+_ROW_ORDER = ("params", "gradients", "master", *_BUFFERS, *(name + "_scale" for name in _BUFFERS), "grad buffer",
+              "staging", "grad_prev", "flat_grad")
 
 
 def _table_rows(plan: MemoryPlan, state: str, home: str) -> List[Tuple[str, str, str]]:
@@ -349,9 +358,9 @@ def _row_dtype(item: str, name: str, state: str, in_ours: bool, in_adamw: bool) 
     moments in the parameters' dtype, ours in the state dtype."""
     if item in ("params", "gradients", "grad buffer", "staging"):
         return name
-    if item not in _MOMENTS:
+    if item not in _BUFFERS:
         return "fp32"
-    ours = ("int8" if item == "exp_avg" else "uint8") if state == "8-bit" else state
+    ours = ("int8" if _BUFFERS[item].signed else "uint8") if state == "8-bit" else state
     if not in_ours:
         return name
     return f"{ours}; AdamW {name}" if in_adamw and ours != name else ours
@@ -388,7 +397,7 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
 
 def _state_lines(plan: MemoryPlan, state: str) -> List[str]:
     """The byte arithmetic of the moments for the plan's ``state_dtype``, per parameter and per rank."""
-    moments = [m for m in _MOMENTS if plan.host.buffers.get(m)]
+    moments = [m for m in _BUFFERS if plan.host.buffers.get(m)]
     per = {"fp32": "4 B", "bf16": "2 B", "8-bit": "1 B code + 4 B scale / 64 = 1.0625 B"}[state]
     share = sum(plan.host.buffers.get(m, 0) + plan.host.buffers.get(m + "_scale", 0) for m in moments)
     fp32 = 4 * len(moments) * plan.host.padded_numel / plan.world_size

@@ -35,17 +35,19 @@ import dataclasses
 import logging
 import math
 from concurrent.futures import Future
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.buckets import MOMENTS, FlatBucket, view_like
+from zero_offload.apply import run_rule, touched
+from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import expose
 from zero_offload.host_memory import available_host_bytes, empty_host
-from zero_offload.options import Hyper
 from zero_offload.timeline import span
-from zero_offload.transport import BucketGrads, PendingClip, Plans, Transport
-from zero_offload.update import Immediate, State, _ensure_amsgrad, _kernel, _Worker, update_bucket
+from zero_offload.records import BucketGrads, PendingClip, Plans
+from zero_offload.state.layout import view_like
+from zero_offload.transport import Transport
+from zero_offload.update import Immediate, State, _ensure_buffers, _Worker, update_bucket
 
 __all__ = ["SpeculationStats", "Speculative"]
 
@@ -84,7 +86,7 @@ class _Spec:
 
     bucket: FlatBucket
     group: int
-    hyper: Hyper
+    hyper: Any
     multiplier: float
     present: List[bool]
     job: Optional[Future] = None
@@ -99,11 +101,11 @@ class Speculative(Immediate):
 
     Args:
         transport (Transport): the optimizer's transport (not sharded).
-        inputs (Callable[[int], Tuple[Hyper, str]]): for a group index, the hyperparameters ``step()`` would read
+        inputs (Callable[[int], Tuple[Any, str]]): for a group index, the hyperparameters ``step()`` would read
             now and the ``nonfinite`` policy.
     """
 
-    def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Hyper, str]]):
+    def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Any, str]]):
         super().__init__(transport)
         transport.host_norms = True
         self._inputs = inputs
@@ -156,21 +158,19 @@ class Speculative(Immediate):
             return
         transport.before_update(bucket)  # the last upload may still be reading staging or master
         with span(transport.timeline, "copy", "save", bucket):
-            undo = self._save(bucket, spec.hyper.amsgrad)
+            undo = self._save(bucket, spec.hyper)
         if undo is None:
             spec.skipped = "host memory"
             return
-        full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
-        flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper.amsgrad)}
+        flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper)}
         if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
             flat["staging"] = undo["out"]
         spec.steps = bucket.steps.clone()
         try:
             with span(transport.timeline, "kernel", "speculative", bucket):
-                _kernel(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, full,
-                        into=(flat, bucket.scales))
+                run_rule(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, (flat, bucket.store.scales))
         except BaseException:
-            self._restore(bucket, spec.hyper.amsgrad)
+            self._restore(bucket, spec.hyper)
             raise
         spec.runs = runs
 
@@ -179,8 +179,8 @@ class Speculative(Immediate):
         if self._stopped:
             return "stopped"
         bucket = spec.bucket
-        if spec.hyper.amsgrad and bucket.max_exp_avg_sq is None:
-            return "amsgrad switched on"  # its buffer and state entries are made at step()
+        if bucket.store.missing(bucket.rule.needed(spec.hyper)):
+            return "amsgrad switched on"  # (a buffer the hyperparameters now need) its entries are made at step()
         if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
         sq = self.transport.host_norm(bucket)
@@ -195,28 +195,28 @@ class Speculative(Immediate):
                 return "stopped"
         return None
 
-    def _save(self, bucket: FlatBucket, amsgrad: bool) -> Optional[Dict[str, torch.Tensor]]:
+    def _save(self, bucket: FlatBucket, hyper: Any) -> Optional[Dict[str, torch.Tensor]]:
         """Copy what the kernel will change into the bucket's undo buffers (allocated at its first speculation;
         None: not, as the host could not spare twice their size)."""
         undo = self._undo.get(id(bucket))
-        if undo is None or (amsgrad and "max_exp_avg_sq" not in undo):
-            need = sum(buf.nbytes for _, buf in _state_buffers(bucket, True)) + (
+        if undo is None or any(name not in undo for name, _ in _state_buffers(bucket, hyper)):
+            need = sum(buf.nbytes for _, buf in _state_buffers(bucket)) + (
                 bucket.layout.padded_numel * bucket.dtype.itemsize if bucket.low_precision else 0)
             avail = available_host_bytes()
             # An optional speedup must never be what pushes the host into the OOM killer.
             if avail is not None and 2 * need > avail:
                 return None
-            undo = {name: torch.empty_like(buf) for name, buf in _state_buffers(bucket, True)}
+            undo = {name: torch.empty_like(buf) for name, buf in _state_buffers(bucket)}
             if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
                 undo["out"] = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
             self._undo[id(bucket)] = undo
-        for name, buf in _state_buffers(bucket, amsgrad):
+        for name, buf in _state_buffers(bucket, hyper):
             undo[name].copy_(buf)
         return undo
 
-    def _restore(self, bucket: FlatBucket, amsgrad: bool) -> None:
+    def _restore(self, bucket: FlatBucket, hyper: Any) -> None:
         undo = self._undo[id(bucket)]
-        for name, buf in _state_buffers(bucket, amsgrad):
+        for name, buf in _state_buffers(bucket, hyper):
             buf.copy_(undo[name])
 
     # -- step() (the main thread) ------------------------------------------------------------------------------
@@ -267,14 +267,14 @@ class Speculative(Immediate):
             return
         if restore:
             with span(self.transport.timeline, "copy", "restore", spec.bucket):
-                self._restore(spec.bucket, spec.hyper.amsgrad)
+                self._restore(spec.bucket, spec.hyper)
         if self.transport.timeline is not None:
             self.transport.timeline.mark("rollback", reason, spec.bucket)
         spec.runs = None
         self.stats.rollbacks += 1
         self.stats.reasons[reason] += 1
 
-    def _verdict(self, bg: BucketGrads, spec: _Spec, hyper: Hyper, multiplier: float) -> Optional[str]:
+    def _verdict(self, bg: BucketGrads, spec: _Spec, hyper: Any, multiplier: float) -> Optional[str]:
         """Why ``step()`` cannot keep the speculative update; None if it can."""
         if multiplier != spec.multiplier:
             return "multiplier"
@@ -286,11 +286,11 @@ class Speculative(Immediate):
             return "steps changed"
         return None
 
-    def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
+    def run(self, hypers: Sequence[Any], plans: Plans, multiplier: float, state: State) -> None:
         if not self._specs:
             return super().run(hypers, plans, multiplier, state)
         self._finish_all()  # the one running ends; those still queued are cancelled and updated below
-        _ensure_amsgrad(state, hypers, plans)
+        _ensure_buffers(state, hypers, plans)
         entries = {id(bg.bucket): (bg, hypers[gi]) for gi, group_plan in enumerate(plans) for bg in group_plan}
         buckets = [bg.bucket for bg, _ in entries.values()]
         self.transport.before_uploads(buckets)
@@ -316,8 +316,7 @@ class Speculative(Immediate):
     def _commit(self, spec: _Spec, state: State) -> None:
         bucket, runs = spec.bucket, spec.runs
         bucket.count_steps(runs)
-        full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
-        indices = range(len(bucket.params)) if full else [i for a, b, _ in runs for i in range(a, b + 1)]
+        indices = touched(bucket, runs)
         if not bucket.all_exposed:
             expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
         srcs = None
@@ -359,12 +358,13 @@ class Speculative(Immediate):
         self._stepping = False
 
 
-def _state_buffers(bucket: FlatBucket, amsgrad: bool):
-    """(name, flat buffer) of everything the kernel writes in the bucket's state: master, moments, 8-bit scales."""
+def _state_buffers(bucket: FlatBucket, hyper: Any = None):
+    """(name, flat buffer) of everything the update writes in the bucket's state: master, the rule's buffers (those
+    ``hyper`` needs; all held without it) and their 8-bit scales."""
     yield "master", bucket.master
-    for name in MOMENTS:
-        if name == "max_exp_avg_sq" and (not amsgrad or bucket.max_exp_avg_sq is None):
-            continue
-        yield name, getattr(bucket, name)
-        if name in bucket.scales:
-            yield name + "_scale", bucket.scales[name]
+    store = bucket.store
+    names = store.names if hyper is None else [b.name for b in bucket.rule.needed(hyper) if b.name in store.flat]
+    for name in names:
+        yield name, store.flat[name]
+        if name in store.scales:
+            yield name + "_scale", store.scales[name]

@@ -33,73 +33,14 @@ import torch
 
 from zero_offload import functional
 from zero_offload._compat import foreach_norm_fp32, increment_version
-from zero_offload.buckets import FlatBucket, check_grads, view_like
+from zero_offload.buckets import FlatBucket
+from zero_offload.grads import check_grads
+from zero_offload.records import BucketGrads, PendingClip, Plans
+from zero_offload.state.layout import view_like
 from zero_offload.host_memory import copy_many_, empty_host
 from zero_offload.timeline import Timeline, span
 
 __all__ = ["BucketGrads", "PendingClip", "Plans", "Transport", "record_event"]
-
-
-@dataclasses.dataclass
-class BucketGrads:
-    """One bucket's gradients for one step: what passes from backward (or the step's own gather) to the kernel.
-
-    Attributes:
-        bucket (FlatBucket): the bucket.
-        present (List[bool]): which parameters have a gradient this step (sharded: on some rank, once gathered).
-        pending (List[Optional[Tensor]]): per parameter, the gradient the step still has to read from the
-            parameter (it may be the parameter's own slot, after ``zero_grad(set_to_none=False)``); None where it
-            is in the host buffer already, or absent.
-        in_place (List[Optional[Tensor]], optional): once gathered, a CPU bucket's gradients as the kernel reads
-            them, where they are (None: the flat gradient buffer holds them all).
-        stale (bool): a gradient was changed or dropped after backward streamed it (its streamed norm, or a
-            sharded bucket's reduce-scatter, no longer holds).
-    """
-
-    bucket: FlatBucket
-    present: List[bool]
-    pending: List[Optional[torch.Tensor]]
-    in_place: Optional[List[Optional[torch.Tensor]]] = None
-    stale: bool = False
-
-    def agree(self, present: List[bool]) -> None:
-        """Sharded: which parameters have a gradient on some rank, as the group agreed (a gradient missing here
-        then counts as zero)."""
-        self.present = present
-
-    def host_grads(self) -> List[torch.Tensor]:
-        """The host tensors holding the gathered gradients."""
-        if self.in_place is None:
-            return [self.bucket.grad]
-        return functional.CheckedGrads(g for g in self.in_place if g is not None)
-
-    def host_sq_norm(self) -> Tuple[float, bool]:
-        """Sum of squares of the gathered host gradients, and whether one is inf/nan."""
-        if self.in_place is None:
-            return functional.grad_sq_norm(self.bucket.grad)
-        return functional.grad_sq_norm_segments(self.host_grads())
-
-
-Plans = List[List[BucketGrads]]
-
-
-@dataclasses.dataclass
-class PendingClip:
-    """What ``clip_grad_norm_`` left for the next ``step``: gradients already gathered, and the norm."""
-
-    plans: Plans
-    max_norm: float
-    norm_type: float
-    total_norm: float
-    nonfinite: bool
-    fresh: bool  # every gradient still on a parameter was read again (see clip_grad_norm_)
-
-    def coefficient(self, unscale: float = 1.0) -> float:
-        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it (1 where that is not finite), with the
-        norm multiplied by ``unscale`` first."""
-        total = torch.tensor(self.total_norm * unscale, dtype=torch.float32)
-        coef = float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
-        return coef if math.isfinite(coef) else 1.0
 
 
 class _Link:
@@ -194,9 +135,9 @@ class Transport:
         return stream
 
     def bind(self, bucket: FlatBucket) -> None:
-        """Make CPU parameters views of their slots (see :meth:`FlatBucket.bind`)."""
-        bucket.fill_param_slots()
-        bucket.bind()
+        """Make CPU parameters views of their slots (see :meth:`~zero_offload.state.params.Masters.bind`)."""
+        bucket.masters.fill_param_slots()
+        bucket.masters.bind()
 
     # -- gradients, from backward ----------------------------------------------------------------------------
     def send_grads(self, bucket: FlatBucket) -> None:
@@ -210,7 +151,7 @@ class Transport:
             self._send(link, idx, grads)
         for i, g in zip(idx, grads):
             link.present[i] = True
-            bucket.slot_filled(i)
+            bucket.grads.filled(i)
             if not self.release:
                 link.sources[i] = (g, g._version)
         if self.release:
@@ -382,9 +323,9 @@ class Transport:
         dsts, srcs = [], []
         for i, (has, g) in enumerate(zip(bg.present, bg.pending)):
             if not has:
-                bucket.clear_slot(i)
+                bucket.grads.clear(i)
                 continue
-            bucket.slot_filled(i)
+            bucket.grads.filled(i)
             if g is not None and g is not views[i]:  # (in its slot already: a view from zero_grad(False))
                 dsts.append(views[i])
                 srcs.append(g)
@@ -397,7 +338,7 @@ class Transport:
         bucket, views = bg.bucket, bg.bucket.grad_views
         if all(map(operator.is_, bg.pending, views)):
             # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
-            bucket.all_slots_filled()
+            bucket.grads.all_filled()
             return None
         if not self._links[id(bucket)].streamed and any(g is not None and g is not v
                                                          for g, v in zip(bg.pending, views)):
@@ -417,7 +358,7 @@ class Transport:
         bucket, grads = bg.bucket, bg.pending
         flat, offsets, numels, views = bucket.grad, bucket.layout.offsets, bucket.layout.numels, bucket.grad_views
         # The usual case, checked in C-level loops: every gradient fresh, present and contiguous like its slot.
-        if (bucket.all_slots_contiguous and not any(map(operator.is_, grads, repeat(None)))
+        if (bucket.grads.all_slots_contiguous and not any(map(operator.is_, grads, repeat(None)))
                 and not any(map(operator.is_, grads, views)) and all(map(torch.Tensor.is_contiguous, grads))):
             return functional.CheckedGrads(grads)
         out: List[Optional[torch.Tensor]] = []
@@ -425,7 +366,7 @@ class Transport:
         for i, g in enumerate(grads):
             if g is None:
                 out.append(None)
-            elif g is not views[i] and bucket.slot_contiguous[i] and g.is_contiguous():
+            elif g is not views[i] and bucket.grads.slot_contiguous[i] and g.is_contiguous():
                 out.append(g)
             else:
                 # The state's slots have the parameter's memory order; a gradient in any other order (or already
@@ -434,7 +375,7 @@ class Transport:
                     dsts.append(views[i])
                     srcs.append(g)
                     sizes.append(numels[i])
-                bucket.slot_filled(i)
+                bucket.grads.filled(i)
                 out.append(flat[offsets[i] : offsets[i] + numels[i]])
         if dsts:
             copy_many_(dsts, srcs, sizes)
@@ -554,7 +495,7 @@ class Transport:
             with torch.no_grad(), torch.cuda.stream(stream), span(self.timeline, "copy", "h2d", bucket):
                 torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
             self.record_h2d(bucket, stream)
-        bucket.record_versions(indices)
+        bucket.masters.record_versions(indices)
 
     def finish_params(self, buckets: Iterable[FlatBucket]) -> None:
         """The next forward must read the parameters only after their uploads have landed: the compute stream
@@ -585,7 +526,7 @@ class Transport:
         for link in self._links.values():
             bucket = link.bucket
             if bucket.on_cpu and not link.streamed:
-                bucket.zero_grads_as_views()
+                bucket.grads.zero_as_views()
                 continue
             if self.release and any(link.had):
                 if bucket.shares_grad:
@@ -593,7 +534,7 @@ class Transport:
                 link.present = list(link.had)
                 for i, has in enumerate(link.had):
                     if has:
-                        bucket.clear_slot(i)
+                        bucket.grads.clear(i)
             grads = []
             for p in bucket.params:
                 if p.grad is not None:

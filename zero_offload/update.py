@@ -1,6 +1,8 @@
-"""The CPU step: the kernel over one bucket (:func:`update_bucket`), and the three schedules that decide when each
-bucket's update runs (:class:`Immediate`, the default; :class:`Overlap`, during backward; :class:`Delayed`,
-during the next forward and backward). A schedule is chosen once, at construction (:func:`make_mode`).
+"""The schedules of the CPU step: one bucket's journey at ``step()`` (:func:`update_bucket`: wait for its
+gradients, run its rule (:mod:`zero_offload.apply`), show new state entries, send it back), and when each bucket's
+update runs (:class:`Immediate`, the default; :class:`Overlap`, during backward; :class:`Delayed`, during the next
+forward and backward; :class:`~zero_offload.speculation.Speculative` builds on these). The optimizer picks one at
+construction.
 """
 
 from __future__ import annotations
@@ -13,40 +15,39 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload import functional
-from zero_offload.buckets import MOMENTS, FlatBucket, view_like
+from zero_offload.apply import copies_of, run_rule, touched
+from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import Ahead, expose
-from zero_offload.options import Hyper, Options
+from zero_offload.records import BucketGrads, Plans
+from zero_offload.state.layout import view_like
 from zero_offload.timeline import span
-from zero_offload.transport import BucketGrads, Plans, Transport
+from zero_offload.transport import Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "ensure_amsgrad", "make_mode", "preview_bucket", "update_bucket",
+__all__ = ["Delayed", "Immediate", "Overlap", "ensure_buffers", "preview_bucket", "update_bucket",
            "weak_method"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
 
-def ensure_amsgrad(state: State, bucket: FlatBucket) -> None:
-    """amsgrad switched on for the bucket's group since it was built: allocate its buffer, show it in the state."""
-    if bucket.max_exp_avg_sq is not None:
-        return
-    bucket.ensure_amsgrad()
-    expose(state, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i]])
+def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any) -> None:
+    """A group's hyperparameters need state buffers its bucket lacks (amsgrad switched on since it was built):
+    allocate them, show them in the state."""
+    if bucket.ensure_buffers(bucket.rule.needed(hyper)):
+        expose(state, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i]])
 
 
-def _ensure_amsgrad(state: State, hypers: Sequence[Hyper], plans: Plans) -> None:
+def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Plans) -> None:
     for hyper, group_plan in zip(hypers, plans):
-        if hyper.amsgrad:  # amsgrad switched on for a group since its buckets were built
-            for bg in group_plan:
-                ensure_amsgrad(state, bg.bucket)
+        for bg in group_plan:
+            ensure_buffers(state, bg.bucket, hyper)
 
 
 def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bool],
-                  in_place: Optional[List[Optional[torch.Tensor]]], h: Hyper, multiplier: float, state: State, *,
+                  in_place: Optional[List[Optional[torch.Tensor]]], h: Any, multiplier: float, state: State, *,
                   grad: Optional[torch.Tensor] = None, scatter: bool = True) -> Optional[List[int]]:
-    """Run the kernel over the bucket's parameters that have a gradient (``present``), reading it from ``grad``
-    (default: the bucket's gradient buffer) or ``in_place``, and with ``scatter`` send the results to the
-    parameters. Returns the indices updated (None: none)."""
+    """Update the bucket's parameters that have a gradient (``present``), reading it from ``grad`` (default: the
+    bucket's gradient buffer) or ``in_place``: wait for the gradients, run the rule, show new state entries, and
+    with ``scatter`` send the results to the parameters. Returns the indices updated (None: none)."""
     runs = bucket.runs(present)
     if not runs:
         return None
@@ -55,11 +56,10 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
         # been recorded again by the next backward, which this must not wait for.)
         transport.wait_grads(bucket)
     transport.before_update(bucket)  # the last upload may still be reading master/staging
-    full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
-    indices = range(len(bucket.params)) if full else [i for first, last, _ in runs for i in range(first, last + 1)]
-    bucket.refresh_masters(indices)
+    indices = touched(bucket, runs)
+    bucket.masters.refresh(indices)
     with span(transport.timeline, "kernel", "step", bucket):
-        _kernel(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier, full)
+        run_rule(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
@@ -68,52 +68,26 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
     return list(indices)
 
 
-def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Hyper, multiplier: float, *,
+def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multiplier: float, *,
                    grad: torch.Tensor) -> Optional[Ahead]:
     """What :func:`update_bucket` would leave in a CPU bucket, computed into copies of its buffers (the bucket,
     its parameters and their recorded versions are left as they are): the state a delayed update will have."""
     runs = bucket.runs(present)
     if not runs:
         return None
-    names = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "staging")
-    flat = {n: getattr(bucket, n).clone() for n in names if getattr(bucket, n) is not None}
-    scales = {n: t.clone() for n, t in bucket.scales.items()}
-    full = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
-    indices = list(range(len(bucket.params))) if full else [i for a, b, _ in runs for i in range(a, b + 1)]
-    bucket.refresh_masters(indices, into=[view_like(flat["master"], o, p)
+    copies = copies_of(bucket)
+    flat = copies[0]
+    indices = list(touched(bucket, runs))
+    bucket.masters.refresh(indices, into=[view_like(flat["master"], o, p)
                                           for o, p in zip(bucket.layout.offsets, bucket.params)])
-    _kernel(bucket, runs, grad, None, h, multiplier, full, into=(flat, scales))
-    for name in [n for n in MOMENTS if n in flat and bucket.compact]:  # saved as fp32, as state_dict() does
-        flat[name] = functional.dequantize_state(flat[name], scales[name]) if name in scales else flat[name].float()
+    run_rule(bucket, runs, grad, None, h, multiplier, copies)
+    if bucket.compact:  # saved as fp32, as state_dict() does
+        for name in bucket.store.names:
+            flat[name] = bucket.store.codecs[name].to_fp32(flat[name], copies[1].get(name))
     steps = bucket.steps.clone()
     for first, last, _ in runs:
         steps[first : last + 1] += 1
     return Ahead(set(indices), steps, flat)
-
-
-def _kernel(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], flat_grad: torch.Tensor,
-            in_place: Optional[List[Optional[torch.Tensor]]], h: Hyper, multiplier: float, full: bool,
-            into: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = None) -> None:
-    """One kernel call per run of parameters with the same step count, on the bucket's buffers or ``into`` (copies
-    of them: flat buffers by name, and the 8-bit scales by moment name). A run starts on a slot, so it owns whole
-    scale blocks of 8-bit state."""
-    master = bucket.master if into is None else into[0]["master"]
-    offsets = bucket.layout.offsets
-    for first, last, step in runs:
-        a, b = bucket.layout.span(first, last)
-        kw = dict(step=step + 1, lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                  decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize,
-                  grad_scale=multiplier * bucket.grad_multiplier,
-                  **bucket.kernel_state(a, b, h.amsgrad, into))
-        if into is None:
-            kw["param_out"] = bucket.param_out(flat_grad, a, b)
-        elif "staging" in into[0]:
-            kw["param_out"] = into[0]["staging"][a:b]
-        if in_place is None:
-            functional.cpu_adam_(master[a:b], flat_grad[a:b], **kw)
-        else:
-            grads = in_place if full else functional.CheckedGrads(in_place[first : last + 1])  # checked as a whole
-            functional.cpu_adam_segments_(master[a:b], grads, [o - a for o in offsets[first : last + 1]], **kw)
 
 
 class _Worker:
@@ -158,9 +132,9 @@ class Immediate:
         """``step()`` is about to :meth:`run` with this loss-scale inverse and this pending clip (a
         ``PendingClip`` or None)."""
 
-    def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
+    def run(self, hypers: Sequence[Any], plans: Plans, multiplier: float, state: State) -> None:
         """Update every bucket of ``plans`` not yet updated, and send the results back."""
-        _ensure_amsgrad(state, hypers, plans)
+        _ensure_buffers(state, hypers, plans)
         buckets = [bg.bucket for bg in chain.from_iterable(plans)]
         self.transport.before_uploads(buckets)
         for hyper, group_plan in zip(hypers, plans):
@@ -248,7 +222,7 @@ class _Pending:
 
     run: Callable[[], List[Tuple[FlatBucket, Optional[List[int]]]]]
     job: Optional[Future]
-    work: List[Tuple[FlatBucket, Sequence[bool], Hyper]]
+    work: List[Tuple[FlatBucket, Sequence[bool], Any]]
     multiplier: float
 
 
@@ -256,7 +230,7 @@ class Delayed(Immediate):
     """``delayed_update``, ZeRO-Offload's delayed parameter update: ``step()`` applies the *previous* step's update
     (sending its parameters back) and starts this step's from a second gradient buffer, in the worker thread while
     the next forward and backward run (with the model on CPU, at the next ``step()``: the parameters *are* the
-    masters there). Hyperparameters, clipping and loss scaling of a step apply to its own gradients.
+    masters there). Anyparameters, clipping and loss scaling of a step apply to its own gradients.
 
     ``exact_steps``: the updates that take a parameter's step count up to this many are applied before ``step()``
     returns, as without delay (counted from the state, so a resumed run goes on where it was)."""
@@ -267,9 +241,9 @@ class Delayed(Immediate):
         self._pending: Optional[_Pending] = None
         self._exact_steps = exact_steps
 
-    def run(self, hypers: Sequence[Hyper], plans: Plans, multiplier: float, state: State) -> None:
+    def run(self, hypers: Sequence[Any], plans: Plans, multiplier: float, state: State) -> None:
         self.flush(state)
-        _ensure_amsgrad(state, hypers, plans)
+        _ensure_buffers(state, hypers, plans)
         work = []
         for hyper, group_plan in zip(hypers, plans):
             for bg in group_plan:
@@ -277,7 +251,7 @@ class Delayed(Immediate):
                     raise AssertionError("delayed_update with gradients read in place")
                 if bg.bucket.runs(bg.present):
                     self.transport.wait_grads(bg.bucket)
-                    bg.bucket.swap_grad_buffers()
+                    bg.bucket.grads.swap()
                     work.append((bg.bucket, bg.present, hyper))
         transport = self.transport
 
@@ -326,21 +300,6 @@ class Delayed(Immediate):
         pending, self._pending = self._pending, None
         if pending is not None and pending.job is not None:
             pending.job.result()
-
-
-def make_mode(options: Options, transport: Transport,
-              early_update: Optional[Callable[[FlatBucket, int], None]] = None,
-              inputs: Optional[Callable[[int], Tuple[Hyper, str]]] = None) -> Immediate:
-    """The schedule ``options`` ask for (``inputs``: what speculation reads of a group, see
-    :class:`~zero_offload.speculation.Speculative`)."""
-    if options.overlap_step:
-        return Overlap(transport, early_update)
-    if options.delayed_update:
-        return Delayed(transport, options.delayed_exact_steps)
-    if options.speculates and inputs is not None:
-        from zero_offload.speculation import Speculative  # (it builds on this module)
-        return Speculative(transport, inputs)
-    return Immediate(transport)
 
 
 def weak_method(method: Callable) -> Callable:

@@ -24,17 +24,25 @@ class StateBuffer:
     """One per-element state buffer of a rule, shaped like the parameter in the state dict.
 
     Attributes:
-        name (str): its key in the state dict (``"exp_avg"``).
+        name (str): its key in the state dict (AdamW's first moment's, say).
         compactable (bool): may be stored in a compact codec (``state_dtype`` bf16 / 8-bit); False: always fp32.
         signed (bool): may hold negative values (8-bit: int8 codes; else uint8 codes).
         needed (Callable[[hyper], bool]): allocated only when this holds for the group's hyperparameters (AdamW's
-            ``max_exp_avg_sq`` with amsgrad).
+            running maximum with amsgrad).
+        switch (str): for an optional buffer, the boolean group setting that asks for it (``"amsgrad"``), as
+            messages name it: the host-RAM refusal lists what turning it off would save, the ranks of a process
+            group must agree on it. Default: "".
     """
 
     name: str
     compactable: bool = True
     signed: bool = True
     needed: Callable[[Any], bool] = _always
+    switch: str = ""
+
+    @property
+    def optional(self) -> bool:
+        return self.needed is not _always
 
 
 @dataclasses.dataclass
@@ -74,6 +82,11 @@ class Rule:
         buffers (Tuple[StateBuffer, ...]): the per-element state, in state-dict key order.
         step_key (str, optional): the per-parameter step-count key of the state dict (None: the format has none).
         state_dtypes (Tuple[torch.dtype, ...]): the codecs the update can read and write directly.
+        defaults (Dict[str, Any]): the optimizer's defaults (what ``hyper`` reads of a group), used to plan the
+            buffers of groups that give only some settings (``estimate_host_memory``).
+        loaded_defaults (Dict[str, Any]): what the optimizer's ``__setstate__`` gives a loaded group lacking these
+            keys (an older checkpoint), rather than the value this optimizer was built with.
+        cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
     """
 
     name: str = ""
@@ -81,15 +94,32 @@ class Rule:
     buffers: Tuple[StateBuffer, ...] = ()
     step_key: Optional[str] = "step"
     state_dtypes: Tuple[torch.dtype, ...] = (torch.float32,)
+    defaults: Dict[str, Any] = {}
+    loaded_defaults: Dict[str, Any] = {}
+    cleared_flags: Tuple[str, ...] = ()
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
         return tuple(b for b in self.buffers if b.needed(hyper))
 
+    def buffers_for(self, group: Dict[str, Any]) -> Tuple[StateBuffer, ...]:
+        """The buffers a group (or a partial one: the rest taken from :attr:`defaults`) allocates."""
+        return self.needed(self.hyper({**self.defaults, **group}))
+
     def hyper(self, group: Dict[str, Any]) -> Hashable:
         """The group's hyperparameters read and validated once per step, as a frozen dataclass of plain
         floats/bools (compared for equality by speculation, agreed across ranks field by field)."""
         raise NotImplementedError
+
+    def check(self, group: Dict[str, Any], where: str = "") -> None:
+        """Validate a group's hyperparameters (the defaults, a group being added, a loaded one) before anything
+        changes: :meth:`hyper`'s checks; ``where`` prefixes the message (a loaded group)."""
+        try:
+            self.hyper(group)
+        except ValueError as exc:
+            if not where:
+                raise
+            raise ValueError(f"{where}: {exc}") from None
 
     def update(self, run: Run, hyper: Any) -> None:
         """Update one run in place: ``master``, ``state`` (and ``scales``) and ``param_out``."""

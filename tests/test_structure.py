@@ -1,0 +1,120 @@
+"""The package's shape, checked from its source with ``ast`` (issue 23): every concept of the state has a named
+home of bounded size, no module imports another in a loop, and the update rule's buffer names live in the rule."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Dict, Iterator, List, Set, Tuple
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zero_offload"
+# The state code: where a class over ~300 lines means a concept without a name.
+STATE_CODE = ("state/", "rules/", "grads.py", "buckets.py", "apply.py", "records.py")
+# Adam's buffer names may appear in its rule and in the kernel's API (functional, the references) only; Lion's
+# momentum has the same state-dict key (``exp_avg``, as in the reference Lion implementations), in its rule and its
+# torch optimizer.
+ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_reference.py", "_torch_fused.py",
+                      "rules/lion.py", "lion.py"}
+# Compiled modules of the package (no source here, and they import nothing of ours).
+EXTENSIONS = {"zero_offload._C"}
+
+
+def _modules() -> Iterator[Tuple[str, pathlib.Path]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), path
+
+
+def _name(rel: str) -> str:
+    parts = ["zero_offload", *rel[:-3].split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _span(node: ast.AST) -> int:
+    """Lines of a def or class, its decorators and docstring included."""
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+    return node.end_lineno - first + 1
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.AST, modules: Set[str]) -> Set[str]:
+    """The package's ``modules`` that a module imports, anywhere in it (a function-level import is a dependency
+    too), leaving out ``if TYPE_CHECKING:`` blocks. ``from zero_offload import functional`` depends on
+    ``zero_offload.functional``, not on the package's ``__init__``."""
+    out: Set[str] = set()
+    skip = {id(n) for t in ast.walk(tree) if _type_checking(t) for n in ast.walk(t)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("zero_offload"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zero_offload"):
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            out.update(subs & modules)
+            if not subs <= modules:
+                out.add(node.module)
+    return out
+
+
+def sizes() -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]:
+    """(functions over 60 lines, state-code classes over 300 lines), as (where, lines)."""
+    long_defs, long_classes = [], []
+    for rel, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _span(node) > 60:
+                long_defs.append((f"{rel}:{node.name}", _span(node)))
+            if isinstance(node, ast.ClassDef) and rel.startswith(STATE_CODE) and _span(node) > 300:
+                long_classes.append((f"{rel}:{node.name}", _span(node)))
+    return long_defs, long_classes
+
+
+def import_cycles() -> List[List[str]]:
+    modules = {_name(rel): path for rel, path in _modules()}
+    graph: Dict[str, Set[str]] = {}
+    for name, path in modules.items():
+        imported = _imports(ast.parse(path.read_text()), set(modules) | EXTENSIONS)
+        graph[name] = {m for m in imported if m in modules and m != name}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: List[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    return cycles
+
+
+def adam_names_outside_rule() -> List[str]:
+    return [f"{rel}:{i}" for rel, path in _modules() if rel not in ADAM_NAMES_ALLOWED
+            for i, line in enumerate(path.read_text().splitlines(), 1) if "exp_avg" in line]
+
+
+def test_no_function_over_60_lines_and_no_state_class_over_300():
+    long_defs, long_classes = sizes()
+    assert not long_defs, long_defs
+    assert not long_classes, long_classes
+
+
+def test_no_import_cycle():
+    assert not import_cycles()
+
+
+def test_adam_buffer_names_live_in_the_adamw_rule():
+    assert not adam_names_outside_rule()
+
+
+if __name__ == "__main__":
+    print("long functions, long state classes:", sizes())
+    print("import cycles:", import_cycles())
+    print("'exp_avg' outside the rule and kernel API:", adam_names_outside_rule())

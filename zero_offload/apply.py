@@ -1,0 +1,63 @@
+"""One bucket's update by its rule: a :class:`~zero_offload.rules.base.Run` per run of slots (parameters with a
+gradient and the same step count), on the bucket's buffers or on copies of them. Nothing here waits for a
+transfer, sends anything or touches ``opt.state``: the schedules (:mod:`zero_offload.update`) do, around it."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload import functional
+from zero_offload.buckets import FlatBucket
+from zero_offload.rules.base import Run
+
+__all__ = ["Copies", "RunSpec", "copies_of", "is_whole", "run_rule", "touched"]
+
+RunSpec = Tuple[int, int, int]  # (first, last, step count before the update): see FlatBucket.runs
+# Copies of a bucket's buffers by name ("master", the rule's, "staging"), and of their 8-bit scales.
+Copies = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
+
+
+def is_whole(bucket: FlatBucket, runs: Sequence[RunSpec]) -> bool:
+    """Whether ``runs`` is one run over the whole bucket (the usual case)."""
+    return len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(bucket.params) - 1
+
+
+def touched(bucket: FlatBucket, runs: Sequence[RunSpec]) -> Sequence[int]:
+    """The parameters ``runs`` update."""
+    if is_whole(bucket, runs):
+        return range(len(bucket.params))
+    return [i for first, last, _ in runs for i in range(first, last + 1)]
+
+
+def copies_of(bucket: FlatBucket) -> Copies:
+    """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
+    flat = {"master": bucket.master.clone(), **{n: t.clone() for n, t in bucket.store.flat.items()}}
+    if bucket.staging is not None:
+        flat["staging"] = bucket.staging.clone()
+    return flat, {n: t.clone() for n, t in bucket.store.scales.items()}
+
+
+def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: torch.Tensor,
+             in_place: Optional[List[Optional[torch.Tensor]]], hyper, multiplier: float,
+             copies: Optional[Copies] = None) -> None:
+    """The rule's update of each run, reading the gradients from ``grad`` (flat, the bucket's layout) or
+    ``in_place`` (per parameter, where they are), on the bucket's buffers or ``copies``. A run starts on a slot,
+    so it owns whole scale blocks of 8-bit state."""
+    rule, layout, store = bucket.rule, bucket.layout, bucket.store
+    master = bucket.master if copies is None else copies[0]["master"]
+    out = None if copies is None else copies[0].get("staging")
+    grad_scale = multiplier * bucket.grad_multiplier
+    whole = is_whole(bucket, runs)
+    for first, last, step in runs:
+        a, b = layout.span(first, last)
+        state, scales = store.run_state(a, b, copies)
+        param_out = bucket.param_out(grad, a, b) if copies is None else (None if out is None else out[a:b])
+        if in_place is None:
+            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out)
+        else:
+            grads = in_place if whole else functional.CheckedGrads(in_place[first : last + 1])  # checked whole
+            offsets = [o - a for o in layout.offsets[first : last + 1]]
+            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out)
+        rule.update(run, hyper)

@@ -1,0 +1,74 @@
+"""``zero_offload.offload(optimizer_class, params, **kwargs)``: any elementwise torch.optim-style optimizer with
+zero_offload's machinery (flat pinned buckets, streamed gradients, sharding, clipping, GradScaler, state dicts in
+the class's own format), the way torchao's ``CPUOffloadOptimizer(params, optimizer_class, **kwargs)`` and
+``ZeroRedundancyOptimizer(params, optimizer_class=..., **defaults)`` take a class and its keyword arguments.
+
+Which update runs:
+
+* ``torch.optim.AdamW`` and ``torch.optim.Adam``: the fused SIMD CPU-Adam kernel (an :class:`OffloadOptimizer`
+  with the class's defaults: Adam's are ``weight_decay=0`` and ``decoupled_weight_decay=False``).
+* :class:`zero_offload.Lion`: the Lion rule (:mod:`zero_offload.rules.lion`).
+* any other class: the generic rule (:mod:`zero_offload.rules.torch_class`), the class's own CPU implementation over
+  the flat buffers, after a probe has checked that its update is elementwise (refused, naming why, otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List
+
+import torch
+
+from zero_offload.lion import Lion
+from zero_offload.optimizer import OFFLOAD_OPTIONS, OffloadOptimizer
+
+__all__ = ["offload"]
+
+
+def _group_settings(params: Any) -> List[Dict[str, Any]]:
+    """The hyperparameters each parameter group overrides (empty when ``params`` is a list of tensors)."""
+    if isinstance(params, torch.Tensor):
+        return []
+    params = list(params) if not isinstance(params, list) else params
+    return [{k: v for k, v in g.items() if k != "params"} for g in params if isinstance(g, dict)]
+
+
+def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> OffloadOptimizer:
+    """Offload ``optimizer_class``: its fp32 masters and state in pinned host memory, updated on the CPU.
+
+    ``kwargs`` are the class's own hyperparameters (its defaults apply, it validates them with its own messages)
+    and any offload option of :class:`~zero_offload.OffloadOptimizer` (``nonfinite``, ``bucket_numel``,
+    ``pin_memory``, ``stream_grads``, ``release_grads``, ``overlap_step``, ``delayed_update``, ``process_group``,
+    ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``). The result is an ``OffloadOptimizer``: the
+    same ``step``, ``clip_grad_norm_``, GradScaler support and sharding, with ``defaults``, ``param_groups`` and
+    ``state_dict()`` in the format of ``optimizer_class`` (so LR schedulers work and a checkpoint of the plain
+    torch optimizer loads, and the other way round).
+
+    Args:
+        optimizer_class (type): ``torch.optim.AdamW`` / ``Adam`` (the fused Adam kernel), ``zero_offload.Lion``,
+            or any elementwise ``torch.optim.Optimizer`` subclass (``SGD``, ``Adagrad``, ``RMSprop``, ``Adamax``,
+            ``RAdam``, ``Adadelta``, ``Rprop``, ...) run by its own CPU implementation (``foreach``/``fused`` as
+            given). Refused with a ``ValueError`` naming why: ``LBFGS`` (a closure and a line search over all
+            parameters), ``SparseAdam`` (sparse gradients), ``Adafactor`` (factored state), ``NAdam`` and ``ASGD``
+            (per-parameter scalar state besides the step count), classes whose update of an element depends on
+            other elements (LAMB, LARS, Muon, Shampoo: found by probing), ``differentiable=True``,
+            ``capturable=True``.
+        params (iterable): parameters or parameter groups, as for ``optimizer_class``.
+        **kwargs: the class's hyperparameters and the offload options.
+
+    ``state_dtype``: fp32, bf16 and int8 for Adam(W); fp32 and bf16 for Lion; fp32 only for the generic rule.
+    """
+    if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(f"offload() takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in OFFLOAD_OPTIONS}
+    # The class checks its own arguments (its TypeError for an unknown one, its ValueErrors) and gives its defaults.
+    defaults = dict(optimizer_class([torch.nn.Parameter(torch.zeros(1))], **kwargs).defaults)
+    if optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
+        return OffloadOptimizer(params, **defaults, **options)
+    if optimizer_class is Lion:
+        from zero_offload.rules.lion import LION as rule
+    else:
+        from zero_offload.rules.torch_class import rule_for
+
+        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        rule = rule_for(optimizer_class, *[{**defaults, **g} for g in _group_settings(params) or [{}]])
+    return OffloadOptimizer._with_rule(params, rule, defaults, **options)

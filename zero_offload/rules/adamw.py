@@ -1,0 +1,94 @@
+"""Adam and AdamW (one rule, ``decoupled_weight_decay`` picks), over the fused CPU kernel of
+:mod:`zero_offload.functional`: the state dict is ``torch.optim.AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq``,
+with amsgrad ``max_exp_avg_sq``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar, Dict
+
+import torch
+
+from zero_offload import functional
+from zero_offload.options import check_group, check_hparams
+from zero_offload.rules.base import Rule, Run, StateBuffer
+
+__all__ = ["AdamW", "Hyper", "ADAMW"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """One group's hyperparameters as plain floats, read (and validated) at the start of a step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    decoupled: bool
+
+    # The fields by the names a user gives them (messages of the ranks' agreement).
+    user_names: ClassVar[Dict[str, str]] = {
+        "lr": "lr", "beta1": "betas[0]", "beta2": "betas[1]", "eps": "eps", "weight_decay": "weight_decay",
+        "amsgrad": "amsgrad", "maximize": "maximize", "decoupled": "decoupled_weight_decay"}
+
+    @staticmethod
+    def read(group: Dict[str, Any]) -> "Hyper":
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        b1, b2 = group["betas"]
+        return Hyper(float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                     bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
+
+
+def _amsgrad(h: Hyper) -> bool:
+    return h.amsgrad
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_kwargs(h: Hyper) -> Dict[str, Any]:
+    """The kernel's hyperparameter arguments, built once per distinct :class:`Hyper` (read-only: never edited)."""
+    return dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
+                decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize)
+
+
+class AdamW(Rule):
+    """Adam(W) with amsgrad and maximize, the moments in any codec (fp32, bf16, 8-bit block-wise)."""
+
+    name = "Adam(W)"
+    optimizer_class = torch.optim.AdamW
+    buffers = (StateBuffer("exp_avg"), StateBuffer("exp_avg_sq", signed=False),
+               StateBuffer("max_exp_avg_sq", signed=False, needed=_amsgrad, switch="amsgrad"))
+    step_key = "step"
+    state_dtypes = (torch.float32, torch.bfloat16, torch.int8)
+    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False,
+                    decoupled_weight_decay=True)
+
+    # What torch.optim.Adam.__setstate__ gives a loaded group that lacks these flags (an older checkpoint).
+    loaded_defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                           fused=None)
+    cleared_flags = ("capturable", "differentiable")  # not honoured here; a loaded AdamW group may carry them
+
+    def hyper(self, group: Dict[str, Any]) -> Hyper:
+        return Hyper.read(group)
+
+    def check(self, group: Dict[str, Any], where: str = "") -> None:
+        check_group(group, where)
+
+    def update(self, run: Run, hyper: Hyper) -> None:
+        state, scales = run.state, run.scales
+        kw = dict(step=run.step, grad_scale=run.grad_scale, param_out=run.param_out,
+                  exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+        if hyper.amsgrad:  # (a buffer kept from an earlier amsgrad group is not read)
+            kw["max_exp_avg_sq"] = state["max_exp_avg_sq"]
+        if scales:
+            kw.update((name + "_scale", s) for name, s in scales.items() if hyper.amsgrad or name != "max_exp_avg_sq")
+        if run.grads is None:
+            functional.cpu_adam_(run.master, run.grad, **kw, **_kernel_kwargs(hyper))
+        else:
+            functional.cpu_adam_segments_(run.master, run.grads, run.offsets, **kw, **_kernel_kwargs(hyper))
+
+
+ADAMW = AdamW()

@@ -1,0 +1,165 @@
+"""The parameters' side of a bucket: the fp32 masters and whether each is current (the parameter's autograd
+version when the optimizer last wrote it), the low-precision copy the update writes (``staging``), CPU parameters
+bound to the slots the update writes, and what the parameters are uploaded from.
+
+Where a parameter lives:
+
+* fp32 on CPU: the parameter *is* its master slot (``p.data`` is rebound to the view); no separate master.
+* bf16/fp16 on CPU: the parameter is its staging slot, which the update writes; the fp32 master is separate.
+* on CUDA: the parameter stays where it is; the transport copies the master (fp32) or the staging copy back.
+* sharded on CPU: the parameters are views of one full flat buffer ``flat_param``, whose rank's slice *is* the
+  master (fp32) or the staging copy.
+
+A separate master is (re)initialised from its parameter before the parameter's next update whenever the parameter
+was changed outside the optimizer (its version counter moved) and no longer equals the master rounded to its
+dtype: loading a model checkpoint after building the optimizer just works.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from zero_offload.state.layout import BucketLayout, ShardLayout, memory_order_flat, view_like
+from zero_offload.state.tiers import Tier
+
+__all__ = ["Masters"]
+
+
+class Masters:
+    """Masters, staging and parameter binding of one bucket.
+
+    Args:
+        params (Sequence[Tensor]): the bucket's parameters.
+        layout (BucketLayout): the bucket's layout (the shard's when sharded); ``shard`` the cut, if any.
+        tier (Tier): where the buffers live.
+        shares_grad (bool): the update writes the low-precision parameter into the gradient buffer it reads (an
+            unsharded low-precision CUDA bucket): no staging buffer.
+        views (Callable[[Tensor], List[Tensor]]): cuts a flat buffer into per-parameter views.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],
+                 tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]):
+        self.params, self.shard = params, shard
+        self.device, self.dtype = layout.device, layout.dtype
+        self.on_cpu = layout.device.type == "cpu"
+        self.low_precision = layout.dtype != torch.float32
+        self.separate = not (self.on_cpu and not self.low_precision)
+        n = layout.padded_numel
+        self.flat_param: Optional[torch.Tensor] = None
+        own = None
+        if shard is not None and self.on_cpu:
+            self.flat_param = tier.zeros(shard.full.padded_numel, self.dtype)
+            self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
+            own = self.flat_param[shard.lo : shard.lo + shard.numel]
+        self.master = own if (own is not None and not self.low_precision) else tier.zeros(n, torch.float32)
+        self.staging: Optional[torch.Tensor] = None
+        if self.low_precision and not shares_grad:
+            self.staging = own if own is not None else tier.zeros(n, self.dtype)
+        self.master_views = views(self.master)
+        self.staging_views = views(self.staging)
+        # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
+        # from it); -1 = master not initialised. Unused when the parameter is its own master.
+        self.versions = [-1] * len(params)
+        self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
+
+    @property
+    def param_slots(self) -> Optional[List[torch.Tensor]]:
+        """For CPU buckets, the views the parameters are bound to (master or staging, or ``flat_param``'s when
+        sharded); None on CUDA."""
+        if not self.on_cpu:
+            return None
+        if self.shard is not None:
+            return self.param_views
+        return self.staging_views if self.low_precision else self.master_views
+
+    def fill_param_slots(self) -> None:
+        """Copy each CPU parameter's values into the slot it will be bound to (see :meth:`bind`)."""
+        for p, slot in zip(self.params, self.param_slots or ()):
+            slot.copy_(p.detach())
+
+    def bind(self) -> None:
+        """Make CPU parameters views of the slots the kernel writes (after :meth:`fill_param_slots`, so the model
+        is unchanged, and a later in-place load into a parameter lands in its slot)."""
+        if self.on_cpu:
+            for p, slot in zip(self.params, self.param_slots):
+                p.data = slot
+            self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
+
+    def check_in_place(self) -> None:
+        """Refuse parameters that no longer live where the optimizer put them. C-level loops on the hot path."""
+        params = self.params
+        if self.on_cpu:
+            moved = list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs
+        else:
+            moved = any(p.dtype != self.dtype or p.device != self.device for p in params)
+        if moved:
+            p = next(p for i, p in enumerate(params) if self._moved(i))
+            raise RuntimeError(
+                f"OffloadOptimizer: a parameter of shape {tuple(p.shape)} no longer lives where the optimizer put it "
+                f"(expected {self.dtype} on {self.device}; its storage, dtype or device was replaced, e.g. by "
+                "`p.data = ...`, `model.to(...)` or another optimizer). Move or cast the model first, then build the "
+                "optimizer."
+            )
+
+    def _moved(self, i: int) -> bool:
+        p = self.params[i]
+        if self.on_cpu:
+            return p.data_ptr() != self.slot_ptrs[i]
+        return p.dtype != self.dtype or p.device != self.device
+
+    def loaded(self, i: int, loaded: bool) -> None:
+        """A separate master was just written from a checkpoint (kept while the parameter still rounds from it), or
+        not (``loaded=False``: taken from the parameter at its next update)."""
+        if self.separate:
+            self.versions[i] = self.params[i]._version if loaded else -1
+
+    def record_versions(self, indices: Sequence[int]) -> None:
+        if self.separate:
+            for i in indices:
+                self.versions[i] = self.params[i]._version
+
+    def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
+        """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
+        wrote it. Each rank decides for its own pieces, with no collective. ``into`` (CPU buckets only):
+        per-parameter copies of the masters to refresh instead, the bucket left as it is."""
+        if not self.separate:
+            return
+        stale = [i for i in indices if self.params[i]._version != self.versions[i]]
+        if not stale:
+            return
+        for i, value in zip(stale, self._values(stale)):
+            master = self.master_views[i] if into is None else into[i]
+            # A parameter rewritten with the value it already had (a model checkpoint loaded alongside this
+            # optimizer's) keeps the fp32 master's extra bits; any other value replaces the master.
+            if value is not None and (self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value)):
+                master.copy_(value)
+            if into is None:
+                self.versions[i] = self.params[i]._version
+
+    def _values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:
+        """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""
+        if self.shard is not None:
+            return [self._piece_value(i) for i in stale]
+        if self.on_cpu:
+            return [self.params[i].detach() for i in stale]
+        # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
+        # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a
+        # scratch copy when the master may be kept: it is compared before being overwritten.
+        # (Never into a gradient slot that carries parameters out: it holds this step's gradient.)
+        landing = self.staging_views if self.low_precision else self.master_views
+        host = [landing[i] if self.versions[i] == -1 and landing is not None
+                else torch.empty_like(self.master_views[i], dtype=self.dtype) for i in stale]
+        torch._foreach_copy_(host, [self.params[i].detach() for i in stale], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
+
+    def _piece_value(self, i: int) -> Optional[torch.Tensor]:
+        a, b = self.shard.pieces[i]
+        if b <= a:
+            return None
+        if self.on_cpu:
+            return self.staging_views[i]  # the parameter's own storage
+        src = self.shard.piece_src[i]
+        return memory_order_flat(self.params[i].detach())[src : src + b - a].to("cpu")
