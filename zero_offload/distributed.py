@@ -11,9 +11,9 @@ the next bucket is updated. Every collective is started asynchronously (:meth:`C
 with a timeout (:class:`Pending`), and a failure is re-raised naming this rank, the collective and the bucket,
 so one rank dying cannot hang the others forever. After a failure the optimizer's :class:`Comm` is *broken*: it
 starts and waits for no further collective (an error says why), and its process group is never destroyed, so
-that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`). The tensors of
-every host collective are held until gloo's worker has let go of them (:class:`_Held`), or a clean run could end in
-``std::terminate`` at interpreter shutdown.
+that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`). The work and the
+tensors of every host collective are held until gloo's worker has let go of them (:class:`_Held`), or a run could
+end in ``std::terminate`` at interpreter shutdown.
 
 Ranks that part ways are caught before gloo meets collectives of different sizes (which aborts the process): the
 statistics' all-reduce carries, per rank, where the rank is and a digest of the hyperparameters it steps with,
@@ -228,7 +228,7 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
         self.failure: Optional[str] = None
-        # The tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
+        # The works and tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
         # collective never waited for (a rank that raised or exits with one in flight, or whose collective failed)
         # are kept for good when this Comm dies or the interpreter exits, whichever comes first: the worker may
         # still be running it then.
