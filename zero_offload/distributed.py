@@ -11,9 +11,9 @@ the next bucket is updated. Every collective is started asynchronously (:meth:`C
 with a timeout (:class:`Pending`), and a failure is re-raised naming this rank, the collective and the bucket,
 so one rank dying cannot hang the others forever. After a failure the optimizer's :class:`Comm` is *broken*: it
 starts and waits for no further collective (an error says why), and its process group is never destroyed, so
-that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`). The tensors of
-every host collective are held until gloo's worker has let go of them (:class:`_Held`), or a clean run could end in
-``std::terminate`` at interpreter shutdown.
+that the process can exit while a peer still holds a collective open (see :meth:`Comm._fail`). The work and the
+tensors of every host collective are held until gloo's worker has let go of them (:class:`_Held`), or a run could
+end in ``std::terminate`` at interpreter shutdown.
 
 Ranks that part ways are caught before gloo meets collectives of different sizes (which aborts the process): the
 statistics' all-reduce carries, per rank, where the rank is and a digest of the hyperparameters it steps with,
@@ -103,17 +103,26 @@ class _Held:
     temporaries were the all-gather's shard view and the reduce-scatter's copy). So the references each tensor
     had before the collective started are counted, and :meth:`let_go` waits until the worker's are gone. No view
     of a held tensor may be made or dropped meanwhile: a view holds a reference to its base, and dropping one made
-    before the count would let the tensor go early (it did: the reduce-scatter's part of its copy)."""
+    before the count would let the tensor go early (it did: the reduce-scatter's part of its copy).
 
-    __slots__ = ("tensors", "counts")
+    The ``work`` is held too, and let go of first: the worker drops its tensors only when the work is destroyed,
+    which must not be on the worker either once the interpreter is shutting down (a work never waited for, kept
+    for good with its tensors; see :class:`Comm`): its destructor gives back the Python objects of the thread
+    state captured where it was started (the hook's, in a streamed backward) and the tensors' references, both
+    needing the GIL (issue 27, a rank exiting with a streamed reduce-scatter in flight)."""
+
+    __slots__ = ("tensors", "counts", "work")
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         self.tensors = list(tensors)
         self.counts = [t._use_count() for t in self.tensors]
+        self.work: Any = None  # set once started
 
     def let_go(self, limit: float) -> bool:
         """Wait (yielding the GIL) until only the references from before the collective remain, at most ``limit``
-        seconds; whether they did (if not, the caller keeps the tensors forever)."""
+        seconds; whether they did (if not, the caller keeps the tensors forever). Our reference to the work goes
+        first: the tensors' references go with the work."""
+        self.work = None
         deadline = time.monotonic() + limit
         while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)):
             if time.monotonic() > deadline:
@@ -221,7 +230,7 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
         self.failure: Optional[str] = None
-        # The tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
+        # The works and tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
         # collective never waited for (a rank that raised or exits with one in flight, or whose collective failed)
         # are kept for good when this Comm dies or the interpreter exits, whichever comes first: the worker may
         # still be running it then.
@@ -251,6 +260,7 @@ class Comm:
                 self._held[id(held)] = held
             raise self._fail(what, where, exc) from exc
         if held is not None:
+            held.work = work
             self._held[id(held)] = held
         return Pending(self, what, where, work, event, held)
 
