@@ -37,10 +37,10 @@ GIB = 1 << 30
 
 # The step matrix on the GPU: the anchor, ours in each exact mode and delayed, and the other offloaders (reported
 # as not installed when their package is missing).
-MATRIX = ("adamw", "ours", "ours-nospec", "ours-release", "ours-overlap", "ours-delayed", "torchao", "deepspeed")
-# Rows the runbook is meant to carry once those options exist (the GPU tier at a fixed fraction and sized
-# automatically): named so that their absence shows in the report.
-MATRIX_PLANNED = ("ours-gpu25", "ours-gpuauto")
+MATRIX = ("adamw", "ours", "ours-nospec", "ours-gpu25", "ours-gpuauto", "ours-release", "ours-overlap",
+          "ours-delayed", "torchao", "deepspeed")
+# Rows the runbook is meant to carry once those options exist: named so that their absence shows in the report.
+MATRIX_PLANNED: tuple = ()
 TINY_MATRIX = ("adamw-ref", "ours")
 
 

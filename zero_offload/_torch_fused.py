@@ -19,9 +19,14 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["AVAILABLE", "handles", "adam_"]
+__all__ = ["AVAILABLE", "available_on", "handles", "adam_"]
 
 AVAILABLE = hasattr(torch, "_fused_adamw_") and torch.__version__ >= (2, 4)  # CPU kernels arrived in torch 2.4
+
+
+def available_on(device: torch.device) -> bool:
+    """Whether torch has the fused kernel for tensors on ``device`` (CUDA's since torch 2.0, the CPU's since 2.4)."""
+    return AVAILABLE if device.type == "cpu" else hasattr(torch, "_fused_adamw_")
 
 
 def handles(exp_avg: torch.Tensor) -> bool:
@@ -40,14 +45,16 @@ def adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avg
           exp_avg_sqs: Sequence[torch.Tensor], max_exp_avg_sqs: Optional[Sequence[torch.Tensor]], *, step: int,
           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
           maximize: bool, grad_scale: float, param_outs: Optional[Sequence[torch.Tensor]]) -> None:
-    """One update of several same-length lists of fp32 CPU tensors (validated by the caller) in one kernel call.
+    """One update of several same-length lists of fp32 tensors on one device (validated by the caller) in one
+    kernel call.
 
     ``grad_scale`` multiplies the gradients; ``param_outs`` (optional) receive the updated params in their dtype.
     """
     if not params:
         return
     grads = _scaled(grads, grad_scale)
-    steps = [torch.tensor(float(step))] * len(params)  # read, not written, by the kernel
+    # Read, not written, by the kernel; on the tensors' device (a fill there, no host synchronisation).
+    steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     amsgrad = max_exp_avg_sqs is not None
     kernel(list(params), grads, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs) if amsgrad else [],

@@ -39,13 +39,17 @@ def copies_of(bucket: FlatBucket) -> Copies:
     return flat, {n: t.clone() for n, t in bucket.store.scales.items()}
 
 
-def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: torch.Tensor,
+def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.Tensor],
              in_place: Optional[List[Optional[torch.Tensor]]], hyper, multiplier: float,
              copies: Optional[Copies] = None) -> None:
-    """The rule's update of each run, reading the gradients from ``grad`` (flat, the bucket's layout) or
-    ``in_place`` (per parameter, where they are), on the bucket's buffers or ``copies``. A run starts on a slot,
-    so it owns whole scale blocks of 8-bit state."""
+    """The rule's update of each run, reading the gradients from ``grad`` (flat, the bucket's layout; None: the
+    bucket's gradient buffer) or ``in_place`` (per parameter, where they are), on the bucket's buffers or
+    ``copies``; a device-tier bucket's with the rule's device update. A run starts on a slot, so it owns whole
+    scale blocks of 8-bit state."""
     rule, layout, store = bucket.rule, bucket.layout, bucket.store
+    update = rule.update_on_device if bucket.device_tier else rule.update
+    if grad is None and in_place is None:
+        grad = bucket.grad
     master = bucket.master if copies is None else copies[0]["master"]
     out = None if copies is None else copies[0].get("staging")
     grad_scale = multiplier * bucket.grad_multiplier
@@ -60,4 +64,4 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: torch.Tensor,
             grads = in_place if whole else functional.CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
             run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out)
-        rule.update(run, hyper)
+        update(run, hyper)

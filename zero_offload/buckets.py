@@ -26,11 +26,12 @@ from zero_offload.state.layout import (ALIGN, BucketLayout, ShardLayout, align_u
                                        view_like)
 from zero_offload.state.params import Masters
 from zero_offload.state.store import StateStore, state_bytes
-from zero_offload.state.tiers import HostTier, should_pin
+from zero_offload.state.tiers import DeviceTier, HostTier, should_pin
 from zero_offload.state.views import StateViews
 
 __all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardLayout", "plan_buckets", "align_up", "view_like",
-           "memory_order_flat", "check_grads", "should_pin", "estimate_layouts", "estimate_params", "allocate_group"]
+           "memory_order_flat", "check_grads", "should_pin", "estimate_layouts", "estimate_params", "allocate_group",
+           "device_tier_plan"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -94,7 +95,7 @@ class FlatBucket:
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, rule: Rule = ADAMW,
                  buffers: Optional[Sequence[StateBuffer]] = None, pin: bool, shard: Optional[ShardLayout] = None,
                  grads_reduced: bool = False, where: str = "", state_dtype: torch.dtype = torch.float32,
-                 group: int = 0, names: Optional[Sequence[str]] = None):
+                 group: int = 0, names: Optional[Sequence[str]] = None, device_tier: bool = False):
         self.shard, self.where, self.group, self.rule = shard, where, group, rule
         self.names = None if not names else [names[i] for i in layout.indices]
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
@@ -102,13 +103,17 @@ class FlatBucket:
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
+        # The state lives with the parameters: a CPU bucket, or a GPU bucket whose state is on the device tier
+        # (``gpu_fraction``): no transfers, the parameters bound to the slots the update writes.
+        self.resident = self.on_cpu or device_tier
         # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
         # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
         # transport orders the next gradient copies into the buffer after that upload. A CPU parameter *is* its
         # staging slot, and a sharded bucket all-gathers from its staging shard: those keep one.
-        self.shares_grad = self.low_precision and not self.on_cpu and shard is None
-        self.pin = pin and not (shard is not None and self.on_cpu)  # nothing of a sharded CPU bucket goes to a GPU
-        tier = HostTier(self.pin)
+        self.shares_grad = self.low_precision and not self.resident and shard is None
+        # (nothing of a sharded CPU bucket, or of a device-tier one, goes through host memory to a GPU)
+        self.pin = pin and not (shard is not None and self.on_cpu) and not device_tier
+        tier = DeviceTier(layout.device) if device_tier else HostTier(self.pin)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
@@ -117,9 +122,43 @@ class FlatBucket:
         self.store = StateStore(rule, rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
                                 state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
         self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
-                               shard is not None and self.on_cpu, tier, self.label)
+                               shard is not None and self.resident, tier, self.label)
         self.views = StateViews(rule, self.store, self.masters, self.layout, shard, self.params)
         self.state_dtype, self.compact, self.steps = state_dtype, self.store.compact, self.store.steps
+
+    def move_to_device(self) -> None:
+        """Re-home the bucket's state on its GPU (``gpu_fraction="auto"``, between steps): the same masters,
+        buffers, step counts and entries' flags in device memory, the parameters bound to their new slots. The
+        caller has waited for every copy in flight; it shows the new entries and stops streaming the bucket."""
+        old_masters, old_store, exposed = self.masters, self.store, list(self.views.exposed)
+        tier = DeviceTier(self.device)
+        self.resident, self.shares_grad, self.pin = True, False, False
+        self.masters = Masters(self.params, self.layout, self.shard, tier, False, self._views)
+        self.store = StateStore(self.rule, [old_store.declared[n] for n in old_store.flat], self.state_dtype, tier,
+                                self.layout.padded_numel, self._views, len(self.params))
+        self.store.steps = old_store.steps  # (the entries' "step" tensors are views of it)
+        for name, buf in old_store.flat.items():
+            self.store.flat[name].copy_(buf)
+        if self.masters.separate:
+            self.masters.master.copy_(old_masters.master)
+        # The parameters hold what was uploaded from the old masters (an fp32 master itself): their slots take it.
+        self.masters.fill_param_slots()
+        self.masters.bind()
+        self.masters.versions = [-1 if v == -1 else p._version for v, p in zip(old_masters.versions, self.params)]
+        self.grads = GradSlots(self.params, self.shapes, self.layout, self.full,
+                               None if self.shard is None else self.shard.pieces, self.shard is not None, tier,
+                               self.label)
+        self.views = StateViews(self.rule, self.store, self.masters, self.layout, self.shard, self.params)
+        for i, e in enumerate(exposed):
+            self.views.set_exposed(i, e)
+
+    def device_cost(self) -> int:
+        """Device bytes :meth:`move_to_device` would add (see :meth:`device_bytes`)."""
+        n = self.layout.padded_numel
+        cost = sum(self.store.nbytes().values()) + (4 * n if self.low_precision else 0)
+        if self.shard is not None:
+            cost += self.full.padded_numel * self.dtype.itemsize  # the full gradient the reduce-scatter reads
+        return cost
 
     def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if flat is None:
@@ -211,14 +250,38 @@ class FlatBucket:
         """Allocate those of the rule's ``buffers`` the bucket lacks (a group switched amsgrad on); their names."""
         return self.store.ensure(buffers)
 
+    @property
+    def device_tier(self) -> bool:
+        """The bucket's state is on its GPU (``gpu_fraction``), updated there."""
+        return not self.store.tier.host
+
+    def device_bytes(self) -> Dict[str, int]:
+        """Device memory the device tier adds to the parameters', by buffer (empty for a host bucket): the rule's
+        state, a separate fp32 master (low-precision parameters), gradient buffers made. The parameters' own
+        storage becomes the master (fp32) or staging slots and is not counted."""
+        if not self.device_tier:
+            return {}
+        held = dict(self.store.tensors())
+        if self.masters.separate:
+            held["master"] = self.master
+        if self.grads.allocated:
+            held["grad"] = self.grad
+        if self.flat_grad is not None:
+            held["flat_grad"] = self.flat_grad
+        return {name: t.numel() * t.element_size() for name, t in held.items()}
+
     def estimate(self) -> HostMemoryEstimate:
+        if self.device_tier:  # (no host buffers: see device_bytes)
+            return HostMemoryEstimate(self.full.numel, 0, {}, 0, 0)
         return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                                state=self.store.nbytes(), pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
-        out = {"master": self.master, **self.store.tensors(), "grad": self.grad}
+        out = {"master": self.master, **self.store.tensors()}
+        if self.grads.allocated:
+            out["grad"] = self.grad
         if self.staging is not None:
             out["staging"] = self.staging
         if self.grad_prev is not None:
@@ -267,6 +330,26 @@ def _check_room(layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[Stat
     raise MemoryError(message)
 
 
+def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[bool]:
+    """Which of a group's buckets keep their state on their GPU for a numeric ``gpu_fraction``: the group's first
+    buckets on CUDA (backward runs the model from its end, so it produces their gradients last, when nothing is
+    left to hide a host update behind), as many as fit in ``fraction`` of the group's CUDA elements. ``"auto"``
+    places none here: it moves buckets after the first step (``OffloadOptimizer``)."""
+    out = [False] * len(layouts)
+    if fraction == "auto" or not fraction:
+        return out
+    budget = fraction * sum(l.numel for l in layouts if l.device.type == "cuda")
+    used = 0
+    for i, layout in enumerate(layouts):
+        if layout.device.type != "cuda":
+            continue
+        if used + layout.numel > budget:
+            break
+        used += layout.numel
+        out[i] = True
+    return out
+
+
 def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]] = None,
                    rule: Rule = ADAMW) -> List[FlatBucket]:
     """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``) with the state
@@ -274,14 +357,16 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
     layouts = plan_buckets(group["params"], options.bucket_numel)
     world, rank = sharded if sharded is not None else (1, 0)
     buffers = rule.needed(rule.hyper(group))
-    _check_room(layouts, gi, buffers, options, world, rule)
+    on_device = device_tier_plan(layouts, options.gpu_fraction)
+    _check_room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule)
     buckets = []
     for bi, layout in enumerate(layouts):
         shard = None if sharded is None else ShardLayout.cut(layout, world, rank)
         bucket = FlatBucket(layout, group["params"], rule=rule, buffers=buffers,
                             pin=should_pin(layout.device, options.pin_memory), shard=shard,
                             grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
-                            state_dtype=options.state_dtype, group=gi, names=group.get("param_names"))
+                            state_dtype=options.state_dtype, group=gi, names=group.get("param_names"),
+                            device_tier=on_device[bi])
         if options.delayed_update:
             bucket.grads.add_prev()  # allocated now, so the logged estimate and the RSS include it
         buckets.append(bucket)

@@ -500,7 +500,7 @@ class ShardedTransport(Transport):
         construction) and, on CPU, views of ``flat_param``. A collective: every rank binds its buckets in the same
         order."""
         where = f"initial parameters of {bucket.where}"
-        if bucket.on_cpu:
+        if bucket.resident:
             bucket.masters.fill_param_slots()
             self.comm.broadcast(bucket.flat_param, where)
             bucket.masters.bind()
@@ -524,7 +524,7 @@ class ShardedTransport(Transport):
         if link.launches >= self._backwards:
             self._agree(_BACKWARD, (), "reduce_scatter", f"gradients of {bucket.where}")
             self._backwards += 1
-        stream = None if bucket.on_cpu else self.stream(bucket.device)
+        stream = None if bucket.resident else self.stream(bucket.device)
         self._reduce_scatter(bucket, [p.grad for p in bucket.params], stream,
                              add=self.release and self.launched(bucket))
         if self.release and stream is not None:
@@ -544,7 +544,7 @@ class ShardedTransport(Transport):
         if add and coll.shard_in is None:
             coll.shard_in = empty_host(shard, bucket.dtype, pin=bucket.pin)
         out = coll.shard_in if add else bucket.grad
-        if bucket.on_cpu:
+        if bucket.resident:
             self._flatten_cpu(bucket, grads)
             if self.comm.grads_reduced:
                 out.copy_(bucket.flat_grad[lo : lo + shard])
@@ -634,7 +634,7 @@ class ShardedTransport(Transport):
             # Another rank may have sent these from backward already: it is at the statistics, not here.
             self._agree(_STEP_REDUCE, (), "reduce_scatter", f"gradients of {todo[0].bucket.where}")
         for bg in todo:
-            self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
+            self._reduce_scatter(bg.bucket, bg.pending, None if bg.bucket.resident else self.stream(bg.bucket.device))
         local = [list(bg.present) for bg in entries]
         sqs, bads = self._shard_stats(entries)
         stale = [float(self.launched(bg.bucket) and bg.stale) for bg in entries]
@@ -761,7 +761,7 @@ class ShardedTransport(Transport):
         for i in redo:
             bg = entries[i]
             again = [p.grad if has and g is None else g for p, has, g in zip(bg.bucket.params, local[i], bg.pending)]
-            self._reduce_scatter(bg.bucket, again, None if bg.bucket.on_cpu else self.stream(bg.bucket.device))
+            self._reduce_scatter(bg.bucket, again, None if bg.bucket.resident else self.stream(bg.bucket.device))
         redone = self._shard_stats([entries[i] for i in redo])
         for j, i in enumerate(redo):
             sqs[i], bads[i] = redone[0][j], redone[1][j]
@@ -773,7 +773,9 @@ class ShardedTransport(Transport):
         sqs, bads = [], []
         for bg in entries:
             self.wait_grads(bg.bucket)
-            s, nonfinite = functional.grad_sq_norm(bg.bucket.grad)
+            grad = bg.bucket.grad
+            s, nonfinite = (functional.device_sq_norm([grad]) if bg.bucket.device_tier
+                            else functional.grad_sq_norm(grad))
             sqs.append(s * bg.bucket.grad_multiplier**2)
             bads.append(float(nonfinite))
         return sqs, bads
@@ -807,7 +809,7 @@ class ShardedTransport(Transport):
         coll = self._collectives[id(bucket)]
         lo, shard, full = bucket.shard.lo, bucket.shard.numel, bucket.full
         where = f"parameters of {bucket.where}"
-        if bucket.on_cpu:
+        if bucket.resident:
             # The shard is flat_param's own slice: gathered in place.
             coll.ag = self.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard], where)
             increment_version([bucket.params[i] for i in indices])

@@ -56,10 +56,11 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from zero_offload import _build, _reference, _torch_fused
+from zero_offload._compat import foreach_norm_fp32
 from zero_offload.options import check_hparams
 
-__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments", "resolve_path",
-           "path_reason", "PATHS",
+__all__ = ["cpu_adam_", "cpu_adam_segments_", "device_sq_norm", "grad_sq_norm", "grad_sq_norm_segments",
+           "resolve_path", "path_reason", "PATHS",
            "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
 PATHS = ("avx512", "avx2", "neon", "scalar", "torch-fused", "torch")
@@ -580,3 +581,17 @@ def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
         return 0.0, False
     total, nonfinite = _build.load_native().grad_sq_norm_segments(path, list(grads))
     return float(total), bool(nonfinite)
+
+
+def device_sq_norm(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
+    """:func:`grad_sq_norm_segments` of gradients that stay on their device (the device tier's, ``gpu_fraction``):
+    torch's norms there (each in float32, squared and summed in float64) and one synchronisation. The non-finite
+    flag is exact: a sum that overflows is checked element by element (as the host kernel's flag, it is set only
+    by an inf or nan)."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return 0.0, False
+    total = float(torch.stack(foreach_norm_fp32(grads)).double().square().sum())
+    if math.isfinite(total):
+        return total, False
+    return total, not all(bool(torch.isfinite(g).all()) for g in grads)

@@ -60,7 +60,7 @@ class GradStreamer:
         self._transport = transport
         self._mode = mode
         self._states: Dict[int, BucketStream] = {}  # id(bucket) -> state
-        self._handles: List[object] = []
+        self._handles: Dict[int, List[object]] = {}  # id(bucket) -> its parameters' hook handles
         self._no_sync = 0
         self._epoch = 0
         self._in_backward = False
@@ -75,16 +75,26 @@ class GradStreamer:
         state = self._states[id(bucket)] = BucketStream(bucket, group)
         if bucket.sharded:
             self._sharded.insert(0, state)  # added in construction order, launched in reverse
+        handles = self._handles[id(bucket)] = []
         for i, p in enumerate(bucket.params):
             # A frozen parameter cannot take a hook; if it is unfrozen later, its bucket launches when backward
             # ends, and its gradient is gathered at step() like any gradient assigned by hand.
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), id(bucket), i)))
+                handles.append(p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), id(bucket), i)))
+
+    def drop(self, bucket: FlatBucket) -> None:
+        """Stop streaming the bucket (between steps): its gradients are read at ``step()`` from now on."""
+        for h in self._handles.pop(id(bucket), ()):
+            h.remove()
+        state = self._states.pop(id(bucket), None)
+        if state in self._sharded:
+            self._sharded.remove(state)
 
     def remove(self) -> None:
         """Unregister every hook (the optimizer's finaliser calls this; a dropped optimizer's hooks do nothing)."""
-        for h in self._handles:
-            h.remove()
+        for handles in self._handles.values():
+            for h in handles:
+                h.remove()
         self._handles.clear()
 
     # -- backward ------------------------------------------------------------------------------------------------

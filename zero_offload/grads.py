@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from zero_offload.state.layout import BucketLayout, view_like
+from zero_offload.state.layout import BucketLayout, _dense, view_like
 from zero_offload.state.tiers import Tier
 
 __all__ = ["GradSlots", "check_grads"]
@@ -48,20 +48,55 @@ class GradSlots:
                  full: BucketLayout, pieces, gather_full: bool, tier: Tier, label: Callable[[int], str]):
         self.params, self.shapes, self.layout, self.full = params, shapes, layout, full
         self.pieces, self.tier, self.label = pieces, tier, label
-        self.grad = tier.zeros(layout.padded_numel, layout.dtype)
-        self.grad_views = self.views(self.grad)
+        # On a device tier the buffer is made at its first use (gradients are read where autograd left them; a
+        # buffer is needed only for ``zero_grad(set_to_none=False)``, a gradient laid out unlike its parameter,
+        # or a sharded bucket's reduce-scatter): GPU memory is what the device tier is short of.
+        self._grad: Optional[torch.Tensor] = None
+        self._grad_views: Optional[List[torch.Tensor]] = None
+        if tier.host:
+            self.allocate()
         self.grad_prev: Optional[torch.Tensor] = None
         self.flat_grad: Optional[torch.Tensor] = None
         self.flat_grad_views: Optional[List[torch.Tensor]] = None
         if gather_full:
             self.flat_grad = tier.zeros(full.padded_numel, layout.dtype)
             self.flat_grad_views = [view_like(self.flat_grad, o, p) for o, p in zip(full.offsets, params)]
-        self.slot_contiguous = [v.is_contiguous() for v in self.grad_views]
+        # (A slot has its parameter's strides, or is a 1-D piece.)
+        self.slot_contiguous = ([v.is_contiguous() for v in self._grad_views] if self.allocated
+                                else [pieces is not None or p.is_contiguous() or not _dense(p) for p in params])
         self.all_slots_contiguous = all(self.slot_contiguous)
         self.zero = [True] * len(params)
         self._prev_views: Optional[List[torch.Tensor]] = None
         self._prev_zero: List[bool] = []
         self._ptrs: Dict[int, List[int]] = {}  # data_ptr of a gradient buffer -> its slots' (_slot_ptrs)
+
+    def allocate(self) -> torch.Tensor:
+        """The gradient buffer, made now if it was not yet (a device tier's, see the constructor)."""
+        if self._grad is None:
+            self._grad = self.tier.zeros(self.layout.padded_numel, self.layout.dtype)
+            self._grad_views = self.views(self._grad)
+        return self._grad
+
+    @property
+    def allocated(self) -> bool:
+        return self._grad is not None
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.allocate()
+
+    @grad.setter
+    def grad(self, value: torch.Tensor) -> None:
+        self._grad = value
+
+    @property
+    def grad_views(self) -> List[torch.Tensor]:
+        self.allocate()
+        return self._grad_views
+
+    @grad_views.setter
+    def grad_views(self, value: List[torch.Tensor]) -> None:
+        self._grad_views = value
 
     def views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Each parameter's slot of ``flat`` (a buffer of this layout): parameter-shaped, or 1-D pieces."""
@@ -81,6 +116,14 @@ class GradSlots:
         path: C-level loops only (``map``, list comparison), about 0.2 us per parameter."""
         params = self.params
         grads = list(map(_get_grad, params))
+        if not self.allocated and self.flat_grad is None:  # (no slot exists that a gradient could be)
+            if not any(map(operator.is_, grads, itertools.repeat(None))):
+                check_grads(grads, params, self.shapes, self.label)
+                return grads
+            present = [(g, i) for i, g in enumerate(grads) if g is not None]
+            check_grads([g for g, _ in present], [params[i] for _, i in present], [self.shapes[i] for _, i in present],
+                        lambda k: self.label(present[k][1]))
+            return grads
         in_slot = list(map(operator.is_, grads, self.targets))
         if any(in_slot) and self.unbind_rebound():
             in_slot = list(map(operator.is_, grads, self.targets))
@@ -135,7 +178,7 @@ class GradSlots:
 
     def clear(self, i: int) -> None:
         """Parameter ``i`` has no gradient: its slot must read as zeros."""
-        if not self.zero[i]:
+        if not self.zero[i]:  # (never for a buffer not yet made: its slots are all known zeros)
             self.targets[i].zero_()
             self.zero[i] = True
 

@@ -336,8 +336,12 @@ def copy_many_(dsts: List[torch.Tensor], srcs: List[torch.Tensor], numels: Seque
     Torch parallelises one copy only above its grain size, so thousands of small gradient copies would run on
     one core; here they are split into equal-element shares over ``torch.get_num_threads()`` threads (torch ops
     release the GIL). Large tensors are copied afterwards on the calling thread with torch's own parallelism, so
-    the two kinds never oversubscribe the cores.
+    the two kinds never oversubscribe the cores. Pairs in device memory (a device-tier bucket's) are one
+    ``torch._foreach_copy_``.
     """
+    if dsts and not dsts[0].is_cpu:
+        torch._foreach_copy_(dsts, srcs)
+        return
     if any(n >= _PARALLEL_COPY_NUMEL for n in numels):
         small = [i for i, n in enumerate(numels) if n < _PARALLEL_COPY_NUMEL]
         large = [i for i, n in enumerate(numels) if n >= _PARALLEL_COPY_NUMEL]

@@ -140,6 +140,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             None: on wherever it applies (not with ``overlap_step``, ``delayed_update`` or a ``process_group``,
             which True refuses); CPU parameters are updated at ``step()`` either way. See docs/speculation.md.
             Default: None.
+        gpu_fraction (float or str): the share of each param group's CUDA elements whose master and moments stay
+            on the GPU ("twin flow"): the group's first buckets, whose gradients backward produces last, are
+            updated there by torch's fused AdamW after the same checks as the rest (finite gradients, the clip
+            coefficient), while the host updates the others. Costs 8 B per such parameter of GPU memory (fp32
+            parameters, which become their own master), 12 B for bf16/fp16 ones; saves their host RAM, transfers
+            and host kernel time. ``"auto"``: after the first step, as many of the last-arriving buckets as fit in
+            the free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
+            ``delayed_update``. See docs/twin-flow.md. Default: 0.
+        gpu_margin_gib (float): with ``gpu_fraction="auto"``, the GPU memory (GiB) left free. Default: 2.0.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite.
@@ -174,6 +183,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         timeout: Optional[Any] = None,
         state_dtype: torch.dtype = torch.float32,
         speculate: Optional[bool] = None,
+        gpu_fraction: Union[float, str] = 0.0,
+        gpu_margin_gib: float = 2.0,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
@@ -181,7 +192,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._start(params, ADAMW, defaults, nonfinite=nonfinite, bucket_numel=bucket_numel, pin_memory=pin_memory,
                     stream_grads=stream_grads, release_grads=release_grads, overlap_step=overlap_step,
                     delayed_update=delayed_update, process_group=process_group, grads_reduced=grads_reduced,
-                    timeout=timeout, state_dtype=state_dtype, speculate=speculate)
+                    timeout=timeout, state_dtype=state_dtype, speculate=speculate, gpu_fraction=gpu_fraction,
+                    gpu_margin_gib=gpu_margin_gib)
 
     @classmethod
     def _with_rule(cls, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], **options: Any
@@ -198,17 +210,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _start(self, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], *, nonfinite: str,
                bucket_numel: int, pin_memory: Optional[bool], stream_grads: Optional[bool], release_grads: bool,
                overlap_step: bool, delayed_update: Union[bool, int], process_group: Optional[Any],
-               grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool]
-               ) -> None:
+               grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool],
+               gpu_fraction: Union[float, str], gpu_margin_gib: float) -> None:
         rule.check(defaults)
         delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
-                               state_dtype, exact_steps, speculate).validate()
+                               state_dtype, exact_steps, speculate, gpu_fraction, gpu_margin_gib).validate()
         if state_dtype not in rule.state_dtypes:  # (one the options take, that this rule's update does not)
             raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
                              f"{', '.join(map(str, rule.state_dtypes))} only")
+        if self.options.gpu_tier and not rule.device_update:
+            raise ValueError(f"gpu_fraction={gpu_fraction!r}: {rule.name} has no GPU update (the GPU part runs "
+                             "torch's fused AdamW): leave gpu_fraction at 0")
+        self._place_after_step = gpu_fraction == "auto"
         self._rule = rule
         self._transport = _make_transport(process_group, self.options)
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
@@ -254,7 +270,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return self._held_host_memory()
 
     def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
-        """The flat host buffers of every bucket (name -> tensor), for inspection and measurement."""
+        """The flat buffers of every bucket (name -> tensor), for inspection and measurement (a device-tier
+        bucket's, ``gpu_fraction``, are on its GPU)."""
         return [bucket.buffers() for bucket in chain.from_iterable(self._buckets)]
 
     # ---------------------------------------------------------------------------------------- param groups --
@@ -297,7 +314,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._buckets.append(buckets)
         self._pending = None
         for bucket in buckets:
-            streamed = self.options.streams(bucket.device)
+            streamed = self.options.streams(bucket.device) and not bucket.device_tier
             self._transport.add(bucket, streamed)
             if streamed:
                 self._streamer.add(bucket, n_groups)
@@ -328,9 +345,55 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             with span(self._transport.timeline, "step", "step()"):
                 self._step()
+            if self._place_after_step:
+                self._place_on_device()
         finally:
             self._end_step()
         return loss
+
+    def _place_on_device(self) -> None:
+        """``gpu_fraction="auto"``, after the first step: move the last-arriving CUDA buckets to the device tier,
+        as many as fit in the GPU memory the step left free (what neither the allocator's peak of the step nor
+        ``gpu_margin_gib`` takes). Sharded, every rank moves the same buckets (the fewest any rank has room for)."""
+        self._place_after_step = False
+        buckets = [b for b in chain.from_iterable(self._buckets) if not b.resident]
+        if not buckets and not self._transport.sharded:  # (a CPU model: nothing to place; sharded, agree anyway)
+            return
+        arrived = self._transport.arrivals
+        # Last to arrive first; buckets backward did not send (not streamed) as if in reverse construction order.
+        order = list(reversed(arrived)) + [b for b in buckets if all(b is not a for a in arrived)]
+        devices = {b.device for b in buckets}
+        room = {d: _device_room(d, self.options.gpu_margin_gib) for d in devices}
+        count = 0
+        for bucket in order:
+            cost = bucket.device_cost()
+            if cost > room[bucket.device]:
+                break
+            room[bucket.device] -= cost
+            count += 1
+        if self._transport.sharded:
+            count = int(self._transport.comm.all_reduce_host([count], torch.distributed.ReduceOp.MIN,
+                                                            "the buckets gpu_fraction='auto' moves")[0])
+        if not count:
+            logger.info("OffloadOptimizer(gpu_fraction='auto'): no bucket fits on the GPU; all state stays on the host")
+            return
+        self._transport.synchronize()  # no copy may still read the host buffers being replaced
+        for bucket in order[:count]:
+            self._streamer.drop(bucket)
+            self._transport.unstream(bucket)
+            bucket.move_to_device()
+            checkpoint.expose(self.state, bucket, [i for i, e in enumerate(bucket.exposed) if e])
+        logger.info("OffloadOptimizer(gpu_fraction='auto'): %d of %d GPU buckets moved to the GPU (%s)", count,
+                    len(buckets), self.gpu_state_bytes())
+
+    def gpu_state_bytes(self) -> Dict[str, int]:
+        """GPU memory held by the state on the device tier (``gpu_fraction``), in bytes by buffer, beyond the
+        parameters' own (summed over its buckets; empty without a device tier)."""
+        total: Dict[str, int] = {}
+        for bucket in chain.from_iterable(self._buckets):
+            for name, n in bucket.device_bytes().items():
+                total[name] = total.get(name, 0) + n
+        return total
 
     def _step(self) -> None:
         self._mode.settle()  # before _sync: an update running during backward may still write the state
@@ -626,6 +689,14 @@ def _hooks_set_aside(opt: torch.optim.Optimizer):
         yield
     finally:
         opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = pre, post
+
+
+def _device_room(device: torch.device, margin_gib: float) -> int:
+    """Bytes of ``device`` memory the state may take: free memory plus what the caching allocator holds, less the
+    step's peak allocation (which the next step needs again) and the margin."""
+    free, _ = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    return int(free + held - torch.cuda.max_memory_allocated(device) - margin_gib * 2**30)
 
 
 def _make_mode(options: Options, transport: Transport, early_update: Callable[[FlatBucket, int], None],

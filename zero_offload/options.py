@@ -227,6 +227,13 @@ class Options:
     state_dtype: torch.dtype = torch.float32
     delayed_exact_steps: int = 0
     speculate: Optional[bool] = None
+    gpu_fraction: Union[float, str] = 0.0
+    gpu_margin_gib: float = 2.0
+
+    @property
+    def gpu_tier(self) -> bool:
+        """Whether some buckets on a GPU may keep their state there (``gpu_fraction`` not 0)."""
+        return self.gpu_fraction == "auto" or self.gpu_fraction > 0
 
     @property
     def speculates(self) -> bool:
@@ -249,7 +256,24 @@ class Options:
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self._check_modes()
         self._check_distributed()
+        self._check_gpu_tier()
         return self
+
+    def _check_gpu_tier(self) -> None:
+        f = self.gpu_fraction
+        if not (f == "auto" or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
+            raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
+        m = self.gpu_margin_gib
+        if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf):
+            raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0)")
+        if not self.gpu_tier:
+            return
+        if self.state_dtype != torch.float32:
+            raise ValueError(f"gpu_fraction={f!r} keeps state on the GPU, updated by torch's fused AdamW, which "
+                             f"holds fp32 state only; state_dtype={self.state_dtype} cannot be combined with it")
+        if self.overlap_step or self.delayed_update:
+            raise ValueError(f"gpu_fraction={f!r} and {self._mode}=True are not combined: the GPU part is updated "
+                             "at step(), after the checks of the whole step")
 
     @property
     def _mode(self) -> str:

@@ -46,13 +46,15 @@ class BucketGrads:
         self.present = present
 
     def host_grads(self) -> List[torch.Tensor]:
-        """The host tensors holding the gathered gradients."""
+        """The tensors holding the gathered gradients (on the host; a device-tier bucket's on its device)."""
         if self.in_place is None:
             return [self.bucket.grad]
         return functional.CheckedGrads(g for g in self.in_place if g is not None)
 
     def host_sq_norm(self) -> Tuple[float, bool]:
-        """Sum of squares of the gathered host gradients, and whether one is inf/nan."""
+        """Sum of squares of the gathered gradients (:meth:`host_grads`), and whether one is inf/nan."""
+        if self.bucket.device_tier:
+            return functional.device_sq_norm(self.host_grads())
         if self.in_place is None:
             return functional.grad_sq_norm(self.bucket.grad)
         return functional.grad_sq_norm_segments(self.host_grads())

@@ -28,8 +28,10 @@ import torch
 
 import zero_offload
 from zero_offload import _build, functional
-from zero_offload.buckets import estimate_layouts, plan_buckets
+from zero_offload.buckets import ALIGN, BucketLayout, align_up, device_tier_plan, estimate_layouts, plan_buckets
 from zero_offload.rules.adamw import ADAMW
+from zero_offload.rules.base import StateBuffer
+from zero_offload.state.store import state_bytes
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPES, SUPPORTED_DTYPES,
                                   dtypes_by_name)
@@ -173,6 +175,9 @@ class MemoryPlan:
         state_dtype (torch.dtype): the optimizer's ``state_dtype``.
         release_grads (bool): planned for ``release_grads=True``: on the GPU, ours counts only the gradients of the
             buckets not yet sent (two buckets' worth at most) instead of all of them.
+        gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``): their moments (and a
+            low-precision model's fp32 master; sharded, the full gradient buffer the reduce-scatter reads) are in
+            ours' GPU rows, not its host rows.
     """
 
     numel: int
@@ -185,6 +190,7 @@ class MemoryPlan:
     pinned: int
     state_dtype: torch.dtype = torch.float32
     release_grads: bool = False
+    gpu_tier_numel: int = 0
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -200,6 +206,7 @@ def memory_plan(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     state_dtype: torch.dtype = torch.float32,
     release_grads: bool = False,
+    gpu_fraction: float = 0.0,
 ) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
@@ -219,44 +226,83 @@ def memory_plan(
         release_grads (bool): as for the optimizer (CUDA model): ``p.grad`` is dropped once its bucket is on its
             way, so the GPU holds the gradients of at most two buckets (the one filling, the one in flight).
             Default: False.
+        gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
+            the GPU. (``"auto"`` depends on the free GPU memory at run time, which a plan does not know.)
+            Default: 0.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
     """
     params = list(params)
-    dtype = _check_plan_args(params, device, world_size)
+    dtype = _check_plan_args(params, device, world_size, gpu_fraction, state_dtype)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
                for layout in plan_buckets(params, bucket_numel)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
-    host = estimate_layouts(layouts, needed, device == "cuda", world_size, state_dtype=state_dtype, rule=_RULE)
-    numel = host.numel
+    on_gpu = device_tier_plan(layouts, gpu_fraction)
+    host = estimate_layouts([l for l, g in zip(layouts, on_gpu) if not g], needed, device == "cuda", world_size,
+                            state_dtype=state_dtype, rule=_RULE)
+    gpu_layouts = [l for l, g in zip(layouts, on_gpu) if g]
+    gpu_tier, gpu_numel = _gpu_tier(gpu_layouts, needed, dtype, world_size), sum(l.numel for l in gpu_layouts)
+    numel = sum(layout.numel for layout in layouts)
     param_bytes = sum(p.nbytes for p in params)
     if device == "cpu":
         # A CPU model's parameter storage becomes a view of master/staging (the estimate can only see that for
         # real CPU tensors, not for meta stand-ins).
         host = dataclasses.replace(host, replaces_param_bytes=param_bytes)
-    state_names = [b.name for b in needed]
     buffers = {("grad buffer" if k == "grad" else k): v for k, v in host.buffers.items() if v}
-    pinned = host.pinned_bytes
+    # release_grads drops the gradients of streamed buckets only: the device tier's stay on the GPU.
+    kept = gpu_numel * dtype.itemsize
+    in_flight = kept + min(param_bytes - kept, 2 * bucket_numel * dtype.itemsize) if release_grads else param_bytes
+    ours, adamw = _sides(device, param_bytes, in_flight, {**buffers}, gpu_tier, [b.name for b in needed])
+    return MemoryPlan(numel, dtype, device, world_size, dataclasses.replace(host, numel=numel), ours, adamw,
+                      host.pinned_bytes, state_dtype, release_grads and device == "cuda", gpu_numel)
+
+
+def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int], gpu_tier: Dict[str, int],
+           state_names: Sequence[str]) -> Tuple[Dict[str, Dict[str, int]], Dict[str, Dict[str, int]]]:
+    """:attr:`MemoryPlan.ours` and :attr:`MemoryPlan.adamw` from their parts."""
     model_side = {"params": param_bytes, "gradients": param_bytes}
     adamw_side = {**model_side, **{k: param_bytes for k in state_names}}
     if device == "cuda":
-        in_flight = min(param_bytes, 2 * bucket_numel * dtype.itemsize) if release_grads else param_bytes
-        ours = {"gpu": {**model_side, "gradients": in_flight}, "host": buffers}
-        adamw = {"gpu": adamw_side, "host": {}}
-    else:
-        # The parameters are views of master/staging, counted there; backward's .grad tensors come on top.
-        ours = {"gpu": {}, "host": {"gradients": param_bytes, **buffers}}
-        adamw = {"gpu": {}, "host": adamw_side}
-    return MemoryPlan(numel, dtype, device, world_size, host, ours, adamw, pinned, state_dtype,
-                      release_grads and device == "cuda")
+        return ({"gpu": {**model_side, "gradients": in_flight, **gpu_tier}, "host": buffers},
+                {"gpu": adamw_side, "host": {}})
+    # The parameters are views of master/staging, counted there; backward's .grad tensors come on top.
+    return {"gpu": {}, "host": {"gradients": param_bytes, **buffers}}, {"gpu": {}, "host": adamw_side}
 
 
-def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: int) -> torch.dtype:
+def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dtype: torch.dtype,
+              world_size: int) -> Dict[str, int]:
+    """GPU bytes per rank of the buckets ``layouts`` on the device tier, by buffer: fp32 moments, a low-precision
+    model's fp32 master, and sharded the full gradient buffer the reduce-scatter reads (the parameters' storage
+    becomes the master or staging slots, counted as params)."""
+    out: Dict[str, int] = {}
+    for layout in layouts:
+        padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
+        rows = state_bytes(needed, torch.float32, padded // world_size)
+        if dtype != torch.float32:
+            rows["master"] = 4 * padded // world_size
+        if world_size > 1:
+            rows["flat_grad"] = padded * dtype.itemsize
+        for name, n in rows.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+def _check_gpu_fraction(gpu_fraction: float, device: str, state_dtype: torch.dtype) -> None:
+    if isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float)) or not 0 <= gpu_fraction <= 1:
+        raise ValueError(f"Invalid gpu_fraction: {gpu_fraction!r} (a number from 0 to 1; 'auto' depends on the free "
+                         "GPU memory at run time, which a plan does not know)")
+    if gpu_fraction and (device != "cuda" or state_dtype != torch.float32):
+        raise ValueError("gpu_fraction applies to a CUDA model with fp32 state_dtype (as for the optimizer)")
+
+
+def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: int, gpu_fraction: float = 0.0,
+                     state_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """:func:`memory_plan`'s checks of its arguments; returns the parameters' one dtype."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
+    _check_gpu_fraction(gpu_fraction, device, state_dtype)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
     dtypes = {p.dtype for p in params}
@@ -278,24 +324,46 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
         **kw: the other arguments of :func:`memory_plan`.
     """
     full, rest = divmod(int(numel), int(bucket_numel))
+    fraction = kw.pop("gpu_fraction", 0.0)
+    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32))
+    if 0 < fraction < 1:
+        # The first full buckets that fit in the fraction (the remainder, last, only with all) keep their state on
+        # the GPU: planned apart, added up.
+        on_gpu = min(full, int(fraction * numel // bucket_numel)) * bucket_numel
+        if not on_gpu:
+            fraction = 0.0
+        else:
+            gpu = count_plan(on_gpu, dtype, bucket_numel=bucket_numel, gpu_fraction=1.0, **kw)
+            return _sum_plans(gpu, count_plan(numel - on_gpu, dtype, bucket_numel=bucket_numel, **kw), 1,
+                              bucket_numel)
     if full <= 2:
-        return memory_plan(meta_params(numel, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
-    head = memory_plan(meta_params(2 * bucket_numel + rest, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
-    one = memory_plan(meta_params(bucket_numel, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
-    k = full - 2
+        return memory_plan(meta_params(numel, dtype, bucket_numel), bucket_numel=bucket_numel, gpu_fraction=fraction,
+                           **kw)
+    head = memory_plan(meta_params(2 * bucket_numel + rest, dtype, bucket_numel), bucket_numel=bucket_numel,
+                       gpu_fraction=fraction, **kw)
+    one = memory_plan(meta_params(bucket_numel, dtype, bucket_numel), bucket_numel=bucket_numel,
+                      gpu_fraction=fraction, **kw)
+    return _sum_plans(head, one, full - 2, bucket_numel)
 
-    def add(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
-        return {key: a.get(key, 0) + k * b.get(key, 0) for key in dict.fromkeys([*a, *b])}
 
-    h, o = head.host, one.host
+def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:
+    """The plan of a model made of ``a``'s parameters and ``k`` times ``b``'s (same settings). Under
+    ``release_grads`` two buckets' worth cap the GPU gradients of streamed buckets whatever the model."""
+    def add(x: Dict[str, int], y: Dict[str, int]) -> Dict[str, int]:
+        return {key: x.get(key, 0) + k * y.get(key, 0) for key in dict.fromkeys([*x, *y])}
+
+    h, o = a.host, b.host
     host = HostMemoryEstimate(h.numel + k * o.numel, h.padded_numel + k * o.padded_numel, add(h.buffers, o.buffers),
                               h.pinned_bytes + k * o.pinned_bytes, h.replaces_param_bytes + k * o.replaces_param_bytes)
-    ours = {where: add(head.ours[where], one.ours[where]) for where in head.ours}
-    if head.release_grads:
-        ours["gpu"]["gradients"] = head.ours["gpu"]["gradients"]
-    adamw = {where: add(head.adamw[where], one.adamw[where]) for where in head.adamw}
-    return dataclasses.replace(head, numel=head.numel + k * one.numel, host=host, ours=ours, adamw=adamw,
-                               pinned=head.pinned + k * one.pinned)
+    ours = {where: add(a.ours[where], b.ours[where]) for where in a.ours}
+    if a.release_grads:
+        size = a.dtype.itemsize
+        kept = (a.gpu_tier_numel + k * b.gpu_tier_numel) * size
+        streamed = ours["gpu"]["gradients"] - kept
+        ours["gpu"]["gradients"] = kept + min(streamed, 2 * bucket_numel * size)
+    adamw = {where: add(a.adamw[where], b.adamw[where]) for where in a.adamw}
+    return dataclasses.replace(a, numel=a.numel + k * b.numel, host=host, ours=ours, adamw=adamw,
+                               pinned=a.pinned + k * b.pinned, gpu_tier_numel=a.gpu_tier_numel + k * b.gpu_tier_numel)
 
 
 def plan_lines(plan: MemoryPlan) -> List[str]:
@@ -381,6 +449,10 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
         out.append(f"                 the parameters are views of {home}; after zero_grad(set_to_none=False) the "
                    ".grad tensors")
         out.append("                 are views of the grad buffer, which saves the gradients row")
+    if plan.gpu_tier_numel:
+        out.append(f"GPU state        gpu_fraction: {plan.gpu_tier_numel:,} parameters "
+                   f"({plan.gpu_tier_numel / plan.numel:.0%}, the first buckets) keep their state on the GPU, updated")
+        out.append("                 there by torch's fused AdamW; the GPU rows above include it")
     if plan.device == "cuda" and plan.release_grads:
         out.append("gradients        release_grads=True: each .grad is dropped once its bucket is copied, so the GPU "
                    "holds at most")
@@ -478,7 +550,7 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
     return {
         "params": plan.numel, "dtype": name, "device": plan.device, "world_size": plan.world_size,
         "nproc_per_node": nproc_per_node, "release_grads": plan.release_grads,
-        "state_dtype": DTYPE_NAMES[plan.state_dtype],
+        "state_dtype": DTYPE_NAMES[plan.state_dtype], "gpu_tier_params": plan.gpu_tier_numel,
         "per_rank": {"OffloadOptimizer": plan.ours, "torch.optim.AdamW": plan.adamw},
         "totals_per_rank": {which: {where: plan.total(key, where) for where in ("gpu", "host")}
                             for which, key in (("OffloadOptimizer", "ours"), ("torch.optim.AdamW", "adamw"))},
@@ -531,7 +603,7 @@ def _count_arg(text: str) -> int:
 # --model is noticed and refused instead of silently ignored).
 _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
                   "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1,
-                  "gpu_memory": None}
+                  "gpu_memory": None, "gpu_fraction": 0.0}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -562,6 +634,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          "works offline) or a hub model id (needs network); needs transformers")
     ap.add_argument("--release-grads", action="store_true", default=None,
                     help="plan for release_grads=True: the GPU holds at most two buckets' gradients")
+    ap.add_argument("--gpu-fraction", type=float, metavar="F",
+                    help="plan for gpu_fraction=F (0 to 1): the first buckets keep their state on the GPU "
+                         "(default: 0)")
     ap.add_argument("--nproc-per-node", type=int, metavar="N",
                     help="ranks per node: their host buffers add up in the node's RAM (default: 1)")
     ap.add_argument("--gpu-memory", type=_bytes_arg, metavar="SIZE",
@@ -601,7 +676,12 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     else:
         params = None
     kw = dict(device=args.device, amsgrad=args.amsgrad, world_size=args.world_size, bucket_numel=args.bucket_numel,
-              state_dtype=_STATE_DTYPES[args.state_dtype], release_grads=args.release_grads)
+              state_dtype=_STATE_DTYPES[args.state_dtype], release_grads=args.release_grads,
+              gpu_fraction=args.gpu_fraction)
+    try:
+        _check_gpu_fraction(args.gpu_fraction, args.device, kw["state_dtype"])
+    except ValueError as exc:
+        ap.error(str(exc))
     plan = memory_plan(params, **kw) if params is not None else count_plan(args.params, dtype, **kw)
     gpu = args.gpu_memory if args.gpu_memory is not None else (gpu_capacity() if args.device == "cuda" else None)
     host = available_host_bytes()

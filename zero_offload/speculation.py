@@ -47,7 +47,7 @@ from zero_offload.timeline import span
 from zero_offload.records import BucketGrads, PendingClip, Plans
 from zero_offload.state.layout import view_like
 from zero_offload.transport import Transport
-from zero_offload.update import Immediate, State, _ensure_buffers, _Worker, update_bucket
+from zero_offload.update import Immediate, State, _ensure_buffers, _Worker, device_tier_first, update_bucket
 
 __all__ = ["SpeculationStats", "Speculative"]
 
@@ -131,7 +131,7 @@ class Speculative(Immediate):
             self._barred.add(id(bucket))
 
     def after_send(self, bucket: FlatBucket, group: int) -> None:
-        if bucket.on_cpu or bucket.sharded or self._broken:
+        if bucket.resident or bucket.sharded or self._broken:
             return
         if id(bucket) in self._barred:
             self.stats.not_started["sent again"] += 1
@@ -295,6 +295,11 @@ class Speculative(Immediate):
         buckets = [bg.bucket for bg, _ in entries.values()]
         self.transport.before_uploads(buckets)
         done = set()
+        for hyper, bg in device_tier_first(hypers, plans):  # launched on the GPU, which runs them meanwhile
+            if not bg.bucket.device_tier:
+                break
+            update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
+            done.add(id(bg.bucket))
         for key, spec in self._specs.items():  # commits first: their uploads overlap the updates left
             if spec.runs is None or key not in entries:
                 continue

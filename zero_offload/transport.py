@@ -102,10 +102,15 @@ class Transport:
         # of the uploads back (and all-gathers).
         self._streams: Dict[torch.device, object] = {}
         self._upload_streams: Dict[torch.device, object] = {}
+        self.arrivals: List[FlatBucket] = []  # the buckets backward sent in this step, in the order it sent them
 
     def add(self, bucket: FlatBucket, streamed: bool) -> None:
         """Take charge of a new bucket; ``streamed``: backward sends its gradients (:meth:`send_grads`)."""
         self._links[id(bucket)] = _Link(bucket, streamed)
+
+    def unstream(self, bucket: FlatBucket) -> None:
+        """Backward no longer sends the bucket's gradients (it moved to the device tier, between steps)."""
+        self._links[id(bucket)].streamed = False
 
     def sent(self, bucket: FlatBucket) -> List[bool]:
         """Which of the bucket's parameters had a gradient sent in this step's backward."""
@@ -144,6 +149,8 @@ class Transport:
         """Start sending the bucket's gradients (those on its parameters now) to the host."""
         link = self._links[id(bucket)]
         self._settle(link)
+        if not link.launches:
+            self.arrivals.append(bucket)
         idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         grads = [bucket.params[i].grad for i in idx]
         check_grads(grads, [bucket.params[i] for i in idx], label=lambda k: bucket.label(idx[k]))
@@ -162,7 +169,7 @@ class Transport:
     def _send(self, link: _Link, idx: List[int], grads: List[torch.Tensor]) -> None:
         # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
         add = [self.release and link.present[i] for i in idx]
-        (self._send_cpu if link.bucket.on_cpu else self._send_cuda)(link, idx, grads, add)
+        (self._send_cpu if link.bucket.resident else self._send_cuda)(link, idx, grads, add)
 
     @staticmethod
     def _send_cpu(link: _Link, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
@@ -206,7 +213,7 @@ class Transport:
 
     def _settle(self, link: _Link) -> None:
         """Wait for the bucket's copies and add any that landed in ``incoming`` to its gradient buffer."""
-        if link.bucket.on_cpu:
+        if link.bucket.resident:
             return
         self.wait_grads(link.bucket)
         if link.adds:
@@ -227,7 +234,7 @@ class Transport:
         """The squared norm of the gradients backward streamed for the bucket, read on the host (None: not
         known). Only after :meth:`wait_grads`, and with :attr:`host_norms`."""
         link = self._links[id(bucket)]
-        if link.bucket.on_cpu or link.norm is None or link.norm_host is None:
+        if link.bucket.resident or link.norm is None or link.norm_host is None:
             return None
         return float(link.norm_host[0])
 
@@ -276,7 +283,7 @@ class Transport:
         # CUDA copies are only enqueued, so they go first and overlap the CPU buckets' copies.
         for bg in entries:
             bucket = bg.bucket
-            if bucket.on_cpu:
+            if bucket.resident:
                 continue
             stream = self.stream(bucket.device)
             if bucket.device not in waited:
@@ -286,12 +293,12 @@ class Transport:
             self._gather_cuda(bg, stream)
         bad = False
         for bg in entries:
-            if bg.bucket.on_cpu:
+            if bg.bucket.resident:
                 bg.in_place = self._gather_cpu(bg)
                 if check and not bad:
                     bad = bg.host_sq_norm()[1]
         if check and not bad:
-            bad = self._cuda_nonfinite([bg for bg in entries if not bg.bucket.on_cpu])
+            bad = self._cuda_nonfinite([bg for bg in entries if not bg.bucket.resident])
         return bad
 
     def _cuda_nonfinite(self, entries: List[BucketGrads]) -> bool:
@@ -335,7 +342,10 @@ class Transport:
         """A CPU bucket's gradients for the kernel: None when the flat buffer holds every one (each is its slot,
         or absent); otherwise the tensors the kernel reads in place (see :meth:`_in_place`). Streamed buckets
         copy into the buffer, where the streamed gradients already are."""
-        bucket, views = bg.bucket, bg.bucket.grad_views
+        bucket = bg.bucket
+        if not bucket.grads.allocated:  # a device-tier bucket whose gradients are all read where they are
+            return self._in_place(bg) if any(g is not None for g in bg.pending) else None
+        views = bucket.grad_views
         if all(map(operator.is_, bg.pending, views)):
             # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
             bucket.grads.all_filled()
@@ -356,7 +366,9 @@ class Transport:
         checked: they passed ``collect_grads`` (dense, the parameter's shape), are contiguous, and autograd gives a
         CPU parameter's gradient its dtype and device."""
         bucket, grads = bg.bucket, bg.pending
-        flat, offsets, numels, views = bucket.grad, bucket.layout.offsets, bucket.layout.numels, bucket.grad_views
+        offsets, numels = bucket.layout.offsets, bucket.layout.numels
+        # (A device-tier bucket's buffer may not exist: then no gradient is its slot.)
+        views = bucket.grad_views if bucket.grads.allocated else [None] * len(grads)
         # The usual case, checked in C-level loops: every gradient fresh, present and contiguous like its slot.
         if (bucket.grads.all_slots_contiguous and not any(map(operator.is_, grads, repeat(None)))
                 and not any(map(operator.is_, grads, views)) and all(map(torch.Tensor.is_contiguous, grads))):
@@ -371,6 +383,7 @@ class Transport:
             else:
                 # The state's slots have the parameter's memory order; a gradient in any other order (or already
                 # in its slot) is read from the slot, whose flat range is in that order.
+                flat, views = bucket.grad, bucket.grad_views
                 if g is not views[i]:
                     dsts.append(views[i])
                     srcs.append(g)
@@ -418,7 +431,7 @@ class Transport:
         entries = list(chain.from_iterable(plans))
         if norm_type == 2.0:
             # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
-            gpu_norms = self.streamed_norms([bg for bg in entries if not bg.bucket.on_cpu])
+            gpu_norms = self.streamed_norms([bg for bg in entries if not bg.bucket.resident])
             self.wait_all(plans)
             sq, nonfinite = 0.0, False
             for bg in entries:
@@ -444,8 +457,10 @@ class Transport:
             for bg in group_plan:
                 bucket = bg.bucket
                 for i, has in enumerate(bg.present):
+                    if not has:
+                        continue
                     host = bucket.grad_views[i] if bg.in_place is None else bg.in_place[i]
-                    if has and host is not None and not bool(torch.isfinite(host).all()):
+                    if host is not None and not bool(torch.isfinite(host).all()):
                         j = bucket.layout.indices[i]
                         label = f" ({names[gi][j]!r})" if names[gi] else ""
                         return f"param group {gi}, parameter {j}{label} of shape {tuple(bucket.params[i].shape)}"
@@ -457,7 +472,7 @@ class Transport:
         since backward, which may still read them (an EMA of the weights, a norm for logging, an eval forward
         before ``state_dict()``). Not needed for ``overlap_step``'s uploads in backward: every use of a parameter
         was queued before the hook that found its gradient final."""
-        for device in {b.device for b in buckets if not b.on_cpu}:
+        for device in {b.device for b in buckets if not b.resident}:
             self.stream(device, upload=True).wait_stream(torch.cuda.current_stream(device))
 
     @staticmethod
@@ -486,7 +501,7 @@ class Transport:
         have made (so a stale saved tensor is still caught). ``srcs``: per parameter, where to upload from instead
         of :attr:`FlatBucket.upload_views` (a speculative update's own low-precision output)."""
         params = bucket.params if len(indices) == len(bucket.params) else [bucket.params[i] for i in indices]
-        if bucket.on_cpu:
+        if bucket.resident:
             increment_version(params)
         else:
             stream = self.stream(bucket.device, upload=True)
@@ -500,7 +515,7 @@ class Transport:
     def finish_params(self, buckets: Iterable[FlatBucket]) -> None:
         """The next forward must read the parameters only after their uploads have landed: the compute stream
         waits for the upload stream's work so far (an event), the host does not wait."""
-        for device in {b.device for b in buckets if not b.on_cpu}:
+        for device in {b.device for b in buckets if not b.resident}:
             torch.cuda.current_stream(device).wait_stream(self.stream(device, upload=True))
 
     def synchronize(self) -> None:
@@ -512,9 +527,10 @@ class Transport:
     # -- between steps ---------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget what was sent for this step (after ``step()``, or at ``zero_grad()``), once it has landed."""
+        self.arrivals = []
         for link in self._links.values():
             if link.launches or any(link.present) or link.adds:
-                if link.bucket.sharded or not link.bucket.on_cpu:
+                if link.bucket.sharded or not link.bucket.resident:
                     self.wait_grads(link.bucket)
                 link.clear()
 
@@ -525,7 +541,7 @@ class Transport:
         :meth:`reset`."""
         for link in self._links.values():
             bucket = link.bucket
-            if bucket.on_cpu and not link.streamed:
+            if bucket.resident and not link.streamed:
                 bucket.grads.zero_as_views()
                 continue
             if self.release and any(link.had):

@@ -23,8 +23,8 @@ from zero_offload.state.layout import view_like
 from zero_offload.timeline import span
 from zero_offload.transport import Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "ensure_buffers", "preview_bucket", "update_bucket",
-           "weak_method"]
+__all__ = ["Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers", "preview_bucket",
+           "update_bucket", "weak_method"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
@@ -40,6 +40,13 @@ def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Plans) -> None:
     for hyper, group_plan in zip(hypers, plans):
         for bg in group_plan:
             ensure_buffers(state, bg.bucket, hyper)
+
+
+def device_tier_first(hypers: Sequence[Any], plans: Plans) -> List[Tuple[Any, BucketGrads]]:
+    """Each bucket of ``plans`` with its group's hyperparameters, the device tier's first: their updates are
+    only launched on the GPU, which then runs them while the host updates the others."""
+    pairs = [(h, bg) for h, group_plan in zip(hypers, plans) for bg in group_plan]
+    return [p for p in pairs if p[1].bucket.device_tier] + [p for p in pairs if not p[1].bucket.device_tier]
 
 
 def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bool],
@@ -58,8 +65,9 @@ def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bo
     transport.before_update(bucket)  # the last upload may still be reading master/staging
     indices = touched(bucket, runs)
     bucket.masters.refresh(indices)
-    with span(transport.timeline, "kernel", "step", bucket):
-        run_rule(bucket, runs, bucket.grad if grad is None else grad, in_place, h, multiplier)
+    # (A device-tier bucket's update is only launched here: the span is the host's part; the GPU runs it later.)
+    with span(transport.timeline, "kernel", "gpu launch" if bucket.device_tier else "step", bucket):
+        run_rule(bucket, runs, grad, in_place, h, multiplier)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
@@ -137,10 +145,9 @@ class Immediate:
         _ensure_buffers(state, hypers, plans)
         buckets = [bg.bucket for bg in chain.from_iterable(plans)]
         self.transport.before_uploads(buckets)
-        for hyper, group_plan in zip(hypers, plans):
-            for bg in group_plan:
-                if not self.updated(bg.bucket):
-                    update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
+        for hyper, bg in device_tier_first(hypers, plans):
+            if not self.updated(bg.bucket):
+                update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
         self.transport.finish_params(buckets)  # sharded: the all-gathers, each overlapped with the next update
 
     def flush(self, state: State) -> None:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Dict
 
 import torch
 
-from zero_offload import functional
+from zero_offload import _torch_fused, functional
 from zero_offload.options import check_group, check_hparams
 from zero_offload.rules.base import Rule, Run, StateBuffer
 
@@ -89,6 +89,32 @@ class AdamW(Rule):
             functional.cpu_adam_(run.master, run.grad, **kw, **_kernel_kwargs(hyper))
         else:
             functional.cpu_adam_segments_(run.master, run.grads, run.offsets, **kw, **_kernel_kwargs(hyper))
+
+    device_update = True
+
+    def update_on_device(self, run: Run, hyper: Hyper) -> None:
+        """torch's fused Adam(W) over the run (one kernel call): fp32 master and moments, the gradient multiplied
+        in fp32 first (see :mod:`zero_offload._torch_fused`), the low-precision parameter written as the master
+        rounded to nearest."""
+        if not _torch_fused.available_on(run.master.device):
+            raise RuntimeError(f"gpu_fraction: torch {torch.__version__} has no fused Adam kernel for "
+                               f"{run.master.device.type} tensors")
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper.amsgrad else [])
+        whole = {"master": run.master, **{n: run.state[n] for n in names}}
+        if run.param_out is not None:
+            whole["out"] = run.param_out
+        if run.grads is None:
+            pieces = {k: [t] for k, t in whole.items()}
+            grads = [run.grad]
+        else:  # each gradient where it is, against its slot's range of the buffers
+            cut = [(o, g) for o, g in zip(run.offsets, run.grads) if g is not None]
+            pieces = {k: [t[o : o + g.numel()] for o, g in cut] for k, t in whole.items()}
+            grads = [g.reshape(-1) for _, g in cut]
+        _torch_fused.adam_(pieces["master"], grads, pieces["exp_avg"], pieces["exp_avg_sq"],
+                           pieces.get("max_exp_avg_sq"), step=run.step, lr=hyper.lr, beta1=hyper.beta1,
+                           beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                           decoupled_weight_decay=hyper.decoupled, maximize=hyper.maximize,
+                           grad_scale=run.grad_scale, param_outs=pieces.get("out"))
 
 
 ADAMW = AdamW()

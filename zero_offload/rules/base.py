@@ -124,3 +124,11 @@ class Rule:
     def update(self, run: Run, hyper: Any) -> None:
         """Update one run in place: ``master``, ``state`` (and ``scales``) and ``param_out``."""
         raise NotImplementedError
+
+    # Whether :meth:`update_on_device` exists: the rule can run on the device tier (``gpu_fraction``).
+    device_update: bool = False
+
+    def update_on_device(self, run: Run, hyper: Any) -> None:
+        """:meth:`update` of a run whose buffers and gradients are in GPU memory (the device tier), with torch's
+        kernels there. Only where :attr:`device_update` is set."""
+        raise NotImplementedError

@@ -7,8 +7,9 @@ Where a parameter lives:
 * fp32 on CPU: the parameter *is* its master slot (``p.data`` is rebound to the view); no separate master.
 * bf16/fp16 on CPU: the parameter is its staging slot, which the update writes; the fp32 master is separate.
 * on CUDA: the parameter stays where it is; the transport copies the master (fp32) or the staging copy back.
-* sharded on CPU: the parameters are views of one full flat buffer ``flat_param``, whose rank's slice *is* the
-  master (fp32) or the staging copy.
+* on CUDA with the state on the device tier (``gpu_fraction``): as on CPU, in device memory ("resident").
+* sharded on CPU (or resident): the parameters are views of one full flat buffer ``flat_param``, whose rank's
+  slice *is* the master (fp32) or the staging copy.
 
 A separate master is (re)initialised from its parameter before the parameter's next update whenever the parameter
 was changed outside the optimizer (its version counter moved) and no longer equals the master rounded to its
@@ -43,13 +44,15 @@ class Masters:
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]):
         self.params, self.shard = params, shard
         self.device, self.dtype = layout.device, layout.dtype
-        self.on_cpu = layout.device.type == "cpu"
+        # The state lives with the parameters (a CPU model, or a GPU bucket on the device tier): the parameters
+        # are bound to the slots the update writes, and nothing is transferred.
+        self.resident = layout.device.type == "cpu" or not tier.host
         self.low_precision = layout.dtype != torch.float32
-        self.separate = not (self.on_cpu and not self.low_precision)
+        self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
         self.flat_param: Optional[torch.Tensor] = None
         own = None
-        if shard is not None and self.on_cpu:
+        if shard is not None and self.resident:
             self.flat_param = tier.zeros(shard.full.padded_numel, self.dtype)
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
@@ -68,7 +71,7 @@ class Masters:
     def param_slots(self) -> Optional[List[torch.Tensor]]:
         """For CPU buckets, the views the parameters are bound to (master or staging, or ``flat_param``'s when
         sharded); None on CUDA."""
-        if not self.on_cpu:
+        if not self.resident:
             return None
         if self.shard is not None:
             return self.param_views
@@ -82,7 +85,7 @@ class Masters:
     def bind(self) -> None:
         """Make CPU parameters views of the slots the kernel writes (after :meth:`fill_param_slots`, so the model
         is unchanged, and a later in-place load into a parameter lands in its slot)."""
-        if self.on_cpu:
+        if self.resident:
             for p, slot in zip(self.params, self.param_slots):
                 p.data = slot
             self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
@@ -90,7 +93,7 @@ class Masters:
     def check_in_place(self) -> None:
         """Refuse parameters that no longer live where the optimizer put them. C-level loops on the hot path."""
         params = self.params
-        if self.on_cpu:
+        if self.resident:
             moved = list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs
         else:
             moved = any(p.dtype != self.dtype or p.device != self.device for p in params)
@@ -105,7 +108,7 @@ class Masters:
 
     def _moved(self, i: int) -> bool:
         p = self.params[i]
-        if self.on_cpu:
+        if self.resident:
             return p.data_ptr() != self.slot_ptrs[i]
         return p.dtype != self.dtype or p.device != self.device
 
@@ -142,7 +145,7 @@ class Masters:
         """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""
         if self.shard is not None:
             return [self._piece_value(i) for i in stale]
-        if self.on_cpu:
+        if self.resident:
             return [self.params[i].detach() for i in stale]
         # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
         # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a
@@ -159,7 +162,7 @@ class Masters:
         a, b = self.shard.pieces[i]
         if b <= a:
             return None
-        if self.on_cpu:
+        if self.resident:
             return self.staging_views[i]  # the parameter's own storage
         src = self.shard.piece_src[i]
         return memory_order_flat(self.params[i].detach())[src : src + b - a].to("cpu")

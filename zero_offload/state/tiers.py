@@ -1,9 +1,9 @@
 """Where a bucket's bytes live. A tier allocates a zeroed flat buffer of ``n`` elements of a dtype; the bucket store
 asks one for every buffer it holds, so *where* state lives is decided here and nowhere else.
 
-Today every buffer is in host memory (:class:`HostTier`: page-locked where it takes part in device copies). The
-GPU-resident part of the state (the twin flow of the GPU step) is a :class:`DeviceTier`; an NVMe tier, paging a
-bucket's state in before its update, would be a third implementation of the same one method.
+Most buffers are in host memory (:class:`HostTier`: page-locked where it takes part in device copies). The
+GPU-resident part of the state (``gpu_fraction``, the twin flow of the GPU step) is on a :class:`DeviceTier`; an
+NVMe tier, paging a bucket's state in before its update, would be a third implementation of the same one method.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class DeviceTier(Tier):
     host = False
 
     def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+        self.device = torch.device(device) if isinstance(device, str) else device
         self.name = str(self.device)
 
     def zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
