@@ -41,7 +41,8 @@ STREAM_RECIPES = (
 )
 
 
-def _run_recipe(recipe: Recipe, device: str, steps: int = STEPS) -> None:
+def _run_recipe(recipe: Recipe, device: str, steps: int = STEPS):
+    """Ours and the reference through ``recipe``, compared every step; returns our optimizer."""
     ours, ref = make_runs(recipe, device)
     for step in range(steps):
         ours.step(step)
@@ -51,6 +52,7 @@ def _run_recipe(recipe: Recipe, device: str, steps: int = STEPS) -> None:
         torch.testing.assert_close(torch.stack(ours.norms), torch.stack(ref.norms))
     if recipe.inf_at is not None:
         assert ours.opt.skipped_steps == 1
+    return ours.opt
 
 
 @pytest.mark.parametrize("recipe", STREAM_RECIPES, ids=lambda r: r.name)

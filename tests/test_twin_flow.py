@@ -22,7 +22,8 @@ import cuda_standins
 import test_distributed
 import test_optimizer
 from test_cuda_branches import CUDA_RECIPES
-from test_optimizer import Recipe, TinyTransformer, assert_same, loss_fn, make_runs, param_groups
+from test_grad_stream import _run_recipe
+from test_optimizer import Recipe, TinyTransformer, assert_same, loss_fn, param_groups
 from zero_offload import Lion, OffloadOptimizer, _torch_fused, offload
 from zero_offload.report import count_plan, memory_plan, meta_params, plan_lines
 
@@ -50,19 +51,6 @@ def _tiers(opt):
     return [b.device_tier for b in _buckets(opt)]
 
 
-def _run(recipe: Recipe, steps: int):
-    ours, ref = make_runs(recipe, "cpu")
-    for step in range(steps):
-        ours.step(step)
-        ref.step(step)
-        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"{recipe.name} step {step}")
-    if recipe.clip is not None:
-        torch.testing.assert_close(torch.stack(ours.norms), torch.stack(ref.norms))
-    if recipe.inf_at is not None:
-        assert ours.opt.skipped_steps == 1
-    return ours.opt
-
-
 def _with(recipe: Recipe, **ours_kw) -> Recipe:
     return dataclasses.replace(recipe, ours_kw={**recipe.ours_kw, "bucket_numel": BUCKET, **ours_kw})
 
@@ -72,7 +60,7 @@ def _with(recipe: Recipe, **ours_kw) -> Recipe:
 # elements on the GPU tier.
 @pytest.mark.parametrize("recipe", CUDA_RECIPES, ids=lambda r: r.name)
 def test_mixed_host_and_gpu_buckets_match_adamw_every_step(cuda_branches, recipe):
-    opt = _run(_with(recipe, gpu_fraction=0.5), steps=25)
+    opt = _run_recipe(_with(recipe, gpu_fraction=0.5), "cpu", steps=25)
     tiers = _tiers(opt)
     assert any(tiers) and not all(tiers), tiers
     # The GPU tier's gradients are read where autograd left them: no gradient buffer of its own (but
@@ -85,7 +73,7 @@ def test_mixed_host_and_gpu_buckets_match_adamw_every_step(cuda_branches, recipe
     "adamw", "amsgrad", "clip_inf_norm", "scaler_fused_clip", "zero_grad_keep", "accumulate_no_sync+release")],
     ids=lambda r: r.name)
 def test_everything_on_the_gpu_tier_matches_adamw(cuda_branches, recipe):
-    opt = _run(_with(recipe, gpu_fraction=1.0), steps=25)
+    opt = _run_recipe(_with(recipe, gpu_fraction=1.0), "cpu", steps=25)
     assert all(_tiers(opt))
     assert opt.speculation_stats.speculated == 0  # nothing streamed, nothing to speculate on
     assert opt.estimate_host_memory().total_bytes == 0
