@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import io
+import itertools
 import logging
 import math
 import os
@@ -97,12 +98,16 @@ def loss_fn(model: nn.Module, step: int, micro: int, device) -> torch.Tensor:
 
 def assert_same(model, ref_model, ours, ref, where: str) -> None:
     """Parameters and every state tensor of ``ours`` against the reference optimizer's, at default tolerance."""
+    # (State on the GPU tier, gpu_fraction, lives with its parameter; the rest on the host.)
+    on_device = {id(q) for b in itertools.chain.from_iterable(getattr(ours, "_buckets", ())) if b.device_tier
+                 for q in b.params}
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m: f"{where}, param {name}: {m}")
         expected, actual = ref.state.get(q, {}), ours.state.get(p, {})
         assert set(actual) - {"master"} == set(expected), f"{where}, {name}: keys {set(actual)} vs {set(expected)}"
+        home = p.device.type if id(p) in on_device else "cpu"
         for key, value in expected.items():
-            assert actual[key].device.type == "cpu", f"{where}, {name}: {key} left the host"
+            assert actual[key].device.type == home, f"{where}, {name}: {key} on {actual[key].device}, not {home}"
             torch.testing.assert_close(actual[key], value.cpu(), msg=lambda m: f"{where}, {name}, {key}: {m}")
 
 

@@ -383,3 +383,34 @@ def test_sharded_auto_moves_the_same_buckets_on_every_rank():
     (tiers0, costs), (tiers1, _) = results[0], results[1]
     assert tiers0 == tiers1 and any(tiers0) and not all(tiers0)
     assert sum(c for c, t in zip(costs, tiers0) if t) <= 4000
+
+
+# -- on a real GPU (skipped without one; in the runbook's `pytest -m cuda`) ----------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", [r for r in CUDA_RECIPES if r.name in (
+    "adamw", "clip", "scaler", "zero_grad_keep", "accumulate_no_sync+release", "not_streamed")], ids=lambda r: r.name)
+def test_mixed_tiers_on_a_gpu_match_adamw(recipe):
+    """The device tier on CUDA: torch's fused CUDA kernel, GPU norms, in-place gradients, with host buckets
+    streamed and speculated beside it."""
+    opt = _run_recipe(_with(recipe, gpu_fraction=0.5), "cuda", steps=25)
+    tiers = _tiers(opt)
+    assert any(tiers) and not all(tiers), tiers
+    gpu_buffers = [t for b in _buckets(opt) if b.device_tier for t in b.store.tensors().values()]
+    assert gpu_buffers and all(t.is_cuda for t in gpu_buffers)
+
+
+@pytest.mark.cuda
+def test_auto_on_a_gpu_moves_buckets_and_keeps_adamw():
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction="auto", gpu_margin_gib=0.5)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(6):
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cuda").backward()
+            o.step()
+        assert_same(model, ref_model, opt, ref, f"auto on a GPU, step {step}")
+    assert all(_tiers(opt)), "a tiny model fits on any GPU with half a GiB to spare"
+    assert sum(opt.gpu_state_bytes().values()) > 0
