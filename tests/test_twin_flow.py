@@ -277,6 +277,9 @@ def test_gpu_fraction_places_each_groups_first_buckets(cuda_branches):
     held = opt.estimate_host_memory()
     assert held.numel == sum(p.numel() for p in model.parameters())
     assert held.total_bytes == sum(b.estimate().total_bytes for b in _buckets(opt) if not b.device_tier)
+    # Planned before building, the same bytes.
+    planned = OffloadOptimizer.estimate_host_memory(param_groups(model), bucket_numel=BUCKET, gpu_fraction=0.3)
+    assert planned.total_bytes == held.total_bytes
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -53,9 +53,11 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
 
 def estimate_params(params: Iterable[Any], *, defaults: Optional[Dict[str, Any]] = None, bucket_numel: int,
                     pin_memory: Optional[bool], world_size: int = 1, delayed_update: bool = False,
-                    state_dtype: torch.dtype = torch.float32, rule: Rule = ADAMW) -> HostMemoryEstimate:
+                    state_dtype: torch.dtype = torch.float32, rule: Rule = ADAMW,
+                    gpu_fraction: Any = 0.0) -> HostMemoryEstimate:
     """:func:`estimate_layouts` of the buckets an optimizer over ``params`` (tensors or group dicts, whose own
-    settings are honoured over ``defaults``) would plan; see ``OffloadOptimizer.estimate_host_memory``."""
+    settings are honoured over ``defaults``) would plan, less those a numeric ``gpu_fraction`` keeps on the GPU;
+    see ``OffloadOptimizer.estimate_host_memory``."""
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
@@ -64,8 +66,10 @@ def estimate_params(params: Iterable[Any], *, defaults: Optional[Dict[str, Any]]
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
         settings = {**(defaults or {}), **{k: v for k, v in g.items() if k != "params"}}
-        total = total + estimate_layouts(plan_buckets(ps, bucket_numel), rule.buffers_for(settings), pin_memory,
-                                         world_size, delayed_update, state_dtype, rule)
+        layouts = plan_buckets(ps, bucket_numel)
+        host = [l for l, g in zip(layouts, device_tier_plan(layouts, gpu_fraction)) if not g]
+        total = total + estimate_layouts(host, rule.buffers_for(settings), pin_memory, world_size, delayed_update,
+                                         state_dtype, rule)
     return total
 
 

@@ -43,7 +43,8 @@ logger = logging.getLogger("zero_offload")
 
 def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                      pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
-                     state_dtype: torch.dtype = torch.float32) -> HostMemoryEstimate:
+                     state_dtype: torch.dtype = torch.float32, gpu_fraction: Union[float, str] = 0.0
+                     ) -> HostMemoryEstimate:
     """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
 
     Two ways to ask, one name:
@@ -62,6 +63,8 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         world_size (int): ranks of the ``process_group``. Default: 1.
         delayed_update (bool): Default: False.
         state_dtype (torch.dtype): Default: torch.float32.
+        gpu_fraction (float or str): the buckets a number keeps on the GPU are not counted; ``"auto"`` (decided
+            after the first step) counts every bucket: an upper bound. Default: 0.
 
     Returns:
         HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
@@ -70,8 +73,10 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         ValueError: a ``state_dtype`` the constructor refuses (its very error).
     """
     check_state_dtype(state_dtype)
+    Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()  # the constructor's checks
     return estimate_params(params, defaults={"amsgrad": amsgrad}, bucket_numel=bucket_numel, pin_memory=pin_memory,
-                           world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype)
+                           world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype,
+                           gpu_fraction=gpu_fraction)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
