@@ -110,7 +110,8 @@ class Transport:
 
     def unstream(self, bucket: FlatBucket) -> None:
         """Backward no longer sends the bucket's gradients (it moved to the device tier, between steps)."""
-        self._links[id(bucket)].streamed = False
+        link = self._links[id(bucket)]
+        link.streamed, link.incoming, link.norm_host = False, None, None  # (host buffers it no longer needs)
 
     def sent(self, bucket: FlatBucket) -> List[bool]:
         """Which of the bucket's parameters had a gradient sent in this step's backward."""
