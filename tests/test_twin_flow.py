@@ -417,3 +417,30 @@ def test_auto_on_a_gpu_moves_buckets_and_keeps_adamw():
         assert_same(model, ref_model, opt, ref, f"auto on a GPU, step {step}")
     assert all(_tiers(opt)), "a tiny model fits on any GPU with half a GiB to spare"
     assert sum(opt.gpu_state_bytes().values()) > 0
+
+
+def test_auto_stops_at_a_bucket_the_gpu_cannot_take(cuda_branches, caplog):
+    """Out of GPU memory while moving (the free memory was misjudged): that bucket and the later ones stay on the
+    host, whole, and training goes on as AdamW."""
+    from zero_offload.state import tiers
+
+    monkeypatch = cuda_branches
+    _fake_gpu_memory(monkeypatch, free=10**9)
+    calls = []
+    real_zeros = tiers.DeviceTier.zeros
+
+    def zeros(self, n, dtype):
+        calls.append(n)
+        if len(calls) > 4:  # the second bucket's allocations fail
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return real_zeros(self, n, dtype)
+
+    monkeypatch.setattr(tiers.DeviceTier, "zeros", zeros)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction="auto", gpu_margin_gib=0)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in _steps([(opt, model), (ref, ref_model)], 0, 5):
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+    assert sum(_tiers(opt)) == 1 and "ran out of memory" in caplog.text

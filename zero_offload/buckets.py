@@ -133,26 +133,27 @@ class FlatBucket:
     def move_to_device(self) -> None:
         """Re-home the bucket's state on its GPU (``gpu_fraction="auto"``, between steps): the same masters,
         buffers, step counts and entries' flags in device memory, the parameters bound to their new slots. The
-        caller has waited for every copy in flight; it shows the new entries and stops streaming the bucket."""
-        old_masters, old_store, exposed = self.masters, self.store, list(self.views.exposed)
+        caller has waited for every copy in flight; it shows the new entries and stops streaming the bucket. An
+        allocation failure leaves the bucket as it was."""
         tier = DeviceTier(self.device)
-        self.resident, self.shares_grad, self.pin = True, False, False
-        self.masters = Masters(self.params, self.layout, self.shard, tier, False, self._views)
-        self.store = StateStore(self.rule, [old_store.declared[n] for n in old_store.flat], self.state_dtype, tier,
-                                self.layout.padded_numel, self._views, len(self.params))
-        self.store.steps = old_store.steps  # (the entries' "step" tensors are views of it)
-        for name, buf in old_store.flat.items():
-            self.store.flat[name].copy_(buf)
-        if self.masters.separate:
-            self.masters.master.copy_(old_masters.master)
+        masters = Masters(self.params, self.layout, self.shard, tier, False, self._views)
+        store = StateStore(self.rule, [self.store.declared[n] for n in self.store.flat], self.state_dtype, tier,
+                           self.layout.padded_numel, self._views, len(self.params))
+        grads = GradSlots(self.params, self.shapes, self.layout, self.full,
+                          None if self.shard is None else self.shard.pieces, self.shard is not None, tier, self.label)
+        for name, buf in self.store.flat.items():
+            store.flat[name].copy_(buf)
+        if masters.separate:
+            masters.master.copy_(self.masters.master)
         # The parameters hold what was uploaded from the old masters (an fp32 master itself): their slots take it.
-        self.masters.fill_param_slots()
-        self.masters.bind()
-        self.masters.versions = [-1 if v == -1 else p._version for v, p in zip(old_masters.versions, self.params)]
-        self.grads = GradSlots(self.params, self.shapes, self.layout, self.full,
-                               None if self.shard is None else self.shard.pieces, self.shard is not None, tier,
-                               self.label)
-        self.views = StateViews(self.rule, self.store, self.masters, self.layout, self.shard, self.params)
+        masters.fill_param_slots()
+        store.steps = self.store.steps  # (the entries' "step" tensors are views of it)
+        versions, exposed = self.masters.versions, list(self.views.exposed)
+        self.resident, self.shares_grad, self.pin = True, False, False
+        self.masters, self.store, self.grads = masters, store, grads
+        masters.bind()
+        masters.versions = [-1 if v == -1 else p._version for v, p in zip(versions, self.params)]
+        self.views = StateViews(self.rule, store, masters, self.layout, self.shard, self.params)
         for i, e in enumerate(exposed):
             self.views.set_exposed(i, e)
 

@@ -383,12 +383,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
             logger.info("OffloadOptimizer(gpu_fraction='auto'): no bucket fits on the GPU; all state stays on the host")
             return
         self._transport.synchronize()  # no copy may still read the host buffers being replaced
+        moved = 0
         for bucket in order[:count]:
+            try:
+                bucket.move_to_device()
+            except torch.cuda.OutOfMemoryError as exc:
+                if self._transport.sharded:  # the other ranks may have moved it: the layouts would differ
+                    raise
+                logger.warning("OffloadOptimizer(gpu_fraction='auto'): the GPU ran out of memory moving %s (%s); "
+                               "it and the buckets after it stay on the host", bucket.where, exc)
+                break
             self._streamer.drop(bucket)
             self._transport.unstream(bucket)
-            bucket.move_to_device()
             checkpoint.expose(self.state, bucket, [i for i, e in enumerate(bucket.exposed) if e])
-        logger.info("OffloadOptimizer(gpu_fraction='auto'): %d of %d GPU buckets moved to the GPU (%s)", count,
+            moved += 1
+        logger.info("OffloadOptimizer(gpu_fraction='auto'): %d of %d GPU buckets moved to the GPU (%s)", moved,
                     len(buckets), self.gpu_state_bytes())
 
     def gpu_state_bytes(self) -> Dict[str, int]:
