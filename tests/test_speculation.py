@@ -24,7 +24,7 @@ import torch.nn as nn
 import cuda_standins
 from test_cuda_branches import CUDA_RECIPES
 from test_optimizer import Run, assert_same, make_runs
-from zero_offload import OffloadOptimizer, speculation
+from zero_offload import OffloadOptimizer, speculation, undo
 from zero_offload.options import Options
 
 N_BUCKETS = 6
@@ -377,7 +377,7 @@ def test_timeline_shows_rollbacks_and_writes_a_chrome_trace(eager, tmp_path):
 
 
 def test_no_speculation_without_host_memory_for_the_undo_buffers(eager, monkeypatch):
-    monkeypatch.setattr(speculation, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(undo, "available_host_bytes", lambda: 1000)
     pairs = _pair()
     _drive(pairs, 3)
     stats = pairs[0][1].speculation_stats
