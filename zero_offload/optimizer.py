@@ -162,7 +162,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to
             what the worker reaches during backward, learned step by step (the most it used in the last 10 steps,
             plus one bucket; the first step that speculates measures it), never more than the host can spare twice
-            over. 0 turns speculation off. ``opt.estimate_host_memory()`` shows what the pool holds (``undo``).
+            over. 0 turns speculation off; unused where speculation is off. ``opt.estimate_host_memory()`` shows
+            what the pool holds (``undo``).
             Default: None.
 
     Attributes:

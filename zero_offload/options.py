@@ -280,9 +280,6 @@ class Options:
         if self.speculate not in (None, True, False):
             raise ValueError(f"Invalid speculate: {self.speculate!r} (True, False or None)")
         check_speculation_memory(self.speculation_memory)
-        if self.speculation_memory is not None and self.speculate is False:
-            raise ValueError("speculation_memory caps speculation's undo memory, but speculate=False turns "
-                             "speculation off: pass one or the other")
         if self.speculate and self.speculation_memory == 0:
             raise ValueError("speculate=True with speculation_memory=0 leaves no room to save a bucket's state "
                              "before its speculative update: pass speculate=False (or None) to turn it off")
