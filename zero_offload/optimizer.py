@@ -271,7 +271,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         total = HostMemoryEstimate(0, 0, {}, 0, 0)
         for bucket in chain.from_iterable(self._buckets):
             total = total + bucket.estimate()
-        if isinstance(self._mode, Speculative):
+        if isinstance(self._mode, Speculative) and self._mode.pool.held_bytes:  # (a row once it holds any)
             total = total + self._mode.pool.estimate()
         return total
 
