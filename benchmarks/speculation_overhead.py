@@ -56,6 +56,19 @@ def _step_time(opt, params, steps: int, wait_worker: bool):
     return (time.process_time() - t) / steps, in_step / steps
 
 
+def _undo_held(opt) -> int:
+    """Bytes of speculation's undo buffers: the pool's row of the estimate, or (a tree from before the pool) the
+    buffers each bucket kept."""
+    undo = getattr(opt._mode, "_undo", None)
+    if undo is not None:
+        return sum(t.nbytes for buffers in undo.values() for t in buffers.values())
+    return opt.estimate_host_memory().buffers.get("undo", 0)
+
+
+def _state_bytes(bucket) -> int:
+    return bucket.master.nbytes + sum(t.nbytes for t in bucket.store.tensors().values())
+
+
 def _best(old, new):
     return new if old is None else (min(old[0], new[0]), min(old[1], new[1]))
 
@@ -104,6 +117,8 @@ def main() -> None:
         for label, (t, s) in best.items():
             print(f"standins  {label:16s} {t * 1e3:8.2f} ms CPU per step, of which step() {s * 1e3:8.2f} ms")
         print(f"standins  buckets {len(opt._buckets[0])}; last run's {stats}")
+        print(f"standins  undo bytes held after {args.steps + 3} steps: {_undo_held(opt):,} (state: master and "
+              f"moments {sum(_state_bytes(b) for b in opt._buckets[0]):,})")
 
 
 if __name__ == "__main__":
