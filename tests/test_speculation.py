@@ -532,3 +532,36 @@ def test_learned_cap_grows_to_the_window_and_gives_memory_back():
     b = pool.take(piece)
     assert b.buffers["master"].data_ptr() == a.buffers["master"].data_ptr() and pool.held_bytes == x + 64
     pool.give_back(b)
+
+
+def test_step_cancels_what_is_still_queued_before_waiting_for_the_running_one(cuda_branches, monkeypatch):
+    """The worker is still on the first bucket backward sent when step() comes: the five queued behind it are
+    updated at step() (waiting for each in turn let the worker start the next as the last ended: step() waited for
+    the whole queue, and the undo pool was sized to every bucket)."""
+    pairs = _pair()
+    (model, opt), _ = pairs
+    release = threading.Event()
+    real_kernel, real_finish = speculation.run_rule, speculation.Speculative._finish
+
+    def kernel(*args, **kw):
+        assert release.wait(120), "never released"
+        return real_kernel(*args, **kw)
+
+    def finish(self, spec):  # the first wait of step(): only now may the running speculation end
+        release.set()
+        return real_finish(self, spec)
+
+    monkeypatch.setattr(speculation, "run_rule", kernel)
+    monkeypatch.setattr(speculation.Speculative, "_finish", finish)
+    _drive(pairs, 1)  # (the masters are initialised: nothing speculated, how far the worker got depends on timing)
+    queued = opt.speculation_stats.not_started["queued at step()"]
+    for step in range(1, 4):
+        release.clear()
+        for m, o in pairs:
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+        assert_bitwise(pairs[0][0], pairs[1][0], opt, pairs[1][1], f"step {step}")
+    stats = opt.speculation_stats
+    assert stats.commits == 3 and stats.not_started["queued at step()"] - queued == 3 * (N_BUCKETS - 1), stats
+    assert opt._mode.pool.held_bytes == _lease_bytes(opt._buckets[0][0])

@@ -261,7 +261,14 @@ class Speculative(Immediate):
         self._stepping = True
 
     def _finish_all(self) -> None:
-        for spec in list(self._specs.values()):
+        # What is still queued is cancelled before the running one is waited for: waited for first, it would let the
+        # worker start the next as it ends, and so on through the whole queue. (From the back: the worker moves on
+        # from the front.)
+        specs = list(self._specs.values())
+        for spec in reversed(specs):
+            if spec.job is not None and spec.job.cancel():
+                spec.skipped = spec.skipped or "queued at step()"
+        for spec in specs:
             self._finish(spec)
 
     def check_received(self, bg: BucketGrads) -> None:
