@@ -540,10 +540,11 @@ def test_step_cancels_what_is_still_queued_before_waiting_for_the_running_one(cu
     the whole queue, and the undo pool was sized to every bucket)."""
     pairs = _pair()
     (model, opt), _ = pairs
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     real_kernel, real_finish = speculation.run_rule, speculation.Speculative._finish
 
     def kernel(*args, **kw):
+        entered.set()
         assert release.wait(120), "never released"
         return real_kernel(*args, **kw)
 
@@ -557,9 +558,12 @@ def test_step_cancels_what_is_still_queued_before_waiting_for_the_running_one(cu
     queued = opt.speculation_stats.not_started["queued at step()"]
     for step in range(1, 4):
         release.clear()
+        entered.clear()
         for m, o in pairs:
             o.zero_grad()
             _loss(m, step).backward()
+            if o is opt:  # (step() must find the worker on the first bucket, not yet started)
+                assert entered.wait(120)
             o.step()
         assert_bitwise(pairs[0][0], pairs[1][0], opt, pairs[1][1], f"step {step}")
     stats = opt.speculation_stats
