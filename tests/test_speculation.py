@@ -23,8 +23,8 @@ import torch.nn as nn
 
 import cuda_standins
 from test_cuda_branches import CUDA_RECIPES
-from test_optimizer import Run, assert_same, make_runs
-from zero_offload import OffloadOptimizer, speculation
+from test_optimizer import Recipe, Run, assert_same, make_runs
+from zero_offload import OffloadOptimizer, speculation, undo
 from zero_offload.options import Options
 
 N_BUCKETS = 6
@@ -377,8 +377,195 @@ def test_timeline_shows_rollbacks_and_writes_a_chrome_trace(eager, tmp_path):
 
 
 def test_no_speculation_without_host_memory_for_the_undo_buffers(eager, monkeypatch):
-    monkeypatch.setattr(speculation, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(undo, "available_host_bytes", lambda: 1000)
     pairs = _pair()
     _drive(pairs, 3)
     stats = pairs[0][1].speculation_stats
     assert stats.speculated == 0 and stats.not_started["host memory"] == 2 * N_BUCKETS, stats
+
+
+# -- the undo pool (speculation_memory) ------------------------------------------------------------------------------
+def _lease_bytes(bucket):
+    """What one speculation of ``bucket`` leases: master, state and scales (and a bf16/fp16 output), each from a
+    64-byte boundary."""
+    out = [bucket.layout.padded_numel * bucket.dtype.itemsize] if bucket.low_precision else []
+    sizes = [bucket.master.nbytes, *(t.nbytes for t in bucket.store.flat.values()),
+             *(t.nbytes for t in bucket.store.scales.values()), *out]
+    return sum(-(-n // 64) * 64 for n in sizes)
+
+
+@pytest.fixture
+def pool_watch(monkeypatch):
+    """Every lease taken (after it): (bytes held, cap), and every arena allocated, in bytes."""
+    seen = {"held": [], "made": []}
+    real_take, real_empty = undo.UndoPool.take, undo.empty_host
+
+    def take(self, pieces):
+        got = real_take(self, pieces)
+        seen["held"].append((self.held_bytes, self.limit()))
+        return got
+
+    def empty_host(numel, dtype, *, pin=False):
+        seen["made"].append(numel * dtype.itemsize)
+        return real_empty(numel, dtype, pin=pin)
+
+    monkeypatch.setattr(undo.UndoPool, "take", take)
+    monkeypatch.setattr(undo, "empty_host", empty_host)
+    return seen
+
+
+@pytest.mark.parametrize("kw", [{}, dict(dtype=torch.bfloat16), dict(state_dtype=torch.int8, amsgrad=True)],
+                         ids=["fp32", "bf16_params", "int8_state"])
+def test_a_capped_pool_speculates_what_fits_and_updates_the_rest_at_step(eager, pool_watch, kw):
+    one = _lease_bytes(_pair(**kw)[0][1]._buckets[0][0])  # (every bucket of _pair has one layout)
+    cap = 2 * one + one // 2
+    pairs = _pair(speculation_memory=cap, **kw)
+    spec = pairs[0][1]
+    _drive(pairs, 6, between=lambda step, m, opt: opt.clip_grad_norm_(1e-3) if step == 3 else None)
+    stats = spec.speculation_stats
+    # Each step from the second: the two buckets backward sends first fit, the four others are updated at step();
+    # step 3 clips (its two roll back) and step 4 expects a clip (stopped at once).
+    assert stats.not_started["undo pool full"] == 4 * (N_BUCKETS - 2), stats
+    assert stats.commits == 3 * 2 and _reasons(spec) == {"multiplier": 2}, stats
+    held = [h for h, _ in pool_watch["held"]]
+    assert held and max(held) <= cap and all(limit == cap for _, limit in pool_watch["held"])
+    assert spec.estimate_host_memory().buffers["undo"] == spec._mode.pool.held_bytes == 2 * one
+
+
+def test_capped_pool_matches_adamw_every_step(eager, pool_watch):
+    """A cap that holds some buckets of a model with buckets of several sizes: AdamW's trajectory (default
+    tolerance), and the run without speculation's, bitwise."""
+    cap = 20_000
+    recipe = Recipe("capped", clip=1e6, ours_kw={"bucket_numel": 500, "speculation_memory": cap})
+    ours, ref = make_runs(dataclasses.replace(recipe, ours_kw={**recipe.ours_kw, "speculate": True}), "cpu")
+    plain, _ = make_runs(dataclasses.replace(recipe, ours_kw={"bucket_numel": 500, "speculate": False}), "cpu")
+    sizes = {_lease_bytes(b) for bs in ours.opt._buckets for b in bs}
+    assert len(sizes) > 2 and min(sizes) < cap < sum(sizes), sizes
+    for step in range(8):
+        for run in (ours, ref, plain):
+            run.step(step)
+        assert_same(ours.model, ref.model, ours.opt, ref.opt, f"capped step {step}")
+        assert_bitwise(ours.model, plain.model, ours.opt, plain.opt, f"capped step {step}")
+    stats = ours.opt.speculation_stats
+    assert stats.commits > 0 and stats.not_started["undo pool full"] > 0 and stats.rollbacks == 0, stats
+    assert max(h for h, _ in pool_watch["held"]) <= cap
+
+
+def test_the_default_pool_is_reused_step_after_step(eager, pool_watch):
+    pairs = _pair()
+    spec = pairs[0][1]
+    held = []
+    for step in range(12):
+        _drive(pairs, 1) if step == 0 else _drive(pairs, 1, between=None)
+        held.append((len(pool_watch["made"]), spec._mode.pool.held_bytes))
+    # The first step initialises the masters; the second, the first to speculate, measures the window (here every
+    # bucket: each speculation ends before backward goes on) and leases all six buckets from one arena each; they
+    # are merged into one arena for the third, which every later step reuses: nothing allocated from then on.
+    every = N_BUCKETS * _lease_bytes(spec._buckets[0][0])
+    assert held[2:] == [held[2]] * 10 and held[2][1] == every, held
+    assert spec.speculation_stats.commits == 11 * N_BUCKETS and not spec.speculation_stats.not_started["undo pool full"]
+    est = spec.estimate_host_memory()
+    assert est.buffers["undo"] == every and "undo" in est.describe()
+    assert est.state_bytes == pairs[1][1].estimate_host_memory().state_bytes  # (the pool is not optimizer state)
+    # The plan's row, given a cap above it, is every GPU bucket speculated at once: what the pool holds here.
+    metas = [torch.empty_like(p, device="meta") for p in pairs[0][0].parameters()]
+    planned = OffloadOptimizer.estimate_host_memory(metas, bucket_numel=400, speculation_memory=10**9)
+    assert planned.buffers["undo"] == every
+    assert OffloadOptimizer.estimate_host_memory(metas, bucket_numel=400, speculation_memory=1000).buffers["undo"] \
+        == 1000
+    assert "undo" not in OffloadOptimizer.estimate_host_memory(metas, bucket_numel=400).buffers
+
+
+def test_speculation_memory_zero_turns_speculation_off(cuda_branches):
+    (a, _), (b, plain) = _pair()
+    off = OffloadOptimizer(a.parameters(), bucket_numel=400, speculation_memory=0)  # (speculate: None)
+    assert off.speculation_stats is None and type(off._mode) is type(plain._mode)
+    _drive([(a, off), (b, plain)], 3)
+    with pytest.raises(ValueError, match="speculation_memory=0"):
+        OffloadOptimizer(_model().parameters(), speculate=True, speculation_memory=0)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "1GB", True, float("nan"), float("inf")])
+def test_bad_speculation_memory_is_refused_and_nothing_changes(cuda_branches, value):
+    model = _model()
+    before = [(p.data_ptr(), p._post_accumulate_grad_hooks) for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"Invalid speculation_memory: .* \(a whole number of bytes >= 0"):
+        OffloadOptimizer(model.parameters(), speculation_memory=value)
+    with pytest.raises(ValueError, match="Invalid speculation_memory"):
+        OffloadOptimizer.estimate_host_memory(model.parameters(), speculation_memory=value)
+    assert [(p.data_ptr(), p._post_accumulate_grad_hooks) for p in model.parameters()] == before
+    # (Where speculation is off, a cap has nothing to cap: accepted, as the same options may serve both.)
+    assert OffloadOptimizer(model.parameters(), speculate=False, speculation_memory=2**30).speculation_stats is None
+    assert OffloadOptimizer(model.parameters(), speculation_memory=8e3)._mode.pool.fixed == 8000
+
+
+def test_learned_cap_grows_to_the_window_and_gives_memory_back():
+    """The pool alone: the first speculating step is measured; a wider window is found by doubling; steps that
+    lease nothing let the cap, and the memory held, fall back to one bucket's."""
+    pool = undo.UndoPool()
+    x = 4096
+    piece = [("master", x // 4, torch.float32, False)]
+
+    def step(n):
+        leases = [pool.take(piece) for _ in range(n)]
+        got = [lease for lease in leases if isinstance(lease, undo.Lease)]
+        held = pool.held_bytes
+        assert all(lease == "undo pool full" for lease in leases if lease not in got)
+        for lease in got:
+            pool.give_back(lease)
+        pool.end_step(record=True)
+        return len(got), held
+
+    assert step(0) == (0, 0)  # (a step that sends buckets but asks for no lease, before any: not counted)
+    assert step(3) == (3, 3 * x) and pool.limit() == 4 * x
+    # The window widens to 8: 4 fit, so 2 * 4 + 1 are demanded, then all 8 fit (in one arena from then on).
+    assert step(8) == (4, 4 * x) and pool.limit() == 10 * x
+    assert step(8) == (8, 8 * x) and step(8) == (8, 8 * x) and pool.held_bytes == 8 * x
+    for _ in range(undo.RECENT_STEPS):
+        last = step(0)
+    assert last == (0, 8 * x) and pool.limit() == x and pool.held_bytes == 0
+    # Leases of different sizes and dtypes share an arena: given back, its front serves the next.
+    a = pool.take([("master", x // 4, torch.float32, False), ("exp_avg", 7, torch.bfloat16, False)])
+    assert isinstance(a, undo.Lease) and a.nbytes == x + 64 and a.buffers["exp_avg"].dtype == torch.bfloat16
+    assert a.buffers["exp_avg"].data_ptr() - a.buffers["master"].data_ptr() == x
+    pool.give_back(a)
+    b = pool.take(piece)
+    assert b.buffers["master"].data_ptr() == a.buffers["master"].data_ptr() and pool.held_bytes == x + 64
+    pool.give_back(b)
+
+
+def test_step_cancels_what_is_still_queued_before_waiting_for_the_running_one(cuda_branches, monkeypatch):
+    """The worker is still on the first bucket backward sent when step() comes: the five queued behind it are
+    updated at step() (waiting for each in turn let the worker start the next as the last ended: step() waited for
+    the whole queue, and the undo pool was sized to every bucket)."""
+    pairs = _pair()
+    (model, opt), _ = pairs
+    release, entered = threading.Event(), threading.Event()
+    real_kernel, real_finish = speculation.run_rule, speculation.Speculative._finish
+
+    def kernel(*args, **kw):
+        entered.set()
+        assert release.wait(120), "never released"
+        return real_kernel(*args, **kw)
+
+    def finish(self, spec):  # the first wait of step(): only now may the running speculation end
+        release.set()
+        return real_finish(self, spec)
+
+    monkeypatch.setattr(speculation, "run_rule", kernel)
+    monkeypatch.setattr(speculation.Speculative, "_finish", finish)
+    _drive(pairs, 1)  # (the masters are initialised: nothing speculated, how far the worker got depends on timing)
+    queued = opt.speculation_stats.not_started["queued at step()"]
+    for step in range(1, 4):
+        release.clear()
+        entered.clear()
+        for m, o in pairs:
+            o.zero_grad()
+            _loss(m, step).backward()
+            if o is opt:  # (step() must find the worker on the first bucket, not yet started)
+                assert entered.wait(120)
+            o.step()
+        assert_bitwise(pairs[0][0], pairs[1][0], opt, pairs[1][1], f"step {step}")
+    stats = opt.speculation_stats
+    assert stats.commits == 3 and stats.not_started["queued at step()"] - queued == 3 * (N_BUCKETS - 1), stats
+    assert opt._mode.pool.held_bytes == _lease_bytes(opt._buckets[0][0])

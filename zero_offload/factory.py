@@ -38,10 +38,10 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
     ``kwargs`` are the class's own hyperparameters (its defaults apply, it validates them with its own messages)
     and any offload option of :class:`~zero_offload.OffloadOptimizer` (``nonfinite``, ``bucket_numel``,
     ``pin_memory``, ``stream_grads``, ``release_grads``, ``overlap_step``, ``delayed_update``, ``process_group``,
-    ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``). The result is an ``OffloadOptimizer``: the
-    same ``step``, ``clip_grad_norm_``, GradScaler support and sharding, with ``defaults``, ``param_groups`` and
-    ``state_dict()`` in the format of ``optimizer_class`` (so LR schedulers work and a checkpoint of the plain
-    torch optimizer loads, and the other way round).
+    ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``, ``speculation_memory``). The result is an
+    ``OffloadOptimizer``: the same ``step``, ``clip_grad_norm_``, GradScaler support and sharding, with
+    ``defaults``, ``param_groups`` and ``state_dict()`` in the format of ``optimizer_class`` (so LR schedulers work
+    and a checkpoint of the plain torch optimizer loads, and the other way round).
 
     Args:
         optimizer_class (type): ``torch.optim.AdamW`` / ``Adam`` (the fused Adam kernel), ``zero_offload.Lion``,

@@ -181,8 +181,8 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
     return None
 
 
-# Buffers that are not optimizer state: gradients, and parameter copies or storage.
-_NOT_STATE = ("grad", "staging", "flat_grad", "params")
+# Buffers that are not optimizer state: gradients, parameter copies or storage, and speculation's undo pool.
+_NOT_STATE = ("grad", "staging", "flat_grad", "params", "undo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +198,9 @@ class HostMemoryEstimate:
             (host gradient buffers), ``staging`` (low-precision parameter copies on the CPU or sharded) and ``grad_prev`` (``delayed_update``'s second gradient buffer);
             sharded over a process group (``world_size > 1``) these hold the rank's shard only, and a CPU bucket
             adds ``flat_grad`` (the full flat gradient buffer the reduce-scatter reads) and ``params`` (the rest of
-            the full flat parameter buffer the parameters are views of, outside the rank's own slice).
+            the full flat parameter buffer the parameters are views of, outside the rank's own slice). ``undo``:
+            speculation's undo pool (saved state and low-precision outputs, see ``speculation_memory``): what it
+            holds now (an optimizer's estimate), or the bound its cap sets (a plan given ``speculation_memory``).
         pinned_bytes (int): the part of the total that is page-locked.
         replaces_param_bytes (int): bytes of CPU parameter storage that become views of these buffers (fp32 CPU
             params live in ``master``, low-precision CPU params in ``staging``), so the process grows by

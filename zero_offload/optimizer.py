@@ -27,13 +27,15 @@ from zero_offload.buckets import FlatBucket, allocate_group, estimate_params
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.options import (DEFAULT_BUCKET_NUMEL, Options, agreed_settings,
-                                  check_params, check_state_dtype, delayed_setting, world_without_group)
+                                  check_params, check_speculation_memory, check_state_dtype, delayed_setting,
+                                  world_without_group)
 from zero_offload.timeline import Timeline, TimelineEvent, span
 from zero_offload.transport import Transport
 from zero_offload.records import PendingClip, Plans
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule
 from zero_offload.speculation import Speculative
+from zero_offload.undo import plan_undo
 from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket, weak_method
 
 __all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
@@ -43,7 +45,8 @@ logger = logging.getLogger("zero_offload")
 
 def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                      pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
-                     state_dtype: torch.dtype = torch.float32, gpu_fraction: Union[float, str] = 0.0
+                     state_dtype: torch.dtype = torch.float32, gpu_fraction: Union[float, str] = 0.0,
+                     speculation_memory: Optional[int] = None
                      ) -> HostMemoryEstimate:
     """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
 
@@ -65,18 +68,31 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         state_dtype (torch.dtype): Default: torch.float32.
         gpu_fraction (float or str): the buckets a number keeps on the GPU are not counted; ``"auto"`` (decided
             after the first step) counts every bucket: an upper bound. Default: 0.
+        speculation_memory (int, optional): given, the plan has an ``undo`` row: the bytes speculation's undo pool
+            may hold, the cap or, where less, every GPU bucket speculated at once (master, state and, for bf16/fp16
+            parameters, their output: about 12 B/param with fp32 state, 14 B with bf16 parameters, 8 B with bf16
+            state). None (the constructor's default): no row; the pool is then sized to what speculation uses
+            during backward, learned in the first steps (on the 1.3B GPT preset about a third of that worst case),
+            and ``opt.estimate_host_memory()`` shows what it holds. Not with ``world_size > 1`` or
+            ``delayed_update``, where speculation is off. Default: None.
 
     Returns:
         HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
 
     Raises:
-        ValueError: a ``state_dtype`` the constructor refuses (its very error).
+        ValueError: a ``state_dtype`` or ``speculation_memory`` the constructor refuses (its very error).
     """
     check_state_dtype(state_dtype)
     Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()  # the constructor's checks
-    return estimate_params(params, defaults={"amsgrad": amsgrad}, bucket_numel=bucket_numel, pin_memory=pin_memory,
-                           world_size=world_size, delayed_update=delayed_update, state_dtype=state_dtype,
-                           gpu_fraction=gpu_fraction)
+    memory = check_speculation_memory(speculation_memory)
+    params = list(params)
+    options = dict(bucket_numel=bucket_numel, pin_memory=pin_memory, state_dtype=state_dtype,
+                   gpu_fraction=gpu_fraction)
+    estimate = estimate_params(params, defaults={"amsgrad": amsgrad}, world_size=world_size,
+                               delayed_update=delayed_update, **options)
+    if memory and world_size == 1 and not delayed_update:
+        estimate = estimate + plan_undo(params, memory, defaults={"amsgrad": amsgrad}, **options)
+    return estimate
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -141,7 +157,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             computes (same clip coefficient and loss scale, same hyperparameters, step not skipped, gradients
             unchanged); otherwise restore the bucket's saved state and update it at ``step()``. The result is
             always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory for
-            the saved state (+12 B per GPU parameter with fp32 state) and a copy pass per speculated bucket.
+            the state of the buckets speculated in a step (saved to undo it; at most +12 B per GPU parameter with
+            fp32 state, see ``speculation_memory``) and a copy pass per speculated bucket.
             None: on wherever it applies (not with ``overlap_step``, ``delayed_update`` or a ``process_group``,
             which True refuses); CPU parameters are updated at ``step()`` either way. See docs/speculation.md.
             Default: None.
@@ -154,6 +171,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             the free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
             ``delayed_update``. See docs/twin-flow.md. Default: 0.
         gpu_margin_gib (float): with ``gpu_fraction="auto"``, the GPU memory (GiB) left free. Default: 2.0.
+        speculation_memory (int, optional): the most bytes of host RAM speculation's undo buffers may hold: they
+            come from one pool shared by the buckets of a step and reused by the next, and a bucket that finds no
+            room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to
+            what the worker reaches during backward, learned step by step (the most it used in the last 10 steps,
+            plus one bucket; the first step that speculates measures it), never more than the host can spare twice
+            over. 0 turns speculation off; unused where speculation is off. ``opt.estimate_host_memory()`` shows
+            what the pool holds (``undo``).
+            Default: None.
 
     Attributes:
         skipped_steps (int): steps skipped because a gradient was not finite.
@@ -190,6 +215,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         speculate: Optional[bool] = None,
         gpu_fraction: Union[float, str] = 0.0,
         gpu_margin_gib: float = 2.0,
+        speculation_memory: Optional[int] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
@@ -198,7 +224,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     stream_grads=stream_grads, release_grads=release_grads, overlap_step=overlap_step,
                     delayed_update=delayed_update, process_group=process_group, grads_reduced=grads_reduced,
                     timeout=timeout, state_dtype=state_dtype, speculate=speculate, gpu_fraction=gpu_fraction,
-                    gpu_margin_gib=gpu_margin_gib)
+                    gpu_margin_gib=gpu_margin_gib, speculation_memory=speculation_memory)
 
     @classmethod
     def _with_rule(cls, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], **options: Any
@@ -216,13 +242,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                bucket_numel: int, pin_memory: Optional[bool], stream_grads: Optional[bool], release_grads: bool,
                overlap_step: bool, delayed_update: Union[bool, int], process_group: Optional[Any],
                grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool],
-               gpu_fraction: Union[float, str], gpu_margin_gib: float) -> None:
+               gpu_fraction: Union[float, str], gpu_margin_gib: float, speculation_memory: Optional[int] = None
+               ) -> None:
         rule.check(defaults)
         delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
                                bool(overlap_step), delayed, process_group is not None,
                                bool(grads_reduced), timeout, world_without_group(process_group),
-                               state_dtype, exact_steps, speculate, gpu_fraction, gpu_margin_gib).validate()
+                               state_dtype, exact_steps, speculate, gpu_fraction, gpu_margin_gib,
+                               speculation_memory=speculation_memory).validate()
         if state_dtype not in rule.state_dtypes:  # (one the options take, that this rule's update does not)
             raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
                              f"{', '.join(map(str, rule.state_dtypes))} only")
@@ -264,6 +292,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         total = HostMemoryEstimate(0, 0, {}, 0, 0)
         for bucket in chain.from_iterable(self._buckets):
             total = total + bucket.estimate()
+        if isinstance(self._mode, Speculative) and self._mode.pool.held_bytes:  # (a row once it holds any)
+            total = total + self._mode.pool.estimate()
         return total
 
     estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
@@ -722,7 +752,7 @@ def _make_mode(options: Options, transport: Transport, early_update: Callable[[F
     if options.delayed_update:
         return Delayed(transport, options.delayed_exact_steps)
     if options.speculates:
-        return Speculative(transport, inputs)
+        return Speculative(transport, inputs, check_speculation_memory(options.speculation_memory))
     return Immediate(transport)
 
 

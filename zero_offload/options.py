@@ -19,7 +19,8 @@ import torch
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES",
            "Options", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
-           "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name", "world_without_group"]
+           "check_speculation_memory", "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name",
+           "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -100,6 +101,18 @@ def check_impl_flags(group: Dict[str, Any]) -> None:
         # RuntimeError; the non-leaf tensors it can differentiate through are refused here anyway.)
         raise RuntimeError("OffloadOptimizer does not support differentiable=True: the update runs in a host kernel "
                            "outside autograd")
+
+
+def check_speculation_memory(value: Any) -> Optional[int]:
+    """``speculation_memory`` as the constructor and ``estimate_host_memory`` take it: None (the undo pool sized to
+    what speculation uses) or a whole number of bytes >= 0 (a float such as ``8e9`` is taken whole); returns it as
+    an int (``ValueError`` otherwise)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real) or not (0 <= value < math.inf) or value != int(value):
+        raise ValueError(f"Invalid speculation_memory: {value!r} (a whole number of bytes >= 0, or None to size "
+                         "the undo pool to what speculation uses)")
+    return int(value)
 
 
 def check_state_dtype(state_dtype: Any) -> None:
@@ -229,6 +242,7 @@ class Options:
     speculate: Optional[bool] = None
     gpu_fraction: Union[float, str] = 0.0
     gpu_margin_gib: float = 2.0
+    speculation_memory: Optional[int] = None
 
     @property
     def gpu_tier(self) -> bool:
@@ -238,9 +252,11 @@ class Options:
     @property
     def speculates(self) -> bool:
         """Whether the speculating schedule runs (``speculate`` None: wherever it is exact and applies, i.e. not
-        with another schedule or a process group; it then acts on streamed buckets on a GPU only)."""
+        with another schedule or a process group, and with room for undo buffers (``speculation_memory`` not 0); it
+        then acts on streamed buckets on a GPU only)."""
         if self.speculate is None:
-            return not (self.overlap_step or self.delayed_update or self.sharded or self.stream_grads is False)
+            return not (self.overlap_step or self.delayed_update or self.sharded or self.stream_grads is False
+                        or self.speculation_memory == 0)
         return self.speculate
 
     def validate(self) -> "Options":
@@ -287,6 +303,10 @@ class Options:
                              "None or True")
         if self.speculate not in (None, True, False):
             raise ValueError(f"Invalid speculate: {self.speculate!r} (True, False or None)")
+        check_speculation_memory(self.speculation_memory)
+        if self.speculate and self.speculation_memory == 0:
+            raise ValueError("speculate=True with speculation_memory=0 leaves no room to save a bucket's state "
+                             "before its speculative update: pass speculate=False (or None) to turn it off")
         if self.speculate and (self.overlap_step or self.delayed_update):
             raise ValueError(f"speculate=True and {self._mode}=True are alternatives: speculate does what "
                              "overlap_step does, exactly; delayed_update applies each update a step late")

@@ -3,7 +3,9 @@ its gradients (in arrival order, while backward goes on), and ``step()`` keeps i
 ``step()`` would have computed; otherwise the bucket's state is restored and the step runs as without speculation.
 
 **Exact by construction.** Before the kernel touches a bucket, the worker copies the bytes it will change (master,
-moments, 8-bit scales) into an undo buffer of the bucket's own; the kernel then runs in place, with the
+moments, 8-bit scales) into undo buffers leased from the optimizer's undo pool (:mod:`zero_offload.undo`: shared by
+the buckets of a step, under the ``speculation_memory`` cap; a bucket that finds no room there is updated at
+``step()``); the kernel then runs in place, with the
 hyperparameters and the gradient multiplier that ``step()`` is expected to use. Nothing is uploaded and no step
 count is bumped before validation, so the GPU parameters and ``opt.state``'s steps never see a speculative value.
 At ``step()`` a bucket *commits* (its step counts bumped, its parameters uploaded) only if
@@ -35,18 +37,18 @@ import dataclasses
 import logging
 import math
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zero_offload.apply import run_rule, touched
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import expose
-from zero_offload.host_memory import available_host_bytes, empty_host
 from zero_offload.timeline import span
 from zero_offload.records import BucketGrads, PendingClip, Plans
 from zero_offload.state.layout import view_like
 from zero_offload.transport import Transport
+from zero_offload.undo import Lease, UndoPool
 from zero_offload.update import Immediate, State, _ensure_buffers, _Worker, device_tier_first, update_bucket
 
 __all__ = ["SpeculationStats", "Speculative"]
@@ -69,7 +71,8 @@ class SpeculationStats:
         not_started (Counter[str]): buckets sent but not speculated, by reason (``"stopped"``: an inf/nan or a
             norm over ``max_norm`` earlier in the step; ``"queued at step()"``: ``step()`` came first, the bucket
             is updated there; ``"masters refresh"``: a parameter was changed outside the optimizer;
-            ``"sent again"``; ``"host memory"``: no room for the bucket's undo buffer...).
+            ``"sent again"``; ``"undo pool full"``: the bucket's undo buffers would take the undo pool over its cap
+            (``speculation_memory``); ``"host memory"``: the host could not spare twice the pool's growth...).
     """
 
     speculated: int = 0
@@ -82,7 +85,7 @@ class SpeculationStats:
 @dataclasses.dataclass
 class _Spec:
     """One bucket's speculative update in this step: what it was given, and what it did (``runs`` None: it did
-    not run, for ``skipped``)."""
+    not run, for ``skipped``; ``lease``: its undo buffers, held while ``runs`` is not None)."""
 
     bucket: FlatBucket
     group: int
@@ -93,6 +96,7 @@ class _Spec:
     runs: Optional[List[Tuple[int, int, int]]] = None
     steps: Optional[torch.Tensor] = None
     skipped: Optional[str] = None
+    lease: Optional[Lease] = None
 
 
 class Speculative(Immediate):
@@ -103,16 +107,22 @@ class Speculative(Immediate):
         transport (Transport): the optimizer's transport (not sharded).
         inputs (Callable[[int], Tuple[Any, str]]): for a group index, the hyperparameters ``step()`` would read
             now and the ``nonfinite`` policy.
+        memory (int, optional): the undo pool's cap in bytes (``speculation_memory``); None: learned.
+            Default: None.
     """
 
-    def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Any, str]]):
+    def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Any, str]],
+                 memory: Optional[int] = None):
         super().__init__(transport)
         transport.host_norms = True
         self._inputs = inputs
         self._worker = _Worker()
         self._specs: Dict[int, _Spec] = {}  # this step's, by id(bucket), in arrival order
         self._barred: set = set()  # id(bucket): sent twice this step, no speculation
-        self._undo: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.pool = UndoPool(memory)
+        # Pinned low-precision buckets committed since the worker last wrote into the pool's page-locked arenas:
+        # their uploads read output buffers there, which a later lease may be carved from.
+        self._uploading: List[FlatBucket] = []
         self._stopped = False
         self._running_sq = 0.0
         self._guess = 1.0  # the multiplier expected: the last step's loss-scale inverse
@@ -157,20 +167,26 @@ class Speculative(Immediate):
             spec.skipped = "no gradient"
             return
         transport.before_update(bucket)  # the last upload may still be reading staging or master
+        if bucket.low_precision and bucket.pin:
+            for other in self._uploading:  # (usually long done: a query each)
+                transport.before_update(other)
+            self._uploading = []
         with span(transport.timeline, "copy", "save", bucket):
-            undo = self._save(bucket, spec.hyper)
-        if undo is None:
-            spec.skipped = "host memory"
+            lease = self._save(bucket, spec.hyper)
+        if isinstance(lease, str):
+            spec.skipped = lease
             return
+        spec.lease = lease
         flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper)}
         if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
-            flat["staging"] = undo["out"]
+            flat["staging"] = lease.buffers["out"]
         spec.steps = bucket.steps.clone()
         try:
             with span(transport.timeline, "kernel", "speculative", bucket):
                 run_rule(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, (flat, bucket.store.scales))
         except BaseException:
-            self._restore(bucket, spec.hyper)
+            self._restore(spec)
+            self._release(spec)
             raise
         spec.runs = runs
 
@@ -195,29 +211,27 @@ class Speculative(Immediate):
                 return "stopped"
         return None
 
-    def _save(self, bucket: FlatBucket, hyper: Any) -> Optional[Dict[str, torch.Tensor]]:
-        """Copy what the kernel will change into the bucket's undo buffers (allocated at its first speculation;
-        None: not, as the host could not spare twice their size)."""
-        undo = self._undo.get(id(bucket))
-        if undo is None or any(name not in undo for name, _ in _state_buffers(bucket, hyper)):
-            need = sum(buf.nbytes for _, buf in _state_buffers(bucket)) + (
-                bucket.layout.padded_numel * bucket.dtype.itemsize if bucket.low_precision else 0)
-            avail = available_host_bytes()
-            # An optional speedup must never be what pushes the host into the OOM killer.
-            if avail is not None and 2 * need > avail:
-                return None
-            undo = {name: torch.empty_like(buf) for name, buf in _state_buffers(bucket)}
-            if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
-                undo["out"] = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
-            self._undo[id(bucket)] = undo
-        for name, buf in _state_buffers(bucket, hyper):
-            undo[name].copy_(buf)
-        return undo
+    def _save(self, bucket: FlatBucket, hyper: Any) -> Union[Lease, str]:
+        """Lease undo buffers from the pool and copy into them what the kernel will change; or why not (no room)."""
+        saved = list(_state_buffers(bucket, hyper))
+        pieces = [(name, buf.numel(), buf.dtype, False) for name, buf in saved]  # never sent to a device
+        if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
+            pieces.append(("out", bucket.layout.padded_numel, bucket.dtype, bucket.pin))
+        lease = self.pool.take(pieces)
+        if isinstance(lease, Lease):
+            for name, buf in saved:
+                lease.buffers[name].copy_(buf)
+        return lease
 
-    def _restore(self, bucket: FlatBucket, hyper: Any) -> None:
-        undo = self._undo[id(bucket)]
-        for name, buf in _state_buffers(bucket, hyper):
+    def _restore(self, spec: _Spec) -> None:
+        undo = spec.lease.buffers
+        for name, buf in _state_buffers(spec.bucket, spec.hyper):
             buf.copy_(undo[name])
+
+    def _release(self, spec: _Spec) -> None:
+        if spec.lease is not None:
+            self.pool.give_back(spec.lease)
+            spec.lease = None
 
     # -- step() (the main thread) ------------------------------------------------------------------------------
     def _finish(self, spec: _Spec) -> None:
@@ -247,7 +261,14 @@ class Speculative(Immediate):
         self._stepping = True
 
     def _finish_all(self) -> None:
-        for spec in list(self._specs.values()):
+        # What is still queued is cancelled before the running one is waited for: waited for first, it would let the
+        # worker start the next as it ends, and so on through the whole queue. (From the back: the worker moves on
+        # from the front.)
+        specs = list(self._specs.values())
+        for spec in reversed(specs):
+            if spec.job is not None and spec.job.cancel():
+                spec.skipped = spec.skipped or "queued at step()"
+        for spec in specs:
             self._finish(spec)
 
     def check_received(self, bg: BucketGrads) -> None:
@@ -267,7 +288,8 @@ class Speculative(Immediate):
             return
         if restore:
             with span(self.transport.timeline, "copy", "restore", spec.bucket):
-                self._restore(spec.bucket, spec.hyper)
+                self._restore(spec)
+        self._release(spec)
         if self.transport.timeline is not None:
             self.transport.timeline.mark("rollback", reason, spec.bucket)
         spec.runs = None
@@ -326,9 +348,12 @@ class Speculative(Immediate):
             expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
         srcs = None
         if bucket.low_precision:
-            out = self._undo[id(bucket)]["out"]
+            out = spec.lease.buffers["out"]
             srcs = [view_like(out, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
+            if bucket.pin:
+                self._uploading.append(bucket)
         self.transport.send_params(bucket, list(indices), srcs)
+        self._release(spec)
         if self.transport.timeline is not None:
             self.transport.timeline.mark("commit", "", bucket)
         spec.runs = None
@@ -356,6 +381,7 @@ class Speculative(Immediate):
         # An update not committed by now belongs to a step that did not happen (skipped, refused, raised, or
         # abandoned by zero_grad()).
         self._roll_back_all("no step" if not self._stepping else "skipped step")
+        self.pool.end_step(record=bool(self._specs))
         self._specs = {}
         self._barred = set()
         self._stopped = False
