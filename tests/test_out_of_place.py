@@ -114,6 +114,26 @@ def test_out_of_place_on_a_large_buffer(path, state_dtype):
     check_ping_pong(278011, torch.bfloat16, state_dtype, torch.bfloat16, (True, True, True, 0.37))
 
 
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_out_of_place_at_any_alignment(path, state_dtype, shift):
+    """Destinations on a 64-byte boundary take streaming stores, others plain ones (here the master's destination
+    is shifted, the moments' too when shift is odd): both must write the in-place result."""
+    n, gen = 70_001, torch.Generator().manual_seed(8)
+    src = make_state(n, state_dtype, True, gen)
+    ref, before, grad = clone(src), clone(src), torch.randn(n, generator=gen).bfloat16()
+    out = {}
+    for key, t in garbage_like(src).items():
+        moved = key == "param" or (shift % 2 and not key.endswith("_scale"))
+        out[key] = torch.empty(t.numel() + shift, dtype=t.dtype)[shift:].copy_(t) if moved else t
+    mode = (True, True, False, 0.37)
+    step(ref, grad, 2, mode, None)
+    step(src, grad, 2, mode, None, out=out)
+    for key in src:
+        assert_bits_equal(out[key], ref[key], key)
+        assert_bits_equal(src[key], before[key], f"{key} (the input)")
+
+
 @pytest.mark.parametrize("n", [17, 4097])
 def test_out_of_place_keeps_poisoned_8bit_elements_as_in_place(path, n):
     # A poisoned block's masters take a path of their own (made NaN before the update): out of place it must
