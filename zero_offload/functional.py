@@ -235,10 +235,13 @@ def _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw) -> Dict[str, torch.Tensor]
 
 
 def _check_out(out: object, sources: Dict[str, torch.Tensor], others: Dict[str, Optional[torch.Tensor]],
-               caller: str) -> Dict[str, torch.Tensor]:
+               caller: str = "cpu_adam_") -> Optional[Dict[str, torch.Tensor]]:
     """An out-set against the ``sources`` it replaces and the ``others`` the update reads or writes (gradient,
     param_out): a destination for every source, of its dtype and size, dense, contiguous and on the CPU, each
-    either its source itself or sharing no memory with any buffer of the update. Returns it as a plain dict."""
+    either its source itself or sharing no memory with any buffer of the update. Returns it as a plain dict (None
+    for None: in place)."""
+    if out is None:
+        return None
     if not isinstance(out, Mapping):
         raise TypeError(f"{caller}: out must be a dict of tensors by name ({', '.join(sources)}), got "
                         f"{type(out).__name__}")
@@ -351,15 +354,10 @@ def cpu_adam_(
         exp_avg_sq_scale (Tensor, optional): the same for ``exp_avg_sq``. Default: None.
         max_exp_avg_sq_scale (Tensor, optional): the same for ``max_exp_avg_sq``; 8-bit state with amsgrad only.
             Default: None.
-        out (Dict[str, Tensor], optional): write the updated master and state here and leave the arguments as
-            they were (speculation's ping-pong: read one set of buffers, write another, so a rollback is a choice
-            of set). A destination for every buffer the call updates, by its keyword: ``"param"``, ``"exp_avg"``,
-            ``"exp_avg_sq"``, with amsgrad ``"max_exp_avg_sq"``, with 8-bit state their ``"*_scale"`` tensors
-            (:data:`OUT_KEYS`); no other key. Each of the dtype and size of the buffer it replaces, dense,
-            contiguous, on the CPU, and either that very buffer (updated in place) or sharing no memory with any
-            argument or other destination. The native kernel reads the arguments and writes ``out`` in the same
-            single pass as in place, with bit-identical results; the torch paths copy each argument into its
-            destination, then update there in place. Default: None (in place).
+        out (Dict[str, Tensor], optional): write the update here, bit-identical, the arguments left as they were
+            (speculation's ping-pong): for each buffer the call updates, by keyword (:data:`OUT_KEYS`, no other),
+            one of its dtype and size, contiguous, that very buffer or sharing no memory with any other. Native:
+            the same single pass; torch paths: a copy into ``out``, then in place there. Default: None (in place).
     """
     numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
                          exp_avg_sq_scale, max_exp_avg_sq_scale)
@@ -369,18 +367,10 @@ def cpu_adam_(
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
     vmax = max_exp_avg_sq if amsgrad else None
     q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
-    sources = _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw)
-    if out is not None:
-        out = _check_out(out, sources, dict(grad=grad, param_out=param_out), "cpu_adam_")
-
+    out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(grad=grad, param_out=param_out))
     path = resolve_path(exp_avg.dtype)
     if numel == 0:
         return
-    if out is not None and path in _TORCH_PATHS:
-        views = _copy_sources(sources, out, slice(None), slice(None))
-        param, exp_avg, exp_avg_sq, vmax = (views.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
-        q8_kw = {k: views.get(k) for k in q8_kw}
-        out = None
     _adam_dispatch(path, (param, grad, exp_avg, exp_avg_sq, vmax, param_out), q8_kw, step_i, lr_f, beta1, beta2,
                    eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, out)
 
@@ -392,6 +382,10 @@ def _adam_dispatch(path: str, tensors: tuple, q8_kw: dict, step: int, lr: float,
     exp_avg_sq, the amsgrad maximum or None, param_out or None); ``out`` (checked; native paths only) the
     destinations."""
     param, grad, exp_avg, exp_avg_sq, vmax, param_out = tensors
+    if out is not None and path in _TORCH_PATHS:  # copy, then in place there
+        views = _copy_sources(_sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), out, slice(None), slice(None))
+        param, exp_avg, exp_avg_sq, vmax = (views.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        q8_kw = {k: views.get(k) for k in q8_kw}
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
         _torch_fused.adam_(
             [param], [grad], [exp_avg], [exp_avg_sq], None if vmax is None else [vmax], step=step, lr=lr,
@@ -580,9 +574,9 @@ def cpu_adam_segments_(
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
     vmax = max_exp_avg_sq if amsgrad else None
     q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
-    if out is not None:  # against the gradients too: in C++ on the native path, without a Python loop
-        out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(param_out=param_out),
-                         "cpu_adam_segments_")
+    # (against the gradients too: in C++ on the native path, without a Python loop; in _torch_segments else)
+    out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(param_out=param_out),
+                     "cpu_adam_segments_")
 
     path = resolve_path(exp_avg.dtype)
     if not grads:
