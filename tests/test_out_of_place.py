@@ -351,3 +351,20 @@ def test_rule_passes_the_out_set_through(path):
     with pytest.raises(NotImplementedError, match="in place only"):
         LION.update(Run(torch.zeros(8), torch.zeros(8), None, (), {"exp_avg": torch.zeros(8)}, {}, 1, 1.0, None,
                         {"param": torch.zeros(8), "exp_avg": torch.zeros(8)}), None)
+
+
+def test_out_tensors_of_another_shape(path):
+    """Destinations need the elements, not the shape: 2-D ones work for both entries."""
+    n, gen = 4096, torch.Generator().manual_seed(15)
+    src = make_state(n, torch.int8, False, gen)
+    grads, offsets = [torch.randn(100, generator=gen), torch.randn(1000, generator=gen)], [0, 128]
+    ref = clone(src)
+    out = {k: t.view(-1, 4) if k.endswith("_scale") else t.view(64, -1) for k, t in garbage_like(src).items()}
+    state = {k: t for k, t in ref.items() if k != "param"}
+    functional.cpu_adam_segments_(ref["param"], grads, offsets, **state, step=1, lr=1e-3)
+    state = {k: t for k, t in src.items() if k != "param"}
+    functional.cpu_adam_segments_(src["param"], grads, offsets, **state, step=1, lr=1e-3, out=out)
+    live = torch.cat([torch.arange(100), torch.arange(128, 1128)])  # the segments' elements
+    for key in src:
+        sel = torch.arange(18) if key.endswith("_scale") else live  # blocks 0-1 and 2-17
+        assert_bits_equal(out[key].reshape(-1)[sel], ref[key][sel], key)

@@ -621,7 +621,7 @@ def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, ou
             _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
     if out is not None:
         _check_out_vs_grads(out, grads)
-        sources = _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw)
+        sources, out = _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), {k: t.view(-1) for k, t in out.items()}
         for o, g in zip(offsets, grads):
             _copy_sources(sources, out, slice(o, o + g.numel()), slice(o // Q8_BLOCK, q8_scale_numel(o + g.numel())))
         param, exp_avg, exp_avg_sq, vmax = (out.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
