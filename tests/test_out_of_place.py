@@ -368,3 +368,17 @@ def test_out_tensors_of_another_shape(path):
     for key in src:
         sel = torch.arange(18) if key.endswith("_scale") else live  # blocks 0-1 and 2-17
         assert_bits_equal(out[key].reshape(-1)[sel], ref[key][sel], key)
+
+
+def test_2d_buffers_with_param_out(path):
+    """cpu_adam_ on 2-D buffers with a 2-D param_out, into flat destinations: the in-place result."""
+    n, gen = 4096, torch.Generator().manual_seed(16)
+    src = {k: t.view(64, 64) for k, t in make_state(n, torch.float32, False, gen).items()}
+    ref, grad = clone(src), torch.randn(64, 64, generator=gen)
+    po, po_ref = torch.empty(64, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
+    out = {k: t.reshape(-1) for k, t in garbage_like(src).items()}
+    step(ref, grad, 1, MODES[0], po_ref)
+    step(src, grad, 1, MODES[0], po, out=out)
+    for key in src:
+        assert_bits_equal(out[key], ref[key], key)
+    assert_bits_equal(po, po_ref, "param_out")
