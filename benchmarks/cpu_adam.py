@@ -25,6 +25,16 @@ disturbed by other load) is reported as invalid, with the reason, instead of as 
     python benchmarks/cpu_adam.py --quick          # small sizes, a smoke run
     python benchmarks/cpu_adam.py --sizes 1e8 --threads 2
     python benchmarks/cpu_adam.py --sizes 2e7 --threads 1,2 --no-anchors --stat min   # state dtypes only
+
+--out-of-place adds, per state dtype of ours, the two ways speculation can keep an update undoable: "oop" runs
+cpu_adam_ with out= (read one set of master and moments, write another, swapping sets every call: the ping-pong,
+same single pass and logical traffic as in place), "+copy" copies master, moments (and 8-bit scales) into an undo
+buffer with torch's copy_ and then updates in place (what speculation does without the out-of-place kernel: the
+copy adds the state's bytes read and written again, counted in its B/el). Compare their ns/el with the in-place
+line of the same state dtype.
+
+    python benchmarks/cpu_adam.py --sizes 1e7 --threads 2 --paths fp32 --no-anchors --state-dtype fp32,int8 \
+        --out-of-place
 """
 
 from __future__ import annotations
@@ -79,7 +89,30 @@ def bytes_per_elem(path: str, state: str = "fp32") -> float:
     return (4 if path == "fp32" else 2 + 2) + 8 + STATE_BYTES[state]
 
 
-def make_candidates(path: str, n: int, ds_cls, states=("fp32",), anchors=True):
+def _ours(kind: str, path: str, n: int, init: torch.Tensor, grad: torch.Tensor, mode: str = "in place"):
+    """Our step with moments of one state dtype: (step function, bytes per element). ``mode``: "in place", "oop"
+    (out of place, alternating between two buffer sets) or "+copy" (an undo copy of the state, then in place)."""
+    sets = [dict(param=init.clone(), **_state(kind, n)) for _ in range(2 if mode == "oop" else 1)]
+    undo = {k: torch.empty_like(t) for k, t in sets[0].items()} if mode == "+copy" else None
+    out = torch.empty(n, dtype=torch.bfloat16) if path == "offload" else None
+    counter = [0]
+
+    def ours():
+        counter[0] += 1
+        src = sets[counter[0] % len(sets)]
+        if undo is not None:
+            for k, t in src.items():
+                undo[k].copy_(t)
+        dst = sets[(counter[0] + 1) % len(sets)] if mode == "oop" else None
+        state = {k: t for k, t in src.items() if k != "param"}
+        functional.cpu_adam_(src["param"], grad, step=counter[0], lr=LR, weight_decay=WD, param_out=out, out=dst,
+                             **state)
+
+    copy_bytes = 8 + STATE_BYTES[kind] if mode == "+copy" else 0  # the state read and written once more
+    return ours, bytes_per_elem(path, kind) + copy_bytes
+
+
+def make_candidates(path: str, n: int, ds_cls, states=("fp32",), anchors=True, out_of_place=False):
     """name -> (step function, bytes per element); each owns its buffers. Gradients are random once; values do not
     change speed."""
     gen = torch.Generator().manual_seed(0)
@@ -88,21 +121,13 @@ def make_candidates(path: str, n: int, ds_cls, states=("fp32",), anchors=True):
     init = torch.randn(n, generator=gen)
     cands = {}
 
-    def ours_with(kind):
-        p, state = init.clone(), _state(kind, n)
-        out = torch.empty(n, dtype=torch.bfloat16) if path == "offload" else None
-        counter = [0]
-
-        def ours():
-            counter[0] += 1
-            functional.cpu_adam_(p, grad, step=counter[0], lr=LR, weight_decay=WD, param_out=out, **state)
-
-        return ours, bytes_per_elem(path, kind)
-
-    cands["zero_offload"] = ours_with("fp32")
+    cands["zero_offload"] = _ours("fp32", path, n, init, grad)
     for kind in states:
         if kind != "fp32":
-            cands[f"zero_offload {kind}"] = ours_with(kind)
+            cands[f"zero_offload {kind}"] = _ours(kind, path, n, init, grad)
+    for kind in states if out_of_place else ():
+        for mode in ("oop", "+copy"):
+            cands[f"zero_offload {kind} {mode}"] = _ours(kind, path, n, init, grad, mode)
     if not anchors:
         return cands
 
@@ -151,7 +176,8 @@ def run(args):
     rows = []
     for path in args.paths.split(","):
         for n in sizes:
-            cands = make_candidates(path, n, ds_cls, states, anchors=not args.no_anchors)
+            cands = make_candidates(path, n, ds_cls, states, anchors=not args.no_anchors,
+                                    out_of_place=args.out_of_place)
             ceilings = ceiling_kernels(n)
             for threads in thread_list:
                 torch.set_num_threads(threads)
@@ -232,7 +258,7 @@ def machine_info():
 
 def print_rows(rows):
     for r in rows:
-        print(f"{r['path']:8s} {r['elements']:>11,d} el {r['threads']:>2d} thr  {r['candidate']:17s} "
+        print(f"{r['path']:8s} {r['elements']:>11,d} el {r['threads']:>2d} thr  {r['candidate']:23s} "
               f"{r['bytes_per_elem']:6.2f} B/el {r['ns_per_elem']:6.3f} ns/el {r['melem_per_s']:6.0f} Melem/s "
               f"{r['gb_per_s']:6.1f} GB/s  {_of_ceiling(r)}  x{r['ours_speedup']:.2f} fp32 state", flush=True)
     if rows and rows[0]["ceiling_problem"]:
@@ -304,6 +330,9 @@ def main():
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="per candidate, the median round (default) or the fastest (and the ceiling's best)")
     ap.add_argument("--no-anchors", action="store_true", help="ours only (torch and DeepSpeed skipped)")
+    ap.add_argument("--out-of-place", action="store_true",
+                    help="also ours out of place (out=, two buffer sets in turn) and ours with an undo copy of the "
+                         "state before an in-place update (speculation's two ways), per state dtype")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1e5 and 1e6 elements, 3 rounds")
     args = ap.parse_args()
     if args.quick:

@@ -12,12 +12,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_isas", &zo::available_isas,
         "ISAs compiled into this build that the running CPU supports, best first.");
   m.def("adam_step", &zo::adam_step, py::call_guard<py::gil_scoped_release>(),
-        "One fused Adam/AdamW update in place (see zero_offload.functional.cpu_adam_ for the arguments).",
+        "One fused Adam/AdamW update, in place or into out (see zero_offload.functional.cpu_adam_ for the arguments).",
         py::arg("isa"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled_weight_decay"),
         py::arg("maximize"), py::arg("grad_scale"), py::arg("exp_avg_scale") = py::none(),
-        py::arg("exp_avg_sq_scale") = py::none(), py::arg("max_exp_avg_sq_scale") = py::none());
+        py::arg("exp_avg_sq_scale") = py::none(), py::arg("max_exp_avg_sq_scale") = py::none(),
+        py::arg("out") = py::none());
   m.def("grad_sq_norm", &zo::grad_sq_norm, py::call_guard<py::gil_scoped_release>(),
         "(sum of squares as float64, whether any element is inf/nan) of a contiguous CPU gradient buffer.",
         py::arg("isa"), py::arg("grad"));
@@ -29,7 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("decoupled_weight_decay"), py::arg("maximize"), py::arg("grad_scale"),
         py::arg("exp_avg_scale") = py::none(), py::arg("exp_avg_sq_scale") = py::none(),
-        py::arg("max_exp_avg_sq_scale") = py::none());
+        py::arg("max_exp_avg_sq_scale") = py::none(), py::arg("out") = py::none());
   m.def("grad_sq_norm_segments", &zo::grad_sq_norm_segments, py::call_guard<py::gil_scoped_release>(),
         "(sum of squares as float64, whether any element is inf/nan) over a list of contiguous CPU gradients.",
         py::arg("isa"), py::arg("grads"));

@@ -131,12 +131,82 @@ void check_out_vs_grad(const at::Tensor& out, const at::Tensor& grad, int64_t of
               "(param_out may alias the gradient only slot for slot, with the same element size)");
 }
 
+// The buffers an update reads, by the names the out-set uses, in AdamArgs' order: (name, tensor or null).
+using Sources = std::vector<std::pair<const char*, const at::Tensor*>>;
+
+Sources sources_of(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                   const std::optional<at::Tensor>& max_exp_avg_sq, const Scales& scales) {
+  const auto opt = [](const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; };
+  return {{"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq},
+          {"max_exp_avg_sq", opt(max_exp_avg_sq)}, {"exp_avg_scale", opt(scales.exp_avg)},
+          {"exp_avg_sq_scale", opt(scales.exp_avg_sq)}, {"max_exp_avg_sq_scale", opt(scales.max_exp_avg_sq)}};
+}
+
+// The destination of every source of an out-of-place update: one per source, by its name, with its size and
+// dtype, each either the source itself (that buffer in place) or sharing no byte with any source, other
+// destination or param_out. A partial overlap would let the vector loop read what it has just written.
+std::vector<const at::Tensor*> check_out(const OutSet& out, const Sources& sources,
+                                         const std::optional<at::Tensor>& param_out) {
+  for (const auto& [key, t] : *out) {
+    const bool known = std::any_of(sources.begin(), sources.end(),
+                                   [&](const auto& s) { return s.second != nullptr && key == s.first; });
+    TORCH_CHECK(known, "zero_offload: out['", key, "'] is not a buffer this update writes");
+  }
+  std::vector<const at::Tensor*> dst(sources.size(), nullptr);
+  for (size_t k = 0; k < sources.size(); ++k) {
+    const auto& [name, src] = sources[k];
+    if (src == nullptr) continue;
+    const auto it = out->find(name);
+    TORCH_CHECK(it != out->end(), "zero_offload: out lacks '", name, "' (an out-of-place update needs a "
+                "destination for every buffer it writes)");
+    const at::Tensor& d = it->second;
+    const std::string what = std::string("out['") + name + "']";
+    check_buffer(d, what.c_str(), src->numel());
+    TORCH_CHECK(d.scalar_type() == src->scalar_type(), "zero_offload: ", what, " is ", d.scalar_type(), ", ", name,
+                " is ", src->scalar_type());
+    for (size_t j = 0; j < sources.size(); ++j) {
+      const at::Tensor* other = sources[j].second;
+      if (other == nullptr || !overlaps(d, *other)) continue;
+      TORCH_CHECK(j == k && d.data_ptr() == other->data_ptr(), "zero_offload: ", what, " overlaps ",
+                  sources[j].first, " (a destination is either its own source, exactly, or disjoint from every "
+                  "source)");
+    }
+    for (size_t j = 0; j < k; ++j)
+      TORCH_CHECK(dst[j] == nullptr || !overlaps(d, *dst[j]), "zero_offload: ", what, " overlaps out['",
+                  sources[j].first, "']");
+    TORCH_CHECK(!param_out.has_value() || !overlaps(d, *param_out), "zero_offload: ", what, " overlaps param_out");
+    dst[k] = &d;
+  }
+  return dst;
+}
+
+// Points the destinations of `a` at the out-set (checked by check_out; one per source, null where none).
+void point_out(AdamArgs& a, const std::vector<const at::Tensor*>& dst) {
+  const auto ptr = [](const at::Tensor* t) { return t == nullptr ? nullptr : t->data_ptr(); };
+  a.param = static_cast<float*>(ptr(dst[0]));
+  a.exp_avg = ptr(dst[1]);
+  a.exp_avg_sq = ptr(dst[2]);
+  a.max_exp_avg_sq = ptr(dst[3]);
+  a.exp_avg_scale = static_cast<float*>(ptr(dst[4]));
+  a.exp_avg_sq_scale = static_cast<float*>(ptr(dst[5]));
+  a.max_exp_avg_sq_scale = static_cast<float*>(ptr(dst[6]));
+}
+
+// A gradient against the out-set's destinations: no overlap at all (the kernel reads the gradient while it writes
+// them).
+void check_out_vs_grad_all(const OutSet& out, const at::Tensor& grad, const char* what) {
+  if (!out.has_value()) return;
+  for (const auto& [key, d] : *out)
+    TORCH_CHECK(!overlaps(d, grad), "zero_offload: out['", key, "'] overlaps ", what);
+}
+
 // Checks the flat buffers of an update and fills every field of AdamArgs but the gradient, which
-// the caller checks and points (one buffer for adam_step, one per segment for adam_step_segments).
+// the caller checks and points (one buffer for adam_step, one per segment for adam_step_segments). Without an
+// out-set, every destination is its source (in place).
 AdamArgs make_args(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& param_out,
-                   const Scales& scales, int64_t step, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
+                   const Scales& scales, const OutSet& out, int64_t step, double lr, double beta1, double beta2,
+                   double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale) {
   const int64_t n = param.numel();
   TORCH_CHECK(param.scalar_type() == at::kFloat, "zero_offload: param (the master) must be float32");
   check_buffer(param, "param", n);
@@ -195,6 +265,15 @@ AdamArgs make_args(const at::Tensor& param, const at::Tensor& exp_avg, const at:
   a.decay_factor = decoupled_weight_decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
   a.l2_weight_decay = decoupled_weight_decay ? 0.0f : static_cast<float>(weight_decay);
   a.maximize = maximize;
+  a.param_in = a.param;
+  a.exp_avg_in = a.exp_avg;
+  a.exp_avg_sq_in = a.exp_avg_sq;
+  a.max_exp_avg_sq_in = a.max_exp_avg_sq;
+  a.exp_avg_scale_in = a.exp_avg_scale;
+  a.exp_avg_sq_scale_in = a.exp_avg_sq_scale;
+  a.max_exp_avg_sq_scale_in = a.max_exp_avg_sq_scale;
+  if (out.has_value())
+    point_out(a, check_out(out, sources_of(param, exp_avg, exp_avg_sq, max_exp_avg_sq, scales), param_out));
   return a;
 }
 
@@ -205,16 +284,29 @@ AdamArgs shifted(const AdamArgs& a, int64_t offset) {
     if (base == nullptr) return nullptr;
     return static_cast<uint8_t*>(base) + offset * (d == DType::kF32 ? 4 : d == DType::kQ8 ? 1 : 2);
   };
+  const auto move_in = [&move](const void* base, DType d) -> const void* {
+    return move(const_cast<void*>(base), d);
+  };
   const auto move_scale = [offset](float* base) { return base == nullptr ? nullptr : base + offset / kQBlock; };
+  const auto move_scale_in = [offset](const float* base) {
+    return base == nullptr ? nullptr : base + offset / kQBlock;
+  };
   AdamArgs s = a;
   s.param = a.param + offset;
+  s.param_in = a.param_in + offset;
   s.exp_avg = move(a.exp_avg, a.state_dtype);
+  s.exp_avg_in = move_in(a.exp_avg_in, a.state_dtype);
   s.exp_avg_sq = move(a.exp_avg_sq, a.state_dtype);
+  s.exp_avg_sq_in = move_in(a.exp_avg_sq_in, a.state_dtype);
   s.max_exp_avg_sq = move(a.max_exp_avg_sq, a.state_dtype);
+  s.max_exp_avg_sq_in = move_in(a.max_exp_avg_sq_in, a.state_dtype);
   s.param_out = move(a.param_out, a.out_dtype);
   s.exp_avg_scale = move_scale(a.exp_avg_scale);
+  s.exp_avg_scale_in = move_scale_in(a.exp_avg_scale_in);
   s.exp_avg_sq_scale = move_scale(a.exp_avg_sq_scale);
+  s.exp_avg_sq_scale_in = move_scale_in(a.exp_avg_sq_scale_in);
   s.max_exp_avg_sq_scale = move_scale(a.max_exp_avg_sq_scale);
+  s.max_exp_avg_sq_scale_in = move_scale_in(a.max_exp_avg_sq_scale_in);
   return s;
 }
 
@@ -225,14 +317,15 @@ void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor
                const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale,
                const std::optional<at::Tensor>& exp_avg_scale, const std::optional<at::Tensor>& exp_avg_sq_scale,
-               const std::optional<at::Tensor>& max_exp_avg_sq_scale) {
+               const std::optional<at::Tensor>& max_exp_avg_sq_scale, const OutSet& out) {
   const IsaEntry& entry = find_isa(isa);
   const int64_t n = param.numel();
   AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out,
-                         Scales{exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale}, step, lr, beta1, beta2, eps,
-                         weight_decay, decoupled_weight_decay, maximize, grad_scale);
+                         Scales{exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale}, out, step, lr, beta1, beta2,
+                         eps, weight_decay, decoupled_weight_decay, maximize, grad_scale);
   check_buffer(grad, "grad", n);
   if (param_out.has_value()) check_out_vs_grad(*param_out, grad, 0, "grad");
+  check_out_vs_grad_all(out, grad, "grad");
   a.grad = grad.data_ptr();
   a.grad_dtype = to_dtype(grad, "grad", true);
 
@@ -249,12 +342,12 @@ void adam_step_segments(const std::string& isa, const at::Tensor& param, const s
                         bool decoupled_weight_decay, bool maximize, double grad_scale,
                         const std::optional<at::Tensor>& exp_avg_scale,
                         const std::optional<at::Tensor>& exp_avg_sq_scale,
-                        const std::optional<at::Tensor>& max_exp_avg_sq_scale) {
+                        const std::optional<at::Tensor>& max_exp_avg_sq_scale, const OutSet& out) {
   const IsaEntry& entry = find_isa(isa);
   const int64_t n = param.numel();
   const AdamArgs a = make_args(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out,
-                               Scales{exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale}, step, lr, beta1, beta2,
-                               eps, weight_decay, decoupled_weight_decay, maximize, grad_scale);
+                               Scales{exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale}, out, step, lr, beta1,
+                               beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale);
   TORCH_CHECK(grads.size() == offsets.size(), "zero_offload: ", grads.size(), " grads but ", offsets.size(),
               " offsets");
   const size_t count = grads.size();
@@ -276,6 +369,7 @@ void adam_step_segments(const std::string& isa, const at::Tensor& param, const s
     TORCH_CHECK(a.state_dtype != DType::kQ8 || offsets[i] % kQBlock == 0, "zero_offload: segment ", i,
                 " starts at offset ", offsets[i], ", not a multiple of ", kQBlock, " (8-bit state needs whole blocks)");
     if (param_out.has_value()) check_out_vs_grad(*param_out, g, offsets[i], "a gradient");
+    check_out_vs_grad_all(out, g, "a gradient");
   }
 
   // Threads split the flat range from the first segment to the end of the last as adam_step splits a buffer, so

@@ -2,6 +2,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -12,6 +13,11 @@ namespace zo {
 // 8-bit state (int8 exp_avg, uint8 exp_avg_sq / max_exp_avg_sq) takes one float32 scale per kQBlock (64) elements
 // in the *_scale tensors, which must be absent for fp32/bf16 state. param_out may be the gradient's own memory.
 
+// The destinations of an out-of-place update by name ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+// "exp_avg_scale", "exp_avg_sq_scale", "max_exp_avg_sq_scale"): one for every buffer the update writes, each
+// either that buffer itself or disjoint from every buffer the update reads. Absent: the update is in place.
+using OutSet = std::optional<std::map<std::string, at::Tensor>>;
+
 // ISAs compiled into this build and supported by the running CPU, best first ("scalar" always last).
 std::vector<std::string> available_isas();
 
@@ -20,7 +26,7 @@ void adam_step(const std::string& isa, const at::Tensor& param, const at::Tensor
                const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool decoupled_weight_decay, bool maximize, double grad_scale,
                const std::optional<at::Tensor>& exp_avg_scale, const std::optional<at::Tensor>& exp_avg_sq_scale,
-               const std::optional<at::Tensor>& max_exp_avg_sq_scale);
+               const std::optional<at::Tensor>& max_exp_avg_sq_scale, const OutSet& out);
 
 // adam_step over the flat buffers, reading the gradient of elements [offsets[i], offsets[i] + grads[i].numel())
 // from grads[i] (contiguous, one dtype for all); elements outside every segment are not touched. Segments must be
@@ -32,7 +38,7 @@ void adam_step_segments(const std::string& isa, const at::Tensor& param, const s
                         bool decoupled_weight_decay, bool maximize, double grad_scale,
                         const std::optional<at::Tensor>& exp_avg_scale,
                         const std::optional<at::Tensor>& exp_avg_sq_scale,
-                        const std::optional<at::Tensor>& max_exp_avg_sq_scale);
+                        const std::optional<at::Tensor>& max_exp_avg_sq_scale, const OutSet& out);
 
 std::tuple<double, bool> grad_sq_norm(const std::string& isa, const at::Tensor& grad);
 

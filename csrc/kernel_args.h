@@ -16,17 +16,28 @@ enum class DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kQ8 = 4 }
 // width (16, 8, 4, 1 floats).
 constexpr int64_t kQBlock = 64;
 
+// Every state buffer comes as a source (`*_in`, read) and a destination (written). In place, the dispatcher passes
+// the same pointer for both; out of place (speculation's ping-pong: read set A, write set B, A left as it was), a
+// destination shares no byte with any source, so a vector loop may read ahead of what it writes. Either way it is
+// one memory pass: each element's sources are read once, before its destinations are written.
 struct AdamArgs {
-  float* param;            // fp32 master, updated in place
+  const float* param_in;   // fp32 master, read
+  float* param;            // fp32 master, written
   const void* grad;        // gradient, grad_dtype
-  void* exp_avg;           // first moment, state_dtype
-  void* exp_avg_sq;        // second moment, state_dtype
-  void* max_exp_avg_sq;    // amsgrad running max, state_dtype; null unless amsgrad
+  const void* exp_avg_in;  // first moment, state_dtype
+  void* exp_avg;
+  const void* exp_avg_sq_in;  // second moment, state_dtype
+  void* exp_avg_sq;
+  const void* max_exp_avg_sq_in;  // amsgrad running max, state_dtype; null (both) unless amsgrad
+  void* max_exp_avg_sq;
   void* param_out;         // optional copy of the updated param, out_dtype; null when out_dtype == kNone
   // kQ8 state only (else null): one fp32 scale per kQBlock elements of the buffer above it, indexed by element / 64
   // from the same origin, so a range [begin, end) must start on a block boundary.
+  const float* exp_avg_scale_in;
   float* exp_avg_scale;
+  const float* exp_avg_sq_scale_in;
   float* exp_avg_sq_scale;
+  const float* max_exp_avg_sq_scale_in;
   float* max_exp_avg_sq_scale;
   DType grad_dtype;
   DType state_dtype;

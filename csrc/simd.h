@@ -10,7 +10,8 @@
 //
 // 8-bit codes: load_s8/load_u8 widen kW codes to floats; store_s8x4/store_u8x4 round 4 vectors of non-negative
 // floats to the nearest integer (ties to even, the default MXCSR mode) and narrow them with saturation, one shuffle
-// chain for all four; store_s8x4 gives each code the sign of its value. The callers pass values at most a few ulps
+// chain for all four (store_*<true>: with a streaming store, which needs 4 * kW-byte alignment); store_s8x4 gives
+// each code the sign of its value. The callers pass values at most a few ulps
 // above the top code, so saturation never changes a code.
 //
 // For the 8-bit state's block maxima: vmax_magnitude keeps the largest |x| by bit pattern, compared as unsigned
@@ -78,15 +79,22 @@ static inline __m512i codes_in_order(__m512i packed) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
 }
 static inline __m512i signed_i32(VF u, VF sign) { return _mm512_cvtps_epi32(with_sign_of(u, sign)); }
+template <bool kStream>
+static inline void store_codes_x4(void* p, __m512i packed) {
+  if constexpr (kStream) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), codes_in_order(packed));
+  else _mm512_storeu_si512(p, codes_in_order(packed));
+}
+template <bool kStream = false>
 static inline void store_s8x4(int8_t* p, VF u0, VF u1, VF u2, VF u3, VF s0, VF s1, VF s2, VF s3) {
   const __m512i a = _mm512_packs_epi32(signed_i32(u0, s0), signed_i32(u1, s1));
   const __m512i b = _mm512_packs_epi32(signed_i32(u2, s2), signed_i32(u3, s3));
-  _mm512_storeu_si512(p, codes_in_order(_mm512_packs_epi16(a, b)));
+  store_codes_x4<kStream>(p, _mm512_packs_epi16(a, b));
 }
+template <bool kStream = false>
 static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
   const __m512i a = _mm512_packs_epi32(_mm512_cvtps_epi32(u0), _mm512_cvtps_epi32(u1));
   const __m512i b = _mm512_packs_epi32(_mm512_cvtps_epi32(u2), _mm512_cvtps_epi32(u3));
-  _mm512_storeu_si512(p, codes_in_order(_mm512_packus_epi16(a, b)));
+  store_codes_x4<kStream>(p, _mm512_packus_epi16(a, b));
 }
 static inline VF vmax_magnitude(VF acc, VF x) {
   return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), _mm512_castps_si512(vabs(x))));
@@ -161,24 +169,28 @@ static inline VF load_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 // The two saturating packs interleave the four vectors' 128-bit lanes; one dword permute puts them back in order.
+template <bool kStream>
 static inline void store_codes_x4(void* p, __m256i packed) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i codes = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if constexpr (kStream) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), codes);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes);
 }
 static inline __m256i signed_i32(VF u, VF sign) {  // round(u), negated where sign's sign bit is set
   // psign reads sign's bits as an int32: negative exactly when the sign bit is set; it zeroes where they are all 0
   // (sign +0.0), where round(u) is 0 anyway because |sign| is what u measures.
   return _mm256_sign_epi32(_mm256_cvtps_epi32(u), _mm256_castps_si256(sign));
 }
+template <bool kStream = false>
 static inline void store_s8x4(int8_t* p, VF u0, VF u1, VF u2, VF u3, VF s0, VF s1, VF s2, VF s3) {
   const __m256i a = _mm256_packs_epi32(signed_i32(u0, s0), signed_i32(u1, s1));
   const __m256i b = _mm256_packs_epi32(signed_i32(u2, s2), signed_i32(u3, s3));
-  store_codes_x4(p, _mm256_packs_epi16(a, b));
+  store_codes_x4<kStream>(p, _mm256_packs_epi16(a, b));
 }
+template <bool kStream = false>
 static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
   const __m256i a = _mm256_packs_epi32(_mm256_cvtps_epi32(u0), _mm256_cvtps_epi32(u1));
   const __m256i b = _mm256_packs_epi32(_mm256_cvtps_epi32(u2), _mm256_cvtps_epi32(u3));
-  store_codes_x4(p, _mm256_packus_epi16(a, b));
+  store_codes_x4<kStream>(p, _mm256_packus_epi16(a, b));
 }
 static inline VF vmax_magnitude(VF acc, VF x) {
   return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), _mm256_castps_si256(vabs(x))));
@@ -267,7 +279,9 @@ static inline VF load_s8(const int8_t* p) {
 static inline VF load_u8(const uint8_t* p) {
   return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(four_codes(p))))));
 }
-// Saturating narrows keep lane order, so the four vectors' codes come out in order with no shuffle.
+// Saturating narrows keep lane order, so the four vectors' codes come out in order with no shuffle. kStream: as
+// stream_f32, a plain store here.
+template <bool kStream = false>
 static inline void store_s8x4(int8_t* p, VF u0, VF u1, VF u2, VF u3, VF s0, VF s1, VF s2, VF s3) {
   const int16x8_t a = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u0, s0))),
                                    vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u1, s1))));
@@ -275,6 +289,7 @@ static inline void store_s8x4(int8_t* p, VF u0, VF u1, VF u2, VF u3, VF s0, VF s
                                    vqmovn_s32(vcvtnq_s32_f32(with_sign_of(u3, s3))));
   vst1q_s8(p, vcombine_s8(vqmovn_s16(a), vqmovn_s16(b)));
 }
+template <bool kStream = false>
 static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
   const uint16x8_t a = vcombine_u16(vqmovn_u32(vcvtnq_u32_f32(u0)), vqmovn_u32(vcvtnq_u32_f32(u1)));
   const uint16x8_t b = vcombine_u16(vqmovn_u32(vcvtnq_u32_f32(u2)), vqmovn_u32(vcvtnq_u32_f32(u3)));
@@ -368,12 +383,14 @@ static inline void store_u8(uint8_t* p, VF x) {
   const int32_t i = round_i32(x);
   *p = static_cast<uint8_t>(i > 255 ? 255 : i < 0 ? 0 : i);
 }
+template <bool kStream = false>  // no streaming stores here: kStream is for the vector units' signature
 static inline void store_s8x4(int8_t* p, VF u0, VF u1, VF u2, VF u3, VF s0, VF s1, VF s2, VF s3) {
   store_s8(p, with_sign_of(u0, s0));
   store_s8(p + 1, with_sign_of(u1, s1));
   store_s8(p + 2, with_sign_of(u2, s2));
   store_s8(p + 3, with_sign_of(u3, s3));
 }
+template <bool kStream = false>
 static inline void store_u8x4(uint8_t* p, VF u0, VF u1, VF u2, VF u3) {
   store_u8(p, u0);
   store_u8(p + 1, u1);

@@ -62,4 +62,4 @@ def adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avg
            maximize=maximize)
     if param_outs is not None:
         for out, p in zip(param_outs, params):
-            out.copy_(p)
+            out.view(-1).copy_(p.view(-1))  # (an out-of-place update hands its flat destinations)

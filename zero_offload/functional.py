@@ -51,7 +51,7 @@ import math
 import operator
 import os
 from numbers import Real
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -60,7 +60,7 @@ from zero_offload._compat import foreach_norm_fp32
 from zero_offload.options import check_hparams
 
 __all__ = ["cpu_adam_", "cpu_adam_segments_", "device_sq_norm", "grad_sq_norm", "grad_sq_norm_segments",
-           "resolve_path", "path_reason", "PATHS",
+           "resolve_path", "path_reason", "PATHS", "OUT_KEYS",
            "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
 PATHS = ("avx512", "avx2", "neon", "scalar", "torch-fused", "torch")
@@ -225,6 +225,72 @@ def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     return numel
 
 
+OUT_KEYS = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+            "max_exp_avg_sq_scale")
+
+
+def _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw) -> Dict[str, torch.Tensor]:
+    """The buffers an update reads and writes, by their ``out`` keys (those it has)."""
+    named = dict(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=vmax, **q8_kw)
+    return {k: t for k, t in named.items() if t is not None}
+
+
+def _check_out(out: object, sources: Dict[str, torch.Tensor], others: Dict[str, Optional[torch.Tensor]],
+               caller: str = "cpu_adam_") -> Optional[Dict[str, torch.Tensor]]:
+    """An out-set against the ``sources`` it replaces and the ``others`` the update reads or writes (gradient,
+    param_out): a destination for every source, of its dtype and size, dense, contiguous and on the CPU, each
+    either its source itself or sharing no memory with any buffer of the update. Returns it as a plain dict (None
+    for None: in place)."""
+    if out is None:
+        return None
+    if not isinstance(out, Mapping):
+        raise TypeError(f"{caller}: out must be a dict of tensors by name ({', '.join(sources)}), got "
+                        f"{type(out).__name__}")
+    extra = [k for k in out if k not in sources]
+    if extra:
+        raise ValueError(f"{caller}: out[{extra[0]!r}] is not a buffer this update writes (it writes "
+                         f"{', '.join(sources)})")
+    missing = [k for k in sources if k not in out]
+    if missing:
+        raise ValueError(f"{caller}: out lacks {missing[0]!r}: an out-of-place update needs a destination for "
+                         f"every buffer it writes ({', '.join(sources)})")
+    checked: Dict[str, torch.Tensor] = {}
+    for key, src in sources.items():
+        dst, name = out[key], f"out[{key!r}]"
+        if not isinstance(dst, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, got {type(dst).__name__}")
+        if dst.layout != torch.strided or dst.device.type != "cpu" or not dst.is_contiguous():
+            raise ValueError(f"{caller}: {name} must be a dense, contiguous CPU tensor (got {dst.device}, "
+                             f"{dst.layout}, contiguous={dst.is_contiguous()})")
+        if dst.dtype != src.dtype or dst.numel() != src.numel():
+            raise ValueError(f"{caller}: {name} must be {src.dtype} with {src.numel()} elements, as {key} is; "
+                             f"got {dst.dtype} with {dst.numel()}")
+        for other, t in itertools.chain(sources.items(), others.items(), checked.items()):
+            if t is None or not _overlap(dst, t):
+                continue
+            if t is src and other == key and dst.data_ptr() == src.data_ptr():
+                continue  # this buffer in place
+            where = f"out[{other!r}]" if t is checked.get(other) else other
+            raise ValueError(f"{caller}: {name} overlaps {where} (a destination is either its own source, exactly, "
+                             "or shares no memory with any buffer of the update)")
+        checked[key] = dst
+    return checked
+
+
+def _copy_sources(sources: Dict[str, torch.Tensor], out: Dict[str, torch.Tensor], elems: slice,
+                  blocks: slice) -> Dict[str, torch.Tensor]:
+    """The torch paths' out-of-place update: the slice (``blocks`` for the scales) of every source copied into its
+    destination, for an in-place update there. Returns the destinations' slices."""
+    views = {}
+    for key, src in sources.items():
+        sl = blocks if key.endswith("_scale") else elems
+        dst, part = out[key].view(-1)[sl], src.view(-1)[sl]
+        if dst.data_ptr() != part.data_ptr():
+            dst.copy_(part)
+        views[key] = dst
+    return views
+
+
 def _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad: bool) -> dict:
     return dict(exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale,
                 max_exp_avg_sq_scale=max_exp_avg_sq_scale if amsgrad else None)
@@ -255,8 +321,9 @@ def cpu_adam_(
     max_exp_avg_sq: Optional[torch.Tensor] = None, maximize: bool = False, grad_scale: float = 1.0,
     param_out: Optional[torch.Tensor] = None, exp_avg_scale: Optional[torch.Tensor] = None,
     exp_avg_sq_scale: Optional[torch.Tensor] = None, max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    out: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> None:
-    """One fused Adam/AdamW update of flat CPU buffers, in place, in one memory pass.
+    """One fused Adam/AdamW update of flat CPU buffers, in place (or into ``out``), in one memory pass.
 
     Every argument is checked before anything is written; a bad one raises ``ValueError``/``TypeError`` naming it
     and leaves every tensor untouched.
@@ -288,6 +355,10 @@ def cpu_adam_(
         exp_avg_sq_scale (Tensor, optional): the same for ``exp_avg_sq``. Default: None.
         max_exp_avg_sq_scale (Tensor, optional): the same for ``max_exp_avg_sq``; 8-bit state with amsgrad only.
             Default: None.
+        out (Dict[str, Tensor], optional): write the update here, bit-identical, the arguments left as they were
+            (speculation's ping-pong): for each buffer the call updates, by keyword (:data:`OUT_KEYS`, no other),
+            one of its dtype and size, contiguous, that very buffer or sharing no memory with any other. Native:
+            the same single pass; torch paths: a copy into ``out``, then in place there. Default: None (in place).
     """
     numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
                          exp_avg_sq_scale, max_exp_avg_sq_scale)
@@ -295,21 +366,27 @@ def cpu_adam_(
     if param_out is not None:
         _check_out_vs_grad(param_out, grad, "grad")
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
-
+    vmax = max_exp_avg_sq if amsgrad else None
+    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
+    out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(grad=grad, param_out=param_out))
     path = resolve_path(exp_avg.dtype)
     if numel == 0:
         return
-    vmax = max_exp_avg_sq if amsgrad else None
-    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
     _adam_dispatch(path, (param, grad, exp_avg, exp_avg_sq, vmax, param_out), q8_kw, step_i, lr_f, beta1, beta2,
-                   eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale)
+                   eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, out)
 
 
 def _adam_dispatch(path: str, tensors: tuple, q8_kw: dict, step: int, lr: float, beta1: float, beta2: float,
-                   eps: float, wd: float, decoupled: bool, maximize: bool, scale: float) -> None:
+                   eps: float, wd: float, decoupled: bool, maximize: bool, scale: float,
+                   out: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """:func:`cpu_adam_`'s update on validated arguments by ``path``: ``tensors`` are (param, grad, exp_avg,
-    exp_avg_sq, the amsgrad maximum or None, param_out or None)."""
+    exp_avg_sq, the amsgrad maximum or None, param_out or None); ``out`` (checked; native paths only) the
+    destinations."""
     param, grad, exp_avg, exp_avg_sq, vmax, param_out = tensors
+    if out is not None and path in _TORCH_PATHS:  # copy, then in place there
+        views = _copy_sources(_sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), out, slice(None), slice(None))
+        param, exp_avg, exp_avg_sq, vmax = (views.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        q8_kw = {k: views.get(k) for k in q8_kw}
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
         _torch_fused.adam_(
             [param], [grad], [exp_avg], [exp_avg_sq], None if vmax is None else [vmax], step=step, lr=lr,
@@ -325,7 +402,7 @@ def _adam_dispatch(path: str, tensors: tuple, q8_kw: dict, step: int, lr: float,
     else:
         _build.load_native().adam_step(
             path, param, grad, exp_avg, exp_avg_sq, vmax, param_out, step, lr, beta1, beta2, eps, wd, decoupled,
-            maximize, scale, **q8_kw,
+            maximize, scale, **q8_kw, out=out,
         )  # fmt: skip
 
 
@@ -476,7 +553,7 @@ def cpu_adam_segments_(
     decoupled_weight_decay: bool = True, amsgrad: bool = False, max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False, grad_scale: float = 1.0, param_out: Optional[torch.Tensor] = None,
     exp_avg_scale: Optional[torch.Tensor] = None, exp_avg_sq_scale: Optional[torch.Tensor] = None,
-    max_exp_avg_sq_scale: Optional[torch.Tensor] = None,
+    max_exp_avg_sq_scale: Optional[torch.Tensor] = None, out: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> None:
     """:func:`cpu_adam_` on the flat buffers where the gradient of elements
     ``[offsets[i], offsets[i] + grads[i].numel())`` is read from ``grads[i]`` itself, so gradients that live in
@@ -487,27 +564,32 @@ def cpu_adam_segments_(
     every offset a multiple of :data:`Q8_BLOCK`, so that each segment owns its scale blocks. ``param_out`` may hold
     the gradients (``grads[i]`` exactly ``param_out[offsets[i]:...]``). The result on each segment is bit-identical
     to :func:`cpu_adam_` on that segment's slices alone (and, for 8-bit state, its slice of the scales,
-    ``[offset // 64, ceil(end / 64))``).
+    ``[offset // 64, ceil(end / 64))``). With ``out`` (as :func:`cpu_adam_`'s; no destination may overlap a
+    gradient), the segments' elements (and their blocks' scales) of the destinations are written; the rest of
+    them is left as it was.
     """
     numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
                          exp_avg_sq_scale, max_exp_avg_sq_scale)
     _check_grads(grads, "cpu_adam_segments_")
     offsets = _check_segments(grads, offsets, numel, exp_avg.dtype == torch.int8)
     step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
+    vmax = max_exp_avg_sq if amsgrad else None
+    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
+    # (against the gradients too: in C++ on the native path, without a Python loop; in _torch_segments else)
+    out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(param_out=param_out),
+                     "cpu_adam_segments_")
 
     path = resolve_path(exp_avg.dtype)
     if not grads:
         return
-    vmax = max_exp_avg_sq if amsgrad else None
-    q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
     if path in _TORCH_PATHS:
         kw = dict(step=step_i, lr=lr_f, beta1=beta1, beta2=beta2, eps=eps_f, weight_decay=wd,
                   decoupled_weight_decay=bool(decoupled_weight_decay), maximize=bool(maximize), grad_scale=scale)
-        _torch_segments(path, param, grads, offsets, (exp_avg, exp_avg_sq, vmax), param_out, q8_kw, kw)
+        _torch_segments(path, param, grads, offsets, (exp_avg, exp_avg_sq, vmax), param_out, q8_kw, kw, out)
     else:
         _build.load_native().adam_step_segments(
             path, param, list(grads), offsets, exp_avg, exp_avg_sq, vmax, param_out, step_i, lr_f, beta1, beta2,
-            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, **q8_kw,
+            eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, **q8_kw, out=out,
         )  # fmt: skip
 
 
@@ -531,13 +613,20 @@ def _check_segments(grads: Sequence[torch.Tensor], offsets: Sequence[int], numel
     return offsets
 
 
-def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw) -> None:
+def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, out=None) -> None:
     """:func:`cpu_adam_segments_` on a torch path: ``state`` is (exp_avg, exp_avg_sq, the amsgrad maximum or
-    None), ``kw`` the validated hyperparameters."""
+    None), ``kw`` the validated hyperparameters, ``out`` the checked destinations or None."""
     exp_avg, exp_avg_sq, vmax = state
     if param_out is not None:  # the native path checks this in C++, without a Python loop
         for i, (o, g) in enumerate(zip(offsets, grads)):
             _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
+    if out is not None:
+        _check_out_vs_grads(out, grads)
+        sources, out = _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), {k: t.view(-1) for k, t in out.items()}
+        for o, g in zip(offsets, grads):
+            _copy_sources(sources, out, slice(o, o + g.numel()), slice(o // Q8_BLOCK, q8_scale_numel(o + g.numel())))
+        param, exp_avg, exp_avg_sq, vmax = (out.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        q8_kw = {k: out.get(k) for k in q8_kw}
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
         _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw)
         return
@@ -551,6 +640,13 @@ def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw) ->
             param_out=None if param_out is None else param_out[sl],
             **{k: None if t is None else t[bl] for k, t in q8_kw.items()}, **kw,
         )  # fmt: skip
+
+
+def _check_out_vs_grads(out: Dict[str, torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    for key, dst in out.items():
+        for i, g in enumerate(grads):
+            if _overlap(dst, g):
+                raise ValueError(f"cpu_adam_segments_: out[{key!r}] overlaps grads[{i}]")
 
 
 def _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw) -> None:

@@ -10,7 +10,9 @@
 // memory) runs 3 steps on the SIMD tail sizes, the second step's gradient poisoned with NaN or inf in a third of the
 // cases each; 278011 runs a subset. Each unit keeps its own state; every step, its result is checked against the
 // oracle run in float64 from the state the unit started that step with (so a rounding that went the other way at one
-// step is judged there, not compounded), and the first step is also checked against the scalar unit.
+// step is judged there, not compounded), and the first step is also checked against the scalar unit. The first step
+// runs in place, the second and third out of place (master, moments and scales read from one set of buffers and
+// written to another, then the sets swap: speculation's ping-pong), each checked to leave the set it read untouched.
 //
 // What "equal" means (the tests in tests/test_state_dtypes.py hold the torch-side paths to the same):
 // - param_out is exactly the unit's own master rounded to nearest-even; a bf16 NaN is the canonical 0x7FC0;
@@ -27,6 +29,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernel_args.h"
@@ -121,6 +124,7 @@ struct Buf {
     ptr = mem.data() + ((64 - base % 64) % 64) + shift * size;
   }
   void copy_from(const Buf& o, int64_t bytes) { std::memcpy(ptr, o.ptr, static_cast<size_t>(bytes)); }
+  bool same(const Buf& o, int64_t bytes) const { return std::memcmp(ptr, o.ptr, static_cast<size_t>(bytes)) == 0; }
   float* f32() { return reinterpret_cast<float*>(ptr); }
   uint16_t* u16() { return reinterpret_cast<uint16_t*>(ptr); }
 };
@@ -156,6 +160,11 @@ struct State {
     ms.copy_from(o.ms, blocks * 4);
     vs.copy_from(o.vs, blocks * 4);
     xs.copy_from(o.xs, blocks * 4);
+  }
+  bool same(const State& o, const Case& c) const {
+    const int64_t ss = elem_size(c.s), blocks = (c.n + kQ - 1) / kQ;
+    return p.same(o.p, c.n * 4) && m.same(o.m, c.n * ss) && v.same(o.v, c.n * ss) && x.same(o.x, c.n * ss) &&
+           ms.same(o.ms, blocks * 4) && vs.same(o.vs, blocks * 4) && xs.same(o.xs, blocks * 4);
   }
 };
 
@@ -457,30 +466,53 @@ void check_norm_overflow(Tally& t, const Unit& u) {
   if (r.nonfinite || !std::isinf(r.sum_sq)) t.fail(c, 0, "norm of finite overflowing squares", 0, r.sum_sq, INFINITY, 0);
 }
 
+// Points the kernel's sources at `src` and its destinations at `dst` (the same state: in place).
+void point(AdamArgs& a, const Case& c, State& src, State& dst) {
+  a.param_in = src.p.f32();
+  a.param = dst.p.f32();
+  a.exp_avg_in = src.m.ptr;
+  a.exp_avg = dst.m.ptr;
+  a.exp_avg_sq_in = src.v.ptr;
+  a.exp_avg_sq = dst.v.ptr;
+  a.max_exp_avg_sq_in = c.ams ? src.x.ptr : nullptr;
+  a.max_exp_avg_sq = c.ams ? dst.x.ptr : nullptr;
+  if (c.s == DType::kQ8) {
+    a.exp_avg_scale_in = src.ms.f32();
+    a.exp_avg_scale = dst.ms.f32();
+    a.exp_avg_sq_scale_in = src.vs.f32();
+    a.exp_avg_sq_scale = dst.vs.f32();
+    a.max_exp_avg_sq_scale_in = c.ams ? src.xs.f32() : nullptr;
+    a.max_exp_avg_sq_scale = c.ams ? dst.xs.f32() : nullptr;
+  }
+}
+
 // One unit's step: run the kernel in two ranges as the dispatcher may split it, the oracle from the state the unit
-// started with, then the checks.
-void run_step(Tally& t, const Unit& u, const Case& c, int step, State& st, const Buf& grad, Buf& work, Buf& out,
-              std::vector<Elem>& want) {
+// started with, then the checks. Out of place (spare given), the update goes into spare, the state it read is
+// checked unchanged, and the two swap, so that st holds the result either way.
+void run_step(Tally& t, const Unit& u, const Case& c, int step, State& st, State* spare, const Buf& grad, Buf& work,
+              Buf& out, std::vector<Elem>& want) {
   state_values(st, c, want);
   const bool alias = c.hyper == 1 && c.o == c.g;
   work.copy_from(grad, c.n * elem_size(c.g));
   AdamArgs a = args_for(c, 10 + step);
-  a.param = st.p.f32();
+  point(a, c, st, spare ? *spare : st);
   a.grad = work.ptr;
-  a.exp_avg = st.m.ptr;
-  a.exp_avg_sq = st.v.ptr;
-  a.max_exp_avg_sq = c.ams ? st.x.ptr : nullptr;
   a.param_out = c.o == DType::kNone ? nullptr : alias ? work.ptr : out.ptr;
-  if (c.s == DType::kQ8) {
-    a.exp_avg_scale = st.ms.f32();
-    a.exp_avg_sq_scale = st.vs.f32();
-    a.max_exp_avg_sq_scale = c.ams ? st.xs.f32() : nullptr;
+  State before;
+  if (spare) {
+    before.make(c, c.hyper);
+    before.copy_from(st, c);
   }
   // 8-bit state: at a multiple of the dispatcher's 1024-element blocks, as adam_step splits; other states also at an
   // odd element, as adam_step_segments can (a thread's range starting mid-vector in a segment).
   const int64_t split = c.s == DType::kQ8 ? (c.n >= 2048 ? (c.n / 2) / 1024 * 1024 : 0) : (c.n > 2 ? (c.n / 2) | 1 : 0);
   if (split) u.adam(a, 0, split);
   u.adam(a, split, c.n);
+  if (spare) {
+    ++t.checked;
+    if (!st.same(before, c)) t.fail(c, step, "the source set (out of place), written", 0, 1, 0, 0);
+    std::swap(st, *spare);
+  }
   for (int64_t i = 0; i < c.n; ++i) oracle_elem(a, load_value(grad.ptr, c.g, i), want[i]);
   check_state(t, c, step, st, alias ? work : out, want);
   check_norm(t, c, step, u, grad);
@@ -514,11 +546,12 @@ void run_case(std::vector<Tally>& tallies, const std::vector<Unit>& units, const
   State init;
   init.make(c, shift);
   init_state(init, c, rng);
-  std::vector<State> states(units.size());
+  std::vector<State> states(units.size()), spares(units.size());
   for (auto& st : states) {
     st.make(c, shift);
     st.copy_from(init, c);
   }
+  for (auto& st : spares) st.make(c, shift);
   Buf grad, work, out;
   grad.make(c.n, elem_size(c.g), shift);
   work.make(c.n, elem_size(c.g), shift);
@@ -527,7 +560,7 @@ void run_case(std::vector<Tally>& tallies, const std::vector<Unit>& units, const
   for (int step = 0; step < 3; ++step) {
     make_grad(grad, c, step, rng);
     for (size_t k = 0; k < units.size(); ++k) {
-      run_step(tallies[k], units[k], c, step, states[k], grad, work, out, want);
+      run_step(tallies[k], units[k], c, step, states[k], step == 0 ? nullptr : &spares[k], grad, work, out, want);
       if (step == 0 && k == 0) want0 = want;
       if (step == 0 && k > 0) check_against_scalar(tallies[k], c, states[k], states[0], want0);
     }

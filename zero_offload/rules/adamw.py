@@ -70,6 +70,7 @@ class AdamW(Rule):
     loaded_defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
                            fused=None)
     cleared_flags = ("capturable", "differentiable")  # not honoured here; a loaded AdamW group may carry them
+    writes_out = True
 
     def hyper(self, group: Dict[str, Any]) -> Hyper:
         return Hyper.read(group)
@@ -85,6 +86,9 @@ class AdamW(Rule):
             kw["max_exp_avg_sq"] = state["max_exp_avg_sq"]
         if scales:
             kw.update((name + "_scale", s) for name, s in scales.items() if hyper.amsgrad or name != "max_exp_avg_sq")
+        if run.out is not None:  # the destinations of what this call writes (the same keys, plus the master's)
+            written = ("param", *(k for k in kw if k.startswith(("exp_avg", "max_exp_avg_sq"))))
+            kw["out"] = {k: run.out[k] for k in written if k in run.out}
         if run.grads is None:
             functional.cpu_adam_(run.master, run.grad, **kw, **_kernel_kwargs(hyper))
         else:

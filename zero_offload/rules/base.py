@@ -59,6 +59,11 @@ class Run:
         step (int): the parameters' step count after this update (1 on the first).
         grad_scale (float): multiplies the gradient first (loss-scale inverse x clip coefficient x 1/world).
         param_out (Tensor, optional): receives the updated parameter rounded to its low-precision dtype.
+        out (Dict[str, Tensor], optional): where the update writes instead of in place, so that ``master``,
+            ``state`` and ``scales`` are only read (speculation's ping-pong: a rollback is a choice of buffer set):
+            ``"master"``'s destination under ``"param"``, each state buffer's under its name, each scale's under
+            its name plus ``"_scale"``, covering the run like the buffers they replace. None: in place. A rule
+            whose :attr:`Rule.writes_out` is False refuses a run with one. Default: None.
     """
 
     master: torch.Tensor
@@ -70,6 +75,7 @@ class Run:
     step: int
     grad_scale: float
     param_out: Optional[torch.Tensor]
+    out: Optional[Dict[str, torch.Tensor]] = None
 
 
 class Rule:
@@ -87,6 +93,7 @@ class Rule:
         loaded_defaults (Dict[str, Any]): what the optimizer's ``__setstate__`` gives a loaded group lacking these
             keys (an older checkpoint), rather than the value this optimizer was built with.
         cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
+        writes_out (bool): :meth:`update` can write into :attr:`Run.out` (else it raises on a run with one).
     """
 
     name: str = ""
@@ -97,6 +104,7 @@ class Rule:
     defaults: Dict[str, Any] = {}
     loaded_defaults: Dict[str, Any] = {}
     cleared_flags: Tuple[str, ...] = ()
+    writes_out: bool = False
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
@@ -122,7 +130,8 @@ class Rule:
             raise ValueError(f"{where}: {exc}") from None
 
     def update(self, run: Run, hyper: Any) -> None:
-        """Update one run in place: ``master``, ``state`` (and ``scales``) and ``param_out``."""
+        """Update one run: ``master``, ``state`` (and ``scales``) in place, or into ``run.out``; and
+        ``param_out``."""
         raise NotImplementedError
 
     # Whether :meth:`update_on_device` exists: the rule can run on the device tier (``gpu_fraction``).
@@ -132,3 +141,9 @@ class Rule:
         """:meth:`update` of a run whose buffers and gradients are in GPU memory (the device tier), with torch's
         kernels there. Only where :attr:`device_update` is set."""
         raise NotImplementedError
+
+    def refuse_out(self, run: Run) -> None:
+        """For a rule that cannot write out of place: raise on a run that asks it to, rather than update in place
+        behind the caller's back."""
+        if run.out is not None:
+            raise NotImplementedError(f"{self.name}: this rule updates in place only (Run.out is not supported)")

@@ -69,6 +69,7 @@ class Lion(Rule):
         return Hyper.read(group)
 
     def update(self, run: Run, hyper: Hyper) -> None:
+        self.refuse_out(run)
         grad, master, exp_avg = _flat_grad(run), run.master, run.state["exp_avg"]
         n = master.numel()
         scale = -run.grad_scale if hyper.maximize else run.grad_scale

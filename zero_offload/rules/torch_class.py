@@ -284,6 +284,7 @@ class TorchClassRule(Rule):
         return torch.tensor(float(step), dtype=torch.float32) if self._step_is_tensor else step
 
     def update(self, run: Run, hyper: Any) -> None:
+        self.refuse_out(run)
         param = run.master.view(run.master.shape)  # a new tensor object: its .grad is ours to set
         param.grad = _gradient(run)
         names = [b.name for b in self.needed(hyper)]
