@@ -7,28 +7,19 @@ import itertools
 import pytest
 import torch
 
-from zero_offload import _build, _torch_fused, functional
+from zero_offload import _build, functional
 from zero_offload.rules.adamw import ADAMW, Hyper
 from zero_offload.rules.base import Run
 from zero_offload.rules.lion import LION
 
-PATHS = ["avx512", "avx2", "neon", "scalar", "torch-fused", "torch"]
+from test_kernel import path  # noqa: F401 (the kernel paths' fixture)
+
 TAIL_SIZES = [1, 7, 15, 17, 4097]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STATE_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 OUT_DTYPES = [None, torch.bfloat16, torch.float16]
 # (decoupled, amsgrad, maximize, grad_scale)
 MODES = list(itertools.product([True, False], [False, True], [False, True], [1.0, 0.37]))
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    if request.param == "torch-fused" and not _torch_fused.AVAILABLE:
-        pytest.skip(f"torch {torch.__version__} has no fused CPU Adam")
-    elif request.param not in ("torch", "torch-fused") and request.param not in _build.native_isas():
-        pytest.skip(f"{request.param} is not available on this CPU/build")
-    monkeypatch.setenv("ZERO_OFFLOAD_SIMD", request.param)
-    return request.param
 
 
 def _bits(t):
