@@ -242,8 +242,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                bucket_numel: int, pin_memory: Optional[bool], stream_grads: Optional[bool], release_grads: bool,
                overlap_step: bool, delayed_update: Union[bool, int], process_group: Optional[Any],
                grads_reduced: bool, timeout: Optional[Any], state_dtype: torch.dtype, speculate: Optional[bool],
-               gpu_fraction: Union[float, str], gpu_margin_gib: float, speculation_memory: Optional[int] = None
-               ) -> None:
+               gpu_fraction: Union[float, str], gpu_margin_gib: float, speculation_memory: Optional[int]) -> None:
         rule.check(defaults)
         delayed, exact_steps = delayed_setting(delayed_update)
         self.options = Options(nonfinite, bucket_numel, pin_memory, stream_grads, bool(release_grads),
