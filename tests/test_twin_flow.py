@@ -388,6 +388,27 @@ def test_sharded_auto_moves_the_same_buckets_on_every_rank():
     assert sum(c for c, t in zip(costs, tiers0) if t) <= 4000
 
 
+def _cpu_model_auto_worker(rank, world):
+    import test_distributed as td
+
+    model, ref_model = td._make(rank, seed_ours=rank)
+    opt = OffloadOptimizer(td.groups(model), lr=1e-2, bucket_numel=td.BUCKET_NUMEL, gpu_fraction="auto",
+                           process_group=td.dist.group.WORLD, stream_grads=True)
+    ref = torch.optim.AdamW(td.groups(ref_model), lr=1e-2, foreach=False)
+    for step in range(3):
+        td._step(model, opt, step, rank, world, clip=0.3)
+        td._ref_step(ref_model, ref, step, clip=0.3)
+        td._compare(model, ref_model, f"step {step}")
+    return _tiers(opt)
+
+
+def test_auto_on_a_streamed_cpu_model_moves_nothing():
+    """Streamed CPU buckets arrive in backward too: "auto" places CUDA buckets only (sharded, the ranks still
+    agree on the count)."""
+    for tiers in test_distributed.launch(_cpu_model_auto_worker, 2).values():
+        assert tiers and not any(tiers)
+
+
 # -- on a real GPU (skipped without one; in the runbook's `pytest -m cuda`) ----------------------------------------
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", [r for r in CUDA_RECIPES if r.name in (

@@ -393,8 +393,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         buckets = [b for b in chain.from_iterable(self._buckets) if not b.resident]
         if not buckets and not self._transport.sharded:  # (a CPU model: nothing to place; sharded, agree anyway)
             return
-        arrived = self._transport.arrivals
-        # Last to arrive first; buckets backward did not send (not streamed) as if in reverse construction order.
+        arrived = [b for b in self._transport.arrivals if not b.resident]  # (streamed CPU buckets arrive too)
+        # Last to arrive first; then those backward did not send, in construction order (backward would produce
+        # the first ones last).
         order = list(reversed(arrived)) + [b for b in buckets if all(b is not a for a in arrived)]
         devices = {b.device for b in buckets}
         room = {d: _device_room(d, self.options.gpu_margin_gib) for d in devices}
