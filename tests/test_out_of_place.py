@@ -12,7 +12,7 @@ from zero_offload.rules.adamw import ADAMW, Hyper
 from zero_offload.rules.base import Run
 from zero_offload.rules.lion import LION
 
-from test_kernel import path  # noqa: F401 (the kernel paths' fixture)
+from test_kernel import _segments, path  # noqa: F401 (path: the kernel paths' fixture)
 
 TAIL_SIZES = [1, 7, 15, 17, 4097]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -154,15 +154,6 @@ def test_ping_pong_matches_torch_adamw(path, n, amsgrad):
         torch.testing.assert_close(dst["param"], ref.detach(), msg=lambda s: f"param at step {k}: {s}")
         for name in names[1:]:
             torch.testing.assert_close(dst[name], state[name], msg=lambda s: f"{name} at step {k}: {s}")
-
-
-def _segments(sizes, gap):
-    offsets, cursor = [], 0
-    for n in sizes:
-        cursor += gap
-        offsets.append(cursor)
-        cursor += (n + 63) // 64 * 64
-    return offsets, cursor + gap
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
