@@ -117,12 +117,9 @@ class GradSlots:
         params = self.params
         grads = list(map(_get_grad, params))
         if not self.allocated and self.flat_grad is None:  # (no slot exists that a gradient could be)
-            if not any(map(operator.is_, grads, itertools.repeat(None))):
-                check_grads(grads, params, self.shapes, self.label)
-                return grads
-            present = [(g, i) for i, g in enumerate(grads) if g is not None]
-            check_grads([g for g, _ in present], [params[i] for _, i in present], [self.shapes[i] for _, i in present],
-                        lambda k: self.label(present[k][1]))
+            idx = [i for i, g in enumerate(grads) if g is not None]
+            check_grads([grads[i] for i in idx], [params[i] for i in idx], [self.shapes[i] for i in idx],
+                        lambda k: self.label(idx[k]))
             return grads
         in_slot = list(map(operator.is_, grads, self.targets))
         if any(in_slot) and self.unbind_rebound():
