@@ -52,9 +52,8 @@ class BucketGrads:
         return functional.CheckedGrads(g for g in self.in_place if g is not None)
 
     def host_sq_norm(self) -> Tuple[float, bool]:
-        """Sum of squares of the gathered gradients (:meth:`host_grads`), and whether one is inf/nan."""
-        if self.bucket.device_tier:
-            return functional.device_sq_norm(self.host_grads())
+        """Sum of squares of the gathered host gradients, and whether one is inf/nan (the device tier's: see
+        :func:`~zero_offload.transport._device_tier_norm`)."""
         if self.in_place is None:
             return functional.grad_sq_norm(self.bucket.grad)
         return functional.grad_sq_norm_segments(self.host_grads())

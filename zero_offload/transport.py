@@ -296,8 +296,10 @@ class Transport:
         for bg in entries:
             if bg.bucket.resident:
                 bg.in_place = self._gather_cpu(bg)
-                if check and not bad:
+                if check and not bad and not bg.bucket.device_tier:
                     bad = bg.host_sq_norm()[1]
+        if check and not bad:
+            bad = _device_tier_norm(entries)[1]
         if check and not bad:
             bad = self._cuda_nonfinite([bg for bg in entries if not bg.bucket.resident])
         return bad
@@ -434,8 +436,10 @@ class Transport:
             # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
             gpu_norms = self.streamed_norms([bg for bg in entries if not bg.bucket.resident])
             self.wait_all(plans)
-            sq, nonfinite = 0.0, False
+            sq, nonfinite = _device_tier_norm(entries)  # (one synchronisation for the device tier too)
             for bg in entries:
+                if bg.bucket.device_tier:
+                    continue
                 if id(bg.bucket) in gpu_norms:
                     s = gpu_norms[id(bg.bucket)]
                     bad = not math.isfinite(s)
@@ -576,3 +580,11 @@ def _slot(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:
     """Parameter ``i``'s slot in another flat buffer laid out like the bucket's gradient buffer."""
     return view_like(flat, bucket.layout.offsets[i], bucket.params[i])
 
+
+def _device_tier_norm(entries: Sequence[BucketGrads]) -> Tuple[float, bool]:
+    """The squared norm of the device tier's gathered gradients (``gpu_fraction``: they stay on the GPU), all
+    buckets at once, and whether one is inf/nan."""
+    # (A bucket with no gradient and no buffer has nothing to read: its host_grads() would make the buffer.)
+    grads = [t for bg in entries if bg.bucket.device_tier and (bg.in_place is not None or bg.bucket.grads.allocated)
+             for t in bg.host_grads()]
+    return functional.device_sq_norm(grads) if grads else (0.0, False)
