@@ -33,7 +33,7 @@ from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, format_bytes
-from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPES, SUPPORTED_DTYPES,
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPES, SUPPORTED_DTYPES, Options,
                                   dtypes_by_name)
 
 
@@ -290,11 +290,14 @@ def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dt
 
 
 def _check_gpu_fraction(gpu_fraction: float, device: str, state_dtype: torch.dtype) -> None:
-    if isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float)) or not 0 <= gpu_fraction <= 1:
-        raise ValueError(f"Invalid gpu_fraction: {gpu_fraction!r} (a number from 0 to 1; 'auto' depends on the free "
-                         "GPU memory at run time, which a plan does not know)")
-    if gpu_fraction and (device != "cuda" or state_dtype != torch.float32):
-        raise ValueError("gpu_fraction applies to a CUDA model with fp32 state_dtype (as for the optimizer)")
+    """The optimizer's checks of ``gpu_fraction``, less ``"auto"`` (it depends on the free GPU memory at run time,
+    which a plan does not know), for a CUDA model."""
+    if gpu_fraction == "auto":
+        raise ValueError("Invalid gpu_fraction: 'auto' for a plan (it depends on the free GPU memory at run time, "
+                         "which a plan does not know): give a number from 0 to 1")
+    Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()
+    if gpu_fraction and device != "cuda":
+        raise ValueError("gpu_fraction applies to a CUDA model (its state stays on the GPU)")
 
 
 def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: int, gpu_fraction: float = 0.0,
