@@ -17,8 +17,8 @@ reduce-scattered at ``step()`` or streamed from backward, alternately), ``peer_f
 first step; rank 0's next step fails, it handles the error and exits with ``EXIT``), ``mismatch`` (rank 1 has one
 more parameter: both raise the construction-time ``ValueError`` and exit with status 1).
 
-The abort is a race, so one run proves little: ``ZERO_OFFLOAD_EXIT_RUNS=50 python -m pytest -q
-tests/test_clean_exit.py`` runs each scenario 50 times (CI does); the default suite runs each once.
+The abort is a race, so one run proves little: ``ZERO_OFFLOAD_EXIT_RUNS=30 python -m pytest -q
+tests/test_clean_exit.py`` runs each scenario 30 times (CI does); the default suite runs each once.
 """
 
 from __future__ import annotations
