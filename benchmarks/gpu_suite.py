@@ -1,22 +1,29 @@
-"""The GPU runbook: one command that, on a machine with a CUDA GPU, builds the kernel, runs ``pytest -m cuda``,
-probes pinned memory, runs the whole-step matrix on the 1.3B preset (with and without clipping) and the two
-largest-model searches, then writes one markdown report with the machine named.
+"""The GPU runbook, planned for one lease of a lent machine: 15 minutes of device time per session, its start (1-2
+minutes) included, at most 10 minutes a command. Two commands, each a list of stages:
+
+    command 1 (under 8 min): the machine, the kernel's build, the pinned-memory probe, the 1.3B step matrix
+              (AdamW, ours default, without speculation, gpu_fraction='auto', bf16 state, delayed, torchao) without
+              and with clipping, and ``pytest -m cuda`` bounded;
+    command 2 (under 4 min, on the same warm machine: the build is cached): the rest (DeepSpeed's step row and
+              the largest model on a 12 GiB GPU).
 
 Each stage is a subprocess with its own time limit; a stage that fails or runs out of time is recorded and the
-suite goes on. Every stage writes ``<out>/<stage>.json`` and its log, and the report (``<out>/REPORT.md``) is
-rewritten from all the JSON files present after each stage, so a run cut short keeps what it measured and the
-output folders of several shorter runs (a lent machine may cap one command at 10 minutes) merge into one report:
-copy them into one folder and run ``--report-only``. The default stages' limits add up to 25 minutes.
+suite goes on. Every stage writes ``<out>/<stage>.json`` and its log as it ends (the step stages also after each
+row), and the report (``<out>/REPORT.md``) is rewritten from all the JSON files present after each stage, so a
+run cut short keeps what it measured, and both commands' folders merge into one report (``--report-only`` over a
+folder holding both; or give both commands the same ``--out``).
 
-    python benchmarks/gpu_suite.py --out gpu_out                      # everything, about 25 min on an H100
-    python benchmarks/gpu_suite.py --dry-run                          # the plan: stages, commands, limits
-    python benchmarks/gpu_suite.py --stages machine,build,pinned,cuda-tests,steps --out a
-    python benchmarks/gpu_suite.py --stages steps-clip,find-max-int8,find-max-cap12 --out b
-    python benchmarks/gpu_suite.py --report-only --out merged         # after copying a/ and b/ into merged/
-    python benchmarks/gpu_suite.py --tiny --out /tmp/t                # the plumbing on a CPU, tiny model, seconds
+    python benchmarks/gpu_suite.py --dry-run                          # the lease plan: commands, stages, limits
+    python benchmarks/gpu_suite.py --command 1 --out $OUT/suite       # first command of a lease
+    python benchmarks/gpu_suite.py --command 2 --out $OUT/suite       # second command, same machine
+    python benchmarks/gpu_suite.py --command 1 --rows adamw,ours,ours-gpuauto --stages build,steps --out o
+    python benchmarks/gpu_suite.py --report-only --out merged         # after copying both folders into merged/
+    python benchmarks/gpu_suite.py --tiny --command 1 --out /tmp/t    # the plumbing on a CPU, tiny model, seconds
 
 Rows of the step matrix missing from a stage's results are named in the report, not dropped. Without a GPU the
-GPU-only stages are reported as skipped, with that reason.
+GPU-only stages are reported as skipped, with that reason. Carried wheels: torchao (3 MB) makes its row run;
+DeepSpeed has no binary wheel on PyPI: ``pip wheel --no-deps deepspeed==X`` here (``DS_BUILD_OPS=0``, pure
+Python; its CPU Adam is compiled on first use there) gives one to carry.
 """
 from __future__ import annotations
 
@@ -35,11 +42,15 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN_STEP = str(ROOT / "benchmarks" / "train_step.py")
 GIB = 1 << 30
 
+# A lease, in seconds: at most 10 minutes a command; the plan keeps command 1 under 8 minutes and command 2 under
+# 4, so that both fit 15 minutes of device time with the machine's start.
+COMMAND_LIMIT_S = {"1": 8 * 60, "2": 4 * 60}
 # The step matrix on the GPU: the anchor, ours in each exact mode and delayed, and the other offloaders (reported
-# as not installed when their package is missing).
-MATRIX = ("adamw", "ours", "ours-nospec", "ours-gpu25", "ours-gpuauto", "ours-release", "ours-overlap",
-          "ours-delayed", "torchao", "deepspeed")
+# as not installed when their package is missing). DeepSpeed's row is command 2's (its CPU Adam compiles first).
+MATRIX = ("adamw", "ours", "ours-nospec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao")
 TINY_MATRIX = ("adamw-ref", "ours")
+# Timed steps per row, after the warm-up: 7 rows twice (with and without clipping) fit command 1 at ~15 s a row.
+STEPS, WARMUP = 5, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,44 +60,46 @@ class Stage:
     argv: List[str]
     timeout_s: int
     needs_gpu: bool = True
+    command: str = "1"  # which command of the lease runs it
 
 
 def _step_argv(tiny: bool, keys: List[str], extra: List[str]) -> List[str]:
     if tiny:
         return [sys.executable, TRAIN_STEP, "--cpu", "--preset", "tiny", "--layers", "1", "--steps", "2",
                 "--warmup", "1", "--only", ",".join(TINY_MATRIX)] + extra
-    return [sys.executable, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", "10",
-            "--only", ",".join(keys)] + extra
+    return [sys.executable, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", str(STEPS),
+            "--warmup", str(WARMUP), "--only", ",".join(keys)] + extra
 
 
-def plan(tiny: bool, known: List[str]) -> List[Stage]:
-    """The stages in order. ``known``: the contender keys train_step.py has (rows it lacks are left out of its
-    command line and reported as not built)."""
-    keys = [k for k in MATRIX if k in known]
+def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List[Stage]:
+    """The stages of both commands, in order. ``known``: the contender keys train_step.py has (rows it lacks are
+    left out of its command line and reported as not built); ``rows``: the step matrix (default ``MATRIX``)."""
+    keys = [k for k in (rows or MATRIX) if k in known]
     model = "tiny GPT on the CPU (plumbing only)" if tiny else "1.3B GPT, batch 16, seq 1024"
     py = sys.executable
     return [
         Stage("machine", "the machine: GPU, host CPU and RAM, torch, what the package detects",
-              [py, "-m", "zero_offload.report"], 60, needs_gpu=False),
+              [py, "-m", "zero_offload.report"], 25, needs_gpu=False),
         Stage("build", "the kernel built (or found cached) in this environment",
               [py, "-c", "from zero_offload import _build; m = _build.load_native(); "
-                         "print(_build.status()); raise SystemExit(0 if m is not None else 1)"], 240,
+                         "print(_build.status()); raise SystemExit(0 if m is not None else 1)"], 120,
               needs_gpu=False),
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
                         "(the three CUDA tests that failed on torch 2.11)",
-              [py, str(Path(__file__).resolve()), "--probe-pinned"], 60),
-        Stage("cuda-tests", "pytest -m cuda",
-              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 240),
+              [py, str(Path(__file__).resolve()), "--probe-pinned"], 25),
         Stage("steps", f"whole training step, {model}, no clipping",
-              _step_argv(tiny, keys, []), 300, needs_gpu=not tiny),
-        Stage("steps-clip", "the same with clip_grad_norm 1.0", _step_argv(tiny, keys, ["--clip", "1.0"]), 270,
+              _step_argv(tiny, keys, []), 135, needs_gpu=not tiny),
+        Stage("steps-clip", "the same with clip_grad_norm 1.0", _step_argv(tiny, keys, ["--clip", "1.0"]), 125,
               needs_gpu=not tiny),
-        Stage("find-max-int8", "largest model: activation checkpointing, bf16 model, 8-bit state",
-              [py, TRAIN_STEP, "--find-max", "--checkpoint", "--dtype", "bf16", "--state-dtype", "int8",
-               "--only", "adamw,ours-release"], 180),
+        # Last in command 1: bounded by its limit, the headline rows come first.
+        Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
+              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 45),
+        Stage("steps-deepspeed", "DeepSpeed ZeRO-2 offload's step row (its CPU Adam compiled first), 1.3B GPT",
+              [py, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", str(STEPS),
+               "--warmup", str(WARMUP), "--only", "adamw,deepspeed"], 130, command="2"),
         Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing",
               [py, TRAIN_STEP, "--find-max", "--checkpoint", "--gpu-cap-gib", "12",
-               "--only", "adamw,ours-release,torchao"], 150),
+               "--only", "adamw,ours-release,torchao"], 100, command="2"),
     ]
 
 
@@ -179,7 +192,9 @@ def _steps_table(rec: Dict[str, Any]) -> List[str]:
         status = r.get("status", "?") if ok else f"{r.get('status')}: {str(r.get('error', ''))[:80]}"
         lines.append(f"| {key} | {status} | {ms[0]} | {_fmt(ratio, '.2f')} | {ms[1]} | {ms[2]} | {ms[3]} | "
                      f"{gib[0]} | {gib[1]} | {_fmt(r.get('loss') if ok else None, '.4f')} |")
-    missing = [k for k in MATRIX if k not in rows and res.get("mode") == "gpu"]
+    argv = rec.get("argv") or []
+    asked = argv[argv.index("--only") + 1].split(",") if "--only" in argv else []
+    missing = [k for k in asked if k not in rows and res.get("mode") == "gpu"]
     if missing:
         lines.append(f"\nNot in this run (not applicable, or the stage ended first): {', '.join(missing)}.")
     return lines
@@ -256,10 +271,28 @@ def known_contenders() -> List[str]:
     return [c.key for c in train_step.CONTENDERS]
 
 
+def print_plan(stages: List[Stage]) -> None:
+    """Each command of the lease with its stages, their limits, and the command's total against its budget."""
+    for command, budget in COMMAND_LIMIT_S.items():
+        mine = [s for s in stages if s.command == command]
+        if not mine:
+            continue
+        total = sum(s.timeout_s for s in mine)
+        print(f"command {command}: python benchmarks/gpu_suite.py --command {command} --out $OUT/suite "
+              f"(limit {total / 60:.1f} min of its {budget / 60:.0f})")
+        for s in mine:
+            print(f"  [{s.name}] {s.what} (limit {s.timeout_s} s{', GPU only' if s.needs_gpu else ''})\n      "
+                  + " ".join(s.argv))
+    print(f"total limit: {sum(s.timeout_s for s in stages) / 60:.1f} min")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_suite_out", help="folder for logs, JSON and REPORT.md")
+    ap.add_argument("--command", choices=sorted(COMMAND_LIMIT_S), default=None,
+                    help="run one command of the lease plan (default: both, one after the other)")
     ap.add_argument("--stages", default=None, help="comma-separated subset of the stages, in the plan's order")
+    ap.add_argument("--rows", default=None, help=f"the step matrix's rows (default {','.join(MATRIX)})")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (commands and limits) and run nothing")
     ap.add_argument("--tiny", action="store_true", help="tiny CPU model for the step stages: tests the plumbing")
     ap.add_argument("--report-only", action="store_true", help="rewrite REPORT.md from the JSON files in --out")
@@ -272,7 +305,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.report_only:
         print(write_report(out).read_text())
         return 0
-    stages = plan(args.tiny, known_contenders())
+    known = known_contenders()
+    rows = [k.strip() for k in args.rows.split(",") if k.strip()] if args.rows else None
+    if rows and set(rows) - set(known):
+        ap.error(f"unknown row(s) {', '.join(sorted(set(rows) - set(known)))}; train_step.py has {', '.join(known)}")
+    stages = plan(args.tiny, known, rows)
+    if args.command:
+        stages = [s for s in stages if s.command == args.command]
     if args.stages:
         wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
         unknown = sorted(set(wanted) - {s.name for s in stages})
@@ -280,10 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ap.error(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(s.name for s in stages)}")
         stages = [s for s in stages if s.name in wanted]
     if args.dry_run:
-        for s in stages:
-            print(f"[{s.name}] {s.what} (limit {s.timeout_s} s{', GPU only' if s.needs_gpu else ''})\n    "
-                  + " ".join(s.argv))
-        print(f"total limit: {sum(s.timeout_s for s in stages) / 60:.1f} min")
+        print_plan(stages)
         return 0
     import torch
     cuda = torch.cuda.is_available()

@@ -340,13 +340,18 @@ class Contender:
 
 
 def _ours(**kw):
-    return lambda model, cfg, amp: Runner(model, OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD,
-                                                                  **kw, **_state_kw()), amp)
+    def make(model, cfg, amp):
+        return Runner(model, OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD, **_state_kw(kw), **kw), amp)
+    make.kw = kw
+    return make
 
 
-def _state_kw() -> Dict[str, Any]:
-    """``state_dtype`` for ours, passed only when not the default (fp32)."""
-    return {} if RUN.state_dtype == torch.float32 else dict(state_dtype=RUN.state_dtype)
+def _state_kw(kw: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``state_dtype`` for ours from ``--state-dtype``, passed only when not the default (fp32) and the contender
+    does not set its own."""
+    if RUN.state_dtype == torch.float32 or "state_dtype" in (kw or {}):
+        return {}
+    return dict(state_dtype=RUN.state_dtype)
 
 
 def host_need(con: "Contender", cfg: "Config") -> int:
@@ -354,8 +359,10 @@ def host_need(con: "Contender", cfg: "Config") -> int:
     option and state dtype counts), the others from their bytes per parameter."""
     if not con.key.startswith("ours"):
         return con.host_bytes * cfg.params()
+    kw = getattr(con.make, "kw", {})
     est = OffloadOptimizer.estimate_host_memory(meta_params(cfg.params(), _model_dtype(con)), pin_memory=True,
-                                                delayed_update="delayed" in con.key, **_state_kw())
+                                                delayed_update="delayed" in con.key, **_state_kw(kw),
+                                                **{k: v for k, v in kw.items() if k == "state_dtype"})
     return est.total_bytes
 
 
@@ -388,6 +395,8 @@ CONTENDERS = [
     # The first quarter of the model (the last gradients backward produces) keeps its state on the GPU.
     Contender("ours-gpu25", "OffloadOptimizer gpu_fraction=0.25", _ours(gpu_fraction=0.25), ("gpu",), host_bytes=12),
     Contender("ours-gpuauto", "OffloadOptimizer gpu_fraction='auto'", _ours(gpu_fraction="auto"), ("gpu",)),
+    Contender("ours-bf16state", "OffloadOptimizer state_dtype=bf16", _ours(state_dtype=torch.bfloat16), ("gpu",),
+              host_bytes=10),
     Contender("ours-overlap", "OffloadOptimizer release+overlap_step",
               _ours(release_grads=True, overlap_step=True, nonfinite="ignore"), ("gpu",)),
     Contender("ours-delayed", "OffloadOptimizer release+delayed_update",

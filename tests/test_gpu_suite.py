@@ -15,28 +15,38 @@ import gpu_suite  # noqa: E402
 import train_step  # noqa: E402
 
 
-def test_plan_matches_train_step_and_fits_25_minutes():
+def test_plan_matches_train_step_and_fits_one_lease():
     known = [c.key for c in train_step.CONTENDERS]
     # A renamed contender would silently drop a row from the GPU matrix.
     assert set(gpu_suite.MATRIX) <= set(known)
     assert set(gpu_suite.TINY_MATRIX) <= set(known)
     stages = gpu_suite.plan(False, known)
-    assert sum(s.timeout_s for s in stages) <= 25 * 60
-    assert all(s.timeout_s <= 600 for s in stages)
+    # A lease: 15 minutes of device time with the start (1-2 min), at most 10 a command.
+    by_command = {c: sum(s.timeout_s for s in stages if s.command == c) for c in ("1", "2")}
+    assert by_command["1"] <= 8 * 60 and by_command["2"] <= 4 * 60, by_command
+    assert set(by_command) == {s.command for s in stages}
     steps = {s.name: s for s in stages}
+    assert [s.name for s in stages if s.command == "1"] == ["machine", "build", "pinned", "steps", "steps-clip",
+                                                            "cuda-tests"]
     assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
+    only = steps["steps"].argv[steps["steps"].argv.index("--only") + 1].split(",")
+    assert {"adamw", "ours", "ours-nospec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao"} <= set(only)
     assert steps["steps-clip"].argv[-2:] == ["--clip", "1.0"]
-    assert "--find-max" in steps["find-max-int8"].argv and "int8" in steps["find-max-int8"].argv
+    assert "deepspeed" in steps["steps-deepspeed"].argv[-1]
     assert steps["find-max-cap12"].argv[steps["find-max-cap12"].argv.index("--gpu-cap-gib") + 1] == "12"
     assert "-m" in steps["cuda-tests"].argv and "cuda" in steps["cuda-tests"].argv
+    rows = gpu_suite.plan(False, known, ["adamw", "ours"])
+    assert {s.name: s for s in rows}["steps"].argv[-1] == "adamw,ours"
 
 
-def test_dry_run_runs_nothing(tmp_path):
+def test_dry_run_shows_the_two_commands_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert "total limit: 25.0 min" in proc.stdout
+    assert "command 1: python benchmarks/gpu_suite.py --command 1" in proc.stdout
+    assert "command 2: python benchmarks/gpu_suite.py --command 2" in proc.stdout
+    assert "of its 8)" in proc.stdout and "of its 4)" in proc.stdout
     assert not out.exists()
 
 
@@ -48,7 +58,8 @@ def test_unknown_stage_is_refused():
 
 def test_tiny_run_reports_what_train_step_measured(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--out", str(out), "--stages", "machine,pinned,steps"],
+    proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--command", "1", "--out", str(out),
+                           "--stages", "machine,pinned,steps"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = json.loads((out / "steps.stage.json").read_text())
