@@ -23,7 +23,7 @@ from test_grad_stream import LateAdamW, _run_recipe
 import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
 from zero_offload import OffloadOptimizer
-from zero_offload.transport import Transport
+from zero_offload.transport import Route
 
 
 @pytest.fixture
@@ -109,14 +109,14 @@ def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cud
     GradScaler (whose unscale_ is the one in-place edit version counters miss). A scaler that appears later is
     noticed at step(), which clips again from the unscaled gradients: the trajectory stays AdamW's."""
     gathers = []  # gradients copied again at clip_grad_norm_ or step() (not the ones streamed already)
-    real = Transport._slot_copies
+    real = Route._slot_copies
 
     def slot_copies(bg):
         dsts, srcs = real(bg)
         gathers.extend(srcs)
         return dsts, srcs
 
-    monkeypatch.setattr(Transport, "_slot_copies", staticmethod(slot_copies))
+    monkeypatch.setattr(Route, "_slot_copies", staticmethod(slot_copies))
     ours, ref = make_runs(Recipe("late_scaler", scaler="unscale", clip=0.5), "cpu")
     scalers = ours.scaler, ref.scaler
     ours.scaler = ref.scaler = None

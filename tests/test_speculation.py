@@ -272,7 +272,7 @@ def test_kernels_start_before_step_in_arrival_order(cuda_branches, monkeypatch):
     monkeypatch.setattr(speculation, "run_rule", kernel)
     sent = []
     real_send = opt._transport.send_grads
-    monkeypatch.setattr(opt._transport, "send_grads", lambda b: (sent.append(id(b)), real_send(b)))
+    monkeypatch.setattr(opt._transport, "send_grads", lambda lane: (sent.append(id(lane.bucket)), real_send(lane)))
     for step in range(3):
         opt.zero_grad()
         ran.clear()

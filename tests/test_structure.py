@@ -1,19 +1,23 @@
-"""The package's shape, checked from its source with ``ast`` (issue 23): every concept of the state has a named
-home of bounded size, no module imports another in a loop, and the update rule's buffer names live in the rule."""
+"""The package's shape, checked from its source with ``ast`` (issues 23 and 34): every concept has a named home of
+bounded size (a class over ~300 lines, or a module over ~600, is a concept without a name; the optimizer class,
+which holds torch.optim's conventions, is allowed 400), no module imports another in a loop, a bucket's per-step
+record is its lane (no look-ups keyed by ``id(bucket)``), and the update rule's buffer names live in the rule."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Dict, Iterator, List, Set, Tuple
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zero_offload"
-# The state code: where a class over ~300 lines means a concept without a name.
-STATE_CODE = ("state/", "rules/", "grads.py", "buckets.py", "apply.py", "records.py")
+MAX_CLASS, MAX_MODULE = 300, 600
+# torch.optim's conventions (param groups, step, clipping, hooks) in one class, as torch's own optimizers are.
+CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 400}
 # Adam's buffer names may appear in its rule and in the kernel's API (functional, the references) only; Lion's
 # momentum has the same state-dict key (``exp_avg``, as in the reference Lion implementations), in its rule and its
 # torch optimizer.
-ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_reference.py", "_torch_fused.py",
+ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "quantize.py", "_reference.py", "_torch_fused.py",
                       "rules/lion.py", "lion.py"}
 # Compiled modules of the package (no source here, and they import nothing of ours).
 EXTENSIONS = {"zero_offload._C"}
@@ -58,16 +62,29 @@ def _imports(tree: ast.AST, modules: Set[str]) -> Set[str]:
     return out
 
 
-def sizes() -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]:
-    """(functions over 60 lines, state-code classes over 300 lines), as (where, lines)."""
-    long_defs, long_classes = [], []
+def sizes() -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]], List[Tuple[str, int]]]:
+    """(functions over 60 lines, classes over their limit, modules over 600 lines), as (where, lines)."""
+    long_defs, long_classes, long_modules = [], [], []
     for rel, path in _modules():
-        for node in ast.walk(ast.parse(path.read_text())):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE:
+            long_modules.append((rel, len(text.splitlines())))
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _span(node) > 60:
                 long_defs.append((f"{rel}:{node.name}", _span(node)))
-            if isinstance(node, ast.ClassDef) and rel.startswith(STATE_CODE) and _span(node) > 300:
-                long_classes.append((f"{rel}:{node.name}", _span(node)))
-    return long_defs, long_classes
+            where = f"{rel}:{getattr(node, 'name', '')}"
+            if isinstance(node, ast.ClassDef) and _span(node) > CLASS_LIMITS.get(where, MAX_CLASS):
+                long_classes.append((where, _span(node)))
+    return long_defs, long_classes, long_modules
+
+
+_BUCKET_ID = re.compile(r"\bid\((?:[\w.]+\.)?(bucket|b|bg|lane|spec|state)\)")
+
+
+def bucket_id_lookups() -> List[str]:
+    """Places that key something by ``id`` of a bucket (or of its record): the lane is that record."""
+    return [f"{rel}:{i}" for rel, path in _modules() for i, line in enumerate(path.read_text().splitlines(), 1)
+            if _BUCKET_ID.search(line)]
 
 
 def import_cycles() -> List[List[str]]:
@@ -100,10 +117,16 @@ def adam_names_outside_rule() -> List[str]:
             for i, line in enumerate(path.read_text().splitlines(), 1) if "exp_avg" in line]
 
 
-def test_no_function_over_60_lines_and_no_state_class_over_300():
-    long_defs, long_classes = sizes()
+def test_no_function_over_60_lines_no_class_over_300_no_module_over_600():
+    long_defs, long_classes, long_modules = sizes()
     assert not long_defs, long_defs
     assert not long_classes, long_classes
+    assert not long_modules, long_modules
+
+
+def test_no_lookup_keyed_by_the_id_of_a_bucket():
+    assert not bucket_id_lookups()
+    assert _BUCKET_ID.search("self._links[id(bucket)]") and _BUCKET_ID.search("x[id(bg.bucket)]")
 
 
 def test_no_import_cycle():
@@ -115,6 +138,7 @@ def test_adam_buffer_names_live_in_the_adamw_rule():
 
 
 if __name__ == "__main__":
-    print("long functions, long state classes:", sizes())
+    print("long functions, long classes, long modules:", sizes())
+    print("look-ups by id of a bucket:", bucket_id_lookups())
     print("import cycles:", import_cycles())
     print("'exp_avg' outside the rule and kernel API:", adam_names_outside_rule())

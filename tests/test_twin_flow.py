@@ -222,7 +222,7 @@ def test_auto_moves_the_last_arriving_buckets_that_fit(cuda_branches):
 
     def reset():
         if not arrivals:
-            arrivals.extend(opt._transport.arrivals)
+            arrivals.extend(lane.bucket for lane in opt._transport.arrivals)
         real_reset()
 
     monkeypatch.setattr(opt._transport, "reset", reset)

@@ -55,7 +55,7 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
     for first, last, step in runs:
-        a, b = layout.span(first, last)
+        a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
         state, scales = store.run_state(a, b, copies)
         param_out = bucket.param_out(grad, a, b) if copies is None else (None if out is None else out[a:b])
         if in_place is None:

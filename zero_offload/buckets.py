@@ -110,6 +110,7 @@ class FlatBucket:
         # The state lives with the parameters: a CPU bucket, or a GPU bucket whose state is on the device tier
         # (``gpu_fraction``): no transfers, the parameters bound to the slots the update writes.
         self.resident = self.on_cpu or device_tier
+        self.device_tier = device_tier  # the state is on its GPU (``gpu_fraction``), updated there
         # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
         # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
         # transport orders the next gradient copies into the buffer after that upload. A CPU parameter *is* its
@@ -149,7 +150,7 @@ class FlatBucket:
         masters.fill_param_slots()
         store.steps = self.store.steps  # (the entries' "step" tensors are views of it)
         versions, exposed = self.masters.versions, list(self.views.exposed)
-        self.resident, self.shares_grad, self.pin = True, False, False
+        self.resident, self.device_tier, self.shares_grad, self.pin = True, True, False, False
         self.masters, self.store, self.grads = masters, store, grads
         masters.bind()
         masters.versions = [-1 if v == -1 else p._version for v, p in zip(versions, self.params)]
@@ -242,23 +243,19 @@ class FlatBucket:
             out.append((first, len(present) - 1, int(steps[first])))
         return out
 
-    def count_steps(self, runs: Sequence[Tuple[int, int, int]]) -> None:
-        """One more step for the parameters of ``runs`` (see :meth:`runs`)."""
+    def count_steps(self, runs: Sequence[Tuple[int, int, int]]) -> Sequence[int]:
+        """One more step for the parameters of ``runs`` (see :meth:`runs`); returns those parameters."""
         if len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(self.params) - 1:
             self.steps += 1
-        else:
-            for first, last, _ in runs:
-                self.steps[first : last + 1] += 1
+            return range(len(self.params))
+        for first, last, _ in runs:
+            self.steps[first : last + 1] += 1
+        return [i for first, last, _ in runs for i in range(first, last + 1)]
 
     # -- memory --------------------------------------------------------------------------------------------------
     def ensure_buffers(self, buffers: Sequence[StateBuffer]) -> List[str]:
         """Allocate those of the rule's ``buffers`` the bucket lacks (a group switched amsgrad on); their names."""
         return self.store.ensure(buffers)
-
-    @property
-    def device_tier(self) -> bool:
-        """The bucket's state is on its GPU (``gpu_fraction``), updated there."""
-        return not self.store.tier.host
 
     def device_bytes(self) -> Dict[str, int]:
         """Device memory the device tier adds to the parameters', by buffer (empty for a host bucket): the rule's

@@ -24,28 +24,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
-from zero_offload.buckets import FlatBucket
+from zero_offload.lane import Lane
 from zero_offload.transport import Transport
 
-__all__ = ["GradStreamer", "BucketStream"]
-
-
-class BucketStream:
-    """What the hooks count of one bucket in the current backward."""
-
-    __slots__ = ("bucket", "group", "epoch", "fired", "expected", "ready")
-
-    def __init__(self, bucket: FlatBucket, group: int):
-        self.bucket = bucket
-        self.group = group
-        self.epoch = -1  # the backward in which ``fired`` was last counted
-        self.fired = 0
-        self.expected = 0
-        self.ready = -1  # sharded: the backward in which the bucket became complete, waiting for its turn
+__all__ = ["GradStreamer"]
 
 
 class GradStreamer:
@@ -59,43 +45,44 @@ class GradStreamer:
     def __init__(self, transport: Transport, mode) -> None:
         self._transport = transport
         self._mode = mode
-        self._states: Dict[int, BucketStream] = {}  # id(bucket) -> state
-        self._handles: Dict[int, List[object]] = {}  # id(bucket) -> its parameters' hook handles
+        self._lanes: List[Lane] = []  # the lanes streamed (each counts its hooks: epoch, fired, expected, ready)
         self._no_sync = 0
         self._epoch = 0
-        self._in_backward = False
-        self._touched: List[BucketStream] = []
+        # A backward is counting (or raised and never ran its end-of-backward callback): see reset().
+        self.in_backward = False
+        self._touched: List[Lane] = []
         self._armed: Optional[weakref.ref] = None  # the end-of-backward callback last queued (see _arm)
-        self._sharded: List[BucketStream] = []  # sharded buckets in launch order
+        self._sharded: List[Lane] = []  # sharded buckets in launch order
         self._next = 0  # how many of them this backward has launched
         self._lock = threading.Lock()
 
     # -- registration --------------------------------------------------------------------------------------------
-    def add(self, bucket: FlatBucket, group: int) -> None:
-        state = self._states[id(bucket)] = BucketStream(bucket, group)
-        if bucket.sharded:
-            self._sharded.insert(0, state)  # added in construction order, launched in reverse
-        handles = self._handles[id(bucket)] = []
-        for i, p in enumerate(bucket.params):
+    def add(self, lane: Lane) -> None:
+        self._lanes.append(lane)
+        if lane.bucket.sharded:
+            self._sharded.insert(0, lane)  # added in construction order, launched in reverse
+        for p in lane.bucket.params:
             # A frozen parameter cannot take a hook; if it is unfrozen later, its bucket launches when backward
             # ends, and its gradient is gathered at step() like any gradient assigned by hand.
             if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), id(bucket), i)))
+                lane.handles.append(p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), weakref.ref(lane))))
 
-    def drop(self, bucket: FlatBucket) -> None:
+    def drop(self, lane: Lane) -> None:
         """Stop streaming the bucket (between steps): its gradients are read at ``step()`` from now on."""
-        for h in self._handles.pop(id(bucket), ()):
+        for h in lane.handles:
             h.remove()
-        state = self._states.pop(id(bucket), None)
-        if state in self._sharded:
-            self._sharded.remove(state)
+        lane.handles = []
+        if lane in self._lanes:
+            self._lanes.remove(lane)
+        if lane in self._sharded:
+            self._sharded.remove(lane)
 
     def remove(self) -> None:
         """Unregister every hook (the optimizer's finaliser calls this; a dropped optimizer's hooks do nothing)."""
-        for handles in self._handles.values():
-            for h in handles:
+        for lane in self._lanes:
+            for h in lane.handles:
                 h.remove()
-        self._handles.clear()
+            lane.handles = []
 
     # -- backward ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -106,11 +93,11 @@ class GradStreamer:
         finally:
             self._no_sync -= 1
 
-    def _on_grad(self, state: BucketStream, i: int) -> None:
+    def _on_grad(self, lane: Lane) -> None:
         if self._no_sync:
             return
         with self._lock:
-            if self._in_backward and self._armed() is None:
+            if self.in_backward and self._armed() is None:
                 # The backward that armed us was destroyed without running its callback: it raised, and this hook
                 # belongs to a new backward (a retry without zero_grad(), which accumulates onto what the failed
                 # one left, as autograd does). Its counts start afresh, or no bucket would complete in it.
@@ -118,19 +105,19 @@ class GradStreamer:
             # Buckets with parameters that get no gradient in this backward never complete: launch them when the
             # backward ends.
             self._arm()
-            if state.epoch != self._epoch:
-                state.epoch = self._epoch
-                state.fired = 0
-                state.expected = sum(p.requires_grad for p in state.bucket.params)
-                self._touched.append(state)
-            state.fired += 1
-            if state.fired == state.expected:
+            if lane.epoch != self._epoch:
+                lane.epoch = self._epoch
+                lane.fired = 0
+                lane.expected = sum(p.requires_grad for p in lane.bucket.params)
+                self._touched.append(lane)
+            lane.fired += 1
+            if lane.fired == lane.expected:
                 try:
-                    if state.bucket.sharded:
-                        state.ready = self._epoch
+                    if lane.bucket.sharded:
+                        lane.ready = self._epoch
                         self._launch_in_order(upto=None)
                     else:
-                        self._launch(state)
+                        self._launch(lane)
                 except BaseException:
                     # The backward is aborted with this error and its end-of-backward callback will not run.
                     self._forget_backward()
@@ -144,14 +131,14 @@ class GradStreamer:
             # same buckets, so nothing launches now: once that node has finished, the end of the outer backward
             # is waited for instead.
             with self._lock:
-                self._in_backward = False
+                self.in_backward = False
             self._rearm_after(node)
             return
         with self._lock, torch.no_grad():
             try:
-                for state in self._touched:
-                    if state.fired != state.expected and not state.bucket.sharded:
-                        self._launch(state)
+                for lane in self._touched:
+                    if lane.fired != lane.expected and not lane.bucket.sharded:
+                        self._launch(lane)
                 self._launch_in_order(upto=len(self._sharded))
             finally:
                 self._forget_backward()
@@ -176,15 +163,15 @@ class GradStreamer:
     def _arm(self) -> None:
         """Have ``_end_backward`` run when the current backward finishes (a callback queued from a hook or a node
         runs then), once per backward."""
-        if not self._in_backward:
-            self._in_backward = True
+        if not self.in_backward:
+            self.in_backward = True
             callback = _EndOfBackward(self)
             self._armed = weakref.ref(callback)  # dead once autograd has dropped it: run, or the backward raised
             torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     def _forget_backward(self) -> None:
         """The backward is over (or was aborted): the next one counts its gradients afresh."""
-        self._touched, self._in_backward, self._next = [], False, 0
+        self._touched, self.in_backward, self._next = [], False, 0
         self._epoch += 1
 
     def _launch_in_order(self, upto: Optional[int]) -> None:
@@ -196,17 +183,18 @@ class GradStreamer:
             self._next += 1
             self._launch(order[self._next - 1])
 
-    def _launch(self, state: BucketStream) -> None:
+    def _launch(self, lane: Lane) -> None:
         """Send the bucket's gradients (see :meth:`Transport.send_grads`)."""
-        self._mode.before_send(state.bucket)
-        self._transport.send_grads(state.bucket)
-        self._mode.after_send(state.bucket, state.group)
+        if lane.spec is not None or lane.job is not None:  # (an update of it is in flight: the schedule's to undo)
+            self._mode.before_send(lane)
+        self._transport.send_grads(lane)
+        self._mode.after_send(lane)
 
     def reset(self) -> None:
         """The step is over: a backward that raised (an OOM the loop skips, say) never ran its end-of-backward
         callback, so its counts are forgotten here, or no later backward would find a bucket complete."""
         with self._lock:
-            if self._in_backward:
+            if self.in_backward:
                 self._forget_backward()
 
 
@@ -223,14 +211,14 @@ class _EndOfBackward:
         self.streamer._end_backward()
 
 
-def _hook(streamer_ref: "weakref.ref[GradStreamer]", key: int, i: int):
-    # The hook lives on the parameter, which usually outlives the optimizer: it must not keep the streamer (and
-    # through it the host buffers) alive.
+def _hook(streamer_ref: "weakref.ref[GradStreamer]", lane_ref: "weakref.ref[Lane]"):
+    # The hook lives on the parameter, which usually outlives the optimizer: it must not keep the streamer or the
+    # lane (and through them the host buffers) alive.
     def hook(p: torch.Tensor) -> None:
-        streamer = streamer_ref()
-        if streamer is not None:
+        streamer, lane = streamer_ref(), lane_ref()
+        if streamer is not None and lane is not None:
             with torch.no_grad():  # under backward(create_graph=True) autograd would record the hook's copies
-                streamer._on_grad(streamer._states[key], i)
+                streamer._on_grad(lane)
 
     return hook
 

@@ -8,6 +8,7 @@ the gradient buffer proper holds the rank's shard.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from typing import Callable, Dict, List, Optional, Sequence
@@ -51,8 +52,7 @@ class GradSlots:
         # On a device tier the buffer is made at its first use (gradients are read where autograd left them; a
         # buffer is needed only for ``zero_grad(set_to_none=False)``, a gradient laid out unlike its parameter,
         # or a sharded bucket's reduce-scatter): GPU memory is what the device tier is short of.
-        self._grad: Optional[torch.Tensor] = None
-        self._grad_views: Optional[List[torch.Tensor]] = None
+        self.allocated = False
         if tier.host:
             self.allocate()
         self.grad_prev: Optional[torch.Tensor] = None
@@ -62,7 +62,7 @@ class GradSlots:
             self.flat_grad = tier.zeros(full.padded_numel, layout.dtype)
             self.flat_grad_views = [view_like(self.flat_grad, o, p) for o, p in zip(full.offsets, params)]
         # (A slot has its parameter's strides, or is a 1-D piece.)
-        self.slot_contiguous = ([v.is_contiguous() for v in self._grad_views] if self.allocated
+        self.slot_contiguous = ([v.is_contiguous() for v in self.grad_views] if self.allocated
                                 else [pieces is not None or p.is_contiguous() or not _dense(p) for p in params])
         self.all_slots_contiguous = all(self.slot_contiguous)
         self.zero = [True] * len(params)
@@ -71,32 +71,17 @@ class GradSlots:
         self._ptrs: Dict[int, List[int]] = {}  # data_ptr of a gradient buffer -> its slots' (_slot_ptrs)
 
     def allocate(self) -> torch.Tensor:
-        """The gradient buffer, made now if it was not yet (a device tier's, see the constructor)."""
-        if self._grad is None:
-            self._grad = self.tier.zeros(self.layout.padded_numel, self.layout.dtype)
-            self._grad_views = self.views(self._grad)
-        return self._grad
+        """The gradient buffer, made now if it was not yet (a device tier's, see the constructor). Once made,
+        ``grad`` and ``grad_views`` are plain attributes (read on the hot path without a call)."""
+        if not self.allocated:
+            self.grad = self.tier.zeros(self.layout.padded_numel, self.layout.dtype)
+            self.grad_views = self.views(self.grad)
+            self.allocated = True
+        return self.grad
 
-    @property
-    def allocated(self) -> bool:
-        return self._grad is not None
-
-    @property
-    def grad(self) -> torch.Tensor:
-        return self.allocate()
-
-    @grad.setter
-    def grad(self, value: torch.Tensor) -> None:
-        self._grad = value
-
-    @property
-    def grad_views(self) -> List[torch.Tensor]:
-        self.allocate()
-        return self._grad_views
-
-    @grad_views.setter
-    def grad_views(self, value: List[torch.Tensor]) -> None:
-        self._grad_views = value
+    # Until made, reading either makes the buffer (instance attributes set by allocate() take over from these).
+    grad = functools.cached_property(allocate)
+    grad_views = functools.cached_property(lambda self: (self.allocate(), self.__dict__["grad_views"])[1])
 
     def views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Each parameter's slot of ``flat`` (a buffer of this layout): parameter-shaped, or 1-D pieces."""
@@ -167,6 +152,7 @@ class GradSlots:
     def filled(self, i: int) -> None:
         """Slot ``i`` now holds (or is about to hold) a gradient."""
         self.zero[i] = False
+
 
     def all_filled(self) -> None:
         """Every slot now holds a gradient (the steady state of ``zero_grad(set_to_none=False)``)."""

@@ -13,12 +13,12 @@ import datetime
 import math
 import sys
 from numbers import Real
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "STATE_DTYPES", "SUPPORTED_DTYPES",
-           "Options", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
+__all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD_OPTIONS", "STATE_DTYPES",
+           "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
            "check_speculation_memory", "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name",
            "world_without_group"]
 
@@ -218,31 +218,121 @@ def world_without_group(process_group: Optional[Any]) -> int:
     return torch.distributed.get_world_size()
 
 
+def _check_nonfinite(value: Any) -> None:
+    if value not in NONFINITE_POLICIES:
+        raise ValueError(f"Invalid nonfinite policy: {value!r} (expected one of {', '.join(NONFINITE_POLICIES)})")
+
+
+def _check_bucket_numel(n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"Invalid bucket_numel: {n!r} (a positive number of elements)")
+
+
+def _check_pin_memory(pin: Any) -> None:
+    if pin and not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA, which is not available")
+
+
+def _check_speculate(value: Any) -> None:
+    if value not in (None, True, False):
+        raise ValueError(f"Invalid speculate: {value!r} (True, False or None)")
+
+
+def _check_gpu_fraction(f: Any) -> None:
+    if not (f == "auto" or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
+        raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
+
+
+def _check_gpu_margin(m: Any) -> None:
+    if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf):
+        raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0)")
+
+
+def _option(default: Any, doc: str, check: Optional[Callable[[Any], Any]] = None) -> Any:
+    """One offload option: its default, its documentation (the constructor's docstring is made of these) and the
+    check of its value alone (combinations are checked by :meth:`Options.validate`)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
+
+
+def _context(default: Any) -> Any:
+    """What the constructor knows besides the options (no keyword of its own)."""
+    return dataclasses.field(default=default, metadata={"context": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The offload options of one optimizer (see :class:`~zero_offload.OffloadOptimizer` for each), checked
-    together by :meth:`validate` before anything is allocated.
+    """The offload options of one optimizer, each declared once here with its default, its documentation and its
+    check, and validated together by :meth:`validate` before anything is allocated. The constructor's signature,
+    its docstring, :data:`OFFLOAD_OPTIONS` and ``zero_offload.offload``'s keywords are all made from these fields.
 
     ``sharded`` says a ``process_group`` was given; ``outside_world`` is :func:`world_without_group`'s answer.
     """
 
-    nonfinite: str = "raise"
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
-    pin_memory: Optional[bool] = None
-    stream_grads: Optional[bool] = None
-    release_grads: bool = False
-    overlap_step: bool = False
-    delayed_update: bool = False
-    sharded: bool = False
-    grads_reduced: bool = False
-    timeout: Optional[Union[datetime.timedelta, float]] = None
-    outside_world: int = 1
-    state_dtype: torch.dtype = torch.float32
-    delayed_exact_steps: int = 0
-    speculate: Optional[bool] = None
-    gpu_fraction: Union[float, str] = 0.0
-    gpu_margin_gib: float = 2.0
-    speculation_memory: Optional[int] = None
+    nonfinite: str = _option("raise", """an inf/NaN gradient without a ``GradScaler``: ``"raise"``
+        (``RuntimeError`` naming the parameter, nothing updated), ``"skip"`` (the step is skipped, counted in
+        :attr:`skipped_steps`) or ``"ignore"`` (no check, as AdamW).""", _check_nonfinite)
+    bucket_numel: int = _option(DEFAULT_BUCKET_NUMEL, "soft cap on the elements of one bucket.", _check_bucket_numel)
+    pin_memory: Optional[bool] = _option(None, """page-lock the host buffers; None: exactly the buckets on
+        CUDA.""", _check_pin_memory)
+    stream_grads: Optional[bool] = _option(None, """send each bucket's gradients to the host from backward hooks;
+        None: the buckets on CUDA (all with ``delayed_update``; none with ``grads_reduced`` or under DDP).""")
+    release_grads: bool = _option(False, """with streaming, set ``p.grad`` to None once its copy is under way
+        (then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``).""")
+    overlap_step: bool = _option(False, """deprecated: ``speculate`` (the default on a GPU) updates each streamed
+        bucket during backward too, exactly, and with clipping and a ``GradScaler``. Still works (a
+        ``FutureWarning``): each streamed bucket is updated during backward (needs ``nonfinite="ignore"``; no
+        clipping or ``GradScaler``).""")
+    delayed_update: Union[bool, int] = _option(False, """apply each step's update one step late, overlapped with
+        the next forward and backward (parameters one step stale). An int N >= 1: the first N steps are exact
+        (AdamW's), the later ones delayed; docs/accuracy.md measures what the stale step costs.""",
+                                               lambda v: delayed_setting(v))
+    process_group: Optional[Any] = _option(None, """shard the state over this data-parallel group (ZeRO): 12/N
+        bytes per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
+        ``clip_grad_norm_()`` and ``state_dict()`` together, with the same hyperparameters (checked at every step:
+        a ``RuntimeError`` naming what differs) and the same number of streamed backward passes.""")
+    grads_reduced: bool = _option(False, """the gradients arrive already averaged (DDP): take this rank's slice
+        (ZeRO-1). Needs ``process_group``.""")
+    timeout: Optional[Union[datetime.timedelta, float]] = _option(None, """the longest one collective may take
+        (seconds if a number). Needs ``process_group``; None: 30 minutes.""")
+    state_dtype: torch.dtype = _option(torch.float32, """the moments' storage: ``torch.float32`` (exactly AdamW),
+        ``torch.bfloat16`` (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See
+        docs/accuracy.md for what that costs in loss; the state dict stays fp32.""", check_state_dtype)
+    speculate: Optional[bool] = _option(None, """update each streamed GPU bucket in a worker thread as soon as
+        backward has sent its gradients, and keep the update at ``step()`` only if it is bit-exactly what
+        ``step()`` computes (same clip coefficient and loss scale, same hyperparameters, step not skipped,
+        gradients and parameters unchanged); otherwise restore the bucket's state and update it at ``step()``. The
+        result is always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory
+        for the buckets speculated in a step (see ``speculation_memory``). None: on wherever it applies (not with
+        ``overlap_step``, ``delayed_update`` or a ``process_group``, which True refuses); CPU parameters are
+        updated at ``step()`` either way. See docs/speculation.md.""", _check_speculate)
+    gpu_fraction: Union[float, str] = _option(0.0, """the share of each param group's CUDA elements whose master
+        and moments stay on the GPU ("twin flow"): the group's first buckets, whose gradients backward produces
+        last, are updated there by torch's fused AdamW after the same checks as the rest (finite gradients, the
+        clip coefficient), while the host updates the others. Costs 8 B per such parameter of GPU memory (fp32
+        parameters, which become their own master), 12 B for bf16/fp16 ones; saves their host RAM, transfers and
+        host kernel time. ``"auto"``: after the first step, as many of the last-arriving buckets as fit in the
+        free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
+        ``delayed_update``. See docs/twin-flow.md.""", _check_gpu_fraction)
+    gpu_margin_gib: float = _option(2.0, """with ``gpu_fraction="auto"``, the GPU memory (GiB) left free.""",
+                                    _check_gpu_margin)
+    speculation_memory: Optional[int] = _option(None, """the most bytes of host RAM speculation's buffers may
+        hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that
+        finds no room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to
+        what the worker reaches during backward, learned step by step (the most it used in the last 10 steps, plus
+        one bucket; the first step that speculates measures it), never more than the host can spare twice over. 0
+        turns speculation off; unused where speculation is off. ``opt.estimate_host_memory()`` shows what the pool
+        holds (``undo``).""", check_speculation_memory)
+    sharded: bool = _context(False)
+    outside_world: int = _context(1)
+
+    def __post_init__(self) -> None:
+        for name in ("release_grads", "overlap_step", "grads_reduced"):  # (any truthy value, as before)
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+    @property
+    def delayed_exact_steps(self) -> int:
+        """``delayed_update=N``: the first N steps are exact (0 for True or False)."""
+        return delayed_setting(self.delayed_update)[1]
 
     @property
     def gpu_tier(self) -> bool:
@@ -261,15 +351,10 @@ class Options:
 
     def validate(self) -> "Options":
         """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"Invalid nonfinite policy: {self.nonfinite!r} "
-                             f"(expected one of {', '.join(NONFINITE_POLICIES)})")
-        n = self.bucket_numel
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"Invalid bucket_numel: {n!r} (a positive number of elements)")
-        check_state_dtype(self.state_dtype)
-        if self.pin_memory and not torch.cuda.is_available():
-            raise ValueError("pin_memory=True needs CUDA, which is not available")
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                check(getattr(self, f.name))
         self._check_modes()
         self._check_distributed()
         self._check_gpu_tier()
@@ -277,11 +362,8 @@ class Options:
 
     def _check_gpu_tier(self) -> None:
         f = self.gpu_fraction
-        if not (f == "auto" or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
-            raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
-        m = self.gpu_margin_gib
-        if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf):
-            raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0)")
+        _check_gpu_fraction(f)
+        _check_gpu_margin(self.gpu_margin_gib)
         if not self.gpu_tier:
             return
         if self.state_dtype != torch.float32:
@@ -301,8 +383,7 @@ class Options:
         if (self.overlap_step or self.delayed_update) and self.stream_grads is False:
             raise ValueError(f"{self._mode}=True needs the gradients streamed in backward: leave stream_grads at "
                              "None or True")
-        if self.speculate not in (None, True, False):
-            raise ValueError(f"Invalid speculate: {self.speculate!r} (True, False or None)")
+        _check_speculate(self.speculate)
         check_speculation_memory(self.speculation_memory)
         if self.speculate and self.speculation_memory == 0:
             raise ValueError("speculate=True with speculation_memory=0 leaves no room to save a bucket's state "
@@ -360,3 +441,28 @@ class Options:
         collectives run when."""
         return tuple((name, getattr(self, name)) for name in ("bucket_numel", "stream_grads", "release_grads",
                                                               "grads_reduced", "state_dtype", "nonfinite"))
+
+
+# The offload options by name, with their defaults: the constructor's keyword-only arguments that are not AdamW's
+# (what zero_offload.offload takes besides the wrapped class's own hyperparameters).
+OFFLOAD_OPTIONS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Options)
+                                   if not f.metadata.get("context")}
+
+
+def option_docs(indent: str = "        ") -> str:
+    """The ``Args:`` entries of the offload options for a docstring, from their declarations."""
+    out = []
+    for f in dataclasses.fields(Options):
+        if f.metadata.get("context"):
+            continue
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        doc = " ".join(f.metadata["doc"].split())
+        words, line, lines = doc.split(), f"{indent}{f.name} ({kind}): ", []
+        for w in words + [f"Default: {f.default!r}."]:
+            if len(line) + len(w) + 1 > 116:
+                lines.append(line.rstrip())
+                line = indent + "    "
+            line += w + " "
+        lines.append(line.rstrip())
+        out.extend(lines)
+    return "\n".join(out)

@@ -41,15 +41,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from zero_offload.apply import run_rule, touched
+from zero_offload.apply import run_rule
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import expose
-from zero_offload.timeline import span
-from zero_offload.records import BucketGrads, PendingClip, Plans
+from zero_offload.gate import Decision
+from zero_offload.lane import Lane, Lanes
 from zero_offload.state.layout import view_like
+from zero_offload.timeline import NOTHING, span
 from zero_offload.transport import Transport
 from zero_offload.undo import Lease, UndoPool
-from zero_offload.update import Immediate, State, _ensure_buffers, _Worker, device_tier_first, update_bucket
+from zero_offload.update import Immediate, State, _worker, update_bucket
 
 __all__ = ["SpeculationStats", "Speculative"]
 
@@ -84,14 +85,16 @@ class SpeculationStats:
 
 @dataclasses.dataclass
 class _Spec:
-    """One bucket's speculative update in this step: what it was given, and what it did (``runs`` None: it did
-    not run, for ``skipped``; ``lease``: its undo buffers, held while ``runs`` is not None)."""
+    """One bucket's speculative update in this step (its lane's ``spec``): what it was given, and what it did
+    (``runs`` None: it did not run, for ``skipped``; ``lease``: its undo buffers, held while ``runs`` is not
+    None)."""
 
-    bucket: FlatBucket
-    group: int
+    lane: Lane
     hyper: Any
     multiplier: float
     present: List[bool]
+    policy: str  # the nonfinite policy
+    names: Tuple[str, ...] = ()  # the state buffers the update writes (those ``hyper`` needs)
     job: Optional[Future] = None
     runs: Optional[List[Tuple[int, int, int]]] = None
     steps: Optional[torch.Tensor] = None
@@ -116,13 +119,13 @@ class Speculative(Immediate):
         super().__init__(transport)
         transport.host_norms = True
         self._inputs = inputs
-        self._worker = _Worker()
-        self._specs: Dict[int, _Spec] = {}  # this step's, by id(bucket), in arrival order
-        self._barred: set = set()  # id(bucket): sent twice this step, no speculation
+        self._worker = _worker()
+        self._specs: List[_Spec] = []  # this step's, in arrival order (each also its lane's ``spec``)
+        self._read: Dict[int, Tuple[Any, str]] = {}  # this step's inputs, by group index
         self.pool = UndoPool(memory)
         # Pinned low-precision buckets committed since the worker last wrote into the pool's page-locked arenas:
         # their uploads read output buffers there, which a later lease may be carved from.
-        self._uploading: List[FlatBucket] = []
+        self._uploading: List[Lane] = []
         self._stopped = False
         self._running_sq = 0.0
         self._guess = 1.0  # the multiplier expected: the last step's loss-scale inverse
@@ -132,32 +135,35 @@ class Speculative(Immediate):
         self.stats = SpeculationStats()
 
     # -- backward (the autograd thread) ----------------------------------------------------------------------
-    def before_send(self, bucket: FlatBucket) -> None:
-        spec = self._specs.get(id(bucket))
+    def before_send(self, lane: Lane) -> None:
+        spec = lane.spec
         if spec is not None:  # a second backward (no ``no_sync``): the speculation read a partial gradient
             self._finish(spec)
             self._undo_spec(spec, "gradients changed", restore=True)
-            del self._specs[id(bucket)]
-            self._barred.add(id(bucket))
+            self._specs.remove(spec)
+            lane.spec, lane.barred = None, True
 
-    def after_send(self, bucket: FlatBucket, group: int) -> None:
-        if bucket.resident or bucket.sharded or self._broken:
+    def after_send(self, lane: Lane) -> None:
+        if not lane.route.speculates or self._broken:
             return
-        if id(bucket) in self._barred:
+        if lane.barred:
             self.stats.not_started["sent again"] += 1
             return
-        try:
-            hyper, _ = self._inputs(group)
-        except ValueError:  # an invalid hyperparameter: step() will say so
-            return
-        spec = _Spec(bucket, group, hyper, self._guess, self.transport.sent(bucket))
-        self._specs[id(bucket)] = spec
+        read = self._read.get(lane.group)
+        if read is None:  # read once per group and backward (step() checks it reads the same)
+            try:
+                read = self._read[lane.group] = self._inputs(lane.group)
+            except ValueError:  # an invalid hyperparameter: step() will say so
+                return
+        spec = lane.spec = _Spec(lane, read[0], self._guess, list(lane.sent), read[1])
+        self._specs.append(spec)
         spec.job = self._worker.submit(self._speculate, spec)
 
     # -- the worker --------------------------------------------------------------------------------------------
     def _speculate(self, spec: _Spec) -> None:
-        bucket, transport = spec.bucket, self.transport
-        transport.wait_grads(bucket)
+        lane, transport = spec.lane, self.transport
+        bucket = lane.bucket
+        lane.route.wait(lane)
         reason = self._why_not(spec)
         if reason is not None:
             spec.skipped = reason
@@ -166,23 +172,25 @@ class Speculative(Immediate):
         if not runs:
             spec.skipped = "no gradient"
             return
-        transport.before_update(bucket)  # the last upload may still be reading staging or master
+        tl = transport.timeline
+        if lane.h2d_gen != lane.h2d_seen:
+            lane.wait_h2d(tl)  # the last upload may still be reading staging or master
         if bucket.low_precision and bucket.pin:
             for other in self._uploading:  # (usually long done: a query each)
-                transport.before_update(other)
+                other.wait_h2d(tl)
             self._uploading = []
-        with span(transport.timeline, "copy", "save", bucket):
-            lease = self._save(bucket, spec.hyper)
+        with NOTHING if tl is None else tl.span("copy", "save", lane.position):
+            lease = self._save(bucket, spec.names)
         if isinstance(lease, str):
             spec.skipped = lease
             return
         spec.lease = lease
-        flat = {name: buf for name, buf in _state_buffers(bucket, spec.hyper)}
+        flat = {name: buf for name, buf in _state_buffers(bucket, spec.names)}
         if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
             flat["staging"] = lease.buffers["out"]
         spec.steps = bucket.steps.clone()
         try:
-            with span(transport.timeline, "kernel", "speculative", bucket):
+            with NOTHING if tl is None else tl.span("kernel", "speculative", lane.position):
                 run_rule(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, (flat, bucket.store.scales))
         except BaseException:
             self._restore(spec)
@@ -194,15 +202,17 @@ class Speculative(Immediate):
         """Why the bucket is not worth (or not safe) speculating on now; None if it is."""
         if self._stopped:
             return "stopped"
-        bucket = spec.bucket
-        if bucket.store.missing(bucket.rule.needed(spec.hyper)):
+        lane = spec.lane
+        bucket = lane.bucket
+        flat = bucket.store.flat
+        spec.names = tuple(b.name for b in bucket.rule.needed(spec.hyper))
+        if any(name not in flat for name in spec.names):
             return "amsgrad switched on"  # (a buffer the hyperparameters now need) its entries are made at step()
         if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
-        sq = self.transport.host_norm(bucket)
+        sq = None if lane.norm is None or lane.norm_host is None else float(lane.norm_host[0])
         if sq is not None:
-            _, policy = self._inputs(spec.group)
-            if not math.isfinite(sq) and policy != "ignore":
+            if not math.isfinite(sq) and spec.policy != "ignore":
                 self._stopped = True
                 return "stopped"
             self._running_sq += sq
@@ -211,9 +221,9 @@ class Speculative(Immediate):
                 return "stopped"
         return None
 
-    def _save(self, bucket: FlatBucket, hyper: Any) -> Union[Lease, str]:
+    def _save(self, bucket: FlatBucket, names: Sequence[str]) -> Union[Lease, str]:
         """Lease undo buffers from the pool and copy into them what the kernel will change; or why not (no room)."""
-        saved = list(_state_buffers(bucket, hyper))
+        saved = list(_state_buffers(bucket, names))
         pieces = [(name, buf.numel(), buf.dtype, False) for name, buf in saved]  # never sent to a device
         if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
             pieces.append(("out", bucket.layout.padded_numel, bucket.dtype, bucket.pin))
@@ -225,7 +235,7 @@ class Speculative(Immediate):
 
     def _restore(self, spec: _Spec) -> None:
         undo = spec.lease.buffers
-        for name, buf in _state_buffers(spec.bucket, spec.hyper):
+        for name, buf in _state_buffers(spec.lane.bucket, spec.names):
             buf.copy_(undo[name])
 
     def _release(self, spec: _Spec) -> None:
@@ -264,86 +274,76 @@ class Speculative(Immediate):
         # What is still queued is cancelled before the running one is waited for: waited for first, it would let the
         # worker start the next as it ends, and so on through the whole queue. (From the back: the worker moves on
         # from the front.)
-        specs = list(self._specs.values())
+        specs = list(self._specs)
         for spec in reversed(specs):
             if spec.job is not None and spec.job.cancel():
                 spec.skipped = spec.skipped or "queued at step()"
         for spec in specs:
             self._finish(spec)
 
-    def check_received(self, bg: BucketGrads) -> None:
-        spec = self._specs.get(id(bg.bucket))
-        if spec is not None and (bg.stale or any(g is not None for g in bg.pending) or bg.present != spec.present):
+    def check_received(self, lane: Lane) -> None:
+        spec = lane.spec
+        if spec is not None and (lane.stale or any(g is not None for g in lane.pending) or lane.present != spec.present):
             # The gradients are about to be copied again into the buffer the speculation reads.
             self._finish(spec)
             self._undo_spec(spec, "gradients changed", restore=True)
 
-    def observe(self, inv_scale: float, clip: Optional[PendingClip]) -> None:
+    def observe(self, decision: Decision) -> None:
         """The next step is expected to look like this one: its loss-scale inverse, and its clipping."""
-        self._guess = inv_scale
+        clip = decision.clip
+        self._guess = decision.inv_scale
         self._max_norm = clip.max_norm if clip is not None and clip.norm_type == 2.0 else None
 
     def _undo_spec(self, spec: _Spec, reason: str, restore: bool) -> None:
         if spec.runs is None:
             return
         if restore:
-            with span(self.transport.timeline, "copy", "restore", spec.bucket):
+            with span(self.transport.timeline, "copy", "restore", spec.lane.position):
                 self._restore(spec)
         self._release(spec)
         if self.transport.timeline is not None:
-            self.transport.timeline.mark("rollback", reason, spec.bucket)
+            self.transport.timeline.mark("rollback", reason, spec.lane.position)
         spec.runs = None
         self.stats.rollbacks += 1
         self.stats.reasons[reason] += 1
 
-    def _verdict(self, bg: BucketGrads, spec: _Spec, hyper: Any, multiplier: float) -> Optional[str]:
-        """Why ``step()`` cannot keep the speculative update; None if it can."""
-        if multiplier != spec.multiplier:
-            return "multiplier"
-        if hyper != spec.hyper:
-            return "hyperparameters"
-        if bg.stale or bg.present != spec.present or any(g is not None for g in bg.pending):
-            return "gradients changed"
-        if not torch.equal(spec.bucket.steps, spec.steps):
-            return "steps changed"
-        return None
-
-    def run(self, hypers: Sequence[Any], plans: Plans, multiplier: float, state: State) -> None:
+    def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+        self.observe(decision)
         if not self._specs:
-            return super().run(hypers, plans, multiplier, state)
+            return super().run(decision, hypers, plans, state)
         self._finish_all()  # the one running ends; those still queued are cancelled and updated below
-        _ensure_buffers(state, hypers, plans)
-        entries = {id(bg.bucket): (bg, hypers[gi]) for gi, group_plan in enumerate(plans) for bg in group_plan}
-        buckets = [bg.bucket for bg, _ in entries.values()]
-        self.transport.before_uploads(buckets)
+        if hypers != self._seen.hypers:
+            self.ensure(hypers, plans, state)
+        lanes = [lane for group in plans for lane in group]
+        multiplier = decision.multiplier
+        self.transport.before_uploads(lanes)
         done = set()
-        for hyper, bg in device_tier_first(hypers, plans):  # launched on the GPU, which runs them meanwhile
-            if not bg.bucket.device_tier:
-                break
-            update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
-            done.add(id(bg.bucket))
-        for key, spec in self._specs.items():  # commits first: their uploads overlap the updates left
-            if spec.runs is None or key not in entries:
+        for lane in lanes:  # the device tier's first: launched on the GPU, which runs them meanwhile
+            if lane.bucket.device_tier:
+                update_bucket(self.transport, lane, lane.present, lane.in_place, hypers[lane.group], multiplier, state)
+                done.add(lane.position)
+        for spec in self._specs:  # commits first: their uploads overlap the updates left
+            lane = spec.lane
+            if spec.runs is None or not lane.present:  # (not in this step's plan)
                 continue
-            bg, hyper = entries[key]
-            reason = self._verdict(bg, spec, hyper, multiplier)
+            reason = _verdict(lane, spec, hypers[lane.group], multiplier)
             if reason is not None:
                 self._undo_spec(spec, reason, restore=True)
                 continue
             self._commit(spec, state)
-            done.add(key)
+            done.add(lane.position)
         # The rest in arrival order, then what backward did not send.
-        order = list(self._specs) + [k for k in entries if k not in self._specs]
-        for key in order:
-            if key in entries and key not in done:
-                bg, hyper = entries[key]
-                update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
-        self.transport.finish_params(buckets)
+        order = [spec.lane for spec in self._specs] + [lane for lane in lanes if lane.spec is None]
+        for lane in order:
+            if lane.position not in done and lane.present:
+                update_bucket(self.transport, lane, lane.present, lane.in_place, hypers[lane.group], multiplier,
+                              state)
+        self.transport.finish_params(lanes)
 
     def _commit(self, spec: _Spec, state: State) -> None:
-        bucket, runs = spec.bucket, spec.runs
-        bucket.count_steps(runs)
-        indices = touched(bucket, runs)
+        lane, runs = spec.lane, spec.runs
+        bucket = lane.bucket
+        indices = bucket.count_steps(runs)
         if not bucket.all_exposed:
             expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
         srcs = None
@@ -351,17 +351,17 @@ class Speculative(Immediate):
             out = spec.lease.buffers["out"]
             srcs = [view_like(out, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
             if bucket.pin:
-                self._uploading.append(bucket)
-        self.transport.send_params(bucket, list(indices), srcs)
+                self._uploading.append(lane)
+        self.transport.send_params(lane, list(indices), srcs)
         self._release(spec)
         if self.transport.timeline is not None:
-            self.transport.timeline.mark("commit", "", bucket)
+            self.transport.timeline.mark("commit", "", lane.position)
         spec.runs = None
         self.stats.commits += 1
 
     def _roll_back_all(self, reason: str, restore: bool = True) -> None:
         self._finish_all()
-        for spec in self._specs.values():
+        for spec in self._specs:
             self._undo_spec(spec, reason, restore)
 
     def flush(self, state: State) -> None:
@@ -377,24 +377,41 @@ class Speculative(Immediate):
         """The state is being replaced (a load): what speculation wrote is overwritten, not restored."""
         self._roll_back_all("state read or replaced", restore=False)
 
-    def reset(self) -> None:
+    def end_step(self) -> None:
         # An update not committed by now belongs to a step that did not happen (skipped, refused, raised, or
         # abandoned by zero_grad()).
-        self._roll_back_all("no step" if not self._stepping else "skipped step")
-        self.pool.end_step(record=bool(self._specs))
-        self._specs = {}
-        self._barred = set()
-        self._stopped = False
-        self._running_sq = 0.0
-        self._stepping = False
+        try:
+            self._roll_back_all("no step" if not self._stepping else "skipped step")
+            self.pool.end_step(record=bool(self._specs))
+        finally:
+            for spec in self._specs:
+                spec.lane.spec = None
+            self._specs = []
+            self._read = {}
+            self._stopped = False
+            self._running_sq = 0.0
+            self._stepping = False
+            self.transport.reset()  # (every lane's step ends: Immediate.end_step)
 
 
-def _state_buffers(bucket: FlatBucket, hyper: Any = None):
-    """(name, flat buffer) of everything the update writes in the bucket's state: master, the rule's buffers (those
-    ``hyper`` needs; all held without it) and their 8-bit scales."""
+def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional[str]:
+    """Why ``step()`` cannot keep the speculative update; None if it can."""
+    if multiplier != spec.multiplier:
+        return "multiplier"
+    if hyper != spec.hyper:
+        return "hyperparameters"
+    if lane.stale or lane.present != spec.present or any(g is not None for g in lane.pending):
+        return "gradients changed"
+    if not torch.equal(lane.bucket.steps, spec.steps):
+        return "steps changed"
+    return None
+
+
+def _state_buffers(bucket: FlatBucket, names: Sequence[str]):
+    """(name, flat buffer) of everything the update writes in the bucket's state: master, the rule's buffers
+    ``names`` (those its hyperparameters need) and their 8-bit scales."""
     yield "master", bucket.master
     store = bucket.store
-    names = store.names if hyper is None else [b.name for b in bucket.rule.needed(hyper) if b.name in store.flat]
     for name in names:
         yield name, store.flat[name]
         if name in store.scales:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Dict, Iterator, List, Optional
 
-__all__ = ["Timeline", "TimelineEvent", "span"]
+__all__ = ["NOTHING", "Timeline", "TimelineEvent", "span"]
 
 
 @dataclasses.dataclass
@@ -48,39 +48,40 @@ class TimelineEvent:
 
 
 class Timeline:
-    """The recorder (see the module docstring). ``index``: position of each bucket, by ``id``."""
+    """The recorder (see the module docstring). Buckets are named by their position in the optimizer (their lane's
+    ``position``)."""
 
-    def __init__(self, index: Dict[int, int]):
-        self.index = index
+    def __init__(self) -> None:
         self.events: List[TimelineEvent] = []  # appended from several threads: list.append is atomic
 
-    def _event(self, kind: str, what: str, bucket, start: float, end: float) -> None:
-        where = None if bucket is None else self.index.get(id(bucket))
+    def _event(self, kind: str, what: str, where: Optional[int], start: float, end: float) -> None:
         self.events.append(TimelineEvent(kind, what, where, threading.current_thread().name, start, end))
 
     @contextlib.contextmanager
-    def span(self, kind: str, what: str, bucket=None) -> Iterator[None]:
+    def span(self, kind: str, what: str, where: Optional[int] = None) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._event(kind, what, bucket, start, time.perf_counter())
+            self._event(kind, what, where, start, time.perf_counter())
 
-    def mark(self, kind: str, what: str, bucket=None) -> None:
+    def mark(self, kind: str, what: str, where: Optional[int] = None) -> None:
         now = time.perf_counter()
-        self._event(kind, what, bucket, now, now)
+        self._event(kind, what, where, now, now)
 
     def take(self) -> List[TimelineEvent]:
         events, self.events = self.events, []
         return sorted(events, key=lambda e: e.start)
 
 
-_NOTHING = contextlib.nullcontext()
+# The context of a recording point while no timeline is on (hot paths write
+# ``with NOTHING if tl is None else tl.span(...)``: no call at all then).
+NOTHING = contextlib.nullcontext()
 
 
-def span(timeline: Optional[Timeline], kind: str, what: str, bucket=None):
+def span(timeline: Optional[Timeline], kind: str, what: str, where: Optional[int] = None):
     """``timeline.span(...)``, or a context that does nothing when there is no timeline."""
-    return _NOTHING if timeline is None else timeline.span(kind, what, bucket)
+    return NOTHING if timeline is None else timeline.span(kind, what, where)
 
 
 def breakdown(events: List[TimelineEvent]) -> Dict[str, Dict[str, float]]:

@@ -8,23 +8,23 @@ construction.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import chain
 from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload import gate
 from zero_offload.apply import copies_of, run_rule, touched
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import Ahead, expose
-from zero_offload.records import BucketGrads, Plans
+from zero_offload.gate import Decision
+from zero_offload.lane import Lane, Lanes
 from zero_offload.state.layout import view_like
-from zero_offload.timeline import span
+from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 
 __all__ = ["Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers", "preview_bucket",
-           "update_bucket", "weak_method"]
+           "update_bucket"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
@@ -36,43 +36,56 @@ def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any) -> None:
         expose(state, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i]])
 
 
-def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Plans) -> None:
-    for hyper, group_plan in zip(hypers, plans):
-        for bg in group_plan:
-            ensure_buffers(state, bg.bucket, hyper)
+def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Lanes) -> None:
+    for hyper, lanes in zip(hypers, plans):
+        for lane in lanes:
+            ensure_buffers(state, lane.bucket, hyper)
 
 
-def device_tier_first(hypers: Sequence[Any], plans: Plans) -> List[Tuple[Any, BucketGrads]]:
-    """Each bucket of ``plans`` with its group's hyperparameters, the device tier's first: their updates are
-    only launched on the GPU, which then runs them while the host updates the others."""
-    pairs = [(h, bg) for h, group_plan in zip(hypers, plans) for bg in group_plan]
+class _Seen:
+    """The hyperparameters whose buffers every bucket already has: buffers are only ever added (amsgrad switched
+    on), so the same hyperparameters need no new look."""
+
+    __slots__ = ("hypers",)
+
+    def __init__(self) -> None:
+        self.hypers: Optional[List[Any]] = None
+
+
+def device_tier_first(hypers: Sequence[Any], plans: Lanes) -> List[Tuple[Any, Lane]]:
+    """Each lane of ``plans`` with its group's hyperparameters, the device tier's first: their updates are only
+    launched on the GPU, which then runs them while the host updates the others."""
+    pairs = [(h, lane) for h, lanes in zip(hypers, plans) for lane in lanes]
     return [p for p in pairs if p[1].bucket.device_tier] + [p for p in pairs if not p[1].bucket.device_tier]
 
 
-def update_bucket(transport: Transport, bucket: FlatBucket, present: Sequence[bool],
+def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
                   in_place: Optional[List[Optional[torch.Tensor]]], h: Any, multiplier: float, state: State, *,
                   grad: Optional[torch.Tensor] = None, scatter: bool = True) -> Optional[List[int]]:
     """Update the bucket's parameters that have a gradient (``present``), reading it from ``grad`` (default: the
     bucket's gradient buffer) or ``in_place``: wait for the gradients, run the rule, show new state entries, and
     with ``scatter`` send the results to the parameters. Returns the indices updated (None: none)."""
+    bucket = lane.bucket
     runs = bucket.runs(present)
     if not runs:
         return None
     if grad is None:
         # (A delayed update's ``grad`` was waited for at its step(); its bucket's copy event may meanwhile have
         # been recorded again by the next backward, which this must not wait for.)
-        transport.wait_grads(bucket)
-    transport.before_update(bucket)  # the last upload may still be reading master/staging
+        lane.route.wait(lane)
+    if lane.h2d_gen != lane.h2d_seen:
+        transport.before_update(lane)  # the last upload may still be reading master/staging
     indices = touched(bucket, runs)
     bucket.masters.refresh(indices)
     # (A device-tier bucket's update is only launched here: the span is the host's part; the GPU runs it later.)
-    with span(transport.timeline, "kernel", "gpu launch" if bucket.device_tier else "step", bucket):
+    tl = transport.timeline
+    with NOTHING if tl is None else tl.span("kernel", "gpu launch" if bucket.device_tier else "step", lane.position):
         run_rule(bucket, runs, grad, in_place, h, multiplier)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
     if scatter:
-        transport.send_params(bucket, indices)
+        transport.send_params(lane, indices)
     return list(indices)
 
 
@@ -98,17 +111,10 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multipli
     return Ahead(set(indices), steps, flat)
 
 
-class _Worker:
-    """One thread: buckets are updated in submission order, each with the kernel's own intra-op parallelism (the
-    kernel releases the GIL)."""
-
-    def __init__(self) -> None:
-        self._pool: Optional[ThreadPoolExecutor] = None
-
-    def submit(self, fn: Callable, *args) -> Future:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_offload_step")
-        return self._pool.submit(fn, *args)
+def _worker() -> ThreadPoolExecutor:
+    """One thread (started at the first job): buckets are updated in submission order, each with the kernel's own
+    intra-op parallelism (the kernel releases the GIL)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_offload_step")
 
 
 class Immediate:
@@ -116,89 +122,96 @@ class Immediate:
 
     def __init__(self, transport: Transport):
         self.transport = transport
+        self._seen = _Seen()
 
-    def before_send(self, bucket: FlatBucket) -> None:
-        """Called by the backward hooks before a bucket's gradients are sent."""
+    def ensure(self, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+        """Every bucket has the state buffers its group's hyperparameters need (looked at when they change)."""
+        if hypers != self._seen.hypers:
+            _ensure_buffers(state, hypers, plans)
+            self._seen.hypers = list(hypers)
 
-    def after_send(self, bucket: FlatBucket, group: int) -> None:
+    def before_send(self, lane: Lane) -> None:
+        """Called by the backward hooks before a bucket's gradients are sent, where an update of the bucket is in
+        flight (its lane's ``spec`` or ``job``)."""
+
+    def after_send(self, lane: Lane) -> None:
         """Called by the backward hooks once a bucket's gradients are on their way."""
 
     def settle(self) -> None:
         """Wait for updates started during backward (re-raising the first failure)."""
 
-    def check_received(self, bg: BucketGrads) -> None:
+    def check_received(self, lane: Lane) -> None:
         """Refuse what this schedule cannot take (a gradient edited after its bucket was already updated)."""
 
     def check_scaler(self) -> None:
         """Refuse a GradScaler if this schedule cannot wait for its inf check."""
 
-    def updated(self, bucket: FlatBucket) -> bool:
+    def updated(self, lane: Lane) -> bool:
         """Whether the bucket's update for this step has already run."""
         return False
 
-    def observe(self, inv_scale: float, clip: Optional[Any]) -> None:
-        """``step()`` is about to :meth:`run` with this loss-scale inverse and this pending clip (a
-        ``PendingClip`` or None)."""
-
-    def run(self, hypers: Sequence[Any], plans: Plans, multiplier: float, state: State) -> None:
-        """Update every bucket of ``plans`` not yet updated, and send the results back."""
-        _ensure_buffers(state, hypers, plans)
-        buckets = [bg.bucket for bg in chain.from_iterable(plans)]
-        self.transport.before_uploads(buckets)
-        for hyper, bg in device_tier_first(hypers, plans):
-            if not self.updated(bg.bucket):
-                update_bucket(self.transport, bg.bucket, bg.present, bg.in_place, hyper, multiplier, state)
-        self.transport.finish_params(buckets)  # sharded: the all-gathers, each overlapped with the next update
+    def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+        """Update every bucket of ``plans`` not yet updated with ``decision``'s multiplier, and send the results
+        back."""
+        self.ensure(hypers, plans, state)
+        lanes = [lane for group in plans for lane in group]
+        self.transport.before_uploads(lanes)
+        for hyper, lane in device_tier_first(hypers, plans):
+            if not self.updated(lane):
+                update_bucket(self.transport, lane, lane.present, lane.in_place, hyper, decision.multiplier, state)
+        self.transport.finish_params(lanes)  # sharded: the all-gathers, each overlapped with the next update
 
     def flush(self, state: State) -> None:
         """Apply any update still pending."""
 
-    def ahead(self) -> Dict[int, Ahead]:
-        """The state any pending update will leave, by ``id`` of bucket, without applying it (for saving)."""
+    def ahead(self) -> Dict[FlatBucket, Ahead]:
+        """The state any pending update will leave, by bucket, without applying it (for saving)."""
         return {}
 
     def drop(self) -> None:
         """Discard any update still pending (the state is about to be replaced)."""
 
-    def reset(self) -> None:
-        """The step is over (or abandoned): forget its per-bucket progress."""
+    def end_step(self) -> None:
+        """The step is over (or abandoned): every lane's step ends (in the transport, for every schedule)."""
+        self.transport.reset()
 
 
 class Overlap(Immediate):
-    """``overlap_step``: each bucket's update runs in a worker thread as soon as backward has sent its gradients,
-    with the hyperparameters as they are then (what ``step()`` would read); ``step()`` only updates the buckets
-    backward did not launch, and waits.
+    """``overlap_step`` (deprecated for speculation): each bucket's update runs in a worker thread as soon as
+    backward has sent its gradients, with the hyperparameters as they are then (what ``step()`` would read);
+    ``step()`` only updates the buckets backward did not launch, and waits.
 
     Args:
         transport (Transport): the optimizer's transport.
-        early_update (Callable[[FlatBucket, int], None]): runs one bucket's update (bucket, its group index).
+        early_update (Callable[[Lane], None]): runs one bucket's update.
     """
 
-    def __init__(self, transport: Transport, early_update: Callable[[FlatBucket, int], None]):
+    def __init__(self, transport: Transport, early_update: Callable[[Lane], None]):
         super().__init__(transport)
         self._early_update = early_update
-        self._worker = _Worker()
-        self._jobs: Dict[int, Future] = {}
+        self._worker = _worker()
+        self._launched: List[Lane] = []
         self._raised = False  # settle() has raised a job's failure this step
 
-    def before_send(self, bucket: FlatBucket) -> None:
-        if id(bucket) in self._jobs:
+    def before_send(self, lane: Lane) -> None:
+        if lane.job is not None:
             raise RuntimeError(
                 "OffloadOptimizer(overlap_step=True): a second backward before step() reached a bucket that was "
                 "already updated. Run every micro-batch but the last under `with optimizer.no_sync():`."
             )
 
-    def after_send(self, bucket: FlatBucket, group: int) -> None:
-        self._jobs[id(bucket)] = self._worker.submit(self._early_update, bucket, group)
+    def after_send(self, lane: Lane) -> None:
+        lane.job = self._worker.submit(self._early_update, lane)
+        self._launched.append(lane)
 
     def settle(self) -> None:
-        for job in list(self._jobs.values()):
-            if job.exception() is not None:
+        for lane in list(self._launched):
+            if lane.job.exception() is not None:
                 self._raised = True
-            job.result()
+            lane.job.result()
 
-    def check_received(self, bg: BucketGrads) -> None:
-        if self.updated(bg.bucket) and any(g is not None for g in bg.pending):
+    def check_received(self, lane: Lane) -> None:
+        if self.updated(lane) and any(g is not None for g in lane.pending):
             raise RuntimeError(
                 "OffloadOptimizer(overlap_step=True): a gradient was assigned or changed in place after "
                 "backward (by clipping or unscaling?), but its bucket was already updated during "
@@ -207,29 +220,31 @@ class Overlap(Immediate):
             )
 
     def check_scaler(self) -> None:
-        raise RuntimeError("OffloadOptimizer(overlap_step=True) cannot be driven by a GradScaler: the scaler's "
-                           "inf check comes after backward, when buckets were already updated. Turn "
-                           "overlap_step off, or use bf16 autocast, which needs no scaler.")
+        raise gate.refuse_overlap_scaler()
 
-    def updated(self, bucket: FlatBucket) -> bool:
-        return id(bucket) in self._jobs
+    def updated(self, lane: Lane) -> bool:
+        return lane.job is not None
 
-    def reset(self) -> None:
-        jobs, self._jobs = self._jobs, {}
+    def end_step(self) -> None:
+        launched, self._launched = self._launched, []
         raised, self._raised = self._raised, False
-        for job in jobs.values():
-            if job.exception() is not None and not raised:  # (waits for the job) not yet seen by settle()
-                job.result()
+        try:
+            for lane in launched:
+                job, lane.job = lane.job, None
+                if job.exception() is not None and not raised:  # (waits for the job) not yet seen by settle()
+                    job.result()
+        finally:
+            super().end_step()
 
 
 @dataclasses.dataclass
 class _Pending:
     """A step's update held back by ``delayed_update``: ``run`` computes it; ``job`` is it running in the worker;
-    ``work`` (bucket, which parameters, hyperparameters) and ``multiplier`` are what it was given."""
+    ``work`` (lane, which parameters, hyperparameters) and ``multiplier`` are what it was given."""
 
-    run: Callable[[], List[Tuple[FlatBucket, Optional[List[int]]]]]
+    run: Callable[[], List[Tuple[Lane, Optional[List[int]]]]]
     job: Optional[Future]
-    work: List[Tuple[FlatBucket, Sequence[bool], Any]]
+    work: List[Tuple[Lane, Sequence[bool], Any]]
     multiplier: float
 
 
@@ -237,39 +252,40 @@ class Delayed(Immediate):
     """``delayed_update``, ZeRO-Offload's delayed parameter update: ``step()`` applies the *previous* step's update
     (sending its parameters back) and starts this step's from a second gradient buffer, in the worker thread while
     the next forward and backward run (with the model on CPU, at the next ``step()``: the parameters *are* the
-    masters there). Anyparameters, clipping and loss scaling of a step apply to its own gradients.
+    masters there). Hyperparameters, clipping and loss scaling of a step apply to its own gradients.
 
     ``exact_steps``: the updates that take a parameter's step count up to this many are applied before ``step()``
     returns, as without delay (counted from the state, so a resumed run goes on where it was)."""
 
     def __init__(self, transport: Transport, exact_steps: int = 0):
         super().__init__(transport)
-        self._worker = _Worker()
+        self._worker = _worker()
         self._pending: Optional[_Pending] = None
         self._exact_steps = exact_steps
 
-    def run(self, hypers: Sequence[Any], plans: Plans, multiplier: float, state: State) -> None:
+    def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
         self.flush(state)
-        _ensure_buffers(state, hypers, plans)
+        self.ensure(hypers, plans, state)
         work = []
-        for hyper, group_plan in zip(hypers, plans):
-            for bg in group_plan:
-                if bg.in_place is not None:  # never for streamed buckets, which every bucket is here
+        for hyper, lanes in zip(hypers, plans):
+            for lane in lanes:
+                if lane.in_place is not None:  # never for streamed buckets, which every bucket is here
                     raise AssertionError("delayed_update with gradients read in place")
-                if bg.bucket.runs(bg.present):
-                    self.transport.wait_grads(bg.bucket)
-                    bg.bucket.grads.swap()
-                    work.append((bg.bucket, bg.present, hyper))
-        transport = self.transport
+                if lane.bucket.runs(lane.present):
+                    lane.route.wait(lane)
+                    lane.bucket.grads.swap()
+                    work.append((lane, lane.present, hyper))
+        transport, multiplier = self.transport, decision.multiplier
 
-        def run() -> List[Tuple[FlatBucket, Optional[List[int]]]]:
-            return [(b, update_bucket(transport, b, present, None, h, multiplier, state, grad=b.grad_prev,
-                                      scatter=False)) for b, present, h in work]
+        def run() -> List[Tuple[Lane, Optional[List[int]]]]:
+            return [(lane, update_bucket(transport, lane, present, None, h, multiplier, state,
+                                         grad=lane.bucket.grad_prev, scatter=False)) for lane, present, h in work]
 
         # Read before the worker starts on the step counts; only while a warm-up is asked for (a tensor read per
         # bucket per step otherwise).
-        exact = bool(self._exact_steps and work) and max(float(b.steps.max()) for b, _, _ in work) < self._exact_steps
-        on_gpu = any(not b.on_cpu for b, _, _ in work)
+        exact = bool(self._exact_steps and work) and max(float(lane.bucket.steps.max())
+                                                         for lane, _, _ in work) < self._exact_steps
+        on_gpu = any(not lane.bucket.on_cpu for lane, _, _ in work)
         self._pending = _Pending(run, self._worker.submit(run) if on_gpu else None, work, multiplier)
         if exact:
             self.flush(state)
@@ -278,15 +294,15 @@ class Delayed(Immediate):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        done = [(b, idx) for b, idx in (pending.job.result() if pending.job is not None else pending.run())
+        done = [(lane, idx) for lane, idx in (pending.job.result() if pending.job is not None else pending.run())
                 if idx is not None]
-        buckets = [b for b, _ in done]
-        self.transport.before_uploads(buckets)
-        for bucket, indices in done:
-            self.transport.send_params(bucket, indices)
-        self.transport.finish_params(buckets)
+        lanes = [lane for lane, _ in done]
+        self.transport.before_uploads(lanes)
+        for lane, indices in done:
+            self.transport.send_params(lane, indices)
+        self.transport.finish_params(lanes)
 
-    def ahead(self) -> Dict[int, Ahead]:
+    def ahead(self) -> Dict[FlatBucket, Ahead]:
         """Saving must not change the run, so the pending update is neither applied early nor sent: on CUDA the
         worker writes it into the buffers anyway (waited for here; the parameters still get it at the next
         ``step()``); on the CPU, where the buffers are the parameters the next forward reads, it is computed into
@@ -295,29 +311,15 @@ class Delayed(Immediate):
         if pending is None:
             return {}
         if pending.job is not None:
-            return {id(b): Ahead(set(idx)) for b, idx in pending.job.result() if idx is not None}
+            return {lane.bucket: Ahead(set(idx)) for lane, idx in pending.job.result() if idx is not None}
         out = {}
-        for bucket, present, hyper in pending.work:
-            after = preview_bucket(bucket, present, hyper, pending.multiplier, grad=bucket.grad_prev)
+        for lane, present, hyper in pending.work:
+            after = preview_bucket(lane.bucket, present, hyper, pending.multiplier, grad=lane.bucket.grad_prev)
             if after is not None:
-                out[id(bucket)] = after
+                out[lane.bucket] = after
         return out
 
     def drop(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None and pending.job is not None:
             pending.job.result()
-
-
-def weak_method(method: Callable) -> Callable:
-    """A callable that calls ``method`` without keeping its object alive (the hooks live on the parameters, which
-    usually outlive the optimizer)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        target = ref()
-        if target is None:
-            raise RuntimeError("OffloadOptimizer was garbage-collected while its gradient stream was in use")
-        return target(*args)
-
-    return call

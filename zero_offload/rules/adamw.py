@@ -43,6 +43,16 @@ class Hyper:
                      bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
 
 
+_PLAIN = (float, int, bool)
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_plain(key: tuple) -> Hyper:
+    lr, b1, b2, eps, wd, amsgrad, maximize, decoupled = key
+    return Hyper.read(dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, amsgrad=amsgrad, maximize=maximize,
+                           decoupled_weight_decay=decoupled))
+
+
 def _amsgrad(h: Hyper) -> bool:
     return h.amsgrad
 
@@ -73,7 +83,14 @@ class AdamW(Rule):
     writes_out = True
 
     def hyper(self, group: Dict[str, Any]) -> Hyper:
-        return Hyper.read(group)
+        # Read twice a step (speculation's and step()'s) for every group: plain numbers are looked up, already
+        # validated (a hit costs no Python call); a tensor hyperparameter, which may change in place, is read anew.
+        betas = group["betas"]
+        key = (group["lr"], *betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"],
+               group["decoupled_weight_decay"]) if type(betas) is tuple and len(betas) == 2 else None
+        if key is None or not all(type(v) in _PLAIN for v in key):
+            return Hyper.read(group)
+        return _read_plain(key)
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:
         check_group(group, where)

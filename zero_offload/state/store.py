@@ -113,7 +113,7 @@ class StateStore:
         if whole and self._whole is not None:
             return self._whole
         flat, scales = copies if copies is not None else (self.flat, self.scales)
-        blocks = Codec.blocks(a, b)
+        blocks = Codec.blocks(a, b) if scales else None  # (8-bit state only)
         out = ({name: flat[name][a:b] for name in self.flat},
                {name: scales[name][blocks] for name in self.scales})
         if whole:

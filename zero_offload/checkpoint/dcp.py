@@ -1,0 +1,184 @@
+"""The sharded state that ``torch.distributed.checkpoint`` (DCP) saves and loads without gathering: each state
+tensor a :class:`FlatPiece` holding this rank's piece, a view of the host buffers, so ``dcp.load`` writes in
+place; then validated and applied like a full state dict (plan, then apply)."""
+from __future__ import annotations
+
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload.buckets import FlatBucket
+from zero_offload.rules.base import Rule
+from zero_offload.state.layout import memory_order_flat, view_like
+from zero_offload.options import check_step
+from zero_offload.checkpoint.entries import Buckets, State, check_param_lists, expose
+from zero_offload.checkpoint.full import Ahead, _entry_tensors, _install_params, _positions, _where, merge_groups
+
+__all__ = ["FlatPiece", "apply_sharded_load", "plan_sharded_load", "sharded_state_dict"]
+
+
+# ----------------------------------------------------------------------------- torch.distributed.checkpoint --
+def _state_pieces(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
+    """Parameter ``i``'s state tensors that this rank holds, 1-D in slot order (flat ranges of the buffers, so that
+    loading into them writes the optimizer's state in place; of ``after``'s copies where a pending update is)."""
+    return {name: memory_order_flat(t) for name, t in _entry_tensors(bucket, i, after, param).items()}
+
+
+class FlatPiece(torch.Tensor):
+    """A parameter's flattened state tensor (``numel`` elements) as ``torch.distributed.checkpoint`` sees it, of which
+    this rank holds the contiguous range ``[start, start + local.numel())``, ``local`` being a view of the host
+    buffers (so ``dcp.load`` writes the state in place).
+
+    DCP's own sharded types cannot say this: a DTensor's shards are ``torch.chunk``'s even split, and our pieces are
+    arbitrary ranges (where a bucket's shard boundaries fall in each parameter); ``ShardedTensor`` is deprecated.
+    So this implements the protocol DCP's planners ask of a sharded tensor (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``, which DTensor implements too), writing the same checkpoint
+    format as the ``ShardedTensor`` it replaces (one 1-D chunk per rank that holds a piece): checkpoints of either
+    load with the other, resharded to any number of ranks. It is a tensor without storage of its own: anything but
+    handing it to ``dcp.save``/``dcp.load`` raises.
+    """
+
+    local: torch.Tensor
+    start: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, start: int, numel: int) -> "FlatPiece":
+        piece = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
+        piece.local, piece.start = local, start
+        return piece
+
+    def __init__(self, local: torch.Tensor, start: int, numel: int) -> None:
+        super().__init__()
+
+    def _chunks(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        if self.local.numel() == 0:  # this rank holds nothing of the parameter: nothing to write or read
+            return []
+        return [ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=self.local.size())]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties(dtype=self.dtype, pin_memory=False)
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
+                for chunk in self._chunks()]
+
+    def __create_chunk_list__(self) -> list:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        if index.offset is not None and tuple(index.offset) != (self.start,):
+            raise ValueError(f"{index.fqn}: this rank holds the piece at offset {self.start}, not {index.offset}")
+        return self.local
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a FlatPiece of sharded_state_dict(): it is only for torch.distributed.checkpoint "
+                        "(its local piece is .local)")
+
+    def __repr__(self) -> str:
+        return f"FlatPiece(numel={self.numel()}, start={self.start}, local={self.local.numel()} elements)"
+
+
+def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
+                       ahead: Optional[Dict[FlatBucket, Ahead]] = None, param: bool = False) -> Dict[str, Any]:
+    """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`. ``ahead``: a pending update's state, given
+    instead of the buffers'; ``param``: each parameter's value too (``delayed_update``, whose parameters can be a
+    step behind the state)."""
+    ahead = ahead or {}
+    compact = next((b for b in chain.from_iterable(buckets) if b.compact), None)
+    if compact is not None:
+        raise RuntimeError(f"sharded_state_dict() hands out the live state buffers for torch.distributed.checkpoint "
+                           f"to save and load in place, which needs fp32 moments; this optimizer keeps them as "
+                           f"{compact.state_dtype} (state_dtype). Use state_dict() / load_state_dict() (fp32 moments, "
+                           f"converted a bucket at a time), or state_dtype=torch.float32.")
+    position = _positions(groups)
+    state: Dict[str, Dict[str, Any]] = {}
+    out_groups = []
+    for group in groups:
+        out_groups.append({**{k: deepcopy(v) for k, v in group.items() if k != "params"},
+                           "params": [position[id(p)] for p in group["params"]]})
+    for bucket in chain.from_iterable(buckets):
+        after = ahead.get(bucket)
+        for i, p in enumerate(bucket.params):
+            copied = after is not None and after.flat is not None and i in after.indices
+            entry: Dict[str, Any] = {"step": (after.steps if copied else bucket.steps)[i].clone()}
+            for name, local in _state_pieces(bucket, i, after, param).items():
+                if bucket.sharded and bucket.shard.full.numels[i]:
+                    entry[name] = FlatPiece(local, bucket.shard.piece_src[i], bucket.shard.full.numels[i])
+                else:
+                    entry[name] = local  # the whole parameter: an ordinary tensor
+            state[str(position[id(p)])] = entry
+    return {"state": state, "param_groups": out_groups}
+
+
+def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+    """Where ``dcp.load`` wrote into copies, not the buffers (the dict was made while a delayed update was pending,
+    of which it shows the result), copy them into the buffers; and each ``param`` into its parameter, where it is
+    not the parameter's own storage."""
+    values: List[Optional[torch.Tensor]] = []
+    for i, p in enumerate(bucket.params):
+        live = _state_pieces(bucket, i, None, param=False)
+        for name, t in tensors[p].items():
+            if name in live and t.data_ptr() != live[name].data_ptr():
+                live[name].copy_(t)
+        value = tensors[p].get("param")
+        values.append(None if value is None or value.data_ptr() == p.data_ptr() else view_like(value, 0, p))
+    _install_params(bucket, values)
+
+
+def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
+                      param: bool = False) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+    """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
+    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
+                         "torch.distributed.checkpoint.load")
+    what = "loaded sharded state dict"
+    check_param_lists(groups, buckets)
+    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True)
+    position = _positions(groups)
+    where = _where(buckets)
+    steps: Dict[torch.Tensor, float] = {}
+    tensors: Dict[torch.Tensor, Dict[str, Any]] = {}
+    for p in chain.from_iterable(g["params"] for g in groups):
+        key = str(position[id(p)])
+        entry = state_dict["state"].get(key)
+        if not isinstance(entry, dict) or "step" not in entry:
+            raise ValueError(f"{what} has no state for parameter {key}")
+        steps[p] = check_step(entry["step"], f"{what}, parameter {key}")
+        _, bucket, i = where[p]
+        if not bucket.sharded:
+            names = list(_entry_tensors(bucket, i, None, param))
+            bad = [n for n in names if not isinstance(entry.get(n), torch.Tensor) or entry[n].dim() != 1
+                   or entry[n].numel() != p.numel()]
+            if bad:
+                raise ValueError(f"{what}, parameter {key}: {bad} missing or not the 1-D tensors sharded_state_dict() "
+                                 "made")
+            tensors[p] = {n: entry[n] for n in names}
+    return new_groups, steps, tensors
+
+
+def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor, float],
+                       tensors: Optional[Dict[torch.Tensor, Dict[str, Any]]] = None) -> None:
+    """Apply the validated step counts; ``dcp.load`` already wrote moments and masters into the buffers, except
+    for the ``tensors`` that are not views of them (see :func:`_copy_in`)."""
+    for bucket in chain.from_iterable(buckets):
+        if tensors and not bucket.sharded:
+            _copy_in(bucket, tensors)
+        for i, p in enumerate(bucket.params):
+            step = steps[p]
+            bucket.views.set_step(i, step)
+            if step > 0:
+                expose(state, bucket, [i])
+            else:
+                bucket.views.set_exposed(i, False)
+                state.pop(p, None)
+            # A master loaded with the state is kept while the parameter still rounds from it (see
+            # Masters.refresh); a parameter never stepped takes its master from the parameter.
+            bucket.masters.loaded(i, step > 0 and bucket.low_precision)

@@ -1,0 +1,297 @@
+"""``opt.state`` as users see it: entries in the wrapped optimizer's format (views of the buckets' host buffers),
+the containers that notice a user's edits of them or of a group's ``params``, and those edits applied to the
+buffers as they would take effect in AdamW. :func:`expose` is the one place entries are created (the step calls
+it for a parameter's first update)."""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from itertools import chain
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload.buckets import FlatBucket
+from zero_offload.rules.base import Rule, StateBuffer
+from zero_offload.options import check_step
+
+__all__ = ["Buckets", "ParamList", "State", "StateEntry", "StateMap", "check_compact_moment", "check_param_lists",
+           "expose", "state_keys", "step_entry", "sync_state"]
+
+DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
+
+
+def state_keys(rule: Rule) -> Tuple[str, ...]:
+    """The keys a state entry may have: the step, the rule's buffers, a separate ``master``, and ``param`` (the
+    value a parameter takes when the update still pending at saving lands, see ``Ahead``)."""
+    return (rule.step_key, *(b.name for b in rule.buffers), "master", "param")
+
+
+def step_entry(bucket: FlatBucket, step: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The step count as a state entry shows it: ``{"step": step}``, nothing for a rule whose format has none
+    (Lion, SGD), which still counts steps inside (runs are cut by step count)."""
+    return {} if bucket.rule.step_key is None else {bucket.rule.step_key: step}
+
+
+def _entry_step(key: Optional[str], entry: Dict[str, Any], where: str, current: float = 0.0) -> float:
+    """The step count of a validated entry: its ``key``, or, for a rule whose format has none, the count so far
+    (at least 1: an entry is the state of a parameter that has been stepped)."""
+    if key is None or key not in entry:
+        return max(float(current), 1.0)
+    return check_step(entry[key], where)
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+Buckets = Sequence[Sequence[FlatBucket]]
+State = MutableMapping[Any, Dict[str, Any]]
+
+
+# ------------------------------------------------------------------------------ containers that note edits --
+# The buffers are laid out for the parameters a group had when it was added, and the state entries are views of
+# them, so an edit of either must be noticed at the next step(). Checking every entry or every parameter each step
+# costs O(parameters) of slow Tensor hashing; these containers instead raise a flag when edited, so the check is
+# one attribute read per group, and the O(parameters) work runs only after an edit.
+class _Flag:
+    __slots__ = ("changed",)
+
+    def __init__(self) -> None:
+        self.changed = False
+
+
+def _noting(cls: type, base: type, names: Sequence[str]) -> type:
+    """Give ``cls`` the mutating methods ``names`` of ``base``, each raising the instance's flag first."""
+    for name in names:
+        def noted(self, *args, __method=getattr(base, name), **kwargs):
+            self.flag.changed = True
+            return __method(self, *args, **kwargs)
+
+        noted.__name__ = name
+        setattr(cls, name, noted)
+    return cls
+
+
+class ParamList(list):
+    """A param group's ``params``: a list that notes being edited (see :func:`check_param_lists`)."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.flag = _Flag()
+        super().__init__(params)
+
+    def __reduce__(self):
+        return list, (list(self),)  # pickles and copies are plain lists
+
+
+_noting(ParamList, list, ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
+                          "remove", "clear", "sort", "reverse"))
+_DICT_MUTATORS = ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem", "setdefault", "update")
+
+
+class StateEntry(dict):
+    """One parameter's ``opt.state`` entry (AdamW's dict), raising its :class:`StateMap`'s flag when edited."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self, items: Dict[str, Any], flag: _Flag) -> None:
+        self.flag = flag  # the map's flag, not the map: no reference cycle keeps the buffers alive
+        super().__init__(items)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class StateMap(defaultdict):
+    """``opt.state``: AdamW's ``defaultdict(dict)``, raising a flag when it or one of its entries is edited."""
+
+    def __init__(self, *args: Any) -> None:
+        self.flag = _Flag()
+        super().__init__(*args)
+
+    def put(self, p: torch.Tensor, entry: Dict[str, Any]) -> None:
+        """The optimizer's own write of an entry: not an edit."""
+        dict.__setitem__(self, p, StateEntry(entry, self.flag))
+
+    def __reduce__(self):
+        return defaultdict, (dict,), None, None, iter((k, dict(v)) for k, v in self.items())
+
+
+_noting(StateEntry, dict, _DICT_MUTATORS)
+_noting(StateMap, defaultdict, _DICT_MUTATORS)
+
+
+def check_param_lists(groups: Sequence[Dict[str, Any]], buckets: Buckets) -> None:
+    """Refuse param groups whose ``params`` were edited (replaced, appended to, reordered) or added to
+    ``param_groups`` directly since the buckets were laid out: the step would train the tensors it was built
+    with, not those listed. One attribute read per group unless something was edited."""
+    if len(groups) != len(buckets):
+        raise RuntimeError(
+            f"OffloadOptimizer: param_groups holds {len(groups)} groups, but {len(buckets)} were added through the "
+            "constructor or add_param_group: the host buffers are laid out per group when it is added. Add a group "
+            "with add_param_group; to drop one, build a new optimizer.")
+    for gi, group in enumerate(groups):
+        params = group["params"]
+        if type(params) is ParamList and not params.flag.changed:
+            continue
+        built = [None] * sum(len(b.params) for b in buckets[gi])
+        for bucket in buckets[gi]:
+            for k, p in zip(bucket.full.indices, bucket.params):
+                built[k] = p
+        if len(params) == len(built) and all(map(operator.is_, params, built)):
+            group["params"] = ParamList(built)  # the same parameters (e.g. copied into a new list)
+            continue
+        raise RuntimeError(
+            f"OffloadOptimizer: param group {gi}'s 'params' was edited after the group was added ({len(params)} "
+            f"parameters listed, {len(built)} laid out in the host buffers), so step() would train other tensors "
+            "than those listed; nothing was updated. Add new parameters with add_param_group, or build a new "
+            "optimizer over the new parameter list (load_state_dict carries the state of those that stay); to go "
+            "on with this one, restore the list.")
+
+
+# ----------------------------------------------------------------------------------------- opt.state entries --
+def _put(state: State, p: torch.Tensor, entry: Dict[str, Any]) -> None:
+    if type(state) is StateMap:
+        state.put(p, entry)
+    else:
+        state[p] = entry
+
+
+def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
+    """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
+    AdamW creates its state at a parameter's first step. The one place entries are created."""
+    for i in indices:
+        entry = bucket.views.entry(i)
+        if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
+            _put(state, bucket.params[i], entry)
+            bucket.views.set_exposed(i, True)
+
+
+def _same_memory(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype \
+        and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
+    """Validate an ``opt.state`` entry a user wrote for the bucket's parameter ``i``; returns it with ``step`` as a
+    float. As AdamW, a non-empty entry must hold the whole state; its tensors are copied into the buffers."""
+    where = f"opt.state entry of a parameter of shape {tuple(bucket.shapes[i])} ({bucket.where})"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
+    slots = bucket.views.slots(i)
+    steps = [] if bucket.views.step_key is None else [bucket.views.step_key]
+    unknown = set(entry) - {*steps, *slots}
+    # Compact state's entries show no buffers of the rule (see StateViews.entry): an edit may leave them out.
+    needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
+    missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
+    if unknown or missing:
+        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
+                         f"may hold {', '.join(k for k in slots if k not in needs)}")
+    for name, v in entry.items():
+        if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
+                               or v.shape != slots[name].shape):
+            raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
+                             f"holding values, got {v!r:.80}")
+        if name in bucket.store.declared:
+            check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
+    # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
+    return {**{k: v.detach() for k, v in entry.items() if k not in steps},
+            "step": _entry_step(bucket.views.step_key, entry, where, float(bucket.steps[i]))}
+
+
+def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
+    """Write a validated edit into the buffers: ``None`` starts the parameter afresh, as AdamW's next step does for
+    a missing or empty entry (zero moments, step 1 next); an entry's tensors are copied in."""
+    slots = bucket.views.slots(i)
+    if bucket.compact:  # moments converted (quantised) through the bucket; left as they are where not given
+        for name in [n for n in slots if n != "master" and (entry is None or n in entry)]:
+            bucket.views.load(name, i, None if entry is None else entry[name])
+        slots = {k: v for k, v in slots.items() if k == "master"}
+    if entry is None:
+        for name, slot in slots.items():
+            if name != "master":
+                slot.zero_()
+        bucket.views.reset(i)
+        return
+    bucket.views.set_step(i, entry["step"])
+    for name, slot in slots.items():
+        if name in entry:
+            if not _same_memory(entry[name], slot):
+                slot.copy_(entry[name])
+        elif _optional(bucket, name):
+            slot.zero_()
+    if "master" in entry:
+        bucket.masters.loaded(i, True)
+    elif bucket.low_precision:
+        bucket.masters.loaded(i, False)  # AdamW's state has no master: take it from the parameter
+
+
+def _optional(bucket: FlatBucket, name: str) -> bool:
+    """Whether ``name`` is an optional buffer of the bucket's rule (amsgrad's: zeroed where an entry lacks it)."""
+    buf = bucket.store.declared.get(name)
+    return buf is not None and buf.optional
+
+
+def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "StateMap":
+    """``opt.state`` after the user's edits since the last call took effect as they would in AdamW: a removed or
+    emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
+    restarts its parameter (moments zeroed, step 1 next); tensors or steps put into an entry are copied into the
+    buffers, and the entry points at the buffers again. Everything is validated before anything is written
+    (``ValueError``). ``settle`` runs first when there is something to do: an update still pending belongs to the
+    state before the edit. O(1) when nothing was edited."""
+    if type(state) is StateMap and not state.flag.changed:
+        return state
+    settle()
+    edits: List[Tuple[FlatBucket, int, Optional[Dict[str, Any]]]] = []
+    for bucket in chain.from_iterable(buckets):
+        for i, p in enumerate(bucket.params):
+            entry = state.get(p)
+            if not entry:
+                if bucket.exposed[i] or entry is not None:  # (an empty entry goes: state_dict() would list it)
+                    edits.append((bucket, i, None))
+            elif not (bucket.exposed[i] and _unchanged(entry, bucket, i)):
+                edits.append((bucket, i, _check_edit(entry, bucket, i)))
+    out = state if type(state) is StateMap else StateMap(dict, state)
+    for bucket, i, entry in edits:
+        if entry is None:
+            dict.pop(out, bucket.params[i], None)
+            if not bucket.exposed[i]:
+                continue
+        _apply_edit(bucket, i, entry)
+    for bucket in chain.from_iterable(buckets):
+        expose(out, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i] or out.get(bucket.params[i])])
+    out.flag.changed = False
+    return out
+
+
+def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
+    """Whether an entry still is exactly what :func:`expose` put there (its tensors the buffers' views)."""
+    mine = bucket.views.entry(i)
+    return entry.keys() == mine.keys() and all(_same_memory(entry[k], v) for k, v in mine.items())
+
+
+
+
+def check_compact_moment(state_dtype: torch.dtype, buf: StateBuffer, value: torch.Tensor, where: str) -> None:
+    """What compact state refuses where a moment enters it (a load, an ``opt.state`` edit), naming ``where`` and
+    the value: a negative second moment (AdamW's next step would take its square root: NaN parameters), and for
+    8-bit state an inf or NaN, which its codes cannot hold as AdamW holds it (an element shares its block's scale;
+    the kernel keeps a moment that turns non-finite only as a NaN marker, and an inf second moment, which leaves
+    AdamW's parameter finite, would turn it NaN). fp32 state takes anything, as AdamW does; bf16 holds inf and NaN
+    per element."""
+    if state_dtype == torch.float32 or not buf.compactable:
+        return
+    name = buf.name
+    if not buf.signed and bool((value < 0).any()):
+        raise ValueError(f"{where}: {name} has a negative value ({float(value[value < 0].min()):g}), which a second "
+                         f"moment cannot have; {DTYPE_LABELS[state_dtype]} state refuses it")
+    if state_dtype == torch.int8 and not bool(torch.isfinite(value).all()):
+        bad = value[~torch.isfinite(value)].view(-1)[0]
+        raise ValueError(f"{where}: {name} holds a non-finite value ({float(bad)}), which 8-bit state cannot hold "
+                         "(its elements share their 64-element block's scale); load it into fp32 or bf16 state, or "
+                         "repair the checkpoint")
+
+

@@ -1,0 +1,126 @@
+"""The optimizer's side of ``torch.optim``'s state-dict protocol (``state_dict``, ``load_state_dict`` and their
+hooks; DCP's sharded form), as a base class of :class:`~zero_offload.OffloadOptimizer`: each method settles what the
+step has in flight, then hands the param groups, the buckets and ``opt.state`` to this package's functions."""
+
+from __future__ import annotations
+
+import contextlib
+from itertools import chain
+from typing import Any, Dict
+
+import torch
+
+from zero_offload.checkpoint import dcp, entries, full
+
+__all__ = ["StateDictMethods"]
+
+
+class StateDictMethods:
+    """State dicts of an :class:`~zero_offload.OffloadOptimizer` (see the module docstring)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """AdamW's state dict: views of the host buffers (compact moments: fp32 copies, a bucket at a time); saving
+        changes nothing (``delayed_update``: the state after the pending update, with ``param``; see
+        docs/checkpoints.md). Sharded: a collective gathering the full state onto *every* rank: prefer
+        :meth:`sharded_state_dict` for large models.
+        Entries of ``opt.state`` that are not a parameter's (a hook's ``opt.state["epoch"] = 3``) are carried as
+        AdamW carries them. The pre-hooks run first and the post-hooks see the finished dict."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self._sync()
+        ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
+        with _hooks_set_aside(self):  # torch's own packing of the param groups, without running the hooks twice
+            sd = super().state_dict()
+        if self._transport.sharded:  # gathered, then the entries that are no parameter's
+            self._transport.agree_state(chain.from_iterable(self._buckets))
+            state = full.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
+            state.update((k, v) for k, v in self.state.items() if not isinstance(k, torch.Tensor))
+            sd["state"] = state
+        else:  # entries as plain dicts
+            sd["state"] = {k: dict(v) if isinstance(v, entries.StateEntry) else v for k, v in sd["state"].items()}
+        full.add_compact_moments(sd["state"], self.param_groups, self._buckets)
+        sd["state"].update(full.ahead_entries(self.param_groups, self._buckets, ahead))
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from this class or from ``torch.optim.AdamW``/``Adam``, into the host buffers in place.
+
+        Everything is validated first; an invalid state dict raises ``ValueError`` and changes nothing. Parameters
+        without an entry start fresh, as in AdamW; a missing ``master`` is taken from the parameter. With a
+        ``process_group``, each rank copies only the piece it owns: no collective.
+
+        Args:
+            state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
+        """
+        full.check_format(state_dict)
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        plan = full.plan_load(self.param_groups, self._buckets, state_dict, self._rule)
+        # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
+        # buffer, amsgrad's, is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
+        for group, buckets in zip(plan.groups, self._buckets):
+            for bucket in buckets:
+                bucket.ensure_buffers(self._rule.needed(self._rule.hyper(group)))
+        self._quiesce()
+        full.apply_load(self.state, self._buckets, plan)
+        self.param_groups = plan.groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _quiesce(self) -> None:
+        """Before the state is replaced: no update running, none pending, no copy reading the buffers."""
+        self._mode.settle()
+        self._mode.drop()  # a pending update of the old trajectory
+        self._transport.synchronize()
+        self._pending = None
+        self._end_step()
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a
+        run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
+        elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
+        the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
+        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
+        self._sync()
+        return dcp.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
+                                             param=self.options.delayed_update)
+
+    def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Finish loading a :meth:`sharded_state_dict` that ``dcp.load`` filled (moments and masters are in the
+        buffers already): validate, then apply the step counts and hyperparameters. Local.
+
+        Args:
+            state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
+        """
+        groups, steps, tensors = dcp.plan_sharded_load(self.param_groups, self._buckets, state_dict,
+                                                              self._rule, self.options.delayed_update)
+        self._mode.drop()  # dcp.load has already replaced the state it would update
+        self._transport.synchronize()
+        self._pending = None
+        dcp.apply_sharded_load(self.state, self._buckets, steps, tensors)
+        self.param_groups = groups
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("OffloadOptimizer cannot be pickled or deep-copied: its state lives in host buffers bound to "
+                        "the parameters. Save and restore it with state_dict() / load_state_dict().")
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(opt: torch.optim.Optimizer):
+    """``torch.optim.Optimizer.state_dict`` without its hooks, which :meth:`OffloadOptimizer.state_dict` runs
+    around its own completion of the dict."""
+    pre, post = opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks
+    opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = type(pre)(), type(post)()
+    try:
+        yield
+    finally:
+        opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = pre, post
+
+

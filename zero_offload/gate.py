@@ -1,0 +1,152 @@
+"""The step gate: whether a step applies, and with what gradient multiplier.
+
+``step()`` reads in three phases: *intake* (the transport receives every bucket's gradients and measures them: the
+norm, inf/nan), *decide* (here: one :class:`Decision` from what a ``GradScaler`` left on the optimizer, the pending
+``clip_grad_norm_``, the ``nonfinite`` policy and the measurement), *run* (the schedule updates the buckets with
+the decision's multiplier; speculation keeps an update made during backward only if it used the same one). Every
+message about a refused step is here too.
+
+**GradScaler.** ``torch.amp.GradScaler.step`` drives an optimizer that sets ``_step_supports_amp_scaling`` by
+setting ``grad_scale`` (the scale, or None once ``unscale_`` ran) and ``found_inf`` on it before calling
+``step()``, and deleting them after: read here as a :class:`ScalerSignal`.
+
+**Clipping.** ``clip_grad_norm_`` measures the total norm at once (intake) and leaves a :class:`PendingClip`; the
+next ``step()`` multiplies the gradients by its coefficient inside the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+
+from zero_offload.lane import Lanes
+
+__all__ = ["Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
+           "refuse_clipping", "refuse_released_scaler"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerSignal:
+    """What a ``GradScaler`` left on the optimizer for this ``step()`` (nothing: ``present`` False).
+
+    ``unscaled``: a scaler drives the step and its ``unscale_`` rewrote the gradients in place (without a version
+    bump), so every gradient still on a parameter must be read again; ``overflow``: it found an inf/nan (skip);
+    ``check_nonfinite``: the intake looks for inf/nan (not where a scaler did, nor under the policy "ignore")."""
+
+    present: bool = False
+    grad_scale: Optional[Any] = None  # the scale (None: the user called unscale_ already)
+    found_inf: Optional[Any] = None  # > 0: an inf/nan was found; skip the step
+    unscaled: bool = False
+    overflow: bool = False
+    check_nonfinite: bool = True
+
+    @classmethod
+    def of(cls, opt: Any, policy: str) -> "ScalerSignal":
+        if not (hasattr(opt, "grad_scale") or hasattr(opt, "found_inf")):
+            return _NO_SCALER if policy != "ignore" else _NO_SCALER_IGNORE
+        scale, found = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+        return cls(True, scale, found, scale is None, found is not None and float(found) != 0.0,
+                   found is None and policy != "ignore")
+
+    @property
+    def inv_scale(self) -> float:
+        """``GradScaler.unscale_`` multiplies by this float32 reciprocal computed in double: the same bits here."""
+        if self.grad_scale is None:
+            return 1.0
+        return float(torch.as_tensor(self.grad_scale).double().reciprocal().float())
+
+
+_NO_SCALER, _NO_SCALER_IGNORE = ScalerSignal(), ScalerSignal(check_nonfinite=False)
+
+
+@dataclasses.dataclass
+class PendingClip:
+    """What ``clip_grad_norm_`` left for the next ``step``: the lanes it received and gathered, and the norm."""
+
+    lanes: Lanes
+    max_norm: float
+    norm_type: float
+    total_norm: float
+    nonfinite: bool
+    fresh: bool  # every gradient still on a parameter was read again (see OffloadOptimizer.clip_grad_norm_)
+
+    def coefficient(self, unscale: float = 1.0) -> float:
+        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it (1 where that is not finite), with the
+        norm multiplied by ``unscale`` first."""
+        total = torch.tensor(self.total_norm * unscale, dtype=torch.float32)
+        coef = float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
+        return coef if math.isfinite(coef) else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One step's verdict. ``skip``: why the step is not applied (``"scaler overflow"``, ``"nonfinite"``), or None;
+    ``raise_``: the ``nonfinite="raise"`` policy refuses it with an error; ``multiplier``: what multiplies every
+    gradient in the kernel (the loss-scale inverse times the clip coefficient); ``inv_scale`` and ``clip`` what it
+    was made of (the next step is expected to look like this one)."""
+
+    skip: Optional[str] = None
+    raise_: bool = False
+    multiplier: float = 1.0
+    inv_scale: float = 1.0
+    clip: Optional[PendingClip] = None
+
+
+def decide(scaler: ScalerSignal, clip: Optional[PendingClip], nonfinite_found: bool, policy: str) -> Decision:
+    """The step's :class:`Decision` (``nonfinite_found``: the intake's inf/nan check, where it ran)."""
+    if scaler.overflow:
+        return Decision(skip="scaler overflow")
+    if nonfinite_found:
+        return Decision(skip="nonfinite", raise_=policy == "raise")
+    inv_scale = scaler.inv_scale
+    # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
+    coef = 1.0 if clip is None else clip.coefficient(inv_scale if scaler.grad_scale is not None else 1.0)
+    return Decision(multiplier=inv_scale * coef, inv_scale=inv_scale, clip=clip)
+
+
+def nonfinite_error(where: str) -> RuntimeError:
+    return RuntimeError(f"OffloadOptimizer.step: non-finite gradient (inf or nan) in {where}; nothing was updated. "
+                        "Pass nonfinite='skip' to skip such steps, or nonfinite='ignore' to apply them as "
+                        "torch.optim.AdamW would.")
+
+
+def check_norm_type(norm_type: Any) -> float:
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or (math.isfinite(norm_type) and norm_type > 0)):
+        raise ValueError(f"Invalid norm_type: {norm_type} (expected 2.0, inf or a finite p > 0)")
+    return norm_type
+
+
+def nonfinite_norm_error(norm_type: float) -> RuntimeError:
+    """``clip_grad_norm_(error_if_nonfinite=True)``'s error: torch's own words."""
+    return RuntimeError(
+        f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+        "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+        "`error_if_nonfinite=False`"
+    )
+
+
+def refuse_clipping() -> RuntimeError:
+    return RuntimeError("OffloadOptimizer(overlap_step=True) cannot clip: buckets are updated during backward, "
+                        "before the total norm exists. Turn overlap_step off to clip.")
+
+
+def refuse_overlap_scaler() -> RuntimeError:
+    return RuntimeError("OffloadOptimizer(overlap_step=True) cannot be driven by a GradScaler: the scaler's "
+                        "inf check comes after backward, when buckets were already updated. Turn "
+                        "overlap_step off, or use bf16 autocast, which needs no scaler.")
+
+
+def refuse_released_scaler(plans: Lanes, release: bool) -> None:
+    """A GradScaler finds infs in, and unscales, the gradients on the parameters: released ones it never saw."""
+    if release and any(has and g is None for lanes in plans for lane in lanes
+                       for has, g in zip(lane.present, lane.pending)):
+        raise RuntimeError(
+            "OffloadOptimizer: a GradScaler drives this step, but the gradients were released from the "
+            "parameters as backward streamed them (release_grads=True), so the scaler could not check them for "
+            "inf/nan. Pass release_grads=False to use a GradScaler (or use bf16 autocast, which needs none). "
+            "Nothing was updated."
+        )

@@ -1,0 +1,27 @@
+"""Every byte that moves between the parameters and the host buffers (see :mod:`zero_offload.transport.base`):
+the transport of one optimizer, and the routes of its bucket kinds, one module each."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from zero_offload.lane import record_event
+from zero_offload.options import Options
+from zero_offload.transport.base import Route, Transport
+from zero_offload.transport.local import LocalTransport
+
+__all__ = ["LocalTransport", "Route", "Transport", "make_transport", "record_event"]
+
+
+def make_transport(process_group: Optional[Any], options: Options) -> Transport:
+    """The transport ``options`` ask for: one process's, or (``process_group``) the sharded one."""
+    if process_group is None:
+        return LocalTransport(release=options.release_grads)
+    from zero_offload.distributed import DEFAULT_TIMEOUT, Comm  # only with a process group
+    from zero_offload.transport.sharded import ShardedTransport
+
+    timeout = DEFAULT_TIMEOUT if options.timeout is None else options.timeout
+    return ShardedTransport(Comm(process_group, timeout, options.grads_reduced,
+                                 compact_state=options.state_dtype != torch.float32), release=options.release_grads)

@@ -1,0 +1,402 @@
+"""Every byte that moves between the parameters and the host buffers, for one optimizer: the side streams and
+events that order the copies (the one owner of them), and the bucket kinds' routes behind one small interface.
+
+**Routes.** A bucket's kind says how its bytes move, and each kind is a :class:`Route` (one file each): parameters
+on the host (:mod:`~zero_offload.transport.host`, nothing moves), one GPU with the state on the host or on the
+GPU's own tier (:mod:`~zero_offload.transport.device`), our ``process_group`` sharding
+(:mod:`~zero_offload.transport.sharded`), FSDP2's shards (:mod:`~zero_offload.transport.fsdp2`). A route sends a
+bucket's gradients (from backward, or at ``step()``), waits for them, gathers them where the kernel reads them,
+and sends the updated values back; it keeps what it learns in the bucket's :class:`~zero_offload.lane.Lane`.
+
+**The transport** (:class:`Transport`) takes a step's lanes through their routes in the order that overlaps
+work (device copies are only enqueued, so they go first), and measures what arrived: the gradients' norm (the
+GPU-computed norms of streamed buckets with one synchronisation), and whether one is inf/nan. What the step then
+does with those measurements is the gate's (:mod:`zero_offload.gate`).
+
+**Accumulation.** Without ``no_sync`` every backward streams: with ``release`` each later copy is *added* to what
+the host buffer already holds for this step (fp32 gradients add exactly as they would on the GPU); without it
+the host copy is simply refreshed from ``.grad``, which accumulated on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload import functional
+from zero_offload._compat import foreach_norm_fp32
+from zero_offload.buckets import FlatBucket
+from zero_offload.grads import check_grads
+from zero_offload.lane import Lane, Lanes
+from zero_offload.timeline import NOTHING, Timeline, span
+
+__all__ = ["Route", "Transport", "device_sq_norm"]
+
+
+class Route:
+    """How the bytes of one kind of bucket move (see the module docstring). One instance per kind and optimizer,
+    shared by its buckets; every method takes the bucket's lane.
+
+    Attributes:
+        resident (bool): the state lives with the parameters (no copies between them).
+        speculates (bool): its updates may run speculatively during backward (its gradients reach the host in
+            backward and its parameters are updated only by uploads that wait for a commit).
+    """
+
+    resident = False
+    speculates = False
+
+    def __init__(self, transport: "Transport"):
+        self.transport = transport
+
+    def bind(self, lane: Lane) -> None:
+        """At construction: tie the parameters to their slots (CPU parameters become views of them)."""
+
+    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
+        """Start moving these gradients (parameters ``idx``) to the host buffer; ``add``: sum into it."""
+        raise NotImplementedError
+
+    def wait(self, lane: Lane) -> None:
+        """Wait until the host buffer holds everything sent (and add what landed elsewhere)."""
+
+    def gather(self, lane: Lane) -> None:
+        """At ``step()``: every present gradient where the kernel reads it (``lane.in_place``, or the buffer)."""
+        raise NotImplementedError
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        """Make the updated values visible in the parameters ``indices``."""
+        raise NotImplementedError
+
+    def finish(self, lanes: Sequence[Lane]) -> None:
+        """After every upload of a step: order what reads the parameters next after them."""
+
+    @staticmethod
+    def _slot_copies(lane: Lane) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Zero the slots of absent gradients; return the (slot, gradient) copies still to make."""
+        bucket = lane.bucket
+        views = bucket.grads.grad_views
+        dsts, srcs = [], []
+        zero = bucket.grads.zero
+        for i, (has, g) in enumerate(zip(lane.present, lane.pending)):
+            if not has:
+                if not zero[i]:
+                    bucket.grads.clear(i)
+                continue
+            zero[i] = False
+            if g is not None and g is not views[i]:  # (in its slot already: a view from zero_grad(False))
+                dsts.append(views[i])
+                srcs.append(g)
+        return dsts, srcs
+
+
+class Transport:
+    """The transfers of one optimizer (see the module docstring).
+
+    Args:
+        release (bool): set ``p.grad`` to None once a gradient is on its way to the host.
+    """
+
+    sharded = False
+    # Copy each streamed bucket's GPU norm to the host before its d2h event, so a reader that waited for the
+    # gradients has it too, without a device synchronisation (speculation's early stops read it).
+    host_norms = False
+
+    def __init__(self, *, release: bool):
+        self.release = release
+        self.timeline: Optional[Timeline] = None  # OffloadOptimizer.record_timeline()
+        self.lanes: List[Lane] = []
+        # Per device: the stream of the copies off the GPU (and a sharded bucket's reduce-scatter), and the stream
+        # of the uploads back (and all-gathers).
+        self.streams: Dict[Any, Any] = {}
+        self.upload_streams: Dict[Any, Any] = {}
+        self.arrivals: List[Lane] = []  # the lanes backward sent in this step, in the order it sent them
+        self.moved = False  # a lane's step began (something was sent or received) since the last reset
+        self._routes: Dict[type, Route] = {}
+
+    def route(self, kind: type) -> Route:
+        """This optimizer's route of ``kind`` (made once)."""
+        route = self._routes.get(kind)
+        if route is None:
+            route = self._routes[kind] = kind(self)
+        return route
+
+    def route_for(self, bucket: FlatBucket) -> Route:
+        """The route of a bucket: each transport kind's own."""
+        raise NotImplementedError
+
+    def add(self, bucket: FlatBucket, group: int, streamed: bool) -> Lane:
+        """Take charge of a new bucket: its lane (``streamed``: backward sends its gradients)."""
+        lane = Lane(bucket, group, len(self.lanes), self.route_for(bucket), streamed)
+        self.lanes.append(lane)
+        return lane
+
+    def rehome(self, lane: Lane) -> None:
+        """The bucket moved to the device tier (between steps): its new route; backward no longer sends it."""
+        lane.route = self.route_for(lane.bucket)
+        lane.streamed, lane.incoming, lane.norm_host = False, None, None  # (host buffers it no longer needs)
+
+    def stream(self, device: torch.device, upload: bool = False):
+        streams = self.upload_streams if upload else self.streams
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    # -- gradients, from backward ----------------------------------------------------------------------------
+    def send_grads(self, lane: Lane) -> None:
+        """Start sending the bucket's gradients (those on its parameters now) to the host."""
+        bucket = lane.bucket
+        if lane.unsettled:
+            lane.route.wait(lane)
+        self.moved = True
+        if not lane.launches:
+            self.arrivals.append(lane)
+        idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
+        grads = [bucket.params[i].grad for i in idx]
+        shapes = bucket.grads.shapes if len(idx) == len(bucket.params) else [bucket.grads.shapes[i] for i in idx]
+        check_grads(grads, [bucket.params[i] for i in idx], shapes, lambda k: bucket.label(idx[k]))
+        # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
+        add = [self.release and lane.sent[i] for i in idx]
+        tl = self.timeline
+        with NOTHING if tl is None else tl.span("copy", "d2h", lane.position):
+            lane.route.send(lane, idx, grads, add)
+        zero = bucket.grads.zero
+        for i, g in zip(idx, grads):
+            lane.sent[i] = True
+            zero[i] = False
+            if not self.release:
+                lane.sources[i] = (g, g._version)
+        if self.release:
+            for i in idx:
+                bucket.params[i].grad = None
+        lane.launches += 1
+
+    # -- gradients, at step() --------------------------------------------------------------------------------
+    def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
+        """The bucket's gradients for this step, recorded in its lane. Streamed ones are waited for; a gradient
+        assigned or edited in place after its copy (without ``release``: ``GradScaler.unscale_``,
+        ``torch.nn.utils.clip_grad_norm_``) is left pending, to be read again. With ``fresh`` (and without
+        ``release``) every gradient still on its parameter is read again: ``GradScaler.unscale_`` rewrites
+        gradients without bumping their version."""
+        bucket = lane.bucket
+        bucket.masters.check_in_place()
+        grads = bucket.grads.collect()
+        lane.in_place = None
+        self.moved = True
+        if not lane.streamed or not (lane.launches or any(lane.sent)):
+            lane.present, lane.pending, lane.stale = [g is not None for g in grads], grads, False
+            return lane
+        if lane.unsettled:
+            lane.route.wait(lane)
+        present: List[bool] = []
+        pending: List[Optional[torch.Tensor]] = []
+        for i, g in enumerate(grads):
+            if g is None:
+                present.append(lane.sent[i] and self.release)
+                pending.append(None)
+            elif self.release or not lane.sent[i]:
+                present.append(True)
+                pending.append(g)  # assigned after the stream: gathered like any gradient (overwrites the slot)
+            else:
+                src = lane.sources[i]
+                same = not fresh and src is not None and src[0] is g and src[1] == g._version
+                present.append(True)
+                pending.append(None if same else g)
+        # A gradient changed or dropped since its launch: the streamed norm (a sharded bucket's reduced sum) is
+        # stale.
+        stale = any(t is not None for t in pending) or any(was and not has for has, was in zip(present, lane.sent))
+        if stale:
+            lane.norm = None
+        lane.present, lane.pending, lane.stale = present, pending, stale
+        return lane
+
+    def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> bool:
+        """Make every bucket's gradients readable where the kernel reads them; with ``check``, return whether any
+        is inf/nan. A CPU bucket is checked right after its own gather, when what it copied is still in cache.
+        ``clipping``: called by ``clip_grad_norm_`` and ``settings`` (name, value) pairs of the step: what the
+        sharded transport checks every rank agrees on."""
+        lanes = list(chain.from_iterable(plans))
+        for lane in lanes:  # device copies are only enqueued: they go first and overlap the host's
+            if not lane.route.resident:
+                lane.route.gather(lane)
+        bad = False
+        for lane in lanes:
+            if lane.route.resident:
+                lane.route.gather(lane)
+                if check and not bad and not lane.bucket.device_tier:
+                    bad = lane.host_sq_norm()[1]
+        if check and not bad:
+            bad = _device_tier_norm(lanes)[1]
+        if check and not bad:
+            bad = self._cuda_nonfinite([lane for lane in lanes if not lane.route.resident])
+        return bad
+
+    def _cuda_nonfinite(self, lanes: List[Lane]) -> bool:
+        self.streamed_norms(lanes)  # one synchronisation for every streamed bucket
+        if any(lane.sq is not None and not math.isfinite(lane.sq) for lane in lanes):
+            return True
+        for lane in lanes:
+            if lane.sq is None:
+                lane.route.wait(lane)
+                if functional.grad_sq_norm(lane.bucket.grad)[1]:
+                    return True
+        return False
+
+    def streamed_norms(self, lanes: Sequence[Lane]) -> None:
+        """Read the GPU-computed squared norms of the streamed buckets among ``lanes`` into ``lane.sq``, with one
+        synchronisation per device."""
+        by_device: Dict[Any, List[Lane]] = {}
+        for lane in lanes:
+            lane.sq = None
+            if lane.norm is not None:
+                by_device.setdefault(lane.norm.device, []).append(lane)
+        for items in by_device.values():
+            with NOTHING if self.timeline is None else self.timeline.span("wait", "norms"):
+                values = torch.stack([lane.norm for lane in items]).cpu().tolist()
+            for lane, v in zip(items, values):
+                lane.sq = v
+
+    def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
+        """``step()`` after ``clip_grad_norm_``: the sharded transport checks the ranks agree on ``settings``."""
+
+    def wait_all(self, plans: Lanes) -> None:
+        for lane in chain.from_iterable(plans):
+            lane.route.wait(lane)
+
+    def total_norm(self, plans: Lanes, norm_type: float) -> Tuple[float, bool]:
+        """``clip_grad_norm_``'s total norm of the gathered gradients, and whether any is inf/nan."""
+        lanes = list(chain.from_iterable(plans))
+        if norm_type == 2.0:
+            # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
+            self.streamed_norms([lane for lane in lanes if not lane.route.resident])
+            self.wait_all(plans)
+            sq, nonfinite = _device_tier_norm(lanes)  # (one synchronisation for the device tier too)
+            for lane in lanes:
+                if lane.bucket.device_tier:
+                    continue
+                if lane.sq is not None and not lane.route.resident:
+                    s, bad = lane.sq, not math.isfinite(lane.sq)
+                else:
+                    s, bad = lane.host_sq_norm()
+                sq, nonfinite = sq + s, nonfinite or bad
+            return math.sqrt(sq), nonfinite
+        self.wait_all(plans)
+        # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
+        host = [t for lane in lanes for t in lane.host_grads() if t.numel()]
+        if norm_type == math.inf:
+            return max((float(t.abs().max()) for t in host), default=0.0), False
+        norms = [torch.linalg.vector_norm(t.float(), norm_type) for t in host]
+        return (float(torch.linalg.vector_norm(torch.stack(norms), norm_type)) if norms else 0.0), False
+
+    def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+        """Which parameter holds the first inf/nan gradient, for an error message (``names``: each group's
+        ``param_names``, or None)."""
+        for gi, group_plan in enumerate(plans):
+            for lane in group_plan:
+                bucket = lane.bucket
+                for i, has in enumerate(lane.present):
+                    if not has:
+                        continue
+                    host = bucket.grads.grad_views[i] if lane.in_place is None else lane.in_place[i]
+                    if host is not None and not bool(torch.isfinite(host).all()):
+                        j = bucket.layout.indices[i]
+                        label = f" ({names[gi][j]!r})" if names[gi] else ""
+                        return f"param group {gi}, parameter {j}{label} of shape {tuple(bucket.params[i].shape)}"
+        return "the gradients"
+
+    # -- parameters, back ------------------------------------------------------------------------------------
+    def before_uploads(self, lanes: Iterable[Lane]) -> None:
+        """Uploads overwrite the parameters, so their stream first waits for what the compute stream has queued
+        since backward, which may still read them (an EMA of the weights, a norm for logging, an eval forward
+        before ``state_dict()``). Not needed for ``overlap_step``'s uploads in backward: every use of a parameter
+        was queued before the hook that found its gradient final."""
+        for device in {lane.bucket.device for lane in lanes if not lane.route.resident}:
+            self.stream(device, upload=True).wait_stream(torch.cuda.current_stream(device))
+
+    def before_update(self, lane: Lane) -> None:
+        """Wait until the bucket's last upload has read master and staging, which the kernel is about to write
+        (callers on the hot path first check ``lane.h2d_gen != lane.h2d_seen``: nothing to wait for otherwise)."""
+        lane.wait_h2d(self.timeline)
+
+    def send_params(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Make the updated values visible in the parameters ``indices`` (``srcs``: per parameter, where to upload
+        from instead of :attr:`FlatBucket.upload_views`: a speculative update's own low-precision output)."""
+        lane.route.upload(lane, indices, srcs)
+        lane.bucket.masters.record_versions(indices)
+
+    def finish_params(self, lanes: Sequence[Lane]) -> None:
+        """After a step's uploads: what reads the parameters next waits for them (the host does not)."""
+        for route in {id(lane.route): lane.route for lane in lanes}.values():
+            route.finish([lane for lane in lanes if lane.route is route])
+
+    def synchronize(self) -> None:
+        """Wait for copies in flight from the host buffers (before anything rewrites them)."""
+        for stream in chain(self.streams.values(), self.upload_streams.values()):
+            with span(self.timeline, "wait", "streams"):
+                stream.synchronize()
+
+    # -- between steps ---------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget what was sent for this step (after ``step()``, or at ``zero_grad()``), once it has landed."""
+        self.arrivals, self.moved = [], False
+        for lane in self.lanes:
+            if lane.launches or lane.adds or any(lane.sent):  # (anything of this step moved down the lane)
+                if lane.unsettled:
+                    lane.route.wait(lane)
+                lane.end()
+
+    def keep_zero_grads(self) -> None:
+        """``zero_grad(set_to_none=False)``: CPU buckets not streamed take their gradients as views of the flat
+        buffer; with ``release``, the parameters that had a gradient last step keep a zero one (AdamW still steps
+        them), held as zeroed slots of the host buffer; other gradients are zeroed where they are. After
+        :meth:`reset`."""
+        for lane in self.lanes:
+            bucket = lane.bucket
+            if bucket.resident and not lane.streamed:
+                bucket.grads.zero_as_views()
+                continue
+            if self.release and any(lane.had):
+                if bucket.shares_grad:
+                    self.before_update(lane)  # the slots cleared below may still be uploading parameters
+                lane.sent = list(lane.had)
+                for i, has in enumerate(lane.had):
+                    if has:
+                        bucket.grads.clear(i)
+            grads = []
+            for p in bucket.params:
+                if p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    grads.append(p.grad)
+            if grads:
+                torch._foreach_zero_(grads)
+
+
+def _device_tier_norm(lanes: Sequence[Lane]) -> Tuple[float, bool]:
+    """The squared norm of the device tier's gathered gradients (``gpu_fraction``: they stay on the GPU), all
+    buckets at once, and whether one is inf/nan."""
+    # (A bucket with no gradient and no buffer has nothing to read: its host_grads() would make the buffer.)
+    grads = [t for lane in lanes if lane.bucket.device_tier and (lane.in_place is not None
+                                                                  or lane.bucket.grads.allocated)
+             for t in lane.host_grads()]
+    return device_sq_norm(grads) if grads else (0.0, False)
+
+
+def device_sq_norm(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
+    """:func:`grad_sq_norm_segments` of gradients that stay on their device (the device tier's, ``gpu_fraction``):
+    torch's norms there (each in float32, squared and summed in float64) and one synchronisation. The non-finite
+    flag is exact: a sum that overflows is checked element by element (as the host kernel's flag, it is set only
+    by an inf or nan)."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return 0.0, False
+    total = float(torch.stack(foreach_norm_fp32(grads)).double().square().sum())
+    if math.isfinite(total):
+        return total, False
+    return total, not all(bool(torch.isfinite(g).all()) for g in grads)

@@ -1,0 +1,355 @@
+"""ZeRO over a ``process_group`` (:class:`ShardedTransport`): each rank keeps the state of its shard of every
+bucket (:class:`~zero_offload.buckets.ShardLayout`).
+
+One bucket's journey with a group of N ranks: its gradients are flattened and reduce-scattered (summed; the 1/N of
+the average is folded into the kernel's gradient multiplier), from the backward hooks when streamed or at
+``step()``, so each rank holds the sum for the shard it owns; the gradient statistics of all buckets (sum of
+squares, a non-finite flag, and which parameters have a gradient on any rank) are combined in *one* all-reduce of
+a small tensor per step; the kernel updates the shard; the updated shard is all-gathered into the full parameters
+while the next bucket is updated. The collectives themselves, their timeouts and failures are
+:mod:`zero_offload.distributed`'s; where ranks part ways, :mod:`~zero_offload.transport.agreement` catches it.
+
+* On CPU the parameters are views of the bucket's ``flat_param``; gradients are copied into (or, after
+  ``zero_grad(set_to_none=False)``, accumulated in) ``flat_grad``, which the reduce-scatter reads; the all-gather
+  writes ``flat_param`` in place (:class:`ShardedResidentRoute`, also a device-tier bucket's).
+* On CUDA, gradients are flattened into a transient device buffer on the copy stream, the reduce-scatter leaves
+  the owned shard on the device and only that shard is copied to pinned host memory; the updated shard goes up on
+  the upload stream and is all-gathered into a transient device buffer copied into the parameters
+  (:class:`ShardedOffloadRoute`).
+
+Every rank must issue the collectives in the same order: which parameters have a gradient is agreed over the group
+in :meth:`ShardedTransport.gather`, so every rank then updates (and all-gathers) the same buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from itertools import chain
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload import functional
+from zero_offload._compat import increment_version
+from zero_offload.buckets import FlatBucket
+from zero_offload.distributed import Comm, _dist
+from zero_offload.host_memory import copy_many_, empty_host
+from zero_offload.lane import Lane, Lanes
+from zero_offload.state.layout import view_like
+from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
+from zero_offload.transport.base import Route, Transport, device_sq_norm
+
+__all__ = ["GradStats", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradStats:
+    """One step's gradient statistics, combined over the group: ``sq`` the sum of squares of the (averaged)
+    gradient over every bucket, ``nonfinite`` whether some rank's shard holds an inf or nan."""
+
+    sq: float
+    nonfinite: bool
+
+
+class _ShardedRoute(Route):
+    """What both sharded kinds share: a reduce-scatter leaves this rank's shard of the gradients' sum in the
+    bucket's gradient buffer (or, for a streamed micro-batch with ``release``, in ``shard_in``, added to it)."""
+
+    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
+        """Start the reduce-scatter of a bucket complete in backward. Its shard of the reduced sum is added to an
+        earlier micro-batch's with ``release``; otherwise it is recomputed from the gradients accumulated on the
+        parameters. The first bucket of each backward (every backward sends every bucket once, in a fixed order)
+        is preceded by an agreement check: a rank running one more backward than another meets its ``step()``
+        there and both raise, where their reduce-scatters would have met the step's all-reduce and aborted gloo."""
+        t = self.transport
+        t.count_backward(lane)
+        self.reduce_scatter(lane, [p.grad for p in lane.bucket.params], add=t.release and lane.launches > 0)
+        if t.release and not self.resident:
+            stream = t.stream(lane.bucket.device)
+            for g in grads:
+                g.record_stream(stream)
+
+    def reduce_scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], add: bool = False) -> None:
+        """Flatten the gradients (absent ones as zeros) and start leaving this rank's shard of their sum over the
+        group (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``; with ``add``, the shard
+        is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
+        reduce-scatter runs while the caller goes on, and :meth:`wait` finishes it."""
+        self.wait(lane)  # the previous reduce-scatter may still read flat_grad or write grad
+        bucket = lane.bucket
+        if add and lane.shard_in is None:
+            lane.shard_in = empty_host(bucket.shard.numel, bucket.dtype, pin=bucket.pin)
+        self._scatter(lane, grads, lane.shard_in if add else bucket.grad)
+        lane.adding = add
+        lane.unsettled = True
+
+    def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def wait(self, lane: Lane) -> None:
+        """Wait for the reduce-scatter (at most the group's timeout, else an error naming rank and bucket) and the
+        copy to the host, and add a streamed micro-batch's shard."""
+        if lane.rs is not None:
+            pending, lane.rs = lane.rs, None
+            pending.wait()
+        lane.wait_d2h(self.transport.timeline)
+        if lane.adding:
+            lane.adding = False
+            lane.bucket.grad.add_(lane.shard_in)
+        lane.unsettled = False
+
+    def gather(self, lane: Lane) -> None:
+        lane.in_place = None  # (the shard is in the gradient buffer: ShardedTransport.gather reduced it there)
+
+    def finish(self, lanes: Sequence[Lane]) -> None:
+        for lane in lanes:
+            if lane.ag is not None:
+                pending, lane.ag = lane.ag, None
+                pending.wait()
+
+
+class ShardedResidentRoute(_ShardedRoute):
+    """A sharded bucket whose parameters are views of ``flat_param`` (CPU) or whose state is on the device tier."""
+
+    resident = True
+
+    def bind(self, lane: Lane) -> None:
+        """Rank 0's values on every rank (broadcast, as DDP does at construction), the parameters views of
+        ``flat_param``. A collective: every rank binds its buckets in the same order."""
+        bucket = lane.bucket
+        bucket.masters.fill_param_slots()
+        self.transport.comm.broadcast(bucket.flat_param, f"initial parameters of {bucket.where}")
+        bucket.masters.bind()
+
+    def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
+        bucket, comm = lane.bucket, self.transport.comm
+        targets, numels = bucket.grads.targets, bucket.full.numels
+        dsts, srcs, sizes = [], [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                bucket.grads.clear(i)
+                continue
+            bucket.grads.filled(i)
+            if g is not targets[i]:  # a view installed by zero_grad(set_to_none=False) needs no copy
+                dsts.append(targets[i])
+                srcs.append(g)
+                sizes.append(numels[i])
+        if dsts:
+            copy_many_(dsts, srcs, sizes)
+        lo, shard = bucket.shard.lo, bucket.shard.numel
+        if comm.grads_reduced:
+            out.copy_(bucket.flat_grad[lo : lo + shard])
+        else:
+            lane.rs = comm.start_reduce_scatter(out, bucket.flat_grad, f"gradients of {bucket.where}")
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        """Start all-gathering the updated shard into ``flat_param`` in place (the shard is its own slice)."""
+        bucket = lane.bucket
+        lo, shard = bucket.shard.lo, bucket.shard.numel
+        lane.ag = self.transport.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard],
+                                                       f"parameters of {bucket.where}")
+        increment_version([bucket.params[i] for i in indices])
+
+
+class ShardedOffloadRoute(_ShardedRoute):
+    """A sharded GPU bucket whose shard of the state lives on the host."""
+
+    def bind(self, lane: Lane) -> None:
+        """Rank 0's values on every rank (broadcast through a flat device buffer)."""
+        bucket = lane.bucket
+        full = bucket.full
+        flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        views = [view_like(flat, o, p) for o, p in zip(full.offsets, bucket.params)]
+        torch._foreach_copy_(views, [p.detach() for p in bucket.params])
+        self.transport.comm.broadcast(flat, f"initial parameters of {bucket.where}")
+        with torch.no_grad():
+            torch._foreach_copy_(bucket.params, views)
+
+    def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
+        bucket, t = lane.bucket, self.transport
+        full, comm = bucket.full, t.comm
+        lo, shard = bucket.shard.lo, bucket.shard.numel
+        stream = t.stream(bucket.device)
+        # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end).
+        stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        with torch.cuda.stream(stream):
+            flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            if present:
+                torch._foreach_copy_([view_like(flat, full.offsets[i], bucket.params[i]) for i in present],
+                                     [grads[i] for i in present])
+            if comm.grads_reduced:
+                own = flat[lo : lo + shard]
+            else:
+                own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
+                lane.rs = comm.start_reduce_scatter(own, flat, f"gradients of {bucket.where}")  # the stream waits
+            out.copy_(own, non_blocking=True)
+            lane.record_d2h(stream)
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        """The updated shard up on the upload stream, all-gathered into a transient device buffer, copied into
+        the parameters updated (another's master may not have been initialised from it yet); not waited for:
+        the next bucket's update runs meanwhile, and :meth:`finish` waits."""
+        bucket, t = lane.bucket, self.transport
+        shard, full = bucket.shard.numel, bucket.full
+        src = bucket.staging if bucket.low_precision else bucket.master
+        stream = t.stream(bucket.device, upload=True)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
+            own.copy_(src, non_blocking=True)
+            flat = torch.empty(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            lane.ag = t.comm.start_all_gather(flat, own, f"parameters of {bucket.where}")  # the stream waits for it
+            torch._foreach_copy_([bucket.params[i] for i in indices],
+                                 [view_like(flat, full.offsets[i], bucket.params[i]) for i in indices])
+        lane.record_h2d(stream)
+
+    def finish(self, lanes: Sequence[Lane]) -> None:
+        super().finish(lanes)
+        for device in {lane.bucket.device for lane in lanes}:
+            torch.cuda.current_stream(device).wait_stream(self.transport.stream(device, upload=True))
+
+
+class ShardedTransport(Transport):
+    """The transport of a sharded optimizer (see the module docstring): its own routes, and the step's
+    collectives over all buckets (the statistics' all-reduce, the agreement checks).
+
+    Args:
+        comm (Comm): the group's collectives.
+        release (bool): as for :class:`~zero_offload.transport.base.Transport`.
+    """
+
+    sharded = True
+
+    def __init__(self, comm: Comm, *, release: bool):
+        super().__init__(release=release)
+        self.comm = comm
+        self._stats: Optional[GradStats] = None
+        self._backwards = 0  # backward passes of this step whose reduce-scatters have begun (see count_backward)
+        self.agreement = Agreement(comm, self._stats_numel, lambda: self._backwards)
+
+    def route_for(self, bucket: FlatBucket) -> Route:
+        return self.route(ShardedResidentRoute if bucket.resident else ShardedOffloadRoute)
+
+    def count_backward(self, lane: Lane) -> None:
+        """A bucket is sent in backward: the first of each backward checks the ranks agree first."""
+        if lane.launches >= self._backwards:
+            self.agreement.check(BACKWARD, (), "reduce_scatter", f"gradients of {lane.bucket.where}")
+            self._backwards += 1
+
+    def reset(self) -> None:
+        super().reset()
+        self._backwards = 0
+
+    def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> bool:
+        """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
+        flag and which parameters have a gradient in one all-reduce (each lane's ``present`` becomes the group's
+        answer: a gradient on some ranks only counts as zero on the others).
+
+        A bucket whose gradients backward already reduce-scattered (the same on every rank) is only waited for;
+        the others' reduce-scatters are all started first (in plan order, the same on every rank), then waited
+        for, so they overlap each other and the gradient copies. The all-reduce also carries each streamed
+        bucket's ``stale`` flag: a gradient changed on some rank after its reduce-scatter (an in-place clip or
+        unscale, or one assigned by hand), and every rank then reduce-scatters that bucket again from the
+        gradients on the parameters, with a second all-reduce for the norm (impossible with ``release``, whose
+        gradients are gone: an error on every rank).
+
+        The all-reduce also checks that every rank is at the same point with the same ``settings`` (name, value)
+        pairs: the hyperparameters a step uses, which the all-gather of the updated shards would otherwise
+        silently reconcile (a scheduler stepped on one rank only)."""
+        lanes = list(chain.from_iterable(plans))
+        todo = [lane for lane in lanes if not lane.launches]
+        if todo and any(lane.streamed for lane in self.lanes):
+            # Another rank may have sent these from backward already: it is at the statistics, not here.
+            self.agreement.check(STEP_REDUCE, (), "reduce_scatter", f"gradients of {todo[0].bucket.where}")
+        for lane in todo:
+            lane.route.reduce_scatter(lane, lane.pending)
+        local = [list(lane.present) for lane in lanes]
+        sqs, bads = self._shard_stats(lanes)
+        stale = [float(lane.launches > 0 and lane.stale) for lane in lanes]
+        where = "the gradient norm, non-finite check and gradient presence"
+        vals = self.comm.all_reduce_host([sum(sqs), sum(bads), float(clipping), *map(float, chain.from_iterable(local)),
+                                          *stale, *self.agreement.tail(STATS, settings)], _dist().ReduceOp.SUM, where)
+        tail = vals[len(vals) - 3 * self.comm.world :]
+        self.agreement.check_phases(tail, "all_reduce", where)
+        self.agreement.check_clipping(int(vals[2]), clipping)
+        self.agreement.check_settings(tail, settings, where)
+        del vals[len(vals) - 3 * self.comm.world :]
+        k = 3
+        for lane in lanes:
+            lane.present = [v > 0 for v in vals[k : k + len(lane.present)]]
+            k += len(lane.present)
+        redo = [i for i, v in enumerate(vals[k:]) if v > 0]
+        if redo:
+            vals[:2] = self._reduce_again(lanes, local, redo, sqs, bads)
+        self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
+        return check and self._stats.nonfinite
+
+    def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
+        """``step()`` after ``clip_grad_norm_`` (whose all-reduce was the gradient statistics'): check that every
+        rank steps with the same ``settings``, in an all-reduce of its own."""
+        self.agreement.check(CLIPPED_STEP, settings, "all_reduce", "the hyperparameters of step()")
+
+    def agree_state(self, buckets: Iterable[FlatBucket]) -> None:
+        """``state_dict()``, before gathering: every rank is there, and holds the same state buffers (an amsgrad
+        buffer on some ranks only, from a state dict loaded there, would gather unlike sizes and abort gloo)."""
+        settings = [(f"{buf.name} buffer of {b.where}", float(buf.name in b.store.flat))
+                    for b in buckets for buf in b.rule.buffers if buf.optional]
+        self.agreement.check(STATE_DICT, settings, "all_gather", "the state", state=True)
+
+    def _stats_numel(self) -> int:
+        """The length of :meth:`gather`'s all-reduce: fixed for the optimizer's life, the same on every rank."""
+        return 3 + sum(len(lane.bucket.params) + 1 for lane in self.lanes) + 3 * self.comm.world
+
+    def _reduce_again(self, lanes: List[Lane], local: List[List[bool]], redo: List[int], sqs: List[float],
+                      bads: List[float]) -> List[float]:
+        if self.release:
+            raise RuntimeError(
+                f"zero_offload: rank {self.comm.rank} of {self.comm.world}: a gradient was assigned or changed in "
+                f"place after backward had reduce-scattered it (in {lanes[redo[0]].bucket.where}), but "
+                "release_grads=True dropped the others', so it cannot be reduced again. Clip with "
+                "optimizer.clip_grad_norm_ and do not edit gradients after backward, or pass release_grads=False. "
+                "Nothing was updated."
+            )
+        for i in redo:
+            lane = lanes[i]
+            again = [p.grad if has and g is None else g
+                     for p, has, g in zip(lane.bucket.params, local[i], lane.pending)]
+            lane.route.reduce_scatter(lane, again)
+        redone = self._shard_stats([lanes[i] for i in redo])
+        for j, i in enumerate(redo):
+            sqs[i], bads[i] = redone[0][j], redone[1][j]
+        return self.comm.all_reduce_host([sum(sqs), sum(bads)], _dist().ReduceOp.SUM,
+                                         "the gradient norm and non-finite check, after reducing again")
+
+    def _shard_stats(self, lanes: Sequence[Lane]) -> Tuple[List[float], List[float]]:
+        """Wait for each bucket's shard; its sum of squares (of the averaged gradient) and non-finite flag."""
+        sqs, bads = [], []
+        for lane in lanes:
+            lane.route.wait(lane)
+            bucket = lane.bucket
+            s, nonfinite = (device_sq_norm([bucket.grad]) if bucket.device_tier
+                            else functional.grad_sq_norm(bucket.grad))
+            sqs.append(s * bucket.grad_multiplier**2)
+            bads.append(float(nonfinite))
+        return sqs, bads
+
+    def total_norm(self, plans: Lanes, norm_type: float) -> Tuple[float, bool]:
+        """``clip_grad_norm_``'s total norm of the averaged gradient over the group: the 2-norm from the last
+        :meth:`gather` (no further collective), other norms with one more all-reduce."""
+        self.wait_all(plans)
+        stats = self._stats
+        if norm_type == 2.0:
+            return math.sqrt(stats.sq), stats.nonfinite
+        dist = _dist()
+        buckets = [lane.bucket for lane in chain.from_iterable(plans) if lane.bucket.grad.numel()]
+        # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
+        if norm_type == math.inf:
+            local = max((float(b.grad.abs().max()) * b.grad_multiplier for b in buckets), default=0.0)
+            total = self.comm.all_reduce_host([local], dist.ReduceOp.MAX, "the gradient inf-norm")[0]
+        else:
+            local = sum(float(torch.linalg.vector_norm(b.grad.double() * b.grad_multiplier, norm_type)) ** norm_type
+                        for b in buckets)
+            total = self.comm.all_reduce_host([local], dist.ReduceOp.SUM, f"the gradient {norm_type}-norm")[0]
+            total = total ** (1.0 / norm_type)
+        return total, stats.nonfinite or not math.isfinite(total)
