@@ -192,6 +192,9 @@ def _steps_table(rec: Dict[str, Any]) -> List[str]:
         status = r.get("status", "?") if ok else f"{r.get('status')}: {str(r.get('error', ''))[:80]}"
         lines.append(f"| {key} | {status} | {ms[0]} | {_fmt(ratio, '.2f')} | {ms[1]} | {ms[2]} | {ms[3]} | "
                      f"{gib[0]} | {gib[1]} | {_fmt(r.get('loss') if ok else None, '.4f')} |")
+    for key, r in rows.items():
+        if r.get("speculation"):
+            lines.append(f"\n{key}: speculation {r['speculation']}")
     argv = rec.get("argv") or []
     asked = argv[argv.index("--only") + 1].split(",") if "--only" in argv else []
     missing = [k for k in asked if k not in rows and res.get("mode") == "gpu"]

@@ -24,7 +24,6 @@ Min over rounds of the per-step mean (the machine may be shared: the min is the 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ def _step_time(opt, params, steps: int, wait_worker: bool):
         loss = sum((p * w).sum() for p, w in zip(params, weights))
         loss.backward()
         if wait_worker:  # the worker's speculation counts too (it would overlap backward on a GPU)
-            concurrent.futures.wait([s.job for s in opt._mode._specs.values() if s.job is not None])
+            opt._mode._worker.submit(lambda: None).result()  # (one thread: every job before it is done)
         t = time.process_time()
         opt.step()
         return time.process_time() - t

@@ -1,22 +1,29 @@
-"""The event model's predictions for the GPU step of the 1.3B GPT preset (H100 PCIe, 16-core host), for the
-schedules this version has and the follow-ups, as docs/speculation.md and docs/twin-flow.md quote them.
+"""The event model's predictions for the GPU step of the 1.3B GPT preset, for the schedules this tree runs: each row is
+an :class:`~zero_offload.options.Options` (the default, ``speculate=False``, a numeric ``gpu_fraction``,
+``gpu_fraction="auto"``), and what the model simulates is read from the code, not written here: whether the options
+speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the new
+parameters go up during backward (``zero_offload.speculation.SCHEDULE``), which buckets ``gpu_fraction`` keeps on the
+GPU (``device_tier_plan``, or for ``"auto"`` the buckets that fit in the GPU memory the offloaded step leaves, as
+``placement.place_on_device`` decides).
 
-The model is ``../shared/gpu/model/sim.py`` (calibrated to +-2% on the two measured schedules; see
-``../shared/gpu/STEP_ANALYSIS.md``), fed the bucket sizes and gradient arrival times of the profiled run. This script
-adds one thing to it: speculation as built copies a bucket's state before its kernel (the save copy), so a kernel
-started before validation costs (28 + 24) / 28 kernel-times; after validation the queued buckets run plainly.
-Estimates, not measurements: the GPU run is ``benchmarks/gpu_suite.py``.
+The model is ``../shared/gpu/model/sim.py`` (calibrated to +-2% on the two measured schedules of the first H100 run;
+see ``../shared/gpu/STEP_ANALYSIS.md``), fed the bucket sizes and gradient arrival times of the profiled run.
+``--kernel-ms`` rescales its CPU kernel to another host (the runbook prints "CPU Adam kernel N ms over 1,313,722,368
+elements"), ``--gpu-gib``/``--peak-gib`` the room ``"auto"`` finds. Estimates, not measurements: the GPU run is
+``benchmarks/gpu_suite.py``.
 
-    python benchmarks/step_model.py [--model-dir ../shared/gpu/model]
+    python benchmarks/step_model.py [--model-dir ../shared/gpu/model] [--kernel-ms 323]
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SAVE_COPY = (28 + 24) / 28  # kernel bytes + the save copy's, over the kernel's, per element
+KERNEL_BYTES = 28  # per element: the update's own memory traffic (fp32 state, fp32 gradient read, master written)
+D2D_BYTES_PER_MS = 1.3e9  # a device-to-device copy on an H100 (the commit of a speculative upload)
 
 
 def load_model(model_dir: Path) -> types.ModuleType:
@@ -34,37 +41,77 @@ def load_model(model_dir: Path) -> types.ModuleType:
     return sim
 
 
-def step_ms(sim: types.ModuleType, *, gpu_buckets: int, speculate: bool, copy: float, uploads_at_once: bool):
+def gpu_buckets(sim: types.ModuleType, fraction, room_bytes: float) -> int:
+    """How many of the last-arriving buckets (0..m-1 in the model's numbering) keep their state on the GPU."""
+    import torch
+
+    from zero_offload.buckets import device_tier_plan
+    from zero_offload.state.layout import BucketLayout
+
+    if fraction == "auto":  # as placement.place_on_device: the last to arrive first, while they fit
+        m, used = 0, 0.0
+        for i in range(sim.NB):
+            cost = 12.0 * sim.SIZE[i]  # fp32 parameters: moments on the GPU, the parameter its own master
+            if used + cost > room_bytes:
+                break
+            used, m = used + cost, m + 1
+        return m
+    # device_tier_plan takes a group's buckets in construction order: the first ones (backward's last) go.
+    layouts = [BucketLayout((0,), (0,), (sim.SIZE[i],), sim.SIZE[i], torch.device("cuda"), torch.float32)
+               for i in range(sim.NB)]
+    return sum(device_tier_plan(layouts, fraction))
+
+
+def step_ms(sim: types.ModuleType, options, gpu: int, schedule):
     """The step (ms) under the model's three kernel/DMA contention fits: (central, low, high)."""
     arrival_order = list(range(sim.NB - 1, -1, -1))
     validated = sim.B + 0.5  # the checks, right after the last gradient copy
+    speculate = options.speculates
+    factor = (KERNEL_BYTES + schedule["kernel_extra_bytes"]) / KERNEL_BYTES
+    at_once = speculate and schedule["uploads_in_backward"]
+    commit = (4.0 * sum(sim.SIZE[i] for i in range(gpu, sim.NB)) / D2D_BYTES_PER_MS) if at_once else 0.0
     out = []
     for extra in (dict(), dict(c=0.0), dict(linear_W=140e6)):
-        sim.SPEC[:] = [copy, validated] if speculate else [1.0, 0.0]
-        out.append(sim.simulate(
+        sim.SPEC[:] = [factor, validated] if speculate else [1.0, 0.0]
+        out.append(commit + sim.simulate(
             order=arrival_order, gate_kernel=(lambda i: 0) if speculate else (lambda i: validated),
-            gate_upload=(lambda i: 0) if uploads_at_once else (lambda i: validated), g=0.1,
-            gpu=frozenset(range(gpu_buckets)), v_gpu=validated, **extra)["T"])
+            gate_upload=(lambda i: 0) if at_once else (lambda i: validated), g=0.1,
+            gpu=frozenset(range(gpu)), v_gpu=validated, **extra)["T"])
     return out[0], min(out[1:]), max(out[1:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, default=ROOT.parent / "shared" / "gpu" / "model")
+    ap.add_argument("--kernel-ms", type=float, default=None,
+                    help="the host's CPU-Adam kernel over the 1.3B elements (default: the model's calibration)")
+    ap.add_argument("--gpu-gib", type=float, default=79.2, help="GPU memory, GiB (default: an H100's)")
+    ap.add_argument("--peak-gib", type=float, default=42.3,
+                    help="the offloaded step's peak GPU memory, GiB (default: measured on the 1.3B preset)")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from zero_offload.options import Options
+    from zero_offload.speculation import SCHEDULE
+
     sim = load_model(args.model_dir)
-    rows = [("no speculation", False, 1.0, False), ("speculation as built (save copy)", True, SAVE_COPY, False),
-            ("out-of-place kernel, uploads after validation", True, 1.0, False),
-            ("out-of-place kernel, uploads during backward", True, 1.0, True)]
-    print(f"1.3B GPT preset, fused AdamW {sim.T_ADAMW:.0f} ms; GPU tier = buckets 0..m-1 (the last to arrive)")
-    print(f"{'schedule':48s} {'GPU tier':>16s} {'step ms':>8s} {'x AdamW':>8s} {'range':>12s}")
-    for name, speculate, copy, at_once in rows:
-        for m in (0, 1, 8, 12, 16):
-            phi = sum(sim.SIZE[:m]) / sim.N
-            t, lo, hi = step_ms(sim, gpu_buckets=m, speculate=speculate, copy=copy, uploads_at_once=at_once)
-            tier = "none" if not m else f"0..{m - 1} (phi {phi:.2f})"
-            print(f"{name:48s} {tier:>16s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x "
-                  f"{lo / sim.T_ADAMW:5.2f}-{hi / sim.T_ADAMW:.2f}x")
+    kw = {}
+    if args.kernel_ms:
+        kw["r0"] = sim.N / args.kernel_ms
+        simulate = sim.simulate
+        sim.simulate = lambda **k: simulate(**{**kw, **k})
+    room = (args.gpu_gib - args.peak_gib - Options().gpu_margin_gib) * 2**30
+    rows = [("default", {}), ("speculate=False", {"speculate": False}), ("gpu_fraction=0.28", {"gpu_fraction": 0.28}),
+            ('gpu_fraction="auto"', {"gpu_fraction": "auto"})]
+    print(f"1.3B GPT preset, fused AdamW {sim.T_ADAMW:.0f} ms; kernel {sim.N / kw.get('r0', 4.91e6):.0f} ms over "
+          f"{sim.N:,} elements; schedule as built: {SCHEDULE}")
+    print(f"{'options':22s} {'speculates':>10s} {'GPU tier':>18s} {'step ms':>8s} {'x AdamW':>8s} {'range':>12s}")
+    for name, options_kw in rows:
+        options = Options(**options_kw)
+        m = gpu_buckets(sim, options.gpu_fraction, room) if options.gpu_tier else 0
+        t, lo, hi = step_ms(sim, options, m, SCHEDULE)
+        tier = "none" if not m else f"{m} of {sim.NB} buckets"
+        print(f"{name:22s} {str(options.speculates):>10s} {tier:>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x "
+              f"{lo / sim.T_ADAMW:5.2f}-{hi / sim.T_ADAMW:.2f}x")
 
 
 if __name__ == "__main__":

@@ -534,6 +534,10 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
         torch.cuda.synchronize()
         result = _summary(phases, step_s, loss)
         result["timeline"] = _timeline_result(runner, con.key, args.steps, args)
+        stats = getattr(runner.opt, "speculation_stats", None)
+        if stats is not None:  # what speculation did over the run (kept, dropped and why, not started and why)
+            result["speculation"] = dict(speculated=stats.speculated, commits=stats.commits,
+                                         rollbacks=dict(stats.reasons), not_started=dict(stats.not_started))
         result.update(peak_bytes=torch.cuda.max_memory_allocated(), rest_bytes=torch.cuda.memory_allocated(),
                       reserved_bytes=torch.cuda.max_memory_reserved())
         return result
@@ -872,6 +876,8 @@ def main():
                 status = (f"step {r['step_s'] * 1e3:.1f} ms, peak {r['peak_bytes'] / GIB:.2f} GiB allocated "
                           f"({r['reserved_bytes'] / GIB:.2f} reserved), {r['rest_bytes'] / GIB:.2f} GiB after"
                           if r["status"] == "ok" else f"{r['status']}: {r['error']}")
+                if r.get("speculation"):
+                    status += f"; speculation {r['speculation']}"
                 print(f"  ran {con.label}: {status} ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save()
         else:

@@ -26,6 +26,7 @@ from test_cuda_branches import CUDA_RECIPES
 from test_optimizer import Recipe, Run, assert_same, make_runs
 from zero_offload import OffloadOptimizer, speculation, undo
 from zero_offload.options import Options
+from zero_offload.transport.device import OffloadRoute
 
 N_BUCKETS = 6
 
@@ -216,7 +217,10 @@ def test_state_dict_between_backward_and_step_shows_the_state_before_the_step(ea
     for k, entry in theirs["state"].items():
         for name, value in entry.items():
             torch.testing.assert_close(mine["state"][k][name], value, rtol=0, atol=0)
-    assert _reasons(pairs[0][1]) == {"state read or replaced": N_BUCKETS}
+    # The speculative state is in leased buffers until the commit: reading the state costs nothing, the step's
+    # speculation is kept.
+    stats = pairs[0][1].speculation_stats
+    assert not stats.rollbacks and stats.commits == 3 * N_BUCKETS, stats
 
 
 def test_zero_grad_after_backward_rolls_back(eager):
@@ -367,7 +371,8 @@ def test_timeline_shows_rollbacks_and_writes_a_chrome_trace(eager, tmp_path):
     events = opt.timeline()
     rolled = [e for e in events if e.kind == "rollback"]
     assert [e.what for e in rolled] == ["multiplier"] * N_BUCKETS
-    assert sum(e.kind == "copy" and e.what == "restore" for e in events) == N_BUCKETS
+    assert not any(e.what in ("save", "restore") for e in events)  # (the update writes out of place: no copies)
+    assert sum(e.kind == "copy" and e.what == "h2d speculative" for e in events) == 2 * N_BUCKETS
     table = timeline.breakdown(events)
     assert table["kernel speculative"]["count"] == 2 * N_BUCKETS and table["kernel step"]["count"] == 2 * N_BUCKETS
     path = tmp_path / "trace.json"
@@ -459,8 +464,8 @@ def test_the_default_pool_is_reused_step_after_step(eager, pool_watch):
         _drive(pairs, 1) if step == 0 else _drive(pairs, 1, between=None)
         held.append((len(pool_watch["made"]), spec._mode.pool.held_bytes))
     # The first step initialises the masters; the second, the first to speculate, measures the window (here every
-    # bucket: each speculation ends before backward goes on) and leases all six buckets from one arena each; they
-    # are merged into one arena for the third, which every later step reuses: nothing allocated from then on.
+    # bucket: each speculation ends before backward goes on) and makes a spare set for each of the six buckets;
+    # every later step reuses them: nothing allocated from then on.
     every = N_BUCKETS * _lease_bytes(spec._buckets[0][0])
     assert held[2:] == [held[2]] * 10 and held[2][1] == every, held
     assert spec.speculation_stats.commits == 11 * N_BUCKETS and not spec.speculation_stats.not_started["undo pool full"]
@@ -518,19 +523,20 @@ def test_learned_cap_grows_to_the_window_and_gives_memory_back():
 
     assert step(0) == (0, 0)  # (a step that sends buckets but asks for no lease, before any: not counted)
     assert step(3) == (3, 3 * x) and pool.limit() == 4 * x
-    # The window widens to 8: 4 fit, so 2 * 4 + 1 are demanded, then all 8 fit (in one arena from then on).
+    # The window widens to 8: 4 fit, so 2 * 4 + 1 are demanded, then all 8 fit.
     assert step(8) == (4, 4 * x) and pool.limit() == 10 * x
     assert step(8) == (8, 8 * x) and step(8) == (8, 8 * x) and pool.held_bytes == 8 * x
     for _ in range(undo.RECENT_STEPS):
         last = step(0)
-    assert last == (0, 8 * x) and pool.limit() == x and pool.held_bytes == 0
-    # Leases of different sizes and dtypes share an arena: given back, its front serves the next.
+    # Ten steps that lease nothing: the cap falls to one bucket's slack, and the free buffers beyond it go.
+    assert last == (0, 8 * x) and pool.limit() == x and pool.held_bytes <= x
+    # A buffer given back serves the next lease of its size and pinning (whatever it holds): nothing is made.
     a = pool.take([("master", x // 4, torch.float32, False), ("exp_avg", 7, torch.bfloat16, False)])
     assert isinstance(a, undo.Lease) and a.nbytes == x + 64 and a.buffers["exp_avg"].dtype == torch.bfloat16
-    assert a.buffers["exp_avg"].data_ptr() - a.buffers["master"].data_ptr() == x
+    held, ptr = pool.held_bytes, a.buffers["master"].data_ptr()
     pool.give_back(a)
     b = pool.take(piece)
-    assert b.buffers["master"].data_ptr() == a.buffers["master"].data_ptr() and pool.held_bytes == x + 64
+    assert b.buffers["master"].data_ptr() == ptr and pool.held_bytes == held
     pool.give_back(b)
 
 
@@ -569,3 +575,142 @@ def test_step_cancels_what_is_still_queued_before_waiting_for_the_running_one(cu
     stats = opt.speculation_stats
     assert stats.commits == 3 and stats.not_started["queued at step()"] - queued == 3 * (N_BUCKETS - 1), stats
     assert opt._mode.pool.held_bytes == _lease_bytes(opt._buckets[0][0])
+
+
+# -- out of place, and the speculative uploads (issue 35) --------------------------------------------------------
+def test_a_rollback_leaves_the_state_and_the_parameters_untouched(eager, monkeypatch):
+    """The kernel writes into the lease: until the commit, nothing of the bucket changes (no save copy, no
+    restore); a rollback (here every step clips) gives the lease back and the step runs as without speculation."""
+    pairs = _pair()
+    (a, spec), _ = pairs
+    seen = []
+
+    def between(step, model, opt):
+        if opt is spec:  # every bucket speculated by now; its state and parameters as before
+            seen.append([(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+                         for p in model.parameters()])
+        opt.clip_grad_norm_(1e-3)
+
+    _drive(pairs, 2)
+    before = [(p.detach().clone(), {k: v.clone() for k, v in spec.state[p].items()}) for p in a.parameters()]
+    _drive(pairs, 1, between=lambda step, m, opt: between(step + 1, m, opt))
+    for (p0, s0), (p1, s1) in zip(before, seen[0]):
+        assert torch.equal(p0, p1) and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert _reasons(spec) == {"multiplier": N_BUCKETS}
+
+
+def test_speculative_uploads_go_up_before_step_and_wait_for_no_other_bucket(cuda_branches):
+    """Each speculated bucket's new parameters are copied up right after its own kernel, in the worker, before
+    step() is called; nothing the worker waits for between a bucket's kernel and its upload is another bucket's.
+    The commit then copies device to device (the parameters change only at step())."""
+    pairs = _pair()
+    (a, spec), _ = pairs
+    _drive(pairs, 2)
+    spec.record_timeline()
+    for model, opt in pairs:
+        opt.zero_grad()
+        _loss(model, 2).backward()
+    spec._mode._worker.submit(lambda: None).result()  # the worker is done with this backward
+    before = [p.detach().clone() for p in a.parameters()]
+    events = spec.timeline()  # (taken before step(): all of this happened during backward)
+    uploads = [e for e in events if e.kind == "copy" and e.what == "h2d speculative"]
+    kernels = [e for e in events if e.kind == "kernel" and e.what == "speculative"]
+    assert len(uploads) == len(kernels) == N_BUCKETS
+    for kernel, upload in zip(kernels, uploads):
+        assert kernel.bucket == upload.bucket and kernel.end <= upload.start
+        between = [e for e in events if e.thread == kernel.thread and kernel.end <= e.start <= upload.start
+                   and e.kind == "wait"]
+        assert all(e.bucket == kernel.bucket for e in between), between
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))  # untouched until step()
+    commits = spec.speculation_stats.commits
+    for _, opt in pairs:
+        opt.step()
+    (a, spec), (b, plain) = pairs
+    assert_bitwise(a, b, spec, plain, "after the commit of staged uploads")
+    assert spec.speculation_stats.commits == commits + N_BUCKETS
+
+
+def test_no_speculative_upload_without_room_on_the_device(eager, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 40))  # 1 MiB free
+    staged = []
+    real = OffloadRoute.stage
+    monkeypatch.setattr(OffloadRoute, "stage", lambda *a: staged.append(real(*a)) or staged[-1])
+    pairs = _pair()
+    _drive(pairs, 3)
+    assert pairs[0][1].speculation_stats.commits == 2 * N_BUCKETS
+    assert staged == [None] * (2 * N_BUCKETS)  # no device buffer made: every commit uploaded from the host
+
+
+@pytest.mark.parametrize("edit", ["mul_", "load_state_dict"])
+def test_parameters_edited_between_backward_and_step_roll_back(eager, edit):
+    """An edit of the parameters on the GPU after backward (issue 36) is seen by the commit, which rolls back: the
+    step then reads the edited parameters, as AdamW and the run without speculation do."""
+    pairs = _pair()
+    ckpt = copy.deepcopy(pairs[0][0].state_dict())
+
+    def between(step, model, opt):
+        if step == 2:
+            with torch.no_grad():
+                if edit == "mul_":
+                    model[3].weight.mul_(0.5)
+                else:
+                    model.load_state_dict(ckpt)
+
+    _drive(pairs, 4, between=between)
+    reasons = _reasons(pairs[0][1])
+    assert reasons.get("parameters changed", 0) >= 1, reasons
+
+
+def test_a_state_assignment_between_backward_and_step_reads_the_committed_state(eager):
+    """``opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"] * 0.5`` after backward (issue 36) reads the state
+    before this step's update (the speculative one is in the lease), then the speculation is dropped."""
+    pairs = _pair()
+
+    def between(step, model, opt):
+        if step == 2:
+            p = model[1].weight
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"] * 0.5
+
+    _drive(pairs, 4, between=between)
+    assert _reasons(pairs[0][1]) == {"state edited or replaced": N_BUCKETS}
+
+
+@pytest.mark.parametrize("lr", ["0.1", None])
+def test_an_invalid_lr_set_after_backward_is_refused_at_step_not_in_backward(eager, lr):
+    (model, opt), _ = _pair()
+    _drive([(model, opt)], 0)
+    opt.param_groups[0]["lr"] = lr
+    _loss(model, 0).backward()  # (the hooks read the hyperparameters to speculate: they must not raise)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((TypeError, ValueError)):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_amsgrad_switched_on_then_off_keeps_speculating(eager):
+    pairs = _pair()
+
+    def flip(step, model, opt):
+        for g in opt.param_groups:
+            g["amsgrad"] = step in (1, 2)
+
+    _drive(pairs, 6, between=flip)  # (the bitwise check against the run without speculation, every step)
+    stats = pairs[0][1].speculation_stats
+    assert stats.commits > 0 and not stats.not_started["failed"], stats
+
+
+def test_a_closure_that_raises_after_backward_leaves_the_state_as_it_was(eager):
+    pairs = _pair()
+    _drive(pairs, 2)
+    for model, opt in pairs:
+        before = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state.items()}
+
+        def closure(model=model):
+            _loss(model, 5).backward()
+            raise RuntimeError("data loader failed")
+
+        with pytest.raises(RuntimeError, match="data loader"):
+            opt.step(closure)
+        for k, v in before.items():
+            assert all(torch.equal(opt.state[k][n], t) for n, t in v.items())
+    _drive(pairs, 2)

@@ -9,7 +9,7 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["increment_version", "foreach_norm_fp32", "MIN_TORCH"]
+__all__ = ["increment_version", "foreach_norm_fp32", "take_memory", "MIN_TORCH"]
 
 MIN_TORCH = (2, 3)
 
@@ -18,6 +18,8 @@ MIN_TORCH = (2, 3)
 _VERSION_TAKES_LIST = torch.__version__ >= (2, 5)
 # torch._foreach_norm accepts dtype= (accumulate bf16/fp16 gradients in fp32) from torch 2.4.
 _FOREACH_NORM_HAS_DTYPE = torch.__version__ >= (2, 4)
+# Two storages trade their memory (every view of either follows), where torch has it.
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 def increment_version(tensors: Sequence[torch.Tensor]) -> None:
@@ -34,3 +36,18 @@ def foreach_norm_fp32(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     if _FOREACH_NORM_HAS_DTYPE:
         return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     return [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+
+
+def take_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Make ``dst`` (and every view of its storage) hold what ``src`` holds; ``src`` is left holding ``dst``'s
+    old contents, or, where that cannot be done by trading memory, its own (then ``dst`` got a copy). Returns
+    whether the memory was traded: O(1), no byte copied. Trading needs two whole storages of one size starting
+    at their first element (what :func:`zero_offload.host_memory.empty_host` makes, the same size and pinning for
+    both); anything else is copied."""
+    a, b = dst.untyped_storage(), src.untyped_storage()
+    if (_CAN_SWAP and dst.storage_offset() == 0 and src.storage_offset() == 0 and a.nbytes() == b.nbytes()
+            and dst.nbytes == src.nbytes and dst.device == src.device):
+        a._swap_data_ptr_(b)
+        return True
+    dst.copy_(src)
+    return False

@@ -11,6 +11,7 @@ import torch
 from zero_offload import functional
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Run
+from zero_offload.state.codecs import Codec
 
 __all__ = ["Copies", "RunSpec", "copies_of", "is_whole", "run_rule", "touched"]
 
@@ -41,27 +42,48 @@ def copies_of(bucket: FlatBucket) -> Copies:
 
 def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.Tensor],
              in_place: Optional[List[Optional[torch.Tensor]]], hyper, multiplier: float,
-             copies: Optional[Copies] = None) -> None:
+             copies: Optional[Copies] = None, out: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """The rule's update of each run, reading the gradients from ``grad`` (flat, the bucket's layout; None: the
     bucket's gradient buffer) or ``in_place`` (per parameter, where they are), on the bucket's buffers or
-    ``copies``; a device-tier bucket's with the rule's device update. A run starts on a slot, so it owns whole
-    scale blocks of 8-bit state."""
+    ``copies``; a device-tier bucket's with the rule's device update. With ``out`` (whole-bucket destinations by
+    name: ``"master"``, each state buffer the update writes, their ``"<name>_scale"``, and ``"param"`` for the
+    low-precision output), the bucket's buffers are only read (the rule must write out of place). A run starts on
+    a slot, so it owns whole scale blocks of 8-bit state."""
     rule, layout, store = bucket.rule, bucket.layout, bucket.store
     update = rule.update_on_device if bucket.device_tier else rule.update
     if grad is None and in_place is None:
         grad = bucket.grad
     master = bucket.master if copies is None else copies[0]["master"]
-    out = None if copies is None else copies[0].get("staging")
+    staging = None if copies is None else copies[0].get("staging")
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
     for first, last, step in runs:
         a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
         state, scales = store.run_state(a, b, copies)
-        param_out = bucket.param_out(grad, a, b) if copies is None else (None if out is None else out[a:b])
+        if out is not None:
+            param_out = out["param"][a:b] if "param" in out else None
+            dest = _run_out(out, a, b)
+        else:
+            param_out = bucket.param_out(grad, a, b) if copies is None else (None if staging is None else staging[a:b])
+            dest = None
         if in_place is None:
-            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out)
+            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest)
         else:
             grads = in_place if whole else functional.CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
-            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out)
+            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest)
         update(run, hyper)
+
+
+def _run_out(out: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:
+    """The destinations of elements ``[a, b)``, by the rule's names (the master's under ``"param"``)."""
+    blocks = Codec.blocks(a, b)
+    dest = {}
+    for name, t in out.items():
+        if name == "master":
+            dest["param"] = t[a:b]
+        elif name.endswith("_scale"):
+            dest[name] = t[blocks]
+        elif name != "param":
+            dest[name] = t[a:b]
+    return dest

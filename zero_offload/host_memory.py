@@ -4,9 +4,15 @@ cost before any of them is allocated.
 Why not ``torch.empty(..., pin_memory=True)``: PyTorch's pinned caching allocator rounds every request up to a
 power of two, so a 5 GiB master buffer takes 8 GiB of page-locked RAM, and it keeps freed blocks cached for
 reuse. Optimizer state is allocated once and lives as long as the optimizer, so neither behaviour helps. Here a
-buffer is an ordinary CPU tensor of exactly the requested size (PyTorch's CPU allocator aligns it to 64 bytes;
-a pinned one takes under two pages more), page-locked in place with ``cudaHostRegister`` and unregistered just
-before its memory is released.
+buffer is an ordinary CPU tensor of exactly the requested size (PyTorch's CPU allocator aligns it to 64 bytes),
+or, pinned, an anonymous memory map of its size rounded up to whole pages, page-locked in place with
+``cudaHostRegister`` and unregistered just before the map is released.
+
+Every buffer is a whole storage that starts at its first element (no offset, no neighbour): two buffers of the
+same size and pinning can trade their memory with :func:`~zero_offload._compat.swap_storage`, and every view of
+either follows (speculation commits its result so, see :mod:`zero_offload.speculation`). A pinned buffer's
+registration belongs to its memory, not to a tensor: it is undone when the memory is released, whichever storage
+holds it then.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import itertools
 import logging
 import mmap
 import os
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
@@ -36,14 +41,13 @@ _registered: Dict[int, int] = {}
 
 
 def _unregister(ptr: int) -> None:
-    # Runs from weakref.finalize while the buffer's Python object is being destroyed, which is before its storage
-    # can be freed (see empty_host). Errors are logged, never raised: this may run at interpreter exit, after the
-    # CUDA runtime has begun tearing down.
+    # Runs when the memory is released (see _PinnedMap), which may be at interpreter exit, after the CUDA runtime
+    # has begun tearing down: errors are logged, never raised.
     if _registered.pop(ptr, None) is None:
         return
     try:
         # A copy to or from this buffer may still be in flight (an optimizer dropped right after step(), or while
-        # a backward it streamed was failing): the memory must not go back to the heap under it.
+        # a backward it streamed was failing): the memory must not go back to the system under it.
         torch.cuda.synchronize()
     except Exception as exc:  # pragma: no cover - shutdown ordering
         logger.debug("zero_offload: synchronize before freeing pinned memory failed: %s", exc)
@@ -55,19 +59,24 @@ def _unregister(ptr: int) -> None:
         logger.debug("zero_offload: cudaHostUnregister(%#x) failed: %s", ptr, exc)
 
 
+class _PinnedMap(mmap.mmap):
+    """Anonymous memory, page-aligned and page-locked: the storage of a pinned buffer holds this object (its
+    buffer), so it is released, and unregistered first, exactly when the last storage holding the memory goes."""
+
+    ptr = 0
+
+    def __del__(self) -> None:
+        _unregister(self.ptr)
+
+
 def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
-    """A flat, uninitialised CPU tensor of exactly ``numel`` elements, page-locked when ``pin``.
+    """A flat, uninitialised CPU tensor of exactly ``numel`` elements, page-locked when ``pin``, that is a whole
+    storage starting at its first element.
 
-    Pinned buffers start on a page boundary and are carved from an allocation one page longer than their
-    page-rounded size, so the pages registered belong to this buffer alone: ``cudaHostRegister`` works on whole
-    pages and refuses a page already registered, which two small buffers from the same heap page would hit. The
-    cost is under two pages per buffer.
-
-    The finalizer that unregisters the memory is attached to that underlying allocation's tensor object, which
-    every view (they all record it as their ``_base``) keeps alive, PyTorch preserving its Python object while
-    C++ still holds it; so it runs just before the storage can be freed. Storage shared another way (``p.data =
-    view`` keeps no ``_base``) can at worst be unregistered early, which is harmless: the memory stays valid,
-    only pageable again.
+    Pinned buffers are anonymous memory maps of their page-rounded size (``cudaHostRegister`` works on whole pages
+    and refuses a page already registered, which two small buffers from the same heap page would hit), zero-filled
+    by the system; the cost is under one page per buffer. The registration is undone when the memory is released
+    (see :class:`_PinnedMap`), however many views of it are alive until then.
 
     Args:
         numel (int): number of elements (not rounded up).
@@ -86,12 +95,8 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     page = mmap.PAGESIZE
     itemsize = torch.empty((), dtype=dtype).element_size()
     span = -(-numel * itemsize // page) * page
-    # Allocated in the target dtype and sliced, never reinterpreted with .view(dtype): such a view records no
-    # _base, and the finalizer below relies on every view keeping `raw` alive. The allocator's 64-byte alignment
-    # makes the distance to the page boundary a whole number of elements.
-    raw = torch.empty((span + page) // itemsize, dtype=dtype, device="cpu")
-    start = (-raw.data_ptr() % page) // itemsize
-    buf = raw[start : start + numel]
+    memory = _PinnedMap(-1, span)
+    buf = torch.frombuffer(memory, dtype=dtype, count=numel)
     ptr = buf.data_ptr()
     err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
     if int(err) != 0:
@@ -101,7 +106,7 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
             "(ulimit -l, container memlock) may be too low, or pass pin_memory=False"
         )
     _registered[ptr] = span
-    weakref.finalize(raw, _unregister, ptr)
+    memory.ptr = ptr
     return buf
 
 

@@ -58,7 +58,9 @@ class Lane:
         sent (List[bool]): which parameters had a gradient sent in this step's backward; launches: how many
             times it was sent; sources: the gradient and its version at each copy (to notice later in-place
             edits); adds: slots whose copy landed in ``incoming``, to add; norm: its gradients' squared norm on
-            the GPU (one launch carrying all of them); stale: a gradient changed after it was sent.
+            the GPU (one launch carrying all of them), copied to ``norm_host`` before the gradients themselves, with
+            the event ``norm_ev`` (reading it waits for no gradient copy); stale: a gradient changed after it was
+            sent.
         present, pending, in_place: what ``step()`` received: which parameters have a gradient (sharded: on some
             rank), the gradient still to read from the parameter (None: in the host buffer already, or absent),
             and after gathering, a CPU bucket's gradients where the kernel reads them in place (None: the flat
@@ -70,7 +72,8 @@ class Lane:
             still to be added to the gradient.
     """
 
-    __slots__ = ("bucket", "group", "position", "route", "streamed", "unsettled", "d2h", "h2d", "d2h_gen", "d2h_seen",
+    __slots__ = ("bucket", "group", "position", "route", "streamed", "unsettled", "d2h", "h2d", "norm_ev", "d2h_gen",
+                 "d2h_seen",
                  "h2d_gen", "h2d_seen", "incoming", "norm_host", "shard_in", "had", "handles", "epoch", "fired",
                  "expected", "ready", "sent", "launches", "sources", "adds", "norm", "stale", "present", "pending",
                  "in_place", "sq", "spec", "job", "barred", "rs", "ag", "adding", "__weakref__")
@@ -79,7 +82,7 @@ class Lane:
         self.bucket, self.group, self.position, self.route, self.streamed = bucket, group, position, route, streamed
         n = len(bucket.params)
         self.unsettled = False
-        self.d2h = self.h2d = None
+        self.d2h = self.h2d = self.norm_ev = None
         self.d2h_gen = self.d2h_seen = self.h2d_gen = self.h2d_seen = 0
         self.incoming: Optional[torch.Tensor] = None
         self.norm_host: Optional[torch.Tensor] = None

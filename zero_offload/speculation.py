@@ -1,14 +1,16 @@
 """Speculation with validation: each streamed bucket's update runs in a worker thread as soon as backward has sent
 its gradients (in arrival order, while backward goes on), and ``step()`` keeps it only if it is exactly what
-``step()`` would have computed; otherwise the bucket's state is restored and the step runs as without speculation.
+``step()`` would have computed; otherwise it is dropped and the step runs as without speculation.
 
-**Exact by construction.** Before the kernel touches a bucket, the worker copies the bytes it will change (master,
-moments, 8-bit scales) into undo buffers leased from the optimizer's undo pool (:mod:`zero_offload.undo`: shared by
-the buckets of a step, under the ``speculation_memory`` cap; a bucket that finds no room there is updated at
-``step()``); the kernel then runs in place, with the
-hyperparameters and the gradient multiplier that ``step()`` is expected to use. Nothing is uploaded and no step
-count is bumped before validation, so the GPU parameters and ``opt.state``'s steps never see a speculative value.
-At ``step()`` a bucket *commits* (its step counts bumped, its parameters uploaded) only if
+**Exact by construction.** The kernel reads the bucket's state and writes the next state (master, moments, 8-bit
+scales, the low-precision output) into spare buffers leased from the optimizer's pool (:mod:`zero_offload.undo`:
+shared by the buckets of a step, under the ``speculation_memory`` cap; a bucket that finds no room there is updated
+at ``step()``), with the hyperparameters and the gradient multiplier that ``step()`` is expected to use. The
+bucket's own state is not touched, so ``opt.state``, ``state_dict()`` and the GPU parameters see only committed
+values until ``step()``. Where the GPU has room, the new parameters are then copied up into a device buffer of
+their own (a *speculative upload*: the PCIe copy overlaps backward; the parameters themselves are untouched).
+
+At ``step()`` a bucket *commits* only if
 
 * the multiplier ``step()`` computes (GradScaler's inverse scale times the clip coefficient) is bit-equal to the
   one the kernel used (without clipping, or with a coefficient of exactly 1.0, it is);
@@ -17,17 +19,21 @@ At ``step()`` a bucket *commits* (its step counts bumped, its parameters uploade
 * the step is not skipped or refused (a GradScaler's ``found_inf``, an inf/nan with ``nonfinite`` "skip" or
   "raise");
 * its gradients are those the kernel read: none assigned, edited in place, re-read (``GradScaler.unscale_``) or
-  sent again (a second backward without ``no_sync``) since, and its step counts unchanged.
+  sent again (a second backward without ``no_sync``) since; its step counts unchanged; and its parameters not
+  changed on the GPU since the optimizer last wrote them (``p.mul_(0.5)``, ``model.load_state_dict``).
 
-Anything else *rolls back*: the undo buffer is copied back (a ``memcpy`` of the saved bytes, bit-exact), and the
-bucket is updated at ``step()`` like any other. A rollback also happens where the step never comes
-(``zero_grad()`` after backward), and before anything reads or replaces the state between backward and
-``step()`` (``state_dict()``, ``load_state_dict()``, an edit of ``opt.state``), which thereby sees the state as a
-run without speculation has it.
+A commit trades memory between the bucket's buffers and the lease's (no byte copied: every view of the state,
+``opt.state``'s and a checkpoint's included, reads the new state; see :func:`~zero_offload._compat.take_memory`),
+bumps the step counts and makes the parameters the new ones: a device-to-device copy from the speculative upload,
+or an upload from the host. Anything else *rolls back*: the lease (and the device buffer) are given back, nothing
+else changes, and the bucket is updated at ``step()`` like any other. A rollback also happens where the step never
+comes (``zero_grad()`` after backward), and when the state is edited or replaced between backward and ``step()``
+(an edit of ``opt.state``, ``load_state_dict()``); reading it (``state_dict()``) needs none.
 
 Speculation stops for the rest of a step once a bucket's gradient norm is not finite (the step will be skipped or
 refused, unless ``nonfinite="ignore"``) or the running norm already exceeds the last ``max_norm`` clipped with
-(the step will clip): nothing to gain there. See docs/speculation.md for the design, its costs and the model.
+(the step will clip): nothing to gain there. A rule that cannot write out of place (the generic rule of another
+torch optimizer) is not speculated. See docs/speculation.md for the design, its costs and the model.
 """
 
 from __future__ import annotations
@@ -37,22 +43,29 @@ import dataclasses
 import logging
 import math
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload._compat import take_memory
 from zero_offload.apply import run_rule
+from zero_offload.quantize import Q8_BLOCK, q8_scale_numel
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import expose
 from zero_offload.gate import Decision
 from zero_offload.lane import Lane, Lanes
 from zero_offload.state.layout import view_like
-from zero_offload.timeline import NOTHING, span
+from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 from zero_offload.undo import Lease, UndoPool
-from zero_offload.update import Immediate, State, _worker, update_bucket
+from zero_offload.update import Immediate, State, _Worker, update_bucket
 
-__all__ = ["SpeculationStats", "Speculative"]
+__all__ = ["SCHEDULE", "SpeculationStats", "Speculative"]
+
+# What this schedule costs, as the event model (benchmarks/step_model.py) reads it: the bytes per element a
+# speculative kernel moves beyond the update's own (none: it writes out of place, no save copy), and whether the new
+# parameters go up during backward (to a device buffer, where the GPU has room).
+SCHEDULE = {"kernel_extra_bytes": 0, "uploads_in_backward": True}
 
 logger = logging.getLogger("zero_offload")
 
@@ -95,6 +108,7 @@ class _Spec:
     present: List[bool]
     policy: str  # the nonfinite policy
     names: Tuple[str, ...] = ()  # the state buffers the update writes (those ``hyper`` needs)
+    staged: Optional[Any] = None  # its speculative upload (a transport.device.Staged), if the device had room
     job: Optional[Future] = None
     runs: Optional[List[Tuple[int, int, int]]] = None
     steps: Optional[torch.Tensor] = None
@@ -115,16 +129,16 @@ class Speculative(Immediate):
     """
 
     def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Any, str]],
-                 memory: Optional[int] = None):
+                 memory: Optional[int] = None, margin_gib: float = 2.0):
         super().__init__(transport)
-        transport.host_norms = True
+        transport.staging_margin = int(margin_gib * 2**30)
         self._inputs = inputs
-        self._worker = _worker()
+        self._worker = _Worker()
         self._specs: List[_Spec] = []  # this step's, in arrival order (each also its lane's ``spec``)
         self._read: Dict[int, Tuple[Any, str]] = {}  # this step's inputs, by group index
         self.pool = UndoPool(memory)
-        # Pinned low-precision buckets committed since the worker last wrote into the pool's page-locked arenas:
-        # their uploads read output buffers there, which a later lease may be carved from.
+        # Buckets committed since the worker last took a lease whose upload read leased memory (the speculative
+        # upload, or a low-precision output uploaded from the lease): that memory is reused after their h2d event.
         self._uploading: List[Lane] = []
         self._stopped = False
         self._running_sq = 0.0
@@ -139,12 +153,15 @@ class Speculative(Immediate):
         spec = lane.spec
         if spec is not None:  # a second backward (no ``no_sync``): the speculation read a partial gradient
             self._finish(spec)
-            self._undo_spec(spec, "gradients changed", restore=True)
+            self._undo_spec(spec, "gradients changed")
             self._specs.remove(spec)
             lane.spec, lane.barred = None, True
 
     def after_send(self, lane: Lane) -> None:
         if not lane.route.speculates or self._broken:
+            return
+        if not lane.bucket.rule.writes_out:
+            self.stats.not_started["rule updates in place"] += 1
             return
         if lane.barred:
             self.stats.not_started["sent again"] += 1
@@ -153,7 +170,7 @@ class Speculative(Immediate):
         if read is None:  # read once per group and backward (step() checks it reads the same)
             try:
                 read = self._read[lane.group] = self._inputs(lane.group)
-            except ValueError:  # an invalid hyperparameter: step() will say so
+            except Exception:  # (an invalid hyperparameter: step() refuses it; backward must not raise here)
                 return
         spec = lane.spec = _Spec(lane, read[0], self._guess, list(lane.sent), read[1])
         self._specs.append(spec)
@@ -173,30 +190,41 @@ class Speculative(Immediate):
             spec.skipped = "no gradient"
             return
         tl = transport.timeline
-        if lane.h2d_gen != lane.h2d_seen:
-            lane.wait_h2d(tl)  # the last upload may still be reading staging or master
-        if bucket.low_precision and bucket.pin:
-            for other in self._uploading:  # (usually long done: a query each)
-                other.wait_h2d(tl)
-            self._uploading = []
-        with NOTHING if tl is None else tl.span("copy", "save", lane.position):
-            lease = self._save(bucket, spec.names)
+        for other in self._uploading:  # uploads from leased memory given back (usually long done: a query each)
+            other.wait_h2d(tl)
+        self._uploading = []
+        lease = self.pool.take(self._pieces(bucket, spec.names))
         if isinstance(lease, str):
             spec.skipped = lease
             return
         spec.lease = lease
-        flat = {name: buf for name, buf in _state_buffers(bucket, spec.names)}
-        if bucket.low_precision:  # never over the gradient (shares_grad): a rollback must redo from it
-            flat["staging"] = lease.buffers["out"]
         spec.steps = bucket.steps.clone()
+        _copy_outside(bucket, runs, spec.names, lease.buffers)
         try:
             with NOTHING if tl is None else tl.span("kernel", "speculative", lane.position):
-                run_rule(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, (flat, bucket.store.scales))
+                run_rule(bucket, runs, bucket.grad, None, spec.hyper, spec.multiplier, out=lease.buffers)
         except BaseException:
-            self._restore(spec)
             self._release(spec)
             raise
         spec.runs = runs
+        with NOTHING if tl is None else tl.span("copy", "h2d speculative", lane.position):
+            spec.staged = lane.route.stage(lane, self._new_params(spec), transport.lanes)
+
+    @staticmethod
+    def _pieces(bucket: FlatBucket, names: Sequence[str]) -> List[Tuple[str, int, torch.dtype, bool]]:
+        """What a speculation of the bucket leases: a spare of each buffer the update writes, the bucket's size and
+        pinning (so that the commit can trade their memory), and the low-precision output."""
+        pieces = [(name, buf.numel(), buf.dtype, bucket.pin) for name, buf in _state_buffers(bucket, names)]
+        if bucket.low_precision:  # uploaded from (shares_grad: never the gradient, which a rollback must redo from)
+            pieces.append(("param", bucket.layout.padded_numel, bucket.dtype, bucket.pin))
+        return pieces
+
+    @staticmethod
+    def _new_params(spec: _Spec) -> List[torch.Tensor]:
+        """Per parameter, the new value in the lease: the low-precision output, or the fp32 master."""
+        bucket, out = spec.lane.bucket, spec.lease.buffers
+        flat = out["param"] if bucket.low_precision else out["master"]
+        return [view_like(flat, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
 
     def _why_not(self, spec: _Spec) -> Optional[str]:
         """Why the bucket is not worth (or not safe) speculating on now; None if it is."""
@@ -221,24 +249,11 @@ class Speculative(Immediate):
                 return "stopped"
         return None
 
-    def _save(self, bucket: FlatBucket, names: Sequence[str]) -> Union[Lease, str]:
-        """Lease undo buffers from the pool and copy into them what the kernel will change; or why not (no room)."""
-        saved = list(_state_buffers(bucket, names))
-        pieces = [(name, buf.numel(), buf.dtype, False) for name, buf in saved]  # never sent to a device
-        if bucket.low_precision:  # uploaded from: pinned like the bucket, so the upload is asynchronous
-            pieces.append(("out", bucket.layout.padded_numel, bucket.dtype, bucket.pin))
-        lease = self.pool.take(pieces)
-        if isinstance(lease, Lease):
-            for name, buf in saved:
-                lease.buffers[name].copy_(buf)
-        return lease
-
-    def _restore(self, spec: _Spec) -> None:
-        undo = spec.lease.buffers
-        for name, buf in _state_buffers(spec.lane.bucket, spec.names):
-            buf.copy_(undo[name])
-
     def _release(self, spec: _Spec) -> None:
+        """Give the lease (and the device buffer) back, once no copy reads them."""
+        if spec.staged is not None:
+            spec.staged.done.synchronize()  # (the speculative upload read the lease; usually long done)
+            spec.staged = None
         if spec.lease is not None:
             self.pool.give_back(spec.lease)
             spec.lease = None
@@ -286,7 +301,7 @@ class Speculative(Immediate):
         if spec is not None and (lane.stale or any(g is not None for g in lane.pending) or lane.present != spec.present):
             # The gradients are about to be copied again into the buffer the speculation reads.
             self._finish(spec)
-            self._undo_spec(spec, "gradients changed", restore=True)
+            self._undo_spec(spec, "gradients changed")
 
     def observe(self, decision: Decision) -> None:
         """The next step is expected to look like this one: its loss-scale inverse, and its clipping."""
@@ -294,12 +309,9 @@ class Speculative(Immediate):
         self._guess = decision.inv_scale
         self._max_norm = clip.max_norm if clip is not None and clip.norm_type == 2.0 else None
 
-    def _undo_spec(self, spec: _Spec, reason: str, restore: bool) -> None:
+    def _undo_spec(self, spec: _Spec, reason: str) -> None:
         if spec.runs is None:
             return
-        if restore:
-            with span(self.transport.timeline, "copy", "restore", spec.lane.position):
-                self._restore(spec)
         self._release(spec)
         if self.transport.timeline is not None:
             self.transport.timeline.mark("rollback", reason, spec.lane.position)
@@ -328,7 +340,7 @@ class Speculative(Immediate):
                 continue
             reason = _verdict(lane, spec, hypers[lane.group], multiplier)
             if reason is not None:
-                self._undo_spec(spec, reason, restore=True)
+                self._undo_spec(spec, reason)
                 continue
             self._commit(spec, state)
             done.add(lane.position)
@@ -341,41 +353,45 @@ class Speculative(Immediate):
         self.transport.finish_params(lanes)
 
     def _commit(self, spec: _Spec, state: State) -> None:
-        lane, runs = spec.lane, spec.runs
+        lane, runs, lease = spec.lane, spec.runs, spec.lease
         bucket = lane.bucket
+        if lane.h2d_gen != lane.h2d_seen:
+            lane.wait_h2d(self.transport.timeline)  # the last upload read the memory the lease takes now
+        out = lease.buffers
+        for name, buf in _state_buffers(bucket, spec.names):
+            take_memory(buf, out[name])
+        if bucket.staging is not None:
+            take_memory(bucket.staging, out["param"])
+        srcs = None
+        if spec.staged is not None:  # a copy on the device, after the speculative upload (one stream)
+            srcs, spec.staged = spec.staged.views, None
+            self._uploading.append(lane)  # (the lease it read is reused only after this lane's upload event)
+        elif bucket.low_precision and bucket.staging is None:  # (shares_grad: uploaded from the lease)
+            srcs = [view_like(out["param"], o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
+            self._uploading.append(lane)
         indices = bucket.count_steps(runs)
         if not bucket.all_exposed:
             expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
-        srcs = None
-        if bucket.low_precision:
-            out = spec.lease.buffers["out"]
-            srcs = [view_like(out, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
-            if bucket.pin:
-                self._uploading.append(lane)
         self.transport.send_params(lane, list(indices), srcs)
-        self._release(spec)
+        self.pool.give_back(lease)
+        spec.lease = None
         if self.transport.timeline is not None:
             self.transport.timeline.mark("commit", "", lane.position)
         spec.runs = None
         self.stats.commits += 1
 
-    def _roll_back_all(self, reason: str, restore: bool = True) -> None:
+    def _roll_back_all(self, reason: str) -> None:
         self._finish_all()
         for spec in self._specs:
-            self._undo_spec(spec, reason, restore)
+            self._undo_spec(spec, reason)
 
     def flush(self, state: State) -> None:
-        """The state is about to be edited: it must be the state before this step's update."""
-        self._roll_back_all("state read or replaced")
-
-    def ahead(self) -> Dict[int, object]:
-        """Saving between backward and ``step()``: the state as a run without speculation has it."""
-        self._roll_back_all("state read or replaced")
-        return {}
+        """The state is about to be edited: an update computed from the state before the edit is dropped."""
+        self._roll_back_all("state edited or replaced")
 
     def drop(self) -> None:
-        """The state is being replaced (a load): what speculation wrote is overwritten, not restored."""
-        self._roll_back_all("state read or replaced", restore=False)
+        """The state is being replaced (a load): what speculation computed from the old one is dropped."""
+        self._roll_back_all("state edited or replaced")
 
     def end_step(self) -> None:
         # An update not committed by now belongs to a step that did not happen (skipped, refused, raised, or
@@ -402,9 +418,37 @@ def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional
         return "hyperparameters"
     if lane.stale or lane.present != spec.present or any(g is not None for g in lane.pending):
         return "gradients changed"
-    if not torch.equal(lane.bucket.steps, spec.steps):
+    bucket = lane.bucket
+    if not torch.equal(bucket.steps, spec.steps):
         return "steps changed"
+    if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
+        return "parameters changed"  # on the GPU, since the optimizer last wrote them: step() reads them anew
     return None
+
+
+def _copy_outside(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], names: Sequence[str],
+                  out: Dict[str, torch.Tensor]) -> None:
+    """The lease becomes the bucket's state at the commit, whole: where the update does not write (the slots of
+    parameters without a gradient this step), it must hold the bucket's own values. Nothing to copy in the usual
+    case, one run over the whole bucket."""
+    layout = bucket.layout
+    spans = [layout.span(first, last) for first, last, _ in runs]
+    if spans == [(0, layout.padded_numel)]:
+        return
+    gaps, at = [], 0
+    for a, b in spans:
+        if a > at:
+            gaps.append((at, a))
+        at = b
+    if at < layout.padded_numel:
+        gaps.append((at, layout.padded_numel))
+    for name, buf in _state_buffers(bucket, names):
+        if name.endswith("_scale"):
+            pieces = [(a // Q8_BLOCK, q8_scale_numel(b)) for a, b in gaps]
+        else:
+            pieces = gaps
+        for a, b in pieces:
+            out[name][a:b].copy_(buf[a:b])
 
 
 def _state_buffers(bucket: FlatBucket, names: Sequence[str]):

@@ -111,10 +111,12 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multipli
     return Ahead(set(indices), steps, flat)
 
 
-def _worker() -> ThreadPoolExecutor:
+class _Worker(ThreadPoolExecutor):
     """One thread (started at the first job): buckets are updated in submission order, each with the kernel's own
     intra-op parallelism (the kernel releases the GIL)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_offload_step")
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="zero_offload_step")
 
 
 class Immediate:
@@ -189,7 +191,7 @@ class Overlap(Immediate):
     def __init__(self, transport: Transport, early_update: Callable[[Lane], None]):
         super().__init__(transport)
         self._early_update = early_update
-        self._worker = _worker()
+        self._worker = _Worker()
         self._launched: List[Lane] = []
         self._raised = False  # settle() has raised a job's failure this step
 
@@ -259,7 +261,7 @@ class Delayed(Immediate):
 
     def __init__(self, transport: Transport, exact_steps: int = 0):
         super().__init__(transport)
-        self._worker = _worker()
+        self._worker = _Worker()
         self._pending: Optional[_Pending] = None
         self._exact_steps = exact_steps
 

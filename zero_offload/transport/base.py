@@ -100,9 +100,6 @@ class Transport:
     """
 
     sharded = False
-    # Copy each streamed bucket's GPU norm to the host before its d2h event, so a reader that waited for the
-    # gradients has it too, without a device synchronisation (speculation's early stops read it).
-    host_norms = False
 
     def __init__(self, *, release: bool):
         self.release = release
@@ -114,6 +111,8 @@ class Transport:
         self.upload_streams: Dict[Any, Any] = {}
         self.arrivals: List[Lane] = []  # the lanes backward sent in this step, in the order it sent them
         self.moved = False  # a lane's step began (something was sent or received) since the last reset
+        # The device memory (bytes) a speculative upload leaves free (OffloadOptimizer's gpu_margin_gib).
+        self.staging_margin = 2 << 30
         self._routes: Dict[type, Route] = {}
 
     def route(self, kind: type) -> Route:
@@ -247,18 +246,17 @@ class Transport:
         return False
 
     def streamed_norms(self, lanes: Sequence[Lane]) -> None:
-        """Read the GPU-computed squared norms of the streamed buckets among ``lanes`` into ``lane.sq``, with one
-        synchronisation per device."""
-        by_device: Dict[Any, List[Lane]] = {}
+        """Read the GPU-computed squared norms of the streamed buckets among ``lanes`` into ``lane.sq``: each copied
+        to the host in backward, ahead of the bucket's gradients (a wait for its event, usually long complete, and
+        for no gradient copy)."""
+        tl = self.timeline
         for lane in lanes:
             lane.sq = None
             if lane.norm is not None:
-                by_device.setdefault(lane.norm.device, []).append(lane)
-        for items in by_device.values():
-            with NOTHING if self.timeline is None else self.timeline.span("wait", "norms"):
-                values = torch.stack([lane.norm for lane in items]).cpu().tolist()
-            for lane, v in zip(items, values):
-                lane.sq = v
+                if not lane.norm_ev.query():
+                    with NOTHING if tl is None else tl.span("wait", "norms", lane.position):
+                        lane.norm_ev.synchronize()
+                lane.sq = float(lane.norm_host[0])
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_``: the sharded transport checks the ranks agree on ``settings``."""

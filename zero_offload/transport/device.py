@@ -23,7 +23,7 @@ from zero_offload.timeline import NOTHING
 from zero_offload.transport.base import Route
 from zero_offload.transport.host import HostRoute
 
-__all__ = ["DeviceTierRoute", "OffloadRoute"]
+__all__ = ["DeviceTierRoute", "OffloadRoute", "Staged", "device_room"]
 
 
 class DeviceTierRoute(HostRoute):
@@ -45,21 +45,24 @@ class OffloadRoute(Route):
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         _after_upload(lane, stream)
         with torch.cuda.stream(stream):
-            if grads:
-                torch._foreach_copy_(landing, grads, non_blocking=True)
             launched = set(idx)
             if grads and not any(add) and all(i in launched for i, has in enumerate(lane.sent) if has):
-                # The bucket's squared norm, on the GPU, while the copies run: step() reads every bucket's in one
-                # synchronisation. Only when this launch carries all of the bucket's gradients (not when it is
-                # summed on the host with an earlier micro-batch's).
+                # The bucket's squared norm, on the GPU, and to the host before the gradients themselves: step()'s
+                # checks (and speculation's early stops) read it without waiting for any gradient copy. Only when
+                # this launch carries all of the bucket's gradients (not when they are summed on the host with an
+                # earlier micro-batch's).
                 norms = foreach_norm_fp32(grads)
                 lane.norm = torch.stack(norms).double().square().sum()
-                if t.host_norms:
-                    if lane.norm_host is None:
-                        lane.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
-                    lane.norm_host.copy_(lane.norm.view(1), non_blocking=True)
+                if lane.norm_host is None:
+                    lane.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
+                lane.norm_host.copy_(lane.norm.view(1), non_blocking=True)
+                if lane.norm_ev is None:
+                    lane.norm_ev = torch.cuda.Event()
+                lane.norm_ev.record(stream)
             else:
                 lane.norm = None
+            if grads:
+                torch._foreach_copy_(landing, grads, non_blocking=True)
             if lane.d2h is None:
                 lane.d2h = torch.cuda.Event()
             lane.d2h.record(stream)
@@ -115,12 +118,55 @@ class OffloadRoute(Route):
         lane.h2d.record(stream)
         lane.h2d_gen += 1
 
+    # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
+    def stage(self, lane: Lane, srcs: Sequence[torch.Tensor], lanes: Sequence[Lane]) -> Optional[Staged]:
+        """Copy a speculative update's new parameters (``srcs``, per parameter, in pinned host memory) up into a
+        device buffer of their own, from the worker, while backward goes on; the parameters are not touched (the
+        commit copies device to device). Only where the device has room for it beyond ``margin`` bytes and the
+        gradients backward has still to make (the buckets not sent yet); None otherwise (the commit uploads from
+        the host, as without it)."""
+        bucket, t = lane.bucket, self.transport
+        device = bucket.device
+        nbytes = bucket.layout.padded_numel * bucket.dtype.itemsize
+        coming = sum(o.bucket.layout.numel * o.bucket.dtype.itemsize for o in lanes
+                     if o.streamed and not o.launches and o.bucket.device == device)
+        if device_room(device) < nbytes + coming + t.staging_margin:
+            return None
+        stream = t.upload_streams.get(device) or t.stream(device, upload=True)
+        # (Made on the upload stream, which alone uses it: freed, it is reused only by later work there.)
+        with torch.cuda.stream(stream):
+            try:
+                flat = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype, device=device)
+            except torch.cuda.OutOfMemoryError:
+                return None
+            views = [view_like(flat, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
+            torch._foreach_copy_(views, list(srcs), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return Staged(flat, views, done)
+
     def finish(self, lanes: Sequence[Lane]) -> None:
         """The next forward must read the parameters only after their uploads have landed: the compute stream
         waits for the upload stream's work so far (an event), the host does not wait."""
         t = self.transport
         for device in {lane.bucket.device for lane in lanes}:
             torch.cuda.current_stream(device).wait_stream(t.upload_streams.get(device) or t.stream(device, True))
+
+
+class Staged:
+    """A speculative upload: the device buffer, its per-parameter views, and the event after its copy (until which
+    the host memory it read must not be written)."""
+
+    __slots__ = ("flat", "views", "done")
+
+    def __init__(self, flat: torch.Tensor, views: List[torch.Tensor], done) -> None:
+        self.flat, self.views, self.done = flat, views, done
+
+
+def device_room(device: torch.device) -> int:
+    """Bytes the device can still hand out: free memory plus what the caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def _after_upload(lane: Lane, stream) -> None:
