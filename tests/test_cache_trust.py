@@ -129,8 +129,8 @@ def test_a_build_owned_by_another_user_in_a_sticky_shared_root_is_not_loaded(sha
     (folder / "planted.py").chmod(0o666)
     out = _load(root, REPORT="1")
     _refused_privately(out, root, marker, [
-        f"{folder} (owner nobody (uid 65534), mode drwxrwxrwx (0777)) belongs to none of you, root and the accounts "
-        "in ZERO_OFFLOAD_CACHE_TRUST", "ZERO_OFFLOAD_CACHE_DIR", "ZERO_OFFLOAD_CACHE_TRUST=nobody"])
+        f"{folder} (owner nobody (uid 65534), mode drwxrwxrwx (0777)) is owned by an account other than you, root "
+        "and those in ZERO_OFFLOAD_CACHE_TRUST", "ZERO_OFFLOAD_CACHE_DIR", "ZERO_OFFLOAD_CACHE_TRUST=nobody"])
     line = next(ln for ln in out["report"] if ln.startswith("build cache"))
     assert line.startswith(f"build cache      not used: {folder} (owner nobody (uid 65534), "), line
     assert "private" in next(ln for ln in out["report"] if ln.startswith("native kernel"))

@@ -6,9 +6,9 @@ uses the cache (the folder's name is a predictable hash, so planting one takes n
 when, from the cache root down to its module file, each folder and file
 
 * is owned by this user (the effective uid), by root, or by an account named in ``ZERO_OFFLOAD_CACHE_TRUST``, and
-* is writable by nobody else: not by others, and not by its group unless that group is this user's private group
-  (a group with no member but this user, as Debian, Ubuntu and Fedora give each user; under their usual umask of
-  002 a user's own folders are group-writable, and refusing those would refuse everyone's own cache).
+* is writable by nobody else: not by others, and not by its group unless the owner is that group's only member
+  (a user's private group, as Debian, Ubuntu and Fedora make for each user; under their usual umask of 002 a user's
+  own folders are group-writable, and refusing those would refuse everyone's own cache).
 
 The root alone may be writable by everyone if it is sticky (as ``/tmp`` is): there nobody can rename or remove
 another's folder, so the folders inside it are what counts, and they are checked. Below the root nothing may be a
@@ -129,18 +129,18 @@ def _own_cache_fix(uid: Optional[int] = None) -> str:
 def _problem(path: Path, st: os.stat_result, is_root: bool, trusted: FrozenSet[int]) -> Optional[str]:
     """What makes one folder or file of the chain unsafe, as a phrase after its path; None if nothing."""
     if st.st_uid not in trusted:
-        return f"belongs to none of you, root and the accounts in {TRUST_VARIABLE}"
+        return f"is owned by an account other than you, root and those in {TRUST_VARIABLE}"
     sticky_root = is_root and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
     if st.st_mode & stat.S_IWOTH and not sticky_root:
         return "is writable by others" + (" and not sticky" if is_root else "")
-    if st.st_mode & stat.S_IWGRP and not sticky_root and not private_group(st.st_gid, os.geteuid()):
+    if st.st_mode & stat.S_IWGRP and not sticky_root and not private_group(st.st_gid, st.st_uid):
         import grp
 
         try:
             group = grp.getgrgid(st.st_gid).gr_name
         except KeyError:
             group = str(st.st_gid)
-        return f"is writable by group {group} (gid {st.st_gid}), which has members other than you"
+        return f"is writable by group {group} (gid {st.st_gid}), which has members other than its owner"
     return None
 
 
