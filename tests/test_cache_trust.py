@@ -289,3 +289,14 @@ def test_a_build_made_under_a_permissive_umask_is_writable_by_its_owner_only(tmp
     key = _build.cache_key()
     assert modes == {".": 0o755, key: 0o755, f"{key}/sub": 0o755, f"{key}/fake_kernel.py": 0o755,
                      f"{key}/{_build.MANIFEST}": 0o644}, modes
+
+
+def test_a_root_that_cannot_be_made_gets_a_private_build(tmp_path):
+    """ZERO_OFFLOAD_CACHE_DIR below a file: the root cannot be created; the run goes on on a private build, saying
+    why, rather than on the slow fallback."""
+    (tmp_path / "a-file").write_text("")
+    root = tmp_path / "a-file" / "cache"
+    out = _load(root)
+    _refused_privately(out, root, tmp_path / "no-marker", [
+        f"{root} (owner -, mode -) cannot be created (Not a directory)",
+        "point ZERO_OFFLOAD_CACHE_DIR at a folder you can write"])
