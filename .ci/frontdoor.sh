@@ -6,9 +6,9 @@
 # against torch.optim.AdamW. Then a second fresh venv sharing the first one's cache must load the first one's
 # build: the kernel is compiled exactly once, and `report` must say whose build each venv got.
 #
-# Both venvs are --system-site-packages over the CPU torch .ci/run installed, so `pip install torch==2.13.0`
-# finds it there instead of copying 700 MB per venv; a venv whose own torch sits at another path is covered by
-# tests/test_build.py (the cache key holds torch's version, git revision and ABI, no paths).
+# Venv a is made as a user makes one (plain `python3 -m venv`: torch and its dependencies installed into it). Venv
+# b is --system-site-packages over the CPU torch .ci/run installed into the base interpreter, so its torch sits at
+# another path than a's: the cache key holds torch's version, git revision and ABI, no paths, so b loads a's build.
 # The clone is of the committed HEAD. The demo runs as the Quickstart has it (300 steps per optimizer: 49 s on an
 # unloaded 2-core x86 machine, plus the one compile); FRONTDOOR_DEMO_ARGS adds arguments for a loaded machine
 # (e.g. "--steps 20 --batch 4", both documented in `python -m zero_offload.demo --help`).
@@ -48,15 +48,15 @@ for _ in range(3):
 st = _build.status()
 assert st.state == expect, st
 assert functional.resolve_path() not in ("torch", "torch-fused"), functional.resolve_path()
-print(f"smoke OK in {sys.prefix}: kernel {st.summary()}, path {functional.resolve_path()}")
+print(f"smoke OK in {sys.prefix} (torch {torch.__file__}): kernel {st.summary()}, path {functional.resolve_path()}")
 EOF
 
-new_venv() {
-    python3 -m venv --system-site-packages "$WORK/$1"
+new_venv() {  # new_venv NAME [VENV_OPTION...]
+    python3 -m venv "${@:2}" "$WORK/$1"
     "$WORK/$1/bin/pip" install -q torch==2.13.0 -e ".[demo]"
 }
 
-echo "== venv a: Quickstart, with stale locks planted in an empty cache"
+echo "== venv a (plain, as a user makes it): Quickstart, with stale locks planted in an empty cache"
 new_venv a
 KEYDIR=$("$WORK/a/bin/python" -c "from zero_offload import _build; print(_build.cache_dir())")
 [[ $KEYDIR == "$CACHE"/* ]] || fail "cache folder $KEYDIR is not under TORCH_EXTENSIONS_DIR"
@@ -74,8 +74,11 @@ cat "$WORK/a.err" >&2
 grep -q "native kernel jit-built now in" "$WORK/a.err" || fail "venv a: the demo does not say it built the kernel"
 "$WORK/a/bin/python" "$WORK/smoke.py" "$WORK/clone" jit-cached
 
-echo "== venv b: same clone and cache, no rebuild"
-new_venv b
+echo "== venv b (over the base interpreter's torch): same clone and cache, no rebuild"
+new_venv b --system-site-packages
+torch_of() { "$WORK/$1/bin/python" -c 'import torch; print(torch.__file__)'; }
+[[ $(torch_of a) == "$WORK/a/"* && $(torch_of b) != "$WORK/"* ]] ||
+    fail "venv a's torch ($(torch_of a)) should be its own, venv b's ($(torch_of b)) the base interpreter's"
 "$WORK/b/bin/python" "$WORK/smoke.py" "$WORK/clone" jit-cached 2>"$WORK/b.err" || { cat "$WORK/b.err"; fail "venv b"; }
 ! grep -q "compiling" "$WORK/b.err" || { cat "$WORK/b.err"; fail "venv b compiled the kernel again"; }
 "$WORK/b/bin/python" -m zero_offload.report | tee "$WORK/b.report"

@@ -437,6 +437,25 @@ def test_a_build_killed_mid_compile_does_not_block_the_next_run(killed_then_buil
     assert not list(root.glob(".build-*")), "the killed build's folder was not cleared"
 
 
+def _second_venv(venv):
+    """A new venv whose torch is a link in its own site-packages (so at another path than this interpreter's) and
+    whose other packages are this interpreter's. Not ``--system-site-packages``: that reaches the base
+    interpreter's packages, and when this one is itself a venv (the README's commands run in one), torch's
+    dependencies are in this venv, not in the base. Its own site-packages come first, so its torch is the link."""
+    import site
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    own = Path(subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                              capture_output=True, text=True, timeout=120).stdout.strip())
+    os.symlink(Path(torch.__file__).parent, own / "torch")
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    ours = [d for d in site.getsitepackages() + user if os.path.isdir(d)]
+    # addsitedir, not bare paths: it also runs those folders' .pth files (editable installs, namespace packages).
+    (own / "first_env.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in ours))
+    return python, own
+
+
 def test_a_second_venv_with_torch_at_another_path_shares_the_build(killed_then_built):
     """A venv whose torch is at another path (a link in its own site-packages) loads the first one's build:
     nothing compiled, and the report says whose build it is."""
@@ -445,16 +464,11 @@ def test_a_second_venv_with_torch_at_another_path_shares_the_build(killed_then_b
     work, root = killed_then_built["work"], killed_then_built["root"]
     assert killed_then_built["report"].returncode == 0
     venv = work / "venv2"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True, timeout=300)
-    python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
-                          capture_output=True, text=True, timeout=120).stdout.strip()
-    os.symlink(Path(torch.__file__).parent, Path(site) / "torch")
+    python, site = _second_venv(venv)
     code = "import sys, torch; print(sys.prefix); print(torch.__file__)"
     where = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True, timeout=300,
                            env=killed_then_built["env"]).stdout.split()
-    assert where[0] == str(venv) and where[1].startswith(site), where
+    assert where[0] == str(venv) and where[1].startswith(str(site)), where
     report = subprocess.run([str(python), "-m", "zero_offload.report"], env=killed_then_built["env"],
                             capture_output=True, text=True, timeout=600, cwd=work)
     assert report.returncode == 0, report.stderr

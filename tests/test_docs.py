@@ -119,8 +119,21 @@ def test_quickstart_is_the_two_commands_ci_runs():
         'pip install torch==2.13.0 -e ".[demo]" && python -m zero_offload.demo',
         'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q',
     ]
-    # CI runs the second one as it stands.
-    assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8").replace("pip install -q ", "pip install ")
+    # CI runs the second one as a user does: a fresh venv (not over the base interpreter's packages), activated, then
+    # its install, then the suite, in that order, as commands (not in a comment).
+    install, run = commands[1].split(" && ")
+    ci = _commands(ROOT / ".ci" / "run")
+    made = [m.group(1) for m in map(re.compile(r'python3 -m venv "\$WORK/(\w+)"').fullmatch, ci) if m]
+    assert len(made) == 1, made
+    order = [ci.index(f'python3 -m venv "$WORK/{made[0]}"'), ci.index(f'source "$WORK/{made[0]}/bin/activate"'),
+             ci.index(install.replace("pip install ", "pip install -q ")), ci.index(run), ci.index("deactivate")]
+    assert order == sorted(order), order
+
+
+def _commands(path):
+    """A shell script's lines without comments (whole-line or trailing), stripped; blank lines left out."""
+    lines = (re.sub(r"\s+#\s.*$", "", ln).strip() for ln in path.read_text(encoding="utf-8").splitlines())
+    return [ln for ln in lines if ln and not ln.startswith("#")]
 
 
 def test_readme_is_a_front_page():
@@ -137,3 +150,5 @@ def test_ci_runs_the_first_quickstart_command_on_a_fresh_clone():
     assert install.replace("pip install ", 'pip" install -q ') in frontdoor
     assert run.replace("python ", 'python" ') in frontdoor
     assert "\n.ci/frontdoor.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    # The venv that runs it first is made as a user makes one: not over the base interpreter's packages.
+    assert "new_venv a" in _commands(ROOT / ".ci" / "frontdoor.sh")

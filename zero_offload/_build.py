@@ -34,6 +34,11 @@ it was written for, so two venvs sharing the folder rebuild it on every switch. 
   lock holder clears what killed builders left behind (their temporary folders) before it starts.
 * **The root** is ``ZERO_OFFLOAD_CACHE_DIR`` if set, else ``$TORCH_EXTENSIONS_DIR/zero_offload``, else
   ``zero_offload`` in torch's default extension folder (``~/.cache/torch_extensions/...``).
+* **Loaded only from places nobody else can write.** A cached build is native code run in this process: before
+  one is loaded or built into a root, :mod:`zero_offload._cache_trust` checks the way from the root down to the
+  module (owner, write bits). Where that fails, or the root has no build and is not ours to write, this process
+  builds its own copy in a new private folder (one warning naming the path, its owner and mode and the fix; the
+  status and ``report`` say it too) and removes the folder once the module is loaded.
 * **Said, not silent.** A build logs (logger ``zero_offload``, WARNING, so it shows when logging is left
   unconfigured) that it starts and why (first use, sources changed, another torch, compiler or Python), and
   how long it took; :func:`status` (and ``python -m zero_offload.report``) says whether this process loaded a
@@ -55,6 +60,7 @@ import os
 import platform
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -64,7 +70,10 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from zero_offload._cache_trust import Refusal
 
 EXTENSION_NAME = "zero_offload_cpu_adam"
 SOURCES = ("cpu_adam.cpp", "bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_neon.cpp", "isa_scalar.cpp")
@@ -88,13 +97,17 @@ class BuildStatus:
         detail (str): for ``jit-built`` why it was built, for ``jit-cached`` when and by which interpreter, for
             ``failed`` the reason, for ``prebuilt`` the module's file.
         seconds (float): how long this process spent building (``jit-built``) or waiting and loading.
-        cache_dir (str, optional): the build's folder in the cache.
+        cache_dir (str, optional): the build's folder in the cache (for a private build, its private folder, removed
+            once loaded).
+        refused (str, optional): why the cache was not used (the path, its owner and mode, how to fix it); None when
+            it was, or was not needed.
     """
 
     state: str = "not loaded yet"
     detail: str = ""
     seconds: float = 0.0
     cache_dir: Optional[str] = None
+    refused: Optional[str] = None
 
     def summary(self) -> str:
         """One line for reports, e.g. ``jit-built now in 91.2 s (first use: ...)`` or ``failed: <reason>``."""
@@ -218,7 +231,9 @@ def _take_lock(lock_path: Path, wait: float, done: Callable[[], bool]) -> Option
     build meanwhile). Raises :class:`BuildLockTimeout` after ``wait`` seconds."""
     import fcntl
 
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    # O_NOFOLLOW: in a root others may write (a sticky one), a link planted at the lock's name would have this
+    # process create and truncate whatever file it points to.
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     start, told = time.monotonic(), False
     try:
         while True:
@@ -346,10 +361,18 @@ def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
     return "; ".join(words.get(k) or f"another {k} ({old.get(k, '?')} -> {inputs[k]})" for k in changed)
 
 
+def _module_file(folder: Path) -> Path:
+    """The module file that the manifest of the build in ``folder`` names: a plain name inside the folder."""
+    name = json.loads((folder / MANIFEST).read_text())["file"]
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
+        raise ValueError(f"{folder / MANIFEST} names {name!r} as the module: not a file name in {folder}")
+    return folder / name
+
+
 def _load_built(folder: Path) -> ModuleType:
     """Import the finished build in ``folder`` (the name and file its manifest records)."""
     manifest = json.loads((folder / MANIFEST).read_text())
-    spec = importlib.util.spec_from_file_location(manifest["module"], folder / manifest["file"])
+    spec = importlib.util.spec_from_file_location(manifest["module"], _module_file(folder))
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {folder / manifest['file']}")
     module = importlib.util.module_from_spec(spec)
@@ -373,10 +396,12 @@ def _clear_leftovers(root: Path, key: str, final: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _build_into(root: Path, key: str, final: Path, inputs: Dict[str, str], reason: str) -> None:
-    """Compile in a private folder and rename it into place with its manifest (the lock is held)."""
-    logger.warning("zero_offload: compiling the CPU-Adam kernel (%s); about a minute, once: later runs load it "
-                   "from %s ...", reason, final)
+def _build_into(root: Path, key: str, final: Path, inputs: Dict[str, str], reason: str,
+                later: Optional[str] = None) -> None:
+    """Compile in a private folder and rename it into place with its manifest (the lock is held). ``later`` says
+    what becomes of the build (by default: later runs load it from ``final``)."""
+    logger.warning("zero_offload: compiling the CPU-Adam kernel (%s); about a minute, %s ...", reason,
+                   later or f"once: later runs load it from {final}")
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-{os.getpid()}-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the finished build from a cache shared between users
@@ -388,6 +413,11 @@ def _build_into(root: Path, key: str, final: Path, inputs: Dict[str, str], reaso
         manifest = {"module": EXTENSION_NAME, "file": file, "inputs": inputs, "built_at": time.time(),
                     "seconds": round(seconds, 1), "built_by": sys.executable, "reason": reason}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        # Writable by its owner only, whatever the umask (002 leaves files group-writable): the trust check refuses
+        # group-writable builds unless the group is the user's own.
+        for path in (tmp, *tmp.rglob("*")):
+            if not path.is_symlink():
+                path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o022)
         os.rename(tmp, final)  # atomic; fails if `final` exists, which the lock rules out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -395,29 +425,88 @@ def _build_into(root: Path, key: str, final: Path, inputs: Dict[str, str], reaso
 
 
 def _jit_build() -> ModuleType:
-    """The cached build, waiting (bounded) for another builder of it or building it under the lock."""
+    """The cached build, waiting (bounded) for another builder of it or building it under the lock; a private
+    build where the cache may not be used."""
+    from zero_offload import _cache_trust
+
     inputs = build_inputs()
     root, key = cache_root(), cache_key(inputs)
     final = root / key
     _status.cache_dir = str(final)
-    finished = (final / MANIFEST).is_file
     start = time.perf_counter()
-    if not finished():
-        root.mkdir(parents=True, exist_ok=True)
-        fd = _take_lock(root / f"{key}.lock", _build_wait(), finished)
-        if fd is not None:
-            try:
-                if not finished():
-                    reason = _why_build(root, final, inputs)
-                    _clear_leftovers(root, key, final)
-                    _build_into(root, key, final, inputs, reason)
-                    _status.state, _status.detail = "jit-built", reason
-            finally:
-                _release_lock(fd)
+    refused = _build_in_cache(root, key, final, inputs)
+    if refused is None:  # the manifest first: it names the module file
+        refused = _cache_trust.check(root, final / MANIFEST) or _cache_trust.check(root, _module_file(final))
+    if refused is not None:
+        return _private_build(root, key, inputs, refused, start)
     module = _load_built(final)
     _status.seconds = time.perf_counter() - start
     if _status.state != "jit-built":
         _status.state, _status.detail = "jit-cached", _cached_detail(final)
+    return module
+
+
+def _build_in_cache(root: Path, key: str, final: Path, inputs: Dict[str, str]) -> Optional[Refusal]:
+    """Build into the cache under the key's lock, unless the build is there or another process finishes it
+    meanwhile. Returns a :class:`Refusal` where the root (or an unfinished ``final``)
+    may not be used, or is not ours to write; else None."""
+    from zero_offload import _cache_trust
+
+    finished = (final / MANIFEST).is_file
+    if finished():
+        return None
+    if not root.is_dir():
+        try:
+            root.mkdir(parents=True)
+            root.chmod(0o755)  # whatever the umask: the trust check refuses a root that others may write
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            return _cache_trust.refusal(root, f"cannot be created ({exc.strerror})",
+                                        "point ZERO_OFFLOAD_CACHE_DIR at a folder you can write")
+    refused = _cache_trust.check(root, final if os.path.lexists(final) else None, file=False)
+    if refused is not None:
+        return refused
+    # effective_ids: a process that switched to another user (seteuid) writes as that user.
+    if not os.access(root, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        return _cache_trust.refusal(
+            root, "has no build for this torch, compiler and Python and you cannot write to it",
+            "its owner can add the build: run `python -m zero_offload.report` as that account, with the same "
+            "torch, compiler and Python")
+    try:
+        fd = _take_lock(root / f"{key}.lock", _build_wait(), finished)
+    except OSError as exc:  # in a root shared with others (sticky): a lock file another user made, or a link
+        return _cache_trust.refusal(root / f"{key}.lock", f"cannot be opened as the build lock ({exc.strerror})",
+                                    "use a cache root of your own (ZERO_OFFLOAD_CACHE_DIR)")
+    if fd is not None:
+        try:
+            if not finished():
+                reason = _why_build(root, final, inputs)
+                _clear_leftovers(root, key, final)
+                _build_into(root, key, final, inputs, reason)
+                _status.state, _status.detail = "jit-built", reason
+        finally:
+            _release_lock(fd)
+    return None
+
+
+def _private_build(root: Path, key: str, inputs: Dict[str, str], refused: Refusal, start: float) -> ModuleType:
+    """Build into a new folder of this process's own (``mkdtemp``: made by us, 0700, at a name nobody could
+    choose first), load it from there and remove the folder: a loaded module no longer needs its file."""
+    _status.refused = str(refused)
+    warnings.warn(f"zero_offload: the kernel build cache is not used: {refused}. A cached build is native code run "
+                  "in this process: it is loaded only where nobody but you, root or an account you trust can change "
+                  "it (docs/build.md, 'Sharing the cache'). This process builds a private copy instead (about a "
+                  "minute, on every run until this is fixed).", RuntimeWarning, stacklevel=4)
+    private = Path(tempfile.mkdtemp(prefix="zero_offload-private-"))
+    try:
+        reason = f"private build: the cache {root} is not used"
+        _status.cache_dir = str(private / key)
+        _build_into(private, key, private / key, inputs, reason, later="in a private folder removed once loaded")
+        module = _load_built(private / key)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    _status.state, _status.detail, _status.seconds = "jit-built", reason, time.perf_counter() - start
     return module
 
 

@@ -70,8 +70,12 @@ def lines() -> List[str]:
     _build.load_native()
     st = _build.status()
     out.append(f"native kernel    {st.summary()}")
-    out.append(f"build cache      {st.cache_dir or '-'} (root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or "
-               "TORCH_EXTENSIONS_DIR moves it)")
+    where = f"root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or TORCH_EXTENSIONS_DIR moves it"
+    if st.refused:
+        out.append(f"build cache      not used: {st.refused}; this process built a private copy in {st.cache_dir}, "
+                   "removed once loaded")
+    else:
+        out.append(f"build cache      {st.cache_dir or '-'} ({where})")
     out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
     try:
         chosen = functional.path_reason()

@@ -1,0 +1,302 @@
+"""The build cache loads native code only from places nobody else can write (issue 37).
+
+Each case plants a finished-looking build at the key this interpreter would load: a module that, if imported,
+creates a marker file (a `.py` stands in for the `.so`: both are imported by the same `_load_built`). A refused
+place must leave the marker absent, give one warning naming the path, its owner and mode and the fix, and the run
+must go on on a private build (the compile replaced by a stand-in, as in test_build.py: no real compile here).
+Ownership by another user needs root (`chown`); those cases skip elsewhere."""
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from zero_offload import _build
+
+REPO = Path(__file__).resolve().parents[1]
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give files to another user")
+NOBODY = "nobody"
+ME = f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
+
+# Loads the kernel with the compile replaced by a stand-in (module answering ['private']) and prints what happened.
+# AS_UID: switch to that user first (effective ids), after what it cannot read as that user (torch lives under
+# /root here) is imported; ninja's check is skipped for the same reason (the stand-in needs no ninja).
+_LOAD = """
+    import json, os, sys, warnings
+    from pathlib import Path
+    from zero_offload import _build
+    def _fake(build):
+        (Path(build) / "fake_kernel.py").write_text("def available_isas():\\n    return ['private']\\n")
+        return "fake_kernel.py"
+    _build._compile = _fake
+    uid = int(os.environ.get("AS_UID", "-1"))
+    if uid >= 0:
+        import grp, pwd, torch.utils.cpp_extension
+        from zero_offload import _cache_trust
+        _build._toolchain_problem = lambda: None
+        _build.cache_key()
+        os.setegid(uid)
+        os.seteuid(uid)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = _build.load_native()
+    s = _build.status()
+    out = {"state": s.state, "detail": s.detail, "dir": s.cache_dir, "refused": s.refused,
+           "file": getattr(module, "__file__", None), "isas": module.available_isas() if module else None,
+           "warnings": [str(w.message) for w in caught if "zero_offload" in str(w.message)]}
+    if os.environ.get("REPORT"):
+        from zero_offload import report
+        out["report"] = report.lines()
+    print(json.dumps(out))
+"""
+
+
+def _load(root, **env):
+    full = dict(os.environ, PYTHONPATH=str(REPO), ZERO_OFFLOAD_CACHE_DIR=str(root), **env)
+    full.pop("ZERO_OFFLOAD_SIMD", None)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_LOAD)], env=full, capture_output=True, text=True,
+                          timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _plant(root, marker=None):
+    """A finished build at this interpreter's key in ``root``: manifest.json and planted.py, which creates ``marker``
+    when imported and answers ``available_isas()`` with ['planted']."""
+    folder = Path(root) / _build.cache_key()
+    folder.mkdir(parents=True)
+    side_effect = f"open({str(marker)!r}, 'w').close()\n" if marker else ""
+    (folder / "planted.py").write_text(side_effect + "def available_isas():\n    return ['planted']\n")
+    manifest = {"module": _build.EXTENSION_NAME, "file": "planted.py", "inputs": _build.build_inputs(),
+                "built_at": time.time(), "seconds": 1.0, "built_by": "/planted/python", "reason": "planted"}
+    (folder / _build.MANIFEST).write_text(json.dumps(manifest))
+    for path in (folder, *folder.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder
+
+
+def _chown(folder, user=NOBODY):
+    entry = pwd.getpwnam(user)
+    for path in (folder, *folder.rglob("*")):
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+
+
+def _refused_privately(out, root, marker, says):
+    """The refusal as it must be seen: private build loaded, nothing of ``root`` imported, one warning with ``says``."""
+    assert out["state"] == "jit-built" and out["detail"] == f"private build: the cache {root} is not used", out
+    assert out["isas"] == ["private"] and not out["file"].startswith(str(root)), out
+    assert not marker.exists(), "the planted module was imported"
+    assert not Path(out["dir"]).parent.exists(), "the private folder outlived the load"
+    assert len(out["warnings"]) == 1, out["warnings"]
+    for words in says:
+        assert words in out["warnings"][0] and words in out["refused"], (words, out["warnings"][0])
+
+
+@pytest.fixture
+def shared(tmp_path):
+    """A cache root of this user's, 0755, with a planted build; and where its marker would appear."""
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    return root, _plant(root, tmp_path / "imported"), tmp_path / "imported"
+
+
+def test_the_planted_build_is_detected_when_loaded(shared):
+    """The positive control: from a root of our own the planted build is loaded (marker made), with no warning."""
+    root, folder, marker = shared
+    out = _load(root)
+    assert (out["state"], out["isas"], out["warnings"]) == ("jit-cached", ["planted"], [])
+    assert out["file"] == str(folder / "planted.py") and marker.exists() and out["refused"] is None
+
+
+@AS_ROOT
+def test_a_build_owned_by_another_user_in_a_sticky_shared_root_is_not_loaded(shared):
+    """Issue 37's case: TORCH_EXTENSIONS_DIR in a sticky world-writable folder, a build at our key made by another
+    user, world-writable, its module too. The report says it as well."""
+    root, folder, marker = shared
+    root.chmod(0o1777)
+    _chown(folder)
+    folder.chmod(0o777)
+    (folder / "planted.py").chmod(0o666)
+    out = _load(root, REPORT="1")
+    _refused_privately(out, root, marker, [
+        f"{folder} (owner nobody (uid 65534), mode drwxrwxrwx (0777)) is owned by an account other than you, root "
+        "and those in ZERO_OFFLOAD_CACHE_TRUST", "ZERO_OFFLOAD_CACHE_DIR", "ZERO_OFFLOAD_CACHE_TRUST=nobody"])
+    line = next(ln for ln in out["report"] if ln.startswith("build cache"))
+    assert line.startswith(f"build cache      not used: {folder} (owner nobody (uid 65534), "), line
+    assert "private" in next(ln for ln in out["report"] if ln.startswith("native kernel"))
+
+
+@pytest.mark.parametrize("where, mode, group", [
+    ("folder", 0o757, None), ("folder", 0o775, "nogroup"),
+    ("module", 0o646, None), ("module", 0o664, "nogroup"), ("manifest", 0o666, None)],
+    ids=["folder-o+w", "folder-g+w", "module-o+w", "module-g+w", "manifest-o+w"])
+def test_a_build_others_may_write_is_not_loaded(shared, where, mode, group):
+    root, folder, marker = shared
+    path = {"folder": folder, "module": folder / "planted.py", "manifest": folder / _build.MANIFEST}[where]
+    if group is not None:
+        if os.geteuid() != 0:
+            pytest.skip("needs root, to give a file to another group")
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    path.chmod(mode)
+    out = _load(root)
+    whom = "others" if group is None else f"group {group}"
+    _refused_privately(out, root, marker, [f"{path} (owner {ME}, mode ", f"({mode:04o})) is writable by {whom}",
+                                           f"remove {folder}"])
+
+
+def test_a_root_others_may_write_is_used_only_if_sticky(shared):
+    """World-writable and not sticky: anyone may rename our build away and put theirs in its place; refused, and
+    nothing is written into it. Sticky (as /tmp), with our build in it: used."""
+    root, folder, marker = shared
+    root.chmod(0o777)
+    before = sorted(p.name for p in root.iterdir())
+    out = _load(root)
+    _refused_privately(out, root, marker, [f"{root} (owner {ME}, mode drwxrwxrwx (0777)) is writable by "
+                                           "others and not sticky", f"chmod go-w {root}", f"chmod +t {root}"])
+    assert sorted(p.name for p in root.iterdir()) == before
+    root.chmod(0o1777)
+    out = _load(root)
+    assert (out["state"], out["isas"], out["warnings"]) == ("jit-cached", ["planted"], []) and marker.exists()
+
+
+def test_a_link_in_the_cache_is_not_followed(shared, tmp_path):
+    root, folder, marker = shared
+    elsewhere = tmp_path / "elsewhere.py"
+    shutil.move(folder / "planted.py", elsewhere)
+    (folder / "planted.py").symlink_to(elsewhere)
+    out = _load(root)
+    _refused_privately(out, root, marker, [f"{folder / 'planted.py'} (owner ", ") is a symbolic link"])
+
+
+def test_a_lock_planted_as_a_link_is_not_followed(tmp_path):
+    """No build yet, and the lock's name is a link to another file: opening it must not create or truncate that
+    file (the lock holder writes its pid into the lock)."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    victim = tmp_path / "precious"
+    victim.write_text("keep me\n")
+    (root / f"{_build.cache_key()}.lock").symlink_to(victim)
+    out = _load(root)
+    assert victim.read_text() == "keep me\n"
+    _refused_privately(out, root, tmp_path / "no-marker", ["cannot be opened as the build lock"])
+
+
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused(shared, tmp_path):
+    root, folder, marker = shared
+    outside = tmp_path / "outside.py"
+    outside.write_text(f"open({str(marker)!r}, 'w').close()\ndef available_isas():\n    return ['outside']\n")
+    manifest = json.loads((folder / _build.MANIFEST).read_text())
+    (folder / _build.MANIFEST).write_text(json.dumps({**manifest, "file": "../../outside.py"}))
+    out = _load(root)
+    assert out["state"] == "failed" and not marker.exists(), out
+    assert "names '../../outside.py' as the module: not a file name in" in out["warnings"][0], out
+
+
+@AS_ROOT
+def test_an_account_named_in_cache_trust_is_trusted(shared):
+    root, folder, marker = shared
+    _chown(folder)
+    out = _load(root, ZERO_OFFLOAD_CACHE_TRUST=NOBODY)
+    assert (out["state"], out["isas"], out["warnings"]) == ("jit-cached", ["planted"], []) and marker.exists()
+    marker.unlink()
+    out = _load(root, ZERO_OFFLOAD_CACHE_TRUST="no-such-user-here")
+    assert out["state"] == "failed" and not marker.exists(), out
+    assert "Invalid ZERO_OFFLOAD_CACHE_TRUST='no-such-user-here': no user 'no-such-user-here'" in out["warnings"][0]
+
+
+@AS_ROOT
+def test_a_root_owned_shared_cache_serves_another_user():
+    """A root owned by root, 0755, readable by all: another user's process loads the build in it, and, where the
+    build it needs is missing, builds its own privately (it cannot write there) without touching the root."""
+    root = Path(tempfile.mkdtemp(prefix="zero_offload-shared-"))  # not under pytest's 0700 folder: nobody reads it
+    try:
+        root.chmod(0o755)
+        folder = _plant(root)
+        out = _load(root, AS_UID=str(pwd.getpwnam(NOBODY).pw_uid))
+        assert (out["state"], out["isas"], out["warnings"]) == ("jit-cached", ["planted"], []), out
+        assert out["file"] == str(folder / "planted.py")
+        shutil.rmtree(folder)
+        out = _load(root, AS_UID=str(pwd.getpwnam(NOBODY).pw_uid))
+        _refused_privately(out, root, root / "no-marker", [
+            f"{root} (owner root (uid 0), mode drwxr-xr-x (0755)) has no build for this torch, compiler and Python "
+            "and you cannot write to it", "run `python -m zero_offload.report` as that account"])
+        assert list(root.iterdir()) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _private_group_by_the_files(gid, name):
+    """Whether group ``gid`` has no member but ``name``, read from /etc/passwd and /etc/group themselves (the
+    reference for the check's getpwall/getgrgid answer); None where those files do not say."""
+    try:
+        passwd = [ln.split(":") for ln in Path("/etc/passwd").read_text().splitlines() if ln.count(":") >= 6]
+        group = [ln.split(":") for ln in Path("/etc/group").read_text().splitlines() if ln.count(":") >= 3]
+    except OSError:
+        return None
+    entry = [g for g in group if g[2] == str(gid)]
+    if len(entry) != 1:
+        return None
+    members = {u[0] for u in passwd if u[3] == str(gid)} | set(filter(None, entry[0][3].split(",")))
+    return members == {name}
+
+
+def test_a_users_own_group_writable_cache_is_used(shared):
+    """Under a umask of 002 (Debian, Ubuntu, Fedora) a user's own cache is group-writable by the user's private
+    group: that is theirs alone, and used."""
+    root, folder, marker = shared
+    gid, name = os.getegid(), pwd.getpwuid(os.geteuid()).pw_name
+    if not _private_group_by_the_files(gid, name):
+        pytest.skip(f"group {gid} is not {name}'s private group here")
+    for path in (root, folder):
+        path.chmod(0o775)
+    (folder / "planted.py").chmod(0o664)
+    out = _load(root)
+    assert (out["state"], out["isas"], out["warnings"]) == ("jit-cached", ["planted"], []) and marker.exists()
+
+
+def test_a_build_made_under_a_permissive_umask_is_writable_by_its_owner_only(tmp_path, monkeypatch):
+    """Under umask 002 the compile's files come out group-writable; the finished build must not (a build this user
+    made would otherwise be refused where the group is not the user's own)."""
+    monkeypatch.setenv("ZERO_OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+
+    def compile_under_002(build):
+        (Path(build) / "fake_kernel.py").write_text("def available_isas():\n    return ['scalar']\n")
+        (Path(build) / "fake_kernel.py").chmod(0o775)
+        (Path(build) / "sub").mkdir(mode=0o777)
+        (Path(build) / "sub").chmod(0o777)
+        return "fake_kernel.py"
+
+    monkeypatch.setattr(_build, "_compile", compile_under_002)
+    monkeypatch.setattr(_build, "_status", _build.BuildStatus())
+    old = os.umask(0o002)
+    try:
+        _build._jit_build()
+    finally:
+        os.umask(old)
+    root = tmp_path / "cache"
+    modes = {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in (root, *root.rglob("*"))
+             if not p.name.endswith(".lock") and "__pycache__" not in p.parts}
+    key = _build.cache_key()
+    assert modes == {".": 0o755, key: 0o755, f"{key}/sub": 0o755, f"{key}/fake_kernel.py": 0o755,
+                     f"{key}/{_build.MANIFEST}": 0o644}, modes
+
+
+def test_a_root_that_cannot_be_made_gets_a_private_build(tmp_path):
+    """ZERO_OFFLOAD_CACHE_DIR below a file: the root cannot be created; the run goes on on a private build, saying
+    why, rather than on the slow fallback."""
+    (tmp_path / "a-file").write_text("")
+    root = tmp_path / "a-file" / "cache"
+    out = _load(root)
+    _refused_privately(out, root, tmp_path / "no-marker", [
+        f"{root} (owner -, mode -) cannot be created (Not a directory)",
+        "point ZERO_OFFLOAD_CACHE_DIR at a folder you can write"])

@@ -1,0 +1,193 @@
+"""Whether a place in the kernel's build cache may hold code that this process loads.
+
+A cached build is native code: importing it runs whatever it holds, with this process's rights. Whoever can write
+the module file, or rename or replace any folder on the way to it, can therefore run code in every trainer that
+uses the cache (the folder's name is a predictable hash, so planting one takes no secret). A build is loaded only
+when, from the cache root down to its module file, each folder and file
+
+* is owned by this user (the effective uid), by root, or by an account named in ``ZERO_OFFLOAD_CACHE_TRUST``, and
+* is writable by nobody else: not by others, and not by its group unless the owner is that group's only member
+  (a user's private group, as Debian, Ubuntu and Fedora make for each user; under their usual umask of 002 a user's
+  own folders are group-writable, and refusing those would refuse everyone's own cache).
+
+The root alone may be writable by everyone if it is sticky (as ``/tmp`` is): there nobody can rename or remove
+another's folder, so the folders inside it are what counts, and they are checked. Below the root nothing may be a
+symbolic link (the cache makes none, and a link can point anywhere). This is OpenSSH's ``StrictModes`` rule for
+key files, with Debian's private-group exception; pip likewise ignores a cache folder its user does not own.
+
+Not checked: the folders above the root (whoever can rename one of them can swap the root between this check and
+the load), and the environment itself (who sets ``ZERO_OFFLOAD_CACHE_DIR`` could as well set ``LD_PRELOAD``).
+docs/security.md lists what is trusted and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import stat
+from pathlib import Path
+from typing import FrozenSet, Optional
+
+TRUST_VARIABLE = "ZERO_OFFLOAD_CACHE_TRUST"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why the cache is not used: a path, who owns it, its mode, what is wrong with it and how to put it right.
+
+    Attributes:
+        path (Path): the folder or file that failed.
+        owner (str): its owner, e.g. ``"nobody (uid 65534)"``; ``"-"`` where it could not be read.
+        mode (str): its mode, e.g. ``"drwxrwxrwx (0777)"``; ``"-"`` where it could not be read.
+        why (str): what is wrong, a phrase that follows the path (``"is writable by others"``).
+        fix (str): what to do about it.
+    """
+
+    path: Path
+    owner: str
+    mode: str
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.path} (owner {self.owner}, mode {self.mode}) {self.why}; to fix: {self.fix}"
+
+
+def _name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _user(uid: int) -> str:
+    name = _name(uid)
+    return f"{name} (uid {uid})" if name != str(uid) else f"uid {uid}"
+
+
+def _mode(st: os.stat_result) -> str:
+    return f"{stat.filemode(st.st_mode)} ({stat.S_IMODE(st.st_mode):04o})"
+
+
+def refusal(path: Path, why: str, fix: str) -> Refusal:
+    """A :class:`Refusal` for ``path``, with its owner and mode where it can be read."""
+    try:
+        st = os.lstat(path)
+        owner, mode = _user(st.st_uid), _mode(st)
+    except OSError:
+        owner = mode = "-"
+    return Refusal(Path(path), owner, mode, why, fix)
+
+
+def trusted_uids() -> FrozenSet[int]:
+    """This user (effective uid), root, and the accounts in ``ZERO_OFFLOAD_CACHE_TRUST`` (user names or numeric uids,
+    separated by commas or spaces). Raises ValueError naming an entry that is no user of this machine."""
+    import pwd
+
+    text = os.environ.get(TRUST_VARIABLE, "")
+    uids = {os.geteuid(), 0}
+    for entry in filter(None, re.split(r"[\s,]+", text)):
+        if entry.isdigit():
+            uids.add(int(entry))
+            continue
+        try:
+            uids.add(pwd.getpwnam(entry).pw_uid)
+        except KeyError:
+            raise ValueError(f"Invalid {TRUST_VARIABLE}={text!r}: no user {entry!r} on this machine (the accounts "
+                             "whose builds are trusted besides yours and root's: user names or numeric uids, "
+                             "separated by commas)") from None
+    return frozenset(uids)
+
+
+@functools.lru_cache(maxsize=None)
+def private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` has no member but user ``uid``, as a primary group (from the user database) or a
+    supplementary one; a group with no member at all is not (such groups serve setgid programs)."""
+    import grp
+    import pwd
+
+    try:
+        group, name = grp.getgrgid(gid), pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return False
+    if any(member != name for member in group.gr_mem):
+        return False
+    primary = [p.pw_uid for p in pwd.getpwall() if p.pw_gid == gid]
+    return all(u == uid for u in primary) and bool(primary or group.gr_mem)
+
+
+def _own_cache_fix(uid: Optional[int] = None) -> str:
+    trust = (f", or {TRUST_VARIABLE}={_name(uid)} if you trust {_name(uid)} with code in your processes"
+             if uid is not None else "")
+    return f"point ZERO_OFFLOAD_CACHE_DIR at a folder of your own (e.g. ~/.cache/zero_offload){trust}"
+
+
+def _problem(path: Path, st: os.stat_result, is_root: bool, trusted: FrozenSet[int]) -> Optional[str]:
+    """What makes one folder or file of the chain unsafe, as a phrase after its path; None if nothing."""
+    if st.st_uid not in trusted:
+        return f"is owned by an account other than you, root and those in {TRUST_VARIABLE}"
+    sticky_root = is_root and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if st.st_mode & stat.S_IWOTH and not sticky_root:
+        return "is writable by others" + (" and not sticky" if is_root else "")
+    if st.st_mode & stat.S_IWGRP and not sticky_root and not private_group(st.st_gid, st.st_uid):
+        import grp
+
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        return f"is writable by group {group} (gid {st.st_gid}), which has members other than its owner"
+    return None
+
+
+def check(root: Path, target: Optional[Path] = None, file: bool = True) -> Optional[Refusal]:
+    """The first place on the way from ``root`` down to ``target`` that someone else could change, as a
+    :class:`Refusal`; None if there is none. ``target`` (inside ``root``) is a regular file if ``file``, else a
+    folder; every folder between them is checked too. Without ``target`` only the root is checked. The root is
+    followed if it is a link (a link above the root is the trusted parents' business); nothing below it may be one.
+
+    Raises:
+        ValueError: if ``ZERO_OFFLOAD_CACHE_TRUST`` names no user of this machine.
+    """
+    trusted = trusted_uids()
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        return refusal(root, f"cannot be read ({exc.strerror})", _own_cache_fix())
+    if not stat.S_ISDIR(st.st_mode):
+        return refusal(root, "is not a folder", "point ZERO_OFFLOAD_CACHE_DIR at a folder")
+    problem = _problem(root, st, True, trusted)
+    if problem is not None:
+        fix = (_own_cache_fix(st.st_uid) if st.st_uid not in trusted else
+               f"as its owner, `chmod go-w {root}` (or `chmod +t {root}` for a folder that all may write, as /tmp "
+               "is), then remove the builds in it that you did not make")
+        return Refusal(Path(root), _user(st.st_uid), _mode(st), problem, fix)
+    if target is None:
+        return None
+    parts = Path(target).relative_to(root).parts
+    path = Path(root)
+    for depth, part in enumerate(parts, 1):
+        path = path / part
+        last = depth == len(parts)
+        top = Path(root) / parts[0]
+        remove = f"remove {top} (what another account could change cannot be trusted; the next run builds it again)"
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            return refusal(path, f"cannot be read ({exc.strerror})", remove)
+        if stat.S_ISLNK(st.st_mode):
+            return Refusal(path, _user(st.st_uid), _mode(st), "is a symbolic link (the cache makes none)", remove)
+        want_file = last and file
+        if not (stat.S_ISREG(st.st_mode) if want_file else stat.S_ISDIR(st.st_mode)):
+            kind = "a regular file" if want_file else "a folder"
+            return Refusal(path, _user(st.st_uid), _mode(st), f"is not {kind}", remove)
+        problem = _problem(path, st, False, trusted)
+        if problem is not None:
+            fix = (f"have {_name(st.st_uid)} or root remove {top}, or {_own_cache_fix(st.st_uid)}"
+                   if st.st_uid not in trusted else remove)
+            return Refusal(path, _user(st.st_uid), _mode(st), problem, fix)
+    return None
