@@ -10,7 +10,7 @@ import torch
 
 from zero_offload import functional
 from zero_offload.buckets import FlatBucket
-from zero_offload.rules.base import Run
+from zero_offload.rules.base import Run, Slots
 
 __all__ = ["Copies", "RunSpec", "copies_of", "is_whole", "run_rule", "touched"]
 
@@ -54,14 +54,15 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
     out = None if copies is None else copies[0].get("staging")
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
-    for first, last, step in runs:
+    for index, (first, last, step) in enumerate(runs):
         a, b = layout.span(first, last)
         state, scales = store.run_state(a, b, copies)
         param_out = bucket.param_out(grad, a, b) if copies is None else (None if out is None else out[a:b])
+        slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), copies is not None)
         if in_place is None:
-            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out)
+            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, slots=slots)
         else:
             grads = in_place if whole else functional.CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
-            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out)
+            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out, slots=slots)
         update(run, hyper)
