@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload.rules.base import Run, Slots
-from zero_offload.rules.settings import Refused, build
+from zero_offload.rules.settings import FAILURES, Refused, build
 from zero_offload.state.layout import align_up
 
 __all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "check_scheme", "updates_close", "same"]
@@ -145,7 +145,7 @@ def _build(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], params: List[
            ) -> torch.optim.Optimizer:
     try:
         return build(cls, [(params, group)], ctor)
-    except Exception as e:
+    except FAILURES as e:
         raise Refused(f"{cls.__name__} cannot be offloaded: building it over plain float32 tensors in one group "
                       f"raised {type(e).__name__}: {e}") from e
 
@@ -157,7 +157,7 @@ def _steps(opt: torch.optim.Optimizer, grads: List[List[torch.Tensor]], what: st
             for p, g in zip(opt.param_groups[0]["params"], step_grads):
                 p.grad = g.clone()
             opt.step()
-    except Exception as e:
+    except FAILURES as e:
         raise Refused(f"{type(opt).__name__} could not be probed: stepping {what} without a closure raised "
                       f"{type(e).__name__}: {e}") from e
     return opt
@@ -251,11 +251,11 @@ class _Bucket:
     steps: torch.Tensor
 
     @staticmethod
-    def of(values: Sequence[torch.Tensor], names: Sequence[str]) -> "_Bucket":
+    def of(values: Sequence[torch.Tensor], names: Sequence[str], padded: bool = True) -> "_Bucket":
         offsets, cursor = [], 0
         for v in values:
             offsets.append(cursor)
-            cursor = align_up(cursor + v.numel())
+            cursor = align_up(cursor + v.numel()) if padded else cursor + v.numel()
         master = torch.zeros(cursor)
         for o, v in zip(offsets, values):
             master[o:o + v.numel()] = v.reshape(-1)
@@ -295,15 +295,16 @@ class _ClassRaised(Exception):
 
 def _scheme_diff(make_rule: Callable[[], Any], cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]],
                  merged: bool, absent: Tuple[int, ...] = _ABSENT) -> Optional[str]:
-    """Step the rule over :data:`_SCHEME`'s buckets (``merged``: one bucket per group) against the class; None if
-    they agree every step, else where they first differ."""
+    """Step the rule over :data:`_SCHEME`'s buckets against the class; None if they agree every step, else where
+    they first differ. ``merged``: one bucket per group, without padding (a statistic over the group's elements
+    then sees what the class sees)."""
     rule = make_rule()
     gen = torch.Generator().manual_seed(2)
     layout = [[[s for b in buckets for s in b]] if merged else list(buckets) for buckets in _SCHEME]
     values = [[[torch.randn(s, generator=gen) for s in b] for b in buckets] for buckets in layout]
     live = [dict(g) for g in groups]
     hypers = [rule.hyper(g) for g in live]
-    ours = [[_Bucket.of(vs, [n.name for n in rule.needed(h)]) for vs in buckets]
+    ours = [[_Bucket.of(vs, [n.name for n in rule.needed(h)], padded=not merged) for vs in buckets]
             for buckets, h in zip(values, hypers)]
     params = [[torch.nn.Parameter(v.clone()) for b in buckets for v in b] for buckets in values]
     ref = build(cls, list(zip(params, groups)), ctor)
@@ -369,9 +370,10 @@ def check_scheme(make_rule: Callable[[], Any], cls: type, ctor: Dict[str, Any],
     head = (f"{cls.__name__} cannot be offloaded faithfully: run over zero_offload's flat buffers (two param "
             f"groups of two buckets) beside the class itself, {diff}")
     if _scheme_diff(make_rule, cls, ctor, groups, merged=True, absent=absent) is None:
-        raise Refused(f"{head}. With each param group in one bucket it matches: its update uses a statistic over "
-                      "all the parameters of its param groups (as D-Adaptation's and Prodigy's step size does), "
-                      "and zero_offload updates a group bucket by bucket")
+        raise Refused(f"{head}. With each param group in one bucket and no padding it matches: its update uses a "
+                      "statistic over all the parameters of its param groups (as D-Adaptation's and Prodigy's step "
+                      "size does), and zero_offload updates a group bucket by bucket, with padding between "
+                      "parameters")
     raise Refused(f"{head}. Its update depends on something zero_offload does not carry: a statistic over the "
                   "parameters of all its groups, state outside its parameters' entries, its param groups, its "
                   "opt.state and its own attributes, or the parameters' shapes or their order")

@@ -28,6 +28,11 @@ REFUSED_FLAGS = {
 NOT_SETTINGS = ("params", "param_names")
 
 
+# What building or stepping a class may raise that is its failure, not the process's end: lucidrains' Lion calls
+# exit() when use_triton=True finds no triton.
+FAILURES = (Exception, SystemExit)
+
+
 class Refused(ValueError):
     """The optimizer class (or one of its settings) cannot be offloaded faithfully; the message says why."""
 
@@ -111,11 +116,11 @@ def class_defaults(cls: type, ctor_items: Tuple[Tuple[str, Hashable], ...],
     ctor = thaw(ctor_items)
     try:
         return dict(cls([_stand_in()], **ctor).defaults)
-    except Exception as e:  # (a class that wants parameter groups of its own kind, say)
-        error: Exception = e
+    except FAILURES as e:  # (a class that wants parameter groups of its own kind, say)
+        error: BaseException = e
     try:
         cls([torch.nn.Parameter(torch.zeros(4, 4))], **ctor)
-    except Exception:
+    except FAILURES:
         pass
     else:
         raise Refused(f"{cls.__name__} is not elementwise: it takes a 2-D parameter but not a 1-element one "
@@ -124,16 +129,17 @@ def class_defaults(cls: type, ctor_items: Tuple[Tuple[str, Hashable], ...],
     if group_items:
         try:
             return dict(build(cls, [([_stand_in()], thaw(group_items))], ctor).defaults)
-        except Exception:
+        except FAILURES:
             pass
     if isinstance(error, TypeError) and ("required" in str(error) or "missing" in str(error)):
         raise TypeError(f"{cls.__name__} needs an argument that was not given ({error}): pass it to "
                         "zero_offload.offload() with the other hyperparameters") from error
     if isinstance(error, (TypeError, ValueError)) and not isinstance(error, Refused):
         raise error  # the class's own check of its arguments (an unknown one, a value out of range)
+    cause = f" (after {type(error.__context__).__name__}: {error.__context__})" if error.__context__ else ""
     raise Refused(f"{cls.__name__} cannot be offloaded: zero_offload runs it over plain float32 tensors (its flat "
                   f"buffers) in parameter groups with the given settings, and building it so raised "
-                  f"{type(error).__name__}: {error}") from error
+                  f"{type(error).__name__}: {error}{cause}") from error
 
 
 def _fields(defaults: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[int]]]:
@@ -224,5 +230,5 @@ def _check(cls: type, items: Tuple[Tuple[str, Hashable], ...]) -> None:
         cls([_stand_in()], **thaw(items))
     except ValueError:
         raise
-    except Exception:
+    except FAILURES:
         pass
