@@ -130,12 +130,12 @@ def _build_both(cls: type, kwargs: Dict[str, Any]) -> Tuple[Any, Any, Any, Any]:
     ours_params, ref_params = _params(0), _params(0)
     try:
         defaults = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs).defaults
-    except Exception:  # (a class that takes groups of its own kind: offload() says what it makes of it)
+    except (Exception, SystemExit):  # (a class that takes groups of its own kind; lucidrains' Lion exits)
         defaults = {}
     ours = zero_offload.offload(cls, _groups(ours_params, defaults), bucket_numel=BUCKET_NUMEL, **kwargs)
     try:
         ref = cls(_groups(ref_params, defaults), **kwargs)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ClassFailed(f"{type(e).__name__}: {e}") from e
     return ours, ours_params, ref, ref_params
 
