@@ -389,3 +389,73 @@ def _sharded_worker(rank, world):
 
 def test_sharded_string_settings_and_group_state_match_the_class():
     assert td.launch(_sharded_worker, 2, timeout=180) == {0: [True, True], 1: [True, True]}
+
+
+# ----------------------------------------------------------------- speculation's rollbacks (CUDA stand-ins) --
+def test_speculation_rolls_back_what_the_class_keeps_too(monkeypatch):
+    """Speculated updates that roll back (an lr changed between backward and step(), a state_dict() there, a
+    zero_grad() after backward) leave the class's param-group count where a run without speculation has it:
+    bitwise against ``speculate=False`` every step, and against the class itself."""
+    import concurrent.futures
+
+    import cuda_standins
+    from zero_offload import speculation
+
+    assert cuda_standins.install(monkeypatch.setattr) is not None
+    real = speculation._Worker.submit
+    monkeypatch.setattr(speculation._Worker, "submit",
+                        lambda self, fn, *a: concurrent.futures.wait([job := real(self, fn, *a)]) and job)
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(*[torch.nn.Linear(9, 9) for _ in range(3)]) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    spec = offload(GroupStepAdam, models[0].parameters(), bucket_numel=100, speculate=True)
+    plain = offload(GroupStepAdam, models[1].parameters(), bucket_numel=100, speculate=False)
+    ref = GroupStepAdam(models[2].parameters())
+    for step in range(8):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 9, generator=gen), torch.randn(4, 9, generator=gen)
+        for m, opt in zip(models, (spec, plain, ref)):
+            opt.zero_grad()
+            (m(x) - y).pow(2).mean().backward()
+            if step == 3 and opt is not ref:
+                opt.zero_grad()  # the step never comes: rolled back
+                (m(x) - y).pow(2).mean().backward()
+            if step % 3 == 1:
+                for g in opt.param_groups:
+                    g["lr"] *= 0.5
+            if step == 4 and opt is not ref:
+                opt.state_dict()
+            opt.step()
+        assert spec.param_groups[0]["step"] == plain.param_groups[0]["step"] == ref.param_groups[0]["step"]
+        for p, q, r in zip(*(m.parameters() for m in models)):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+            torch.testing.assert_close(q, r)
+    assert spec.speculation_stats.commits > 0 and spec.speculation_stats.rollbacks > 0, spec.speculation_stats
+
+
+@pytest.mark.parametrize("cls", [GroupStepAdam, GlobalCountSGD, CountingSGD])
+def test_delayed_update_previews_for_saving_change_nothing(cls):
+    """delayed_update: step t applies the gradients of step t-1; a state_dict() in between computes the pending
+    update on copies (its param-group count included: the saved state is the state after it) and changes nothing
+    of the run: parameters every step against the class one step late."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours, ref = offload(cls, ps, bucket_numel=16, delayed_update=True), cls(qs)
+    prev = None
+    for t in range(10):
+        grads = [torch.randn(p.shape) for p in ps]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        if prev is not None:
+            for q, g in zip(qs, prev):
+                q.grad = g.clone()
+            ref.step()
+        prev = grads
+        ours.step()
+        saved = ours.state_dict()
+        if cls is GroupStepAdam and t:
+            assert saved["param_groups"][0]["step"] == ref.param_groups[0]["step"] + 1  # the pending one counted
+        for p, q in zip(ps, qs):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {t}: {m}")

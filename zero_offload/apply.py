@@ -54,11 +54,12 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
     out = None if copies is None else copies[0].get("staging")
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
+    dry = master is not bucket.master  # copies of the buffers (a preview), not speculation's in-place update
     for index, (first, last, step) in enumerate(runs):
         a, b = layout.span(first, last)
         state, scales = store.run_state(a, b, copies)
         param_out = bucket.param_out(grad, a, b) if copies is None else (None if out is None else out[a:b])
-        slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), copies is not None)
+        slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry)
         if in_place is None:
             run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, slots=slots)
         else:
