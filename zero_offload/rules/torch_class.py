@@ -26,7 +26,7 @@ import torch
 
 from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
 from zero_offload.rules.instances import Bound, GroupRecord
-from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, kinds
+from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, kinds, same
 from zero_offload.rules.settings import NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
@@ -151,11 +151,17 @@ class TorchClassRule(Rule):
         self.optimizer_class, self.ctor = optimizer_class, dict(ctor or {})
         extras = {k: v for k, v in (groups[0] if groups else {}).items() if k not in NOT_SETTINGS}
         self.defaults = class_defaults(optimizer_class, freeze(self.ctor), freeze(extras))
-        self._state_keys = set()  # keys the class adds to its param groups (grown as instances show more)
-        settings = [self._settings({**self.defaults, **g}) for g in (groups or ({},))]
+        # Keys the class adds to its param groups or changes there: its state, not settings (grown as its
+        # instances show more).
+        self._state_keys = set(() if probed is None else probed.group_state)
+        groups = [{**self.defaults, **g} for g in (groups or ({},))]
+        if probed is None:  # (those keys first, so that the whole probe runs on the settings hyper() will read)
+            self._state_keys.update(k for g in groups for k in probe_group(
+                optimizer_class, self.ctor, self._settings(g)).group_state)
         # (a rule built by the probe itself, ``probed`` given, checks later settings with the first two passes only)
         self._full = probed is None
-        self._probed = probed if probed is not None else probe(optimizer_class, self.ctor, settings)
+        self._probed = probed if probed is not None else probe(optimizer_class, self.ctor,
+                                                               [self._settings(g) for g in groups])
         self._state_keys.update(self._probed.group_state)
         self.buffers = tuple(StateBuffer(k, compactable=False, needed=functools.partial(self._needs, k))
                              for k in self._probed.buffers)
@@ -187,6 +193,14 @@ class TorchClassRule(Rule):
             raise ValueError(f"{self.name}: these settings keep state {missing} that the optimizer was not built "
                              "with; set them when building it")
         return h
+
+    def check(self, group: Dict[str, Any], where: str = "") -> None:
+        """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
+        class may need group keys its defaults lack (Muon-style ``use_muon``), which every group then gives."""
+        if same({k: v for k, v in group.items() if k not in NOT_SETTINGS}, self.defaults):
+            read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys))
+            return
+        super().check(group, where)
 
     def _step_value(self, step: int) -> Any:
         return torch.tensor(float(step), dtype=torch.float32) if self._step_is_tensor else step
