@@ -51,7 +51,7 @@ def _ref(cls, settings):
 @pytest.mark.parametrize("case", CASES, ids=map(_id, CASES))
 def test_generic_rule_matches_class_tail_sizes_in_one_run(case):
     cls, settings, zero = case
-    rule = rule_for(cls, settings)
+    rule = rule_for(cls, settings, ctor=settings)
     compare(rule, settings, _ref(cls, settings), SIZES, steps=4, zero_padding=zero)
 
 
@@ -62,7 +62,8 @@ def test_generic_rule_honours_foreach_and_fused(case, impl):
     if impl == "fused" and cls not in FUSED_CPU:
         pytest.skip(f"torch has no fused CPU {cls.__name__}")
     group = dict(settings, **{impl: True})
-    compare(rule_for(cls, group), group, _ref(cls, settings), [7, 4097, 17], steps=3, zero_padding=zero)
+    compare(rule_for(cls, group, ctor=group), group, _ref(cls, settings), [7, 4097, 17], steps=3,
+            zero_padding=zero)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
@@ -70,7 +71,8 @@ def test_generic_rule_honours_foreach_and_fused(case, impl):
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[7], CASES[8]], ids=_id)
 def test_generic_rule_low_precision_grads_scale_and_param_out(case, grad_dtype, segments):
     cls, settings, zero = case
-    compare(rule_for(cls, settings), settings, _ref(cls, settings), [15, 4097, 300], grad_dtype=grad_dtype,
+    compare(rule_for(cls, settings, ctor=settings), settings, _ref(cls, settings), [15, 4097, 300],
+            grad_dtype=grad_dtype,
             grad_scale=0.25, segments=segments, out_dtype=grad_dtype, zero_padding=zero)
 
 
@@ -89,7 +91,8 @@ def test_generic_rule_declarations_follow_the_class():
         "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
     h = adam.hyper(dict(lr=0.1, betas=(0.5, 0.6)))
     assert (h.betas_0, h.betas_1, h.lr) == (0.5, 0.6, 0.1) and h.user_names["betas_1"] == "betas[1]"
-    assert h.settings()["betas"] == (0.5, 0.6) and h.settings()["foreach"] is False
+    # foreach=None reaches the class as None: its own choice for the CPU tensors it steps (torch's: the loop)
+    assert h.settings()["betas"] == (0.5, 0.6) and h.settings()["foreach"] is None
 
 
 def test_generic_rule_refuses_a_group_needing_state_it_was_not_built_with():

@@ -10,7 +10,7 @@ import torch
 
 from zero_offload import functional
 from zero_offload.buckets import FlatBucket
-from zero_offload.rules.base import Run
+from zero_offload.rules.base import Run, Slots
 from zero_offload.state.codecs import Codec
 
 __all__ = ["Copies", "RunSpec", "copies_of", "is_whole", "run_rule", "touched"]
@@ -57,7 +57,8 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
     staging = None if copies is None else copies[0].get("staging")
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
-    for first, last, step in runs:
+    dry = copies is not None  # a preview (saving the state a pending update will leave): nothing kept changes
+    for index, (first, last, step) in enumerate(runs):
         a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
         state, scales = store.run_state(a, b, copies)
         if out is not None:
@@ -66,12 +67,13 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
         else:
             param_out = bucket.param_out(grad, a, b) if copies is None else (None if staging is None else staging[a:b])
             dest = None
+        slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry)
         if in_place is None:
-            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest)
+            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots)
         else:
             grads = in_place if whole else functional.CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
-            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest)
+            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots)
         update(run, hyper)
 
 

@@ -61,15 +61,26 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
     if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"offload() takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OFFLOAD_OPTIONS}
-    # The class checks its own arguments (its TypeError for an unknown one, its ValueErrors) and gives its defaults.
-    defaults = dict(optimizer_class([torch.nn.Parameter(torch.zeros(1))], **kwargs).defaults)
-    if optimizer_class in (torch.optim.AdamW, torch.optim.Adam):
-        return OffloadOptimizer(params, **defaults, **options)
-    if optimizer_class is Lion:
-        from zero_offload.rules.lion import LION as rule
-    else:
-        from zero_offload.rules.torch_class import rule_for
+    if optimizer_class in (torch.optim.AdamW, torch.optim.Adam, Lion):
+        # The class checks its own arguments (its TypeError for an unknown one, its ValueErrors), gives its defaults.
+        defaults = dict(optimizer_class([torch.nn.Parameter(torch.zeros(1))], **kwargs).defaults)
+        if optimizer_class is not Lion:
+            return OffloadOptimizer(params, **defaults, **options)
+        from zero_offload.rules.lion import LION
 
-        params = list(params) if not isinstance(params, torch.Tensor) else [params]
-        rule = rule_for(optimizer_class, *[{**defaults, **g} for g in _group_settings(params) or [{}]])
-    return OffloadOptimizer._with_rule(params, rule, defaults, **options)
+        return OffloadOptimizer._with_rule(params, LION, defaults, **options)
+    from zero_offload.rules.settings import class_defaults, freeze
+    from zero_offload.rules.torch_class import rule_for
+
+    params = list(params) if not isinstance(params, torch.Tensor) else [params]
+    groups = _group_settings(params)
+    extras = {k: v for k, v in (groups[0] if groups else {}).items() if k != "param_names"}
+    # ``kwargs`` are the class's constructor arguments, whole: every instance of it the rule builds gets them.
+    defaults = class_defaults(optimizer_class, freeze(kwargs), freeze(extras))
+    rule = rule_for(optimizer_class, *[{**defaults, **g} for g in groups or [{}]], ctor=kwargs)
+    opt = OffloadOptimizer._with_rule(params, rule, defaults, **options)
+    # What the class keeps beyond its per-parameter state and param groups (MADGRAD's global count) is saved and
+    # loaded in its own format through the optimizer's public hooks.
+    opt.register_state_dict_post_hook(rule.state_dict_hook)
+    opt.register_load_state_dict_post_hook(rule.load_hook)
+    return opt

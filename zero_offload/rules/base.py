@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StateBuffer", "Run", "Rule"]
+__all__ = ["StateBuffer", "Run", "Rule", "Slots"]
 
 
 def _always(hyper: Any) -> bool:
@@ -45,6 +45,30 @@ class StateBuffer:
         return self.needed is not _always
 
 
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Where a run lies, for a rule that keeps something per bucket beyond the state buffers (the generic rule keeps
+    the wrapped class's own instance there, see :mod:`zero_offload.rules.torch_class`).
+
+    Attributes:
+        owner (object): the bucket (its identity only: what the rule keeps for it lives as long as it).
+        group (int): the bucket's param group.
+        steps (Tensor): the bucket's per-parameter step counts, live (read only: they say whether an update the
+            rule saw was counted, or rolled back).
+        index (int), count (int): this run's place among the runs of the bucket's update, and their number (a rule
+            may do the whole update at the last).
+        dry (bool): the update writes copies of the buffers (saving the state a pending update will leave):
+            nothing the rule keeps may change.
+    """
+
+    owner: object
+    group: int
+    steps: torch.Tensor
+    index: int = 0
+    count: int = 1
+    dry: bool = False
+
+
 @dataclasses.dataclass
 class Run:
     """What a rule's update reads and writes for one run of slots ``[a, b)`` of a bucket.
@@ -64,6 +88,8 @@ class Run:
             ``"master"``'s destination under ``"param"``, each state buffer's under its name, each scale's under
             its name plus ``"_scale"``, covering the run like the buffers they replace. None: in place. A rule
             whose :attr:`Rule.writes_out` is False refuses a run with one. Default: None.
+        slots (Slots, optional): the bucket and the run's place in its update (None: a run of its own, driven
+            without a bucket). Default: None.
     """
 
     master: torch.Tensor
@@ -76,6 +102,7 @@ class Run:
     grad_scale: float
     param_out: Optional[torch.Tensor]
     out: Optional[Dict[str, torch.Tensor]] = None
+    slots: Optional[Slots] = None
 
 
 class Rule:

@@ -1,42 +1,36 @@
-"""Any elementwise ``torch.optim``-style optimizer class over flat host buffers, with the class's own CPU
-implementation (single-tensor, foreach or fused, as its flags say): the way torchao's ``CPUOffloadOptimizer``
-offloads one tensor at a time, done one *run* at a time.
+"""Any elementwise ``torch.optim``-style optimizer class over flat host buffers, run by the class itself: one
+instance of it per bucket, built at the bucket's first update with the constructor arguments given to
+:func:`zero_offload.offload` (flags the class keeps on itself included) and kept for the optimizer's life, so that
+whatever it keeps beyond the per-parameter state goes on as in the class (see :mod:`zero_offload.rules.instances`).
 
-For a run, the flat fp32 master slice is the parameter the class sees, the run's gradient (times ``grad_scale``,
-upcast from bf16/fp16) its ``.grad``, and its state the store's buffers themselves: a state tensor the class
-updates in place lands in our buffer; one it rebinds (SGD's first ``momentum_buffer``, created as a clone of the
-gradient) is copied back. All parameters of a run share the step count, so the run carries one. The padding between
-slots sees a zero gradient; for every torch.optim class allowed here the masters' padding stays zero (Adamax's
-``exp_inf`` padding becomes ``eps``, Rprop's ``step_size`` padding ``lr``: values no parameter's view shows).
+At each update of a bucket the instance steps once, over one parameter per run (a contiguous range of slots whose
+parameters all have a gradient and the same step count): the flat fp32 master slice, its ``.grad`` the run's
+gradient (times ``grad_scale``, upcast from bf16/fp16, a copy the class may edit), its state the store's buffers
+themselves. A state tensor the class updates in place lands in our buffer; one it rebinds (SGD's first
+``momentum_buffer``, a clone of the gradient) is copied back. The padding between slots sees a zero gradient, and
+no parameter's view shows it.
 
-Which buffers a class keeps is learnt by a *probe*: the class steps a small 2-D parameter, and, separately, the same
-elements flattened, shuffled and split into two parameters. A state tensor not shaped like its parameter, a
-per-parameter scalar other than the step count, or a result that differs between the two (a per-tensor norm or a
-matrix operation: LAMB, LARS, Muon, Shampoo) means the update is not elementwise, and the class is refused naming
-why.
+The class is accepted only after the probe (:mod:`zero_offload.rules.probe`) has seen its state, checked that its
+update is elementwise, and run this very rule against the class for many steps on parameters of several shapes in
+several groups and buckets; otherwise it is refused, naming why.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+import threading
+import weakref
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.rules.base import Rule, Run, StateBuffer
+from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
+from zero_offload.rules.instances import Bound, GroupRecord
+from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, kinds, same
+from zero_offload.rules.settings import NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
 
-__all__ = ["TorchClassRule", "NotElementwise", "rule_for", "probe"]
+__all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
 
-# Flags that choose the class's implementation, not its arithmetic: read from the group and passed through.
-IMPL_FLAGS = ("foreach", "fused")
-# Flags whose True the offloaded update cannot honour.
-REFUSED_FLAGS = {
-    "differentiable": "differentiable=True is refused: the offloaded update runs outside autograd, on host buffers",
-    "capturable": "capturable=True is refused: it makes the step CUDA-graph capturable, and the offloaded update "
-                  "runs on the CPU",
-}
 # Classes refused before probing, with why (the probe would say less).
 KNOWN_REFUSALS = {
     "LBFGS": "its step() needs a closure that re-evaluates the loss, and it runs a line search over all "
@@ -44,186 +38,69 @@ KNOWN_REFUSALS = {
     "SparseAdam": "it updates sparse gradients only (its step() refuses dense ones), and the offloaded buffers "
                   "are dense: offload torch.optim.Adam instead",
 }
-_PROBE_SHAPE = (4, 6)
-_PROBE_SPLIT = 7  # the shuffled elements go to two parameters of 7 and 17
-_PROBE_STEPS = 3
-_PROBE_LR = 1e-2
 
 
-class NotElementwise(ValueError):
-    """The optimizer class (or one of its settings) does not update each element from that element alone."""
+def _structure(value: Hashable) -> Hashable:
+    """A setting as far as it can change which state a class keeps: a number only by being zero or not (SGD's
+    momentum), so that an LR schedule or a cycled momentum does not probe the class again at every step."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return value != 0
 
 
-def _name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+_PROBED: Dict[Tuple, Any] = {}
+_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=64)
-def _defaults(cls: type) -> Dict[str, Any]:
-    try:
-        return dict(cls([torch.nn.Parameter(torch.zeros(1))]).defaults)
-    except Exception as e:  # a class with a required hyperparameter (no default)
-        raise TypeError(f"{_name(cls)} cannot be built with its defaults ({e}); pass its required "
-                        "hyperparameters") from e
+def _cached(key: Tuple, compute) -> Any:
+    """A probe's result (or its refusal, raised again), computed once per key."""
+    with _LOCK:
+        found = _PROBED.get(key)
+    if found is None:
+        try:
+            found = (True, compute())
+        except Refused as e:
+            found = (False, e)
+        with _LOCK:
+            _PROBED[key] = found
+    if not found[0]:
+        raise found[1]
+    return found[1]
 
 
-def _fields(defaults: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[int]]]:
-    """(field, settings key, user name, tuple index) per number the hyperparameters hold; a pair like ``betas``
-    gives two fields."""
-    out = []
-    for key, value in defaults.items():
-        if isinstance(value, (tuple, list)):
-            out += [(f"{key}_{i}", key, f"{key}[{i}]", i) for i in range(len(value))]
-        else:
-            out.append((key, key, key, None))
-    return out
+def _key(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> Tuple:
+    return (cls, freeze(ctor), tuple(tuple((k, _structure(v)) for k, v in freeze(g)) for g in groups))
 
 
-def _accepted(cls: type) -> Optional[frozenset]:
-    """The keyword arguments ``cls`` takes (None: any): a default it does not take is fixed by the class
-    (AdamW's ``decoupled_weight_decay``)."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params)
+def probe_group(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probed:
+    """The kinds and elementwise passes of :mod:`zero_offload.rules.probe` for one group's settings (cached per
+    class, constructor arguments and the settings' structure, see :func:`_structure`)."""
+
+    def compute() -> Probed:
+        found = kinds(cls, ctor, group)
+        elementwise(cls, ctor, group, found)
+        return found
+
+    return _cached(("group",) + _key(cls, ctor, [group]), compute)
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    return value
+def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> Probed:
+    """What ``cls`` keeps, built with ``ctor`` and stepped in param groups with the settings ``groups``, after all
+    three passes of :mod:`zero_offload.rules.probe` (:class:`Refused` otherwise; cached as :func:`probe_group`)."""
 
+    def compute() -> Probed:
+        found = [probe_group(cls, ctor, g) for g in groups]
+        merged = Probed(tuple(dict.fromkeys(b for p in found for b in p.buffers)),
+                        next((p.step_key for p in found if p.step_key), None),
+                        any(p.step_is_tensor for p in found),
+                        tuple(dict.fromkeys(k for p in found for k in p.group_state)),
+                        tuple(dict.fromkeys(k for p in found for k in p.global_state)),
+                        tuple(dict.fromkeys(k for p in found for k in p.attributes)),
+                        any(p.eager for p in found))
+        check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=merged), cls, ctor, groups)
+        return merged
 
-@functools.lru_cache(maxsize=64)
-def hyper_class(cls: type) -> type:
-    """A frozen dataclass of ``cls``'s hyperparameters as plain values (pairs split into one field each), with
-    ``user_names`` and ``settings()`` (the keyword arguments of ``cls`` again)."""
-    fields = _fields(_defaults(cls))
-    hyper = dataclasses.make_dataclass(f"{cls.__name__}Hyper", [(f, Any) for f, _, _, _ in fields], frozen=True)
-    hyper.user_names = {f: user for f, _, user, _ in fields}
-
-    accepted = _accepted(cls)
-
-    def settings(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for f, key, _, i in fields:
-            if accepted is not None and key not in accepted:
-                continue
-            if i is None:
-                out[key] = getattr(self, f)
-            else:
-                out.setdefault(key, []).append(getattr(self, f))
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
-
-    hyper.settings = settings
-    return hyper
-
-
-def read_hyper(cls: type, group: Dict[str, Any]) -> Hashable:
-    """The group's settings of ``cls`` as its hyper dataclass, checked by the class itself (its messages)."""
-    defaults = _defaults(cls)
-    settings = {k: _plain(group.get(k, v)) for k, v in defaults.items()}
-    for flag, why in REFUSED_FLAGS.items():
-        if settings.get(flag):
-            raise ValueError(f"{cls.__name__}: {why}")
-    for flag in IMPL_FLAGS:  # None is torch's "choose for me", which for CPU tensors is False
-        if flag in settings and settings[flag] is None:
-            settings[flag] = False
-    settings = {k: tuple(map(_plain, v)) if isinstance(v, (tuple, list)) else v for k, v in settings.items()}
-    values = {}
-    for f, key, _, i in _fields(defaults):
-        values[f] = settings[key] if i is None else settings[key][i]
-    h = hyper_class(cls)(**values)
-    _check(cls, tuple(h.settings().items()))
-    return h
-
-
-@functools.lru_cache(maxsize=256)
-def _check(cls: type, items: Tuple[Tuple[str, Any], ...]) -> None:
-    cls([torch.nn.Parameter(torch.zeros(1))], **dict(items))  # raises the class's own ValueError
-
-
-@dataclasses.dataclass(frozen=True)
-class Probed:
-    """What one step of the class keeps per parameter: ``buffers`` (shaped like it, in the class's order),
-    ``step_key`` (its step count, None if it keeps none) and whether that count is a tensor."""
-
-    buffers: Tuple[str, ...]
-    step_key: Optional[str]
-    step_is_tensor: bool
-
-
-def _probe_steps(cls: type, settings: Dict[str, Any], params: List[torch.Tensor],
-                 grads: List[List[torch.Tensor]]) -> torch.optim.Optimizer:
-    opt = cls(params, **settings)
-    for step_grads in grads:
-        for p, g in zip(params, step_grads):
-            p.grad = g
-        opt.step()
-    return opt
-
-
-def _state_kinds(cls: type, state: Dict[str, Any], shape: torch.Size) -> Probed:
-    buffers, step_key, step_is_tensor = [], None, False
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.shape == shape:
-            buffers.append(key)
-        elif key == "step" and (isinstance(value, (int, float)) or
-                                (isinstance(value, torch.Tensor) and value.numel() == 1)):
-            step_key, step_is_tensor = key, isinstance(value, torch.Tensor)
-        elif isinstance(value, torch.Tensor) and value.dim() == 0 or isinstance(value, (int, float)):
-            raise NotElementwise(
-                f"{cls.__name__} keeps a per-parameter scalar {key!r} besides the step count; zero_offload holds "
-                "per-element buffers and one step count per parameter, so it cannot offload it")
-        else:
-            what = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise NotElementwise(
-                f"{cls.__name__} is not elementwise: its state {key!r} has {what} for a parameter of shape "
-                f"{tuple(shape)} (elementwise state is shaped like the parameter)")
-    return Probed(tuple(buffers), step_key, step_is_tensor)
-
-
-@functools.lru_cache(maxsize=128)
-def probe(cls: type, items: Tuple[Tuple[str, Any], ...]) -> Probed:
-    """Step ``cls`` with settings ``items`` (lr replaced by a fixed one) on a 2-D parameter, and on the same
-    elements shuffled and split in two; refuse (:class:`NotElementwise`) unless both agree and the state is
-    per-element. The result is cached per class and settings."""
-    settings = dict(items, lr=_PROBE_LR)
-    gen = torch.Generator().manual_seed(0)
-    n = _PROBE_SHAPE[0] * _PROBE_SHAPE[1]
-    whole = torch.nn.Parameter(torch.randn(_PROBE_SHAPE, generator=gen))
-    grads = [torch.randn(_PROBE_SHAPE, generator=gen) for _ in range(_PROBE_STEPS)]
-    perm = torch.randperm(n, generator=gen)
-    parts = [torch.nn.Parameter(t.clone()) for t in whole.detach().reshape(-1)[perm].split(
-        [_PROBE_SPLIT, n - _PROBE_SPLIT])]
-    why = (f"{cls.__name__} is not elementwise: its update of an element depends on other elements of the "
-           "parameter (the same elements shuffled and split into two parameters step differently: a per-tensor "
-           "norm or a matrix operation, as in LAMB, LARS, Muon or Shampoo)")
-    try:
-        ref = _probe_steps(cls, settings, [whole], [[g] for g in grads])
-    except Exception as e:
-        raise NotElementwise(f"{cls.__name__} could not be probed: one step on a {_PROBE_SHAPE} float32 CPU "
-                             f"parameter without a closure raised {type(e).__name__}: {e}") from e
-    kinds = _state_kinds(cls, ref.state[whole], whole.shape)
-    try:
-        split = _probe_steps(cls, settings, parts, [list(g.reshape(-1)[perm].split(
-            [_PROBE_SPLIT, n - _PROBE_SPLIT])) for g in grads])
-    except Exception as e:
-        raise NotElementwise(f"{why}; stepping the split parameters raised {type(e).__name__}: {e}") from e
-    pairs = [(whole.detach(), [p.detach() for p in parts])]
-    pairs += [(ref.state[whole][k], [split.state[p].get(k) for p in parts]) for k in kinds.buffers]
-    for full, pieces in pairs:
-        if any(p is None for p in pieces) or not torch.allclose(
-                full.reshape(-1)[perm], torch.cat([p.reshape(-1) for p in pieces]), rtol=1e-5, atol=1e-6):
-            raise NotElementwise(why)
-    if kinds.step_key is not None and float(ref.state[whole][kinds.step_key]) != _PROBE_STEPS:
-        raise NotElementwise(f"{cls.__name__}'s {kinds.step_key!r} is not a count of steps")
-    return kinds
-
-
-def _key(hyper: Any) -> Tuple[Tuple[str, Any], ...]:
-    """The probe's cache key of a hyper: the settings, lr left out (the probe uses its own)."""
-    return tuple((k, v) for k, v in hyper.settings().items() if k != "lr")
+    return _cached(("scheme",) + _key(cls, ctor, groups), compute)
 
 
 def _gradient(run: Run) -> torch.Tensor:
@@ -239,7 +116,17 @@ def _gradient(run: Run) -> torch.Tensor:
                                  [g.reshape(-1) for g in run.grads])
     if run.grad_scale != 1.0:
         grad.mul_(run.grad_scale)
-    return grad.view(run.master.shape)
+    return grad
+
+
+def _param_out(run: Run) -> None:
+    if run.param_out is None:
+        return
+    if run.grads is None:
+        run.param_out.copy_(run.master)
+    elif run.grads:
+        torch._foreach_copy_([run.param_out[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
+                             [run.master[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)])
 
 
 class TorchClassRule(Rule):
@@ -249,74 +136,247 @@ class TorchClassRule(Rule):
         optimizer_class (type): the class; its state-dict format, defaults and validation are the rule's.
         groups (Sequence[Dict[str, Any]]): the parameter groups' settings known now: the declared buffers are the
             union of what the class keeps under each (a group that later needs another is refused at step()).
+        ctor (Dict[str, Any]): the keyword arguments the class is built with (every instance of it the rule makes).
+        probed (Probed, optional): what the probe found (default: probe now, refusing what cannot be matched).
     """
 
     state_dtypes = (torch.float32,)
 
-    def __init__(self, optimizer_class: type, groups=()):
+    def __init__(self, optimizer_class: type, groups: Sequence[Dict[str, Any]] = (),
+                 ctor: Optional[Dict[str, Any]] = None, *, probed: Optional[Probed] = None):
         if optimizer_class.__name__ in KNOWN_REFUSALS:
             raise NotElementwise(f"{optimizer_class.__name__} cannot be offloaded: "
                                  f"{KNOWN_REFUSALS[optimizer_class.__name__]}")
         self.name = optimizer_class.__name__
-        self.optimizer_class = optimizer_class
-        self.defaults = _defaults(optimizer_class)
-        probes = [probe(optimizer_class, _key(read_hyper(optimizer_class, {**self.defaults, **g})))
-                  for g in (groups or ({},))]
-        names = list(dict.fromkeys(k for p in probes for k in p.buffers))
+        self.optimizer_class, self.ctor = optimizer_class, dict(ctor or {})
+        extras = {k: v for k, v in (groups[0] if groups else {}).items() if k not in NOT_SETTINGS}
+        self.defaults = class_defaults(optimizer_class, freeze(self.ctor), freeze(extras))
+        # Keys the class adds to its param groups or changes there: its state, not settings (grown as its
+        # instances show more).
+        self._state_keys = set(() if probed is None else probed.group_state)
+        groups = [{**self.defaults, **g} for g in (groups or ({},))]
+        if probed is None:  # (those keys first, so that the whole probe runs on the settings hyper() will read)
+            self._state_keys.update(k for g in groups for k in probe_group(
+                optimizer_class, self.ctor, self._settings(g)).group_state)
+        # (a rule built by the probe itself, ``probed`` given, checks later settings with the first two passes only)
+        self._full = probed is None
+        self._probed = probed if probed is not None else probe(optimizer_class, self.ctor,
+                                                               [self._settings(g) for g in groups])
+        self._state_keys.update(self._probed.group_state)
         self.buffers = tuple(StateBuffer(k, compactable=False, needed=functools.partial(self._needs, k))
-                             for k in names)
-        steps = {(p.step_key, p.step_is_tensor) for p in probes if p.step_key is not None}
-        self.step_key, self._step_is_tensor = next(iter(steps), (None, False))
+                             for k in self._probed.buffers)
+        self.step_key, self._step_is_tensor = self._probed.step_key, self._probed.step_is_tensor
+        self._lock = threading.Lock()
+        self._bounds: "weakref.WeakKeyDictionary[Any, Bound]" = weakref.WeakKeyDictionary()
+        self._unowned: Optional[Bound] = None  # the instance of runs driven without a bucket
+        self._groups: Dict[int, GroupRecord] = {}
+        self._globals: Tuple[int, Dict[str, Any]] = (0, {})  # (generation, values) loaded by load_state_dict
+        self._ticks = 0
+
+    def _settings(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """A group's settings as the class is built with them (what the probe steps)."""
+        return read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys)).group()
 
     def _needs(self, name: str, hyper: Any) -> bool:
-        return name in probe(self.optimizer_class, _key(hyper)).buffers
+        return name in self._probe_for(hyper).buffers
+
+    def _probe_for(self, hyper: Any) -> Probed:
+        """The probe of a group's settings (the construction-time probe covers the settings it was built with)."""
+        check = probe if self._full else lambda cls, ctor, groups: probe_group(cls, ctor, groups[0])
+        return check(self.optimizer_class, self.ctor, [hyper.group()])
 
     def hyper(self, group: Dict[str, Any]) -> Hashable:
-        h = read_hyper(self.optimizer_class, group)
-        probed = probe(self.optimizer_class, _key(h))
+        h = read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys))
+        probed = self._probe_for(h)
         missing = [k for k in probed.buffers if k not in {b.name for b in self.buffers}]
         if missing:
             raise ValueError(f"{self.name}: these settings keep state {missing} that the optimizer was not built "
                              "with; set them when building it")
         return h
 
+    def check(self, group: Dict[str, Any], where: str = "") -> None:
+        """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
+        class may need group keys its defaults lack (Muon-style ``use_muon``), which every group then gives."""
+        if same({k: v for k, v in group.items() if k not in NOT_SETTINGS}, self.defaults):
+            read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys))
+            return
+        super().check(group, where)
+
     def _step_value(self, step: int) -> Any:
         return torch.tensor(float(step), dtype=torch.float32) if self._step_is_tensor else step
 
+    # ----------------------------------------------------------------------------------- the class's instances --
+    def _bound(self, slots: Optional[Slots], hyper: Any) -> Bound:
+        owner = None if slots is None else slots.owner
+        with self._lock:
+            bound = self._unowned if owner is None else self._bounds.get(owner)
+        if bound is None:
+            # Built over a one-element stand-in (its params are set at each update): a constructor that makes state
+            # (Adagrad's) would otherwise allocate and fill a run-sized buffer only to have it replaced by ours.
+            opt = build(self.optimizer_class, [([torch.zeros(1)], hyper.group())], self.ctor)
+            opt.state.clear()
+            bound = Bound(opt, 0 if slots is None else slots.group, None if slots is None else slots.steps,
+                          self._probed.attributes)
+            bound.settings |= set(opt.param_groups[0]) - self._state_keys
+            bound.initial = bound.capture().group
+            with self._lock:
+                if owner is None:
+                    self._unowned = bound
+                else:
+                    self._bounds[owner] = bound
+        return bound
+
+    def _adopt(self, bound: Bound, hyper: Any) -> None:
+        """Bring the instance in line with a replaced or edited param group, and with loaded global entries."""
+        live = getattr(hyper, "live", None)
+        with self._lock:
+            record = self._groups.setdefault(bound.group, GroupRecord())
+            if live is not None:
+                record.observe(live, self._state_keys)
+            generation, adopted = record.generation, record.adopted
+            global_generation, global_values = self._globals
+        if bound.group_generation != generation:
+            bound.set_group_state(adopted)
+            bound.group_generation = generation
+        if bound.global_generation != global_generation:
+            bound.set_global_state(global_values)
+            bound.global_generation = global_generation
+
+    def _publish(self, bound: Bound, hyper: Any) -> None:
+        """Show the class's keys of its param group in the optimizer's (what ``state_dict()`` saves)."""
+        live = getattr(hyper, "live", None)
+        values = bound.post.group
+        with self._lock:
+            self._state_keys.update(values)
+            record = self._groups.setdefault(bound.group, GroupRecord())
+            if live is None or record.live is not live:
+                return
+            for k in record.published:
+                if k not in values:
+                    live.pop(k, None)
+            live.update({k: plain_copy(v) for k, v in values.items()})
+            record.published = {k: plain_copy(v) for k, v in values.items()}
+
+    # ---------------------------------------------------------------------------------------------- the update --
     def update(self, run: Run, hyper: Any) -> None:
         self.refuse_out(run)
-        param = run.master.view(run.master.shape)  # a new tensor object: its .grad is ours to set
-        param.grad = _gradient(run)
-        names = [b.name for b in self.needed(hyper)]
-        if run.step == 1:  # the class initialises its state (SGD's clone, Rprop's lr, Adagrad's initial sum)
-            opt = self.optimizer_class([param], **hyper.settings())
-        else:
-            # Built on a one-element stand-in, so that a class that creates its state at construction (Adagrad)
-            # does not allocate and fill a run-sized buffer only to have it replaced by ours.
-            opt = self.optimizer_class([torch.nn.Parameter(torch.zeros(1))], **hyper.settings())
-            opt.state.clear()
-            opt.param_groups[0]["params"] = [param]
-            state = {k: run.state[k] for k in names}
-            if self.step_key is not None:
-                state = {self.step_key: self._step_value(run.step - 1), **state}
-            opt.state[param] = state
-        opt.step()
-        state = opt.state[param]
+        slots = run.slots
+        bound = self._bound(slots, hyper)
+        bound.stash.append(run)
+        if slots is not None and slots.index < slots.count - 1:
+            return  # the class steps once per update of the bucket, over all its runs
+        runs, bound.stash = bound.stash, []
+        steps = None if slots is None or slots.steps is None else tuple(slots.steps.tolist())
+        key = (steps, tuple((r.step, r.master.numel()) for r in runs))
+        if bound.key == key and bound.pre is not None:
+            bound.restore(bound.pre)  # the last update did not count (rolled back, or a preview on copies)
+        self._adopt(bound, hyper)
+        pre = bound.capture()
+        try:
+            self._step_class(bound, runs, hyper)
+        except BaseException:
+            bound.restore(pre)
+            bound.key = None
+            raise
+        with self._lock:
+            self._ticks += 1
+            bound.tick = self._ticks
+        bound.key, bound.pre, bound.dry = key, pre, slots is not None and slots.dry
+        bound.post = bound.capture()
+        if not bound.dry:
+            self._publish(bound, hyper)
+
+    def _step_class(self, bound: Bound, runs: Sequence[Run], hyper: Any) -> None:
+        opt, names = bound.opt, [b.name for b in self.needed(hyper)]
+        group = opt.param_groups[0]
+        settings = hyper.group()
+        bound.settings |= set(settings)
+        group.update(settings)  # (an LR scheduler's lr, a group's own settings)
+        params = []
+        for run in runs:
+            param = run.master.view(run.master.shape)  # a new tensor object: its .grad is ours to set
+            param.grad = _gradient(run)
+            opt.state[param] = self._entry(run, param, names, settings)
+            params.append(param)
+        group["params"] = params
+        try:
+            opt.step()
+            for run, param in zip(runs, params):
+                self._collect(run, opt.state[param], names)
+        finally:
+            group["params"] = []
+            for param in params:
+                opt.state.pop(param, None)
+
+    def _entry(self, run: Run, param: torch.Tensor, names: List[str], settings: Dict[str, Any]) -> Dict[str, Any]:
+        """The state the class finds for a run's parameter: fresh on its first step (what the class's constructor
+        makes, Adagrad's ``sum`` at ``initial_accumulator_value``, or nothing), else our buffers and the count."""
+        if run.step == 1:
+            if not self._probed.eager:
+                return {}
+            return dict(build(self.optimizer_class, [([param], settings)], self.ctor).state[param])
+        state = {k: run.state[k] for k in names}
+        if self.step_key is not None:
+            state = {self.step_key: self._step_value(run.step - 1), **state}
+        return state
+
+    def _collect(self, run: Run, state: Dict[str, Any], names: List[str]) -> None:
         for k in names:
+            if k not in state:
+                raise RuntimeError(f"{self.name} kept no {k!r} for a parameter it stepped")
             if state[k] is not run.state[k]:
-                run.state[k].copy_(state[k])
+                run.state[k].copy_(state[k].reshape(-1))
         if self.step_key is not None and float(state[self.step_key]) != run.step:
             raise RuntimeError(f"{self.name} counted step {float(state[self.step_key])}, expected {run.step}")
-        if run.param_out is None:
-            return
-        if run.grads is None:
-            run.param_out.copy_(run.master)
-        elif run.grads:
-            torch._foreach_copy_([run.param_out[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
-                                 [run.master[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)])
+        _param_out(run)
+
+    # ----------------------------------------------------------------------------------------------- saving --
+    def class_state(self, groups: Sequence[Dict[str, Any]]) -> Tuple[Dict[int, Dict[str, Any]], Dict[str, Any]]:
+        """What the class's instances keep beyond the per-parameter state, as the buckets' state stands: the
+        class's keys of each param group (of those whose group dict they last saw) and its global entries."""
+        with self._lock:
+            bounds = sorted(list(self._bounds.values()), key=lambda b: b.tick)
+            records = dict(self._groups)
+            global_generation, global_values = self._globals
+        by_group: Dict[int, Dict[str, Any]] = {}
+        global_state: Dict[str, Any] = dict(global_values)
+        for bound in bounds:  # the latest last
+            snap = bound.current()
+            if snap is None:
+                continue
+            record = records.get(bound.group)
+            if record is not None and bound.group < len(groups) and record.live is groups[bound.group]:
+                by_group[bound.group] = snap.group
+            if bound.global_generation == global_generation:
+                global_state = snap.globals
+        return by_group, global_state
+
+    def state_dict_hook(self, opt: torch.optim.Optimizer, sd: Dict[str, Any]) -> None:
+        """``register_state_dict_post_hook``: the class's group keys and global entries into the saved dict."""
+        by_group, global_state = self.class_state(opt.param_groups)
+        for gi, values in by_group.items():
+            sd["param_groups"][gi].update({k: plain_copy(v) for k, v in values.items()})
+        sd["state"].update({k: plain_copy(v) for k, v in global_state.items()})
+
+    def load_hook(self, opt: torch.optim.Optimizer) -> None:
+        """``register_load_state_dict_post_hook``: the loaded global entries of the class go to its instances (and
+        leave ``opt.state``, where they would not follow the steps)."""
+        keys = set(self._probed.global_state)
+        with self._lock:
+            for bound in self._bounds.values():
+                keys |= set(bound.global_state())
+            values = {k: opt.state.pop(k) for k in list(opt.state) if not isinstance(k, torch.Tensor) and k in keys}
+            self._globals = (self._globals[0] + 1, values)
 
 
-def rule_for(optimizer_class: type, *groups: Dict[str, Any]) -> TorchClassRule:
-    """The generic rule of ``optimizer_class`` for parameter groups with settings ``groups`` (refuses a class or a
-    setting that is not elementwise, :class:`NotElementwise`, naming why)."""
-    return TorchClassRule(optimizer_class, groups)
+def plain_copy(value: Any) -> Any:
+    """A copy to show outside the class's instance (a tensor cloned, so the instance's own is not shared)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def rule_for(optimizer_class: type, *groups: Dict[str, Any], ctor: Optional[Dict[str, Any]] = None
+             ) -> TorchClassRule:
+    """The generic rule of ``optimizer_class`` built with ``ctor`` for parameter groups with settings ``groups``
+    (refuses a class or a setting it cannot run faithfully, :class:`Refused`, naming why)."""
+    return TorchClassRule(optimizer_class, groups, ctor)
+
