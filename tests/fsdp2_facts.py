@@ -10,7 +10,7 @@ changes them fails there first; docs/fsdp2-notes.md explains them. Run as a scri
 
 from __future__ import annotations
 
-import inspect
+import sys
 from typing import Any, Dict, List
 
 import torch
@@ -43,7 +43,11 @@ def fact_hooks(rank: int, world: int) -> Dict[str, Any]:
         grads: Dict[str, Any] = {}
 
         def hook(p):
-            stack = {f.function for f in inspect.stack(0)}
+            stack = set()
+            frame = sys._getframe()
+            while frame is not None:  # (inspect.stack reads source files: seconds here)
+                stack.add(frame.f_code.co_name)
+                frame = frame.f_back
             events.append(("final_callback " if "_root_post_backward_final_callback" in stack else "") + names[p])
             g = p.grad
             grads[names[p]] = dict(type=type(g).__name__, placements=str(tuple(g.placements)),
@@ -114,7 +118,38 @@ def fact_write_back(rank: int, world: int) -> Dict[str, Any]:
         out[label] = dict(gathered_values=seen["values"], compute_dtype=str(seen["dtype"]),
                           unsharded_type=seen["type"], sharded_dtype=str(p.dtype), param=_where(p),
                           grad=_where(p.grad), grad_dtype=str(p.grad.dtype))
+    # The local tensors and the parameter objects stay the same through the first forward (FSDP's lazy init),
+    # backward, and state-dict loads (sharded, full from rank 0, and nn.Module.load_state_dict).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
     model = _model(world)
+    ident = lambda: [(id(p), p.to_local().data_ptr()) for p in model.parameters()]  # noqa: E731
+    first = ident()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _backward(model, rank, world)
+    stable = [ident() == first]
+    set_model_state_dict(model, get_model_state_dict(model))
+    stable.append(ident() == first)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    stable.append(ident() == first)
+    model.load_state_dict(get_model_state_dict(model))
+    stable.append(ident() == first)
+    out["same parameters and local storage after fwd/bwd, sharded load, full load, load_state_dict"] = stable
+    # Dtypes: bf16 compute without reduce_dtype still gives fp32 gradients; a bf16 model has bf16 everything.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for label, dtype, policy in (("bf16 compute, no reduce_dtype", torch.float32,
+                                  MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                                 ("bf16 model", torch.bfloat16, MixedPrecisionPolicy())):
+        torch.manual_seed(0)
+        net = h.Net().to(dtype)
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(net, mesh=mesh, mp_policy=policy)
+        _backward(net, rank, world)
+        out[label] = (str(net.embed.weight.dtype), str(net.embed.weight.grad.dtype))
     out["local view of a padded storage"] = {
         n: (p.to_local().numel(), p.to_local().untyped_storage().nbytes() // p.element_size())
         for n, p in model.named_parameters()}
@@ -146,7 +181,20 @@ def fact_clip_and_scaler(rank: int, world: int) -> Dict[str, Any]:
     found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]  # private: what unscale_ found
     out["scaler"] = dict(found_inf={str(k): v.item() for k, v in found.items()},
                          collectives={str(k): v for k, v in comm.get_comm_counts().items()})
-    # Last, as it leaves the ranks out of step: the inf-norm on a rank whose shard is empty.
+    # FSDP1's ShardedGradScaler also works on DTensor gradients.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = _model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    sharded = ShardedGradScaler(device="cpu", init_scale=2.0 ** 8)
+    sharded.scale(h.loss_on(model, 0, 0, rank, world)).backward()
+    if rank == 0:
+        with torch.no_grad():
+            model.blocks[0].down.weight.grad.to_local().view(-1)[0] = float("inf")
+    sharded.step(opt)
+    sharded.update()
+    out["ShardedGradScaler: scale after an inf in rank 0's shard"] = sharded.get_scale()
+    # The inf-norm on a rank whose shard is empty (last: it leaves the ranks out of step).
     try:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type=float("inf"), foreach=False)
         out["clip inf-norm"] = "ok"

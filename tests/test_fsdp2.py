@@ -242,6 +242,9 @@ def _check_facts(facts, rank, world):
         assert back[label]["sharded_dtype"] == "torch.float32" and back[label]["grad_dtype"] == "torch.float32"
     assert back["bf16 compute"]["compute_dtype"] == "torch.bfloat16"
     assert back["CPUOffloadPolicy"]["param"] == back["CPUOffloadPolicy"]["grad"] == "DTensor cpu"
+    assert back["same parameters and local storage after fwd/bwd, sharded load, full load, load_state_dict"] == [
+        True] * 4
+    assert back["bf16 compute, no reduce_dtype"] == ("torch.float32", "torch.float32")
     if world != 2:
         return
     clip = facts["fact_clip_and_scaler"]
@@ -252,6 +255,7 @@ def _check_facts(facts, rank, world):
     # An inf in rank 0's shard only: every rank's scaler finds it (one all-reduce).
     assert clip["scaler"]["found_inf"] == {"cpu": 1.0} and clip["scaler"]["collectives"] == {
         "c10d_functional.all_reduce": 1}
+    assert clip["ShardedGradScaler: scale after an inf in rank 0's shard"] == 2.0 ** 7
     sd = facts["fact_state_dict"]
     assert sd["get on a fresh optimizer: step after"] == 1.0  # a step at lr 0 on zero gradients
     assert sd["get on a fresh optimizer: params unchanged, grads None"] == (True, True)
