@@ -211,7 +211,13 @@ def test_fsdp2_behaves_as_the_integration_expects(request, world):
 
 
 def _check_facts(facts, rank, world):
-    hooks = facts["fact_hooks"]
+    _check_hooks(facts["fact_hooks"], rank, world)
+    _check_write_back(facts["fact_write_back"], world)
+    if world == 2:
+        _check_clip_scaler_state_dict_layouts(facts, rank)
+
+
+def _check_hooks(hooks, rank, world):
     for reshard in (True, False):
         events = hooks[f"events reshard_after_forward={reshard}"]
         # Per unit, in reverse order of forward, each unit's hooks before the next unit's backward starts; the
@@ -236,7 +242,9 @@ def _check_facts(facts, rank, world):
     assert hooks["synced backward after a no-sync one: hooks"] == 14
     assert hooks["synced backward after a no-sync one: sum of both"]
     assert hooks["unused parameter: hook / grad"] == (False, False)
-    back = facts["fact_write_back"]
+
+
+def _check_write_back(back, world):
     for label in ("fp32", "bf16 compute", "CPUOffloadPolicy"):
         assert back[label]["gathered_values"] == [0.5 + r for r in range(world)], (label, back[label])
         assert back[label]["sharded_dtype"] == "torch.float32" and back[label]["grad_dtype"] == "torch.float32"
@@ -245,8 +253,9 @@ def _check_facts(facts, rank, world):
     assert back["same parameters and local storage after fwd/bwd, sharded load, full load, load_state_dict"] == [
         True] * 4
     assert back["bf16 compute, no reduce_dtype"] == ("torch.float32", "torch.float32")
-    if world != 2:
-        return
+
+
+def _check_clip_scaler_state_dict_layouts(facts, rank):
     clip = facts["fact_clip_and_scaler"]
     for foreach in (None, False):
         c = clip[f"clip foreach={foreach}"]
