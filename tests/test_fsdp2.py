@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict
 
 import pytest
@@ -98,6 +99,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["refuse/mixed_with_plain"] = h.Call(refuse_mixed_with_plain)
         jobs["refuse/process_group"] = h.Call(refuse_process_group)
         jobs["facts"] = h.Call(fsdp2_facts.all_facts)
+        jobs["example/adamw"] = h.Call(run_example, ("adamw",))
+        jobs["example/offload"] = h.Call(run_example, ("offload",))
     else:  # across world sizes: world 2's checkpoints (the world2 fixture runs first)
         plain = h.RECIPES["plain"]
         jobs["adamw<-adamw-w2"] = h.Job(plain, ADAMW, start_from=("adamw-w2", SAVE_AT))
@@ -411,3 +414,27 @@ def test_fsdp2_parameters_with_process_group_are_refused(world2):
     assert message is not None and "process_group" in message, message
     assert hooks == 0
 
+
+# ------------------------------------------------------------------------------------------------ example --
+def run_example(rank, world, optimizer):
+    """examples/train_fsdp2.py's loop (its checkpoint restart included), in this spawn's process group."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import train_fsdp2
+
+    args = train_fsdp2.parse_args(["--optimizer", optimizer, "--steps", "8", "--width", "32"])
+    return train_fsdp2.train(args, torch.device("cpu"))
+
+
+def test_example_trains_with_adamw(world2):
+    losses = world2["example/adamw"].get()
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
+
+
+@PENDING
+def test_example_trains_with_offload_optimizer_as_with_adamw(world2):
+    torch.testing.assert_close(torch.tensor(world2["example/offload"].get()),
+                               torch.tensor(world2["example/adamw"].get()))
