@@ -287,13 +287,20 @@ def fact_state_dict(rank: int, world: int) -> Dict[str, Any]:
         loaded = [x for x in new.log if not isinstance(x, str)]
         out[f"{label}: calls"] = calls(new)
         out[f"{label}: load_state_dict got"] = loaded[0][1:]
-        got = new.loaded["state"]["embed.weight"]["exp_avg"]
-        out[f"{label}: the set dict's own tensor"] = (
-            label == "set sharded" and got.to_local().data_ptr() == sharded["state"]["embed.weight"][
-                "exp_avg"].to_local().data_ptr())
         out[f"{label}: equal"] = all(
             torch.equal(new.state[p]["exp_avg"].to_local(), opt.state[p]["exp_avg"].to_local())
             for p in model.parameters())
+        # Which tensor load_state_dict receives: the caller's, the optimizer's own (its state_dict() is DCP's
+        # template, written in place), or a new one. The optimizer's state made first, so it has its own tensors.
+        new = _Traced(model.parameters(), lr=1e-2, foreach=False)
+        get_optimizer_state_dict(model, new)
+        own = new.state[model.embed.weight]["exp_avg"].to_local().data_ptr()
+        given = sdict.get("state", {}).get("embed.weight", {}).get("exp_avg") if sdict else None
+        given = given.to_local().data_ptr() if isinstance(given, DTensor) else None
+        set_optimizer_state_dict(model, new, sdict, options=options)
+        got = new.loaded["state"]["embed.weight"]["exp_avg"].to_local().data_ptr()
+        out[f"{label}: load_state_dict receives"] = ("the caller's tensor" if got == given else
+                                                     "the optimizer's own tensor" if got == own else "a new tensor")
     return out
 
 

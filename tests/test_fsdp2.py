@@ -278,7 +278,9 @@ def _check_clip_scaler_state_dict_layouts(facts, rank):
         assert (nargs, kwargs, key_type, group_param_type) == (0, ["state_dict"], "str", "str"), label
         assert entry == {"step": "Tensor cpu", "exp_avg": "DTensor cpu", "exp_avg_sq": "DTensor cpu"}, label
         assert sd[f"{label}: equal"], label
-    assert sd["set sharded: the set dict's own tensor"]
+    assert sd["set sharded: load_state_dict receives"] == "the caller's tensor"
+    assert sd["set full: load_state_dict receives"] == "a new tensor"
+    assert sd["set full broadcast_from_rank0: load_state_dict receives"] == "the optimizer's own tensor"
     assert (sd["full+cpu_offload: entries on this rank"] > 0) == (rank == 0)
     layouts = facts["fact_layouts"]
     assert layouts["AdamW default on CPU DTensors: (fused, foreach)"] == (False, False)
