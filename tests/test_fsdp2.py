@@ -3,13 +3,10 @@
 through DCP's ``get_optimizer_state_dict``), param groups, the clip's norm and the scaler's scale, every step, at
 default fp32 ``assert_close`` tolerance, for each recipe of tests/fsdp2_harness.py.
 
-Until issue 33 lands, OffloadOptimizer refuses DTensor parameters with a TypeError: the tests of ours are marked
-``xfail(raises=TypeError, strict=True)``, so the suite stays green and each one turns into a failure (XPASS) the
-moment it passes: remove the mark then. The other tests run now and keep the harness honest: the reference side
-of every recipe trains and does what the recipe says, is deterministic, is the same at world 2 and 3 and through
-a checkpoint (in the same world and across world sizes), ``AdamW(fused=True)`` (an independently rounded
-implementation, the one our kernel follows) meets the tolerance the tests of ours use, and the FSDP2 and DCP
-behaviour the integration builds on (tests/fsdp2_facts.py) still holds.
+The other tests keep the harness honest: the reference side of every recipe trains and does what the recipe says,
+is deterministic, is the same at world 2 and 3 and through a checkpoint (in the same world and across world sizes),
+``AdamW(fused=True)`` (an independently rounded implementation, the one our kernel follows) meets the tolerance the
+tests of ours use, and the FSDP2 and DCP behaviour the integration builds on (tests/fsdp2_facts.py) still holds.
 
 All jobs of one world size run in one spawn (process start-up dominates: about 10 s per spawn on 2 busy cores):
 the ``world2`` and ``world3`` fixtures run them once for the module; the tests read their outcomes.
@@ -38,8 +35,6 @@ except ImportError:
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
               pytest.mark.skipif(fully_shard is None, reason="FSDP2 (torch.distributed.fsdp.fully_shard) needs "
                                                              "torch >= 2.6")]
-
-PENDING = pytest.mark.xfail(raises=TypeError, strict=True, reason="FSDP2 support lands with issue 33")
 
 # Optimizer factories (picklable: they travel to the spawned ranks).
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
@@ -291,7 +286,6 @@ def _check_clip_scaler_state_dict_layouts(facts, rank):
 
 
 # ------------------------------------------------------------------------------------------------- ours --
-@PENDING
 @pytest.mark.parametrize("world,name", _cases(_recipes))
 def test_offload_optimizer_matches_adamw(request, world, name):
     out = _outcomes(request, world)
@@ -305,19 +299,21 @@ def test_offload_optimizer_matches_adamw(request, world, name):
     h.assert_same(reference, ours, f"world {world} {name}")
 
 
-@PENDING
 @pytest.mark.parametrize("name", SMALL_BUCKET_RECIPES)
 def test_offload_optimizer_with_several_buckets_per_unit_matches_adamw(world2, name):
     h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_small_buckets/{name}"].get(), f"small buckets {name}")
 
 
-@PENDING
 @pytest.mark.parametrize("cls,name", [(c, n) for c, names in TORCH_CLASS_RECIPES.items() for n in names])
 def test_offloaded_torch_class_matches_the_class(world2, cls, name):
-    h.assert_same(world2[f"{cls}/{name}"].get(), world2[f"ours_{cls}/{name}"].get(), f"{cls} {name}")
+    reference = world2[f"{cls}/{name}"].get()
+    if cls == "adagrad":  # torch's Adagrad has an entry per parameter from construction (step 0), ours from the
+        # parameter's first step: a documented difference (docs/other-optimizers.md), the values are the same
+        reference = [dataclasses.replace(s, state={k: v for k, v in s.state.items() if float(v["step"]) > 0})
+                     for s in reference]
+    h.assert_same(reference, world2[f"ours_{cls}/{name}"].get(), f"{cls} {name}")
 
 
-@PENDING
 def test_checkpoints_move_between_ours_and_adamw(world2):
     """Saved by one at step 3 (dcp.save of get_optimizer_state_dict), loaded by the other into a model built from
     another seed: both continue as AdamW would have."""
@@ -327,7 +323,6 @@ def test_checkpoints_move_between_ours_and_adamw(world2):
     h.assert_same(reference, world2["adamw<-ours-w2"].get(), "AdamW from ours' checkpoint", first=SAVE_AT)
 
 
-@PENDING
 def test_checkpoints_of_ours_move_across_world_sizes(world2, world3):
     reference = world2["adamw/plain"].get()
     world2["ours/plain+save"].get()
@@ -394,7 +389,6 @@ def refuse_process_group(rank, world):
     return message, sum(_hooks_of(p) for p in model.parameters())
 
 
-@PENDING
 def test_tensor_parallel_parameters_are_refused_naming_the_placement(world2):
     for label, (placements, message, hooks) in world2["refuse/tensor_parallel"].get().items():
         assert message is not None, f"{label} {placements}: taken"
@@ -403,14 +397,12 @@ def test_tensor_parallel_parameters_are_refused_naming_the_placement(world2):
         assert hooks == 0, label
 
 
-@PENDING
 def test_fsdp2_parameters_mixed_with_plain_ones_are_refused_and_nothing_changes(world2):
     message, unchanged, hooks = world2["refuse/mixed_with_plain"].get()
     assert message is not None, "taken"
     assert unchanged and hooks == 0, (unchanged, hooks)
 
 
-@PENDING
 def test_fsdp2_parameters_with_process_group_are_refused(world2):
     message, hooks = world2["refuse/process_group"].get()
     assert message is not None and "process_group" in message, message
@@ -436,7 +428,6 @@ def test_example_trains_with_adamw(world2):
     assert losses[-1] < losses[0], losses
 
 
-@PENDING
 def test_example_trains_with_offload_optimizer_as_with_adamw(world2):
     torch.testing.assert_close(torch.tensor(world2["example/offload"].get()),
                                torch.tensor(world2["example/adamw"].get()))

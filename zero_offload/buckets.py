@@ -99,17 +99,22 @@ class FlatBucket:
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, rule: Rule = ADAMW,
                  buffers: Optional[Sequence[StateBuffer]] = None, pin: bool, shard: Optional[ShardLayout] = None,
                  grads_reduced: bool = False, where: str = "", state_dtype: torch.dtype = torch.float32,
-                 group: int = 0, names: Optional[Sequence[str]] = None, device_tier: bool = False):
+                 group: int = 0, names: Optional[Sequence[str]] = None, device_tier: bool = False,
+                 owners: Optional[Sequence[torch.Tensor]] = None):
         self.shard, self.where, self.group, self.rule = shard, where, group, rule
         self.names = None if not names else [names[i] for i in layout.indices]
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
+        # The tensors users see (the keys of opt.state, whose .grad and hooks the optimizer reads): the parameters
+        # themselves, or FSDP2's DTensor parameters, whose local shards ``params`` then are (zero_offload.fsdp2).
+        self.fsdp = owners is not None
+        self.owners: List[torch.Tensor] = self.params if owners is None else [owners[i] for i in layout.indices]
         self.shapes = [p.shape for p in self.params]
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
         # The state lives with the parameters: a CPU bucket, or a GPU bucket whose state is on the device tier
         # (``gpu_fraction``): no transfers, the parameters bound to the slots the update writes.
-        self.resident = self.on_cpu or device_tier
+        self.resident = (self.on_cpu and not self.fsdp) or device_tier
         self.device_tier = device_tier  # the state is on its GPU (``gpu_fraction``), updated there
         # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
         # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
@@ -123,12 +128,14 @@ class FlatBucket:
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
         pieces = None if shard is None else shard.pieces
-        self.masters = Masters(self.params, self.layout, shard, tier, self.shares_grad, self._views)
+        self.masters = Masters(self.params, self.layout, shard, tier, self.shares_grad, self._views, self.owners,
+                               bind=not self.fsdp)
         self.store = StateStore(rule, rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
                                 state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
         self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
                                shard is not None and self.resident, tier, self.label)
-        self.views = StateViews(rule, self.store, self.masters, self.layout, shard, self.params)
+        self.views = StateViews(rule, self.store, self.masters, self.layout, shard, self.params,
+                                self.owners if self.fsdp else None)
         self.state_dtype, self.compact, self.steps = state_dtype, self.store.compact, self.store.steps
 
     def move_to_device(self) -> None:
@@ -137,7 +144,8 @@ class FlatBucket:
         caller has waited for every copy in flight; it shows the new entries and stops streaming the bucket. An
         allocation failure leaves the bucket as it was."""
         tier = DeviceTier(self.device)
-        masters = Masters(self.params, self.layout, self.shard, tier, False, self._views)
+        masters = Masters(self.params, self.layout, self.shard, tier, False, self._views, self.owners,
+                          bind=not self.fsdp)
         store = StateStore(self.rule, [self.store.declared[n] for n in self.store.flat], self.state_dtype, tier,
                            self.layout.padded_numel, self._views, len(self.params))
         grads = GradSlots(self.params, self.shapes, self.layout, self.full,
@@ -153,8 +161,9 @@ class FlatBucket:
         self.resident, self.device_tier, self.shares_grad, self.pin = True, True, False, False
         self.masters, self.store, self.grads = masters, store, grads
         masters.bind()
-        masters.versions = [-1 if v == -1 else p._version for v, p in zip(versions, self.params)]
-        self.views = StateViews(self.rule, store, masters, self.layout, self.shard, self.params)
+        masters.versions = [-1 if v == -1 else p._version for v, p in zip(versions, self.owners)]
+        self.views = StateViews(self.rule, store, masters, self.layout, self.shard, self.params,
+                                self.owners if self.fsdp else None)
         for i, e in enumerate(exposed):
             self.views.set_exposed(i, e)
 
@@ -353,10 +362,16 @@ def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[boo
 
 
 def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]] = None,
-                   rule: Rule = ADAMW) -> List[FlatBucket]:
+                   rule: Rule = ADAMW, data: Optional[Sequence[torch.Tensor]] = None,
+                   units: Optional[Sequence[int]] = None) -> List[FlatBucket]:
     """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``) with the state
-    ``rule`` declares for the group's hyperparameters, after a warning if the host looks too small for them."""
-    layouts = plan_buckets(group["params"], options.bucket_numel)
+    ``rule`` declares for the group's hyperparameters, after a warning if the host looks too small for them.
+    FSDP2: ``data`` are the parameters' local shards, which the buckets hold (the group's parameters their
+    owners), and ``units`` each one's FSDP unit, at whose boundaries buckets are cut."""
+    if data is None:
+        layouts = plan_buckets(group["params"], options.bucket_numel)
+    else:
+        layouts = plan_buckets(data, options.bucket_numel, cuts=units)
     world, rank = sharded if sharded is not None else (1, 0)
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
@@ -364,11 +379,11 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
     buckets = []
     for bi, layout in enumerate(layouts):
         shard = None if sharded is None else ShardLayout.cut(layout, world, rank)
-        bucket = FlatBucket(layout, group["params"], rule=rule, buffers=buffers,
+        bucket = FlatBucket(layout, group["params"] if data is None else data, rule=rule, buffers=buffers,
                             pin=should_pin(layout.device, options.pin_memory), shard=shard,
                             grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
                             state_dtype=options.state_dtype, group=gi, names=group.get("param_names"),
-                            device_tier=on_device[bi])
+                            device_tier=on_device[bi], owners=None if data is None else group["params"])
         if options.delayed_update:
             bucket.grads.add_prev()  # allocated now, so the logged estimate and the RSS include it
         buckets.append(bucket)

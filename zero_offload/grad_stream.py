@@ -61,7 +61,7 @@ class GradStreamer:
         self._lanes.append(lane)
         if lane.bucket.sharded:
             self._sharded.insert(0, lane)  # added in construction order, launched in reverse
-        for p in lane.bucket.params:
+        for p in lane.bucket.owners:  # (FSDP2: its DTensor parameters, whose hooks FSDP runs)
             # A frozen parameter cannot take a hook; if it is unfrozen later, its bucket launches when backward
             # ends, and its gradient is gathered at step() like any gradient assigned by hand.
             if p.requires_grad:
@@ -108,7 +108,7 @@ class GradStreamer:
             if lane.epoch != self._epoch:
                 lane.epoch = self._epoch
                 lane.fired = 0
-                lane.expected = sum(p.requires_grad for p in lane.bucket.params)
+                lane.expected = sum(p.requires_grad for p in lane.bucket.owners)
                 self._touched.append(lane)
             lane.fired += 1
             if lane.fired == lane.expected:
@@ -137,7 +137,9 @@ class GradStreamer:
         with self._lock, torch.no_grad():
             try:
                 for lane in self._touched:
-                    if lane.fired != lane.expected and not lane.bucket.sharded:
+                    # (An FSDP2 bucket is launched by its hooks alone: FSDP runs the root unit's in its own final
+                    # callback, which may come after this one; what is not sent is gathered at step().)
+                    if lane.fired != lane.expected and not lane.bucket.sharded and not lane.bucket.fsdp:
                         self._launch(lane)
                 self._launch_in_order(upto=len(self._sharded))
             finally:

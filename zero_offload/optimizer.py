@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from zero_offload import gate, placement
+from zero_offload import fsdp2, gate, placement
 from zero_offload.checkpoint.entries import ParamList, StateMap, check_param_lists, sync_state
 from zero_offload.checkpoint.methods import StateDictMethods
 from zero_offload.buckets import FlatBucket, allocate_group
@@ -128,7 +128,11 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                              "torch's fused AdamW): leave gpu_fraction at 0")
         self._place_after_step = gpu_fraction == "auto"
         self._rule = rule
-        self._transport = make_transport(process_group, self.options)
+        params, managed = fsdp2.take(params, self.options)
+        self._fsdp = managed is not None
+        self._transport = make_transport(process_group, self.options, self._fsdp)
+        if self._fsdp:
+            self._transport.managed = managed
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
                                 weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
@@ -197,7 +201,12 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                             "of tensors in sets will change between runs. Please use a list instead.")
         raw = list(raw)
         tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
-        check_params(tensors)
+        check_params(tensors, fsdp=self._fsdp)
+        data = units = None
+        if self._fsdp:  # (each rank's buckets hold its local shards; FSDP does every collective)
+            t = self._transport
+            t.sharding, units = fsdp2.plan(tensors, t.sharding, t.managed if not self._constructed else None)
+            data = [fsdp2.local_shard(p) for p in tensors]
         n_groups = len(self.param_groups)
         comm = self._transport.comm if self._transport.sharded else None
         if comm is not None:
@@ -212,7 +221,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             buckets = allocate_group(self.param_groups[-1], n_groups, self.options,
-                                     None if comm is None else (comm.world, comm.rank), self._rule)
+                                     None if comm is None else (comm.world, comm.rank), self._rule, data, units)
         except BaseException:
             del self.param_groups[n_groups:]
             raise

@@ -148,19 +148,19 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return False
 
 
-def check_params(params: Sequence[Any]) -> None:
-    """What the buckets can hold: dense leaf tensors of a supported dtype on CPU or CUDA, each once."""
+def check_params(params: Sequence[Any], fsdp: bool = False) -> None:
+    """What the buckets can hold: dense leaf tensors of a supported dtype on CPU or CUDA, each once; DTensors only
+    in an optimizer over FSDP2's parameters (``fsdp``: the constructor found them; :mod:`zero_offload.fsdp2`
+    checks their placements)."""
     seen = set()
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
-        if _is_dtensor(p):
+        if _is_dtensor(p) and not fsdp:
             raise TypeError(
-                f"OffloadOptimizer does not take DTensor parameters (shape {tuple(p.shape)}, placements "
-                f"{tuple(p.placements)}), such as FSDP2's fully_shard or tensor parallelism make: it keeps whole "
-                "parameters and shards their optimizer state itself. Build it on the plain model (with DDP, or with "
-                "process_group=... for ZeRO sharding of the state), or keep FSDP2 and use its own "
-                "CPUOffloadPolicy; docs/multi-gpu.md, 'FSDP2 or OffloadOptimizer', compares the two")
+                f"OffloadOptimizer: a DTensor parameter (shape {tuple(p.shape)}, placements {tuple(p.placements)}) "
+                "in a param group added to an optimizer built over plain parameters: an optimizer takes FSDP2's "
+                "sharded parameters (fully_shard) or plain ones, not both")
         if not p.is_leaf:
             raise ValueError("can't optimize a non-leaf Tensor")
         if p.is_complex():

@@ -236,7 +236,7 @@ class Speculative(Immediate):
         spec.names = tuple(b.name for b in bucket.rule.needed(spec.hyper))
         if any(name not in flat for name in spec.names):
             return "amsgrad switched on"  # (a buffer the hyperparameters now need) its entries are made at step()
-        if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
+        if any(has and p._version != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
         sq = None if lane.norm is None or lane.norm_host is None else float(lane.norm_host[0])
         if sq is not None:
@@ -421,7 +421,7 @@ def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional
     bucket = lane.bucket
     if not torch.equal(bucket.steps, spec.steps):
         return "steps changed"
-    if any(has and p._version != v for has, p, v in zip(spec.present, bucket.params, bucket.versions)):
+    if any(has and p._version != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
         return "parameters changed"  # on the GPU, since the optimizer last wrote them: step() reads them anew
     return None
 

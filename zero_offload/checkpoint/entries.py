@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.options import check_step
@@ -139,7 +140,7 @@ def check_param_lists(groups: Sequence[Dict[str, Any]], buckets: Buckets) -> Non
             continue
         built = [None] * sum(len(b.params) for b in buckets[gi])
         for bucket in buckets[gi]:
-            for k, p in zip(bucket.full.indices, bucket.params):
+            for k, p in zip(bucket.full.indices, bucket.owners):
                 built[k] = p
         if len(params) == len(built) and all(map(operator.is_, params, built)):
             group["params"] = ParamList(built)  # the same parameters (e.g. copied into a new list)
@@ -166,13 +167,20 @@ def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
     for i in indices:
         entry = bucket.views.entry(i)
         if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
-            _put(state, bucket.params[i], entry)
+            _put(state, bucket.owners[i], entry)
             bucket.views.set_exposed(i, True)
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
+    a, b = _local(a), _local(b)
     return isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype \
         and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _local(t: Any) -> Any:
+    """A DTensor entry's local tensor (FSDP2: entries are DTensors over the buffers' views); anything else as it
+    is."""
+    return t.to_local() if fsdp2.is_dtensor(t) else t
 
 
 def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
@@ -190,6 +198,11 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     if unknown or missing:
         raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
                          f"may hold {', '.join(k for k in slots if k not in needs)}")
+    if bucket.fsdp:  # a DTensor (or the parameter's full tensor): this rank's shard of it
+        try:
+            entry = {k: v if k == "step" else fsdp2.local_value(v, bucket.owners[i]) for k, v in entry.items()}
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     for name, v in entry.items():
         if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
                                or v.shape != slots[name].shape):
@@ -247,7 +260,7 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "S
     settle()
     edits: List[Tuple[FlatBucket, int, Optional[Dict[str, Any]]]] = []
     for bucket in chain.from_iterable(buckets):
-        for i, p in enumerate(bucket.params):
+        for i, p in enumerate(bucket.owners):
             entry = state.get(p)
             if not entry:
                 if bucket.exposed[i] or entry is not None:  # (an empty entry goes: state_dict() would list it)
@@ -257,12 +270,12 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "S
     out = state if type(state) is StateMap else StateMap(dict, state)
     for bucket, i, entry in edits:
         if entry is None:
-            dict.pop(out, bucket.params[i], None)
+            dict.pop(out, bucket.owners[i], None)
             if not bucket.exposed[i]:
                 continue
         _apply_edit(bucket, i, entry)
     for bucket in chain.from_iterable(buckets):
-        expose(out, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i] or out.get(bucket.params[i])])
+        expose(out, bucket, [i for i in range(len(bucket.owners)) if bucket.exposed[i] or out.get(bucket.owners[i])])
     out.flag.changed = False
     return out
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
@@ -58,7 +59,7 @@ def _param_value(bucket: FlatBucket, i: int, after: Optional[Ahead]) -> torch.Te
         flat = after.flat["staging" if bucket.low_precision else "master"]
         return view_like(flat, bucket.layout.offsets[i], bucket.params[i])
     slot = bucket.upload_views[i]
-    if bucket.on_cpu or after is not None or bucket.versions[i] == bucket.params[i]._version:
+    if bucket.resident or after is not None or bucket.versions[i] == bucket.owners[i]._version:
         return slot
     return bucket.params[i].detach().to("cpu")  # changed since the optimizer last wrote it, or never written
 
@@ -77,11 +78,12 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
                 if after is not None and after.flat is None and bucket.compact else {})
         for i in after.indices if after is not None else ():
             p = bucket.params[i]
+            key = bucket.owners[i]
             # The step is a view like the other tensors where they are views (as state_dict() gives them).
             entry = step_entry(bucket, bucket.steps[i] if after.flat is None else after.steps[i].clone())
             entry.update(_entry_tensors(bucket, i, after, param=True))
             entry.update((n, view_like(t, bucket.layout.offsets[i], p)) for n, t in fp32.items())
-            out[index[id(p)]] = entry
+            out[index[id(key)]] = entry
     return out
 
 
@@ -120,7 +122,7 @@ def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any
 def _where(buckets: Buckets) -> Dict[torch.Tensor, Tuple[int, FlatBucket, int]]:
     """Each parameter's (group, bucket, position in the bucket)."""
     return {p: (gi, bucket, i) for gi, group in enumerate(buckets) for bucket in group
-            for i, p in enumerate(bucket.params)}
+            for i, p in enumerate(bucket.owners)}
 
 
 # --------------------------------------------------------------------------------------- full state dicts --
@@ -197,6 +199,8 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
+        if bucket.fsdp:  # (each rank loads its own shard of the values)
+            entries[p] = {k: v if k == "step" else fsdp2.local_value(v, p) for k, v in entries[p].items()}
         for buf in bucket.rule.buffers:
             if buf.name in entry:
                 check_compact_moment(bucket.state_dtype, buf, entry[buf.name],
@@ -207,7 +211,7 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
 def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     """Write a validated state dict into the buffers in place; parameters without an entry start fresh."""
     for bucket in chain.from_iterable(buckets):
-        entries = [plan.entries.get(p) for p in bucket.params]
+        entries = [plan.entries.get(p) for p in bucket.owners]
         if bucket.sharded:  # this rank's piece of each full entry
             bucket.views.load_pieces(entries)
         else:
@@ -299,11 +303,13 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
             continue
         names = bucket.store.names
         full = {n: bucket.views.fp32(n) for n in names}
-        for i, p in enumerate(bucket.params):
-            k = index[id(p)]
+        for i, (p, owner) in enumerate(zip(bucket.params, bucket.owners)):
+            k = index[id(owner)]
             if bucket.exposed[i] and k in packed:
                 old = packed[k]
                 moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
+                if bucket.fsdp:
+                    moments = {n: fsdp2.wrap(v, owner) for n, v in moments.items()}
                 step = {} if bucket.rule.step_key is None else {"step": old["step"]}  # (Lion: none, see expose)
                 packed[k] = {**step, **moments, **{n: v for n, v in old.items() if n not in moments and n != "step"}}
 

@@ -10,7 +10,7 @@ shaped and strided like the parameter. Padding elements are zero in every buffer
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,14 +60,17 @@ class BucketLayout:
         return self.offsets[first], end
 
 
-def plan_buckets(params: Sequence[torch.Tensor], max_numel: int) -> List[BucketLayout]:
+def plan_buckets(params: Sequence[torch.Tensor], max_numel: int,
+                 cuts: Optional[Sequence[Hashable]] = None) -> List[BucketLayout]:
     """Split one group's parameters into buckets: one per (device, dtype), in order of first appearance, each cut
     where it would exceed ``max_numel`` elements (a larger parameter gets a bucket to itself; parameters are never
-    split). Within a bucket, parameters keep their group order.
+    split) and, with ``cuts``, where the next parameter's key differs from the last one's (FSDP2: its unit, whose
+    gradients arrive together). Within a bucket, parameters keep their group order.
 
     Args:
         params (Sequence[Tensor]): the group's parameters.
         max_numel (int): soft cap on a bucket's elements.
+        cuts (Sequence, optional): a key per parameter. Default: None.
     """
     by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for i, p in enumerate(params):
@@ -79,7 +82,7 @@ def plan_buckets(params: Sequence[torch.Tensor], max_numel: int) -> List[BucketL
         cursor = 0
         for i in indices:
             n = params[i].numel()
-            if run and cursor + n > max_numel:
+            if run and (cursor + n > max_numel or (cuts is not None and cuts[i] != cuts[run[-1]])):
                 layouts.append(_layout(run, offsets, params, cursor, device, dtype))
                 run, offsets, cursor = [], [], 0
             run.append(i)

@@ -38,15 +38,22 @@ class Masters:
         shares_grad (bool): the update writes the low-precision parameter into the gradient buffer it reads (an
             unsharded low-precision CUDA bucket): no staging buffer.
         views (Callable[[Tensor], List[Tensor]]): cuts a flat buffer into per-parameter views.
+        watch (Sequence[Tensor], optional): the tensors whose autograd versions tell a change made outside the
+            optimizer, when not ``params`` themselves (FSDP2: the DTensor parameters, whose local shards the
+            optimizer writes). Default: ``params``.
+        bind (bool): CPU parameters may become views of their slots; False: they stay where they are (FSDP2's
+            shards live in FSDP's storage) and are written like GPU parameters. Default: True.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],
-                 tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]):
+                 tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
+                 watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True):
         self.params, self.shard = params, shard
+        self.watch = params if watch is None else watch
         self.device, self.dtype = layout.device, layout.dtype
         # The state lives with the parameters (a CPU model, or a GPU bucket on the device tier): the parameters
         # are bound to the slots the update writes, and nothing is transferred.
-        self.resident = layout.device.type == "cpu" or not tier.host
+        self.resident = (layout.device.type == "cpu" and bind) or not tier.host
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
@@ -116,12 +123,13 @@ class Masters:
         """A separate master was just written from a checkpoint (kept while the parameter still rounds from it), or
         not (``loaded=False``: taken from the parameter at its next update)."""
         if self.separate:
-            self.versions[i] = self.params[i]._version if loaded else -1
+            self.versions[i] = self.watch[i]._version if loaded else -1
 
     def record_versions(self, indices: Sequence[int]) -> None:
         if self.separate:
+            watch = self.watch
             for i in indices:
-                self.versions[i] = self.params[i]._version
+                self.versions[i] = watch[i]._version
 
     def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
@@ -129,7 +137,7 @@ class Masters:
         per-parameter copies of the masters to refresh instead, the bucket left as it is."""
         if not self.separate:
             return
-        stale = [i for i in indices if self.params[i]._version != self.versions[i]]
+        stale = [i for i in indices if self.watch[i]._version != self.versions[i]]
         if not stale:
             return
         for i, value in zip(stale, self._values(stale)):
@@ -139,13 +147,13 @@ class Masters:
             if value is not None and (self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value)):
                 master.copy_(value)
             if into is None:
-                self.versions[i] = self.params[i]._version
+                self.versions[i] = self.watch[i]._version
 
     def _values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:
         """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""
         if self.shard is not None:
             return [self._piece_value(i) for i in stale]
-        if self.resident:
+        if self.resident or self.device.type == "cpu":  # (host parameters not bound to their slots: FSDP2's)
             return [self.params[i].detach() for i in stale]
         # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
         # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a

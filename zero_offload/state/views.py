@@ -29,9 +29,12 @@ class StateViews:
     """
 
     def __init__(self, rule: Rule, store: StateStore, masters: Masters, layout: BucketLayout,
-                 shard: Optional[ShardLayout], params: Sequence[torch.Tensor]):
+                 shard: Optional[ShardLayout], params: Sequence[torch.Tensor],
+                 placed: Optional[Sequence[torch.Tensor]] = None):
         self.rule, self.store, self.masters = rule, store, masters
         self.layout, self.shard, self.params = layout, shard, params
+        # FSDP2: each entry's tensors are DTensors over the views, placed like these parameters (zero_offload.fsdp2).
+        self.placed = placed
         self.steps = store.steps
         self.exposed = [False] * len(params)
         self.all_exposed = False
@@ -42,6 +45,10 @@ class StateViews:
         slots = {} if self.store.compact else self.store.slots(i)
         if self.masters.low_precision:
             slots["master"] = self.masters.master_views[i]
+        if self.placed is not None:
+            from zero_offload.fsdp2 import wrap
+
+            slots = {name: wrap(view, self.placed[i]) for name, view in slots.items()}
         key = self.step_key
         return {**({} if key is None else {key: self.steps[i]}), **slots}
 

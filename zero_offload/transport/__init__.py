@@ -15,8 +15,13 @@ from zero_offload.transport.local import LocalTransport
 __all__ = ["LocalTransport", "Route", "Transport", "make_transport", "record_event"]
 
 
-def make_transport(process_group: Optional[Any], options: Options) -> Transport:
-    """The transport ``options`` ask for: one process's, or (``process_group``) the sharded one."""
+def make_transport(process_group: Optional[Any], options: Options, fsdp: bool = False) -> Transport:
+    """The transport ``options`` ask for: one process's, FSDP2's shards' (``fsdp``), or (``process_group``) the
+    sharded one."""
+    if fsdp:
+        from zero_offload.transport.fsdp2 import FSDPTransport
+
+        return FSDPTransport(release=options.release_grads)
     if process_group is None:
         return LocalTransport(release=options.release_grads)
     from zero_offload.distributed import DEFAULT_TIMEOUT, Comm  # only with a process group

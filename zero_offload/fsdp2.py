@@ -1,0 +1,189 @@
+"""FSDP2's parameters (``torch.distributed.fsdp.fully_shard``), as this optimizer takes them: each rank offloads the
+state of its own shards (FSDP does every collective), so what the buckets hold is each parameter's *local* shard.
+
+A parameter FSDP2 shards is a ``DTensor``: ``Shard(0)`` on a 1-D mesh (FSDP), or ``(Replicate(), Shard(0))`` on a
+2-D mesh (HSDP: the shards are replicated over the first dimension, every replica updates its shard alike). Its
+local shard (``p.to_local()``, no padding, possibly empty) is what FSDP's next all-gather reads, so the updated values
+are written into it; its gradient arrives as a ``DTensor`` placed alike, through the post-accumulate-grad hooks FSDP
+runs after each unit's reduce-scatter. ``opt.state`` entries are ``DTensor``s over the host buffers, placed like
+their parameter, so ``torch.distributed.checkpoint`` plans and loads them as it does ``torch.optim.AdamW``'s.
+
+Placements alone cannot tell FSDP2 from tensor parallelism (a colwise-parallel weight is ``Shard(0)`` on a 1-D mesh
+too), so the parameters FSDP2 manages are found in FSDP's own state registry: private (``_composable_state`` and
+``FSDPState``'s param groups), there being no public way from the parameters' side. It also gives each parameter's
+FSDP unit, by which the buckets are cut (a unit's gradients arrive together).
+
+``torch.distributed`` is imported here only when a ``DTensor`` parameter is given: ``import zero_offload`` stays
+cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["Sharding", "given", "is_dtensor", "local_shard", "local_value", "plan", "take", "wrap"]
+
+
+def is_dtensor(p: Any) -> bool:
+    """A DTensor can only exist once its module was imported: look there, without importing torch.distributed."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if cls is not None and isinstance(p, cls):
+            return True
+    return False
+
+
+def take(params: Any, options: Any) -> "tuple[Any, Optional[Dict[int, int]]]":
+    """The constructor's ``params`` (tensors or group dicts, maybe a generator), as a list, and, where they hold
+    DTensors, which parameters FSDP2 manages (see :func:`plan`), after refusing the options that cannot go with
+    FSDP2's shards (``options``: :class:`~zero_offload.options.Options`). FSDP's registry is read *before* the
+    iterable is consumed: ``model.parameters()`` keeps its model (and so FSDP's state) alive only until then."""
+    managed = _managed() if _dtensors_exist() else None
+    params = params if isinstance(params, torch.Tensor) else list(params)
+    return params, (managed if given(params, options) else None)
+
+
+def _dtensors_exist() -> bool:
+    return any(getattr(sys.modules.get(name), "DTensor", None) is not None
+               for name in ("torch.distributed.tensor", "torch.distributed._tensor"))
+
+
+def given(params: Any, options: Any) -> bool:
+    """Whether ``params`` (the constructor's, a list of tensors or group dicts) hold DTensors, after refusing the
+    options that cannot go with FSDP2's shards."""
+    tensors = []
+    for item in [params] if isinstance(params, (torch.Tensor, dict)) else params:
+        group = item.get("params", ()) if isinstance(item, dict) else item
+        group = [group] if isinstance(group, torch.Tensor) else group
+        tensors.extend(p[1] if isinstance(p, tuple) else p for p in group)
+    if not any(is_dtensor(p) for p in tensors):
+        return False
+    refused = [name for name, on in (("process_group", options.sharded), ("gpu_fraction", options.gpu_tier),
+                                     ("delayed_update", bool(options.delayed_update)),
+                                     ("overlap_step", options.overlap_step)) if on]
+    if refused:
+        raise ValueError(f"OffloadOptimizer over FSDP2's sharded parameters does not take {refused[0]}: FSDP does "
+                         "the collectives and each rank keeps the state of its own shards (no process_group is "
+                         "needed); gpu_fraction, delayed_update and overlap_step are not combined with it yet")
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """What the FSDP2 parameters of one optimizer share: their ``mesh``, the mesh dimension their shards are cut
+    along (``shard_dim``; 1 under HSDP, whose dimension 0 replicates), and that dimension's process group, over
+    which a norm of the gradients (a sum over the shards) is reduced."""
+
+    mesh: Any
+    shard_dim: int
+
+    @property
+    def group(self):
+        return self.mesh.get_group(mesh_dim=self.shard_dim)
+
+    @property
+    def hsdp(self) -> bool:
+        return self.mesh.ndim == 2
+
+
+def _managed() -> Dict[int, int]:
+    """``id`` of every parameter FSDP2 manages in this process -> its FSDP unit (an index, per FSDP state and param
+    group). Private (see the module docstring): FSDP's composable-state registry and its param groups."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    found: Dict[int, int] = {}
+    unit = 0
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        if not isinstance(state, FSDPState):
+            continue
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                found.setdefault(id(fsdp_param.sharded_param), unit)
+            unit += 1
+    return found
+
+
+def _placement_error(p: torch.Tensor, what: str) -> TypeError:
+    return TypeError(
+        f"OffloadOptimizer takes FSDP2's sharded parameters (Shard(0) on a 1-D mesh, or (Replicate(), Shard(0)) on a "
+        f"2-D mesh for HSDP), but a parameter of shape {tuple(p.shape)} is a DTensor with placements "
+        f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: {what}. Tensor parallelism and other placements are "
+        "not supported: shard the model with fully_shard alone (or keep torch.optim.AdamW for it)")
+
+
+def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
+         managed: Optional[Dict[int, int]] = None) -> "tuple[Sharding, List[int]]":
+    """Check that ``params`` (some of them DTensors) are FSDP2's, all on one mesh and cut alike (and on the mesh of
+    the optimizer's other groups, ``sharding``); the :class:`Sharding` and each parameter's FSDP unit. ``managed``:
+    the registry as :func:`take` read it (else read now). Raises ``TypeError`` naming what cannot be taken (a plain
+    parameter among them, another placement, a DTensor FSDP does not manage)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    plain = [p for p in params if not is_dtensor(p)]
+    if plain:
+        raise TypeError(
+            f"OffloadOptimizer: a param group mixes FSDP2's sharded parameters (DTensors) with plain ones (shape "
+            f"{tuple(plain[0].shape)}): every parameter of the model must be sharded with fully_shard (wrap the "
+            "root module too: fully_shard(model)), or none")
+    managed = _managed() if managed is None else managed
+    units = []
+    for p in params:
+        placements = tuple(p.placements)
+        if p.device_mesh.ndim == 1 and placements == (Shard(0),):
+            shard_dim = 0
+        elif p.device_mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
+            shard_dim = 1
+        else:
+            raise _placement_error(p, "not a placement FSDP2 gives")
+        if id(p) not in managed:
+            raise _placement_error(p, "FSDP2 does not manage it (tensor parallelism gives the same placements)")
+        mine = Sharding(p.device_mesh, shard_dim)
+        if sharding is None:
+            sharding = mine
+        elif sharding != mine:
+            raise TypeError("OffloadOptimizer: the FSDP2 parameters are on different device meshes (or cut along "
+                            "different dimensions); build one optimizer per mesh")
+        units.append(managed[id(p)])
+    return sharding, units
+
+
+def local_shard(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's local shard, as a tensor aliasing FSDP's storage (what its next all-gather reads)."""
+    with torch.no_grad():
+        return p.to_local()
+
+
+def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """A host view (shaped like the owner's local shard) as a DTensor placed like ``owner``: what ``opt.state``
+    shows, and what DCP plans and writes into."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, owner.device_mesh, owner.placements, shape=owner.shape, stride=owner.stride(),
+                              run_check=False)
+
+
+def local_value(value: Any, owner: torch.Tensor) -> Any:
+    """A loaded state value for the parameter ``owner``, as its local shard: a DTensor's own (placed like the
+    parameter), or, for a plain tensor of the parameter's full shape (a checkpoint of an unsharded model), the
+    rows this rank holds (FSDP2 cuts dimension 0 as ``torch.chunk`` does). Anything else is returned as it is
+    (and refused by the caller's checks)."""
+    if is_dtensor(value):
+        if tuple(value.placements) != tuple(owner.placements) or value.shape != owner.shape:
+            raise ValueError(f"a state DTensor placed {tuple(value.placements)} with shape {tuple(value.shape)} for a "
+                             f"parameter placed {tuple(owner.placements)} with shape {tuple(owner.shape)}")
+        return value.to_local()
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape == owner.shape:
+        mesh = owner.device_mesh
+        shard_dim = mesh.ndim - 1
+        rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
+        chunks = torch.chunk(value, world, dim=0)
+        if rank < len(chunks):
+            return chunks[rank]
+        return value.narrow(0, 0, 0)
+    return value

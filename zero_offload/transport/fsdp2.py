@@ -1,0 +1,120 @@
+"""The transport of an optimizer over FSDP2's sharded parameters (:class:`FSDPTransport`, see
+:mod:`zero_offload.fsdp2`): each bucket holds the local shards of one FSDP unit's parameters, and FSDP does every
+collective (all-gather, reduce-scatter). What is left to this transport:
+
+* the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
+  gradients are handed to the local shards before anything reads them, and released with them);
+* the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
+  decides on are all-reduced over the mesh dimension the shards are cut along (one small all-reduce per step, only
+  where the step checks or clips): every rank decides alike.
+
+Routes: on a GPU, :class:`~zero_offload.transport.device.OffloadRoute` itself (gradients down from FSDP's hooks, in
+the reduce-scatter stream's context, the updated shard up into ``p.to_local()``); on the host (a CPU mesh, or
+``CPUOffloadPolicy``), :class:`FSDPHostRoute`: gradients read where FSDP left them, the update copied into the
+shard (the shard lives in FSDP's storage, so it cannot be the master's own slot).
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload.buckets import FlatBucket
+from zero_offload.fsdp2 import Sharding
+from zero_offload.lane import Lane, Lanes
+from zero_offload.transport.base import Route, Transport
+from zero_offload.transport.device import OffloadRoute
+from zero_offload.transport.host import HostRoute
+
+__all__ = ["FSDPHostRoute", "FSDPTransport"]
+
+
+class FSDPHostRoute(HostRoute):
+    """Local shards on the host: gradients read in place; the update (a separate master) copied into the shard."""
+
+    def bind(self, lane: Lane) -> None:
+        """Nothing is bound: the masters are taken from the shards at their first update."""
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        bucket = lane.bucket
+        srcs = bucket.upload_views if srcs is None else srcs
+        with torch.no_grad():
+            torch._foreach_copy_([bucket.params[i] for i in indices], [srcs[i] for i in indices])
+
+
+class FSDPTransport(Transport):
+    """The transport of FSDP2's local shards (see the module docstring).
+
+    Args:
+        release (bool): as for :class:`~zero_offload.transport.base.Transport`.
+    """
+
+    def __init__(self, *, release: bool):
+        super().__init__(release=release)
+        self.sharding: Optional[Sharding] = None  # set with the first group (zero_offload.fsdp2.plan)
+        self.managed = None  # FSDP2's registry as the constructor read it (zero_offload.fsdp2.take)
+        self._sq = 0.0  # the last gather's sum of squares over the mesh
+        self._bad = False
+
+    def route_for(self, bucket: FlatBucket) -> Route:
+        return self.route(FSDPHostRoute if bucket.on_cpu else OffloadRoute)
+
+    @staticmethod
+    def _take_grads(lane: Lane) -> None:
+        """Hand the owners' gradients (DTensors) to the local shards the route reads."""
+        for p, owner in zip(lane.bucket.params, lane.bucket.owners):
+            g = owner.grad
+            p.grad = None if g is None else g.to_local()
+
+    def send_grads(self, lane: Lane) -> None:
+        self._take_grads(lane)
+        super().send_grads(lane)
+        if self.release:
+            for owner in lane.bucket.owners:
+                owner.grad = None
+
+    def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
+        self._take_grads(lane)
+        return super().receive(lane, fresh=fresh)
+
+    def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> bool:
+        """The local gather, then the statistics of the whole mesh: its sum of squares and whether any rank's
+        shard holds an inf/nan, in one all-reduce (where the step checks, or clips)."""
+        bad = super().gather(plans, check=check)
+        if not (check or clipping):
+            return False
+        sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
+        sq, nbad = self._all_reduce([sq, float(local_bad)])
+        self._sq, self._bad = sq, nbad > 0 or not math.isfinite(sq)
+        return check and self._bad
+
+    def _all_reduce(self, values: List[float], op=None) -> List[float]:
+        """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device: NCCL moves
+        device tensors only)."""
+        dist = torch.distributed
+        t = torch.tensor(values, dtype=torch.float64, device=self.sharding.mesh.device_type)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=self.sharding.group)
+        return t.tolist()
+
+    def _local_sq(self, plans: Lanes) -> Tuple[float, bool]:
+        sq, bad = super().total_norm(plans, 2.0)
+        return sq * sq, bad
+
+    def total_norm(self, plans: Lanes, norm_type: float) -> Tuple[float, bool]:
+        """``clip_grad_norm_``'s total norm over the mesh: the 2-norm from the last :meth:`gather`, other norms
+        with one more all-reduce (an empty shard adds nothing: torch's own clip fails there for the inf-norm)."""
+        if norm_type == 2.0:
+            return math.sqrt(self._sq), self._bad
+        self.wait_all(plans)
+        host: List[torch.Tensor] = [t for lane in chain.from_iterable(plans) for t in lane.host_grads() if t.numel()]
+        if norm_type == math.inf:
+            local = max((float(t.abs().max()) for t in host), default=0.0)
+            value = self._all_reduce([local], torch.distributed.ReduceOp.MAX)[0]
+        else:
+            local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
+            value = self._all_reduce([local])[0] ** (1.0 / norm_type)
+        return value, self._bad or not math.isfinite(value)
