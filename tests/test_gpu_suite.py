@@ -26,7 +26,7 @@ def test_plan_matches_train_step_and_fits_one_lease():
     assert by_command["1"] <= 8 * 60 and by_command["2"] <= 4 * 60, by_command
     assert set(by_command) == {s.command for s in stages}
     steps = {s.name: s for s in stages}
-    assert [s.name for s in stages if s.command == "1"] == ["machine", "build", "pinned", "steps", "steps-clip",
+    assert [s.name for s in stages if s.command == "1"] == ["build", "machine", "pinned", "steps", "steps-clip",
                                                             "cuda-tests"]
     assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
     only = steps["steps"].argv[steps["steps"].argv.index("--only") + 1].split(",")
