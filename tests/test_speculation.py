@@ -675,6 +675,26 @@ def test_a_state_assignment_between_backward_and_step_reads_the_committed_state(
     assert _reasons(pairs[0][1]) == {"state edited or replaced": N_BUCKETS}
 
 
+@pytest.mark.parametrize("edit", ["zero_", "copy_"])
+def test_a_state_edited_in_place_between_backward_and_step_rolls_back(eager, edit):
+    """An in-place write into an ``opt.state`` tensor after backward is seen by the commit (the buffer's version
+    counter), which rolls back: the step then reads the edited state, as the run without speculation does."""
+    pairs = _pair()
+
+    def between(step, model, opt):
+        if step == 2:
+            p = model[1].weight
+            with torch.no_grad():
+                if edit == "zero_":
+                    opt.state[p]["exp_avg"].zero_()
+                else:
+                    opt.state[p]["exp_avg_sq"].copy_(opt.state[p]["exp_avg_sq"] * 2)
+
+    _drive(pairs, 4, between=between)
+    reasons = _reasons(pairs[0][1])
+    assert reasons.get("state edited", 0) >= 1, reasons
+
+
 @pytest.mark.parametrize("lr", ["0.1", None])
 def test_an_invalid_lr_set_after_backward_is_refused_at_step_not_in_backward(eager, lr):
     (model, opt), _ = _pair()

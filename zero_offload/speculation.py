@@ -28,7 +28,8 @@ bumps the step counts and makes the parameters the new ones: a device-to-device 
 or an upload from the host. Anything else *rolls back*: the lease (and the device buffer) are given back, nothing
 else changes, and the bucket is updated at ``step()`` like any other. A rollback also happens where the step never
 comes (``zero_grad()`` after backward), and when the state is edited or replaced between backward and ``step()``
-(an edit of ``opt.state``, ``load_state_dict()``); reading it (``state_dict()``) needs none.
+(an assignment into ``opt.state``, an in-place write into one of its tensors, ``load_state_dict()``); reading it
+(``state_dict()``) needs none.
 
 Speculation stops for the rest of a step once a bucket's gradient norm is not finite (the step will be skipped or
 refused, unless ``nonfinite="ignore"``) or the running norm already exceeds the last ``max_norm`` clipped with
@@ -80,13 +81,16 @@ class SpeculationStats:
         rollbacks (int): of those, undone (the bucket then updated as without speculation).
         reasons (Counter[str]): rollbacks by reason: ``"multiplier"`` (clipping active, or the loss scale
             changed), ``"hyperparameters"``, ``"skipped step"`` (inf/nan or GradScaler overflow; also an error
-            raised by ``step()``), ``"gradients changed"``, ``"steps changed"``, ``"state read or replaced"``,
-            ``"no step"`` (``zero_grad()`` after backward).
+            raised by ``step()``), ``"gradients changed"``, ``"steps changed"``, ``"parameters changed"`` (written
+            on the GPU after backward), ``"state edited"`` (an ``opt.state`` tensor written in place),
+            ``"state edited or replaced"`` (an ``opt.state`` entry assigned, ``load_state_dict()``), ``"no step"``
+            (``zero_grad()`` after backward).
         not_started (Counter[str]): buckets sent but not speculated, by reason (``"stopped"``: an inf/nan or a
             norm over ``max_norm`` earlier in the step; ``"queued at step()"``: ``step()`` came first, the bucket
             is updated there; ``"masters refresh"``: a parameter was changed outside the optimizer;
-            ``"sent again"``; ``"undo pool full"``: the bucket's undo buffers would take the undo pool over its cap
-            (``speculation_memory``); ``"host memory"``: the host could not spare twice the pool's growth...).
+            ``"sent again"``; ``"rule updates in place"``: a rule that cannot write out of place; ``"undo pool
+            full"``: the bucket's spare buffers would take the pool over its cap (``speculation_memory``); ``"host
+            memory"``: the host could not spare twice the pool's growth...).
     """
 
     speculated: int = 0
@@ -112,6 +116,7 @@ class _Spec:
     job: Optional[Future] = None
     runs: Optional[List[Tuple[int, int, int]]] = None
     steps: Optional[torch.Tensor] = None
+    versions: Tuple[int, ...] = ()  # the version counters of the state buffers the kernel read
     skipped: Optional[str] = None
     lease: Optional[Lease] = None
 
@@ -199,6 +204,8 @@ class Speculative(Immediate):
             return
         spec.lease = lease
         spec.steps = bucket.steps.clone()
+        # (Views share their base's counter: an in-place write into an ``opt.state`` tensor bumps it.)
+        spec.versions = tuple(buf._version for _, buf in _state_buffers(bucket, spec.names))
         _copy_outside(bucket, runs, spec.names, lease.buffers)
         try:
             with NOTHING if tl is None else tl.span("kernel", "speculative", lane.position):
@@ -421,6 +428,8 @@ def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional
     bucket = lane.bucket
     if not torch.equal(bucket.steps, spec.steps):
         return "steps changed"
+    if tuple(buf._version for _, buf in _state_buffers(bucket, spec.names)) != spec.versions:
+        return "state edited"  # in place (``opt.state[p]["exp_avg"].zero_()``): step() reads the edited state
     if any(has and p._version != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
         return "parameters changed"  # on the GPU, since the optimizer last wrote them: step() reads them anew
     return None
