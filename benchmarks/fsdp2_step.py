@@ -10,8 +10,9 @@ every rank on the host: what an FSDP2 user who offloads has, and where an offloa
                   (on CPU DTensors: the single-tensor loop: neither fused nor foreach is taken on CPU);
   adamw-foreach   ``foreach=True``;
   adamw-fused     ``fused=True`` (torch's fused CPU kernel);
-  ours            ``zero_offload.OffloadOptimizer(params)``: until FSDP2 support lands (issue 33) it refuses the
-                  DTensor parameters, and the row says so with the error; nothing is faked.
+  ours            ``zero_offload.OffloadOptimizer(params)``: the gradients read where FSDP left them, an inf/nan check
+                  of every rank's shard before the update (one all-reduce), the update copied into the shard;
+  ours-ignore     ``nonfinite="ignore"``: no check, as AdamW (and no all-reduce).
 
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
 two moments; write parameter and moments, over the step's time), and for reference the rate of a plain 512 MiB
@@ -25,7 +26,9 @@ backward, ``--clip`` if given, step, zero_grad) and ``step()`` alone, with peak 
   gpu-adamw-fused      fp32 shards, AdamW(fused=True), all on the GPU: the baseline;
   cpuoffload-adamw     + ``CPUOffloadPolicy(pin_memory=True)``, AdamW default (the single-tensor loop on CPU);
   cpuoffload-fused     + ``CPUOffloadPolicy``, AdamW(fused=True) on the CPU;
-  ours                 fp32 shards on the GPU, ``OffloadOptimizer`` (state on the host): refused until issue 33.
+  ours                 fp32 shards on the GPU, ``OffloadOptimizer`` (state on the host, gradients streamed from FSDP's
+                       hooks per unit);
+  ours-cpuoffload      + ``CPUOffloadPolicy``, ``OffloadOptimizer`` on the host shards.
 
 With ``--clip`` under CPUOffloadPolicy, torch's clip meets CPU gradients on a CUDA mesh (issue 33 cites clipping
 failures reported there): a row that fails says so with the error. Not yet run on a GPU.
@@ -67,10 +70,13 @@ def _adamw(**kw) -> Callable:
     return lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kw)
 
 
-def _ours(params):
-    from zero_offload import OffloadOptimizer
+def _ours(**kw) -> Callable:
+    def make(params):
+        from zero_offload import OffloadOptimizer
 
-    return OffloadOptimizer(params, lr=1e-4, weight_decay=0.01)
+        return OffloadOptimizer(params, lr=1e-4, weight_decay=0.01, **kw)
+
+    return make
 
 
 # name: (how FSDP2 is applied, the optimizer factory). "offload": CPUOffloadPolicy.
@@ -78,13 +84,15 @@ CPU_ROWS = {
     "adamw-default": ("offload", _adamw()),
     "adamw-foreach": ("offload", _adamw(foreach=True)),
     "adamw-fused": ("offload", _adamw(fused=True)),
-    "ours": ("offload", _ours),
+    "ours": ("offload", _ours()),
+    "ours-ignore": ("offload", _ours(nonfinite="ignore")),  # no inf/nan check before the update, as AdamW
 }
 GPU_ROWS = {
     "gpu-adamw-fused": ("gpu", _adamw(fused=True)),
     "cpuoffload-adamw": ("offload", _adamw()),
     "cpuoffload-fused": ("offload", _adamw(fused=True)),
-    "ours": ("gpu", _ours),
+    "ours": ("gpu", _ours()),
+    "ours-cpuoffload": ("offload", _ours()),
 }
 
 

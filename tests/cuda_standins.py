@@ -61,15 +61,32 @@ class Event:
         return True
 
 
+@contextlib.contextmanager
+def installed():
+    """The stand-ins for the duration of a ``with`` block (outside pytest: a spawned rank's job), then the real
+    attributes back. Yields :func:`install`'s list."""
+    saved = []
+
+    def setattr_(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    try:
+        yield install(setattr_)
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
 def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
     """Install the stand-ins with ``setattr_`` (pytest's ``monkeypatch.setattr``, or ``setattr`` in a spawned
     process). Returns a list that grows by one entry per param group planned on the stand-in device."""
     device, current, planned = Device(), Stream(), []
     plan = buckets_module.plan_buckets
 
-    def plan_on_cuda(params, max_numel):
+    def plan_on_cuda(params, max_numel, **kw):
         planned.append(len(params))
-        return [dataclasses.replace(layout, device=device) for layout in plan(params, max_numel)]
+        return [dataclasses.replace(layout, device=device) for layout in plan(params, max_numel, **kw)]
 
     def on_cpu(make):
         def made(*args, **kwargs):

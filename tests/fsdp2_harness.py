@@ -187,6 +187,9 @@ class Job:
     save_as: Optional[str] = None
     save_at: Optional[int] = None
     start_from: Optional[Tuple[str, int]] = None
+    # The optimizer's CUDA branches on CPU tensors (tests/cuda_standins.py): its buckets told they are on cuda:0,
+    # streams and events stand-ins; FSDP itself runs on the CPU mesh as in every job.
+    standins: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +482,13 @@ def _worker(rank: int, world: int, jobs: Dict[str, Union[Job, Call]], workdir: s
         try:
             if isinstance(job, Call):
                 value = job.fn(rank, world, *job.args)
+            elif job.standins:
+                import cuda_standins
+
+                with cuda_standins.installed() as planned:
+                    value = _run_job(rank, world, job, workdir, tag)
+                if not planned:
+                    raise AssertionError(f"job {tag!r}: no optimizer was built on the stand-in device")
             else:
                 value = _run_job(rank, world, job, workdir, tag)
             out[tag] = ("ok", value if rank == 0 or isinstance(job, Call) else None, time.perf_counter() - start)

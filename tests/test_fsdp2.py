@@ -41,6 +41,7 @@ ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
 FUSED = functools.partial(torch.optim.AdamW, fused=True)
 OURS = functools.partial(OffloadOptimizer)
 OURS_SMALL_BUCKETS = functools.partial(OffloadOptimizer, bucket_numel=16)  # several buckets per FSDP unit
+OURS_RELEASE = functools.partial(OffloadOptimizer, release_grads=True)
 TORCH_CLASSES = {  # name: (the class itself, offloaded): offload() against the class's own single-tensor step
     "sgd": (functools.partial(torch.optim.SGD, momentum=0.9, foreach=False),
             functools.partial(offload, torch.optim.SGD, momentum=0.9)),
@@ -51,6 +52,11 @@ TORCH_CLASS_RECIPES = {"sgd": ["plain", "clip_opt", "groups_scheduler"], "adagra
 WORLD3_RECIPES = ["plain", "clip_opt", "scaler", "accumulate", "mixed_precision", "cpu_offload", "dcp_roundtrip"]
 WITNESS_RECIPES = ["plain", "clip", "scaler_clip", "accumulate", "mixed_precision", "dcp_roundtrip"]
 SMALL_BUCKET_RECIPES = ["plain", "clip_opt", "accumulate"]
+# The GPU route on CPU tensors (tests/cuda_standins.py): gradients streamed from FSDP's hooks, speculation on.
+STANDIN_RECIPES = ["plain", "clip", "clip_opt", "scaler_clip", "accumulate", "groups_scheduler", "mixed_precision",
+                   "no_reshard", "dcp_roundtrip", "full_roundtrip"]
+# With release_grads (no GradScaler, and clipping by opt.clip_grad_norm_: torch's clip finds no gradient left).
+STANDIN_RELEASE_RECIPES = ["plain", "clip_opt", "accumulate", "groups_scheduler", "no_reshard"]
 SAVE_AT = 3
 
 
@@ -80,6 +86,11 @@ def _jobs(world: int) -> Dict[str, object]:
             jobs[f"fused/{name}"] = h.Job(h.RECIPES[name], FUSED)
         for name in SMALL_BUCKET_RECIPES:
             jobs[f"ours_small_buckets/{name}"] = h.Job(h.RECIPES[name], OURS_SMALL_BUCKETS)
+        for name in STANDIN_RECIPES:
+            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS, standins=True)
+        for name in STANDIN_RELEASE_RECIPES:
+            jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
+        jobs["speculation/standins"] = h.Call(speculation_stats)
         for cls, (reference, ours) in TORCH_CLASSES.items():
             for name in TORCH_CLASS_RECIPES[cls]:
                 jobs[f"{cls}/{name}"] = h.Job(h.RECIPES[name], reference)
@@ -302,6 +313,47 @@ def test_offload_optimizer_matches_adamw(request, world, name):
 @pytest.mark.parametrize("name", SMALL_BUCKET_RECIPES)
 def test_offload_optimizer_with_several_buckets_per_unit_matches_adamw(world2, name):
     h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_small_buckets/{name}"].get(), f"small buckets {name}")
+
+
+@pytest.mark.parametrize("name", STANDIN_RECIPES)
+def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world2, name):
+    """Buckets told they are on a GPU (streams and events stand-ins, tests/cuda_standins.py): gradients copied in
+    FSDP's hooks as each unit's reduce-scatter ends, speculation on, the update written back into the local shards.
+    ``clip`` and ``mixed_precision`` clip with torch's ``clip_grad_norm_`` after the gradients were streamed: its
+    ``_foreach_mul_`` on DTensors bumps no version counter, and the step must still see it."""
+    h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_standins/{name}"].get(), f"stand-ins {name}")
+
+
+@pytest.mark.parametrize("name", STANDIN_RELEASE_RECIPES)
+def test_the_gpu_route_with_release_grads_matches_adamw(world2, name):
+    h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_standins_release/{name}"].get(),
+                  f"stand-ins, release_grads, {name}")
+
+
+def speculation_stats(rank, world):
+    """Four steps of the plain recipe and four with torch's clip, on the stand-ins: what speculation did."""
+    import cuda_standins
+
+    out = {}
+    for name in ("plain", "clip"):
+        recipe = h.RECIPES[name]
+        with cuda_standins.installed():
+            loop = h.make_loop(world, recipe, OURS)
+            for step in range(4):
+                h.train_step(loop, recipe, step, rank, world)
+        stats = loop.opt.speculation_stats
+        out[name] = (stats.speculated, stats.commits, dict(stats.reasons))
+    return out
+
+
+def test_speculation_commits_under_fsdp_and_rolls_back_after_torchs_clip(world2):
+    """Speculation is on for FSDP2 parameters on a GPU: updates run as each unit's gradients arrive and commit at
+    step(); after torch's clip (a coefficient below 1: the multiplier or the gradients changed) they roll back."""
+    stats = world2["speculation/standins"].get()
+    speculated, commits, reasons = stats["plain"]
+    assert speculated > 0 and commits == speculated and not reasons, stats
+    speculated, commits, reasons = stats["clip"]
+    assert speculated > 0 and commits < speculated and reasons, stats
 
 
 @pytest.mark.parametrize("cls,name", [(c, n) for c, names in TORCH_CLASS_RECIPES.items() for n in names])

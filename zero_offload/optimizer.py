@@ -113,8 +113,11 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                             f"AdamW's and {', '.join(OFFLOAD_OPTIONS)}")
         rule.check(defaults)
         process_group = options.get("process_group")
-        self.options = Options(**options, sharded=process_group is not None,
-                               outside_world=world_without_group(process_group)).validate()
+        opts = Options(**options, sharded=process_group is not None, outside_world=world_without_group(process_group))
+        params, managed = fsdp2.take(params, opts)
+        if managed is not None:  # FSDP runs the hooks after each unit's reduce-scatter: the gradients are final there
+            opts = dataclasses.replace(opts, outside_world=1)
+        self.options = opts.validate()
         if self.options.overlap_step:
             warnings.warn("OffloadOptimizer(overlap_step=True) is deprecated: speculate (on by default for a model "
                           "on a GPU) updates each bucket during backward too, exactly, and with clipping and a "
@@ -128,7 +131,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                              "torch's fused AdamW): leave gpu_fraction at 0")
         self._place_after_step = gpu_fraction == "auto"
         self._rule = rule
-        params, managed = fsdp2.take(params, self.options)
         self._fsdp = managed is not None
         self._transport = make_transport(process_group, self.options, self._fsdp)
         if self._fsdp:

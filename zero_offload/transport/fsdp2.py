@@ -6,7 +6,13 @@ collective (all-gather, reduce-scatter). What is left to this transport:
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
   decides on are all-reduced over the mesh dimension the shards are cut along (one small all-reduce per step, only
-  where the step checks or clips): every rank decides alike.
+  where the step checks or clips): every rank decides alike;
+* edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
+  DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
+  version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
+  at its copy (on the device, in the stream that made it) and compared bit for bit at ``step()`` with its norm
+  then: one that differs is read again. (One synchronisation per bucket at ``step()``; an edit that keeps every
+  gradient's norm, a sign flip or a permutation through a ``foreach`` op, is not seen.)
 
 Routes: on a GPU, :class:`~zero_offload.transport.device.OffloadRoute` itself (gradients down from FSDP's hooks, in
 the reduce-scatter stream's context, the updated shard up into ``p.to_local()``); on the host (a CPU mesh, or
@@ -18,10 +24,11 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
@@ -58,6 +65,8 @@ class FSDPTransport(Transport):
         self.managed = None  # FSDP2's registry as the constructor read it (zero_offload.fsdp2.take)
         self._sq = 0.0  # the last gather's sum of squares over the mesh
         self._bad = False
+        # This step's streamed gradients' norms at their copy, by lane and parameter index (see the module docstring).
+        self._digests: Dict[Lane, Dict[int, torch.Tensor]] = {}
 
     def route_for(self, bucket: FlatBucket) -> Route:
         return self.route(FSDPHostRoute if bucket.on_cpu else OffloadRoute)
@@ -71,14 +80,42 @@ class FSDPTransport(Transport):
 
     def send_grads(self, lane: Lane) -> None:
         self._take_grads(lane)
+        sent = [(i, p.grad) for i, p in enumerate(lane.bucket.params) if p.grad is not None and p.grad.numel()]
         super().send_grads(lane)
         if self.release:
             for owner in lane.bucket.owners:
                 owner.grad = None
+        elif sent and not lane.route.resident:
+            norms = foreach_norm_fp32([g for _, g in sent])
+            self._digests.setdefault(lane, {}).update((i, n) for (i, _), n in zip(sent, norms))
 
     def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
         self._take_grads(lane)
-        return super().receive(lane, fresh=fresh)
+        lane = super().receive(lane, fresh=fresh)
+        digests = self._digests.pop(lane, None)
+        if digests:
+            self._read_edited(lane, digests)
+        return lane
+
+    @staticmethod
+    def _read_edited(lane: Lane, digests: Dict[int, torch.Tensor]) -> None:
+        """Gradients the version check found unchanged whose norm now differs from the one at their copy (edited by
+        a ``foreach`` op): read again at ``step()``, and the streamed norm is stale."""
+        params = lane.bucket.params
+        kept = [i for i, g in enumerate(lane.pending) if g is None and lane.present[i] and i in digests]
+        if not kept:
+            return
+        now = torch.stack(foreach_norm_fp32([params[i].grad for i in kept]))
+        changed = (now != torch.stack([digests[i] for i in kept])).tolist()
+        if any(changed):
+            for i, c in zip(kept, changed):
+                if c:
+                    lane.pending[i] = params[i].grad
+            lane.stale, lane.norm = True, None
+
+    def reset(self) -> None:
+        self._digests = {}
+        super().reset()
 
     def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
