@@ -51,12 +51,15 @@ class StateDictMethods:
 
         Everything is validated first; an invalid state dict raises ``ValueError`` and changes nothing. Parameters
         without an entry start fresh, as in AdamW; a missing ``master`` is taken from the parameter. With a
-        ``process_group``, each rank copies only the piece it owns: no collective.
+        ``process_group``, each rank copies only the piece it owns: no collective. Gradients that backward already
+        sent (with ``release_grads``, the only copy) and a pending ``clip_grad_norm_`` are kept for the next
+        ``step()``, as AdamW keeps ``.grad``.
 
         Args:
             state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
         """
         full.check_format(state_dict)
+        self._mode.check_load()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -75,12 +78,12 @@ class StateDictMethods:
             post_hook(self)
 
     def _quiesce(self) -> None:
-        """Before the state is replaced: no update running, none pending, no copy reading the buffers."""
-        self._mode.settle()
-        self._mode.drop()  # a pending update of the old trajectory
+        """Before the state is replaced: no update running, none pending, no copy reading the buffers. The step's
+        gradients stay in their lanes (AdamW keeps ``.grad`` over a load; with ``release_grads`` the host buffers
+        hold the only copy), and so does a pending clip, whose coefficient AdamW would have applied to ``.grad``
+        already: the next ``step()`` updates the loaded state with them."""
+        self._mode.drop()  # a pending (or speculative) update of the old trajectory
         self._transport.synchronize()
-        self._pending = None
-        self._end_step()
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a
