@@ -394,3 +394,17 @@ def test_cuda_plan_names_speculations_undo_pool_at_its_worst(dtype, state_dtype,
     assert len(lines) == 1 and f"at most {format_bytes(worst)} " in lines[0], lines
     main(["--params", "3000", "--bucket-numel", "1000", "--world-size", "2"])  # (sharded: no speculation)
     assert "speculation " not in capsys.readouterr().out
+
+
+def test_machine_report_json_has_one_key_per_text_line(capsys):
+    """Two-word labels were cut at their first space (issue 36): "cpu features" overwrote "cpu", "native ISAs" the
+    native kernel's line, "build cache" ... 9 keys for 11 lines. Each line's value is under its own key."""
+    main([])
+    text = capsys.readouterr().out.splitlines()
+    main(["--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert len(data) == len(text), (sorted(data), text)
+    for line, (key, value) in zip(text, data.items()):
+        label = line[:17].rstrip()
+        assert key == label.replace(" ", "_").lower() and line[17:] == value, (line, key, value)
+    assert {"cpu", "cpu_features", "native_kernel", "native_isas", "build_cache", "path_chosen"} <= set(data)

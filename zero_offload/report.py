@@ -53,43 +53,54 @@ def cpu_features() -> Tuple[str, List[str]]:
     return model, [f for f in wanted if f in flags]
 
 
-def lines() -> List[str]:
-    """The machine report, one line per item (see the module docstring)."""
+def items() -> List[Tuple[str, str]]:
+    """The machine report, as (label, value) pairs: one text line each, and one JSON key each (see
+    :func:`json_key`)."""
     model, flags = cpu_features()
     out = [
-        f"zero_offload     {zero_offload.__version__}",
-        f"torch            {torch.__version__}",
-        f"python           {sys.version.split()[0]} on {platform.platform()}",
-        f"cpu              {model}, {os.cpu_count()} logical cores",
-        f"cpu features     {' '.join(flags) or 'none detected'}",
-        f"threads          {torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)",
+        ("zero_offload", zero_offload.__version__),
+        ("torch", torch.__version__),
+        ("python", f"{sys.version.split()[0]} on {platform.platform()}"),
+        ("cpu", f"{model}, {os.cpu_count()} logical cores"),
+        ("cpu features", " ".join(flags) or "none detected"),
+        ("threads", f"{torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)"),
     ]
     _build.load_native()
     st = _build.status()
-    out.append(f"native kernel    {st.summary()}")
+    out.append(("native kernel", st.summary()))
     where = f"root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or TORCH_EXTENSIONS_DIR moves it"
     if st.refused:
-        out.append(f"build cache      not used: {st.refused}; this process built a private copy in {st.cache_dir}, "
-                   "removed once loaded")
+        out.append(("build cache", f"not used: {st.refused}; this process built a private copy in {st.cache_dir}, "
+                                   "removed once loaded"))
     else:
-        out.append(f"build cache      {st.cache_dir or '-'} ({where})")
-    out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
+        out.append(("build cache", f"{st.cache_dir or '-'} ({where})"))
+    out.append(("native ISAs", ", ".join(_build.native_isas()) or "none"))
     try:
         chosen = functional.path_reason()
     except (ValueError, RuntimeError) as exc:
         chosen = f"error: {exc}"
-    out.append(f"path chosen      {chosen}")
+    out.append(("path chosen", chosen))
     if torch.cuda.is_available():
-        out.append(f"cuda             {torch.version.cuda}, {torch.cuda.device_count()} device(s): "
-                   f"{torch.cuda.get_device_name(0)}")
+        out.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s): "
+                            f"{torch.cuda.get_device_name(0)}"))
         try:
             torch.empty(1, pin_memory=True)
-            out.append("pinned memory    available")
+            out.append(("pinned memory", "available"))
         except RuntimeError as exc:
-            out.append(f"pinned memory    unavailable: {exc}")
+            out.append(("pinned memory", f"unavailable: {exc}"))
     else:
-        out.append("cuda             not available (pinned host memory needs CUDA; host buffers are pageable)")
+        out.append(("cuda", "not available (pinned host memory needs CUDA; host buffers are pageable)"))
     return out
+
+
+def json_key(label: str) -> str:
+    """A report label as its JSON key: ``"cpu features"`` is ``"cpu_features"``."""
+    return label.lower().replace(" ", "_")
+
+
+def lines(report: Optional[List[Tuple[str, str]]] = None) -> List[str]:
+    """The machine report as text, one line per item (of ``report``, default: :func:`items`)."""
+    return [f"{label:<17}{value}" for label, value in (items() if report is None else report)]
 
 
 # ------------------------------------------------------------------------------------------------ memory plan --
@@ -185,9 +196,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.params is None and args.model is None:
-        report = lines()
-        print(json.dumps(dict(ln.split(None, 1) if " " in ln else (ln, "") for ln in report)) if args.json
-              else "\n".join(report))
+        report = items()
+        print(json.dumps({json_key(label): value for label, value in report}) if args.json
+              else "\n".join(lines(report)))
         return
     for name in ("world_size", "bucket_numel", "nproc_per_node"):
         if getattr(args, name) < 1:
