@@ -939,6 +939,35 @@ def test_construction_refuses_what_cannot_fit_in_host_ram_before_allocating(monk
     assert "allocating anyway" in caplog.text
 
 
+@pytest.mark.parametrize("value, allowed", [("false", False), ("no", False), ("off", False), ("00", False),
+                                            ("0", False), ("", False), (" FALSE ", False), ("true", True),
+                                            ("yes", True), ("on", True), ("1", True), ("True", True),
+                                            ("maybe", None), ("2", None), ("-1", None)])
+def test_allow_overcommit_is_read_as_a_boolean(monkeypatch, caplog, value, allowed):
+    """``false``, ``no``, ``off`` or ``00`` turned the guard off (issue 36): anything but empty or "0" counted as
+    set. A value that is no boolean is refused, naming it, before anything is allocated."""
+    import zero_offload.buckets
+    import zero_offload.state.tiers
+
+    allocated = []
+    real_empty = host_memory.empty_host
+    monkeypatch.setattr(zero_offload.state.tiers, "empty_host", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    monkeypatch.setattr(zero_offload.buckets, "available_host_bytes", lambda: 3 << 20)
+    monkeypatch.setenv("ZERO_OFFLOAD_ALLOW_OVERCOMMIT", value)
+    w = nn.Parameter(torch.randn(1 << 18))
+    ptr, before = w.data_ptr(), w.detach().clone()
+    if allowed:
+        with caplog.at_level(logging.WARNING, logger="zero_offload"):
+            OffloadOptimizer([w], amsgrad=True)
+        assert "allocating anyway" in caplog.text
+        return
+    with pytest.raises(MemoryError if allowed is False else ValueError) as info:
+        OffloadOptimizer([w], amsgrad=True)
+    if allowed is None:
+        assert f"Invalid ZERO_OFFLOAD_ALLOW_OVERCOMMIT={value!r}" in str(info.value), info.value
+    assert not allocated and w.data_ptr() == ptr and torch.equal(w, before)
+
+
 def test_estimate_host_memory_is_one_name_before_and_after_construction():
     """``OffloadOptimizer.estimate_host_memory(params)`` plans, ``opt.estimate_host_memory()`` measures the buffers
     held; the old second name still answers, with a FutureWarning pointing at the documented one."""

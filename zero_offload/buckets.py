@@ -295,6 +295,21 @@ class FlatBucket:
 
 
 OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"
+_FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def allow_overcommit() -> bool:
+    """``ZERO_OFFLOAD_ALLOW_OVERCOMMIT`` as a boolean, as users write one (any case): ``false``, ``no``, ``off``,
+    ``0`` (``00``...) or unset/empty are off; ``true``, ``yes``, ``on``, ``1`` on. Anything else raises
+    ``ValueError`` naming it: a typo must not silently decide whether the out-of-memory guard runs."""
+    text = os.environ.get(OVERCOMMIT_ENV, "")
+    value = text.strip().lower()
+    if value.isdigit() and int(value) in (0, 1):
+        value = str(int(value))
+    if value in _FALSE or value in _TRUE:
+        return value in _TRUE
+    raise ValueError(f"Invalid {OVERCOMMIT_ENV}={text!r}: expected 1, true, yes or on (allocate even beyond the "
+                     "host RAM this process can take) or 0, false, no, off or empty (refuse with a MemoryError)")
 
 
 def _check_room(layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[StateBuffer], options: Options,
@@ -307,6 +322,7 @@ def _check_room(layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[Stat
                  state_dtype: torch.dtype = options.state_dtype) -> HostMemoryEstimate:
         return estimate_layouts(layouts, buffers, options.pin_memory, world, delayed, state_dtype, rule)
 
+    allow = allow_overcommit()  # (read first: a bad value is an error whether or not the buckets fit)
     est = estimate()
     avail = available_host_bytes()
     if avail is None or est.total_bytes <= avail:
@@ -326,7 +342,7 @@ def _check_room(layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[Stat
                f"({est.bytes_per_param:.2f} B/param for {est.numel:,} parameters), but this process can take "
                f"{format_bytes(avail)} (MemAvailable, capped by its cgroup's limit). It would need, with {ways}. "
                f"Set {OVERCOMMIT_ENV}=1 to allocate anyway.")
-    if os.environ.get(OVERCOMMIT_ENV, "").strip() not in ("", "0"):
+    if allow:
         logger.warning("%s (allocating anyway: %s is set)", message, OVERCOMMIT_ENV)
         return
     raise MemoryError(message)
