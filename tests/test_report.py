@@ -338,6 +338,20 @@ def test_gpu_memory_without_a_clear_unit_is_refused(text, capsys):
     assert "Invalid size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, why", [("1e999", "more than 9223372036854775807 bytes"),
+                                       ("1e999999999", "more than 9223372036854775807 bytes"),
+                                       ("0.4", "less than one byte"), ("1e-9", "less than one byte"),
+                                       ("0", "less than one byte"), ("0.0001kB", "less than one byte")])
+def test_gpu_memory_out_of_range_is_an_argparse_error_naming_it(text, why, capsys):
+    """1e999 ended in an OverflowError traceback; 0.4 and 1e-9 were read as a 0-byte GPU without a word (issue
+    36)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--params", "7B", "--gpu-memory", text])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --gpu-memory: Invalid size: {text!r} ({why}" in err, err
+
+
 def test_help_is_plain_text_and_python_m_zero_offload_works():
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, "-m", "zero_offload", "--help"], cwd=REPO, env=env, capture_output=True,

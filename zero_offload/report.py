@@ -15,6 +15,7 @@ the CUDA context and allocator caches are not counted. Options: ``--dtype``, ``-
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import os
 import platform
@@ -246,12 +247,22 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 def _bytes_arg(text: str) -> int:
     """A size with its unit said: decimal ``GB`` (10**9) or binary ``GiB`` (2**30), or plain bytes; a bare ``G``
-    is refused, since it could mean either."""
+    is refused, since it could mean either. Read as a decimal (a float made 1e999 infinite, and 0.4 a 0-byte GPU
+    without a word): from 1 byte to :data:`MAX_COUNT` bytes, rounded to a whole byte."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text, re.IGNORECASE)
     if m is None or m.group(2).lower() not in _BYTE_UNITS:
         raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (expected e.g. 80GB = 80*10**9 bytes, 24GiB = "
                                          "24*2**30 bytes, or a plain number of bytes such as 8e10)")
-    return round(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    # (Exponents as large as decimals take: 1e999999999 is compared, not multiplied into an overflow.)
+    with decimal.localcontext(decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)):
+        size = decimal.Decimal(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if size > MAX_COUNT:  # (compared as a decimal: the int of 1e999999999 would take minutes to make)
+        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (more than {MAX_COUNT} bytes, 9.2 EB: no GPU "
+                                         "has that much memory)")
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (less than one byte; a GPU's memory, e.g. 80GB "
+                                         "or 24GiB, or a plain number of bytes such as 8e10)")
+    return int(size.to_integral_value(decimal.ROUND_HALF_EVEN))
 
 
 _DESCRIPTION = """\
