@@ -174,9 +174,11 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
             entry: Dict[str, Any] = {"step": (after.steps if copied else bucket.steps)[i].clone()}
             for name, local in _state_pieces(bucket, i, after, param).items():
                 live = _live_buffer(bucket, name)
-                twin = None
+                twin = None  # (a private copy, or ``param``: not a view of a live buffer)
                 if live is not None and not copied:
-                    twin = twins.get(name) or twins.setdefault(name, stage.twin(live, bucket.pin))
+                    twin = twins.get(name)
+                    if twin is None:
+                        twin = twins[name] = stage.twin(live, bucket.pin)
                 staging = Staging(local, stage if live is None or twin is not None else None, twin)
                 if bucket.sharded and bucket.shard.full.numels[i]:
                     entry[name] = FlatPiece(staging, bucket.shard.piece_src[i], bucket.shard.full.numels[i])
@@ -200,18 +202,18 @@ def commit_staged(state_dict: Dict[str, Any]) -> None:
 
 
 def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) -> None:
-    """After the commit: where ``dcp.load`` wrote into private copies, not the buffers (the dict was made while a
-    delayed update was pending, of which it shows the result), copy them into the buffers; and each ``param`` into
-    its parameter, where it is not the parameter's own storage."""
+    """After the commit (which made the staged buffers live): where a tensor of the dict is not a view of the
+    buffers (a private copy, made while a delayed update was pending, of which it shows the result; a tensor the
+    caller put in), copy it into them; and each ``param`` into its parameter, where it is not the parameter's own
+    storage."""
     values: List[Optional[torch.Tensor]] = []
     for i, p in enumerate(bucket.params):
         live = _state_pieces(bucket, i, None, param=False)
-        for name, t in tensors[p].items():
-            if name in live and isinstance(t, WholePiece) and t.staging.stage is None:
-                live[name].copy_(t.local)
-        value = tensors[p].get("param")
-        if isinstance(value, WholePiece):
-            value = value.staging.take()
+        loaded = {name: t.staging.take() if isinstance(t, WholePiece) else t for name, t in tensors[p].items()}
+        for name, t in loaded.items():
+            if name in live and t.data_ptr() != live[name].data_ptr():
+                live[name].copy_(t)
+        value = loaded.get("param")
         values.append(None if value is None or value.data_ptr() == p.data_ptr() else view_like(value, 0, p))
     _install_params(bucket, values)
 
