@@ -112,3 +112,35 @@ def test_overlap_step_refuses_a_load_after_backward_and_changes_nothing():
         ours.step()
         ref.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+def _sharded_worker(rank, world):
+    """Sharded over gloo, gradients reduce-scattered in backward and released: a load after the first of two
+    micro-batches, and one after backward (each rank loads its piece of the reference's state)."""
+    import torch.distributed as dist
+    from test_distributed import _make, groups, loss_on, rows_of
+
+    model, ref_model = _make(rank)
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=200, stream_grads=True, release_grads=True,
+                           process_group=dist.group.WORLD)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    ckpt = None
+    for step in range(6):
+        if step == 2:
+            ckpt = copy.deepcopy(ref.state_dict())
+        for m, o, rows in ((model, opt, rows_of(rank, world)), (ref_model, ref, slice(None))):
+            o.zero_grad()
+            for micro in range(2):
+                (loss_on(m, step, micro, rows) / 2).backward()
+                if (step, micro) in ((3, 0), (4, 1)):
+                    o.load_state_dict(copy.deepcopy(ckpt))
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), msg=lambda msg: f"step {step}, {name}: {msg}")
+    return True
+
+
+def test_a_sharded_load_between_backward_and_step_keeps_the_reduced_gradients():
+    from test_distributed import launch
+
+    launch(_sharded_worker, 2)
