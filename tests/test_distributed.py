@@ -696,6 +696,31 @@ def test_misuse_across_ranks_is_refused_on_every_rank():
         assert "clip_grad_norm_ was called on 1 of 2 ranks" in errors["clip"] and f"rank {rank} of 2" in errors["clip"]
 
 
+def _gpu_fraction_worker(rank, world):
+    """``gpu_fraction`` decides which buckets are updated where and ``"auto"`` adds a collective after the first
+    step: ranks that disagree would fail in their first step's collectives, naming nothing (issue 36)."""
+    errors = {}
+    torch.manual_seed(0)
+    model = Net()
+    before = [(p.detach().clone(), p.data_ptr()) for p in model.parameters()]
+    for name, pair in {"half": (0.5, 0), "auto": ("auto", 0.0)}.items():
+        try:
+            OffloadOptimizer(model.parameters(), process_group=dist.group.WORLD, timeout=10,
+                             gpu_fraction=pair[rank])
+        except ValueError as exc:
+            errors[name] = str(exc)
+        for p, (b, ptr) in zip(model.parameters(), before):  # untouched: not broadcast, not rebound
+            assert torch.equal(p, b) and p.data_ptr() == ptr
+    return errors
+
+
+def test_gpu_fraction_differing_across_ranks_is_refused_at_construction():
+    out = launch(_gpu_fraction_worker, 2)
+    for rank, errors in out.items():
+        assert "gpu_fraction differs across ranks: 0.5 on rank 0, 0 on rank 1" in errors.get("half", ""), errors
+        assert "gpu_fraction differs across ranks: 'auto' on rank 0, 0.0 on rank 1" in errors.get("auto", ""), errors
+
+
 def test_which_backends_move_cpu_tensors():
     from zero_offload.distributed import moves_host_tensors
 

@@ -16,6 +16,7 @@ import functools
 import gc
 import io
 import itertools
+import json
 import logging
 import math
 import os
@@ -937,6 +938,89 @@ def test_construction_refuses_what_cannot_fit_in_host_ram_before_allocating(monk
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
         OffloadOptimizer([w], amsgrad=True)
     assert "allocating anyway" in caplog.text
+
+
+@pytest.mark.parametrize("value, allowed", [("false", False), ("no", False), ("off", False), ("00", False),
+                                            ("0", False), ("", False), (" FALSE ", False), ("true", True),
+                                            ("yes", True), ("on", True), ("1", True), ("True", True),
+                                            ("maybe", None), ("2", None), ("-1", None)])
+def test_allow_overcommit_is_read_as_a_boolean(monkeypatch, caplog, value, allowed):
+    """``false``, ``no``, ``off`` or ``00`` turned the guard off (issue 36): anything but empty or "0" counted as
+    set. A value that is no boolean is refused, naming it, before anything is allocated."""
+    import zero_offload.buckets
+    import zero_offload.state.tiers
+
+    allocated = []
+    real_empty = host_memory.empty_host
+    monkeypatch.setattr(zero_offload.state.tiers, "empty_host",
+                        lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    monkeypatch.setattr(zero_offload.buckets, "available_host_bytes", lambda: 3 << 20)
+    monkeypatch.setenv("ZERO_OFFLOAD_ALLOW_OVERCOMMIT", value)
+    w = nn.Parameter(torch.randn(1 << 18))
+    ptr, before = w.data_ptr(), w.detach().clone()
+    if allowed:
+        with caplog.at_level(logging.WARNING, logger="zero_offload"):
+            OffloadOptimizer([w], amsgrad=True)
+        assert "allocating anyway" in caplog.text
+        return
+    with pytest.raises(MemoryError if allowed is False else ValueError) as info:
+        OffloadOptimizer([w], amsgrad=True)
+    if allowed is None:
+        assert f"Invalid ZERO_OFFLOAD_ALLOW_OVERCOMMIT={value!r}" in str(info.value), info.value
+    assert not allocated and w.data_ptr() == ptr and torch.equal(w, before)
+
+
+_UNDER_ULIMIT = r"""
+import json, resource, sys
+import torch
+import zero_offload, zero_offload.buckets
+
+# Warmed up first (torch's thread pool and allocator arenas), so that what is mapped later is the optimizer's.
+small = torch.nn.Parameter(torch.zeros(1024))
+opt = zero_offload.OffloadOptimizer([small])
+small.grad = torch.ones(1024)
+opt.step()
+if sys.argv[1] == "allocation":  # room unknown (no /proc/meminfo, say): only the allocation itself can fail
+    zero_offload.buckets.available_host_bytes = lambda: None
+w = torch.nn.Parameter(torch.zeros(1 << 26))  # 256 MiB: master, 2 moments and gradient take 1 GiB
+before = w.detach().clone()
+ptr = w.data_ptr()
+size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+limit = size + (400 << 20)  # room for one buffer, not for four
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+out = {}
+try:
+    zero_offload.OffloadOptimizer([w])
+except BaseException as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+out["unchanged"] = w.data_ptr() == ptr and bool(torch.equal(w, before))
+# Nothing of the refused optimizer is left: a buffer as large as its first one still fits under the limit.
+del before
+out["room_left"] = torch.empty(1 << 26).numel() == 1 << 26
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux's")
+@pytest.mark.parametrize("how", ["estimate", "allocation"])
+def test_an_address_space_limit_gives_the_documented_memory_error_and_frees_everything(how):
+    """Under ``ulimit -v`` the allocator's RuntimeError came out of the constructor (issue 36). The room left under
+    the limit counts in the estimate (``MemoryError`` before anything is allocated); where the room is not known,
+    the allocation's own failure becomes the same ``MemoryError``, with what was allocated freed."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _UNDER_ULIMIT, how], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    error = out.get("error", "")
+    assert error.startswith("MemoryError: OffloadOptimizer: param group 0 needs 1.0 GiB of host RAM"), error
+    assert "state_dtype=torch.bfloat16: 768.0 MiB" in error, error
+    if how == "estimate":
+        assert "address-space limit, ulimit -v" in error and "ALLOW_OVERCOMMIT" in error, error
+    else:
+        assert "allocating it failed (RuntimeError: " in error and "can't allocate memory" in error, error
+    assert out["unchanged"] and out["room_left"], out
 
 
 def test_estimate_host_memory_is_one_name_before_and_after_construction():

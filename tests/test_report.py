@@ -338,6 +338,20 @@ def test_gpu_memory_without_a_clear_unit_is_refused(text, capsys):
     assert "Invalid size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, why", [("1e999", "more than 9223372036854775807 bytes"),
+                                       ("1e999999999", "more than 9223372036854775807 bytes"),
+                                       ("0.4", "less than one byte"), ("1e-9", "less than one byte"),
+                                       ("0", "less than one byte"), ("0.0001kB", "less than one byte")])
+def test_gpu_memory_out_of_range_is_an_argparse_error_naming_it(text, why, capsys):
+    """1e999 ended in an OverflowError traceback; 0.4 and 1e-9 were read as a 0-byte GPU without a word (issue
+    36)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--params", "7B", "--gpu-memory", text])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --gpu-memory: Invalid size: {text!r} ({why}" in err, err
+
+
 def test_help_is_plain_text_and_python_m_zero_offload_works():
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, "-m", "zero_offload", "--help"], cwd=REPO, env=env, capture_output=True,
@@ -394,3 +408,17 @@ def test_cuda_plan_names_speculations_undo_pool_at_its_worst(dtype, state_dtype,
     assert len(lines) == 1 and f"at most {format_bytes(worst)} " in lines[0], lines
     main(["--params", "3000", "--bucket-numel", "1000", "--world-size", "2"])  # (sharded: no speculation)
     assert "speculation " not in capsys.readouterr().out
+
+
+def test_machine_report_json_has_one_key_per_text_line(capsys):
+    """Two-word labels were cut at their first space (issue 36): "cpu features" overwrote "cpu", "native ISAs" the
+    native kernel's line, "build cache" ... 9 keys for 11 lines. Each line's value is under its own key."""
+    main([])
+    text = capsys.readouterr().out.splitlines()
+    main(["--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert len(data) == len(text), (sorted(data), text)
+    for line, (key, value) in zip(text, data.items()):
+        label = line[:17].rstrip()
+        assert key == label.replace(" ", "_").lower() and line[17:] == value, (line, key, value)
+    assert {"cpu", "cpu_features", "native_kernel", "native_isas", "build_cache", "path_chosen"} <= set(data)

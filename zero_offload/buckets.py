@@ -11,6 +11,7 @@ parameter, so ``state_dict()`` has the wrapped optimizer's format without a copy
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -304,41 +305,86 @@ class FlatBucket:
 
 
 OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"
+_FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
 
 
-def _check_room(layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[StateBuffer], options: Options,
-                world: int, rule: Rule) -> None:
-    """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
-    the kernel's OOM killer would end the process instead, with nothing said. The peak is the whole estimate, as a
-    CPU parameter's own storage is freed only once its buckets are filled. ``ZERO_OFFLOAD_ALLOW_OVERCOMMIT=1``
-    turns the error into a warning (swap, or memory about to be freed elsewhere)."""
-    def estimate(buffers: Sequence[StateBuffer] = buffers, world: int = world, delayed: bool = options.delayed_update,
-                 state_dtype: torch.dtype = options.state_dtype) -> HostMemoryEstimate:
-        return estimate_layouts(layouts, buffers, options.pin_memory, world, delayed, state_dtype, rule)
+def allow_overcommit() -> bool:
+    """``ZERO_OFFLOAD_ALLOW_OVERCOMMIT`` as a boolean, as users write one (any case): ``false``, ``no``, ``off``,
+    ``0`` (``00``...) or unset/empty are off; ``true``, ``yes``, ``on``, ``1`` on. Anything else raises
+    ``ValueError`` naming it: a typo must not silently decide whether the out-of-memory guard runs."""
+    text = os.environ.get(OVERCOMMIT_ENV, "")
+    value = text.strip().lower()
+    if value.isdigit() and int(value) in (0, 1):
+        value = str(int(value))
+    if value in _FALSE or value in _TRUE:
+        return value in _TRUE
+    raise ValueError(f"Invalid {OVERCOMMIT_ENV}={text!r}: expected 1, true, yes or on (allocate even beyond the "
+                     "host RAM this process can take) or 0, false, no, off or empty (refuse with a MemoryError)")
 
-    est = estimate()
-    avail = available_host_bytes()
-    if avail is None or est.total_bytes <= avail:
-        return
-    smaller = [(f"{b.switch}=False", estimate(buffers=[c for c in buffers if c is not b]))
-               for b in buffers if b.optional and b.switch]
-    if options.delayed_update:
-        smaller.append(("delayed_update=False", estimate(delayed=False)))
-    for dtype, name in ((torch.bfloat16, "torch.bfloat16"), (torch.int8, "torch.int8")):
-        if options.state_dtype.itemsize > dtype.itemsize and dtype in rule.state_dtypes:
-            smaller.append((f"state_dtype={name}", estimate(state_dtype=dtype)))
-    for n in (2, 4, 8):
-        if n > world:
-            smaller.append((f"process_group of {n} ranks (per rank)", estimate(world=n)))
-    ways = "; ".join(f"{what}: {format_bytes(e.total_bytes)}" for what, e in smaller)
-    message = (f"OffloadOptimizer: param group {gi} needs {format_bytes(est.total_bytes)} of host RAM "
-               f"({est.bytes_per_param:.2f} B/param for {est.numel:,} parameters), but this process can take "
-               f"{format_bytes(avail)} (MemAvailable, capped by its cgroup's limit). It would need, with {ways}. "
-               f"Set {OVERCOMMIT_ENV}=1 to allocate anyway.")
-    if os.environ.get(OVERCOMMIT_ENV, "").strip() not in ("", "0"):
-        logger.warning("%s (allocating anyway: %s is set)", message, OVERCOMMIT_ENV)
-        return
-    raise MemoryError(message)
+
+class _Room:
+    """Host RAM for one param group's buckets: the check before allocating them, and the ``MemoryError`` (with the
+    numbers, and what smaller setups would need) when they do not fit, or when allocating them failed anyway (an
+    address-space limit met part way, memory taken meanwhile by another process)."""
+
+    def __init__(self, layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[StateBuffer], options: Options,
+                 world: int, rule: Rule):
+        self.layouts, self.gi, self.buffers, self.options, self.world, self.rule = (layouts, gi, buffers, options,
+                                                                                    world, rule)
+
+    def estimate(self, buffers: Optional[Sequence[StateBuffer]] = None, world: Optional[int] = None,
+                 delayed: Optional[bool] = None, state_dtype: Optional[torch.dtype] = None) -> HostMemoryEstimate:
+        o = self.options
+        return estimate_layouts(self.layouts, self.buffers if buffers is None else buffers, o.pin_memory,
+                                self.world if world is None else world,
+                                o.delayed_update if delayed is None else delayed,
+                                o.state_dtype if state_dtype is None else state_dtype, self.rule)
+
+    def check(self) -> None:
+        """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
+        the kernel's OOM killer would end the process instead, with nothing said. The peak is the whole estimate, as
+        a CPU parameter's own storage is freed only once its buckets are filled. ``ZERO_OFFLOAD_ALLOW_OVERCOMMIT=1``
+        turns the error into a warning (swap, or memory about to be freed elsewhere)."""
+        allow = allow_overcommit()  # (read first: a bad value is an error whether or not the buckets fit)
+        avail = available_host_bytes()
+        if avail is None or self.estimate().total_bytes <= avail:
+            return
+        message = self.message(avail) + f" Set {OVERCOMMIT_ENV}=1 to allocate anyway."
+        if allow:
+            logger.warning("%s (allocating anyway: %s is set)", message, OVERCOMMIT_ENV)
+            return
+        raise MemoryError(message)
+
+    def message(self, avail: Optional[int], failed: str = "") -> str:
+        """What the group needs, what failed (``failed``: the allocator's error) or what the process can take."""
+        est, options, buffers = self.estimate(), self.options, self.buffers
+        smaller = [(f"{b.switch}=False", self.estimate(buffers=[c for c in buffers if c is not b]))
+                   for b in buffers if b.optional and b.switch]
+        if options.delayed_update:
+            smaller.append(("delayed_update=False", self.estimate(delayed=False)))
+        for dtype, name in ((torch.bfloat16, "torch.bfloat16"), (torch.int8, "torch.int8")):
+            if options.state_dtype.itemsize > dtype.itemsize and dtype in self.rule.state_dtypes:
+                smaller.append((f"state_dtype={name}", self.estimate(state_dtype=dtype)))
+        for n in (2, 4, 8):
+            if n > self.world:
+                smaller.append((f"process_group of {n} ranks (per rank)", self.estimate(world=n)))
+        ways = "; ".join(f"{what}: {format_bytes(e.total_bytes)}" for what, e in smaller)
+        room = ("" if avail is None else f"this process can take {format_bytes(avail)} (MemAvailable, capped by its "
+                "cgroup's limit and its address-space limit, ulimit -v)")
+        why = f"allocating it failed ({failed}){'; ' + room + ' now' if room else ''}" if failed else room
+        return (f"OffloadOptimizer: param group {self.gi} needs {format_bytes(est.total_bytes)} of host RAM "
+                f"({est.bytes_per_param:.2f} B/param for {est.numel:,} parameters), but {why}. It would need, "
+                f"with {ways}.")
+
+
+def _host_allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a host allocation that failed: torch's CPU allocator, an mmap (pinned buffers) or
+    Python's own; not a GPU's out-of-memory error (the device tier's), which says so itself."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    return "can't allocate memory" in str(exc)
 
 
 def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[bool]:
@@ -365,18 +411,40 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
                    rule: Rule = ADAMW, data: Optional[Sequence[torch.Tensor]] = None,
                    units: Optional[Sequence[int]] = None) -> List[FlatBucket]:
     """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``) with the state
-    ``rule`` declares for the group's hyperparameters, after a warning if the host looks too small for them.
-    FSDP2: ``data`` are the parameters' local shards, which the buckets hold (the group's parameters their
-    owners), and ``units`` each one's FSDP unit, at whose boundaries buckets are cut."""
+    ``rule`` declares for the group's hyperparameters. ``MemoryError`` with the numbers, and nothing left allocated,
+    if the host has no room for them (checked first) or their allocation fails. FSDP2: ``data`` are the parameters'
+    local shards, which the buckets hold (the group's parameters their owners), and ``units`` each one's FSDP unit,
+    at whose boundaries buckets are cut."""
     if data is None:
         layouts = plan_buckets(group["params"], options.bucket_numel)
     else:
         layouts = plan_buckets(data, options.bucket_numel, cuts=units)
-    world, rank = sharded if sharded is not None else (1, 0)
+    world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
-    _check_room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule)
-    buckets = []
+    room = _Room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule)
+    room.check()
+    buckets: List[FlatBucket] = []
+    failed = ""
+    try:
+        _make_buckets(buckets, layouts, on_device, group, gi, options, sharded, rule, buffers, data)
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if not _host_allocation_failed(exc):
+            raise
+        failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if failed:
+        # Raised outside the except block, the buckets freed first: the allocator's error and its traceback (whose
+        # frames hold the bucket being made) are gone, so nothing allocated outlives the refusal.
+        buckets.clear()
+        raise MemoryError(room.message(available_host_bytes(), failed))
+    return buckets
+
+
+def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_device: Sequence[bool],
+                  group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]], rule: Rule,
+                  buffers: Sequence[StateBuffer], data: Optional[Sequence[torch.Tensor]]) -> None:
+    """Allocate the buckets of ``layouts`` into ``out``, one at a time (``data``: see :func:`allocate_group`)."""
+    world, rank = sharded if sharded is not None else (1, 0)
     for bi, layout in enumerate(layouts):
         shard = None if sharded is None else ShardLayout.cut(layout, world, rank)
         bucket = FlatBucket(layout, group["params"] if data is None else data, rule=rule, buffers=buffers,
@@ -386,5 +454,4 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
                             device_tier=on_device[bi], owners=None if data is None else group["params"])
         if options.delayed_update:
             bucket.grads.add_prev()  # allocated now, so the logged estimate and the RSS include it
-        buckets.append(bucket)
-    return buckets
+        out.append(bucket)

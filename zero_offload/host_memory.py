@@ -31,7 +31,7 @@ import torch
 
 
 __all__ = ["empty_host", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
-           "format_bytes", "copy_many_"]
+           "address_space_room", "format_bytes", "copy_many_"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -136,8 +136,8 @@ def is_registered(t: torch.Tensor) -> bool:
 
 def available_host_bytes() -> Optional[int]:
     """Host RAM this process can still take: ``MemAvailable`` from ``/proc/meminfo`` (Linux), capped by the room
-    left under the memory limit of its cgroup where a container sets one (which ``/proc/meminfo`` ignores); None
-    where neither is known."""
+    left under the memory limit of its cgroup where a container sets one (which ``/proc/meminfo`` ignores) and under
+    its address-space limit (``ulimit -v``); None where none is known."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -147,10 +147,28 @@ def available_host_bytes() -> Optional[int]:
                     break
     except OSError:
         pass
-    room = cgroup_room()
-    if room is None:
-        return avail
-    return room if avail is None else min(avail, room)
+    known = [b for b in (avail, cgroup_room(), address_space_room()) if b is not None]
+    return min(known) if known else None
+
+
+def address_space_room() -> Optional[int]:
+    """Bytes of address space this process may still map under its ``RLIMIT_AS`` (``ulimit -v``): the soft limit
+    less its current size (``VmSize`` in ``/proc/self/status``); None without a limit, or where either is unknown.
+    Every buffer is a new mapping (or heap growth) that counts against it, touched or not."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):  # (no resource module on Windows)
+        return None
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            size = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), None)
+    except (OSError, ValueError):
+        return None
+    return None if size is None else max(0, soft - size)
 
 
 # (limit, usage, stats, reclaimable page cache key) for cgroup v2, then v1.

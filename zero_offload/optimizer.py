@@ -122,14 +122,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             warnings.warn("OffloadOptimizer(overlap_step=True) is deprecated: speculate (on by default for a model "
                           "on a GPU) updates each bucket during backward too, exactly, and with clipping and a "
                           "GradScaler. Drop overlap_step; see docs/speculation.md.", FutureWarning, stacklevel=3)
-        state_dtype, gpu_fraction = self.options.state_dtype, self.options.gpu_fraction
-        if state_dtype not in rule.state_dtypes:  # (one the options take, that this rule's update does not)
-            raise ValueError(f"state_dtype={state_dtype}: {rule.name}'s update keeps its state in "
-                             f"{', '.join(map(str, rule.state_dtypes))} only")
-        if self.options.gpu_tier and not rule.device_update:
-            raise ValueError(f"gpu_fraction={gpu_fraction!r}: {rule.name} has no GPU update (the GPU part runs "
-                             "torch's fused AdamW): leave gpu_fraction at 0")
-        self._place_after_step = gpu_fraction == "auto"
+        _check_rule(rule, self.options)
+        self._place_after_step = self.options.gpu_fraction == "auto"
         self._rule = rule
         self._fsdp = managed is not None
         self._transport = make_transport(process_group, self.options, self._fsdp)
@@ -452,6 +446,17 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         """Gradient accumulation, like ``DistributedDataParallel.no_sync``: backward passes inside it keep their
         gradients in ``.grad`` instead of streaming them; only the last micro-batch's, outside it, sends them."""
         return self._streamer.no_sync()
+
+
+def _check_rule(rule: Rule, options: Options) -> None:
+    """Refuse the options the update rule cannot run: a ``state_dtype`` the options take that its update does not
+    keep, a ``gpu_fraction`` for a rule without a GPU update."""
+    if options.state_dtype not in rule.state_dtypes:
+        raise ValueError(f"state_dtype={options.state_dtype}: {rule.name}'s update keeps its state in "
+                         f"{', '.join(map(str, rule.state_dtypes))} only")
+    if options.gpu_tier and not rule.device_update:
+        raise ValueError(f"gpu_fraction={options.gpu_fraction!r}: {rule.name} has no GPU update (the GPU part runs "
+                         "torch's fused AdamW): leave gpu_fraction at 0")
 
 
 def _make_mode(options: Options, transport: Transport, early_update: Callable[[Lane], None],

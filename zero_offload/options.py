@@ -439,8 +439,10 @@ class Options:
     def collective_layout(self) -> Tuple[Tuple[str, Any], ...]:
         """The options that must agree across the ranks of a process group: they shape the buckets and decide which
         collectives run when."""
+        # (gpu_fraction: which buckets stay on the device, and "auto" agrees on them with a collective.)
         return tuple((name, getattr(self, name)) for name in ("bucket_numel", "stream_grads", "release_grads",
-                                                              "grads_reduced", "state_dtype", "nonfinite"))
+                                                              "grads_reduced", "state_dtype", "nonfinite",
+                                                              "gpu_fraction"))
 
 
 # The offload options by name, with their defaults: the constructor's keyword-only arguments that are not AdamW's

@@ -15,6 +15,7 @@ the CUDA context and allocator caches are not counted. Options: ``--dtype``, ``-
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import os
 import platform
@@ -53,43 +54,54 @@ def cpu_features() -> Tuple[str, List[str]]:
     return model, [f for f in wanted if f in flags]
 
 
-def lines() -> List[str]:
-    """The machine report, one line per item (see the module docstring)."""
+def items() -> List[Tuple[str, str]]:
+    """The machine report, as (label, value) pairs: one text line each, and one JSON key each (see
+    :func:`json_key`)."""
     model, flags = cpu_features()
     out = [
-        f"zero_offload     {zero_offload.__version__}",
-        f"torch            {torch.__version__}",
-        f"python           {sys.version.split()[0]} on {platform.platform()}",
-        f"cpu              {model}, {os.cpu_count()} logical cores",
-        f"cpu features     {' '.join(flags) or 'none detected'}",
-        f"threads          {torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)",
+        ("zero_offload", zero_offload.__version__),
+        ("torch", torch.__version__),
+        ("python", f"{sys.version.split()[0]} on {platform.platform()}"),
+        ("cpu", f"{model}, {os.cpu_count()} logical cores"),
+        ("cpu features", " ".join(flags) or "none detected"),
+        ("threads", f"{torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)"),
     ]
     _build.load_native()
     st = _build.status()
-    out.append(f"native kernel    {st.summary()}")
+    out.append(("native kernel", st.summary()))
     where = f"root {_build.cache_root()}: ZERO_OFFLOAD_CACHE_DIR or TORCH_EXTENSIONS_DIR moves it"
     if st.refused:
-        out.append(f"build cache      not used: {st.refused}; this process built a private copy in {st.cache_dir}, "
-                   "removed once loaded")
+        out.append(("build cache", f"not used: {st.refused}; this process built a private copy in {st.cache_dir}, "
+                                   "removed once loaded"))
     else:
-        out.append(f"build cache      {st.cache_dir or '-'} ({where})")
-    out.append(f"native ISAs      {', '.join(_build.native_isas()) or 'none'}")
+        out.append(("build cache", f"{st.cache_dir or '-'} ({where})"))
+    out.append(("native ISAs", ", ".join(_build.native_isas()) or "none"))
     try:
         chosen = functional.path_reason()
     except (ValueError, RuntimeError) as exc:
         chosen = f"error: {exc}"
-    out.append(f"path chosen      {chosen}")
+    out.append(("path chosen", chosen))
     if torch.cuda.is_available():
-        out.append(f"cuda             {torch.version.cuda}, {torch.cuda.device_count()} device(s): "
-                   f"{torch.cuda.get_device_name(0)}")
+        out.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s): "
+                            f"{torch.cuda.get_device_name(0)}"))
         try:
             torch.empty(1, pin_memory=True)
-            out.append("pinned memory    available")
+            out.append(("pinned memory", "available"))
         except RuntimeError as exc:
-            out.append(f"pinned memory    unavailable: {exc}")
+            out.append(("pinned memory", f"unavailable: {exc}"))
     else:
-        out.append("cuda             not available (pinned host memory needs CUDA; host buffers are pageable)")
+        out.append(("cuda", "not available (pinned host memory needs CUDA; host buffers are pageable)"))
     return out
+
+
+def json_key(label: str) -> str:
+    """A report label as its JSON key: ``"cpu features"`` is ``"cpu_features"``."""
+    return label.lower().replace(" ", "_")
+
+
+def lines(report: Optional[List[Tuple[str, str]]] = None) -> List[str]:
+    """The machine report as text, one line per item (of ``report``, default: :func:`items`)."""
+    return [f"{label:<17}{value}" for label, value in (items() if report is None else report)]
 
 
 # ------------------------------------------------------------------------------------------------ memory plan --
@@ -185,9 +197,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.params is None and args.model is None:
-        report = lines()
-        print(json.dumps(dict(ln.split(None, 1) if " " in ln else (ln, "") for ln in report)) if args.json
-              else "\n".join(report))
+        report = items()
+        print(json.dumps({json_key(label): value for label, value in report}) if args.json
+              else "\n".join(lines(report)))
         return
     for name in ("world_size", "bucket_numel", "nproc_per_node"):
         if getattr(args, name) < 1:
@@ -235,12 +247,22 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 def _bytes_arg(text: str) -> int:
     """A size with its unit said: decimal ``GB`` (10**9) or binary ``GiB`` (2**30), or plain bytes; a bare ``G``
-    is refused, since it could mean either."""
+    is refused, since it could mean either. Read as a decimal (a float made 1e999 infinite, and 0.4 a 0-byte GPU
+    without a word): from 1 byte to :data:`MAX_COUNT` bytes, rounded to a whole byte."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text, re.IGNORECASE)
     if m is None or m.group(2).lower() not in _BYTE_UNITS:
         raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (expected e.g. 80GB = 80*10**9 bytes, 24GiB = "
                                          "24*2**30 bytes, or a plain number of bytes such as 8e10)")
-    return round(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    # (Exponents as large as decimals take: 1e999999999 is compared, not multiplied into an overflow.)
+    with decimal.localcontext(decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)):
+        size = decimal.Decimal(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if size > MAX_COUNT:  # (compared as a decimal: the int of 1e999999999 would take minutes to make)
+        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (more than {MAX_COUNT} bytes, 9.2 EB: no GPU "
+                                         "has that much memory)")
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"Invalid size: {text!r} (less than one byte; a GPU's memory, e.g. 80GB "
+                                         "or 24GiB, or a plain number of bytes such as 8e10)")
+    return int(size.to_integral_value(decimal.ROUND_HALF_EVEN))
 
 
 _DESCRIPTION = """\

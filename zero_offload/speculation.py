@@ -429,7 +429,7 @@ def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional
     if not torch.equal(bucket.steps, spec.steps):
         return "steps changed"
     if tuple(buf._version for _, buf in _state_buffers(bucket, spec.names)) != spec.versions:
-        return "state edited"  # in place (``opt.state[p]["exp_avg"].zero_()``): step() reads the edited state
+        return "state edited"  # in place (an ``opt.state`` tensor's ``zero_()``): step() reads the edited state
     if any(has and p._version != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
         return "parameters changed"  # on the GPU, since the optimizer last wrote them: step() reads them anew
     return None

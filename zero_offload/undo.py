@@ -23,7 +23,7 @@ comes back after steps that did not speculate, e.g. clipped ones) is found again
 step. Between steps, free buffers beyond the cap are released.
 
 Whatever the cap, a buffer is not made when the host has less than twice its size available (``MemAvailable``,
-capped by the cgroup's limit): an optional speedup must never be what brings in the OOM killer.
+capped by the cgroup's limit and ``ulimit -v``): an optional speedup must never be what brings in the OOM killer.
 """
 
 from __future__ import annotations

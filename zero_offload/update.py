@@ -152,6 +152,10 @@ class Immediate:
         """Whether the bucket's update for this step has already run."""
         return False
 
+    def check_load(self) -> None:
+        """Refuse to replace the state now, if this schedule has already applied part of this step from the
+        state being replaced (before anything changes)."""
+
     def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
         """Update every bucket of ``plans`` not yet updated with ``decision``'s multiplier, and send the results
         back."""
@@ -226,6 +230,14 @@ class Overlap(Immediate):
 
     def updated(self, lane: Lane) -> bool:
         return lane.job is not None
+
+    def check_load(self) -> None:
+        if self._launched:
+            raise RuntimeError(
+                "OffloadOptimizer(overlap_step=True): load_state_dict() after backward, but this step's update "
+                "already ran during backward, from the state being replaced, and its parameters were written. "
+                "Load before backward (or after step()), or turn overlap_step off."
+            )
 
     def end_step(self) -> None:
         launched, self._launched = self._launched, []

@@ -1,6 +1,8 @@
 """The sharded state that ``torch.distributed.checkpoint`` (DCP) saves and loads without gathering: each state
-tensor a :class:`FlatPiece` holding this rank's piece, a view of the host buffers, so ``dcp.load`` writes in
-place; then validated and applied like a full state dict (plan, then apply)."""
+tensor a :class:`FlatPiece` holding this rank's piece, a view of the host buffers, which ``dcp.save`` reads in
+place. ``dcp.load`` writes into staging instead (a :class:`LoadStage`: DCP may fail part way, a truncated file
+say, and a failed load must change nothing), which is then validated and committed like a full state dict (plan,
+then apply): the staging buffers trade their memory with the live ones, no byte copied."""
 from __future__ import annotations
 
 from copy import deepcopy
@@ -10,26 +12,29 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload.buckets import FlatBucket
+from zero_offload.checkpoint.staging import LoadStage, Staging, Twin
 from zero_offload.rules.base import Rule
 from zero_offload.state.layout import memory_order_flat, view_like
 from zero_offload.options import check_step
 from zero_offload.checkpoint.entries import Buckets, State, check_param_lists, expose
 from zero_offload.checkpoint.full import Ahead, _entry_tensors, _install_params, _positions, _where, merge_groups
 
-__all__ = ["FlatPiece", "apply_sharded_load", "plan_sharded_load", "sharded_state_dict"]
+__all__ = ["FlatPiece", "WholePiece", "apply_sharded_load", "commit_staged", "plan_sharded_load",
+           "sharded_state_dict"]
 
 
 # ----------------------------------------------------------------------------- torch.distributed.checkpoint --
 def _state_pieces(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
-    """Parameter ``i``'s state tensors that this rank holds, 1-D in slot order (flat ranges of the buffers, so that
-    loading into them writes the optimizer's state in place; of ``after``'s copies where a pending update is)."""
+    """Parameter ``i``'s state tensors that this rank holds, 1-D in slot order (flat ranges of the buffers, which
+    saving reads in place and loading stages; of ``after``'s copies where a pending update is)."""
     return {name: memory_order_flat(t) for name, t in _entry_tensors(bucket, i, after, param).items()}
 
 
 class FlatPiece(torch.Tensor):
     """A parameter's flattened state tensor (``numel`` elements) as ``torch.distributed.checkpoint`` sees it, of which
     this rank holds the contiguous range ``[start, start + local.numel())``, ``local`` being a view of the host
-    buffers (so ``dcp.load`` writes the state in place).
+    buffers (which ``dcp.save`` reads in place; ``dcp.load`` writes into staging, see
+    :mod:`~zero_offload.checkpoint.staging`).
 
     DCP's own sharded types cannot say this: a DTensor's shards are ``torch.chunk``'s even split, and our pieces are
     arbitrary ranges (where a bucket's shard boundaries fall in each parameter); ``ShardedTensor`` is deprecated.
@@ -42,14 +47,16 @@ class FlatPiece(torch.Tensor):
 
     local: torch.Tensor
     start: int
+    staging: Staging
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, start: int, numel: int) -> "FlatPiece":
+    def __new__(cls, staging: Staging, start: int, numel: int) -> "FlatPiece":
+        local = staging.local
         piece = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=local.dtype, device=local.device)
-        piece.local, piece.start = local, start
+        piece.local, piece.start, piece.staging = local, start, staging
         return piece
 
-    def __init__(self, local: torch.Tensor, start: int, numel: int) -> None:
+    def __init__(self, staging: Staging, start: int, numel: int) -> None:
         super().__init__()
 
     def _chunks(self) -> list:
@@ -63,18 +70,20 @@ class FlatPiece(torch.Tensor):
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+        self.staging.plan_save()
         props = TensorProperties(dtype=self.dtype, pin_memory=False)
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
                 for chunk in self._chunks()]
 
     def __create_chunk_list__(self) -> list:
+        self.staging.plan_load()
         return self._chunks()
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         if index.offset is not None and tuple(index.offset) != (self.start,):
             raise ValueError(f"{index.fqn}: this rank holds the piece at offset {self.start}, not {index.offset}")
-        return self.local
+        return self.staging.target()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -83,6 +92,59 @@ class FlatPiece(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"FlatPiece(numel={self.numel()}, start={self.start}, local={self.local.numel()} elements)"
+
+
+class WholePiece(torch.Tensor):
+    """The state tensor of a parameter whose bucket is not sharded: a plain tensor (a view of the host buffers, which
+    ``dcp.save`` reads in place and which pickles, prints and computes as one), that also tells DCP's load where to
+    write (staging, see :mod:`~zero_offload.checkpoint.staging`). Saved in a plain tensor's format."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # (results of operations are plain tensors)
+
+    local: torch.Tensor
+    staging: Staging
+
+    @staticmethod
+    def of(staging: Staging) -> "WholePiece":
+        piece = staging.local.as_subclass(WholePiece)
+        piece.local, piece.staging = staging.local, staging
+        return piece
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        self.staging.plan_save()
+        zero = torch.Size([0] * self.dim())
+        return [WriteItem(index=MetadataIndex(fqn, zero), type=WriteItemType.TENSOR,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=zero, sizes=self.size()),
+                                                      properties=TensorProperties.create_from_tensor(self.local),
+                                                      size=self.size()))]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        self.staging.plan_load()
+        return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=self.size())]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        if index.offset is not None and any(index.offset):
+            raise ValueError(f"{index.fqn}: not sharded, no piece at offset {index.offset}")
+        return self.staging.target()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.local.__reduce_ex__(protocol)  # a plain tensor, which torch.load(weights_only=True) takes
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> torch.Tensor:
+        return deepcopy(self.local, memo)
+
+
+def _live_buffer(bucket: FlatBucket, name: str) -> Optional[torch.Tensor]:
+    """The flat buffer whose views the state tensor ``name`` of a :func:`sharded_state_dict` entry is; None for
+    ``param`` (a parameter's value, staged on its own)."""
+    if name == "master":
+        return bucket.master
+    return bucket.store.flat.get(name)
 
 
 def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
@@ -94,7 +156,7 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
     compact = next((b for b in chain.from_iterable(buckets) if b.compact), None)
     if compact is not None:
         raise RuntimeError(f"sharded_state_dict() hands out the live state buffers for torch.distributed.checkpoint "
-                           f"to save and load in place, which needs fp32 moments; this optimizer keeps them as "
+                           f"to save in place and stage loads, which needs fp32 moments; this optimizer keeps them as "
                            f"{compact.state_dtype} (state_dtype). Use state_dict() / load_state_dict() (fp32 moments, "
                            f"converted a bucket at a time), or state_dtype=torch.float32.")
     position = _positions(groups)
@@ -103,31 +165,55 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
     for group in groups:
         out_groups.append({**{k: deepcopy(v) for k, v in group.items() if k != "params"},
                            "params": [position[id(p)] for p in group["params"]]})
+    stage = LoadStage()
     for bucket in chain.from_iterable(buckets):
         after = ahead.get(bucket)
+        twins: Dict[str, Twin] = {}
         for i, p in enumerate(bucket.params):
             copied = after is not None and after.flat is not None and i in after.indices
             entry: Dict[str, Any] = {"step": (after.steps if copied else bucket.steps)[i].clone()}
             for name, local in _state_pieces(bucket, i, after, param).items():
+                live = _live_buffer(bucket, name)
+                twin = None  # (a private copy, or ``param``: not a view of a live buffer)
+                if live is not None and not copied:
+                    twin = twins.get(name)
+                    if twin is None:
+                        twin = twins[name] = stage.twin(live, bucket.pin)
+                staging = Staging(local, stage if live is None or twin is not None else None, twin)
                 if bucket.sharded and bucket.shard.full.numels[i]:
-                    entry[name] = FlatPiece(local, bucket.shard.piece_src[i], bucket.shard.full.numels[i])
-                else:
-                    entry[name] = local  # the whole parameter: an ordinary tensor
+                    entry[name] = FlatPiece(staging, bucket.shard.piece_src[i], bucket.shard.full.numels[i])
+                else:  # the whole parameter
+                    entry[name] = WholePiece.of(staging)
             state[str(position[id(p)])] = entry
     return {"state": state, "param_groups": out_groups}
 
 
+def commit_staged(state_dict: Dict[str, Any]) -> None:
+    """What ``dcp.load`` staged for the :func:`sharded_state_dict` ``state_dict`` (validated) becomes the live
+    state."""
+    stages: List[LoadStage] = []
+    for entry in state_dict["state"].values():
+        for t in entry.values() if isinstance(entry, dict) else ():
+            stage = t.staging.stage if isinstance(t, (FlatPiece, WholePiece)) else None
+            if stage is not None and not any(stage is s for s in stages):
+                stages.append(stage)
+    for stage in stages:
+        stage.commit()
+
+
 def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) -> None:
-    """Where ``dcp.load`` wrote into copies, not the buffers (the dict was made while a delayed update was pending,
-    of which it shows the result), copy them into the buffers; and each ``param`` into its parameter, where it is
-    not the parameter's own storage."""
+    """After the commit (which made the staged buffers live): where a tensor of the dict is not a view of the
+    buffers (a private copy, made while a delayed update was pending, of which it shows the result; a tensor the
+    caller put in), copy it into them; and each ``param`` into its parameter, where it is not the parameter's own
+    storage."""
     values: List[Optional[torch.Tensor]] = []
     for i, p in enumerate(bucket.params):
         live = _state_pieces(bucket, i, None, param=False)
-        for name, t in tensors[p].items():
+        loaded = {name: t.staging.take() if isinstance(t, WholePiece) else t for name, t in tensors[p].items()}
+        for name, t in loaded.items():
             if name in live and t.data_ptr() != live[name].data_ptr():
                 live[name].copy_(t)
-        value = tensors[p].get("param")
+        value = loaded.get("param")
         values.append(None if value is None or value.data_ptr() == p.data_ptr() else view_like(value, 0, p))
     _install_params(bucket, values)
 

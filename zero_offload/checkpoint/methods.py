@@ -51,12 +51,15 @@ class StateDictMethods:
 
         Everything is validated first; an invalid state dict raises ``ValueError`` and changes nothing. Parameters
         without an entry start fresh, as in AdamW; a missing ``master`` is taken from the parameter. With a
-        ``process_group``, each rank copies only the piece it owns: no collective.
+        ``process_group``, each rank copies only the piece it owns: no collective. Gradients that backward already
+        sent (with ``release_grads``, the only copy) and a pending ``clip_grad_norm_`` are kept for the next
+        ``step()``, as AdamW keeps ``.grad``.
 
         Args:
             state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
         """
         full.check_format(state_dict)
+        self._mode.check_load()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -75,35 +78,40 @@ class StateDictMethods:
             post_hook(self)
 
     def _quiesce(self) -> None:
-        """Before the state is replaced: no update running, none pending, no copy reading the buffers."""
-        self._mode.settle()
-        self._mode.drop()  # a pending update of the old trajectory
+        """Before the state is replaced: no update running, none pending, no copy reading the buffers. The step's
+        gradients stay in their lanes (AdamW keeps ``.grad`` over a load; with ``release_grads`` the host buffers
+        hold the only copy), and so does a pending clip, whose coefficient AdamW would have applied to ``.grad``
+        already: the next ``step()`` updates the loaded state with them."""
+        self._mode.drop()  # a pending (or speculative) update of the old trajectory
         self._transport.synchronize()
-        self._pending = None
-        self._end_step()
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a
         run saved on N ranks resumes on M ranks, or in one process. Each state tensor is 1-D (the parameter's
-        elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece, a view of
-        the host buffers, so ``dcp.load`` writes the state in place; then call :meth:`load_sharded_state_dict`. With
-        ``delayed_update``, as :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
+        elements in memory order), a :class:`~zero_offload.checkpoint.FlatPiece` holding this rank's piece (a
+        :class:`~zero_offload.checkpoint.WholePiece`, a plain tensor, where the bucket is not sharded), a view of the
+        host buffers, which ``dcp.save`` reads in place. ``dcp.load`` writes into staging (the live state is
+        untouched if it fails part way; while staged, the state it loads takes its memory once more); then call
+        :meth:`load_sharded_state_dict`, which makes it the optimizer's. With ``delayed_update``, as
+        :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
         self._sync()
         return dcp.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
-                                             param=self.options.delayed_update)
+                                      param=self.options.delayed_update)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Finish loading a :meth:`sharded_state_dict` that ``dcp.load`` filled (moments and masters are in the
-        buffers already): validate, then apply the step counts and hyperparameters. Local.
+        """Finish loading a :meth:`sharded_state_dict` that ``dcp.load`` filled: validate, then make what it staged
+        the optimizer's state (the staging buffers trade their memory with the live ones: no copy), and apply the
+        step counts and hyperparameters. Local. An invalid dict raises ``ValueError`` and changes nothing; the
+        step's gradients are kept, as by :meth:`load_state_dict`.
 
         Args:
             state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
         """
+        self._mode.check_load()
         groups, steps, tensors = dcp.plan_sharded_load(self.param_groups, self._buckets, state_dict,
-                                                              self._rule, self.options.delayed_update)
-        self._mode.drop()  # dcp.load has already replaced the state it would update
-        self._transport.synchronize()
-        self._pending = None
+                                                       self._rule, self.options.delayed_update)
+        self._quiesce()
+        dcp.commit_staged(state_dict)
         dcp.apply_sharded_load(self.state, self._buckets, steps, tensors)
         self.param_groups = groups
 
