@@ -18,8 +18,8 @@ give and take sharded (DTensor) state dicts, saved and loaded in parallel by eve
 checkpoint could resume on any number of ranks). The run restores it into a newly built model, optimizer and
 schedule, as a restarted job would, and goes on.
 
-Until FSDP2 support lands in ``OffloadOptimizer`` (issue 33), it refuses the DTensor parameters at construction
-with a TypeError: run with ``--optimizer adamw`` meanwhile.
+On GPUs each FSDP unit's gradient shards stream to the host from FSDP's own hooks, as its reduce-scatter ends,
+while backward goes on; ``--optimizer adamw`` runs the same loop with ``torch.optim.AdamW`` on the GPU shards.
 """
 
 from __future__ import annotations

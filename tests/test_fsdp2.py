@@ -42,6 +42,7 @@ FUSED = functools.partial(torch.optim.AdamW, fused=True)
 OURS = functools.partial(OffloadOptimizer)
 OURS_SMALL_BUCKETS = functools.partial(OffloadOptimizer, bucket_numel=16)  # several buckets per FSDP unit
 OURS_RELEASE = functools.partial(OffloadOptimizer, release_grads=True)
+COMPACT = {"bf16_state": torch.bfloat16, "int8_state": torch.int8}
 TORCH_CLASSES = {  # name: (the class itself, offloaded): offload() against the class's own single-tensor step
     "sgd": (functools.partial(torch.optim.SGD, momentum=0.9, foreach=False),
             functools.partial(offload, torch.optim.SGD, momentum=0.9)),
@@ -91,6 +92,9 @@ def _jobs(world: int) -> Dict[str, object]:
         for name in STANDIN_RELEASE_RECIPES:
             jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
         jobs["speculation/standins"] = h.Call(speculation_stats)
+        for name, dtype in COMPACT.items():
+            jobs[f"ours_{name}/dcp_roundtrip"] = h.Job(h.RECIPES["dcp_roundtrip"],
+                                                       functools.partial(OffloadOptimizer, state_dtype=dtype))
         for cls, (reference, ours) in TORCH_CLASSES.items():
             for name in TORCH_CLASS_RECIPES[cls]:
                 jobs[f"{cls}/{name}"] = h.Job(h.RECIPES[name], reference)
@@ -328,6 +332,18 @@ def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world2, name):
 def test_the_gpu_route_with_release_grads_matches_adamw(world2, name):
     h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_standins_release/{name}"].get(),
                   f"stand-ins, release_grads, {name}")
+
+
+@pytest.mark.parametrize("name", list(COMPACT))
+def test_compact_state_trains_and_checkpoints_close_to_adamw(world2, name):
+    """``state_dtype`` bf16 or 8-bit under FSDP2, through a DCP round trip (its state dict decoded to fp32 DTensors
+    and encoded back on load). Not AdamW's arithmetic: the moments are rounded every step, so the comparison is
+    absolute, 2e-3 (measured over the 6 steps at lr 1e-2: parameters and moments at most 1.3e-4 and 2.7e-4 off
+    AdamW's with bf16 state, 6.4e-4 and 6.5e-4 with 8-bit state; a state lost in the round trip moves the
+    parameters by ~lr = 1e-2 a step). The kernels of compact state are checked exactly against their own reference
+    in test_state_dtypes.py."""
+    h.assert_same(world2["adamw/dcp_roundtrip"].get(), world2[f"ours_{name}/dcp_roundtrip"].get(), name,
+                  atol=2e-3, rtol=0.0)
 
 
 def speculation_stats(rank, world):

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from zero_offload import OffloadOptimizer
 from zero_offload.report import count_plan, main, memory_plan, meta_params, parse_count, verdicts
+from zero_offload.memory_plan import fsdp_plan, fsdp_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -422,3 +423,39 @@ def test_machine_report_json_has_one_key_per_text_line(capsys):
         label = line[:17].rstrip()
         assert key == label.replace(" ", "_").lower() and line[17:] == value, (line, key, value)
     assert {"cpu", "cpu_features", "native_kernel", "native_isas", "build_cache", "path_chosen"} <= set(data)
+
+
+def test_fsdp_plan_is_one_rank_of_the_sharded_model(capsys):
+    """--fsdp N: each rank's optimizer sees its own shards, so one rank's plan is the plan of ceil(N_params / N)
+    parameters, ours beside FSDP2 + AdamW on them; the node's verdict counts N ranks unless told otherwise."""
+    main(["--params", "70B", "--fsdp", "8", "--dtype", "bf16", "--json", "--gpu-memory", "80GB"])
+    data = json.loads(capsys.readouterr().out)
+    shard = count_plan(-(-70 * 10**9 // 8), torch.bfloat16)
+    assert data["params"] == 70 * 10**9 and data["params_per_rank"] == 8_750_000_000 and data["fsdp"] == 8
+    assert data["totals_per_rank"]["OffloadOptimizer"] == {"gpu": shard.total("ours", "gpu"),
+                                                           "host": shard.total("ours", "host")}
+    assert data["totals_per_rank"]["OffloadOptimizer"]["host"] == 14 * 8_750_000_000  # 4 + 8 + 2 B/param
+    assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 8 * 8_750_000_000  # bf16 p, g, m, v
+    assert data["nproc_per_node"] == 8
+    assert data["verdict"]["host_per_node"] == 8 * 14 * 8_750_000_000
+    main(["--params", "70B", "--fsdp", "8"])
+    out = capsys.readouterr().out
+    assert "sharded by FSDP2 over 8 ranks" in out and "each rank holds 8,750,000,000 of them" in out
+
+
+def test_fsdp_shards_are_rank_zeros_rows():
+    params = [torch.empty(5, 3, device="meta"), torch.empty(1, 6, device="meta"), torch.empty(7, device="meta")]
+    assert [tuple(p.shape) for p in fsdp_shards(params, 2)] == [(3, 3), (1, 6), (4,)]
+    plan = fsdp_plan(params, 0, torch.float32, 2)
+    assert plan.numel == 9 + 6 + 4 and plan.model_numel == 15 + 6 + 7 and plan.fsdp == 2
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--fsdp", "8", "--world-size", "2"], "no world_size or gpu_fraction"),
+    (["--fsdp", "8", "--gpu-fraction", "0.5"], "no world_size or gpu_fraction"),
+    (["--fsdp", "0"], "--fsdp must be at least 1"),
+])
+def test_fsdp_plan_refuses_what_the_optimizer_refuses(capsys, argv, match):
+    with pytest.raises(SystemExit):
+        main(["--params", "7B", *argv])
+    assert match in capsys.readouterr().err

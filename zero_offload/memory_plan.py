@@ -22,7 +22,8 @@ from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPE
 
 
 
-__all__ = ["MemoryPlan", "count_plan", "gpu_capacity", "memory_plan", "meta_params", "parse_count", "plan_dict",
+__all__ = ["MemoryPlan", "count_plan", "fsdp_plan", "fsdp_shards", "gpu_capacity", "memory_plan", "meta_params",
+           "parse_count", "plan_dict",
            "plan_lines", "verdict_lines", "verdicts"]
 
 
@@ -112,6 +113,10 @@ class MemoryPlan:
         gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``): their moments (and a
             low-precision model's fp32 master; sharded, the full gradient buffer the reduce-scatter reads) are in
             ours' GPU rows, not its host rows.
+        fsdp (int): FSDP2 ranks the parameters are sharded over (``fully_shard``; 1: none). Then ``numel`` is one
+            rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
+            AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
+        model_numel (int): the whole model's parameters (``numel`` unless ``fsdp`` > 1).
     """
 
     numel: int
@@ -125,6 +130,8 @@ class MemoryPlan:
     state_dtype: torch.dtype = torch.float32
     release_grads: bool = False
     gpu_tier_numel: int = 0
+    fsdp: int = 1
+    model_numel: int = 0
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -283,6 +290,39 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
     return _sum_plans(head, one, full - 2, bucket_numel)
 
 
+def fsdp_shards(params: Sequence[torch.Tensor], ranks: int) -> List[torch.Tensor]:
+    """Meta stand-ins for rank 0's shards of ``params`` under FSDP2 over ``ranks`` ranks: each parameter cut along
+    its first dimension into ``ceil(rows / ranks)``-row pieces (``fully_shard``'s ``Shard(0)``), rank 0 holding the
+    first (the largest shards: later ranks hold as many rows or fewer)."""
+    out = []
+    for p in params:
+        shape = tuple(p.shape) or (1,)
+        out.append(torch.empty((-(-shape[0] // ranks),) + shape[1:], dtype=p.dtype, device="meta"))
+    return out
+
+
+def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int,
+              **kw) -> MemoryPlan:
+    """The plan of one rank of an FSDP2 run over ``ranks`` ranks: what ``OffloadOptimizer`` and ``torch.optim.AdamW``
+    keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
+    ``params`` (a model's, real or meta), rank 0's shards of them (:func:`fsdp_shards`); else a model of ``numel``
+    parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
+    (``world_size`` and ``gpu_fraction`` are not combined with FSDP2)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
+    if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
+        raise ValueError("an FSDP2 plan takes no world_size or gpu_fraction: FSDP shards the parameters and each "
+                         "rank's optimizer offloads the state of its own shards (the optimizer refuses both there)")
+    if params is not None:
+        params = list(params)
+        plan = memory_plan(fsdp_shards(params, ranks), **kw)
+        whole = sum(p.numel() for p in params)
+    else:
+        plan = count_plan(-(-int(numel) // ranks), dtype, **kw)
+        whole = int(numel)
+    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole)
+
+
 def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:
     """The plan of a model made of ``a``'s parameters and ``k`` times ``b``'s (same settings). Under
     ``release_grads`` two buckets' worth cap the GPU gradients of streamed buckets whatever the model."""
@@ -308,12 +348,20 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     name = DTYPE_NAMES[plan.dtype]
     n = plan.numel
     sharded = plan.world_size > 1
+    whole = plan.model_numel or n
     out = [
-        f"memory plan      {n:,} parameters ({n / 1e9:.3g} B), {name} model on {plan.device}"
-        + (f", {plan.world_size} data-parallel ranks" if sharded else ""),
+        f"memory plan      {whole:,} parameters ({whole / 1e9:.3g} B), {name} model on {plan.device}"
+        + (f", {plan.world_size} data-parallel ranks" if sharded else "")
+        + (f", sharded by FSDP2 over {plan.fsdp} ranks" if plan.fsdp > 1 else ""),
         "                 parameters, gradients and optimizer state per rank; activations not counted",
         "                 nothing allocated: host buffers from OffloadOptimizer.estimate_host_memory over meta tensors",
     ]
+    if plan.fsdp > 1:
+        out += [f"                 FSDP2: each rank holds {n:,} of them (rank 0's shards, the largest), which its "
+                "optimizer offloads;",
+                "                 B/param below is per parameter of those shards; FSDP2 + torch.optim.AdamW beside it; "
+                "the units'",
+                "                 parameters all-gathered for forward and backward (about two units) are not counted"]
     if sharded:
         out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
                    f"{plan.world_size} ranks")
@@ -497,7 +545,8 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
     """The plan and its verdicts as plain JSON-ready data (bytes as integers)."""
     name = DTYPE_NAMES[plan.dtype]
     return {
-        "params": plan.numel, "dtype": name, "device": plan.device, "world_size": plan.world_size,
+        "params": plan.model_numel or plan.numel, "params_per_rank": plan.numel, "fsdp": plan.fsdp,
+        "dtype": name, "device": plan.device, "world_size": plan.world_size,
         "nproc_per_node": nproc_per_node, "release_grads": plan.release_grads,
         "state_dtype": DTYPE_NAMES[plan.state_dtype], "gpu_tier_params": plan.gpu_tier_numel,
         "per_rank": {"OffloadOptimizer": plan.ours, "torch.optim.AdamW": plan.adamw},

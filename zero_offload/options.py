@@ -300,7 +300,7 @@ class Options:
     speculate: Optional[bool] = _option(None, """update each streamed GPU bucket in a worker thread as soon as
         backward has sent its gradients, and keep the update at ``step()`` only if it is bit-exactly what
         ``step()`` computes (same clip coefficient and loss scale, same hyperparameters, step not skipped,
-        gradients and parameters unchanged); otherwise restore the bucket's state and update it at ``step()``. The
+        gradients, parameters and state unchanged); otherwise drop it and update the bucket at ``step()``. The
         result is always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory
         for the buckets speculated in a step (see ``speculation_memory``). None: on wherever it applies (not with
         ``overlap_step``, ``delayed_update`` or a ``process_group``, which True refuses); CPU parameters are
@@ -313,7 +313,8 @@ class Options:
         host kernel time. ``"auto"``: after the first step, as many of the last-arriving buckets as fit in the
         free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
         ``delayed_update``. See docs/twin-flow.md.""", _check_gpu_fraction)
-    gpu_margin_gib: float = _option(2.0, """with ``gpu_fraction="auto"``, the GPU memory (GiB) left free.""",
+    gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and by
+        speculation's uploads during backward (made only where that much and the gradients still to come fit).""",
                                     _check_gpu_margin)
     speculation_memory: Optional[int] = _option(None, """the most bytes of host RAM speculation's buffers may
         hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that

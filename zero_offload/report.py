@@ -30,7 +30,8 @@ from zero_offload import _build, functional
 from zero_offload.host_memory import available_host_bytes
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
-                                      count_plan, gpu_capacity, memory_plan, meta_params, parse_count, plan_dict,
+                                      count_plan, fsdp_plan, gpu_capacity, memory_plan, meta_params, parse_count,
+                                      plan_dict,
                                       plan_lines, verdict_lines, verdicts)
 from zero_offload.options import DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, dtypes_by_name  # noqa: F401
 
@@ -147,7 +148,7 @@ def _count_arg(text: str) -> int:
 # The options of a memory plan and their defaults (None in the parser, so that one given without --params or
 # --model is noticed and refused instead of silently ignored).
 _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
-                  "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1,
+                  "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1, "fsdp": 1,
                   "gpu_memory": None, "gpu_fraction": 0.0}
 
 
@@ -172,6 +173,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--amsgrad", action="store_true", default=None, help="plan for amsgrad=True (one more moment buffer)")
     ap.add_argument("--world-size", type=int, metavar="N",
                     help="data-parallel ranks sharing the host buffers (arithmetic estimate; default: 1)")
+    ap.add_argument("--fsdp", type=int, metavar="N",
+                    help="plan one rank of an FSDP2 run (fully_shard) over N ranks: the parameters sharded by FSDP2, "
+                         "each rank's optimizer offloading the state of its own shards (default: no FSDP2; not with "
+                         "--world-size or --gpu-fraction; --nproc-per-node defaults to N)")
     ap.add_argument("--bucket-numel", type=int, metavar="N",
                     help="elements per bucket, as for the optimizer (default: 2**25)")
     ap.add_argument("--model", metavar="CONFIG_OR_ID",
@@ -193,6 +198,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     given = [f"--{name.replace('_', '-')}" for name in _PLAN_DEFAULTS if getattr(args, name) is not None]
     if args.params is None and args.model is None and given:
         ap.error(f"{', '.join(given)} only apply to a memory plan: give --params N or --model CONFIG_OR_ID too")
+    if args.fsdp is not None and args.nproc_per_node is None:
+        args.nproc_per_node = args.fsdp  # (FSDP2's ranks, on one node unless said)
     for name, default in _PLAN_DEFAULTS.items():  # None above: given or not
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -201,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(json.dumps({json_key(label): value for label, value in report}) if args.json
               else "\n".join(lines(report)))
         return
-    for name in ("world_size", "bucket_numel", "nproc_per_node"):
+    for name in ("fsdp", "world_size", "bucket_numel", "nproc_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.params is not None and args.model is not None:
@@ -227,7 +234,13 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         _check_gpu_fraction(args.gpu_fraction, args.device, kw["state_dtype"])
     except ValueError as exc:
         ap.error(str(exc))
-    plan = memory_plan(params, **kw) if params is not None else count_plan(args.params, dtype, **kw)
+    if args.fsdp > 1:
+        try:
+            plan = fsdp_plan(params, args.params or 0, dtype, args.fsdp, **kw)
+        except ValueError as exc:
+            ap.error(f"--fsdp: {exc}")
+    else:
+        plan = memory_plan(params, **kw) if params is not None else count_plan(args.params, dtype, **kw)
     gpu = args.gpu_memory if args.gpu_memory is not None else (gpu_capacity() if args.device == "cuda" else None)
     host = available_host_bytes()
     v = verdicts(plan, args.nproc_per_node, gpu, host)
