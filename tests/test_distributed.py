@@ -789,41 +789,6 @@ def test_nccl_world_1_on_one_gpu(dtype, release, backend, tmp_path):
         dist.destroy_process_group()
 
 
-_FSDP2_SCRIPT = """
-import sys, tempfile, torch, torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # before torch 2.6
-    from torch.distributed._composable.fsdp import fully_shard
-import zero_offload
-dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
-model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
-fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-try:
-    zero_offload.OffloadOptimizer(model.parameters())
-except TypeError as exc:
-    print("REFUSED", exc)
-dist.destroy_process_group()
-"""
-
-
-def test_fsdp2_dtensor_parameters_are_refused_with_a_clear_message():
-    """fully_shard makes the parameters DTensors: refused at construction, naming FSDP2 and what to do instead,
-    not a raw `aten.copy_.default got mixed torch.Tensor and DTensor` at the first step."""
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-c", _FSDP2_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "REFUSED OffloadOptimizer does not take DTensor parameters" in result.stdout
-    assert "fully_shard" in result.stdout and "CPUOffloadPolicy" in result.stdout
-
-
 # ------------------------------------------------------------------------------- disagreements across ranks --
 def _snapshot(model, opt):
     """This rank's parameters and its own shard of the state (no collective; the gradient buffers left out)."""

@@ -1211,3 +1211,23 @@ def test_a_failing_load_with_tensors_that_require_grad_changes_nothing():
     assert_unchanged(snap, model, opt)
     for buffers in opt.host_buffers():
         assert all(v.grad_fn is None for v in buffers.values())
+
+
+def test_param_groups_given_as_generators_keep_their_parameters():
+    """``{"params": model.parameters()}``: the generator is read once, into the group (as torch lists it), and
+    every group trains as with AdamW."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    extra = nn.Parameter(torch.randn(5))
+    ref = copy.deepcopy(m), nn.Parameter(extra.detach().clone())
+    opt = OffloadOptimizer([{"params": m.parameters()}, {"params": iter([extra]), "lr": 0.02}], lr=0.01)
+    adamw = torch.optim.AdamW([{"params": ref[0].parameters()}, {"params": iter([ref[1]]), "lr": 0.02}], lr=0.01,
+                              foreach=False)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 1]
+    for _ in range(3):
+        for model, e, o in ((m, extra, opt), (ref[0], ref[1], adamw)):
+            o.zero_grad()
+            (model(torch.ones(2, 4)).square().sum() + e.square().sum()).backward()
+            o.step()
+    for a, b in zip([*m.parameters(), extra], [*ref[0].parameters(), ref[1]]):
+        torch.testing.assert_close(a, b)

@@ -44,6 +44,11 @@ def take(params: Any, options: Any) -> "tuple[Any, Optional[Dict[int, int]]]":
     iterable is consumed: ``model.parameters()`` keeps its model (and so FSDP's state) alive only until then."""
     managed = _managed() if _dtensors_exist() else None
     params = params if isinstance(params, torch.Tensor) else list(params)
+    for item in params if isinstance(params, list) else ():
+        # A group's parameters given as a generator are read once here: listed in the group, as torch's
+        # add_param_group lists them, so that the group keeps them.
+        if isinstance(item, dict) and not isinstance(item.get("params"), (torch.Tensor, list, type(None))):
+            item["params"] = list(item["params"])
     return params, (managed if given(params, options) else None)
 
 

@@ -152,12 +152,8 @@ _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "ams
                   "gpu_memory": None, "gpu_fraction": 0.0}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of ``python -m zero_offload.report``; see the module docstring.
-
-    Args:
-        argv (Sequence[str], optional): command-line arguments. Default: ``sys.argv[1:]``.
-    """
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m zero_offload.report``."""
     ap = argparse.ArgumentParser(prog="python -m zero_offload.report", description=_DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=_count_arg, metavar="N",
@@ -194,6 +190,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          "(GiB = 2**30 bytes; also kB/MB/TB, KiB/MiB/TiB) or a plain number of bytes (default: this "
                          "machine's GPU 0)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``python -m zero_offload.report``; see the module docstring.
+
+    Args:
+        argv (Sequence[str], optional): command-line arguments. Default: ``sys.argv[1:]``.
+    """
+    ap = _parser()
     args = ap.parse_args(argv)
     given = [f"--{name.replace('_', '-')}" for name in _PLAN_DEFAULTS if getattr(args, name) is not None]
     if args.params is None and args.model is None and given:
