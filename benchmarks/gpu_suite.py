@@ -2,7 +2,7 @@
 minutes) included, at most 10 minutes a command. Two commands, each a list of stages:
 
     command 1 (under 8 min): the kernel's build, the machine, the pinned-memory probe, the 1.3B step matrix
-              (AdamW, ours default, without speculation, gpu_fraction='auto', bf16 state, delayed, torchao), the
+              (AdamW, ours default, with speculation, gpu_fraction='auto', bf16 state, delayed, torchao), the
               rows clipping changes again with clipping, and ``pytest -m cuda`` bounded;
     command 2 (under 4 min, on the same warm machine: the build is cached): the rest (DeepSpeed's step row and
               the largest model on a 12 GiB GPU).
@@ -47,11 +47,11 @@ GIB = 1 << 30
 COMMAND_LIMIT_S = {"1": 8 * 60, "2": 4 * 60}
 # The step matrix on the GPU: the anchor, ours in each exact mode and delayed, and the other offloaders (reported
 # as not installed when their package is missing). DeepSpeed's row is command 2's (its CPU Adam compiles first).
-MATRIX = ("adamw", "ours", "ours-nospec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao")
+MATRIX = ("adamw", "ours", "ours-spec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao")
 TINY_MATRIX = ("adamw-ref", "ours")
 # With clipping, the rows whose work clipping changes: the anchor, ours with and without speculation (which a clip
 # coefficient can invalidate) and torchao (its gradients then stay on the GPU).
-CLIP_MATRIX = ("adamw", "ours", "ours-nospec", "torchao")
+CLIP_MATRIX = ("adamw", "ours", "ours-spec", "torchao")
 # Timed steps per row, after the warm-up: 7 rows, then 4 with clipping, fit command 1 at ~18 s a row (the first
 # lease: 130 s for 7 rows).
 STEPS, WARMUP = 5, 2

@@ -143,7 +143,7 @@ def _window(steps: int = 30, pause_at: int = 3) -> None:
     speculation.run_rule = slow
     n, numel = 12, 1 << 21
     params = _params(n, numel)
-    opt = OffloadOptimizer(params, bucket_numel=numel)
+    opt = OffloadOptimizer(params, bucket_numel=numel, speculate=True)
     held = []
     for step in range(steps):
         opt.zero_grad()

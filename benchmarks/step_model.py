@@ -1,5 +1,5 @@
 """The event model's predictions for the GPU step of the 1.3B GPT preset, for the schedules this tree runs: each row is
-an :class:`~zero_offload.options.Options` (the default, ``speculate=False``, a numeric ``gpu_fraction``,
+an :class:`~zero_offload.options.Options` (the default, ``speculate=True``, a numeric ``gpu_fraction``,
 ``gpu_fraction="auto"``), and what the model simulates is read from the code, not written here: whether the options
 speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the new
 parameters go up during backward (``zero_offload.speculation.SCHEDULE``), which buckets ``gpu_fraction`` keeps on the
@@ -100,7 +100,9 @@ def main() -> None:
         simulate = sim.simulate
         sim.simulate = lambda **k: simulate(**{**kw, **k})
     room = (args.gpu_gib - args.peak_gib - Options().gpu_margin_gib) * 2**30
-    rows = [("default", {}), ("speculate=False", {"speculate": False}), ("gpu_fraction=0.28", {"gpu_fraction": 0.28}),
+    rows = [("default", {}), ("speculate=True", {"speculate": True}),
+            ("gpu_fraction=0.28", {"gpu_fraction": 0.28}),
+            ("speculate, gpu 0.28", {"speculate": True, "gpu_fraction": 0.28}),
             ('gpu_fraction="auto"', {"gpu_fraction": "auto"})]
     print(f"1.3B GPT preset, fused AdamW {sim.T_ADAMW:.0f} ms; kernel {sim.N / kw.get('r0', 4.91e6):.0f} ms over "
           f"{sim.N:,} elements; schedule as built: {SCHEDULE}")

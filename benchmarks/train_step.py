@@ -392,6 +392,7 @@ CONTENDERS = [
     Contender("ours-stream", "OffloadOptimizer stream_grads", _ours(stream_grads=True), ("cpu",)),
     Contender("ours-release", "OffloadOptimizer release_grads", _ours(release_grads=True), ("gpu",)),
     Contender("ours-nospec", "OffloadOptimizer speculate=False", _ours(speculate=False), ("gpu",)),
+    Contender("ours-spec", "OffloadOptimizer speculate=True", _ours(speculate=True), ("gpu",)),
     # The first quarter of the model (the last gradients backward produces) keeps its state on the GPU.
     Contender("ours-gpu25", "OffloadOptimizer gpu_fraction=0.25", _ours(gpu_fraction=0.25), ("gpu",), host_bytes=12),
     Contender("ours-gpuauto", "OffloadOptimizer gpu_fraction='auto'", _ours(gpu_fraction="auto"), ("gpu",)),

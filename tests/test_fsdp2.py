@@ -42,6 +42,7 @@ FUSED = functools.partial(torch.optim.AdamW, fused=True)
 OURS = functools.partial(OffloadOptimizer)
 OURS_SMALL_BUCKETS = functools.partial(OffloadOptimizer, bucket_numel=16)  # several buckets per FSDP unit
 OURS_RELEASE = functools.partial(OffloadOptimizer, release_grads=True)
+OURS_SPECULATING = functools.partial(OffloadOptimizer, speculate=True)
 COMPACT = {"bf16_state": torch.bfloat16, "int8_state": torch.int8}
 TORCH_CLASSES = {  # name: (the class itself, offloaded): offload() against the class's own single-tensor step
     "sgd": (functools.partial(torch.optim.SGD, momentum=0.9, foreach=False),
@@ -88,7 +89,7 @@ def _jobs(world: int) -> Dict[str, object]:
         for name in SMALL_BUCKET_RECIPES:
             jobs[f"ours_small_buckets/{name}"] = h.Job(h.RECIPES[name], OURS_SMALL_BUCKETS)
         for name in STANDIN_RECIPES:
-            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS, standins=True)
+            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS_SPECULATING, standins=True)
         for name in STANDIN_RELEASE_RECIPES:
             jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
         jobs["speculation/standins"] = h.Call(speculation_stats)
@@ -322,7 +323,7 @@ def test_offload_optimizer_with_several_buckets_per_unit_matches_adamw(world2, n
 @pytest.mark.parametrize("name", STANDIN_RECIPES)
 def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world2, name):
     """Buckets told they are on a GPU (streams and events stand-ins, tests/cuda_standins.py): gradients copied in
-    FSDP's hooks as each unit's reduce-scatter ends, speculation on, the update written back into the local shards.
+    FSDP's hooks as each unit's reduce-scatter ends, speculate=True, the update written back into the local shards.
     ``clip`` and ``mixed_precision`` clip with torch's ``clip_grad_norm_`` after the gradients were streamed: its
     ``_foreach_mul_`` on DTensors bumps no version counter, and the step must still see it."""
     h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_standins/{name}"].get(), f"stand-ins {name}")
@@ -354,7 +355,7 @@ def speculation_stats(rank, world):
     for name in ("plain", "clip"):
         recipe = h.RECIPES[name]
         with cuda_standins.installed():
-            loop = h.make_loop(world, recipe, OURS)
+            loop = h.make_loop(world, recipe, OURS_SPECULATING)
             for step in range(4):
                 h.train_step(loop, recipe, step, rank, world)
         stats = loop.opt.speculation_stats
@@ -363,8 +364,9 @@ def speculation_stats(rank, world):
 
 
 def test_speculation_commits_under_fsdp_and_rolls_back_after_torchs_clip(world2):
-    """Speculation is on for FSDP2 parameters on a GPU: updates run as each unit's gradients arrive and commit at
-    step(); after torch's clip (a coefficient below 1: the multiplier or the gradients changed) they roll back."""
+    """speculate=True applies to FSDP2 parameters on a GPU: updates run as each unit's gradients arrive and commit
+    at step(); after torch's clip (a coefficient below 1: the multiplier or the gradients changed) they roll
+    back."""
     stats = world2["speculation/standins"].get()
     speculated, commits, reasons = stats["plain"]
     assert speculated > 0 and commits == speculated and not reasons, stats

@@ -30,7 +30,7 @@ def test_plan_matches_train_step_and_fits_one_lease():
                                                             "cuda-tests"]
     assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
     only = steps["steps"].argv[steps["steps"].argv.index("--only") + 1].split(",")
-    assert {"adamw", "ours", "ours-nospec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao"} <= set(only)
+    assert {"adamw", "ours", "ours-spec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao"} <= set(only)
     assert steps["steps-clip"].argv[-2:] == ["--clip", "1.0"]
     assert "deepspeed" in steps["steps-deepspeed"].argv[-1]
     assert steps["find-max-cap12"].argv[steps["find-max-cap12"].argv.index("--gpu-cap-gib") + 1] == "12"

@@ -187,11 +187,6 @@ def test_overlap_step_matches_adamw(device, accumulate):
     _run_recipe(recipe, device, steps=20)
 
 
-def test_overlap_step_is_deprecated_in_favour_of_speculation():
-    with pytest.warns(FutureWarning, match="overlap_step=True.*deprecated.*speculate"):
-        OffloadOptimizer(_bucketed_model().parameters(), overlap_step=True, nonfinite="ignore")
-
-
 def test_overlap_step_refuses_what_needs_the_whole_step():
     with pytest.raises(ValueError, match="nonfinite='ignore'"):
         OffloadOptimizer(_bucketed_model().parameters(), overlap_step=True)

@@ -89,9 +89,8 @@ def test_overlap_step_refuses_a_load_after_backward_and_changes_nothing():
     (which did not load)."""
     model = _model()
     ref_model = copy.deepcopy(model)
-    with pytest.warns(FutureWarning):
-        ours = OffloadOptimizer(model.parameters(), lr=LR, bucket_numel=700, stream_grads=True, overlap_step=True,
-                                nonfinite="ignore")
+    ours = OffloadOptimizer(model.parameters(), lr=LR, bucket_numel=700, stream_grads=True, overlap_step=True,
+                            nonfinite="ignore")
     ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
     for step in range(3):
         for m, opt in ((model, ours), (ref_model, ref)):

@@ -394,7 +394,7 @@ def test_cgroup_room_is_the_limit_less_what_cannot_be_reclaimed(tmp_path, versio
 
 @pytest.mark.parametrize("dtype, state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.int8)])
 def test_cuda_plan_names_speculations_undo_pool_at_its_worst(dtype, state_dtype, capsys):
-    """A model on one GPU speculates by default: the plan says what its undo pool takes at most, the bound that
+    """A model on one GPU may speculate (speculate=True): the plan says what its pool takes at most, the bound that
     ``OffloadOptimizer.estimate_host_memory(..., speculation_memory=...)`` plans given a cap above it."""
     from zero_offload.host_memory import format_bytes
     from zero_offload.report import DTYPE_NAMES

@@ -73,7 +73,7 @@ def test_mixed_host_and_gpu_buckets_match_adamw_every_step(cuda_branches, recipe
     "adamw", "amsgrad", "clip_inf_norm", "scaler_fused_clip", "zero_grad_keep", "accumulate_no_sync+release")],
     ids=lambda r: r.name)
 def test_everything_on_the_gpu_tier_matches_adamw(cuda_branches, recipe):
-    opt = _run_recipe(_with(recipe, gpu_fraction=1.0), "cpu", steps=25)
+    opt = _run_recipe(_with(recipe, gpu_fraction=1.0, speculate=True), "cpu", steps=25)
     assert all(_tiers(opt))
     assert opt.speculation_stats.speculated == 0  # nothing streamed, nothing to speculate on
     assert opt.estimate_host_memory().total_bytes == 0
@@ -96,8 +96,8 @@ def test_host_buckets_are_bitwise_the_all_host_run_and_still_speculate(cuda_bran
     torch.manual_seed(0)
     model = TinyTransformer()
     twin_model = copy.deepcopy(model)
-    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET)
-    twin = OffloadOptimizer(param_groups(twin_model), bucket_numel=BUCKET, gpu_fraction=0.5)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, speculate=True)
+    twin = OffloadOptimizer(param_groups(twin_model), bucket_numel=BUCKET, gpu_fraction=0.5, speculate=True)
     for step in range(4):
         twin_model.load_state_dict(model.state_dict())  # (in place: into the parameters' bound storage)
         _train(opt, model, 1, start=step)
@@ -416,7 +416,8 @@ def test_auto_on_a_streamed_cpu_model_moves_nothing():
 def test_mixed_tiers_on_a_gpu_match_adamw(recipe):
     """The device tier on CUDA: torch's fused CUDA kernel, GPU norms, in-place gradients, with host buckets
     streamed and speculated beside it."""
-    opt = _run_recipe(_with(recipe, gpu_fraction=0.5), "cuda", steps=25)
+    streamed = recipe.ours_kw.get("stream_grads") is not False  # (speculate=True refuses stream_grads=False)
+    opt = _run_recipe(_with(recipe, gpu_fraction=0.5, speculate=streamed), "cuda", steps=25)
     tiers = _tiers(opt)
     assert any(tiers) and not all(tiers), tiers
     gpu_buffers = [t for b in _buckets(opt) if b.device_tier for t in b.store.tensors().values()]

@@ -107,7 +107,12 @@ def _managed() -> Dict[int, int]:
         state = ref() if callable(ref) else ref
         if not isinstance(state, FSDPState):
             continue
-        for group in state._fsdp_param_groups:
+        # (torch 2.6-2.11: one param group per state, ``_fsdp_param_group``; later: a list)
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
             for fsdp_param in group.fsdp_params:
                 found.setdefault(id(fsdp_param.sharded_param), unit)
             unit += 1

@@ -455,10 +455,11 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
 
 
 def _speculation_lines(plan: MemoryPlan) -> List[str]:
-    """Speculation's undo pool, on top of the table (on by default for a model on one GPU): its worst case."""
+    """Speculation's pool of spare buffers, on top of the table (``speculate=True``, a model on GPUs): its worst
+    case."""
     outputs = plan.host.padded_numel * plan.dtype.itemsize if plan.dtype != torch.float32 else 0
     worst = plan.host.state_bytes + outputs
-    return [f"speculation      on by default (speculate): an undo pool on top of the table, at most "
+    return [f"speculation      with speculate=True (off by default): a pool on top of the table, at most "
             f"{format_bytes(worst)} ({worst / plan.numel:.3g} B/param:",
             "                 every bucket speculated at once); it holds what the worker reaches during backward "
             "(learned),", "                 or at most speculation_memory bytes (not in the verdict below)"]

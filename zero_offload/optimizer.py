@@ -118,10 +118,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         if managed is not None:  # FSDP runs the hooks after each unit's reduce-scatter: the gradients are final there
             opts = dataclasses.replace(opts, outside_world=1)
         self.options = opts.validate()
-        if self.options.overlap_step:
-            warnings.warn("OffloadOptimizer(overlap_step=True) is deprecated: speculate (on by default for a model "
-                          "on a GPU) updates each bucket during backward too, exactly, and with clipping and a "
-                          "GradScaler. Drop overlap_step; see docs/speculation.md.", FutureWarning, stacklevel=3)
         _check_rule(rule, self.options)
         self._place_after_step = self.options.gpu_fraction == "auto"
         self._rule = rule

@@ -278,10 +278,10 @@ class Options:
         None: the buckets on CUDA (all with ``delayed_update``; none with ``grads_reduced`` or under DDP).""")
     release_grads: bool = _option(False, """with streaming, set ``p.grad`` to None once its copy is under way
         (then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``).""")
-    overlap_step: bool = _option(False, """deprecated: ``speculate`` (the default on a GPU) updates each streamed
-        bucket during backward too, exactly, and with clipping and a ``GradScaler``. Still works (a
-        ``FutureWarning``): each streamed bucket is updated during backward (needs ``nonfinite="ignore"``; no
-        clipping or ``GradScaler``).""")
+    overlap_step: bool = _option(False, """update each streamed bucket in a worker thread during backward, as its
+        gradients arrive, with the hyperparameters as they are then (needs ``nonfinite="ignore"``; no clipping or
+        ``GradScaler``; 1.35x fused AdamW on an H100 with ``release_grads``, docs/benchmarks.md). ``speculate=True``
+        does the same exactly, with clipping and a ``GradScaler``, but measured slower (docs/speculation.md).""")
     delayed_update: Union[bool, int] = _option(False, """apply each step's update one step late, overlapped with
         the next forward and backward (parameters one step stale). An int N >= 1: the first N steps are exact
         (AdamW's), the later ones delayed; docs/accuracy.md measures what the stale step costs.""",
@@ -302,9 +302,11 @@ class Options:
         ``step()`` computes (same clip coefficient and loss scale, same hyperparameters, step not skipped,
         gradients, parameters and state unchanged); otherwise drop it and update the bucket at ``step()``. The
         result is always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory
-        for the buckets speculated in a step (see ``speculation_memory``). None: on wherever it applies (not with
-        ``overlap_step``, ``delayed_update`` or a ``process_group``, which True refuses); CPU parameters are
-        updated at ``step()`` either way. See docs/speculation.md.""", _check_speculate)
+        for the buckets speculated in a step (see ``speculation_memory``) and, until ``step()``, GPU memory for their
+        new parameters. None (the default): off, as False: on an H100 it measured slower than the step without it
+        (2.61x fused AdamW against 1.99x, 1.3B GPT; docs/benchmarks.md). True: on wherever it applies (refused
+        with ``overlap_step``, ``delayed_update`` or a ``process_group``); CPU parameters are updated at ``step()``
+        either way. See docs/speculation.md.""", _check_speculate)
     gpu_fraction: Union[float, str] = _option(0.0, """the share of each param group's CUDA elements whose master
         and moments stay on the GPU ("twin flow"): the group's first buckets, whose gradients backward produces
         last, are updated there by torch's fused AdamW after the same checks as the rest (finite gradients, the
@@ -342,13 +344,9 @@ class Options:
 
     @property
     def speculates(self) -> bool:
-        """Whether the speculating schedule runs (``speculate`` None: wherever it is exact and applies, i.e. not
-        with another schedule or a process group, and with room for undo buffers (``speculation_memory`` not 0); it
-        then acts on streamed buckets on a GPU only)."""
-        if self.speculate is None:
-            return not (self.overlap_step or self.delayed_update or self.sharded or self.stream_grads is False
-                        or self.speculation_memory == 0)
-        return self.speculate
+        """Whether the speculating schedule runs: only when asked for (``speculate=True``; None, the default, is
+        off until a GPU measurement shows it pays); it then acts on streamed buckets on a GPU only."""
+        return bool(self.speculate)
 
     def validate(self) -> "Options":
         """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""

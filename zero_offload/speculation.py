@@ -215,7 +215,7 @@ class Speculative(Immediate):
             raise
         spec.runs = runs
         with NOTHING if tl is None else tl.span("copy", "h2d speculative", lane.position):
-            spec.staged = lane.route.stage(lane, self._new_params(spec), transport.lanes)
+            spec.staged = lane.route.stage(lane, self._new_flat(spec), transport.lanes)
 
     @staticmethod
     def _pieces(bucket: FlatBucket, names: Sequence[str]) -> List[Tuple[str, int, torch.dtype, bool]]:
@@ -227,11 +227,11 @@ class Speculative(Immediate):
         return pieces
 
     @staticmethod
-    def _new_params(spec: _Spec) -> List[torch.Tensor]:
-        """Per parameter, the new value in the lease: the low-precision output, or the fp32 master."""
-        bucket, out = spec.lane.bucket, spec.lease.buffers
-        flat = out["param"] if bucket.low_precision else out["master"]
-        return [view_like(flat, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
+    def _new_flat(spec: _Spec) -> torch.Tensor:
+        """The new parameters in the lease, flat in the bucket's layout: the low-precision output, or the fp32
+        master."""
+        out = spec.lease.buffers
+        return out["param"] if spec.lane.bucket.low_precision else out["master"]
 
     def _why_not(self, spec: _Spec) -> Optional[str]:
         """Why the bucket is not worth (or not safe) speculating on now; None if it is."""
@@ -371,7 +371,8 @@ class Speculative(Immediate):
             take_memory(bucket.staging, out["param"])
         srcs = None
         if spec.staged is not None:  # a copy on the device, after the speculative upload (one stream)
-            srcs, spec.staged = spec.staged.views, None
+            flat, spec.staged = spec.staged.flat, None
+            srcs = [view_like(flat, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
             self._uploading.append(lane)  # (the lease it read is reused only after this lane's upload event)
         elif bucket.low_precision and bucket.staging is None:  # (shares_grad: uploaded from the lease)
             srcs = [view_like(out["param"], o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]

@@ -183,7 +183,7 @@ class Immediate:
 
 
 class Overlap(Immediate):
-    """``overlap_step`` (deprecated for speculation): each bucket's update runs in a worker thread as soon as
+    """``overlap_step``: each bucket's update runs in a worker thread as soon as
     backward has sent its gradients, with the hyperparameters as they are then (what ``step()`` would read);
     ``step()`` only updates the buckets backward did not launch, and waits.
 

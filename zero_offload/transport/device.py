@@ -119,10 +119,10 @@ class OffloadRoute(Route):
         lane.h2d_gen += 1
 
     # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
-    def stage(self, lane: Lane, srcs: Sequence[torch.Tensor], lanes: Sequence[Lane]) -> Optional[Staged]:
-        """Copy a speculative update's new parameters (``srcs``, per parameter, in pinned host memory) up into a
-        device buffer of their own, from the worker, while backward goes on; the parameters are not touched (the
-        commit copies device to device). Only where the device has room for it beyond ``margin`` bytes and the
+    def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Staged]:
+        """Copy a speculative update's new parameters (``src``, flat in the bucket's layout, in pinned host memory)
+        up into a device buffer of their own, in one copy, from the worker, while backward goes on; the parameters
+        are not touched (the commit copies device to device). Only where the device has room for it beyond ``margin`` bytes and the
         gradients backward has still to make (the buckets not sent yet); None otherwise (the commit uploads from
         the host, as without it)."""
         bucket, t = lane.bucket, self.transport
@@ -139,11 +139,10 @@ class OffloadRoute(Route):
                 flat = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype, device=device)
             except torch.cuda.OutOfMemoryError:
                 return None
-            views = [view_like(flat, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
-            torch._foreach_copy_(views, list(srcs), non_blocking=True)
+            flat.copy_(src[: flat.numel()], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        return Staged(flat, views, done)
+        return Staged(flat, done)
 
     def finish(self, lanes: Sequence[Lane]) -> None:
         """The next forward must read the parameters only after their uploads have landed: the compute stream
@@ -154,13 +153,13 @@ class OffloadRoute(Route):
 
 
 class Staged:
-    """A speculative upload: the device buffer, its per-parameter views, and the event after its copy (until which
-    the host memory it read must not be written)."""
+    """A speculative upload: the device buffer (flat, the bucket's layout) and the event after its copy (until
+    which the host memory it read must not be written)."""
 
-    __slots__ = ("flat", "views", "done")
+    __slots__ = ("flat", "done")
 
-    def __init__(self, flat: torch.Tensor, views: List[torch.Tensor], done) -> None:
-        self.flat, self.views, self.done = flat, views, done
+    def __init__(self, flat: torch.Tensor, done) -> None:
+        self.flat, self.done = flat, done
 
 
 def device_room(device: torch.device) -> int:
