@@ -386,7 +386,10 @@ def fsdp_managed(model_or_none=None) -> Dict[int, str]:
     for module, ref in list(_module_state_mapping.items()):
         state = ref()
         if isinstance(state, FSDPState):
-            for group in state._fsdp_param_groups:
+            groups = getattr(state, "_fsdp_param_groups", None)  # (a list in torch 2.13; one group in 2.11)
+            if groups is None:
+                groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+            for group in groups:
                 for fsdp_param in group.fsdp_params:
                     found[id(fsdp_param.sharded_param)] = type(module).__name__
     return found

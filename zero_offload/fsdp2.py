@@ -107,7 +107,7 @@ def _managed() -> Dict[int, int]:
         state = ref() if callable(ref) else ref
         if not isinstance(state, FSDPState):
             continue
-        # (torch 2.6-2.11: one param group per state, ``_fsdp_param_group``; later: a list)
+        # (a list in torch 2.13; one group, ``_fsdp_param_group``, in 2.11)
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
             group = getattr(state, "_fsdp_param_group", None)
