@@ -42,7 +42,8 @@ def main() -> None:
     cuda_standins.install(setattr)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    opt = zero_offload.OffloadOptimizer(model.parameters(), lr=1e-3)
+    # (speculate=True: off by default in later trees, on by default in earlier ones, where it is accepted too)
+    opt = zero_offload.OffloadOptimizer(model.parameters(), lr=1e-3, speculate=True)
     worker = opt._mode._worker
 
     def iteration():
