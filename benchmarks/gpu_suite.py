@@ -4,8 +4,8 @@ minutes) included, at most 10 minutes a command. Two commands, each a list of st
     command 1 (under 8 min): the kernel's build, the machine, the pinned-memory probe, the 1.3B step matrix
               (AdamW, ours default, with speculation, gpu_fraction='auto', bf16 state, delayed, torchao), the
               rows clipping changes again with clipping, and ``pytest -m cuda`` bounded;
-    command 2 (under 4 min, on the same warm machine: the build is cached): the rest (DeepSpeed's step row and
-              the largest model on a 12 GiB GPU).
+    command 2 (under 4 min, on the same warm machine: the build is cached): the rest (the FSDP2 rows,
+              DeepSpeed's step row and the largest model on a 12 GiB GPU).
 
 Each stage is a subprocess with its own time limit; a stage that fails or runs out of time is recorded and the
 suite goes on. Every stage writes ``<out>/<stage>.json`` and its log as it ends (the step stages also after each
@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_STEP = str(ROOT / "benchmarks" / "train_step.py")
+FSDP2_STEP = str(ROOT / "benchmarks" / "fsdp2_step.py")
 GIB = 1 << 30
 
 # A lease, in seconds: at most 10 minutes a command; the plan keeps command 1 under 8 minutes and command 2 under
@@ -101,12 +102,16 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
         # Last in command 1: bounded by its limit, the headline rows come first.
         Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
               [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 100),
+        Stage("fsdp2", "FSDP2 (fully_shard) on every GPU: fused AdamW on the GPU, CPUOffloadPolicy with torch's "
+                       "AdamW and with ours, ours with the shards on the GPU",
+              [py, FSDP2_STEP, "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5", "--warmup", "2"], 40,
+              command="2"),
         Stage("steps-deepspeed", "DeepSpeed ZeRO-2 offload's step row (its CPU Adam compiled first), 1.3B GPT",
               [py, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", str(STEPS),
-               "--warmup", str(WARMUP), "--only", "adamw,deepspeed"], 130, command="2"),
+               "--warmup", str(WARMUP), "--only", "adamw,deepspeed"], 115, command="2"),
         Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing",
               [py, TRAIN_STEP, "--find-max", "--checkpoint", "--gpu-cap-gib", "12",
-               "--only", "adamw,ours-release,torchao"], 100, command="2"),
+               "--only", "adamw,ours-release,torchao"], 80, command="2"),
     ]
 
 
@@ -248,6 +253,9 @@ def write_report(out: Path) -> Path:
     for name in ("find-max-int8", "find-max-cap12"):
         if recs.get(name, {}).get("result"):
             lines += ["", f"## {recs[name]['what']}", ""] + _find_max_table(recs[name])
+    if recs.get("fsdp2", {}).get("status") == "ok":  # its own table, as the script prints it
+        table = [ln for ln in recs["fsdp2"].get("tail", "").splitlines() if ln.startswith(("medians", "  "))]
+        lines += ["", f"## {recs['fsdp2']['what']}", "", "```", *table, "```"]
     bad = [r for r in recs.values() if r["status"] in ("failed", "timed out")]
     for r in bad:
         lines += ["", f"## {r['stage']}: {r['status']} (last lines of {r.get('log')})", "", "```",

@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="the checkout to trace")
     ap.add_argument("--calls", action="store_true", help="list the calls, marking each change of file")
     ap.add_argument("--edges", action="store_true", help="list the cross-file calls (caller -> callee), counted")
+    ap.add_argument("--no-speculation", action="store_true", help="trace the step with speculate=False")
     args = ap.parse_args()
     sys.path[:0] = [args.root, os.path.join(args.root, "tests")]
     import torch
@@ -43,12 +44,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     # (speculate=True: off by default in later trees, on by default in earlier ones, where it is accepted too)
-    opt = zero_offload.OffloadOptimizer(model.parameters(), lr=1e-3, speculate=True)
-    worker = opt._mode._worker
+    opt = zero_offload.OffloadOptimizer(model.parameters(), lr=1e-3, speculate=not args.no_speculation)
+    worker = getattr(opt._mode, "_worker", None)
 
     def iteration():
         model(torch.randn(4, 64)).sum().backward()
-        worker.submit(lambda: None).result()  # the speculation has run: step() commits it
+        if worker is not None:
+            worker.submit(lambda: None).result()  # the speculation has run: step() commits it
         opt.step()
         opt.zero_grad()
 
@@ -73,13 +75,15 @@ def main() -> None:
                 edges.append(f"{os.path.relpath(caller.f_code.co_filename, pkg)}:{caller.f_code.co_name} -> "
                              f"{os.path.relpath(f, pkg)}:{frame.f_code.co_name}")
 
-    worker.submit(sys.setprofile, prof).result()  # (the worker thread exists already: it profiles itself)
+    if worker is not None:
+        worker.submit(sys.setprofile, prof).result()  # (the worker thread exists already: it profiles itself)
     sys.setprofile(prof)
     try:
         iteration()
     finally:
         sys.setprofile(None)
-        worker.submit(sys.setprofile, None).result()
+        if worker is not None:
+            worker.submit(sys.setprofile, None).result()
     files = [f for f, _ in calls]
     seq = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
     bounces = sum(1 for a, _, c in zip(seq, seq[1:], seq[2:]) if a == c)
@@ -91,8 +95,8 @@ def main() -> None:
             print(f"{n:3d} {edge}")
     stats = opt.speculation_stats
     print(f"{args.root}: {len(calls)} calls over {len(set(files))} files; {len(seq) - 1} transitions, "
-          f"{cross[0]} cross-file calls, {bounces} bounces (speculation: {stats.commits} committed of "
-          f"{stats.speculated})")
+          f"{cross[0]} cross-file calls, {bounces} bounces"
+          + ("" if stats is None else f" (speculation: {stats.commits} committed of {stats.speculated})"))
     print("calls by file:", ", ".join(f"{f} {n}" for f, n in collections.Counter(files).most_common()))
 
 
