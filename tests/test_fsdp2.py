@@ -93,6 +93,7 @@ def _jobs(world: int) -> Dict[str, object]:
         for name in STANDIN_RELEASE_RECIPES:
             jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
         jobs["speculation/standins"] = h.Call(speculation_stats)
+        jobs["refuse/disagreeing_lr"] = h.Call(refuse_disagreeing_lr)
         for name, dtype in COMPACT.items():
             jobs[f"ours_{name}/dcp_roundtrip"] = h.Job(h.RECIPES["dcp_roundtrip"],
                                                        functools.partial(OffloadOptimizer, state_dtype=dtype))
@@ -457,6 +458,34 @@ def refuse_process_group(rank, world):
     except (TypeError, ValueError) as exc:
         message = str(exc)
     return message, sum(_hooks_of(p) for p in model.parameters())
+
+
+def refuse_disagreeing_lr(rank, world):
+    """An LR set on one rank only (a scheduler stepped there alone): step() raises on every rank, naming it, and
+    nothing is updated; with the same LR again the run goes on."""
+    recipe = h.RECIPES["plain"]
+    loop = h.make_loop(world, recipe, OURS)
+    h.train_step(loop, recipe, 0, rank, world)
+    if rank == 1:
+        loop.opt.param_groups[0]["lr"] *= 2
+    loop.opt.zero_grad()
+    h.loss_on(loop.model, 1, 0, rank, world).backward()
+    before = [p.to_local().clone() for p in loop.model.parameters()]
+    try:
+        loop.opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(loop.model.parameters(), before))
+    loop.opt.param_groups[0]["lr"] = h.LR
+    loop.opt.step()  # (the same gradients, now with the same LR everywhere)
+    return message, unchanged
+
+
+def test_ranks_stepping_with_different_hyperparameters_raise_on_every_rank(world2):
+    for message, unchanged in world2["refuse/disagreeing_lr"].per_rank.values():
+        assert message is not None and "lr of param group 0" in message and "on rank 1" in message, message
+        assert unchanged
 
 
 def test_tensor_parallel_parameters_are_refused_naming_the_placement(world2):

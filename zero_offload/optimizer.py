@@ -303,7 +303,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         """Gather every gradient where the kernel reads it and, with ``check``, whether one is inf/nan (after
         ``clip_grad_norm_``, which gathered them already, what it found). Sharded: every rank agrees on the
         step's settings."""
-        settings = agreed_settings(hypers, self.options.nonfinite) if self._transport.sharded else ()
+        agrees = self._transport.sharded or self._fsdp
+        settings = agreed_settings(hypers, self.options.nonfinite) if agrees else ()
         if clip is None:
             return self._transport.gather(plans, check=check, settings=settings)
         self._transport.agree(settings)
@@ -428,7 +429,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         plans = self._receive(fresh=fresh)
         first = next((lane.bucket.params[i] for lane in chain.from_iterable(plans)
                       for i, has in enumerate(lane.present) if has), None)
-        settings = agreed_settings((), self.options.nonfinite, (max_norm, norm_type)) if self._transport.sharded else ()
+        agrees = self._transport.sharded or self._fsdp
+        settings = agreed_settings((), self.options.nonfinite, (max_norm, norm_type)) if agrees else ()
         self._transport.gather(plans, clipping=True, settings=settings)
         total, nonfinite = self._transport.total_norm(plans, norm_type)
         nonfinite = nonfinite or not math.isfinite(total)

@@ -5,8 +5,8 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are all-reduced over the mesh dimension the shards are cut along (one small all-reduce per step, only
-  where the step checks or clips): every rank decides alike;
+  decides on are all-reduced over the mesh dimension the shards are cut along (one small all-reduce per step, which
+  also carries every rank's hyperparameters: ranks that differ raise on every rank): every rank decides alike;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
@@ -120,14 +120,49 @@ class FSDPTransport(Transport):
     def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """The local gather, then the statistics of the whole mesh: its sum of squares and whether any rank's
-        shard holds an inf/nan, in one all-reduce (where the step checks, or clips)."""
+        shard holds an inf/nan, with every rank's ``settings`` (the step's hyperparameters and ``nonfinite``
+        policy), in one all-reduce; a rank that steps with other settings than the others makes every rank raise,
+        naming them, before anything is updated."""
         bad = super().gather(plans, check=check)
-        if not (check or clipping):
+        if not (check or clipping or settings):
             return False
         sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
-        sq, nbad = self._all_reduce([sq, float(local_bad)])
-        self._sq, self._bad = sq, nbad > 0 or not math.isfinite(sq)
+        out = self._all_reduce([sq, float(local_bad), *self._slots(settings)])
+        self._check_settings(out[2:], settings)
+        self._sq, self._bad = out[0], out[1] > 0 or not math.isfinite(out[0])
         return check and self._bad
+
+    def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
+        """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
+        if settings:
+            self._check_settings(self._all_reduce(self._slots(settings)), settings)
+
+    def _slots(self, settings: Sequence[Tuple[str, float]]) -> List[float]:
+        """This rank's values in its own slots of a vector of every rank's (a sum over the ranks gives them all)."""
+        dist = torch.distributed
+        world, rank = dist.get_world_size(self.sharding.group), dist.get_rank(self.sharding.group)
+        n = len(settings)
+        out = [0.0] * (world * n)
+        out[rank * n : (rank + 1) * n] = [float(v) for _, v in settings]
+        return out
+
+    def _check_settings(self, every: List[float], settings: Sequence[Tuple[str, float]]) -> None:
+        n = len(settings)
+        if not n:
+            return
+        world = len(every) // n
+        diffs = []
+        for j, (name, _) in enumerate(settings):
+            values = [every[r * n + j] for r in range(world)]
+            if len(set(values)) > 1:
+                diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+        if diffs:
+            rank = torch.distributed.get_rank(self.sharding.group)
+            raise RuntimeError(
+                f"zero_offload: rank {rank} of {world} (FSDP2 mesh): the ranks step with different hyperparameters: "
+                f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}. Each rank would update its shards with "
+                "its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
+                "stepped on one rank only?). Nothing was updated.")
 
     def _all_reduce(self, values: List[float], op=None) -> List[float]:
         """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device: NCCL moves
