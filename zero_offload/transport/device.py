@@ -122,9 +122,9 @@ class OffloadRoute(Route):
     def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Staged]:
         """Copy a speculative update's new parameters (``src``, flat in the bucket's layout, in pinned host memory)
         up into a device buffer of their own, in one copy, from the worker, while backward goes on; the parameters
-        are not touched (the commit copies device to device). Only where the device has room for it beyond ``margin`` bytes and the
-        gradients backward has still to make (the buckets not sent yet); None otherwise (the commit uploads from
-        the host, as without it)."""
+        are not touched (the commit copies device to device). Only where the device has room for it beyond
+        ``margin`` bytes and the gradients backward has still to make (the buckets not sent yet); None otherwise
+        (the commit uploads from the host, as without it)."""
         bucket, t = lane.bucket, self.transport
         device = bucket.device
         nbytes = bucket.layout.padded_numel * bucket.dtype.itemsize
