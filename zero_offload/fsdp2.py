@@ -95,13 +95,22 @@ class Sharding:
         return self.mesh.ndim == 2
 
 
+# FSDP2's state class lives in one of these modules (its home moved from torch.distributed._composable.fsdp to
+# torch.distributed.fsdp._fully_shard); no FSDP2 state can exist before its module was imported.
+_FSDP_STATE_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_state",
+                       "torch.distributed._composable.fsdp._fsdp_state")
+
+
 def _managed() -> Dict[int, int]:
     """``id`` of every parameter FSDP2 manages in this process -> its FSDP unit (an index, per FSDP state and param
     group). Private (see the module docstring): FSDP's composable-state registry and its param groups."""
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
     found: Dict[int, int] = {}
+    classes = [getattr(sys.modules.get(name), "FSDPState", None) for name in _FSDP_STATE_MODULES]
+    FSDPState = next((cls for cls in classes if cls is not None), None)
+    if FSDPState is None:
+        return found
+    from torch.distributed._composable_state import _module_state_mapping
+
     unit = 0
     for ref in list(_module_state_mapping.values()):
         state = ref() if callable(ref) else ref
