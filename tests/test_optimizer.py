@@ -872,6 +872,25 @@ def test_a_dropped_optimizer_is_freed_without_the_garbage_collector(kw):
         gc.enable()
 
 
+@pytest.mark.parametrize("kw", [{}, dict(nonfinite="ignore"), dict(stream_grads=True), dict(delayed_update=True)],
+                         ids=["default", "ignore", "streamed", "delayed_update"])
+def test_the_gradients_are_let_go_with_the_step(kw):
+    """After step() and zero_grad(), the optimizer holds no reference to the step's gradients (AdamW holds none):
+    the caller's were the last, so the gradients are freed before the next forward, not kept through it."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    opt = OffloadOptimizer(model.parameters(), lr=0.1, **kw)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        gc.disable()  # (freed by reference counting, not by a collection)
+        try:
+            assert [g() is None for g in grads] == [True] * len(grads), "a gradient outlived the step"
+        finally:
+            gc.enable()
+
+
 def _assert_unchanged(opt, params, snap):
     """The parameters and the state dict are those of ``snap`` = (parameter copies, deep-copied state dict)."""
     assert all(torch.equal(p, q) for p, q in zip(params, snap[0]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import weakref
 from itertools import chain
 
 import pytest
@@ -137,6 +138,21 @@ def test_nonfinite_gradient_in_the_gpu_tier_updates_nothing(cuda_branches, polic
     for p, s in opt.state.items():
         for k, v in s.items():
             assert torch.equal(v, before[1][id(p)][k]), k
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_the_gpu_tiers_gradients_are_let_go_with_the_step(cuda_branches, fraction):
+    """The device tier reads its gradients in place: after step() and zero_grad() it holds none of them (else they
+    would stay allocated on the GPU through the next forward and backward, beside the new ones)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, gpu_fraction=fraction)
+    for step in range(2):
+        loss_fn(model, step, 0, "cpu").backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+        assert [g() is None for g in grads] == [True] * len(grads), "a gradient outlived the step"
 
 
 def _save(sd):

@@ -342,7 +342,9 @@ class Transport:
         """Forget what was sent for this step (after ``step()``, or at ``zero_grad()``), once it has landed."""
         self.arrivals, self.moved = [], False
         for lane in self.lanes:
-            if lane.launches or lane.adds or any(lane.sent):  # (anything of this step moved down the lane)
+            # Anything of this step sent down the lane, or received at step(): the gradients it holds are let go
+            # with the step (after zero_grad() the caller's references are the last, as with AdamW).
+            if lane.launches or lane.adds or any(lane.sent) or lane.present:
                 if lane.unsettled:
                     lane.route.wait(lane)
                 lane.end()
