@@ -5,7 +5,8 @@ Each helper picks its form once, from the installed torch's version, so the hot 
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import functools
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -31,11 +32,14 @@ def increment_version(tensors: Sequence[torch.Tensor]) -> None:
             torch.autograd.graph.increment_version(t)
 
 
-def foreach_norm_fp32(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The L2 norm of each tensor, accumulated and returned in float32 whatever the tensors' dtype."""
-    if _FOREACH_NORM_HAS_DTYPE:
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+def _norms_fp32(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+
+
+# foreach_norm_fp32(tensors): the L2 norm of each tensor, accumulated and returned in float32 whatever the tensors'
+# dtype (a sequence). Where torch's foreach kernel takes dtype=, that kernel itself (no Python frame per call).
+foreach_norm_fp32: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] = (
+    functools.partial(torch._foreach_norm, ord=2, dtype=torch.float32) if _FOREACH_NORM_HAS_DTYPE else _norms_fp32)
 
 
 def take_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:

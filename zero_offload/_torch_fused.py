@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["AVAILABLE", "available_on", "handles", "adam_"]
+__all__ = ["AVAILABLE", "available_on", "handles", "adam_", "adam_segments_"]
 
 AVAILABLE = hasattr(torch, "_fused_adamw_") and torch.__version__ >= (2, 4)  # CPU kernels arrived in torch 2.4
 
@@ -63,3 +63,17 @@ def adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avg
     if param_outs is not None:
         for out, p in zip(param_outs, params):
             out.view(-1).copy_(p.view(-1))  # (an out-of-place update hands its flat destinations)
+
+
+def adam_segments_(param: torch.Tensor, grads: Sequence[torch.Tensor], offsets: Sequence[int], exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, vmax: Optional[torch.Tensor], param_out: Optional[torch.Tensor],
+                   kw: dict) -> None:
+    """:func:`adam_` of gradient segments at ``offsets`` of flat buffers (validated by the caller), each segment a
+    slice of them, all in one kernel call; ``kw``: :func:`adam_`'s keyword arguments but ``param_outs``."""
+    live = [(o, g) for o, g in zip(offsets, grads) if g.numel()]
+    sls = [slice(o, o + g.numel()) for o, g in live]
+    adam_(
+        [param[sl] for sl in sls], [g for _, g in live], [exp_avg[sl] for sl in sls], [exp_avg_sq[sl] for sl in sls],
+        None if vmax is None else [vmax[sl] for sl in sls],
+        param_outs=None if param_out is None else [param_out[sl] for sl in sls], **kw,
+    )  # fmt: skip

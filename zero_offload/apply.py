@@ -79,12 +79,13 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
 
 def _run_out(out: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:
     """The destinations of elements ``[a, b)``, by the rule's names (the master's under ``"param"``)."""
-    blocks = Codec.blocks(a, b)
+    blocks = None  # (the scale blocks, for 8-bit state only)
     dest = {}
     for name, t in out.items():
         if name == "master":
             dest["param"] = t[a:b]
         elif name.endswith("_scale"):
+            blocks = Codec.blocks(a, b) if blocks is None else blocks
             dest[name] = t[blocks]
         elif name != "param":
             dest[name] = t[a:b]

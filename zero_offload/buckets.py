@@ -183,6 +183,17 @@ class FlatBucket:
             return [flat[a:b] for a, b in self.shard.pieces]
         return [view_like(flat, o, p) for o, p in zip(self.layout.offsets, self.params)]
 
+    def slot_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Each parameter's slot of ``flat``, a new buffer in this bucket's layout, as :func:`view_like` cuts it: one
+        ``as_strided`` each, from the slots' shapes, strides and offsets, read once (a view each step costs)."""
+        geometry = self.__dict__.get("_geometry")
+        if geometry is None:
+            probe = torch.empty(self.layout.padded_numel, device="meta")
+            cuts = (view_like(probe, o, p) for o, p in zip(self.layout.offsets, self.params))
+            geometry = self.__dict__["_geometry"] = [(v.shape, v.stride(), v.storage_offset()) for v in cuts]
+        base = flat.storage_offset()
+        return [flat.as_strided(shape, stride, base + o) for shape, stride, o in geometry]
+
     # -- the parts, by the names the other modules read ----------------------------------------------------------
     sharded = property(lambda self: self.shard is not None)
     master = property(lambda self: self.masters.master)

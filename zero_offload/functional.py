@@ -51,15 +51,14 @@ import math
 import operator
 import os
 from numbers import Real
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zero_offload import _build, _reference, _torch_fused
-from zero_offload.options import check_hparams
 from zero_offload.quantize import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
 
-__all__ = ["cpu_adam_", "cpu_adam_segments_", "grad_sq_norm", "grad_sq_norm_segments",
+__all__ = ["cpu_adam_", "cpu_adam_segments_", "check_hparams", "grad_sq_norm", "grad_sq_norm_segments",
            "resolve_path", "path_reason", "PATHS", "OUT_KEYS",
            "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
@@ -83,32 +82,37 @@ def resolve_path(state_dtype: torch.dtype = torch.float32) -> str:
             where the native kernel has no SIMD unit for this CPU, fp32 state goes to torch's fused kernel and the
             compact states to ours. Default: torch.float32.
     """
+    return _resolve(state_dtype)[0]
+
+
+def _resolve(state_dtype: torch.dtype) -> Tuple[str, object]:
+    """:func:`resolve_path`'s answer, with the native module (None where the path is not native)."""
     forced = os.environ.get("ZERO_OFFLOAD_SIMD", "").strip().lower()
     if forced in ("", "auto"):
-        isas = _build.native_isas()
+        native, isas = _build.load_native(), _build.native_isas()
         if not isas:
-            return "torch-fused" if _torch_fused.AVAILABLE else "torch"
+            return "torch-fused" if _torch_fused.AVAILABLE else "torch", None
         if isas[0] not in _SIMD_ISAS and state_dtype == torch.float32 and _torch_fused.AVAILABLE:
-            return "torch-fused"
-        return isas[0]
+            return "torch-fused", None
+        return isas[0], native
     if forced not in PATHS:
         raise ValueError(f"Invalid ZERO_OFFLOAD_SIMD={forced!r}: expected one of {', '.join(PATHS)} or auto")
     if forced == "torch-fused" and not _torch_fused.AVAILABLE:
         raise RuntimeError(f"ZERO_OFFLOAD_SIMD=torch-fused needs torch's fused CPU Adam (torch >= 2.4); this is "
                            f"torch {torch.__version__}")
     if forced in _TORCH_PATHS:
-        return forced
-    if _build.load_native() is None:
+        return forced, None
+    native, isas = _build.load_native(), _build.native_isas()
+    if native is None:
         raise RuntimeError(
             f"ZERO_OFFLOAD_SIMD={forced} asks for the native kernel, which could not be built: "
             f"{_build.status().detail}"
         )
-    isas = _build.native_isas()
     if forced not in isas:
         raise RuntimeError(
             f"ZERO_OFFLOAD_SIMD={forced}: that ISA is not available on this CPU/build (available: {', '.join(isas)})"
         )
-    return forced
+    return forced, native
 
 
 def path_reason() -> str:
@@ -290,6 +294,25 @@ def _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad: b
                 max_exp_avg_sq_scale=max_exp_avg_sq_scale if amsgrad else None)
 
 
+def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """AdamW's validation of its hyperparameters, with AdamW's messages. Numbers or one-element tensors."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
 def _check_hyper(step, lr, betas, eps, weight_decay, grad_scale
                  ) -> Tuple[int, float, float, float, float, float, float]:
     """Validate an update's scalars; returns (step, lr, beta1, beta2, eps, weight_decay, grad_scale) as plain
@@ -363,19 +386,19 @@ def cpu_adam_(
     vmax = max_exp_avg_sq if amsgrad else None
     q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
     out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(grad=grad, param_out=param_out))
-    path = resolve_path(exp_avg.dtype)
+    path, native = _resolve(exp_avg.dtype)
     if numel == 0:
         return
-    _adam_dispatch(path, (param, grad, exp_avg, exp_avg_sq, vmax, param_out), q8_kw, step_i, lr_f, beta1, beta2,
-                   eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, out)
+    _adam_dispatch(path, native, (param, grad, exp_avg, exp_avg_sq, vmax, param_out), q8_kw, step_i, lr_f, beta1,
+                   beta2, eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, out)
 
 
-def _adam_dispatch(path: str, tensors: tuple, q8_kw: dict, step: int, lr: float, beta1: float, beta2: float,
-                   eps: float, wd: float, decoupled: bool, maximize: bool, scale: float,
+def _adam_dispatch(path: str, native, tensors: tuple, q8_kw: dict, step: int, lr: float, beta1: float,
+                   beta2: float, eps: float, wd: float, decoupled: bool, maximize: bool, scale: float,
                    out: Optional[Dict[str, torch.Tensor]] = None) -> None:
-    """:func:`cpu_adam_`'s update on validated arguments by ``path``: ``tensors`` are (param, grad, exp_avg,
-    exp_avg_sq, the amsgrad maximum or None, param_out or None); ``out`` (checked; native paths only) the
-    destinations."""
+    """:func:`cpu_adam_`'s update on validated arguments by ``path`` (``native``: the module of a native path, as
+    :func:`_resolve` gives them): ``tensors`` are (param, grad, exp_avg, exp_avg_sq, the amsgrad maximum or None,
+    param_out or None); ``out`` (checked; native paths only) the destinations."""
     param, grad, exp_avg, exp_avg_sq, vmax, param_out = tensors
     if out is not None and path in _TORCH_PATHS:  # copy, then in place there
         views = _copy_sources(_sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), out, slice(None), slice(None))
@@ -394,7 +417,7 @@ def _adam_dispatch(path: str, tensors: tuple, q8_kw: dict, step: int, lr: float,
             grad_scale=scale, param_out=param_out, **q8_kw,
         )  # fmt: skip
     else:
-        _build.load_native().adam_step(
+        native.adam_step(
             path, param, grad, exp_avg, exp_avg_sq, vmax, param_out, step, lr, beta1, beta2, eps, wd, decoupled,
             maximize, scale, **q8_kw, out=out,
         )  # fmt: skip
@@ -418,12 +441,12 @@ def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
                          f"{grad.layout}, contiguous={grad.is_contiguous()})")
     if grad.dtype not in _GRAD_DTYPES:
         raise TypeError(f"grad_sq_norm: unsupported dtype {grad.dtype}")
-    path = resolve_path()
+    path, native = _resolve(torch.float32)
     if grad.numel() == 0:
         return 0.0, False
     if path in _TORCH_PATHS:
         return _reference.grad_sq_norm(grad)
-    total, nonfinite = _build.load_native().grad_sq_norm(path, grad)
+    total, nonfinite = native.grad_sq_norm(path, grad)
     return float(total), bool(nonfinite)
 
 
@@ -491,7 +514,7 @@ def cpu_adam_segments_(
     out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(param_out=param_out),
                      "cpu_adam_segments_")
 
-    path = resolve_path(exp_avg.dtype)
+    path, native = _resolve(exp_avg.dtype)
     if not grads:
         return
     if path in _TORCH_PATHS:
@@ -499,7 +522,7 @@ def cpu_adam_segments_(
                   decoupled_weight_decay=bool(decoupled_weight_decay), maximize=bool(maximize), grad_scale=scale)
         _torch_segments(path, param, grads, offsets, (exp_avg, exp_avg_sq, vmax), param_out, q8_kw, kw, out)
     else:
-        _build.load_native().adam_step_segments(
+        native.adam_step_segments(
             path, param, list(grads), offsets, exp_avg, exp_avg_sq, vmax, param_out, step_i, lr_f, beta1, beta2,
             eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale, **q8_kw, out=out,
         )  # fmt: skip
@@ -533,14 +556,16 @@ def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, ou
         for i, (o, g) in enumerate(zip(offsets, grads)):
             _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
     if out is not None:
-        _check_out_vs_grads(out, grads)
+        bad = next(((key, i) for key, dst in out.items() for i, g in enumerate(grads) if _overlap(dst, g)), None)
+        if bad is not None:
+            raise ValueError(f"cpu_adam_segments_: out[{bad[0]!r}] overlaps grads[{bad[1]}]")
         sources, out = _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), {k: t.view(-1) for k, t in out.items()}
         for o, g in zip(offsets, grads):
             _copy_sources(sources, out, slice(o, o + g.numel()), slice(o // Q8_BLOCK, q8_scale_numel(o + g.numel())))
         param, exp_avg, exp_avg_sq, vmax = (out.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         q8_kw = {k: out.get(k) for k in q8_kw}
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
-        _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw)
+        _torch_fused.adam_segments_(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw)
         return
     for o, g in zip(offsets, grads):
         n = g.numel()
@@ -554,30 +579,12 @@ def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, ou
         )  # fmt: skip
 
 
-def _check_out_vs_grads(out: Dict[str, torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    for key, dst in out.items():
-        for i, g in enumerate(grads):
-            if _overlap(dst, g):
-                raise ValueError(f"cpu_adam_segments_: out[{key!r}] overlaps grads[{i}]")
-
-
-def _torch_fused_segments(param, grads, offsets, exp_avg, exp_avg_sq, vmax, param_out, kw) -> None:
-    """All the segments in one call of torch's fused kernel (fp32 state), each a slice of the flat buffers."""
-    live = [(o, g) for o, g in zip(offsets, grads) if g.numel()]
-    sls = [slice(o, o + g.numel()) for o, g in live]
-    _torch_fused.adam_(
-        [param[sl] for sl in sls], [g for _, g in live], [exp_avg[sl] for sl in sls], [exp_avg_sq[sl] for sl in sls],
-        None if vmax is None else [vmax[sl] for sl in sls],
-        param_outs=None if param_out is None else [param_out[sl] for sl in sls], **kw,
-    )  # fmt: skip
-
-
 def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
     """:func:`grad_sq_norm` of several gradient tensors taken as one vector (each a dense, contiguous CPU
     tensor, all of one dtype), without gathering them into one buffer. The combination order is fixed, so the
     result does not depend on thread timing."""
     _check_grads(grads, "grad_sq_norm_segments")
-    path = resolve_path()
+    path, native = _resolve(torch.float32)
     if path in _TORCH_PATHS:
         total, nonfinite = 0.0, False
         for g in grads:
@@ -587,5 +594,5 @@ def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
         return total, nonfinite
     if not grads:
         return 0.0, False
-    total, nonfinite = _build.load_native().grad_sq_norm_segments(path, list(grads))
+    total, nonfinite = native.grad_sq_norm_segments(path, list(grads))
     return float(total), bool(nonfinite)

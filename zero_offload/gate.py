@@ -24,7 +24,7 @@ import torch
 
 from zero_offload.lane import Lanes
 
-__all__ = ["Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
+__all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
            "refuse_clipping", "refuse_released_scaler"]
 
 
@@ -46,7 +46,7 @@ class ScalerSignal:
     @classmethod
     def of(cls, opt: Any, policy: str) -> "ScalerSignal":
         if not (hasattr(opt, "grad_scale") or hasattr(opt, "found_inf")):
-            return _NO_SCALER if policy != "ignore" else _NO_SCALER_IGNORE
+            return NO_SCALER[policy]
         scale, found = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
         return cls(True, scale, found, scale is None, found is not None and float(found) != 0.0,
                    found is None and policy != "ignore")
@@ -59,7 +59,9 @@ class ScalerSignal:
         return float(torch.as_tensor(self.grad_scale).double().reciprocal().float())
 
 
-_NO_SCALER, _NO_SCALER_IGNORE = ScalerSignal(), ScalerSignal(check_nonfinite=False)
+# The signal of a step no GradScaler drives, by ``nonfinite`` policy (the step looks it up without a call when the
+# optimizer carries no ``grad_scale``/``found_inf``).
+NO_SCALER = {"raise": ScalerSignal(), "skip": ScalerSignal(), "ignore": ScalerSignal(check_nonfinite=False)}
 
 
 @dataclasses.dataclass

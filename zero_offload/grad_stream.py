@@ -187,10 +187,12 @@ class GradStreamer:
 
     def _launch(self, lane: Lane) -> None:
         """Send the bucket's gradients (see :meth:`Transport.send_grads`)."""
-        if lane.spec is not None or lane.job is not None:  # (an update of it is in flight: the schedule's to undo)
-            self._mode.before_send(lane)
+        mode = self._mode
+        if (lane.spec is not None or lane.job is not None) and mode.before_send is not None:
+            mode.before_send(lane)  # (an update of it is in flight: the schedule's to undo)
         self._transport.send_grads(lane)
-        self._mode.after_send(lane)
+        if mode.after_send is not None:
+            mode.after_send(lane)
 
     def reset(self) -> None:
         """The step is over: a backward that raised (an OOM the loop skips, say) never ran its end-of-backward

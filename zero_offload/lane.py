@@ -67,7 +67,8 @@ class Lane:
             buffer holds them).
         sq (float, optional): the squared norm as the host read it at ``step()``.
         spec: its speculative update (:mod:`zero_offload.speculation`); job: ``overlap_step``'s update running;
-            barred: sent twice, not speculated.
+            barred: sent twice, not speculated; staged: its device buffer for speculative uploads
+            (:class:`~zero_offload.transport.device.Staged`, holding memory only from an upload to its commit).
         rs, ag, adding: a sharded bucket's reduce-scatter and all-gather in flight, and whether ``shard_in`` is
             still to be added to the gradient.
     """
@@ -76,7 +77,7 @@ class Lane:
                  "d2h_seen",
                  "h2d_gen", "h2d_seen", "incoming", "norm_host", "shard_in", "had", "handles", "epoch", "fired",
                  "expected", "ready", "sent", "launches", "sources", "adds", "norm", "stale", "present", "pending",
-                 "in_place", "sq", "spec", "job", "barred", "rs", "ag", "adding", "__weakref__")
+                 "in_place", "sq", "spec", "job", "barred", "rs", "ag", "adding", "staged", "__weakref__")
 
     def __init__(self, bucket: "FlatBucket", group: int, position: int, route: Any, streamed: bool):
         self.bucket, self.group, self.position, self.route, self.streamed = bucket, group, position, route, streamed
@@ -90,7 +91,7 @@ class Lane:
         self.had: List[bool] = [False] * n
         self.handles: List[Any] = []
         self.epoch, self.fired, self.expected, self.ready = -1, 0, 0, -1
-        self.job = self.spec = None
+        self.job = self.spec = self.staged = None
         self._forget()
 
     def _forget(self) -> None:
@@ -120,6 +121,7 @@ class Lane:
         """Mark, on ``stream``, the point after which the host gradients hold what was sent."""
         self.d2h = record_event(self.d2h, stream)
         self.d2h_gen += 1
+        self.unsettled = True
 
     def record_h2d(self, stream) -> None:
         """Mark, on ``stream``, the point after which the last upload has read master and staging."""

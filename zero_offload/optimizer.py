@@ -31,7 +31,7 @@ from zero_offload import fsdp2, gate, placement
 from zero_offload.checkpoint.entries import ParamList, StateMap, check_param_lists, sync_state
 from zero_offload.checkpoint.methods import StateDictMethods
 from zero_offload.buckets import FlatBucket, allocate_group
-from zero_offload.gate import Decision, PendingClip, ScalerSignal
+from zero_offload.gate import NO_SCALER, Decision, PendingClip, ScalerSignal
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.lane import Lane, Lanes
@@ -155,9 +155,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ memory --
     def _held_host_memory(self) -> HostMemoryEstimate:
-        total = HostMemoryEstimate(0, 0, {}, 0, 0)
-        for bucket in chain.from_iterable(self._buckets):
-            total = total + bucket.estimate()
+        total = sum((b.estimate() for b in chain.from_iterable(self._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
         if isinstance(self._mode, Speculative) and self._mode.pool.held_bytes:  # (a row once it holds any)
             total = total + self._mode.pool.estimate()
         return total
@@ -257,7 +255,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                 self._place_after_step = False
                 placement.place_on_device(self._transport, self._streamer, self.state, self.options.gpu_margin_gib)
         finally:
-            self._end_step()
+            self._end_step(stepped=True)
         return loss
 
     def _sync(self) -> None:
@@ -277,14 +275,16 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         return placement.device_bytes(self._transport.lanes)
 
     def _step(self) -> None:
-        self._mode.settle()  # before _sync: an update running during backward may still write the state
+        if self._mode.settle is not None:  # before _sync: an update running in backward may still write the state
+            self._mode.settle()
         self._sync()
         # Intake: what arrived, measured.
-        scaler = ScalerSignal.of(self, self.options.nonfinite)
+        policy, marks = self.options.nonfinite, self.__dict__  # (GradScaler.step sets grad_scale and found_inf)
+        scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks else NO_SCALER[policy]
         clip = self._take_clip(scaler.unscaled)
         self._scaled = scaler.present
-        hypers = [self._rule.hyper(g) for g in self.param_groups]
         plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
+        hypers = [self._rule.hyper(g) for g in self.param_groups]
         if scaler.present:
             self._mode.check_scaler()
             gate.refuse_released_scaler(plans, self._transport.release)
@@ -302,13 +302,16 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
     def _measure(self, plans: Lanes, clip: Optional[PendingClip], check: bool, hypers: List[Any]) -> bool:
         """Gather every gradient where the kernel reads it and, with ``check``, whether one is inf/nan (after
         ``clip_grad_norm_``, which gathered them already, what it found). Sharded: every rank agrees on the
-        step's settings."""
+        step's settings. Then the uploads to come wait for what the compute stream has queued so far."""
         agrees = self._transport.sharded or self._fsdp
         settings = agreed_settings(hypers, self.options.nonfinite) if agrees else ()
         if clip is None:
-            return self._transport.gather(plans, check=check, settings=settings)
-        self._transport.agree(settings)
-        return check and clip.nonfinite
+            bad = self._transport.gather(plans, check=check, settings=settings)
+        else:
+            self._transport.agree(settings)
+            bad = check and clip.nonfinite
+        self._transport.before_uploads([lane for lanes in plans for lane in lanes])
+        return bad
 
     def _skip(self, decision: Decision, plans: Lanes) -> None:
         """A step not applied: counted, or refused with an error naming the first inf/nan gradient."""
@@ -332,17 +335,22 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             pending, self._pending = self._pending, None
         return pending
 
-    def _end_step(self) -> None:
+    def _end_step(self, stepped: bool = False) -> None:
         """Forget what backward streamed for this step (after ``step()``, whatever its exit, or ``zero_grad``)."""
         if self._streamer.in_backward:
             self._streamer.reset()  # (a backward that raised: see GradStreamer.reset)
         if self._transport.moved:  # (nothing moved: no lane has a step to end, e.g. zero_grad() after step())
-            self._mode.end_step()
+            try:
+                if self._mode.end_step is not None:
+                    self._mode.end_step(stepped)
+            finally:
+                self._transport.reset()  # every lane's step ends, whatever the schedule's end did
 
     def _receive(self, fresh: bool = False) -> Lanes:
         for lane in chain.from_iterable(self._lanes):
             self._transport.receive(lane, fresh=fresh)
-            self._mode.check_received(lane)
+            if self._mode.check_received is not None:
+                self._mode.check_received(lane)
         return self._lanes
 
     def _early_update(self, lane: Lane) -> None:
@@ -368,17 +376,14 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         """Start (or with ``enabled=False`` stop) recording a :class:`~zero_offload.timeline.Timeline` of the
         steps: host waits, kernels, copies issued, speculation's commits and rollbacks, by the host clock. Costs a
         few microseconds per bucket per step while on; nothing while off. See :meth:`timeline`."""
-        if not enabled:
-            self._transport.timeline = None
-        elif self._transport.timeline is None:
-            self._transport.timeline = Timeline()
+        t = self._transport
+        t.timeline = (t.timeline if t.timeline is not None else Timeline()) if enabled else None
 
     def timeline(self) -> List[TimelineEvent]:
         """The events recorded since :meth:`record_timeline` or the last call, by start time (and forgets them).
         ``zero_offload.timeline.breakdown`` sums them per kind; ``chrome_trace`` writes a Chrome trace."""
-        if self._transport.timeline is None:
-            return []
-        return self._transport.timeline.take()
+        tl = self._transport.timeline
+        return [] if tl is None else tl.take()
 
     def flush(self) -> None:
         """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). Else: nothing."""

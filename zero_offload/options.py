@@ -17,8 +17,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from zero_offload.functional import check_hparams
+
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD_OPTIONS", "STATE_DTYPES",
-           "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group", "check_hparams", "check_impl_flags", "check_params",
+           "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group", "check_impl_flags", "check_params",
            "check_speculation_memory", "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name",
            "world_without_group"]
 
@@ -42,25 +44,6 @@ def dtypes_by_name(dtypes: Sequence[torch.dtype]) -> Dict[str, torch.dtype]:
 # Bias corrections are exact in double far beyond this; AdamW's own step counts are float32, whose integers are
 # exact up to 2**24.
 MAX_STEP = 2**24
-
-
-def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """AdamW's validation of its hyperparameters, with AdamW's messages. Numbers or one-element tensors."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (expected a pair)")
-    for i, beta in enumerate(betas):
-        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
-            raise ValueError(f"Tensor betas[{i}] must be 1-element")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 def check_group(group: Dict[str, Any], where: str = "") -> None:

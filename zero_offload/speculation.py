@@ -55,7 +55,6 @@ from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import expose
 from zero_offload.gate import Decision
 from zero_offload.lane import Lane, Lanes
-from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 from zero_offload.undo import Lease, UndoPool
@@ -150,7 +149,6 @@ class Speculative(Immediate):
         self._guess = 1.0  # the multiplier expected: the last step's loss-scale inverse
         self._max_norm: Optional[float] = None  # the last max_norm clipped with (2-norm)
         self._broken = False
-        self._stepping = False
         self.stats = SpeculationStats()
 
     # -- backward (the autograd thread) ----------------------------------------------------------------------
@@ -260,7 +258,8 @@ class Speculative(Immediate):
         """Give the lease (and the device buffer) back, once no copy reads them."""
         if spec.staged is not None:
             spec.staged.done.synchronize()  # (the speculative upload read the lease; usually long done)
-            spec.staged = None
+            spec.staged.release()
+        spec.staged = None
         if spec.lease is not None:
             self.pool.give_back(spec.lease)
             spec.lease = None
@@ -286,11 +285,6 @@ class Speculative(Immediate):
             self.stats.speculated += 1
         elif spec.skipped:
             self.stats.not_started[spec.skipped] += 1
-
-    def settle(self) -> None:
-        """``step()`` has begun. Speculation goes on while it waits for the last gradients; :meth:`run` stops it
-        (and a rollback from now on is of a skipped or failed step, not of an abandoned one)."""
-        self._stepping = True
 
     def _finish_all(self) -> None:
         # What is still queued is cancelled before the running one is waited for: waited for first, it would let the
@@ -335,7 +329,6 @@ class Speculative(Immediate):
             self.ensure(hypers, plans, state)
         lanes = [lane for group in plans for lane in group]
         multiplier = decision.multiplier
-        self.transport.before_uploads(lanes)
         done = set()
         for lane in lanes:  # the device tier's first: launched on the GPU, which runs them meanwhile
             if lane.bucket.device_tier:
@@ -369,18 +362,19 @@ class Speculative(Immediate):
             take_memory(buf, out[name])
         if bucket.staging is not None:
             take_memory(bucket.staging, out["param"])
-        srcs = None
-        if spec.staged is not None:  # a copy on the device, after the speculative upload (one stream)
-            flat, spec.staged = spec.staged.flat, None
-            srcs = [view_like(flat, o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
-            self._uploading.append(lane)  # (the lease it read is reused only after this lane's upload event)
-        elif bucket.low_precision and bucket.staging is None:  # (shares_grad: uploaded from the lease)
-            srcs = [view_like(out["param"], o, p) for o, p in zip(bucket.layout.offsets, bucket.params)]
+        # The upload's sources: the device copy (after the speculative upload on one stream), or (a low-precision
+        # bucket whose gradient buffer carries the parameters out) the lease; else the bucket's own buffers.
+        staged, spec.staged = spec.staged, None
+        srcs = staged.views if staged is not None else (
+            bucket.slot_views(out["param"]) if bucket.low_precision and bucket.staging is None else None)
+        if srcs is not None:  # the lease it read, or that the device copy read, is reused only after this upload
             self._uploading.append(lane)
         indices = bucket.count_steps(runs)
         if not bucket.all_exposed:
             expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
         self.transport.send_params(lane, list(indices), srcs)
+        if staged is not None:
+            staged.release()
         self.pool.give_back(lease)
         spec.lease = None
         if self.transport.timeline is not None:
@@ -401,11 +395,11 @@ class Speculative(Immediate):
         """The state is being replaced (a load): what speculation computed from the old one is dropped."""
         self._roll_back_all("state edited or replaced")
 
-    def end_step(self) -> None:
+    def end_step(self, stepped: bool) -> None:
         # An update not committed by now belongs to a step that did not happen (skipped, refused, raised, or
         # abandoned by zero_grad()).
         try:
-            self._roll_back_all("no step" if not self._stepping else "skipped step")
+            self._roll_back_all("skipped step" if stepped else "no step")
             self.pool.end_step(record=bool(self._specs))
         finally:
             for spec in self._specs:
@@ -414,8 +408,6 @@ class Speculative(Immediate):
             self._read = {}
             self._stopped = False
             self._running_sq = 0.0
-            self._stepping = False
-            self.transport.reset()  # (every lane's step ends: Immediate.end_step)
 
 
 def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional[str]:
@@ -461,12 +453,13 @@ def _copy_outside(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], name
             out[name][a:b].copy_(buf[a:b])
 
 
-def _state_buffers(bucket: FlatBucket, names: Sequence[str]):
+def _state_buffers(bucket: FlatBucket, names: Sequence[str]) -> List[Tuple[str, torch.Tensor]]:
     """(name, flat buffer) of everything the update writes in the bucket's state: master, the rule's buffers
     ``names`` (those its hyperparameters need) and their 8-bit scales."""
-    yield "master", bucket.master
     store = bucket.store
+    found = [("master", bucket.master)]
     for name in names:
-        yield name, store.flat[name]
+        found.append((name, store.flat[name]))
         if name in store.scales:
-            yield name + "_scale", store.scales[name]
+            found.append((name + "_scale", store.scales[name]))
+    return found

@@ -69,12 +69,12 @@ def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
     runs = bucket.runs(present)
     if not runs:
         return None
-    if grad is None:
+    if grad is None and lane.unsettled:
         # (A delayed update's ``grad`` was waited for at its step(); its bucket's copy event may meanwhile have
         # been recorded again by the next backward, which this must not wait for.)
         lane.route.wait(lane)
     if lane.h2d_gen != lane.h2d_seen:
-        transport.before_update(lane)  # the last upload may still be reading master/staging
+        lane.wait_h2d(transport.timeline)  # the last upload may still be reading master/staging
     indices = touched(bucket, runs)
     bucket.masters.refresh(indices)
     # (A device-tier bucket's update is only launched here: the span is the host's part; the GPU runs it later.)
@@ -120,7 +120,25 @@ class _Worker(ThreadPoolExecutor):
 
 
 class Immediate:
-    """The default schedule: ``step()`` updates every bucket, sending each back while the next is updated."""
+    """The default schedule: ``step()`` updates every bucket, sending each back while the next is updated.
+
+    Hooks a schedule may define (None here, where there is nothing to do: the step then makes no call):
+
+    * ``before_send(lane)``: the backward hooks are about to send a bucket's gradients while an update of it is in
+      flight (its lane's ``spec`` or ``job``);
+    * ``after_send(lane)``: the backward hooks have sent a bucket's gradients on their way;
+    * ``settle()``: ``step()`` has begun: wait for updates started during backward (re-raising the first failure);
+    * ``check_received(lane)``: refuse what this schedule cannot take (a gradient edited after its bucket was
+      already updated);
+    * ``end_step(stepped)``: the step is over (``stepped``: ``step()`` ran, whatever its outcome) or abandoned
+      (``zero_grad()``), before the transport ends every lane's step.
+    """
+
+    before_send: Optional[Callable[[Lane], None]] = None
+    after_send: Optional[Callable[[Lane], None]] = None
+    settle: Optional[Callable[[], None]] = None
+    check_received: Optional[Callable[[Lane], None]] = None
+    end_step: Optional[Callable[[bool], None]] = None
 
     def __init__(self, transport: Transport):
         self.transport = transport
@@ -131,19 +149,6 @@ class Immediate:
         if hypers != self._seen.hypers:
             _ensure_buffers(state, hypers, plans)
             self._seen.hypers = list(hypers)
-
-    def before_send(self, lane: Lane) -> None:
-        """Called by the backward hooks before a bucket's gradients are sent, where an update of the bucket is in
-        flight (its lane's ``spec`` or ``job``)."""
-
-    def after_send(self, lane: Lane) -> None:
-        """Called by the backward hooks once a bucket's gradients are on their way."""
-
-    def settle(self) -> None:
-        """Wait for updates started during backward (re-raising the first failure)."""
-
-    def check_received(self, lane: Lane) -> None:
-        """Refuse what this schedule cannot take (a gradient edited after its bucket was already updated)."""
 
     def check_scaler(self) -> None:
         """Refuse a GradScaler if this schedule cannot wait for its inf check."""
@@ -161,7 +166,6 @@ class Immediate:
         back."""
         self.ensure(hypers, plans, state)
         lanes = [lane for group in plans for lane in group]
-        self.transport.before_uploads(lanes)
         for hyper, lane in device_tier_first(hypers, plans):
             if not self.updated(lane):
                 update_bucket(self.transport, lane, lane.present, lane.in_place, hyper, decision.multiplier, state)
@@ -176,10 +180,6 @@ class Immediate:
 
     def drop(self) -> None:
         """Discard any update still pending (the state is about to be replaced)."""
-
-    def end_step(self) -> None:
-        """The step is over (or abandoned): every lane's step ends (in the transport, for every schedule)."""
-        self.transport.reset()
 
 
 class Overlap(Immediate):
@@ -239,16 +239,13 @@ class Overlap(Immediate):
                 "Load before backward (or after step()), or turn overlap_step off."
             )
 
-    def end_step(self) -> None:
+    def end_step(self, stepped: bool) -> None:
         launched, self._launched = self._launched, []
         raised, self._raised = self._raised, False
-        try:
-            for lane in launched:
-                job, lane.job = lane.job, None
-                if job.exception() is not None and not raised:  # (waits for the job) not yet seen by settle()
-                    job.result()
-        finally:
-            super().end_step()
+        for lane in launched:
+            job, lane.job = lane.job, None
+            if job.exception() is not None and not raised:  # (waits for the job) not yet seen by settle()
+                job.result()
 
 
 @dataclasses.dataclass

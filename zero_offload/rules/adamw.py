@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Any, ClassVar, Dict
 
 import torch
 
 from zero_offload import _torch_fused, functional
-from zero_offload.options import check_group, check_hparams
+from zero_offload.functional import check_hparams
+from zero_offload.options import check_group
 from zero_offload.rules.base import Rule, Run, StateBuffer
 
 __all__ = ["AdamW", "Hyper", "ADAMW"]
@@ -53,10 +55,6 @@ def _read_plain(key: tuple) -> Hyper:
                            decoupled_weight_decay=decoupled))
 
 
-def _amsgrad(h: Hyper) -> bool:
-    return h.amsgrad
-
-
 @functools.lru_cache(maxsize=256)
 def _kernel_kwargs(h: Hyper) -> Dict[str, Any]:
     """The kernel's hyperparameter arguments, built once per distinct :class:`Hyper` (read-only: never edited)."""
@@ -70,7 +68,7 @@ class AdamW(Rule):
     name = "Adam(W)"
     optimizer_class = torch.optim.AdamW
     buffers = (StateBuffer("exp_avg"), StateBuffer("exp_avg_sq", signed=False),
-               StateBuffer("max_exp_avg_sq", signed=False, needed=_amsgrad, switch="amsgrad"))
+               StateBuffer("max_exp_avg_sq", signed=False, needed=operator.attrgetter("amsgrad"), switch="amsgrad"))
     step_key = "step"
     state_dtypes = (torch.float32, torch.bfloat16, torch.int8)
     defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False,

@@ -315,11 +315,6 @@ class Transport:
         for device in {lane.bucket.device for lane in lanes if not lane.route.resident}:
             self.stream(device, upload=True).wait_stream(torch.cuda.current_stream(device))
 
-    def before_update(self, lane: Lane) -> None:
-        """Wait until the bucket's last upload has read master and staging, which the kernel is about to write
-        (callers on the hot path first check ``lane.h2d_gen != lane.h2d_seen``: nothing to wait for otherwise)."""
-        lane.wait_h2d(self.timeline)
-
     def send_params(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Make the updated values visible in the parameters ``indices`` (``srcs``: per parameter, where to upload
         from instead of :attr:`FlatBucket.upload_views`: a speculative update's own low-precision output)."""
@@ -361,7 +356,7 @@ class Transport:
                 continue
             if self.release and any(lane.had):
                 if bucket.shares_grad:
-                    self.before_update(lane)  # the slots cleared below may still be uploading parameters
+                    lane.wait_h2d(self.timeline)  # the slots cleared below may still be uploading parameters
                 lane.sent = list(lane.had)
                 for i, has in enumerate(lane.had):
                     if has:

@@ -43,7 +43,8 @@ class OffloadRoute(Route):
         views = bucket.grads.grad_views
         landing = [_slot(lane.incoming, bucket, i) if a else views[i] for i, a in zip(idx, add)]
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
-        _after_upload(lane, stream)
+        if bucket.shares_grad:
+            _after_upload(lane, stream)
         with torch.cuda.stream(stream):
             launched = set(idx)
             if grads and not any(add) and all(i in launched for i, has in enumerate(lane.sent) if has):
@@ -91,14 +92,14 @@ class OffloadRoute(Route):
         # Gradients were produced on the compute stream; the side stream must not read them earlier.
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         if bucket.shares_grad and lane.h2d_gen != lane.h2d_seen:
-            t.before_update(lane)  # slot_copies zeroes slots on the host
+            lane.wait_h2d(t.timeline)  # slot_copies zeroes slots on the host
         dsts, srcs = self._slot_copies(lane)
-        _after_upload(lane, stream)
+        if bucket.shares_grad:
+            _after_upload(lane, stream)
         if dsts:  # (nothing copied: the last recording still covers the buffer)
             with torch.cuda.stream(stream):
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
                 lane.record_d2h(stream)
-            lane.unsettled = True
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
         """Async copies of the master or the staging copy on the upload stream, then an event the next kernel on
@@ -121,10 +122,10 @@ class OffloadRoute(Route):
     # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
     def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Staged]:
         """Copy a speculative update's new parameters (``src``, flat in the bucket's layout, in pinned host memory)
-        up into a device buffer of their own, in one copy, from the worker, while backward goes on; the parameters
-        are not touched (the commit copies device to device). Only where the device has room for it beyond
-        ``margin`` bytes and the gradients backward has still to make (the buckets not sent yet); None otherwise
-        (the commit uploads from the host, as without it)."""
+        up into the lane's device buffer, in one copy, from the worker, while backward goes on; the parameters
+        are not touched (the commit copies device to device, then :meth:`Staged.release` gives the memory back).
+        Only where the device has room for it beyond ``margin`` bytes and the gradients backward has still to make
+        (the buckets not sent yet); None otherwise (the commit uploads from the host, as without it)."""
         bucket, t = lane.bucket, self.transport
         device = bucket.device
         nbytes = bucket.layout.padded_numel * bucket.dtype.itemsize
@@ -133,16 +134,21 @@ class OffloadRoute(Route):
         if device_room(device) < nbytes + coming + t.staging_margin:
             return None
         stream = t.upload_streams.get(device) or t.stream(device, upload=True)
-        # (Made on the upload stream, which alone uses it: freed, it is reused only by later work there.)
+        staged = lane.staged
+        # (Its memory comes from the upload stream, which alone uses it: given back, it is reused only by later
+        # work there.)
         with torch.cuda.stream(stream):
             try:
-                flat = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype, device=device)
+                if staged is None:
+                    flat = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype, device=device)
+                    staged = lane.staged = Staged(flat, bucket.slot_views(flat), torch.cuda.Event())
+                else:
+                    staged.flat.untyped_storage().resize_(nbytes)
             except torch.cuda.OutOfMemoryError:
                 return None
-            flat.copy_(src[: flat.numel()], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return Staged(flat, done)
+            staged.flat.copy_(src[: staged.flat.numel()], non_blocking=True)
+            staged.done.record(stream)
+        return staged
 
     def finish(self, lanes: Sequence[Lane]) -> None:
         """The next forward must read the parameters only after their uploads have landed: the compute stream
@@ -153,13 +159,20 @@ class OffloadRoute(Route):
 
 
 class Staged:
-    """A speculative upload: the device buffer (flat, the bucket's layout) and the event after its copy (until
-    which the host memory it read must not be written)."""
+    """A lane's speculative upload: its device buffer (flat, the bucket's layout), the buffer's per-parameter views
+    (what the commit copies from), and the event after its copy (until which the host memory it read must not be
+    written). The buffer and its views are made once; between uploads the buffer holds no memory (its storage is
+    resized to nothing, as FSDP frees its unsharded parameters), so nothing is kept on the device across steps."""
 
-    __slots__ = ("flat", "done")
+    __slots__ = ("flat", "views", "done")
 
-    def __init__(self, flat: torch.Tensor, done) -> None:
-        self.flat, self.done = flat, done
+    def __init__(self, flat: torch.Tensor, views: List[torch.Tensor], done) -> None:
+        self.flat, self.views, self.done = flat, views, done
+
+    def release(self) -> None:
+        """Give the device memory back (after the commit's copy was enqueued on the upload stream, or the upload
+        was waited for): the next allocation on that stream is ordered after what reads it."""
+        self.flat.untyped_storage().resize_(0)
 
 
 def device_room(device: torch.device) -> int:

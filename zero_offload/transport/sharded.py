@@ -141,6 +141,7 @@ class ShardedResidentRoute(_ShardedRoute):
             out.copy_(bucket.flat_grad[lo : lo + shard])
         else:
             lane.rs = comm.start_reduce_scatter(out, bucket.flat_grad, f"gradients of {bucket.where}")
+            lane.unsettled = True
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
         """Start all-gathering the updated shard into ``flat_param`` in place (the shard is its own slice)."""
