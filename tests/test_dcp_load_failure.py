@@ -145,11 +145,10 @@ def test_a_truncated_checkpoint_fails_to_load_and_changes_nothing(monkeypatch, t
 
 def _sharded_worker(rank, world, path):
     import torch.distributed as dist
-    from test_distributed import BUCKET_NUMEL, Net, _compare, _make, _ref_step, _step as _sharded_step, groups
+    from test_distributed import _ckpt_opt, _compare, _make, _ref_step, _step as _sharded_step, groups
 
     model, ref_model = _make(rank)
-    opt = OffloadOptimizer(groups(model), lr=1e-2, amsgrad=True, bucket_numel=BUCKET_NUMEL,
-                           process_group=dist.group.WORLD)
+    opt = _ckpt_opt(model, process_group=dist.group.WORLD)
     ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, amsgrad=True, foreach=False)
     for step in range(3):
         _sharded_step(model, opt, step, rank, world)

@@ -464,8 +464,7 @@ def _resume_worker(rank, world, path):
 def _state_reset_worker(rank, world):
     """The Adam reset recipe on every rank of a sharded optimizer: each rank's pieces restart, as AdamW's state."""
     model, ref_model = _make(rank)
-    opt = OffloadOptimizer(groups(model), lr=1e-2, amsgrad=True, bucket_numel=BUCKET_NUMEL,
-                           process_group=dist.group.WORLD)
+    opt = _ckpt_opt(model, process_group=dist.group.WORLD)
     ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, amsgrad=True, foreach=False)
     for step in range(5):
         _step(model, opt, step, rank, world)
