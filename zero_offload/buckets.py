@@ -12,6 +12,7 @@ parameter, so ``state_dict()`` has the wrapped optimizer's format without a copy
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -181,18 +182,20 @@ class FlatBucket:
             return None
         if self.shard is not None:
             return [flat[a:b] for a, b in self.shard.pieces]
-        return [view_like(flat, o, p) for o, p in zip(self.layout.offsets, self.params)]
+        return self.slot_views(flat)
 
     def slot_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """Each parameter's slot of ``flat``, a new buffer in this bucket's layout, as :func:`view_like` cuts it: one
-        ``as_strided`` each, from the slots' shapes, strides and offsets, read once (a view each step costs)."""
-        geometry = self.__dict__.get("_geometry")
-        if geometry is None:
-            probe = torch.empty(self.layout.padded_numel, device="meta")
-            cuts = (view_like(probe, o, p) for o, p in zip(self.layout.offsets, self.params))
-            geometry = self.__dict__["_geometry"] = [(v.shape, v.stride(), v.storage_offset()) for v in cuts]
+        """Each parameter's slot of ``flat``, a buffer in this bucket's layout, as :func:`view_like` cuts it: one
+        ``as_strided`` each, from the slots' shapes, strides and offsets, read once (speculation's commit makes
+        them every step)."""
         base = flat.storage_offset()
-        return [flat.as_strided(shape, stride, base + o) for shape, stride, o in geometry]
+        return [flat.as_strided(shape, stride, base + o) for shape, stride, o in self._slot_geometry]
+
+    @functools.cached_property
+    def _slot_geometry(self) -> List[Tuple[torch.Size, Tuple[int, ...], int]]:
+        probe = torch.empty(self.layout.padded_numel, device="meta")
+        cuts = (view_like(probe, o, p) for o, p in zip(self.layout.offsets, self.params))
+        return [(v.shape, v.stride(), v.storage_offset()) for v in cuts]
 
     # -- the parts, by the names the other modules read ----------------------------------------------------------
     sharded = property(lambda self: self.shard is not None)
