@@ -631,6 +631,33 @@ def test_speculative_uploads_go_up_before_step_and_wait_for_no_other_bucket(cuda
     assert spec.speculation_stats.commits == commits + N_BUCKETS
 
 
+def test_the_device_buffers_of_speculative_uploads_hold_memory_only_from_upload_to_commit(cuda_branches):
+    """Each lane's device buffer (made once, with its views) holds its bytes from its speculative upload until the
+    commit, or the rollback, gives them back: nothing stays on the device across steps."""
+    pairs = _pair()
+    (a, spec), _ = pairs
+    _drive(pairs, 2)
+
+    def held():
+        return [lane.staged.flat.untyped_storage().nbytes() for lane in spec._transport.lanes
+                if lane.staged is not None]
+
+    for commit in (True, False):
+        for model, opt in pairs:
+            opt.zero_grad()
+            _loss(model, 2).backward()
+        spec._mode._worker.submit(lambda: None).result()
+        assert len(held()) == N_BUCKETS and all(held()), held()  # uploaded during backward
+        if commit:
+            for _, opt in pairs:
+                opt.step()
+            assert spec.speculation_stats.rollbacks == 0
+        else:
+            spec.zero_grad()  # the step abandoned: its speculation rolled back
+        assert held() == [0] * N_BUCKETS, held()
+    assert_bitwise(a, pairs[1][0], spec, pairs[1][1], "after a commit and an abandoned step")
+
+
 def test_no_speculative_upload_without_room_on_the_device(eager, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 40))  # 1 MiB free
     staged = []
