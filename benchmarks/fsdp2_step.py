@@ -11,7 +11,8 @@ every rank on the host: what an FSDP2 user who offloads has, and where an offloa
   adamw-foreach   ``foreach=True``;
   adamw-fused     ``fused=True`` (torch's fused CPU kernel);
   ours            ``zero_offload.OffloadOptimizer(params)``: the gradients read where FSDP left them, an inf/nan check
-                  of every rank's shard before the update (one all-reduce), the update copied into the shard;
+                  of every rank's shard before the update (one all-reduce), the kernel writing the shards FSDP
+                  all-gathers from (their storage taken over: no copy);
   ours-ignore     ``nonfinite="ignore"``: no check, as AdamW (and no all-reduce).
 
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,

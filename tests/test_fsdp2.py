@@ -43,6 +43,17 @@ OURS = functools.partial(OffloadOptimizer)
 OURS_SMALL_BUCKETS = functools.partial(OffloadOptimizer, bucket_numel=16)  # several buckets per FSDP unit
 OURS_RELEASE = functools.partial(OffloadOptimizer, release_grads=True)
 OURS_SPECULATING = functools.partial(OffloadOptimizer, speculate=True)
+
+
+def ours_copying(params, **kw):
+    """OffloadOptimizer where FSDP keeps host shards in a way it cannot take over (zero_offload.fsdp2.home finds
+    none): a separate master, each update copied into the shard."""
+    from unittest import mock
+
+    with mock.patch("zero_offload.fsdp2.home", lambda p, record: None):
+        return OffloadOptimizer(params, **kw)
+
+
 COMPACT = {"bf16_state": torch.bfloat16, "int8_state": torch.int8}
 TORCH_CLASSES = {  # name: (the class itself, offloaded): offload() against the class's own single-tensor step
     "sgd": (functools.partial(torch.optim.SGD, momentum=0.9, foreach=False),
@@ -54,6 +65,7 @@ TORCH_CLASS_RECIPES = {"sgd": ["plain", "clip_opt", "groups_scheduler"], "adagra
 WORLD3_RECIPES = ["plain", "clip_opt", "scaler", "accumulate", "mixed_precision", "cpu_offload", "dcp_roundtrip"]
 WITNESS_RECIPES = ["plain", "clip", "scaler_clip", "accumulate", "mixed_precision", "dcp_roundtrip"]
 SMALL_BUCKET_RECIPES = ["plain", "clip_opt", "accumulate"]
+COPYING_RECIPES = ["plain", "cpu_offload", "scaler_clip", "dcp_roundtrip"]
 # The GPU route on CPU tensors (tests/cuda_standins.py): gradients streamed from FSDP's hooks, speculation on.
 STANDIN_RECIPES = ["plain", "clip", "clip_opt", "scaler_clip", "accumulate", "groups_scheduler", "mixed_precision",
                    "no_reshard", "dcp_roundtrip", "full_roundtrip"]
@@ -88,6 +100,8 @@ def _jobs(world: int) -> Dict[str, object]:
             jobs[f"fused/{name}"] = h.Job(h.RECIPES[name], FUSED)
         for name in SMALL_BUCKET_RECIPES:
             jobs[f"ours_small_buckets/{name}"] = h.Job(h.RECIPES[name], OURS_SMALL_BUCKETS)
+        for name in COPYING_RECIPES:
+            jobs[f"ours_copying/{name}"] = h.Job(h.RECIPES[name], ours_copying)
         for name in STANDIN_RECIPES:
             jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS_SPECULATING, standins=True)
         for name in STANDIN_RELEASE_RECIPES:
@@ -107,6 +121,9 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["ours/plain+save"] = h.Job(plain, OURS, save_as="ours-w2", save_at=SAVE_AT)
         jobs["ours<-adamw-w2"] = h.Job(plain, OURS, start_from=("adamw-w2", SAVE_AT))
         jobs["adamw<-ours-w2"] = h.Job(plain, ADAMW, start_from=("ours-w2", SAVE_AT))
+        jobs["storage/shards"] = h.Call(shard_storage)
+        jobs["bf16/model"] = h.Call(bf16_model)
+        jobs["refuse/remade_storage"] = h.Call(refuse_remade_storage)
         jobs["refuse/tensor_parallel"] = h.Call(refuse_tensor_parallel)
         jobs["refuse/mixed_with_plain"] = h.Call(refuse_mixed_with_plain)
         jobs["refuse/process_group"] = h.Call(refuse_process_group)
@@ -321,6 +338,11 @@ def test_offload_optimizer_with_several_buckets_per_unit_matches_adamw(world2, n
     h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_small_buckets/{name}"].get(), f"small buckets {name}")
 
 
+@pytest.mark.parametrize("name", COPYING_RECIPES)
+def test_host_shards_fsdp_keeps_to_itself_are_updated_through_a_copy_as_adamw(world2, name):
+    h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_copying/{name}"].get(), f"copying {name}")
+
+
 @pytest.mark.parametrize("name", STANDIN_RECIPES)
 def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world2, name):
     """Buckets told they are on a GPU (streams and events stand-ins, tests/cuda_standins.py): gradients copied in
@@ -399,6 +421,125 @@ def test_checkpoints_of_ours_move_across_world_sizes(world2, world3):
     world2["ours/plain+save"].get()
     h.assert_same(reference, world3["ours<-adamw-w2"].get(), "ours at world 3 from AdamW at 2", first=SAVE_AT)
     h.assert_same(reference, world3["adamw<-ours-w2"].get(), "AdamW at world 3 from ours at 2", first=SAVE_AT)
+
+
+# ------------------------------------------------------------------------------------------ host storage --
+def _storage_ptr(p) -> int:
+    with torch.no_grad():
+        return p.to_local().untyped_storage().data_ptr()
+
+
+def shard_storage(rank, world):
+    """On a host mesh (plain, and CPUOffloadPolicy), built before or after FSDP's lazy initialisation (the first
+    forward): whether each parameter's local shard lives in the optimizer's own buffers (no second host copy of
+    the parameters) when built and after a step, and how many of the step's gradient shards are still alive after
+    ``zero_grad()`` (of how many)."""
+    import gc
+    import weakref
+
+    out = {}
+    for recipe in ("plain", "cpu_offload"):
+        for when in ("before_forward", "after_forward"):
+            model = h.build_model(world, h.RECIPES[recipe])
+            if when == "after_forward":
+                h.loss_on(model, 0, 0, rank, world).backward()
+                model.zero_grad()
+            opt = OffloadOptimizer(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+            buffers = {t.untyped_storage().data_ptr() for b in opt._buckets[0]
+                       for t in (b.masters.master, b.masters.staging) if t is not None}
+            at_build = [_storage_ptr(p) in buffers for p in model.parameters()]
+            h.loss_on(model, 1, 0, rank, world).backward()
+            grads = [weakref.ref(p.grad._local_tensor) for p in model.parameters() if p.grad is not None]
+            opt.step()
+            after_step = [_storage_ptr(p) in buffers for p in model.parameters()]
+            opt.zero_grad()
+            gc.collect()
+            out[f"{recipe}, {when}"] = (all(at_build), all(after_step), sum(r() is not None for r in grads),
+                                        len(grads))
+    return out
+
+
+def test_host_shards_are_updated_where_fsdp_keeps_them_and_no_gradient_outlives_its_step(world2):
+    """The kernel writes the shards FSDP's all-gather reads (item 5: no second host copy); the recipes above check
+    the values against AdamW through this very path."""
+    for rank, cases in world2["storage/shards"].per_rank.items():
+        for case, (at_build, after_step, alive, grads) in cases.items():
+            assert at_build and after_step, f"rank {rank}, {case}: a shard outside the optimizer's buffers"
+            assert grads and alive == 0, f"rank {rank}, {case}: {alive} of {grads} gradient shards still alive"
+
+
+def bf16_model(rank, world):
+    """A bf16 model under FSDP2 on a host mesh (no MixedPrecisionPolicy: the shards are bf16): ours keeps fp32
+    masters, the reference is ``AdamW(foreach=False)`` on fp32 copies of this rank's shards fed the same gradients.
+    Per step: each shard of ours and the reference's master rounded to bf16, and both states; and whether the
+    shards live in the optimizer's buffers."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = h.Net().to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    opt = OffloadOptimizer(params, lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    with torch.no_grad():
+        masters = [p.to_local().float().clone().requires_grad_() for p in params]
+    ref = torch.optim.AdamW(masters, lr=h.LR, weight_decay=h.WEIGHT_DECAY, foreach=False)
+    staging = {b.masters.staging.untyped_storage().data_ptr() for b in opt._buckets[0]}
+    out = []
+    for step in range(4):
+        opt.zero_grad()
+        ref.zero_grad()
+        h.loss_on(model, step, 0, rank, world).backward()
+        for m, p in zip(masters, params):
+            m.grad = None if p.grad is None else p.grad.to_local().float()
+        opt.step()
+        ref.step()
+        with torch.no_grad():
+            out.append([(p.to_local().clone(), m.detach().to(torch.bfloat16),
+                         {k: opt.state[p][k].to_local().clone() for k in ("exp_avg", "exp_avg_sq")},
+                         {k: ref.state[m][k].clone() for k in ("exp_avg", "exp_avg_sq")})
+                        for p, m in zip(params, masters) if m in ref.state])
+    return out, all(_storage_ptr(p) in staging for p in params)
+
+
+def test_a_bf16_model_keeps_fp32_masters_on_the_host_as_adamw_on_fp32_copies(world2):
+    for rank, (steps, bound) in world2["bf16/model"].per_rank.items():
+        assert bound, f"rank {rank}: a bf16 shard outside the optimizer's buffers"
+        assert len(steps) == 4 and all(steps)
+        for step, entries in enumerate(steps):
+            for i, (ours, reference, state, ref_state) in enumerate(entries):
+                torch.testing.assert_close(ours, reference, msg=lambda m: f"rank {rank} step {step} param {i}: {m}")
+                for k in state:
+                    torch.testing.assert_close(state[k], ref_state[k], msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def refuse_remade_storage(rank, world):
+    """FSDP re-makes a shard's storage after the optimizer took it over (``model.to(torch.float64)``): step()
+    refuses, naming it, and leaves the optimizer's state as it was."""
+    model = h.build_model(world, h.RECIPES["plain"])
+    opt = OffloadOptimizer(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    for step in range(2):
+        opt.zero_grad()
+        h.loss_on(model, step, 0, rank, world).backward()
+        if step == 0:
+            opt.step()
+    before = {k: {n: v.to_local().clone() for n, v in entry.items()} for k, entry in opt.state.items()}
+    model.to(torch.float64)
+    try:
+        opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(v.to_local(), before[k][n]) for k, entry in opt.state.items() for n, v in entry.items())
+    return message, unchanged
+
+
+def test_storage_fsdp_remakes_after_the_optimizer_took_it_over_is_refused(world2):
+    for message, unchanged in world2["refuse/remade_storage"].per_rank.values():
+        assert message is not None and "re-made the storage" in message, message
+        assert unchanged
 
 
 # ------------------------------------------------------------------------------------------------ refusals --
@@ -530,3 +671,49 @@ def test_example_trains_with_adamw(world2):
 def test_example_trains_with_offload_optimizer_as_with_adamw(world2):
     torch.testing.assert_close(torch.tensor(world2["example/offload"].get()),
                                torch.tensor(world2["example/adamw"].get()))
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA --
+@pytest.mark.cuda
+def test_pinned_cpu_offload_shards_are_the_optimizers_own_on_a_gpu(tmp_path):
+    """``CPUOffloadPolicy(pin_memory=True)`` on one GPU (NCCL, world 1): the pinned host shards FSDP all-gathers
+    from are the optimizer's own pinned slots, still after FSDP's lazy initialisation (which re-pins any shard that
+    is not), and the run matches FSDP2 + ``CPUOffloadPolicy`` + ``AdamW(foreach=False)`` on the same shards."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        runs = {}
+        for name, make in (("adamw", ADAMW), ("ours", OURS)):
+            torch.manual_seed(0)
+            model = h.Net()
+            for module in (*model.blocks, model):
+                fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+            opt = make(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+            steps = []
+            for step in range(4):
+                opt.zero_grad()
+                ids = h.tokens(step).cuda()
+                logits = model(ids[:, :-1], step % 3 == 1)
+                F.cross_entropy(logits.float().reshape(-1, h.VOCAB), ids[:, 1:].reshape(-1)).backward()
+                opt.step()
+                with torch.no_grad():
+                    steps.append([p.to_local().clone() for p in model.parameters()])
+            with torch.no_grad():
+                shards = [p.to_local() for p in model.parameters()]
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in shards if t.numel()), name
+            if name == "ours":
+                buffers = {b.masters.master.untyped_storage().data_ptr() for b in opt._buckets[0]}
+                assert all(t.untyped_storage().data_ptr() in buffers for t in shards)
+            runs[name] = steps
+        for step, (ref, ours) in enumerate(zip(runs["adamw"], runs["ours"])):
+            for i, (a, b) in enumerate(zip(ref, ours)):
+                torch.testing.assert_close(b, a, msg=lambda m: f"step {step}, parameter {i}: {m}")
+    finally:
+        dist.destroy_process_group()

@@ -102,7 +102,7 @@ class FlatBucket:
                  buffers: Optional[Sequence[StateBuffer]] = None, pin: bool, shard: Optional[ShardLayout] = None,
                  grads_reduced: bool = False, where: str = "", state_dtype: torch.dtype = torch.float32,
                  group: int = 0, names: Optional[Sequence[str]] = None, device_tier: bool = False,
-                 owners: Optional[Sequence[torch.Tensor]] = None):
+                 owners: Optional[Sequence[torch.Tensor]] = None, homes: Optional[Sequence[Any]] = None):
         self.shard, self.where, self.group, self.rule = shard, where, group, rule
         self.names = None if not names else [names[i] for i in layout.indices]
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
@@ -114,9 +114,13 @@ class FlatBucket:
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
-        # The state lives with the parameters: a CPU bucket, or a GPU bucket whose state is on the device tier
-        # (``gpu_fraction``): no transfers, the parameters bound to the slots the update writes.
-        self.resident = (self.on_cpu and not self.fsdp) or device_tier
+        # FSDP2 shards on the host whose storage the slots take over (zero_offload.fsdp2.home), all or none.
+        homes = None if homes is None or not self.on_cpu else [homes[i] for i in layout.indices]
+        homes = homes if homes and all(h is not None for h in homes) else None
+        # The state lives with the parameters: a CPU bucket (FSDP2's host shards where their storage is taken over),
+        # or a GPU bucket whose state is on the device tier (``gpu_fraction``): no transfers, the parameters bound
+        # to the slots the update writes.
+        self.resident = (self.on_cpu and (not self.fsdp or homes is not None)) or device_tier
         self.device_tier = device_tier  # the state is on its GPU (``gpu_fraction``), updated there
         # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
         # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
@@ -125,13 +129,15 @@ class FlatBucket:
         self.shares_grad = self.low_precision and not self.resident and shard is None
         # (nothing of a sharded CPU bucket, or of a device-tier one, goes through host memory to a GPU)
         self.pin = pin and not (shard is not None and self.on_cpu) and not device_tier
+        # (FSDP pins the shards it keeps for CPUOffloadPolicy(pin_memory=True), and re-pins any that are not)
+        self.pin = self.pin or any(getattr(h, "pin_memory", False) for h in homes or ())
         tier = DeviceTier(layout.device) if device_tier else HostTier(self.pin)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
         pieces = None if shard is None else shard.pieces
         self.masters = Masters(self.params, self.layout, shard, tier, self.shares_grad, self._views, self.owners,
-                               bind=not self.fsdp)
+                               bind=not self.fsdp, homes=homes)
         self.store = StateStore(rule, rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
                                 state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
         self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
@@ -423,16 +429,20 @@ def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[boo
 
 def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]] = None,
                    rule: Rule = ADAMW, data: Optional[Sequence[torch.Tensor]] = None,
-                   units: Optional[Sequence[int]] = None) -> List[FlatBucket]:
+                   units: Optional[Sequence[int]] = None, homes: Optional[Sequence[Any]] = None) -> List[FlatBucket]:
     """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``) with the state
     ``rule`` declares for the group's hyperparameters. ``MemoryError`` with the numbers, and nothing left allocated,
     if the host has no room for them (checked first) or their allocation fails. FSDP2: ``data`` are the parameters'
-    local shards, which the buckets hold (the group's parameters their owners), and ``units`` each one's FSDP unit,
-    at whose boundaries buckets are cut."""
+    local shards, which the buckets hold (the group's parameters their owners), ``units`` each one's FSDP unit, at
+    whose boundaries buckets are cut, and ``homes`` each one's record where its slot takes over the shard's storage
+    (see :func:`zero_offload.fsdp2.home`; its slot then has room for FSDP's padding rows too)."""
     if data is None:
         layouts = plan_buckets(group["params"], options.bucket_numel)
     else:
-        layouts = plan_buckets(data, options.bucket_numel, cuts=units)
+        from zero_offload.fsdp2 import home_numel
+
+        rooms = None if homes is None else [0 if h is None else home_numel(h) for h in homes]
+        layouts = plan_buckets(data, options.bucket_numel, cuts=units, rooms=rooms)
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
@@ -441,7 +451,7 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
     buckets: List[FlatBucket] = []
     failed = ""
     try:
-        _make_buckets(buckets, layouts, on_device, group, gi, options, sharded, rule, buffers, data)
+        _make_buckets(buckets, layouts, on_device, group, gi, options, sharded, rule, buffers, data, homes)
     except (MemoryError, OSError, RuntimeError) as exc:
         if not _host_allocation_failed(exc):
             raise
@@ -456,7 +466,8 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
 
 def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_device: Sequence[bool],
                   group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]], rule: Rule,
-                  buffers: Sequence[StateBuffer], data: Optional[Sequence[torch.Tensor]]) -> None:
+                  buffers: Sequence[StateBuffer], data: Optional[Sequence[torch.Tensor]],
+                  homes: Optional[Sequence[Any]] = None) -> None:
     """Allocate the buckets of ``layouts`` into ``out``, one at a time (``data``: see :func:`allocate_group`)."""
     world, rank = sharded if sharded is not None else (1, 0)
     for bi, layout in enumerate(layouts):
@@ -465,7 +476,8 @@ def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_dev
                             pin=should_pin(layout.device, options.pin_memory), shard=shard,
                             grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
                             state_dtype=options.state_dtype, group=gi, names=group.get("param_names"),
-                            device_tier=on_device[bi], owners=None if data is None else group["params"])
+                            device_tier=on_device[bi], owners=None if data is None else group["params"],
+                            homes=homes)
         if options.delayed_update:
             bucket.grads.add_prev()  # allocated now, so the logged estimate and the RSS include it
         out.append(bucket)

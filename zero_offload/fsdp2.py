@@ -4,9 +4,11 @@ state of its own shards (FSDP does every collective), so what the buckets hold i
 A parameter FSDP2 shards is a ``DTensor``: ``Shard(0)`` on a 1-D mesh (FSDP), or ``(Replicate(), Shard(0))`` on a
 2-D mesh (HSDP: the shards are replicated over the first dimension, every replica updates its shard alike). Its
 local shard (``p.to_local()``, no padding, possibly empty) is what FSDP's next all-gather reads, so the updated values
-are written into it; its gradient arrives as a ``DTensor`` placed alike, through the post-accumulate-grad hooks FSDP
-runs after each unit's reduce-scatter. ``opt.state`` entries are ``DTensor``s over the host buffers, placed like
-their parameter, so ``torch.distributed.checkpoint`` plans and loads them as it does ``torch.optim.AdamW``'s.
+are written into it (on the host, the optimizer's buffers take over the storage FSDP keeps for it, see
+:func:`bind_shard`, and the kernel writes it directly); its gradient arrives as a ``DTensor`` placed alike,
+through the post-accumulate-grad hooks FSDP runs after each unit's reduce-scatter. ``opt.state`` entries are
+``DTensor``s over the host buffers, placed like their parameter, so ``torch.distributed.checkpoint`` plans and loads
+them as it does ``torch.optim.AdamW``'s.
 
 Placements alone cannot tell FSDP2 from tensor parallelism (a colwise-parallel weight is ``Shard(0)`` on a 1-D mesh
 too), so the parameters FSDP2 manages are found in FSDP's own state registry: private (``_composable_state`` and
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Sharding", "given", "is_dtensor", "local_shard", "local_value", "plan", "take", "wrap"]
+__all__ = ["Sharding", "bind_shard", "given", "home", "home_numel", "home_ptrs", "is_dtensor",
+           "local_shard", "local_value", "plan", "take", "wrap"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -101,10 +104,11 @@ _FSDP_STATE_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_state",
                        "torch.distributed._composable.fsdp._fsdp_state")
 
 
-def _managed() -> Dict[int, int]:
+def _managed() -> Dict[int, Tuple[int, Any]]:
     """``id`` of every parameter FSDP2 manages in this process -> its FSDP unit (an index, per FSDP state and param
-    group). Private (see the module docstring): FSDP's composable-state registry and its param groups."""
-    found: Dict[int, int] = {}
+    group) and FSDP's record of it (its ``FSDPParam``). Private (see the module docstring): FSDP's composable-state
+    registry and its param groups."""
+    found: Dict[int, Tuple[int, Any]] = {}
     classes = [getattr(sys.modules.get(name), "FSDPState", None) for name in _FSDP_STATE_MODULES]
     FSDPState = next((cls for cls in classes if cls is not None), None)
     if FSDPState is None:
@@ -123,7 +127,7 @@ def _managed() -> Dict[int, int]:
             groups = [] if group is None else [group]
         for group in groups:
             for fsdp_param in group.fsdp_params:
-                found.setdefault(id(fsdp_param.sharded_param), unit)
+                found.setdefault(id(fsdp_param.sharded_param), (unit, fsdp_param))
             unit += 1
     return found
 
@@ -137,9 +141,10 @@ def _placement_error(p: torch.Tensor, what: str) -> TypeError:
 
 
 def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
-         managed: Optional[Dict[int, int]] = None) -> "tuple[Sharding, List[int]]":
+         managed: Optional[Dict[int, Tuple[int, Any]]] = None) -> "tuple[Sharding, List[int], List[Any]]":
     """Check that ``params`` (some of them DTensors) are FSDP2's, all on one mesh and cut alike (and on the mesh of
-    the optimizer's other groups, ``sharding``); the :class:`Sharding` and each parameter's FSDP unit. ``managed``:
+    the optimizer's other groups, ``sharding``); the :class:`Sharding`, each parameter's FSDP unit, and each one's
+    :func:`home` (or None). ``managed``:
     the registry as :func:`take` read it (else read now). Raises ``TypeError`` naming what cannot be taken (a plain
     parameter among them, another placement, a DTensor FSDP does not manage)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -168,14 +173,59 @@ def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
         elif sharding != mine:
             raise TypeError("OffloadOptimizer: the FSDP2 parameters are on different device meshes (or cut along "
                             "different dimensions); build one optimizer per mesh")
-        units.append(managed[id(p)])
-    return sharding, units
+        units.append(managed[id(p)][0])
+    return sharding, units, [home(p, managed[id(p)][1]) for p in params]
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
     """The parameter's local shard, as a tensor aliasing FSDP's storage (what its next all-gather reads)."""
     with torch.no_grad():
         return p.to_local()
+
+
+def home(p: torch.Tensor, record: Any) -> Optional[Any]:
+    """FSDP's record of ``p`` (its ``FSDPParam``) where the optimizer can take over the storage of ``p``'s shard,
+    else None. Taken over: a shard on the host (a CPU mesh, or ``CPUOffloadPolicy``) that FSDP keeps as a plain
+    padded 1-D tensor (``_sharded_param_data``, what its all-gather reads) whose leading rows are ``p``'s local
+    shard. Not: a shard on a GPU, a tensor subclass or an all-gather extension, or a torch whose FSDP2 keeps shards
+    otherwise (the optimizer then keeps a separate master and copies each update into the shard)."""
+    data = getattr(record, "_sharded_param_data", None)
+    size = getattr(record, "padded_sharded_param_size", None)
+    local = getattr(p, "_local_tensor", None)
+    if (getattr(record, "sharded_param", None) is not p or type(data) is not torch.Tensor
+            or type(local) is not torch.Tensor or size is None or hasattr(local, "fsdp_pre_all_gather")):
+        return None
+    if (data.device.type != "cpu" or local.device.type != "cpu" or data.dtype != local.dtype or data.dim() != 1
+            or data.numel() != torch.Size(size).numel() or not local.is_contiguous() or local.numel() > data.numel()
+            or (local.numel() and local.data_ptr() != data.data_ptr())):
+        return None
+    return record
+
+
+def home_numel(record: Any) -> int:
+    """The elements FSDP keeps for the shard of :func:`home`'s record: the local shard and its padding rows."""
+    return torch.Size(record.padded_sharded_param_size).numel()
+
+
+def bind_shard(p: torch.Tensor, record: Any, room: torch.Tensor) -> torch.Tensor:
+    """Move the storage FSDP keeps for ``p``'s shard (``record``, see :func:`home`) into ``room``, a slot of the
+    optimizer's flat buffer of :func:`home_numel` elements: the values (padding included) are copied there, FSDP's
+    padded tensor becomes ``room`` and ``p``'s local shard its leading rows, as FSDP lays them out itself. Its
+    all-gather then reads what the optimizer's kernel writes, and its lazy initialisation, seeing the same storage,
+    keeps it (a pinned shard, ``CPUOffloadPolicy(pin_memory=True)``, needs ``room`` pinned). Returns the new local
+    shard (as :func:`local_shard`)."""
+    room.copy_(record._sharded_param_data)
+    local = p._local_tensor
+    record._sharded_param_data = room
+    p._local_tensor = room.view(record.padded_sharded_param_size).narrow(0, 0, local.size(0) if local.numel() else 0)
+    return local_shard(p)
+
+
+def home_ptrs(params: Sequence[torch.Tensor], records: Sequence[Any]) -> List[Tuple[int, int]]:
+    """Where FSDP keeps each shard now (its padded tensor's and the local shard's addresses): compared with the
+    addresses :func:`bind_shard` gave, a difference means FSDP re-made the storage (``model.to(...)``,
+    ``load_state_dict(assign=True)``, a re-pin)."""
+    return [(r._sharded_param_data.data_ptr(), p._local_tensor.data_ptr()) for p, r in zip(params, records)]
 
 
 def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,13 @@ __all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
 logger = logging.getLogger("zero_offload")
 
 
+def _held_host_memory(opt: "OffloadOptimizer") -> HostMemoryEstimate:
+    total = sum((b.estimate() for b in chain.from_iterable(opt._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
+    if isinstance(opt._mode, Speculative) and opt._mode.pool.held_bytes:  # (a row once it holds any)
+        total = total + opt._mode.pool.estimate()
+    return total
+
+
 class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
     r"""AdamW (or Adam) whose fp32 master weights and moments live in flat host buffers, updated by a fused SIMD
     CPU kernel: a drop-in for ``torch.optim.AdamW`` that takes the optimizer state off the GPU.
@@ -142,7 +149,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             lane.route.bind(lane)
         self._constructed = True
         logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
-                    sum(len(b) for b in self._buckets), self._held_host_memory().describe())
+                    sum(len(b) for b in self._buckets), _held_host_memory(self).describe())
 
     @property
     def nonfinite(self) -> str:
@@ -154,19 +161,13 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         self.options = dataclasses.replace(self.options, nonfinite=policy).validate()
 
     # ------------------------------------------------------------------------------------------------ memory --
-    def _held_host_memory(self) -> HostMemoryEstimate:
-        total = sum((b.estimate() for b in chain.from_iterable(self._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
-        if isinstance(self._mode, Speculative) and self._mode.pool.held_bytes:  # (a row once it holds any)
-            total = total + self._mode.pool.estimate()
-        return total
-
     estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
 
     def host_memory_estimate(self) -> HostMemoryEstimate:
         """Deprecated: ``opt.estimate_host_memory()`` (the same result, under the one documented name)."""
         warnings.warn("OffloadOptimizer.host_memory_estimate() is deprecated and will be removed: call "
                       "opt.estimate_host_memory() (same result)", FutureWarning, stacklevel=2)
-        return self._held_host_memory()
+        return _held_host_memory(self)
 
     def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
         """The flat buffers of every bucket (name -> tensor), for inspection and measurement (a device-tier
@@ -192,10 +193,10 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         raw = list(raw)
         tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
         check_params(tensors, fsdp=self._fsdp)
-        data = units = None
+        data = units = homes = None
         if self._fsdp:  # (each rank's buckets hold its local shards; FSDP does every collective)
             t = self._transport
-            t.sharding, units = fsdp2.plan(tensors, t.sharding, t.managed if not self._constructed else None)
+            t.sharding, units, homes = fsdp2.plan(tensors, t.sharding, t.managed if not self._constructed else None)
             data = [fsdp2.local_shard(p) for p in tensors]
         n_groups = len(self.param_groups)
         comm = self._transport.comm if self._transport.sharded else None
@@ -210,8 +211,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         param_group["params"] = raw
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
-            buckets = allocate_group(self.param_groups[-1], n_groups, self.options,
-                                     None if comm is None else (comm.world, comm.rank), self._rule, data, units)
+            buckets = allocate_group(self.param_groups[-1], n_groups, self.options, None if comm is None
+                                     else (comm.world, comm.rank), self._rule, data, units, homes)
         except BaseException:
             del self.param_groups[n_groups:]
             raise

@@ -60,8 +60,8 @@ class BucketLayout:
         return self.offsets[first], end
 
 
-def plan_buckets(params: Sequence[torch.Tensor], max_numel: int,
-                 cuts: Optional[Sequence[Hashable]] = None) -> List[BucketLayout]:
+def plan_buckets(params: Sequence[torch.Tensor], max_numel: int, cuts: Optional[Sequence[Hashable]] = None,
+                 rooms: Optional[Sequence[int]] = None) -> List[BucketLayout]:
     """Split one group's parameters into buckets: one per (device, dtype), in order of first appearance, each cut
     where it would exceed ``max_numel`` elements (a larger parameter gets a bucket to itself; parameters are never
     split) and, with ``cuts``, where the next parameter's key differs from the last one's (FSDP2: its unit, whose
@@ -71,6 +71,8 @@ def plan_buckets(params: Sequence[torch.Tensor], max_numel: int,
         params (Sequence[Tensor]): the group's parameters.
         max_numel (int): soft cap on a bucket's elements.
         cuts (Sequence, optional): a key per parameter. Default: None.
+        rooms (Sequence[int], optional): the least elements of each parameter's slot, where more than its own
+            (FSDP2: a shard whose storage the slot takes over, padding rows included). Default: None.
     """
     by_kind: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for i, p in enumerate(params):
@@ -87,7 +89,7 @@ def plan_buckets(params: Sequence[torch.Tensor], max_numel: int,
                 run, offsets, cursor = [], [], 0
             run.append(i)
             offsets.append(cursor)
-            cursor += align_up(n)
+            cursor += align_up(n if rooms is None else max(n, rooms[i]))
         if run:
             layouts.append(_layout(run, offsets, params, cursor, device, dtype))
     return layouts

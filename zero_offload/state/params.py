@@ -10,6 +10,9 @@ Where a parameter lives:
 * on CUDA with the state on the device tier (``gpu_fraction``): as on CPU, in device memory ("resident").
 * sharded on CPU (or resident): the parameters are views of one full flat buffer ``flat_param``, whose rank's
   slice *is* the master (fp32) or the staging copy.
+* FSDP2's shards on the host (a CPU mesh, or ``CPUOffloadPolicy``): as on CPU, the storage FSDP keeps for each
+  shard moved into its slot (:func:`zero_offload.fsdp2.bind_shard`), so FSDP's all-gather reads what the update
+  wrote; where FSDP keeps a shard otherwise, the parameter stays where it is and is written like a GPU one.
 
 A separate master is (re)initialised from its parameter before the parameter's next update whenever the parameter
 was changed outside the optimizer (its version counter moved) and no longer equals the master rounded to its
@@ -18,10 +21,11 @@ dtype: loading a model checkpoint after building the optimizer just works.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.state.layout import BucketLayout, ShardLayout, memory_order_flat, view_like
 from zero_offload.state.tiers import Tier
 
@@ -43,17 +47,21 @@ class Masters:
             optimizer writes). Default: ``params``.
         bind (bool): CPU parameters may become views of their slots; False: they stay where they are (FSDP2's
             shards live in FSDP's storage) and are written like GPU parameters. Default: True.
+        homes (Sequence, optional): FSDP2: FSDP's record of each host shard (see :func:`zero_offload.fsdp2.home`),
+            whose storage the slots take over (``watch`` the DTensor parameters); each slot has room for the shard's
+            padding rows. Default: None.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
-                 watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True):
-        self.params, self.shard = params, shard
+                 watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True,
+                 homes: Optional[Sequence[Any]] = None):
+        self.params, self.shard, self.homes, self.offsets = params, shard, homes, layout.offsets
         self.watch = params if watch is None else watch
         self.device, self.dtype = layout.device, layout.dtype
-        # The state lives with the parameters (a CPU model, or a GPU bucket on the device tier): the parameters
-        # are bound to the slots the update writes, and nothing is transferred.
-        self.resident = (layout.device.type == "cpu" and bind) or not tier.host
+        # The state lives with the parameters (a CPU model, FSDP2's host shards taken over, or a GPU bucket on the
+        # device tier): the parameters are bound to the slots the update writes, and nothing is transferred.
+        self.resident = (layout.device.type == "cpu" and (bind or homes is not None)) or not tier.host
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
@@ -72,7 +80,7 @@ class Masters:
         # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
         # from it); -1 = master not initialised. Unused when the parameter is its own master.
         self.versions = [-1] * len(params)
-        self.slot_ptrs: List[int] = []  # data_ptr of each CPU parameter's slot, once bound
+        self.slot_ptrs: List[Any] = []  # data_ptr of each CPU parameter's slot, once bound (FSDP2: home_ptrs)
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
@@ -85,14 +93,21 @@ class Masters:
         return self.staging_views if self.low_precision else self.master_views
 
     def fill_param_slots(self) -> None:
-        """Copy each CPU parameter's values into the slot it will be bound to (see :meth:`bind`)."""
-        for p, slot in zip(self.params, self.param_slots or ()):
+        """Copy each CPU parameter's values into the slot it will be bound to (see :meth:`bind`; FSDP2's shards
+        are copied as they are bound)."""
+        for p, slot in zip(self.params, () if self.homes is not None else self.param_slots or ()):
             slot.copy_(p.detach())
 
     def bind(self) -> None:
         """Make CPU parameters views of the slots the kernel writes (after :meth:`fill_param_slots`, so the model
-        is unchanged, and a later in-place load into a parameter lands in its slot)."""
-        if self.resident:
+        is unchanged, and a later in-place load into a parameter lands in its slot). FSDP2: the storage FSDP
+        keeps for each shard moves into its slot, and ``params`` take the new local shards."""
+        if self.homes is not None:
+            flat = self.staging if self.low_precision else self.master
+            for i, (owner, home, offset) in enumerate(zip(self.watch, self.homes, self.offsets)):
+                self.params[i] = fsdp2.bind_shard(owner, home, flat[offset : offset + fsdp2.home_numel(home)])
+            self.slot_ptrs = fsdp2.home_ptrs(self.watch, self.homes)
+        elif self.resident:
             for p, slot in zip(self.params, self.param_slots):
                 p.data = slot
             self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
@@ -100,6 +115,16 @@ class Masters:
     def check_in_place(self) -> None:
         """Refuse parameters that no longer live where the optimizer put them. C-level loops on the hot path."""
         params = self.params
+        if self.homes is not None:
+            now = fsdp2.home_ptrs(self.watch, self.homes)
+            if now != self.slot_ptrs:
+                p = next(self.watch[i] for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b)
+                raise RuntimeError(
+                    f"OffloadOptimizer: FSDP2 re-made the storage of the shard of a parameter of shape "
+                    f"{tuple(p.shape)} after the optimizer took it over (model.to(...), "
+                    "load_state_dict(assign=True), ...): the optimizer would update storage FSDP no longer reads. "
+                    "Build the optimizer after such changes to the model.")
+            return
         if self.resident:
             moved = list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs
         else:

@@ -351,7 +351,7 @@ class Transport:
         :meth:`reset`."""
         for lane in self.lanes:
             bucket = lane.bucket
-            if bucket.resident and not lane.streamed:
+            if bucket.resident and not lane.streamed and not bucket.fsdp:
                 bucket.grads.zero_as_views()
                 continue
             if self.release and any(lane.had):
@@ -362,7 +362,7 @@ class Transport:
                     if has:
                         bucket.grads.clear(i)
             grads = []
-            for p in bucket.params:
+            for p in bucket.owners:  # (FSDP2: its DTensor gradients, whose local shards are ours at step())
                 if p.grad is not None:
                     if p.grad.grad_fn is not None:
                         p.grad.detach_()

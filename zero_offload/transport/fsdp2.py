@@ -16,8 +16,14 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 
 Routes: on a GPU, :class:`~zero_offload.transport.device.OffloadRoute` itself (gradients down from FSDP's hooks, in
 the reduce-scatter stream's context, the updated shard up into ``p.to_local()``); on the host (a CPU mesh, or
-``CPUOffloadPolicy``), :class:`FSDPHostRoute`: gradients read where FSDP left them, the update copied into the
-shard (the shard lives in FSDP's storage, so it cannot be the master's own slot).
+``CPUOffloadPolicy``), :class:`~zero_offload.transport.host.HostRoute`: the storage FSDP keeps for each shard is
+moved into its slot (:func:`zero_offload.fsdp2.bind_shard`), gradients are read where FSDP left them, and the kernel
+writes the shard itself: no second host copy of the parameters, no copy after the update. Where FSDP keeps a host
+shard in a way that cannot be taken over (:func:`zero_offload.fsdp2.home`), :class:`FSDPHostRoute`: a separate
+master, the update copied into the shard.
+
+The local shards' ``.grad`` (set from their DTensor's at ``step()``) are let go with the step, so no gradient
+outlives it (``zero_grad()`` clears the DTensors' own).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ __all__ = ["FSDPHostRoute", "FSDPTransport"]
 
 
 class FSDPHostRoute(HostRoute):
-    """Local shards on the host: gradients read in place; the update (a separate master) copied into the shard."""
+    """Local shards on the host whose storage is FSDP's: gradients read in place; the update (a separate master)
+    copied into the shard."""
 
     def bind(self, lane: Lane) -> None:
         """Nothing is bound: the masters are taken from the shards at their first update."""
@@ -69,6 +76,8 @@ class FSDPTransport(Transport):
         self._digests: Dict[Lane, Dict[int, torch.Tensor]] = {}
 
     def route_for(self, bucket: FlatBucket) -> Route:
+        if bucket.resident:  # the shards' storage taken over: the kernel writes what FSDP's all-gather reads
+            return self.route(HostRoute)
         return self.route(FSDPHostRoute if bucket.on_cpu else OffloadRoute)
 
     @staticmethod
@@ -90,6 +99,7 @@ class FSDPTransport(Transport):
             self._digests.setdefault(lane, {}).update((i, n) for (i, _), n in zip(sent, norms))
 
     def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
+        lane.bucket.masters.check_in_place()  # (before the gradients are handed to shards that may have moved)
         self._take_grads(lane)
         lane = super().receive(lane, fresh=fresh)
         digests = self._digests.pop(lane, None)
@@ -116,6 +126,9 @@ class FSDPTransport(Transport):
     def reset(self) -> None:
         self._digests = {}
         super().reset()
+        for lane in self.lanes:
+            for p in lane.bucket.params:
+                p.grad = None
 
     def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
