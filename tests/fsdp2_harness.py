@@ -130,6 +130,9 @@ class Recipe:
         resume_how (str): ``"dcp"``: ``dcp.save``/``dcp.load`` of the sharded state dicts; ``"full"``: full state
             dicts gathered to rank 0 (``full_state_dict=True, cpu_offload=True``) and loaded with
             ``broadcast_from_rank0=True``. Default: "dcp".
+        built_unsharded (bool): accelerate's FSDP2 preparation: the optimizer (and scheduler) built over the plain
+            model, then ``fully_shard``, then each group's ``params`` switched to the DTensors, matched by name (as
+            ``Accelerator.prepare(model, optimizer)`` does with its FSDP2 plugin). Default: False.
     """
 
     clip: Optional[float] = None
@@ -145,6 +148,7 @@ class Recipe:
     mesh: Optional[Tuple[int, ...]] = None
     resume_at: Optional[int] = None
     resume_how: str = "dcp"
+    built_unsharded: bool = False
 
 
 RECIPES: Dict[str, Recipe] = {
@@ -162,6 +166,7 @@ RECIPES: Dict[str, Recipe] = {
     "hsdp_shard": Recipe(mesh=(1, -1), clip=CLIP),  # a 2-D mesh whose shard dimension is the whole world
     "dcp_roundtrip": Recipe(groups=True, scheduler=True, clip=CLIP, resume_at=3),
     "full_roundtrip": Recipe(scaler=True, resume_at=3, resume_how="full"),
+    "accelerate_switch": Recipe(groups=True, scheduler=True, clip=CLIP, built_unsharded=True),
 }
 
 
@@ -235,12 +240,14 @@ class Outcome:
 
 
 # ---------------------------------------------------------------------------------------------- building --
-def build_model(world: int, recipe: Recipe, seed: int = 0) -> nn.Module:
+def build_model(world: int, recipe: Recipe, seed: int = 0, model: Optional[nn.Module] = None) -> nn.Module:
+    """The recipe's model (``model``, else a new one from ``seed``), sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    torch.manual_seed(seed)
-    model = Net()
+    if model is None:
+        torch.manual_seed(seed)
+        model = Net()
     shape = tuple(world // math.prod(d for d in recipe.mesh if d != -1) if d == -1 else d
                   for d in recipe.mesh) if recipe.mesh else (world,)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
@@ -278,6 +285,18 @@ class Loop:
 
 
 def make_loop(world: int, recipe: Recipe, make_opt: Callable, seed: int = 0) -> Loop:
+    if recipe.built_unsharded:
+        torch.manual_seed(seed)
+        model = Net()
+        opt = make_optimizer(model, recipe, make_opt)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda) if recipe.scheduler else None
+        names = {id(p): n for n, p in model.named_parameters()}
+        build_model(world, recipe, model=model)
+        sharded = dict(model.named_parameters())
+        for group in opt.param_groups:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if recipe.scaler else None
+        return Loop(model, opt, scheduler, scaler)
     model = build_model(world, recipe, seed)
     opt = make_optimizer(model, recipe, make_opt)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda) if recipe.scheduler else None

@@ -123,6 +123,7 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["adamw<-ours-w2"] = h.Job(plain, ADAMW, start_from=("ours-w2", SAVE_AT))
         jobs["storage/shards"] = h.Call(shard_storage)
         jobs["bf16/model"] = h.Call(bf16_model)
+        jobs["switch/lets_go"] = h.Call(switch_lets_go)
         jobs["refuse/remade_storage"] = h.Call(refuse_remade_storage)
         jobs["refuse/tensor_parallel"] = h.Call(refuse_tensor_parallel)
         jobs["refuse/mixed_with_plain"] = h.Call(refuse_mixed_with_plain)
@@ -197,6 +198,8 @@ def test_reference_trains_as_the_recipe_says(request, world, name):
         assert not torch.allclose(snaps[-1].params["embed.weight"], plain[-1].params["embed.weight"])
     if recipe.resume_at is not None:  # the round trip is invisible: bit for bit the run without it
         h.assert_same(out[f"adamw/{name}:twin"].get(), snaps, f"{name} against its twin", rtol=0, atol=0)
+    if recipe.built_unsharded:  # the switch is invisible: the run of an optimizer built over the shards
+        h.assert_same(out["adamw/dcp_roundtrip:twin"].get(), snaps, name)
     if name in ("no_reshard", "cpu_offload") or name.startswith("hsdp"):  # the same training as without
         same = "plain" if recipe.clip is None else "clip" if world == 2 else "clip_opt"  # (AdamW: torch's clip)
         h.assert_same(out[f"adamw/{same}"].get(), snaps, name)
@@ -513,6 +516,51 @@ def test_a_bf16_model_keeps_fp32_masters_on_the_host_as_adamw_on_fp32_copies(wor
                 torch.testing.assert_close(ours, reference, msg=lambda m: f"rank {rank} step {step} param {i}: {m}")
                 for k in state:
                     torch.testing.assert_close(state[k], ref_state[k], msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def switch_lets_go(rank, world):
+    """accelerate's preparation (the ``accelerate_switch`` recipe): whether, after the first step, the optimizer
+    runs over FSDP2's shards and holds nothing of what it laid out over the plain model; and the error an edit of
+    ``params`` after that step still gets."""
+    import gc
+    import weakref
+
+    recipe = h.RECIPES["accelerate_switch"]
+    loop = h.make_loop(world, recipe, OURS)
+    old = weakref.ref(loop.opt._buckets[0][0])
+    h.train_step(loop, recipe, 0, rank, world)
+    gc.collect()
+    loop.opt.param_groups[0]["params"] = list(loop.opt.param_groups[0]["params"])[::-1]
+    loop.opt.zero_grad()
+    h.loss_on(loop.model, 1, 0, rank, world).backward()
+    try:
+        loop.opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    # Built with process_group= (ZeRO over plain parameters), then switched: refused, and the optimizer keeps its
+    # layout.
+    torch.manual_seed(0)
+    plain = h.Net()
+    opt = OffloadOptimizer(plain.parameters(), lr=h.LR, process_group=dist.group.WORLD)
+    kept = opt._buckets[0][0]
+    names = {id(p): n for n, p in plain.named_parameters()}
+    h.build_model(world, h.RECIPES["plain"], model=plain)
+    sharded = dict(plain.named_parameters())
+    opt.param_groups[0]["params"] = [sharded[names[id(p)]] for p in opt.param_groups[0]["params"]]
+    try:
+        opt.step()
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return old() is None, loop.opt._fsdp, message, refused, opt._buckets[0][0] is kept
+
+
+def test_accelerates_switch_lets_the_plain_layout_go_and_later_edits_stay_refused(world2):
+    for let_go, sharded, message, refused, kept in world2["switch/lets_go"].per_rank.values():
+        assert let_go and sharded
+        assert message is not None and "was edited" in message, message
+        assert refused is not None and "process_group" in refused and kept, refused
 
 
 def refuse_remade_storage(rank, world):

@@ -291,6 +291,55 @@ def test_compiled_model_matches_compiled_adamw(compiled_reference, setup):
     assert_same_params(ref, model, setup.__name__)
 
 
+# ------------------------------------------------------------------------------------- accelerate's FSDP2 --
+def _accelerate_fsdp2_worker(rank: int, world: int, optimizer: str):
+    """What ``Accelerator.prepare(model, optimizer)`` does with its FSDP2 plugin (``_prepare_fsdp2``), step by step
+    (accelerate takes FSDP only on GPUs: on CPU it would not shard): the optimizer built over the plain model, each
+    listed parameter swapped for a placeholder carrying its ``data_ptr``, ``fully_shard``, then accelerate's own
+    ``fsdp2_switch_optimizer_parameters`` with the mapping it builds; then four clipped steps. Each step's full
+    parameters."""
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+
+    import fsdp2_harness as h
+
+    torch.manual_seed(0)
+    model = h.Net()
+    make = adamw if optimizer == "adamw" else OffloadOptimizer
+    opt = make(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    old = {name: p.data_ptr() for name, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1, dtype=p.dtype)
+            group["params"][i].data_ptr = p.data_ptr()
+    h.build_model(world, h.RECIPES["plain"], model=model)
+    fsdp2_switch_optimizer_parameters(opt, {old[name]: p for name, p in model.named_parameters()})
+    steps = []
+    for step in range(4):
+        opt.zero_grad()
+        h.loss_on(model, step, 0, rank, world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), h.CLIP)
+        opt.step()
+        steps.append({name: p.full_tensor() for name, p in model.named_parameters()})
+    return steps
+
+
+def test_accelerate_fsdp2_preparation_hands_ours_the_shards():
+    """Ours built before accelerate shards the model lays itself out again over the shards at its first step, and
+    trains as AdamW does under the same preparation (2 ranks, gloo)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+    from test_distributed import launch
+
+    reference = launch(_accelerate_fsdp2_worker, 2, "adamw", timeout=180)[0]
+    ours = launch(_accelerate_fsdp2_worker, 2, "ours", timeout=180)[0]
+    assert len(ours) == len(reference) == 4
+    for step, (a, b) in enumerate(zip(reference, ours)):
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], msg=lambda m: f"step {step}, {name}: {m}")
+    assert any(not torch.equal(reference[0][n], reference[-1][n]) for n in reference[0])  # it trained
+
+
 # ------------------------------------------------------------------------------------------------ examples --
 @pytest.mark.parametrize("script, needs", [("hf_trainer.py", "transformers"), ("lightning_module.py", "lightning"),
                                            ("torch_compile.py", "torch._inductor")])

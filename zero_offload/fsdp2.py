@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Sharding", "bind_shard", "given", "home", "home_numel", "home_ptrs", "is_dtensor",
+__all__ = ["Sharding", "adopt_switched", "bind_shard", "given", "home", "home_numel", "home_ptrs", "is_dtensor",
            "local_shard", "local_value", "plan", "take", "wrap"]
 
 
@@ -53,6 +53,31 @@ def take(params: Any, options: Any) -> "tuple[Any, Optional[Dict[int, int]]]":
         if isinstance(item, dict) and not isinstance(item.get("params"), (torch.Tensor, list, type(None))):
             item["params"] = list(item["params"])
     return params, (managed if given(params, options) else None)
+
+
+def adopt_switched(opt: Any) -> None:
+    """Lay ``opt`` (an ``OffloadOptimizer``) out again over FSDP2's parameters where its groups' ``params`` were
+    switched to them before its first step: what accelerate's FSDP2 preparation does (``Accelerator.prepare(model,
+    optimizer)``: the optimizer is built over the model's plain parameters, ``fully_shard`` is applied, then each
+    group's ``params`` is replaced by the DTensors FSDP2 made). As if built over them: the groups' hyperparameters
+    as they are, torch.optim's hooks kept, the streaming hooks and buffers laid out over the plain parameters let go
+    first (so the host holds one layout at a time). Any other edit of ``params``, or one after a step, is left to
+    the optimizer's refusal (``check_param_lists``)."""
+    groups = opt.param_groups
+    if opt._fsdp or not _dtensors_exist() or len(groups) != len(opt._buckets):
+        return
+    listed = [p for g in groups for p in g["params"]]
+    if not listed or not all(is_dtensor(p) for p in listed):
+        return
+    if any(bool(bucket.steps.any()) for buckets in opt._buckets for bucket in buckets):
+        return
+    fresh = [dict(g) for g in groups]
+    given(fresh, opt.options)  # (options FSDP2's shards cannot take are refused before anything is let go)
+    hooks = {k: v for k, v in vars(opt).items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
+    opt._unhook()  # the gradient hooks on the plain parameters, and the streamer's hold on the old buckets
+    opt._buckets, opt._lanes = [], []
+    opt._start(fresh, opt._rule, dict(opt.defaults), opt._given)
+    vars(opt).update(hooks)
 
 
 def _dtensors_exist() -> bool:

@@ -127,15 +127,14 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         self.options = opts.validate()
         _check_rule(rule, self.options)
         self._place_after_step = self.options.gpu_fraction == "auto"
-        self._rule = rule
-        self._fsdp = managed is not None
+        self._rule, self._given, self._fsdp = rule, dict(options), managed is not None
         self._transport = make_transport(process_group, self.options, self._fsdp)
         if self._fsdp:
             self._transport.managed = managed
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
                                 weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
-        weakref.finalize(self, self._streamer.remove)
+        self._unhook = weakref.finalize(self, self._streamer.remove)
         self.skipped_steps = 0
         self._buckets: List[List[FlatBucket]] = []  # set before the base constructor calls add_param_group
         self._lanes: Lanes = []  # each bucket's lane, by group
@@ -260,13 +259,16 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         return loss
 
     def _sync(self) -> None:
-        """Refuse edited param lists; apply the user's edits of ``opt.state`` (after a pending update)."""
+        """Refuse edited param lists (but adopt accelerate's switch to FSDP2's shards before the first step, see
+        :func:`~zero_offload.fsdp2.adopt_switched`); apply the user's edits of ``opt.state`` (after a pending
+        update)."""
         state = self.state
         # O(groups) when nothing was edited, without a call (the step runs this every time).
         if type(state) is StateMap and not state.flag.changed and len(self.param_groups) == len(self._buckets) \
                 and all(type(g["params"]) is ParamList and not g["params"].flag.changed
                         for g in self.param_groups):
             return
+        fsdp2.adopt_switched(self)
         check_param_lists(self.param_groups, self._buckets)
         self.state = sync_state(self.state, self._buckets, self.flush)
 
@@ -431,6 +433,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         max_norm = float(max_norm)
         if self.options.overlap_step:
             raise gate.refuse_clipping()
+        fsdp2.adopt_switched(self)
         fresh = self._scaled is not False
         plans = self._receive(fresh=fresh)
         first = next((lane.bucket.params[i] for lane in chain.from_iterable(plans)

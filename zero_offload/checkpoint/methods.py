@@ -10,6 +10,7 @@ from typing import Any, Dict
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.checkpoint import dcp, entries, full
 
 __all__ = ["StateDictMethods"]
@@ -59,6 +60,7 @@ class StateDictMethods:
             state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
         """
         full.check_format(state_dict)
+        fsdp2.adopt_switched(self)
         self._mode.check_load()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
