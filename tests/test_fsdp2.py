@@ -435,8 +435,9 @@ def _storage_ptr(p) -> int:
 def shard_storage(rank, world):
     """On a host mesh (plain, and CPUOffloadPolicy), built before or after FSDP's lazy initialisation (the first
     forward): whether each parameter's local shard lives in the optimizer's own buffers (no second host copy of
-    the parameters) when built and after a step, and how many of the step's gradient shards are still alive after
-    ``zero_grad()`` (of how many)."""
+    the parameters) when built and after a step, how many of the step's gradient shards are still alive after
+    ``zero_grad()`` (of how many), and how many buckets made a gradient buffer (FSDP's gradients are read where
+    they are)."""
     import gc
     import weakref
 
@@ -455,20 +456,22 @@ def shard_storage(rank, world):
             grads = [weakref.ref(p.grad._local_tensor) for p in model.parameters() if p.grad is not None]
             opt.step()
             after_step = [_storage_ptr(p) in buffers for p in model.parameters()]
+            grad_buffers = sum("grad" in b for b in opt.host_buffers())
             opt.zero_grad()
             gc.collect()
             out[f"{recipe}, {when}"] = (all(at_build), all(after_step), sum(r() is not None for r in grads),
-                                        len(grads))
+                                        len(grads), grad_buffers)
     return out
 
 
 def test_host_shards_are_updated_where_fsdp_keeps_them_and_no_gradient_outlives_its_step(world2):
-    """The kernel writes the shards FSDP's all-gather reads (item 5: no second host copy); the recipes above check
-    the values against AdamW through this very path."""
+    """The kernel writes the shards FSDP's all-gather reads (no second host copy, no gradient buffer); the recipes
+    above check the values against AdamW through this very path."""
     for rank, cases in world2["storage/shards"].per_rank.items():
-        for case, (at_build, after_step, alive, grads) in cases.items():
+        for case, (at_build, after_step, alive, grads, grad_buffers) in cases.items():
             assert at_build and after_step, f"rank {rank}, {case}: a shard outside the optimizer's buffers"
             assert grads and alive == 0, f"rank {rank}, {case}: {alive} of {grads} gradient shards still alive"
+            assert grad_buffers == 0, f"rank {rank}, {case}: {grad_buffers} gradient buffers made"
 
 
 def bf16_model(rank, world):

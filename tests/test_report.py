@@ -443,6 +443,21 @@ def test_fsdp_plan_is_one_rank_of_the_sharded_model(capsys):
     assert "sharded by FSDP2 over 8 ranks" in out and "each rank holds 8,750,000,000 of them" in out
 
 
+def test_fsdp_plan_on_the_host_has_the_shards_as_masters_and_no_grad_buffer(capsys):
+    """--fsdp N --device cpu (CPUOffloadPolicy, or a CPU mesh): the shards FSDP keeps are the masters and their
+    gradients FSDP's own, so ours holds per parameter what FSDP2 + AdamW hold on the host: 4 (shard) + 4
+    (gradient) + 8 (moments) B."""
+    main(["--params", "70B", "--fsdp", "8", "--device", "cpu", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    n = 8_750_000_000
+    assert data["totals_per_rank"]["OffloadOptimizer"] == {"gpu": 0, "host": 16 * n}
+    assert data["totals_per_rank"]["torch.optim.AdamW"] == {"gpu": 0, "host": 16 * n}
+    main(["--params", "70B", "--fsdp", "8", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert not any(line.strip().startswith("grad buffer") for line in out.splitlines()), out
+    assert "read where FSDP leaves them (no grad buffer)" in out, out
+
+
 def test_fsdp_shards_are_rank_zeros_rows():
     params = [torch.empty(5, 3, device="meta"), torch.empty(1, 6, device="meta"), torch.empty(7, device="meta")]
     assert [tuple(p.shape) for p in fsdp_shards(params, 2)] == [(3, 3), (1, 6), (4,)]

@@ -141,7 +141,7 @@ class FlatBucket:
         self.store = StateStore(rule, rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
                                 state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
         self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
-                               shard is not None and self.resident, tier, self.label)
+                               shard is not None and self.resident, tier, self.label, lazy=self.fsdp and self.on_cpu)
         self.views = StateViews(rule, self.store, self.masters, self.layout, shard, self.params,
                                 self.owners if self.fsdp else None)
         self.state_dtype, self.compact, self.steps = state_dtype, self.store.compact, self.store.steps
@@ -308,7 +308,8 @@ class FlatBucket:
         return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                                state=self.store.nbytes(), pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
-                               delayed_update=self.grad_prev is not None)
+                               delayed_update=self.grad_prev is not None,
+                               grad_buffer=self.grads.allocated or not self.grads.lazy)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, **self.store.tensors()}

@@ -43,17 +43,21 @@ class GradSlots:
         gather_full (bool): sharded on the CPU: allocate ``flat_grad``.
         tier (Tier): where the buffers live.
         label (Callable[[int], str]): names parameter ``i`` in error messages.
+        lazy (bool): make ``grad`` at its first use even on the host (FSDP2's host shards: their gradients are
+            read where FSDP leaves them). Default: False.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], shapes: Sequence[torch.Size], layout: BucketLayout,
-                 full: BucketLayout, pieces, gather_full: bool, tier: Tier, label: Callable[[int], str]):
+                 full: BucketLayout, pieces, gather_full: bool, tier: Tier, label: Callable[[int], str],
+                 lazy: bool = False):
         self.params, self.shapes, self.layout, self.full = params, shapes, layout, full
         self.pieces, self.tier, self.label = pieces, tier, label
         # On a device tier the buffer is made at its first use (gradients are read where autograd left them; a
         # buffer is needed only for ``zero_grad(set_to_none=False)``, a gradient laid out unlike its parameter,
-        # or a sharded bucket's reduce-scatter): GPU memory is what the device tier is short of.
-        self.allocated = False
-        if tier.host:
+        # or a sharded bucket's reduce-scatter): GPU memory is what the device tier is short of. So for FSDP2's
+        # host shards (``lazy``), whose gradients FSDP hands over as fresh tensors each step.
+        self.allocated, self.lazy = False, lazy
+        if tier.host and not lazy:
             self.allocate()
         self.grad_prev: Optional[torch.Tensor] = None
         self.flat_grad: Optional[torch.Tensor] = None

@@ -309,6 +309,7 @@ def estimate_bucket(
     pin: bool,
     world_size: int = 1,
     delayed_update: bool = False,
+    grad_buffer: bool = True,
 ) -> HostMemoryEstimate:
     """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. ``state`` is the update rule's state
     buffers' bytes by name, from the rule's declarations (``zero_offload.state.store.state_bytes``, which the
@@ -316,7 +317,8 @@ def estimate_bucket(
 
     With ``world_size > 1``, ``padded_numel`` is the bucket's full padded length (a multiple of ``world_size``)
     and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard. ``delayed_update`` adds
-    the second gradient buffer it double-buffers with."""
+    the second gradient buffer it double-buffers with; without ``grad_buffer`` (FSDP2's host shards until one is
+    needed) there is no gradient buffer."""
     low_precision = param_dtype != torch.float32
     # An unsharded CUDA bucket's kernel writes the low-precision parameter into the gradient buffer it reads
     # (buckets.FlatBucket.shares_grad): no staging buffer.
@@ -325,7 +327,7 @@ def estimate_bucket(
     shard = padded_numel // world_size
     buffers = {"master": 4 * shard, **state}
     buffers.update({
-        "grad": grad_itemsize * shard,
+        "grad": grad_itemsize * shard if grad_buffer else 0,
         "staging": grad_itemsize * shard if staging else 0,
         "grad_prev": grad_itemsize * shard if delayed_update else 0,
     })

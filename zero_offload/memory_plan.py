@@ -307,7 +307,9 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
     ``params`` (a model's, real or meta), rank 0's shards of them (:func:`fsdp_shards`); else a model of ``numel``
     parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
-    (``world_size`` and ``gpu_fraction`` are not combined with FSDP2)."""
+    (``world_size`` and ``gpu_fraction`` are not combined with FSDP2). ``device="cpu"``: the shards on the host (a
+    CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
+    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
     if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
@@ -320,6 +322,10 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     else:
         plan = count_plan(-(-int(numel) // ranks), dtype, **kw)
         whole = int(numel)
+    if plan.device == "cpu":
+        host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
+        ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
+        plan = dataclasses.replace(plan, host=host, ours=ours)
     return dataclasses.replace(plan, fsdp=ranks, model_numel=whole)
 
 
@@ -430,6 +436,10 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
                    "after")
         out.append("                 zero_grad(set_to_none=False) the .grad tensors are views of flat_grad, which "
                    "saves the gradients row")
+    elif plan.device == "cpu" and plan.fsdp > 1:
+        out.append(f"                 the shards FSDP2 keeps on the host (CPUOffloadPolicy, or a CPU mesh) are views "
+                   f"of {home};")
+        out.append("                 their gradients are FSDP's, read where FSDP leaves them (no grad buffer)")
     elif plan.device == "cpu":
         out.append(f"                 the parameters are views of {home}; after zero_grad(set_to_none=False) the "
                    ".grad tensors")

@@ -122,8 +122,9 @@ class Masters:
                 raise RuntimeError(
                     f"OffloadOptimizer: FSDP2 re-made the storage of the shard of a parameter of shape "
                     f"{tuple(p.shape)} after the optimizer took it over (model.to(...), "
-                    "load_state_dict(assign=True), ...): the optimizer would update storage FSDP no longer reads. "
-                    "Build the optimizer after such changes to the model.")
+                    "load_state_dict(assign=True), another OffloadOptimizer built over the same parameters, ...): "
+                    "the optimizer would update storage FSDP no longer reads. Build the optimizer after such changes "
+                    "to the model.")
             return
         if self.resident:
             moved = list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs
