@@ -228,8 +228,17 @@ class Outcome:
     value: Any = None  # rank 0's: a list of Snapshot (a Job) or the function's value (a Call)
     error: Optional[BaseException] = None
     tracebacks: Dict[int, str] = dataclasses.field(default_factory=dict)
-    per_rank: Dict[int, Any] = dataclasses.field(default_factory=dict)  # a Call's value on each rank
+    values: Dict[int, Any] = dataclasses.field(default_factory=dict)  # a Call's value on each rank
     seconds: float = 0.0  # how long the job took on rank 0
+
+    @property
+    def per_rank(self) -> Dict[int, Any]:
+        """A Call's value on each rank; or, as :meth:`get`, the job's exception (never an empty dict that a loop
+        over the ranks would pass without looking)."""
+        self.get()
+        if not self.values:
+            raise AssertionError("no value from any rank (a Job, not a Call?)")
+        return self.values
 
     def get(self) -> Any:
         """The value; or the job's exception re-raised, the ranks' tracebacks chained as its cause."""
@@ -548,7 +557,7 @@ def run_jobs(world: int, jobs: Mapping[str, Union[Job, Call]], workdir: Optional
             outcomes[tag] = Outcome(error=errors[first][1], tracebacks={r: e[2] for r, e in errors.items()},
                                     seconds=results[0][-1])
         else:
-            outcomes[tag] = Outcome(value=results[0][1], per_rank={r: res[1] for r, res in results.items()}
+            outcomes[tag] = Outcome(value=results[0][1], values={r: res[1] for r, res in results.items()}
                                     if isinstance(jobs[tag], Call) else {}, seconds=results[0][-1])
     return outcomes
 

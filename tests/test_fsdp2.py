@@ -124,6 +124,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["storage/shards"] = h.Call(shard_storage)
         jobs["bf16/model"] = h.Call(bf16_model)
         jobs["switch/lets_go"] = h.Call(switch_lets_go)
+        jobs["switch/zero_grads/adamw"] = h.Call(switch_then_zero_grads, (ADAMW,))
+        jobs["switch/zero_grads/ours"] = h.Call(switch_then_zero_grads, (OURS,))
         jobs["refuse/remade_storage"] = h.Call(refuse_remade_storage)
         jobs["refuse/tensor_parallel"] = h.Call(refuse_tensor_parallel)
         jobs["refuse/mixed_with_plain"] = h.Call(refuse_mixed_with_plain)
@@ -521,49 +523,91 @@ def test_a_bf16_model_keeps_fp32_masters_on_the_host_as_adamw_on_fp32_copies(wor
                     torch.testing.assert_close(state[k], ref_state[k], msg=lambda m: f"rank {rank} {k}: {m}")
 
 
-def switch_lets_go(rank, world):
-    """accelerate's preparation (the ``accelerate_switch`` recipe): whether, after the first step, the optimizer
-    runs over FSDP2's shards and holds nothing of what it laid out over the plain model; and the error an edit of
-    ``params`` after that step still gets."""
-    import gc
-    import weakref
-
-    recipe = h.RECIPES["accelerate_switch"]
-    loop = h.make_loop(world, recipe, OURS)
-    old = weakref.ref(loop.opt._buckets[0][0])
-    h.train_step(loop, recipe, 0, rank, world)
-    gc.collect()
-    loop.opt.param_groups[0]["params"] = list(loop.opt.param_groups[0]["params"])[::-1]
-    loop.opt.zero_grad()
-    h.loss_on(loop.model, 1, 0, rank, world).backward()
-    try:
-        loop.opt.step()
-        message = None
-    except RuntimeError as exc:
-        message = str(exc)
-    # Built with process_group= (ZeRO over plain parameters), then switched: refused, and the optimizer keeps its
-    # layout.
+def _switched(world, make_opt=OURS, **kw):
+    """accelerate's preparation by hand: an optimizer built over the plain model, then fully_shard, then each
+    group's params switched to the DTensors (by name)."""
     torch.manual_seed(0)
-    plain = h.Net()
-    opt = OffloadOptimizer(plain.parameters(), lr=h.LR, process_group=dist.group.WORLD)
-    kept = opt._buckets[0][0]
-    names = {id(p): n for n, p in plain.named_parameters()}
-    h.build_model(world, h.RECIPES["plain"], model=plain)
-    sharded = dict(plain.named_parameters())
-    opt.param_groups[0]["params"] = [sharded[names[id(p)]] for p in opt.param_groups[0]["params"]]
+    model = h.Net()
+    opt = make_opt(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY, **kw)
+    names = {id(p): n for n, p in model.named_parameters()}
+    h.build_model(world, h.RECIPES["plain"], model=model)
+    sharded = dict(model.named_parameters())
+    for group in opt.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return model, opt
+
+
+def switch_lets_go(rank, world):
+    """accelerate's preparation: what the optimizer keeps through its re-layout at the first step (settings made
+    since construction, hooks), whether it holds anything of the plain layout right after (no collection run by
+    the caller), what a failure of the re-layout leaves, and the refusals that stay."""
+    import weakref
+    from unittest import mock
+
+    out = {}
+    model, opt = _switched(world)
+    opt.nonfinite = "skip"
+    opt.record_timeline()
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(1))
+    old = weakref.ref(opt._buckets[0][0])
+    h.loss_on(model, 0, 0, rank, world).backward()
+    with mock.patch("zero_offload.optimizer.allocate_group", side_effect=MemoryError("no room (simulated)")):
+        try:
+            opt.step()
+            out["failure"] = None
+        except MemoryError as exc:
+            out["failure"] = str(exc)
+    out["after failure: the old layout, the settings"] = (old() is opt._buckets[0][0], opt.nonfinite, opt._fsdp)
+    opt.step()
+    out["after the step: old layout alive, fsdp, nonfinite, timeline events, hook calls"] = (
+        old() is not None, opt._fsdp, opt.nonfinite, len(opt.timeline()) > 0, len(calls))
+    opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])[::-1]
+    opt.zero_grad()
+    h.loss_on(model, 1, 0, rank, world).backward()
     try:
         opt.step()
-        refused = None
+        out["edit after a step"] = None
+    except RuntimeError as exc:
+        out["edit after a step"] = str(exc)
+    # Built with process_group= (ZeRO over plain parameters), then switched: refused, the optimizer as it was.
+    _, opt = _switched(world, process_group=dist.group.WORLD)
+    kept = opt._buckets[0][0]
+    try:
+        opt.step()
+        out["process_group"] = None
     except ValueError as exc:
-        refused = str(exc)
-    return old() is None, loop.opt._fsdp, message, refused, opt._buckets[0][0] is kept
+        out["process_group"] = str(exc)
+    out["process_group kept"] = opt._buckets[0][0] is kept
+    return out
 
 
-def test_accelerates_switch_lets_the_plain_layout_go_and_later_edits_stay_refused(world2):
-    for let_go, sharded, message, refused, kept in world2["switch/lets_go"].per_rank.values():
-        assert let_go and sharded
-        assert message is not None and "was edited" in message, message
-        assert refused is not None and "process_group" in refused and kept, refused
+def test_accelerates_switch_keeps_settings_lets_the_plain_layout_go_and_fails_cleanly(world2):
+    for rank, out in world2["switch/lets_go"].per_rank.items():
+        assert out["failure"] is not None and "simulated" in out["failure"], out
+        assert out["after failure: the old layout, the settings"] == (True, "skip", False), out
+        assert out["after the step: old layout alive, fsdp, nonfinite, timeline events, hook calls"] == (
+            False, True, "skip", True, 1), out
+        assert out["edit after a step"] is not None and "was edited" in out["edit after a step"], out
+        assert out["process_group"] is not None and "process_group" in out["process_group"], out
+        assert out["process_group kept"], out
+
+
+def switch_then_zero_grads(rank, world, make_opt):
+    """A backward before the first step, ``zero_grad(set_to_none=False)``, then the first step: that step must
+    see the second backward's gradients alone. The parameters after it."""
+    model, opt = _switched(world, make_opt)
+    h.loss_on(model, 0, 0, rank, world).backward()
+    opt.zero_grad(set_to_none=False)
+    h.loss_on(model, 1, 0, rank, world).backward()
+    opt.step()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_zero_grad_keeping_tensors_before_the_first_step_zeroes_the_shards_gradients(world2):
+    reference, ours = world2["switch/zero_grads/adamw"].get(), world2["switch/zero_grads/ours"].get()
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], msg=lambda m: f"{name}: {m}")
 
 
 def refuse_remade_storage(rank, world):
@@ -576,14 +620,18 @@ def refuse_remade_storage(rank, world):
         h.loss_on(model, step, 0, rank, world).backward()
         if step == 0:
             opt.step()
-    before = {k: {n: v.to_local().clone() for n, v in entry.items()} for k, entry in opt.state.items()}
+    def local(v):
+        return v.to_local() if hasattr(v, "to_local") else v  # (the 0-dim step is a plain tensor)
+
+    before = {k: {n: local(v).clone() for n, v in entry.items()} for k, entry in opt.state.items()}
     model.to(torch.float64)
     try:
         opt.step()
         message = None
     except RuntimeError as exc:
         message = str(exc)
-    unchanged = all(torch.equal(v.to_local(), before[k][n]) for k, entry in opt.state.items() for n, v in entry.items())
+    unchanged = bool(before) and all(torch.equal(local(v), before[k][n]) for k, entry in opt.state.items()
+                                     for n, v in entry.items())
     return message, unchanged
 
 
@@ -729,7 +777,8 @@ def test_example_trains_with_offload_optimizer_as_with_adamw(world2):
 def test_pinned_cpu_offload_shards_are_the_optimizers_own_on_a_gpu(tmp_path):
     """``CPUOffloadPolicy(pin_memory=True)`` on one GPU (NCCL, world 1): the pinned host shards FSDP all-gathers
     from are the optimizer's own pinned slots, still after FSDP's lazy initialisation (which re-pins any shard that
-    is not), and the run matches FSDP2 + ``CPUOffloadPolicy`` + ``AdamW(foreach=False)`` on the same shards."""
+    is not), the moments are not pinned, and the run matches FSDP2 + ``CPUOffloadPolicy`` +
+    ``AdamW(foreach=False)`` on the same shards."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -762,6 +811,8 @@ def test_pinned_cpu_offload_shards_are_the_optimizers_own_on_a_gpu(tmp_path):
             if name == "ours":
                 buffers = {b.masters.master.untyped_storage().data_ptr() for b in opt._buckets[0]}
                 assert all(t.untyped_storage().data_ptr() in buffers for t in shards)
+                # Only the buffer the shards live in is pinned (FSDP copies it up); the state stays pageable.
+                assert not any(t.is_pinned() for b in opt.host_buffers() for k, t in b.items() if k != "master")
             runs[name] = steps
         for step, (ref, ours) in enumerate(zip(runs["adamw"], runs["ours"])):
             for i, (a, b) in enumerate(zip(ref, ours)):

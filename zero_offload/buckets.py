@@ -11,6 +11,7 @@ parameter, so ``state_dict()`` has the wrapped optimizer's format without a copy
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
@@ -129,15 +130,16 @@ class FlatBucket:
         self.shares_grad = self.low_precision and not self.resident and shard is None
         # (nothing of a sharded CPU bucket, or of a device-tier one, goes through host memory to a GPU)
         self.pin = pin and not (shard is not None and self.on_cpu) and not device_tier
-        # (FSDP pins the shards it keeps for CPUOffloadPolicy(pin_memory=True), and re-pins any that are not)
-        self.pin = self.pin or any(getattr(h, "pin_memory", False) for h in homes or ())
+        # FSDP pins the shards it keeps for CPUOffloadPolicy(pin_memory=True) (it copies them to the GPU), and
+        # re-pins any that are not: the buffer that takes them over is pinned, the rest of the state is not.
+        self.home_pinned = any(getattr(h, "pin_memory", False) for h in homes or ())
         tier = DeviceTier(layout.device) if device_tier else HostTier(self.pin)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
         pieces = None if shard is None else shard.pieces
         self.masters = Masters(self.params, self.layout, shard, tier, self.shares_grad, self._views, self.owners,
-                               bind=not self.fsdp, homes=homes)
+                               bind=not self.fsdp, homes=homes, home_tier=HostTier(True) if self.home_pinned else None)
         self.store = StateStore(rule, rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
                                 state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
         self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
@@ -305,11 +307,15 @@ class FlatBucket:
     def estimate(self) -> HostMemoryEstimate:
         if self.device_tier:  # (no host buffers: see device_bytes)
             return HostMemoryEstimate(self.full.numel, 0, {}, 0, 0)
-        return estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
+        held = estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                                state=self.store.nbytes(), pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None,
                                grad_buffer=self.grads.allocated or not self.grads.lazy)
+        if self.home_pinned:  # (the pinned buffer the shards live in)
+            slots = self.staging if self.low_precision else self.master
+            held = dataclasses.replace(held, pinned_bytes=slots.numel() * slots.element_size())
+        return held
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, **self.store.tensors()}

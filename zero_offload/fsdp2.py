@@ -22,6 +22,7 @@ cheap.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -59,25 +60,41 @@ def adopt_switched(opt: Any) -> None:
     """Lay ``opt`` (an ``OffloadOptimizer``) out again over FSDP2's parameters where its groups' ``params`` were
     switched to them before its first step: what accelerate's FSDP2 preparation does (``Accelerator.prepare(model,
     optimizer)``: the optimizer is built over the model's plain parameters, ``fully_shard`` is applied, then each
-    group's ``params`` is replaced by the DTensors FSDP2 made). As if built over them: the groups' hyperparameters
-    as they are, torch.optim's hooks kept, the streaming hooks and buffers laid out over the plain parameters let go
-    first (so the host holds one layout at a time). Any other edit of ``params``, or one after a step, is left to
-    the optimizer's refusal (``check_param_lists``)."""
+    group's ``params`` is replaced by the DTensors FSDP2 made). As if built over them, with the groups'
+    hyperparameters as they are and what was set since construction kept (torch.optim's hooks, the ``nonfinite``
+    policy, a timeline being recorded). The new layout is made beside the old one (the whole model's, which the
+    host held already; the new one is this rank's shards): if that fails, the optimizer is left as it was, and
+    otherwise the old layout and its gradient hooks are let go at once. Any other edit of ``params``, or one after
+    a step, is left to the optimizer's refusal (``check_param_lists``)."""
     groups = opt.param_groups
     if opt._fsdp or not _dtensors_exist() or len(groups) != len(opt._buckets):
         return
+    if all(not getattr(getattr(g["params"], "flag", None), "changed", True) for g in groups):
+        return  # (the lists the optimizer made, unedited: the usual case, every zero_grad())
     listed = [p for g in groups for p in g["params"]]
     if not listed or not all(is_dtensor(p) for p in listed):
         return
     if any(bool(bucket.steps.any()) for buckets in opt._buckets for bucket in buckets):
         return
     fresh = [dict(g) for g in groups]
-    given(fresh, opt.options)  # (options FSDP2's shards cannot take are refused before anything is let go)
-    hooks = {k: v for k, v in vars(opt).items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
-    opt._unhook()  # the gradient hooks on the plain parameters, and the streamer's hold on the old buckets
-    opt._buckets, opt._lanes = [], []
-    opt._start(fresh, opt._rule, dict(opt.defaults), opt._given)
-    vars(opt).update(hooks)
+    given(fresh, opt.options)  # (options FSDP2's shards cannot take are refused before anything changes)
+    saved = dict(vars(opt))
+    try:
+        opt._start(fresh, opt._rule, dict(opt.defaults), opt._given)
+    except BaseException:
+        if opt._unhook is not saved["_unhook"]:
+            opt._unhook()  # whatever hooks the new layout registered
+        vars(opt).clear()
+        vars(opt).update(saved)
+        raise
+    for name, value in saved.items():
+        if name.startswith("_optimizer_") and name.endswith("_hooks"):
+            setattr(opt, name, value)
+    opt.nonfinite = saved["options"].nonfinite
+    opt._transport.timeline = saved["_transport"].timeline
+    saved["_unhook"]()  # the gradient hooks on the plain parameters
+    del saved
+    gc.collect()  # the old buckets and lanes refer to each other: free them now, not at the next collection
 
 
 def _dtensors_exist() -> bool:

@@ -401,6 +401,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             set_to_none (bool): set gradients to None instead of zeroing them. Default: True.
         """
         self._pending = None
+        fsdp2.adopt_switched(self)  # (before the first step: the gradients to zero are the shards')
         self._end_step()  # gradients streamed since the last step are discarded with the rest
         if set_to_none:
             super().zero_grad(set_to_none=True)

@@ -50,12 +50,14 @@ class Masters:
         homes (Sequence, optional): FSDP2: FSDP's record of each host shard (see :func:`zero_offload.fsdp2.home`),
             whose storage the slots take over (``watch`` the DTensor parameters); each slot has room for the shard's
             padding rows. Default: None.
+        home_tier (Tier, optional): where the buffer that takes the shards over lives, when not ``tier`` (page-locked
+            for ``CPUOffloadPolicy(pin_memory=True)``, whose shards FSDP copies to the GPU). Default: None.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
                  watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True,
-                 homes: Optional[Sequence[Any]] = None):
+                 homes: Optional[Sequence[Any]] = None, home_tier: Optional[Tier] = None):
         self.params, self.shard, self.homes, self.offsets = params, shard, homes, layout.offsets
         self.watch = params if watch is None else watch
         self.device, self.dtype = layout.device, layout.dtype
@@ -71,10 +73,12 @@ class Masters:
             self.flat_param = tier.zeros(shard.full.padded_numel, self.dtype)
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
-        self.master = own if (own is not None and not self.low_precision) else tier.zeros(n, torch.float32)
+        slots = home_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
+        self.master = (own if (own is not None and not self.low_precision)
+                       else (tier if self.low_precision else slots).zeros(n, torch.float32))
         self.staging: Optional[torch.Tensor] = None
         if self.low_precision and not shares_grad:
-            self.staging = own if own is not None else tier.zeros(n, self.dtype)
+            self.staging = own if own is not None else slots.zeros(n, self.dtype)
         self.master_views = views(self.master)
         self.staging_views = views(self.staging)
         # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
