@@ -311,7 +311,7 @@ class FlatBucket:
                                state=self.store.nbytes(), pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None,
-                               grad_buffer=self.grads.allocated or not self.grads.lazy)
+                               grad_buffer=self.grads.allocated)
         if self.home_pinned:  # (the pinned buffer the shards live in)
             slots = self.staging if self.low_precision else self.master
             held = dataclasses.replace(held, pinned_bytes=slots.numel() * slots.element_size())

@@ -56,7 +56,7 @@ class GradSlots:
         # buffer is needed only for ``zero_grad(set_to_none=False)``, a gradient laid out unlike its parameter,
         # or a sharded bucket's reduce-scatter): GPU memory is what the device tier is short of. So for FSDP2's
         # host shards (``lazy``), whose gradients FSDP hands over as fresh tensors each step.
-        self.allocated, self.lazy = False, lazy
+        self.allocated = False
         if tier.host and not lazy:
             self.allocate()
         self.grad_prev: Optional[torch.Tensor] = None

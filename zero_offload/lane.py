@@ -156,12 +156,12 @@ class Lane:
         """The tensors holding the gathered gradients (on the host; a device-tier bucket's on its device)."""
         if self.in_place is None:
             # (a bucket whose buffer is made at its first use, with no gradient this step, has nothing to read)
-            return [self.bucket.grad] if self.bucket.grads.allocated or not self.bucket.grads.lazy else []
+            return [self.bucket.grad] if self.bucket.grads.allocated else []
         return functional.CheckedGrads(g for g in self.in_place if g is not None)
 
     def host_sq_norm(self) -> Tuple[float, bool]:
         """Sum of squares of the gathered gradients, and whether one is inf/nan."""
-        if self.in_place is None and (self.bucket.grads.allocated or not self.bucket.grads.lazy):
+        if self.in_place is None and self.bucket.grads.allocated:
             return functional.grad_sq_norm(self.bucket.grad)
         return functional.grad_sq_norm_segments(self.host_grads())
 

@@ -174,6 +174,11 @@ class Transport:
         lane.launches += 1
 
     # -- gradients, at step() --------------------------------------------------------------------------------
+    def collect(self, lane: Lane) -> List[Optional[torch.Tensor]]:
+        """The bucket's ``.grad`` tensors, checked, once its parameters are checked to live where the optimizer
+        put them (:meth:`~zero_offload.buckets.FlatBucket.collect_grads`)."""
+        return lane.bucket.collect_grads()
+
     def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
         """The bucket's gradients for this step, recorded in its lane. Streamed ones are waited for; a gradient
         assigned or edited in place after its copy (without ``release``: ``GradScaler.unscale_``,
@@ -181,8 +186,7 @@ class Transport:
         ``release``) every gradient still on its parameter is read again: ``GradScaler.unscale_`` rewrites
         gradients without bumping their version."""
         bucket = lane.bucket
-        bucket.masters.check_in_place()
-        grads = bucket.grads.collect()
+        grads = self.collect(lane)
         lane.in_place = None
         self.moved = True
         if not lane.streamed or not (lane.launches or any(lane.sent)):

@@ -98,9 +98,13 @@ class FSDPTransport(Transport):
             norms = foreach_norm_fp32([g for _, g in sent])
             self._digests.setdefault(lane, {}).update((i, n) for (i, _), n in zip(sent, norms))
 
-    def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
-        lane.bucket.masters.check_in_place()  # (before the gradients are handed to shards that may have moved)
+    def collect(self, lane: Lane) -> List[Optional[torch.Tensor]]:
+        bucket = lane.bucket
+        bucket.masters.check_in_place()  # (before the gradients are handed to shards that may have moved)
         self._take_grads(lane)
+        return bucket.grads.collect()
+
+    def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
         lane = super().receive(lane, fresh=fresh)
         digests = self._digests.pop(lane, None)
         if digests:
