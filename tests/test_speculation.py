@@ -111,6 +111,14 @@ def _pair(dtype=torch.float32, **kw):
     return (a, spec), (b, plain)
 
 
+def _worker_done(step, model, opt):
+    """Wait (as ``_drive``'s ``between``) until the speculation worker has done what backward gave it. In warm-up
+    steps this also makes the undo pool learn a window of every bucket: a worker that a loaded machine left behind
+    at the first speculating step would cap the next steps' leases at what it reached then."""
+    if isinstance(opt._mode, speculation.Speculative):
+        opt._mode._worker.submit(lambda: None).result()
+
+
 def _drive(pairs, steps, between=None, scaler=False):
     """Train both pairs alike; ``between(step, model, opt)`` runs after backward, before ``step()``; returns how
     many steps raised, per pair."""
@@ -606,12 +614,12 @@ def test_speculative_uploads_go_up_before_step_and_wait_for_no_other_bucket(cuda
     The commit then copies device to device (the parameters change only at step())."""
     pairs = _pair()
     (a, spec), _ = pairs
-    _drive(pairs, 2)
+    _drive(pairs, 2, between=_worker_done)
     spec.record_timeline()
     for model, opt in pairs:
         opt.zero_grad()
         _loss(model, 2).backward()
-    spec._mode._worker.submit(lambda: None).result()  # the worker is done with this backward
+    _worker_done(2, None, spec)
     before = [p.detach().clone() for p in a.parameters()]
     events = spec.timeline()  # (taken before step(): all of this happened during backward)
     uploads = [e for e in events if e.kind == "copy" and e.what == "h2d speculative"]
@@ -636,7 +644,7 @@ def test_the_device_buffers_of_speculative_uploads_hold_memory_only_from_upload_
     commit, or the rollback, gives them back: nothing stays on the device across steps."""
     pairs = _pair()
     (a, spec), _ = pairs
-    _drive(pairs, 2)
+    _drive(pairs, 2, between=_worker_done)
 
     def held():
         return [lane.staged.flat.untyped_storage().nbytes() for lane in spec._transport.lanes
@@ -646,7 +654,7 @@ def test_the_device_buffers_of_speculative_uploads_hold_memory_only_from_upload_
         for model, opt in pairs:
             opt.zero_grad()
             _loss(model, 2).backward()
-        spec._mode._worker.submit(lambda: None).result()
+        _worker_done(2, None, spec)
         assert len(held()) == N_BUCKETS and all(held()), held()  # uploaded during backward
         if commit:
             for _, opt in pairs:
