@@ -116,6 +116,39 @@ def test_overlap_step_refuses_a_load_after_backward_and_changes_nothing():
         assert_same(model, ref_model, ours, ref, f"step {step}")
 
 
+@pytest.mark.parametrize("save", ["state_dict", "sharded_state_dict"])
+def test_overlap_step_saves_after_the_updates_backward_launched(monkeypatch, save):
+    """A save between backward and ``step()`` with ``overlap_step`` (every bucket's update launched in backward,
+    here held up in the worker) waits for those updates: what it returns, copied at once, is the state after
+    them, which ``step()`` then only waits for: AdamW's after its step."""
+    import time
+
+    real = OffloadOptimizer._early_update
+
+    def slow(self, lane):
+        time.sleep(0.05)
+        real(self, lane)
+
+    monkeypatch.setattr(OffloadOptimizer, "_early_update", slow)
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(model.parameters(), lr=LR, bucket_numel=700, stream_grads=True, overlap_step=True,
+                            nonfinite="ignore")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+    for step in range(3):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            _loss(m, step, 0).backward()
+        saved = copy.deepcopy(getattr(ours, save)()["state"])  # (the copy is what torch.save would write)
+        ours.step()
+        ref.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        for i, p in enumerate(ref_model.parameters()):  # (DCP's entries: flat, keyed by the index as a string)
+            got = saved[i] if save == "state_dict" else saved[str(i)]
+            for name in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[name].reshape(p.shape), ref.state[p][name], msg=f"step {step}, {i}")
+
+
 def _sharded_worker(rank, world):
     """Sharded over gloo, gradients reduce-scattered in backward and released: a load after the first of two
     micro-batches, and one after backward (each rank loads its piece of the reference's state)."""

@@ -278,8 +278,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         return placement.device_bytes(self._transport.lanes)
 
     def _step(self) -> None:
-        if self._mode.settle is not None:  # before _sync: an update running in backward may still write the state
-            self._mode.settle()
+        self._settle()  # before _sync: an update running in backward may still write the state
         self._sync()
         # Intake: what arrived, measured.
         policy, marks = self.options.nonfinite, self.__dict__  # (GradScaler.step sets grad_scale and found_inf)

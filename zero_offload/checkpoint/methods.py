@@ -22,12 +22,13 @@ class StateDictMethods:
     def state_dict(self) -> Dict[str, Any]:
         """AdamW's state dict: views of the host buffers (compact moments: fp32 copies, a bucket at a time); saving
         changes nothing (``delayed_update``: the state after the pending update, with ``param``; see
-        docs/checkpoints.md). Sharded: a collective gathering the full state onto *every* rank: prefer
+        docs/checkpoints.md; ``overlap_step``: after the updates backward started, once they are done). Sharded: a collective gathering the full state onto *every* rank: prefer
         :meth:`sharded_state_dict` for large models.
         Entries of ``opt.state`` that are not a parameter's (a hook's ``opt.state["epoch"] = 3``) are carried as
         AdamW carries them. The pre-hooks run first and the post-hooks see the finished dict."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._settle()
         self._sync()
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
         with _hooks_set_aside(self):  # torch's own packing of the param groups, without running the hooks twice
@@ -79,6 +80,12 @@ class StateDictMethods:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _settle(self) -> None:
+        """Wait for the updates ``overlap_step`` started in backward: they write the state (and the parameters)
+        being read, and a save must not catch a bucket half updated (re-raises the first one that failed)."""
+        if self._mode.settle is not None:
+            self._mode.settle()
+
     def _quiesce(self) -> None:
         """Before the state is replaced: no update running, none pending, no copy reading the buffers. The step's
         gradients stay in their lanes (AdamW keeps ``.grad`` over a load; with ``release_grads`` the host buffers
@@ -96,6 +103,7 @@ class StateDictMethods:
         untouched if it fails part way; while staged, the state it loads takes its memory once more); then call
         :meth:`load_sharded_state_dict`, which makes it the optimizer's. With ``delayed_update``, as
         :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
+        self._settle()
         self._sync()
         return dcp.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
                                       param=self.options.delayed_update)
