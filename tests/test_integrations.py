@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import pytest
 import torch
@@ -292,11 +292,12 @@ def test_compiled_model_matches_compiled_adamw(compiled_reference, setup):
 
 
 # ------------------------------------------------------------------------------------- accelerate's FSDP2 --
-def _accelerate_fsdp2_worker(rank: int, world: int, optimizer: str):
+def _accelerate_fsdp2_worker(rank: int, world: int, optimizer: str, ours_kw: Optional[dict] = None):
     """What ``Accelerator.prepare(model, optimizer)`` does with its FSDP2 plugin (``_prepare_fsdp2``), step by step
     (accelerate takes FSDP only on GPUs: on CPU it would not shard): the optimizer built over the plain model, each
     listed parameter swapped for a placeholder carrying its ``data_ptr``, ``fully_shard``, then accelerate's own
-    ``fsdp2_switch_optimizer_parameters`` with the mapping it builds; then four clipped steps. Each step's full
+    ``fsdp2_switch_optimizer_parameters`` with the mapping it builds; then four clipped steps (with
+    ``release_grads`` by ``opt.clip_grad_norm_``: torch's clip would find no gradient). Each step's full
     parameters."""
     from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
 
@@ -305,7 +306,8 @@ def _accelerate_fsdp2_worker(rank: int, world: int, optimizer: str):
     torch.manual_seed(0)
     model = h.Net()
     make = adamw if optimizer == "adamw" else OffloadOptimizer
-    opt = make(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    ours_kw = ours_kw or {}
+    opt = make(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY, **ours_kw)
     old = {name: p.data_ptr() for name, p in model.named_parameters()}
     for group in opt.param_groups:
         for i, p in enumerate(group["params"]):
@@ -317,21 +319,26 @@ def _accelerate_fsdp2_worker(rank: int, world: int, optimizer: str):
     for step in range(4):
         opt.zero_grad()
         h.loss_on(model, step, 0, rank, world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), h.CLIP)
+        if ours_kw.get("release_grads"):
+            opt.clip_grad_norm_(h.CLIP)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), h.CLIP)
         opt.step()
         steps.append({name: p.full_tensor() for name, p in model.named_parameters()})
     return steps
 
 
-def test_accelerate_fsdp2_preparation_hands_ours_the_shards():
+@pytest.mark.parametrize("ours_kw", [{}, dict(release_grads=True, stream_grads=True)], ids=["default", "released"])
+def test_accelerate_fsdp2_preparation_hands_ours_the_shards(ours_kw):
     """Ours built before accelerate shards the model lays itself out again over the shards at its first step, and
-    trains as AdamW does under the same preparation (2 ranks, gloo)."""
+    trains as AdamW does under the same preparation (2 ranks, gloo). ``release_grads`` there takes
+    ``stream_grads=True`` (built in an initialised process group, ours cannot tell DDP from the sharding to come)."""
     pytest.importorskip("accelerate")
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
     from test_distributed import launch
 
     reference = launch(_accelerate_fsdp2_worker, 2, "adamw", timeout=180)[0]
-    ours = launch(_accelerate_fsdp2_worker, 2, "ours", timeout=180)[0]
+    ours = launch(_accelerate_fsdp2_worker, 2, "ours", ours_kw, timeout=180)[0]
     assert len(ours) == len(reference) == 4
     for step, (a, b) in enumerate(zip(reference, ours)):
         assert a.keys() == b.keys()

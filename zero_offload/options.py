@@ -401,7 +401,8 @@ class Options:
                 "DistributedDataParallel, DDP averages the gradients only when backward ends, after the hooks that "
                 "would stream them, so they are taken at step() instead and this option cannot apply. Drop it; or "
                 "drop DDP and pass process_group= to shard the state with gradients streamed (ZeRO-2); or pass "
-                "stream_grads=True if nothing reduces this model's gradients after backward."
+                "stream_grads=True if nothing reduces this model's gradients after backward (as under accelerate's "
+                "FSDP2 plugin, which shards the model after the optimizer is built: FSDP2 reduces in backward)."
             )
         if self.grads_reduced and self.stream_grads:
             raise ValueError("stream_grads=True cannot take gradients already reduced (grads_reduced=True): DDP "
