@@ -22,8 +22,9 @@ class StateDictMethods:
     def state_dict(self) -> Dict[str, Any]:
         """AdamW's state dict: views of the host buffers (compact moments: fp32 copies, a bucket at a time); saving
         changes nothing (``delayed_update``: the state after the pending update, with ``param``; see
-        docs/checkpoints.md; ``overlap_step``: after the updates backward started, once they are done). Sharded: a collective gathering the full state onto *every* rank: prefer
-        :meth:`sharded_state_dict` for large models.
+        docs/checkpoints.md; ``overlap_step``: the state after the updates backward started, once they are done).
+        Sharded: a collective gathering the full state onto *every* rank: prefer :meth:`sharded_state_dict` for
+        large models.
         Entries of ``opt.state`` that are not a parameter's (a hook's ``opt.state["epoch"] = 3``) are carried as
         AdamW carries them. The pre-hooks run first and the post-hooks see the finished dict."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
