@@ -13,12 +13,14 @@ every rank on the host: what an FSDP2 user who offloads has, and where an offloa
   ours            ``zero_offload.OffloadOptimizer(params)``: the gradients read where FSDP left them, an inf/nan check
                   of every rank's shard before the update (one all-reduce), the kernel writing the shards FSDP
                   all-gathers from (their storage taken over: no copy);
-  ours-ignore     ``nonfinite="ignore"``: no check, as AdamW (and no all-reduce).
+  ours-ignore     ``nonfinite="ignore"``: no inf/nan check, as AdamW (the all-reduce stays: it carries every rank's
+                  hyperparameters, which must agree).
 
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
-two moments; write parameter and moments, over the step's time), and for reference the rate of a plain 512 MiB
-copy run on all ranks at once (one thread per rank: a rough bandwidth figure, not a bound: a fused Adam streams
-seven arrays and can beat it).
+two moments; write parameter and moments, over the step's time), the median time of one small all-reduce over the
+ranks after a barrier (both ``ours`` rows run one per step; AdamW none), and for reference the rate of a plain
+512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth figure, not a bound: a fused Adam
+streams seven arrays and can beat it).
 
 GPU mode (CUDA available): ``--world`` ranks (default: every GPU), NCCL, FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; timed: the whole training step (forward,
@@ -159,6 +161,19 @@ def copy_bandwidth(numel: int = 1 << 26, repeats: int = 6) -> float:
     return 2 * 4 * numel / best
 
 
+def allreduce_latency(repeats: int = 40) -> float:
+    """Seconds of one small all-reduce over every rank (what ours adds to each step: the inf/nan flag and every
+    rank's settings), each after a barrier: the median of ``repeats``."""
+    t = torch.zeros(16, dtype=torch.float64)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure(args, rank: int, world: int, device: torch.device, name: str, placement: str,
             make_opt: Callable) -> Dict[str, Any]:
     cuda = device.type == "cuda"
@@ -213,6 +228,7 @@ def worker(rank: int, world: int, port: int, args, queue):
         results: Dict[str, Any] = {}
         if not cuda:
             results["copy_bytes_per_s"] = copy_bandwidth()
+            results["allreduce_s"] = allreduce_latency()
         rows = GPU_ROWS if cuda else CPU_ROWS
         for name in args.rows or rows:
             placement, make_opt = rows[name]
@@ -277,6 +293,10 @@ def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict
         print(f"\nfor reference: a 512 MiB copy on every rank at once, {bw / 1e9:.1f} GB/s per rank (read + write; "
               f"at that rate {BYTES_PER_ELEMENT} B x {local:,} elements would take "
               f"{BYTES_PER_ELEMENT * local / bw * 1e3:.1f} ms)")
+        ar = max(out[r]["allreduce_s"] for r in out)
+        result["allreduce_s"] = ar
+        print(f"for reference: one small all-reduce over the ranks (what ours adds to each step: the inf/nan flag "
+              f"and every rank's settings; AdamW runs none) takes {ar * 1e3:.2f} ms here (median; gloo over TCP)")
     return result
 
 
