@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.grads import GradSlots, check_grads
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, estimate_bucket, format_bytes
 from zero_offload.options import Options
@@ -171,7 +172,7 @@ class FlatBucket:
         self.resident, self.device_tier, self.shares_grad, self.pin = True, True, False, False
         self.masters, self.store, self.grads = masters, store, grads
         masters.bind()
-        masters.versions = [-1 if v == -1 else p._version for v, p in zip(versions, self.owners)]
+        masters.versions = [-1 if v == -1 else fsdp2.version(p) for v, p in zip(versions, self.owners)]
         self.views = StateViews(self.rule, store, masters, self.layout, self.shard, self.params,
                                 self.owners if self.fsdp else None)
         for i, e in enumerate(exposed):

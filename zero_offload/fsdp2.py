@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["Sharding", "adopt_switched", "bind_shard", "given", "home", "home_numel", "home_ptrs", "is_dtensor",
-           "local_shard", "local_value", "plan", "take", "wrap"]
+           "local_shard", "local_value", "plan", "take", "version", "wrap"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -39,6 +39,14 @@ def is_dtensor(p: Any) -> bool:
         if cls is not None and isinstance(p, cls):
             return True
     return False
+
+
+def version(t: torch.Tensor) -> int:
+    """A count that moves whenever ``t`` is written in place. A DTensor has two autograd version counters: its own
+    (an in-place op on the DTensor, ``p.copy_(...)``, bumps it) and its local tensor's (a write into
+    ``p.to_local()``, as ``dcp.load`` makes into a model's state dict, bumps only that one): their sum."""
+    local = getattr(t, "_local_tensor", None)
+    return t._version if local is None else t._version + local._version
 
 
 def take(params: Any, options: Any) -> "tuple[Any, Optional[Dict[int, int]]]":

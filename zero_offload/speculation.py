@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload._compat import take_memory
 from zero_offload.apply import run_rule
 from zero_offload.quantize import Q8_BLOCK, q8_scale_numel
@@ -241,7 +242,7 @@ class Speculative(Immediate):
         spec.names = tuple(b.name for b in bucket.rule.needed(spec.hyper))
         if any(name not in flat for name in spec.names):
             return "amsgrad switched on"  # (a buffer the hyperparameters now need) its entries are made at step()
-        if any(has and p._version != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
+        if any(has and fsdp2.version(p) != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
         sq = None if lane.norm is None or lane.norm_host is None else float(lane.norm_host[0])
         if sq is not None:
@@ -423,7 +424,7 @@ def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional
         return "steps changed"
     if tuple(buf._version for _, buf in _state_buffers(bucket, spec.names)) != spec.versions:
         return "state edited"  # in place (an ``opt.state`` tensor's ``zero_()``): step() reads the edited state
-    if any(has and p._version != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
+    if any(has and fsdp2.version(p) != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
         return "parameters changed"  # on the GPU, since the optimizer last wrote them: step() reads them anew
     return None
 

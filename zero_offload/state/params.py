@@ -153,13 +153,13 @@ class Masters:
         """A separate master was just written from a checkpoint (kept while the parameter still rounds from it), or
         not (``loaded=False``: taken from the parameter at its next update)."""
         if self.separate:
-            self.versions[i] = self.watch[i]._version if loaded else -1
+            self.versions[i] = fsdp2.version(self.watch[i]) if loaded else -1
 
     def record_versions(self, indices: Sequence[int]) -> None:
         if self.separate:
             watch = self.watch
             for i in indices:
-                self.versions[i] = watch[i]._version
+                self.versions[i] = fsdp2.version(watch[i])
 
     def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
@@ -167,7 +167,7 @@ class Masters:
         per-parameter copies of the masters to refresh instead, the bucket left as it is."""
         if not self.separate:
             return
-        stale = [i for i in indices if self.watch[i]._version != self.versions[i]]
+        stale = [i for i in indices if fsdp2.version(self.watch[i]) != self.versions[i]]
         if not stale:
             return
         for i, value in zip(stale, self._values(stale)):
@@ -177,7 +177,7 @@ class Masters:
             if value is not None and (self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value)):
                 master.copy_(value)
             if into is None:
-                self.versions[i] = self.watch[i]._version
+                self.versions[i] = fsdp2.version(self.watch[i])
 
     def _values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:
         """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""
