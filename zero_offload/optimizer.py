@@ -147,6 +147,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         for lane in chain.from_iterable(self._lanes):
             lane.route.bind(lane)
         self._constructed = True
+        if self._fsdp:  # (FSDP2's registry: every FSDP model of the process, collected or not; read only above)
+            self._transport.managed = None
         logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
                     sum(len(b) for b in self._buckets), _held_host_memory(self).describe())
 
