@@ -127,6 +127,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["switch/zero_grads/adamw"] = h.Call(switch_then_zero_grads, (ADAMW,))
         jobs["switch/zero_grads/ours"] = h.Call(switch_then_zero_grads, (OURS,))
         jobs["refuse/remade_storage"] = h.Call(refuse_remade_storage)
+        jobs["reload/local_write"] = h.Call(reload_by_local_write)
+        jobs["lets_go/earlier_models"] = h.Call(earlier_models_let_go)
         jobs["refuse/tensor_parallel"] = h.Call(refuse_tensor_parallel)
         jobs["refuse/mixed_with_plain"] = h.Call(refuse_mixed_with_plain)
         jobs["refuse/process_group"] = h.Call(refuse_process_group)
@@ -633,6 +635,81 @@ def refuse_remade_storage(rank, world):
     unchanged = bool(before) and all(torch.equal(local(v), before[k][n]) for k, entry in opt.state.items()
                                      for n, v in entry.items())
     return message, unchanged
+
+
+def reload_by_local_write(rank, world):
+    """Weights written back into each shard's ``p.to_local()`` after the optimizer exists (the write bumps the local
+    tensor's version, not the DTensor's), where the optimizer keeps a separate fp32 master: a bf16 model, and fp32
+    shards it cannot take over. A step at lr 0 then leaves the parameters at
+    what was written, as AdamW does; per case, the largest difference (0.0 expected)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for case in ("bf16", "fp32_copying"):
+        torch.manual_seed(0)
+        model = h.Net().to(torch.bfloat16) if case == "bf16" else h.Net()
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        make = OffloadOptimizer if case == "bf16" else ours_copying
+        opt = make(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+        for step in range(3):
+            opt.zero_grad()
+            h.loss_on(model, step, 0, rank, world).backward()
+            opt.step()
+            if step == 0:
+                saved = [p.to_local().detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), saved):
+                p.to_local().copy_(value)
+        for group in opt.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+        opt.zero_grad()
+        h.loss_on(model, 3, 0, rank, world).backward()
+        opt.step()
+        out[case] = max(float((p.to_local().float() - v.float()).abs().max()) if v.numel() else 0.0
+                        for p, v in zip(model.parameters(), saved))
+    return out
+
+
+def test_weights_written_into_the_local_shards_are_what_the_next_step_starts_from(world2):
+    for rank, diffs in world2["reload/local_write"].per_rank.items():
+        assert diffs == {"bf16": 0.0, "fp32_copying": 0.0}, (rank, diffs)
+
+
+def earlier_models_let_go(rank, world):
+    """A model and its optimizer dropped, unreachable but not yet collected (no collection ran between the drop and
+    the next optimizer's construction), are freed by the next collection while a new optimizer over another FSDP2
+    model lives: the new one does not keep FSDP's registry of every model of the process."""
+    import gc
+    import weakref
+
+    out = {}
+    for kind in ("adamw", "ours"):
+        gc.collect()
+        gc.disable()
+        try:
+            first = h.build_model(world, h.RECIPES["cpu_offload"])
+            opt = ADAMW(first.parameters(), lr=h.LR) if kind == "adamw" else OffloadOptimizer(first.parameters())
+            opt.zero_grad()
+            h.loss_on(first, 0, 0, rank, world).backward()
+            opt.step()
+            gone = weakref.ref(first)
+            del first, opt
+            second = h.build_model(world, h.RECIPES["cpu_offload"])
+            keeper = OffloadOptimizer(second.parameters())
+        finally:
+            gc.enable()
+        gc.collect()
+        out[kind] = gone() is None
+        del second, keeper
+    return out
+
+
+def test_an_optimizer_keeps_no_earlier_fsdp_model_alive(world2):
+    for rank, freed in world2["lets_go/earlier_models"].per_rank.items():
+        assert freed == {"adamw": True, "ours": True}, (rank, freed)
 
 
 def test_storage_fsdp_remakes_after_the_optimizer_took_it_over_is_refused(world2):
