@@ -42,9 +42,10 @@ def is_dtensor(p: Any) -> bool:
 
 
 def version(t: torch.Tensor) -> int:
-    """A count that moves whenever ``t`` is written in place. A DTensor has two autograd version counters: its own
-    (an in-place op on the DTensor, ``p.copy_(...)``, bumps it) and its local tensor's (a write into
-    ``p.to_local()``, as ``dcp.load`` makes into a model's state dict, bumps only that one): their sum."""
+    """A count that moves whenever ``t`` is written in place by an op autograd sees. A DTensor has two autograd
+    version counters: its own (an in-place op on the DTensor, ``p.copy_(...)``, bumps it) and its local tensor's (a
+    write into ``p.to_local()`` bumps only that one): their sum. (``dcp.load`` into a model's state dict moves
+    neither.)"""
     local = getattr(t, "_local_tensor", None)
     return t._version if local is None else t._version + local._version
 
