@@ -83,19 +83,28 @@ def test_a_load_between_backward_and_step_keeps_the_gradients_as_adamw(monkeypat
         assert_same(model, ref_model, ours, ref, f"{where}, step {step}")
 
 
-def test_overlap_step_refuses_a_load_after_backward_and_changes_nothing():
-    """With ``overlap_step`` the step's update already ran during backward, from the state being replaced, and its
-    parameters were written: the load is refused, naming why, changing nothing, and the run goes on as AdamW's
-    (which did not load)."""
+def _overlap_pair():
+    """(model, its copy, ours with ``overlap_step`` over the model, AdamW over the copy)."""
     model = _model()
     ref_model = copy.deepcopy(model)
     ours = OffloadOptimizer(model.parameters(), lr=LR, bucket_numel=700, stream_grads=True, overlap_step=True,
                             nonfinite="ignore")
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+    return model, ref_model, ours, torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+
+
+def _backward_both(step, model, ours, ref_model, ref):
+    for m, opt in ((model, ours), (ref_model, ref)):
+        opt.zero_grad()
+        _loss(m, step, 0).backward()
+
+
+def test_overlap_step_refuses_a_load_after_backward_and_changes_nothing():
+    """With ``overlap_step`` the step's update already ran during backward, from the state being replaced, and its
+    parameters were written: the load is refused, naming why, changing nothing, and the run goes on as AdamW's
+    (which did not load)."""
+    model, ref_model, ours, ref = _overlap_pair()
     for step in range(3):
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            _loss(m, step, 0).backward()
+        _backward_both(step, model, ours, ref_model, ref)
         if step == 1:
             ckpt = copy.deepcopy(ref.state_dict())
             for entry in ckpt["state"].values():
@@ -130,15 +139,9 @@ def test_overlap_step_saves_after_the_updates_backward_launched(monkeypatch, sav
         real(self, lane)
 
     monkeypatch.setattr(OffloadOptimizer, "_early_update", slow)
-    model = _model()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(model.parameters(), lr=LR, bucket_numel=700, stream_grads=True, overlap_step=True,
-                            nonfinite="ignore")
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+    model, ref_model, ours, ref = _overlap_pair()
     for step in range(3):
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            _loss(m, step, 0).backward()
+        _backward_both(step, model, ours, ref_model, ref)
         saved = copy.deepcopy(getattr(ours, save)()["state"])  # (the copy is what torch.save would write)
         ours.step()
         ref.step()
