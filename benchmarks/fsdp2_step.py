@@ -11,15 +11,15 @@ every rank on the host: what an FSDP2 user who offloads has, and where an offloa
   adamw-foreach   ``foreach=True``;
   adamw-fused     ``fused=True`` (torch's fused CPU kernel);
   ours            ``zero_offload.OffloadOptimizer(params)``: the gradients read where FSDP left them, an inf/nan check
-                  of every rank's shard before the update (one all-reduce), the kernel writing the shards FSDP
+                  of every rank's shard before the update (one all-gather), the kernel writing the shards FSDP
                   all-gathers from (their storage taken over: no copy);
-  ours-ignore     ``nonfinite="ignore"``: no inf/nan check, as AdamW (the all-reduce stays: it carries every rank's
+  ours-ignore     ``nonfinite="ignore"``: no inf/nan check, as AdamW (the all-gather stays: it carries every rank's
                   hyperparameters, which must agree).
 
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
-two moments; write parameter and moments, over the step's time), the median time of one small all-reduce over the
-ranks after a barrier (both ``ours`` rows run one per step; AdamW none), and for reference the rate of a plain
-512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth figure, not a bound: a fused Adam
+two moments; write parameter and moments, over the step's time), the median time of one small all-gather over the
+ranks after a barrier (both ``ours`` rows run one per step; AdamW none; an all-reduce of that size beside it), and
+for reference the rate of a plain 512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth figure, not a bound: a fused Adam
 streams seven arrays and can beat it).
 
 GPU mode (CUDA available): ``--world`` ranks (default: every GPU), NCCL, FSDP2 with
@@ -161,17 +161,23 @@ def copy_bandwidth(numel: int = 1 << 26, repeats: int = 6) -> float:
     return 2 * 4 * numel / best
 
 
-def allreduce_latency(repeats: int = 40) -> float:
-    """Seconds of one small all-reduce over every rank (what ours adds to each step: the inf/nan flag and every
-    rank's settings), each after a barrier: the median of ``repeats``."""
-    t = torch.zeros(16, dtype=torch.float64)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def exchange_latency(repeats: int = 40) -> Dict[str, float]:
+    """Seconds of one small collective over every rank, each after a barrier (the median of ``repeats``): the
+    all-gather ours adds to each step (the inf/nan flag and every rank's settings), and an all-reduce of the same
+    size for comparison."""
+    mine = torch.zeros(8, dtype=torch.float64)
+    every = mine.new_empty(dist.get_world_size() * 8)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out = {}
+    for name, run in (("all_gather", lambda: gather(every, mine)), ("all_reduce", lambda: dist.all_reduce(every))):
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
 
 
 def measure(args, rank: int, world: int, device: torch.device, name: str, placement: str,
@@ -228,7 +234,7 @@ def worker(rank: int, world: int, port: int, args, queue):
         results: Dict[str, Any] = {}
         if not cuda:
             results["copy_bytes_per_s"] = copy_bandwidth()
-            results["allreduce_s"] = allreduce_latency()
+            results["exchange_s"] = exchange_latency()
         rows = GPU_ROWS if cuda else CPU_ROWS
         for name in args.rows or rows:
             placement, make_opt = rows[name]
@@ -293,10 +299,11 @@ def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict
         print(f"\nfor reference: a 512 MiB copy on every rank at once, {bw / 1e9:.1f} GB/s per rank (read + write; "
               f"at that rate {BYTES_PER_ELEMENT} B x {local:,} elements would take "
               f"{BYTES_PER_ELEMENT * local / bw * 1e3:.1f} ms)")
-        ar = max(out[r]["allreduce_s"] for r in out)
-        result["allreduce_s"] = ar
-        print(f"for reference: one small all-reduce over the ranks (what ours adds to each step: the inf/nan flag "
-              f"and every rank's settings; AdamW runs none) takes {ar * 1e3:.2f} ms here (median; gloo over TCP)")
+        ex = {k: max(out[r]["exchange_s"][k] for r in out) for k in out[0]["exchange_s"]}
+        result["exchange_s"] = ex
+        print(f"for reference: one small all-gather over the ranks (what ours adds to each step: the inf/nan flag "
+              f"and every rank's settings; AdamW runs none) takes {ex['all_gather'] * 1e3:.2f} ms here (median; gloo "
+              f"over TCP; an all-reduce of the same size: {ex['all_reduce'] * 1e3:.2f} ms)")
     return result
 
 

@@ -354,7 +354,7 @@ def _order_worker(rank, world):
     opt = OffloadOptimizer(layers.parameters(), lr=1e-2, bucket_numel=80, stream_grads=True,
                            process_group=dist.group.WORLD)  # one bucket per Linear (64 + 8 elements each)
     log: List[str] = []
-    start, wait, kernel = distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_
+    start, wait, kernel = distributed.Comm.start, distributed.Pending.wait, functional.adam_own_
 
     def logged_start(comm, what, where, launch, on_device, tensors=()):
         log.append(f"start {what} {where}")
@@ -369,7 +369,7 @@ def _order_worker(rank, world):
         log.append("kernel")
         return kernel(*args, **kw)
 
-    distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_ = logged_start, logged_wait, logged_kernel
+    distributed.Comm.start, distributed.Pending.wait, functional.adam_own_ = logged_start, logged_wait, logged_kernel
     try:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
         x.register_hook(lambda g: log.append("backward reaches the input"))
@@ -377,7 +377,7 @@ def _order_worker(rank, world):
         log.append("backward ended")
         opt.step()
     finally:
-        distributed.Comm.start, distributed.Pending.wait, functional.cpu_adam_ = start, wait, kernel
+        distributed.Comm.start, distributed.Pending.wait, functional.adam_own_ = start, wait, kernel
     return log
 
 

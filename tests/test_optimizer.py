@@ -528,10 +528,10 @@ def test_buckets_are_aligned_and_fp32_cpu_params_live_in_the_master():
 
 def test_one_kernel_call_per_bucket_and_per_run_when_grads_are_missing(monkeypatch):
     calls = []
-    # Fresh CPU gradients are read in place (the segments entry); in-buffer ones through cpu_adam_: count both.
-    for name in ("cpu_adam_", "cpu_adam_segments_"):
-        real = getattr(functional, name)
-        monkeypatch.setattr(functional, name, lambda *a, real=real, **k: (calls.append(k["step"]), real(*a, **k)))
+    # The optimizer's one entry to the kernel (fresh CPU gradients read in place, in-buffer ones flat); the step
+    # count after the update leads its hyperparameters.
+    real = functional.adam_own_
+    monkeypatch.setattr(functional, "adam_own_", lambda *a, **k: (calls.append(a[6][0]), real(*a, **k)))
     torch.manual_seed(0)
     model = TinyTransformer()
     groups = param_groups(model)

@@ -17,7 +17,7 @@ CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 400}
 # Adam's buffer names may appear in its rule and in the kernel's API (functional, the references) only; Lion's
 # momentum has the same state-dict key (``exp_avg``, as in the reference Lion implementations), in its rule and its
 # torch optimizer.
-ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "quantize.py", "_reference.py", "_torch_fused.py",
+ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_checks.py", "quantize.py", "_reference.py", "_torch_fused.py",
                       "rules/lion.py", "lion.py"}
 # Compiled modules of the package (no source here, and they import nothing of ours).
 EXTENSIONS = {"zero_offload._C"}

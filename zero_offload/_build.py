@@ -70,7 +70,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from zero_offload._cache_trust import Refusal
@@ -127,6 +127,7 @@ _lock = threading.Lock()
 _status = BuildStatus()
 _module: Optional[ModuleType] = None
 _attempted = False
+_isas: Tuple[Optional[ModuleType], List[str]] = (None, [])  # native_isas(): the module asked, its answer
 
 
 def source_dir() -> Path:
@@ -555,6 +556,12 @@ def status() -> BuildStatus:
 
 
 def native_isas() -> List[str]:
-    """ISAs the loaded native module can run on this CPU, best first; empty without the module."""
+    """ISAs the loaded native module can run on this CPU, best first; empty without the module. (Asked of each
+    module once: every kernel call resolves its path through this.)"""
+    global _isas
     module = load_native()
-    return list(module.available_isas()) if module is not None else []
+    if module is None:
+        return []
+    if _isas[0] is not module:
+        _isas = (module, list(module.available_isas()))
+    return list(_isas[1])

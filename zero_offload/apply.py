@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload import functional
+from zero_offload._checks import CheckedGrads
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Run, Slots
 from zero_offload.state.codecs import Codec
@@ -71,7 +71,7 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
         if in_place is None:
             run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots)
         else:
-            grads = in_place if whole else functional.CheckedGrads(in_place[first : last + 1])  # checked whole
+            grads = in_place if whole else CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
             run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots)
         update(run, hyper)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 import torch
 
 from zero_offload import functional
+from zero_offload._checks import CheckedGrads
 
 if TYPE_CHECKING:  # (annotations only)
     from zero_offload.buckets import FlatBucket
@@ -157,7 +158,7 @@ class Lane:
         if self.in_place is None:
             # (a bucket whose buffer is made at its first use, with no gradient this step, has nothing to read)
             return [self.bucket.grad] if self.bucket.grads.allocated else []
-        return functional.CheckedGrads(g for g in self.in_place if g is not None)
+        return CheckedGrads(g for g in self.in_place if g is not None)
 
     def host_sq_norm(self) -> Tuple[float, bool]:
         """Sum of squares of the gathered gradients, and whether one is inf/nan."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Any, ClassVar, Dict
+from typing import Any, ClassVar, Dict, Tuple
 
 import torch
 
@@ -55,11 +55,10 @@ def _read_plain(key: tuple) -> Hyper:
                            decoupled_weight_decay=decoupled))
 
 
-@functools.lru_cache(maxsize=256)
-def _kernel_kwargs(h: Hyper) -> Dict[str, Any]:
-    """The kernel's hyperparameter arguments, built once per distinct :class:`Hyper` (read-only: never edited)."""
-    return dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                decoupled_weight_decay=h.decoupled, amsgrad=h.amsgrad, maximize=h.maximize)
+def _kernel_args(h: Hyper) -> Tuple[float, float, float, float, float, bool, bool]:
+    """The kernel's hyperparameter arguments after the step: lr, beta1, beta2, eps, weight_decay, decoupled,
+    maximize."""
+    return h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.maximize
 
 
 class AdamW(Rule):
@@ -95,19 +94,17 @@ class AdamW(Rule):
 
     def update(self, run: Run, hyper: Hyper) -> None:
         state, scales = run.state, run.scales
-        kw = dict(step=run.step, grad_scale=run.grad_scale, param_out=run.param_out,
-                  exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
-        if hyper.amsgrad:  # (a buffer kept from an earlier amsgrad group is not read)
-            kw["max_exp_avg_sq"] = state["max_exp_avg_sq"]
-        if scales:
-            kw.update((name + "_scale", s) for name, s in scales.items() if hyper.amsgrad or name != "max_exp_avg_sq")
+        vmax = state["max_exp_avg_sq"] if hyper.amsgrad else None  # (a buffer kept from an amsgrad group: unread)
+        q8_kw = {f"{name}_scale": scales.get(name) for name in ("exp_avg", "exp_avg_sq")}
+        q8_kw["max_exp_avg_sq_scale"] = scales.get("max_exp_avg_sq") if hyper.amsgrad else None
+        out = None
         if run.out is not None:  # the destinations of what this call writes (the same keys, plus the master's)
-            written = ("param", *(k for k in kw if k.startswith(("exp_avg", "max_exp_avg_sq"))))
-            kw["out"] = {k: run.out[k] for k in written if k in run.out}
-        if run.grads is None:
-            functional.cpu_adam_(run.master, run.grad, **kw, **_kernel_kwargs(hyper))
-        else:
-            functional.cpu_adam_segments_(run.master, run.grads, run.offsets, **kw, **_kernel_kwargs(hyper))
+            written = ("param", "exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if hyper.amsgrad else ()),
+                       *(k for k, v in q8_kw.items() if v is not None))
+            out = {k: run.out[k] for k in written if k in run.out}
+        functional.adam_own_(run.master, run.grad if run.grads is None else run.grads,
+                             None if run.grads is None else run.offsets, (state["exp_avg"], state["exp_avg_sq"], vmax),
+                             run.param_out, q8_kw, (run.step, *_kernel_args(hyper), run.grad_scale), out)
 
     device_update = True
 

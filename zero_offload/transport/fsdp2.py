@@ -5,7 +5,7 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are all-reduced over the mesh dimension the shards are cut along (one small all-reduce per step, which
+  decides on are exchanged over the mesh dimension the shards are cut along (one small all-gather per step, which
   also carries every rank's hyperparameters: ranks that differ raise on every rank): every rank decides alike;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
@@ -138,55 +138,55 @@ class FSDPTransport(Transport):
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """The local gather, then the statistics of the whole mesh: its sum of squares and whether any rank's
         shard holds an inf/nan, with every rank's ``settings`` (the step's hyperparameters and ``nonfinite``
-        policy), in one all-reduce; a rank that steps with other settings than the others makes every rank raise,
-        naming them, before anything is updated."""
+        policy), in one small all-gather; a rank that steps with other settings than the others makes every rank
+        raise, naming them, before anything is updated."""
         bad = super().gather(plans, check=check)
         if not (check or clipping or settings):
             return False
         sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
-        out = self._all_reduce([sq, float(local_bad), *self._slots(settings)])
-        self._check_settings(out[2:], settings)
-        self._sq, self._bad = out[0], out[1] > 0 or not math.isfinite(out[0])
+        rows = self._exchange([sq, float(local_bad), *(float(v) for _, v in settings)])
+        self._check_settings([row[2:] for row in rows], settings)
+        self._sq = sum(row[0] for row in rows)
+        self._bad = any(row[1] > 0 for row in rows) or not math.isfinite(self._sq)
         return check and self._bad
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
         if settings:
-            self._check_settings(self._all_reduce(self._slots(settings)), settings)
+            self._check_settings(self._exchange([float(v) for _, v in settings]), settings)
 
-    def _slots(self, settings: Sequence[Tuple[str, float]]) -> List[float]:
-        """This rank's values in its own slots of a vector of every rank's (a sum over the ranks gives them all)."""
-        dist = torch.distributed
-        world, rank = dist.get_world_size(self.sharding.group), dist.get_rank(self.sharding.group)
-        n = len(settings)
-        out = [0.0] * (world * n)
-        out[rank * n : (rank + 1) * n] = [float(v) for _, v in settings]
-        return out
-
-    def _check_settings(self, every: List[float], settings: Sequence[Tuple[str, float]]) -> None:
-        n = len(settings)
-        if not n:
-            return
-        world = len(every) // n
+    def _check_settings(self, rows: List[List[float]], settings: Sequence[Tuple[str, float]]) -> None:
+        """Raise, on every rank alike (each sees every rank's ``rows``), naming the settings whose values differ."""
         diffs = []
         for j, (name, _) in enumerate(settings):
-            values = [every[r * n + j] for r in range(world)]
+            values = [row[j] for row in rows]
             if len(set(values)) > 1:
                 diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
         if diffs:
             rank = torch.distributed.get_rank(self.sharding.group)
             raise RuntimeError(
-                f"zero_offload: rank {rank} of {world} (FSDP2 mesh): the ranks step with different hyperparameters: "
-                f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}. Each rank would update its shards with "
-                "its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
-                "stepped on one rank only?). Nothing was updated.")
+                f"zero_offload: rank {rank} of {len(rows)} (FSDP2 mesh): the ranks step with different "
+                f"hyperparameters: {'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}. Each rank would update "
+                "its shards with its own, and FSDP's all-gather would join them: every rank must use the same (an LR "
+                "scheduler stepped on one rank only?). Nothing was updated.")
 
-    def _all_reduce(self, values: List[float], op=None) -> List[float]:
-        """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device: NCCL moves
-        device tensors only)."""
+    def _exchange(self, values: List[float]) -> List[List[float]]:
+        """Every rank's ``values`` (non-empty, of one length on every rank), in rank order, over the mesh dimension the shards
+        are cut along: one all-gather (on the mesh's device: NCCL moves device tensors only). An all-gather rather
+        than an all-reduce of per-rank slots: gloo runs a small one in a third of the time (0.37 against 1.0 ms on
+        2 ranks here), and the step waits for it."""
+        dist = torch.distributed
+        group = self.sharding.group
+        mine = torch.tensor(values, dtype=torch.float64, device=self.sharding.mesh.device_type)
+        every = mine.new_empty(dist.get_world_size(group) * mine.numel())
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)
+        return every.view(-1, len(values)).tolist()
+
+    def _all_reduce(self, values: List[float], op) -> List[float]:
+        """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device)."""
         dist = torch.distributed
         t = torch.tensor(values, dtype=torch.float64, device=self.sharding.mesh.device_type)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=self.sharding.group)
+        dist.all_reduce(t, op=op, group=self.sharding.group)
         return t.tolist()
 
     def _local_sq(self, plans: Lanes) -> Tuple[float, bool]:
@@ -205,5 +205,5 @@ class FSDPTransport(Transport):
             value = self._all_reduce([local], torch.distributed.ReduceOp.MAX)[0]
         else:
             local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
-            value = self._all_reduce([local])[0] ** (1.0 / norm_type)
+            value = self._all_reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
         return value, self._bad or not math.isfinite(value)

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from zero_offload import functional
+from zero_offload._checks import CheckedGrads
 from zero_offload._compat import increment_version
 from zero_offload.host_memory import copy_many_
 from zero_offload.lane import Lane
@@ -77,7 +77,7 @@ class HostRoute(Route):
         # The usual case, checked in C-level loops: every gradient fresh, present and contiguous like its slot.
         if (slots.all_slots_contiguous and not any(map(operator.is_, grads, repeat(None)))
                 and not any(map(operator.is_, grads, views)) and all(map(torch.Tensor.is_contiguous, grads))):
-            return functional.CheckedGrads(grads)
+            return CheckedGrads(grads)
         out: List[Optional[torch.Tensor]] = []
         dsts, srcs, sizes = [], [], []
         for i, g in enumerate(grads):
@@ -97,7 +97,7 @@ class HostRoute(Route):
                 out.append(flat[offsets[i] : offsets[i] + numels[i]])
         if dsts:
             copy_many_(dsts, srcs, sizes)
-        return functional.CheckedGrads(out)
+        return CheckedGrads(out)
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
         """The kernel already wrote the parameters' storage: only the autograd version bump an in-place op would
