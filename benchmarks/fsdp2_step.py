@@ -34,7 +34,8 @@ backward, ``--clip`` if given, step, zero_grad) and ``step()`` alone, with peak 
   ours-cpuoffload      + ``CPUOffloadPolicy``, ``OffloadOptimizer`` on the host shards.
 
 With ``--clip`` under CPUOffloadPolicy, torch's clip meets CPU gradients on a CUDA mesh (issue 33 cites clipping
-failures reported there): a row that fails says so with the error. Not yet run on a GPU.
+failures reported there): a row that fails says so with the error. Run once on one H100 (world 1, without
+``--clip``): docs/benchmarks.md; several GPUs and ``--clip`` there are still to be run.
 
     python benchmarks/fsdp2_step.py                        # CPU: 2 ranks, 8 layers of 1024 (4.2M per rank)
     python benchmarks/fsdp2_step.py --width 2048 --layers 8 --steps 20 --json fsdp2.json
@@ -316,7 +317,8 @@ def main():
     ap.add_argument("--gpu-width", type=int, default=4096, help="GPU: layer width (default 4096)")
     ap.add_argument("--gpu-layers", type=int, default=16, help="GPU: layers (default 16: 268M parameters)")
     ap.add_argument("--batch", type=int, default=64, help="rows per rank and step (default 64)")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
+    ap.add_argument("--steps", type=int, default=30,
+                    help="timed steps (default 30: medians of 8 drifted by 20%% between runs on a 2-core VM)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads per rank (default 1)")
     ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
