@@ -862,6 +862,41 @@ def test_hyperparameters_differing_across_ranks_are_refused_at_the_step(clip):
     torch.testing.assert_close(out[0][2], out[1][2], rtol=0, atol=0)
 
 
+def _invalid_on_one_rank_worker(rank, world, stream):
+    """A negative LR on rank 1 only, which rank 1 refuses before its first collective of the step: rank 0 raises
+    too, naming rank 1, instead of waiting for it until the group's timeout; nothing changes, and with a valid LR
+    again the ranks go on together."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           stream_grads=stream, timeout=20)
+    _step(model, opt, 0, rank, world)
+    if rank == 1:
+        opt.param_groups[1]["lr"] = -1.0
+    before = _snapshot(model, opt)
+    error = None
+    try:
+        _step(model, opt, 1, rank, world)
+    except (RuntimeError, ValueError) as exc:
+        error = (type(exc).__name__, str(exc))
+    unchanged = _unchanged(model, opt, before)
+    opt.param_groups[1]["lr"] = 1e-2
+    _step(model, opt, 2, rank, world)
+    return error, unchanged, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_a_rank_refusing_its_hyperparameters_makes_the_others_raise_not_wait():
+    # (Streamed: the step's first collective is the statistics' all-reduce, which a failed rank can meet. Without
+    # streaming it is a reduce-scatter per bucket; there the others still wait until the group's timeout.)
+    out = launch(_invalid_on_one_rank_worker, 2, True, timeout=120)
+    (kind0, message0), unchanged0, params0 = out[0]
+    (kind1, message1), unchanged1, params1 = out[1]
+    assert kind1 == "ValueError" and "Invalid learning rate: -1.0" in message1, message1
+    assert kind0 == "RuntimeError" and "rank 1 is raised at step() before its first collective" in message0, message0
+    assert unchanged0 and unchanged1
+    torch.testing.assert_close(params0, params1, rtol=0, atol=0)
+
+
 def _extra_backward_worker(rank, world, release, backwards):
     """Rank 0 runs ``backwards[0]`` backward passes before the step, rank 1 ``backwards[1]``, gradients streamed:
     every rank raises a RuntimeError naming itself and the collective (gloo aborted the process), nothing changes,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -108,6 +108,8 @@ def _jobs(world: int) -> Dict[str, object]:
             jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
         jobs["speculation/standins"] = h.Call(speculation_stats)
         jobs["refuse/disagreeing_lr"] = h.Call(refuse_disagreeing_lr)
+        jobs["refuse/invalid_lr_on_one_rank"] = h.Call(refuse_invalid_lr_on_one_rank)
+        jobs["refuse/clip_on_one_rank"] = h.Call(refuse_clip_on_one_rank)
         for name, dtype in COMPACT.items():
             jobs[f"ours_{name}/dcp_roundtrip"] = h.Job(h.RECIPES["dcp_roundtrip"],
                                                        functools.partial(OffloadOptimizer, state_dtype=dtype))
@@ -803,6 +805,63 @@ def test_ranks_stepping_with_different_hyperparameters_raise_on_every_rank(world
     for message, unchanged in world2["refuse/disagreeing_lr"].per_rank.values():
         assert message is not None and "lr of param group 0" in message and "on rank 1" in message, message
         assert unchanged
+
+
+def _step_raising(loop, call) -> Tuple[Optional[str], Optional[str], bool]:
+    """``call()`` (a step, or clip_grad_norm_) on ``loop``: the type and message of what it raised, and whether every
+    local shard is as it was."""
+    before = [p.to_local().clone() for p in loop.model.parameters()]
+    kind = message = None
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+        kind, message = type(exc).__name__, str(exc)
+    return kind, message, all(torch.equal(p.to_local(), b) for p, b in zip(loop.model.parameters(), before))
+
+
+def refuse_invalid_lr_on_one_rank(rank, world):
+    """A negative LR on rank 1 only: rank 1 raises AdamW's error, rank 0 one naming rank 1 (not a wait for it until
+    the process group's timeout); nothing is updated, and with a valid LR again the ranks go on together."""
+    recipe = h.RECIPES["plain"]
+    loop = h.make_loop(world, recipe, OURS)
+    h.train_step(loop, recipe, 0, rank, world)
+    loop.opt.zero_grad()
+    h.loss_on(loop.model, 1, 0, rank, world).backward()
+    if rank == 1:
+        loop.opt.param_groups[0]["lr"] = -1.0
+    refused = _step_raising(loop, loop.opt.step)
+    loop.opt.param_groups[0]["lr"] = h.LR
+    again = _step_raising(loop, loop.opt.step)  # (the same gradients, a valid LR everywhere)
+    return refused, again[0] is None and not again[2]
+
+
+def refuse_clip_on_one_rank(rank, world):
+    """``opt.clip_grad_norm_`` on rank 0 only: its exchange meets rank 1's ``step()``; both raise, naming where each
+    rank is, nothing is updated, and the next step on both ranks goes on."""
+    recipe = h.RECIPES["plain"]
+    loop = h.make_loop(world, recipe, OURS)
+    h.train_step(loop, recipe, 0, rank, world)
+    loop.opt.zero_grad()
+    h.loss_on(loop.model, 1, 0, rank, world).backward()
+    refused = _step_raising(loop, (lambda: loop.opt.clip_grad_norm_(1.0)) if rank == 0 else loop.opt.step)
+    again = _step_raising(loop, loop.opt.step)
+    return refused, again[0] is None and not again[2]
+
+
+def test_a_rank_that_raises_before_the_exchange_makes_the_others_raise_not_wait(world2):
+    outcome = world2["refuse/invalid_lr_on_one_rank"].per_rank
+    (kind0, message0, unchanged0), went_on0 = outcome[0]
+    (kind1, message1, unchanged1), went_on1 = outcome[1]
+    assert kind1 == "ValueError" and "Invalid learning rate: -1.0" in message1, message1
+    assert kind0 == "RuntimeError" and "rank 1 raised at step()" in message0, message0
+    assert unchanged0 and unchanged1 and went_on0 and went_on1
+
+
+def test_clip_grad_norm_on_one_rank_only_is_refused_on_both(world2):
+    for rank, ((kind, message, unchanged), went_on) in world2["refuse/clip_on_one_rank"].per_rank.items():
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert "rank 0 in clip_grad_norm_()" in message and "rank 1 at step()" in message, message
+        assert unchanged and went_on, rank
 
 
 def test_tensor_parallel_parameters_are_refused_naming_the_placement(world2):

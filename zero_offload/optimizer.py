@@ -281,17 +281,19 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
 
     def _step(self) -> None:
         self._settle()  # before _sync: an update running in backward may still write the state
-        self._sync()
         # Intake: what arrived, measured.
-        policy, marks = self.options.nonfinite, self.__dict__  # (GradScaler.step sets grad_scale and found_inf)
-        scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks else NO_SCALER[policy]
-        clip = self._take_clip(scaler.unscaled)
-        self._scaled = scaler.present
-        plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
-        hypers = [self._rule.hyper(g) for g in self.param_groups]
-        if scaler.present:
-            self._mode.check_scaler()
-            gate.refuse_released_scaler(plans, self._transport.release)
+        with self._transport.together():
+            self._sync()
+            policy, marks = self.options.nonfinite, self.__dict__  # (GradScaler.step sets grad_scale and found_inf)
+            scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks \
+                else NO_SCALER[policy]
+            clip = self._take_clip(scaler.unscaled)
+            self._scaled = scaler.present
+            plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
+            hypers = [self._rule.hyper(g) for g in self.param_groups]
+            if scaler.present:
+                self._mode.check_scaler()
+                gate.refuse_released_scaler(plans, self._transport.release)
         found = False
         if not scaler.overflow:
             found = self._measure(plans, clip, scaler.check_nonfinite, hypers)

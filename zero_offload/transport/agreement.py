@@ -6,16 +6,17 @@ what differs."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Sequence, Tuple
 
 from zero_offload.distributed import Comm, _dist
 
-__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "STATE_DICT", "STATS", "STEP_REDUCE"]
+__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "digest"]
 
 # Where a rank is when it runs a collective of the statistics' size.
-BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT = 1.0, 2.0, 3.0, 4.0, 5.0
+BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
 
 
 def _describe(phase: float, backwards: int) -> str:
@@ -24,10 +25,12 @@ def _describe(phase: float, backwards: int) -> str:
             STEP_REDUCE: f"at step(), reduce-scattering the gradients backward did not send ({after})",
             STATS: f"at step() or clip_grad_norm_(), combining the gradient statistics ({after})",
             CLIPPED_STEP: f"at step() after clip_grad_norm_() ({after})",
-            STATE_DICT: "in state_dict(), about to gather the state"}.get(phase, f"lost (phase {phase})")
+            STATE_DICT: "in state_dict(), about to gather the state",
+            FAILED: "raised at step() before its first collective (its own error says why: an invalid "
+                    "hyperparameter there?)"}.get(phase, f"lost (phase {phase})")
 
 
-def _digest(settings: Sequence[Tuple[str, float]]) -> float:
+def digest(settings: Sequence[Tuple[str, float]]) -> float:
     """A 48-bit digest of the settings' values, exact as a float64 (it travels in a float64 all-reduce)."""
     values = [float(v) for _, v in settings]
     raw = hashlib.blake2b(struct.pack(f"<{len(values)}d", *values), digest_size=6).digest()
@@ -52,7 +55,7 @@ class Agreement:
         sum holds every rank's."""
         world, rank = self.comm.world, self.comm.rank
         tail = [0.0] * (3 * world)
-        tail[rank] = _digest(settings)
+        tail[rank] = digest(settings)
         tail[world + 2 * rank], tail[world + 2 * rank + 1] = phase, float(self._backwards())
         return tail
 
@@ -67,6 +70,18 @@ class Agreement:
         tail = tail[len(tail) - 3 * self.comm.world :]
         self.check_phases(tail, what, where)
         self.check_settings(tail, settings, where, state)
+
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        """Around what a rank does at ``step()`` before its first collective: if it raises, the rank still meets
+        the others' next collective (of the statistics' size), marked as failed, so that they raise too, naming it,
+        rather than wait for it until the process group times out; then its own error goes on."""
+        try:
+            yield
+        except Exception:
+            with contextlib.suppress(RuntimeError):  # (the others raise there; this rank's own error is the one)
+                self.check(FAILED, (), "all_reduce", "the step")
+            raise
 
     def check_phases(self, tail: List[float], what: str, where: str) -> None:
         world = self.comm.world

@@ -265,6 +265,11 @@ class Transport:
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_``: the sharded transport checks the ranks agree on ``settings``."""
 
+    def together(self) -> Any:
+        """A context around what ``step()`` does before its exchange with the other ranks (FSDP2's transport: a
+        rank that raises there still meets it, so the others raise too instead of waiting); here nothing."""
+        return NOTHING
+
     def wait_all(self, plans: Lanes) -> None:
         for lane in chain.from_iterable(plans):
             lane.route.wait(lane)

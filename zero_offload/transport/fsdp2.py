@@ -28,9 +28,10 @@ outlives it (``zero_grad()`` clears the DTensors' own).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from itertools import chain
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,9 +41,14 @@ from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
 from zero_offload.transport.base import Route, Transport
 from zero_offload.transport.device import OffloadRoute
+from zero_offload.transport.agreement import digest
 from zero_offload.transport.host import HostRoute
 
 __all__ = ["FSDPHostRoute", "FSDPTransport"]
+
+# Where a rank is when it meets the others (a slot of every exchange's row).
+STEP, CLIP, AFTER_CLIP = 1.0, 2.0, 3.0
+_WHERE = {STEP: "at step()", CLIP: "in clip_grad_norm_()", AFTER_CLIP: "at step() after clip_grad_norm_()"}
 
 
 class FSDPHostRoute(HostRoute):
@@ -138,37 +144,82 @@ class FSDPTransport(Transport):
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """The local gather, then the statistics of the whole mesh: its sum of squares and whether any rank's
         shard holds an inf/nan, with every rank's ``settings`` (the step's hyperparameters and ``nonfinite``
-        policy), in one small all-gather; a rank that steps with other settings than the others makes every rank
-        raise, naming them, before anything is updated."""
-        bad = super().gather(plans, check=check)
-        if not (check or clipping or settings):
-            return False
-        sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
-        rows = self._exchange([sq, float(local_bad), *(float(v) for _, v in settings)])
-        self._check_settings([row[2:] for row in rows], settings)
+        policy), in one small all-gather (:meth:`_meet`): a rank that steps with other settings than the others
+        makes every rank raise, naming them, before anything is updated."""
+        phase = CLIP if clipping else STEP
+        with self._failing(phase):
+            bad = super().gather(plans, check=check)
+            sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
+        rows = self._meet(phase, settings, sq, local_bad)
         self._sq = sum(row[0] for row in rows)
         self._bad = any(row[1] > 0 for row in rows) or not math.isfinite(self._sq)
         return check and self._bad
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
-        if settings:
-            self._check_settings(self._exchange([float(v) for _, v in settings]), settings)
+        self._meet(AFTER_CLIP, settings)
 
-    def _check_settings(self, rows: List[List[float]], settings: Sequence[Tuple[str, float]]) -> None:
-        """Raise, on every rank alike (each sees every rank's ``rows``), naming the settings whose values differ."""
+    def together(self) -> contextlib.AbstractContextManager:
+        return self._failing(STEP)
+
+    @contextlib.contextmanager
+    def _failing(self, phase: float) -> Iterator[None]:
+        """What a rank does before the exchange of ``phase``: if it raises (a hyperparameter invalid on this rank,
+        a refused gradient), the rank still meets the others' exchange, marked as failed, so that they raise too
+        (naming it) rather than wait for it until the process group times out; then its own error goes on."""
+        try:
+            yield
+        except Exception:
+            self._meet(phase, (), failed=True)
+            raise
+
+    def _meet(self, phase: float, settings: Sequence[Tuple[str, float]], sq: float = 0.0, bad: bool = False,
+              failed: bool = False) -> List[List[float]]:
+        """Every rank's row: (sum of squares, inf/nan flag, ``phase``, whether the rank got this far, a digest of
+        its ``settings``), one all-gather of the same size at every point where ranks meet, so that ranks at
+        different points, or failed, or with other settings are told apart. Every rank sees the same rows and so
+        raises alike (a ``failed`` rank returns: its own error follows); the values of differing settings are
+        exchanged only then, to name them."""
+        rows = self._exchange([sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings)])
+        rank, world = torch.distributed.get_rank(self.sharding.group), len(rows)
+        down = [r for r, row in enumerate(rows) if row[3] == 0.0]
+        if failed:
+            return rows
+        where = f"zero_offload: rank {rank} of {world} (FSDP2 mesh)"
+        if down:
+            raise RuntimeError(
+                f"{where}: " + "; ".join(f"rank {r} raised {_WHERE.get(rows[r][2], rows[r][2])}" for r in down)
+                + " before the ranks compared their gradient statistics (its own error says why: an invalid "
+                "hyperparameter there?). Nothing was updated on any rank; the ranks are still in step.")
+        phases = [row[2] for row in rows]
+        if len(set(phases)) > 1:
+            raise RuntimeError(
+                f"{where}: the ranks are at different points: "
+                + "; ".join(f"rank {r} {_WHERE.get(p, p)}" for r, p in enumerate(phases))
+                + ". Every rank must call clip_grad_norm_() (or not) and step() together. Nothing was updated.")
+        if len({row[4] for row in rows}) > 1:
+            self._name_settings(settings, where)
+        return rows
+
+    def _name_settings(self, settings: Sequence[Tuple[str, float]], where: str) -> None:
+        """The ranks' settings differ (their digests did): exchange them and raise, naming those that differ."""
+        lengths = [int(row[0]) for row in self._exchange([float(len(settings))])]
+        if len(set(lengths)) > 1:
+            raise RuntimeError(f"{where}: the ranks step with different numbers of settings ({lengths}, by rank): "
+                               "a param group added on some ranks only? Nothing was updated.")
+        rows = self._exchange([float(v) for _, v in settings])
         diffs = []
         for j, (name, _) in enumerate(settings):
             values = [row[j] for row in rows]
             if len(set(values)) > 1:
                 diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
-        if diffs:
-            rank = torch.distributed.get_rank(self.sharding.group)
-            raise RuntimeError(
-                f"zero_offload: rank {rank} of {len(rows)} (FSDP2 mesh): the ranks step with different "
-                f"hyperparameters: {'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}. Each rank would update "
-                "its shards with its own, and FSDP's all-gather would join them: every rank must use the same (an LR "
-                "scheduler stepped on one rank only?). Nothing was updated.")
+        if not diffs:  # (equal values in other bits, 0.0 and -0.0: the same update)
+            return
+        raise RuntimeError(
+            f"{where}: the ranks step with different hyperparameters: {'; '.join(diffs[:4])}"
+            f"{'; ...' if len(diffs) > 4 else ''}. Each rank would update its shards with its own, and FSDP's "
+            "all-gather would join them: every rank must use the same (an LR scheduler stepped on one rank only?). "
+            "Nothing was updated.")
 
     def _exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (non-empty, of one length on every rank), in rank order, over the mesh dimension the shards

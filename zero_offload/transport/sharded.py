@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from itertools import chain
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +38,7 @@ from zero_offload.host_memory import copy_many_, empty_host
 from zero_offload.lane import Lane, Lanes
 from zero_offload.state.layout import view_like
 from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
+from zero_offload.timeline import NOTHING
 from zero_offload.transport.base import Route, Transport, device_sq_norm
 
 __all__ = ["GradStats", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
@@ -285,6 +286,15 @@ class ShardedTransport(Transport):
             vals[:2] = self._reduce_again(lanes, local, redo, sqs, bads)
         self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
         return check and self._stats.nonfinite
+
+    def together(self) -> Any:
+        """A rank that raises before the step's first collective meets the others' next one, when that is of the
+        statistics' size (see :meth:`gather`): buckets sent in backward, or a check before those it did not send.
+        Unstreamed buckets are reduce-scattered first, of their own sizes: a failed rank cannot meet that (gloo
+        would abort both), so there the others still wait for it until the group's timeout."""
+        if any(not lane.launches for lane in self.lanes) and not any(lane.streamed for lane in self.lanes):
+            return NOTHING
+        return self.agreement.failing()
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (whose all-reduce was the gradient statistics'): check that every
