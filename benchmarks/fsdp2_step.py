@@ -19,8 +19,8 @@ every rank on the host: what an FSDP2 user who offloads has, and where an offloa
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
 two moments; write parameter and moments, over the step's time), the median time of one small all-gather over the
 ranks after a barrier (both ``ours`` rows run one per step; AdamW none; an all-reduce of that size beside it), and
-for reference the rate of a plain 512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth figure, not a bound: a fused Adam
-streams seven arrays and can beat it).
+for reference the rate of a plain 512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth
+figure, not a bound: a fused Adam streams seven arrays and can beat it).
 
 GPU mode (CUDA available): ``--world`` ranks (default: every GPU), NCCL, FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; timed: the whole training step (forward,

@@ -15,7 +15,9 @@ import torch
 
 from zero_offload.quantize import Q8_BLOCK, q8_scale_numel
 
-__all__ = ["CheckedGrads", "check_hparams"]
+__all__ = ["CheckedGrads", "GRAD_DTYPES", "OUT_DTYPES", "STATE_DTYPES", "as_float", "buffers_of", "check_buffer",
+           "check_grads", "check_hparams", "check_hyper", "check_out", "check_out_vs_grad", "check_segments",
+           "check_state", "overlap"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -23,7 +25,7 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _get_layout, _get_dtype = operator.attrgetter("layout"), operator.attrgetter("dtype")
 
 
-def _as_float(value: Union[float, torch.Tensor], name: str) -> float:
+def as_float(value: Union[float, torch.Tensor], name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
@@ -33,7 +35,7 @@ def _as_float(value: Union[float, torch.Tensor], name: str) -> float:
     return float(value)
 
 
-def _check_buffer(t: object, name: str, numel: int, dtypes: Tuple[torch.dtype, ...]) -> None:
+def check_buffer(t: object, name: str, numel: int, dtypes: Tuple[torch.dtype, ...]) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"cpu_adam_: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -49,12 +51,12 @@ def _check_buffer(t: object, name: str, numel: int, dtypes: Tuple[torch.dtype, .
         raise TypeError(f"cpu_adam_: {name} has unsupported dtype {t.dtype} (supported: {allowed})")
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     lo_a, lo_b = a.data_ptr(), b.data_ptr()
     return a.numel() > 0 and b.numel() > 0 and lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
 
 
-def _check_out_vs_grad(param_out: torch.Tensor, grad: torch.Tensor, name: str, caller: str = "cpu_adam_",
+def check_out_vs_grad(param_out: torch.Tensor, grad: torch.Tensor, name: str, caller: str = "cpu_adam_",
                        offset: int = 0) -> None:
     """param_out may be the gradient's own memory slot for slot (each slot is read as a gradient before it is
     written as the parameter), never a partial overlap. ``offset``: the element of param_out that grad's first
@@ -62,12 +64,12 @@ def _check_out_vs_grad(param_out: torch.Tensor, grad: torch.Tensor, name: str, c
     same_slot = grad.data_ptr() == param_out.data_ptr() + offset * param_out.element_size()
     if grad.numel() and same_slot and grad.element_size() == param_out.element_size():
         return
-    if _overlap(param_out, grad):
+    if overlap(param_out, grad):
         raise ValueError(f"{caller}: param_out overlaps {name} without being exactly its memory (param_out may "
                          "share the gradient's memory only slot for slot, with the same element size)")
 
 
-def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, amsgrad: bool,
+def check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, amsgrad: bool,
                  max_exp_avg_sq: Optional[torch.Tensor], param_out: Optional[torch.Tensor],
                  exp_avg_scale: Optional[torch.Tensor] = None, exp_avg_sq_scale: Optional[torch.Tensor] = None,
                  max_exp_avg_sq_scale: Optional[torch.Tensor] = None) -> int:
@@ -75,15 +77,15 @@ def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"cpu_adam_: param must be a torch.Tensor, got {type(param).__name__}")
     numel = param.numel()
-    _check_buffer(param, "param", numel, (torch.float32,))
-    _check_buffer(exp_avg, "exp_avg", numel, STATE_DTYPES)
+    check_buffer(param, "param", numel, (torch.float32,))
+    check_buffer(exp_avg, "exp_avg", numel, STATE_DTYPES)
     q8 = exp_avg.dtype == torch.int8
     sq_dtype = torch.uint8 if q8 else exp_avg.dtype
-    _check_buffer(exp_avg_sq, "exp_avg_sq", numel, (sq_dtype,))
+    check_buffer(exp_avg_sq, "exp_avg_sq", numel, (sq_dtype,))
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("cpu_adam_: amsgrad=True needs max_exp_avg_sq")
-        _check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (sq_dtype,))
+        check_buffer(max_exp_avg_sq, "max_exp_avg_sq", numel, (sq_dtype,))
     elif max_exp_avg_sq is not None:
         raise ValueError("cpu_adam_: max_exp_avg_sq was given but amsgrad=False")
     scales = {"exp_avg_scale": exp_avg_scale, "exp_avg_sq_scale": exp_avg_sq_scale,
@@ -96,29 +98,29 @@ def _check_state(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
                 raise ValueError(f"cpu_adam_: 8-bit state (int8 exp_avg) needs {name}: float32, "
                                  f"q8_scale_numel({numel}) = {q8_scale_numel(numel)} elements")
             if t is not None:
-                _check_buffer(t, name, q8_scale_numel(numel), (torch.float32,))
+                check_buffer(t, name, q8_scale_numel(numel), (torch.float32,))
     else:
         given = [name for name, t in scales.items() if t is not None]
         if given:
             raise ValueError(f"cpu_adam_: {', '.join(given)} given, but scales belong to 8-bit state only "
                              f"(exp_avg is {exp_avg.dtype})")
     if param_out is not None:
-        _check_buffer(param_out, "param_out", numel, OUT_DTYPES)
+        check_buffer(param_out, "param_out", numel, OUT_DTYPES)
         others = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq,
                   **scales}
         for name, t in others.items():
-            if t is not None and _overlap(param_out, t):
+            if t is not None and overlap(param_out, t):
                 raise ValueError(f"cpu_adam_: param_out overlaps {name} (only the gradient may share its memory)")
     return numel
 
 
-def _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw) -> Dict[str, torch.Tensor]:
+def buffers_of(param, exp_avg, exp_avg_sq, vmax, q8_kw) -> Dict[str, torch.Tensor]:
     """The buffers an update reads and writes, by their ``out`` keys (those it has)."""
     named = dict(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=vmax, **q8_kw)
     return {k: t for k, t in named.items() if t is not None}
 
 
-def _check_out(out: object, sources: Dict[str, torch.Tensor], others: Dict[str, Optional[torch.Tensor]],
+def check_out(out: object, sources: Dict[str, torch.Tensor], others: Dict[str, Optional[torch.Tensor]],
                caller: str = "cpu_adam_") -> Optional[Dict[str, torch.Tensor]]:
     """An out-set against the ``sources`` it replaces and the ``others`` the update reads or writes (gradient,
     param_out): a destination for every source, of its dtype and size, dense, contiguous and on the CPU, each
@@ -149,7 +151,7 @@ def _check_out(out: object, sources: Dict[str, torch.Tensor], others: Dict[str, 
             raise ValueError(f"{caller}: {name} must be {src.dtype} with {src.numel()} elements, as {key} is; "
                              f"got {dst.dtype} with {dst.numel()}")
         for other, t in itertools.chain(sources.items(), others.items(), checked.items()):
-            if t is None or not _overlap(dst, t):
+            if t is None or not overlap(dst, t):
                 continue
             if t is src and other == key and dst.data_ptr() == src.data_ptr():
                 continue  # this buffer in place
@@ -179,31 +181,31 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def _check_hyper(step, lr, betas, eps, weight_decay, grad_scale
+def check_hyper(step, lr, betas, eps, weight_decay, grad_scale
                  ) -> Tuple[int, float, float, float, float, float, float]:
     """Validate an update's scalars; returns (step, lr, beta1, beta2, eps, weight_decay, grad_scale) as plain
     numbers."""
-    step_f = _as_float(step, "step")
+    step_f = as_float(step, "step")
     if not step_f.is_integer() or step_f < 1:
         raise ValueError(f"Invalid step: {step_f} (the 1-based count after this update, an integer >= 1)")
     if len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas} (expected two values)")
-    lr_f, eps_f, wd = _as_float(lr, "lr"), _as_float(eps, "eps"), _as_float(weight_decay, "weight_decay")
-    beta1, beta2 = _as_float(betas[0], "betas[0]"), _as_float(betas[1], "betas[1]")
+    lr_f, eps_f, wd = as_float(lr, "lr"), as_float(eps, "eps"), as_float(weight_decay, "weight_decay")
+    beta1, beta2 = as_float(betas[0], "betas[0]"), as_float(betas[1], "betas[1]")
     check_hparams(lr_f, (beta1, beta2), eps_f, wd)
-    scale = _as_float(grad_scale, "grad_scale")
+    scale = as_float(grad_scale, "grad_scale")
     if not math.isfinite(scale):
         raise ValueError(f"Invalid grad_scale: {scale} (must be finite)")
     return int(step_f), lr_f, beta1, beta2, eps_f, wd, scale
 
 
 class CheckedGrads(list):
-    """A list of gradients its maker has already checked as :func:`_check_grads` would (dense, contiguous CPU
+    """A list of gradients its maker has already checked as :func:`check_grads` would (dense, contiguous CPU
     tensors of one supported dtype): the optimizer's hand-off of a step's gradients, which it checks once when it
     collects them, so that the norm and the kernel do not check thousands of tensors again."""
 
 
-def _check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
+def check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
     """Every gradient a dense, contiguous CPU tensor of a supported dtype, all of one dtype."""
     if type(grads) is CheckedGrads:
         return
@@ -228,7 +230,7 @@ def _check_grads(grads: Sequence[torch.Tensor], caller: str) -> None:
     raise TypeError(f"{caller}: unsupported gradient dtype {dtype}")
 
 
-def _check_segments(grads: Sequence[torch.Tensor], offsets: Sequence[int], numel: int, q8: bool) -> List[int]:
+def check_segments(grads: Sequence[torch.Tensor], offsets: Sequence[int], numel: int, q8: bool) -> List[int]:
     """:func:`cpu_adam_segments_`'s checks of the segments; returns the offsets as ints."""
     offsets = list(map(operator.index, offsets))
     if len(offsets) != len(grads):

@@ -53,8 +53,8 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from zero_offload import _build, _reference, _torch_fused
-from zero_offload._checks import (GRAD_DTYPES, _check_buffer, _check_grads, _check_hyper, _check_out,
-                                  _check_out_vs_grad, _check_segments, _check_state, _overlap, _sources, check_hparams)
+from zero_offload._checks import (GRAD_DTYPES, buffers_of, check_buffer, check_grads, check_hparams, check_hyper,
+                                  check_out, check_out_vs_grad, check_segments, check_state, overlap)
 from zero_offload.quantize import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
 
 __all__ = ["cpu_adam_", "cpu_adam_segments_", "check_hparams", "grad_sq_norm", "grad_sq_norm_segments",
@@ -198,15 +198,15 @@ def cpu_adam_(
             one of its dtype and size, contiguous, that very buffer or sharing no memory with any other. Native:
             the same single pass; torch paths: a copy into ``out``, then in place there. Default: None (in place).
     """
-    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
+    numel = check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
                          exp_avg_sq_scale, max_exp_avg_sq_scale)
-    _check_buffer(grad, "grad", numel, GRAD_DTYPES)
+    check_buffer(grad, "grad", numel, GRAD_DTYPES)
     if param_out is not None:
-        _check_out_vs_grad(param_out, grad, "grad")
-    step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
+        check_out_vs_grad(param_out, grad, "grad")
+    step_i, lr_f, beta1, beta2, eps_f, wd, scale = check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
     vmax = max_exp_avg_sq if amsgrad else None
     q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
-    out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(grad=grad, param_out=param_out))
+    out = check_out(out, buffers_of(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(grad=grad, param_out=param_out))
     path, native = _resolve(exp_avg.dtype)
     if numel == 0:
         return
@@ -222,7 +222,7 @@ def _adam_dispatch(path: str, native, tensors: tuple, q8_kw: dict, step: int, lr
     param_out or None); ``out`` (checked; native paths only) the destinations."""
     param, grad, exp_avg, exp_avg_sq, vmax, param_out = tensors
     if out is not None and path in _TORCH_PATHS:  # copy, then in place there
-        views = _copy_sources(_sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), out, slice(None), slice(None))
+        views = _copy_sources(buffers_of(param, exp_avg, exp_avg_sq, vmax, q8_kw), out, slice(None), slice(None))
         param, exp_avg, exp_avg_sq, vmax = (views.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         q8_kw = {k: views.get(k) for k in q8_kw}
     if path == "torch-fused" and _torch_fused.handles(exp_avg):
@@ -293,15 +293,15 @@ def cpu_adam_segments_(
     gradient), the segments' elements (and their blocks' scales) of the destinations are written; the rest of
     them is left as it was.
     """
-    numel = _check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
+    numel = check_state(param, exp_avg, exp_avg_sq, amsgrad, max_exp_avg_sq, param_out, exp_avg_scale,
                          exp_avg_sq_scale, max_exp_avg_sq_scale)
-    _check_grads(grads, "cpu_adam_segments_")
-    offsets = _check_segments(grads, offsets, numel, exp_avg.dtype == torch.int8)
-    step_i, lr_f, beta1, beta2, eps_f, wd, scale = _check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
+    check_grads(grads, "cpu_adam_segments_")
+    offsets = check_segments(grads, offsets, numel, exp_avg.dtype == torch.int8)
+    step_i, lr_f, beta1, beta2, eps_f, wd, scale = check_hyper(step, lr, betas, eps, weight_decay, grad_scale)
     vmax = max_exp_avg_sq if amsgrad else None
     q8_kw = _q8_kwargs(exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale, amsgrad)
     # (against the gradients too: in C++ on the native path, without a Python loop; in _torch_segments else)
-    out = _check_out(out, _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(param_out=param_out),
+    out = check_out(out, buffers_of(param, exp_avg, exp_avg_sq, vmax, q8_kw), dict(param_out=param_out),
                      "cpu_adam_segments_")
     _segments_dispatch(param, grads, offsets, (exp_avg, exp_avg_sq, vmax), param_out, q8_kw,
                        (step_i, lr_f, beta1, beta2, eps_f, wd, bool(decoupled_weight_decay), bool(maximize), scale),
@@ -325,8 +325,8 @@ def adam_own_(param: torch.Tensor, grads: Union[torch.Tensor, Sequence[torch.Ten
         if param.numel():
             _adam_dispatch(path, native, (param, grads, *state, param_out), q8_kw, *hyper, out)
         return
-    _check_grads(grads, "cpu_adam_segments_")
-    offsets = _check_segments(grads, offsets, param.numel(), state[0].dtype == torch.int8)
+    check_grads(grads, "cpu_adam_segments_")
+    offsets = check_segments(grads, offsets, param.numel(), state[0].dtype == torch.int8)
     _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper, out)
 
 
@@ -349,12 +349,12 @@ def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, ou
     exp_avg, exp_avg_sq, vmax = state
     if param_out is not None:  # the native path checks this in C++, without a Python loop
         for i, (o, g) in enumerate(zip(offsets, grads)):
-            _check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
+            check_out_vs_grad(param_out, g, f"grads[{i}]", "cpu_adam_segments_", o)
     if out is not None:
-        bad = next(((key, i) for key, dst in out.items() for i, g in enumerate(grads) if _overlap(dst, g)), None)
+        bad = next(((key, i) for key, dst in out.items() for i, g in enumerate(grads) if overlap(dst, g)), None)
         if bad is not None:
             raise ValueError(f"cpu_adam_segments_: out[{bad[0]!r}] overlaps grads[{bad[1]}]")
-        sources, out = _sources(param, exp_avg, exp_avg_sq, vmax, q8_kw), {k: t.view(-1) for k, t in out.items()}
+        sources, out = buffers_of(param, exp_avg, exp_avg_sq, vmax, q8_kw), {k: t.view(-1) for k, t in out.items()}
         for o, g in zip(offsets, grads):
             _copy_sources(sources, out, slice(o, o + g.numel()), slice(o // Q8_BLOCK, q8_scale_numel(o + g.numel())))
         param, exp_avg, exp_avg_sq, vmax = (out.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
@@ -378,7 +378,7 @@ def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
     """:func:`grad_sq_norm` of several gradient tensors taken as one vector (each a dense, contiguous CPU
     tensor, all of one dtype), without gathering them into one buffer. The combination order is fixed, so the
     result does not depend on thread timing."""
-    _check_grads(grads, "grad_sq_norm_segments")
+    check_grads(grads, "grad_sq_norm_segments")
     path, native = _resolve(torch.float32)
     if path in _TORCH_PATHS:
         total, nonfinite = 0.0, False

@@ -56,8 +56,8 @@ def _read_plain(key: tuple) -> Hyper:
 
 
 def _kernel_args(h: Hyper) -> Tuple[float, float, float, float, float, bool, bool]:
-    """The kernel's hyperparameter arguments after the step: lr, beta1, beta2, eps, weight_decay, decoupled,
-    maximize."""
+    """The kernel's hyperparameter arguments that follow the step count: lr, beta1, beta2, eps, weight_decay,
+    decoupled, maximize."""
     return h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled, h.maximize
 
 

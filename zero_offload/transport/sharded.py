@@ -37,8 +37,8 @@ from zero_offload.distributed import Comm, _dist
 from zero_offload.host_memory import copy_many_, empty_host
 from zero_offload.lane import Lane, Lanes
 from zero_offload.state.layout import view_like
-from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
 from zero_offload.timeline import NOTHING
+from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
 from zero_offload.transport.base import Route, Transport, device_sq_norm
 
 __all__ = ["GradStats", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
