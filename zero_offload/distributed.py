@@ -192,6 +192,7 @@ class Comm:
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
         self.failure: Optional[str] = None
+        self.started = 0  # collectives started (Agreement.failing: whether a rank that raised met the others)
         # The works and tensors of the host collectives started and not yet let go of (see _Held), by id. Those of a
         # collective never waited for (a rank that raised or exits with one in flight, or whose collective failed)
         # are kept for good when this Comm dies or the interpreter exits, whichever comes first: the worker may
@@ -209,6 +210,7 @@ class Comm:
         For CPU tensors (gloo) the work itself is waited for then, and ``tensors`` (every tensor ``launch`` hands
         the collective) are held until its worker has let go of them (see :class:`_Held`)."""
         self.check_usable(what, where)
+        self.started += 1
         held = None if on_device else _Held(tensors)
         try:
             work = launch()

@@ -282,11 +282,10 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
     def _step(self) -> None:
         self._settle()  # before _sync: an update running in backward may still write the state
         # Intake: what arrived, measured.
-        with self._transport.together():
+        policy, marks = self.options.nonfinite, self.__dict__  # (GradScaler.step sets grad_scale and found_inf)
+        scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks else NO_SCALER[policy]
+        with self._transport.together(skipped=scaler.overflow):
             self._sync()
-            policy, marks = self.options.nonfinite, self.__dict__  # (GradScaler.step sets grad_scale and found_inf)
-            scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks \
-                else NO_SCALER[policy]
             clip = self._take_clip(scaler.unscaled)
             self._scaled = scaler.present
             plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)

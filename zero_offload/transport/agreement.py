@@ -75,12 +75,16 @@ class Agreement:
     def failing(self) -> Iterator[None]:
         """Around what a rank does at ``step()`` before its first collective: if it raises, the rank still meets
         the others' next collective (of the statistics' size), marked as failed, so that they raise too, naming it,
-        rather than wait for it until the process group times out; then its own error goes on."""
+        rather than wait for it until the process group times out; then its own error goes on. A rank that ran a
+        collective on the way (a redone ``clip_grad_norm_``: the others raised with it, or will meet it) runs none
+        more."""
+        started = self.comm.started
         try:
             yield
         except Exception:
-            with contextlib.suppress(RuntimeError):  # (the others raise there; this rank's own error is the one)
-                self.check(FAILED, (), "all_reduce", "the step")
+            if self.comm.started == started:
+                with contextlib.suppress(RuntimeError):  # (the others raise there; this rank's own error is the one)
+                    self.check(FAILED, (), "all_reduce", "the step")
             raise
 
     def check_phases(self, tail: List[float], what: str, where: str) -> None:

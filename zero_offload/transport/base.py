@@ -265,9 +265,10 @@ class Transport:
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_``: the sharded transport checks the ranks agree on ``settings``."""
 
-    def together(self) -> Any:
+    def together(self, skipped: bool = False) -> Any:
         """A context around what ``step()`` does before its exchange with the other ranks (FSDP2's transport: a
-        rank that raises there still meets it, so the others raise too instead of waiting); here nothing."""
+        rank that raises there still meets it, so the others raise too instead of waiting; not where the step is
+        ``skipped`` on every rank, a GradScaler having found an inf/nan); here nothing."""
         return NOTHING
 
     def wait_all(self, plans: Lanes) -> None:

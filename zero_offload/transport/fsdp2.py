@@ -39,6 +39,7 @@ from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
+from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import digest
 from zero_offload.transport.base import Route, Transport
 from zero_offload.transport.device import OffloadRoute
@@ -77,6 +78,7 @@ class FSDPTransport(Transport):
         self.sharding: Optional[Sharding] = None  # set with the first group (zero_offload.fsdp2.plan)
         self.managed = None  # FSDP2's registry as the constructor read it (zero_offload.fsdp2.take)
         self._sq = 0.0  # the last gather's sum of squares over the mesh
+        self._exchanges = 0  # exchanges with the other ranks so far (see _failing)
         self._bad = False
         # This step's streamed gradients' norms at their copy, by lane and parameter index (see the module docstring).
         self._digests: Dict[Lane, Dict[int, torch.Tensor]] = {}
@@ -159,18 +161,23 @@ class FSDPTransport(Transport):
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
         self._meet(AFTER_CLIP, settings)
 
-    def together(self) -> contextlib.AbstractContextManager:
-        return self._failing(STEP)
+    def together(self, skipped: bool = False) -> contextlib.AbstractContextManager:
+        # (A GradScaler's inf/nan is the mesh's under FSDP2: every rank skips the step, and meets nobody.)
+        return NOTHING if skipped else self._failing(STEP)
 
     @contextlib.contextmanager
     def _failing(self, phase: float) -> Iterator[None]:
         """What a rank does before the exchange of ``phase``: if it raises (a hyperparameter invalid on this rank,
         a refused gradient), the rank still meets the others' exchange, marked as failed, so that they raise too
-        (naming it) rather than wait for it until the process group times out; then its own error goes on."""
+        (naming it) rather than wait for it until the process group times out; then its own error goes on. A rank
+        that exchanged on the way (a redone ``clip_grad_norm_``: the others raised with it, or will meet it)
+        exchanges no more."""
+        exchanged = self._exchanges
         try:
             yield
         except Exception:
-            self._meet(phase, (), failed=True)
+            if self._exchanges == exchanged:
+                self._meet(phase, (), failed=True)
             raise
 
     def _meet(self, phase: float, settings: Sequence[Tuple[str, float]], sq: float = 0.0, bad: bool = False,
@@ -228,6 +235,7 @@ class FSDPTransport(Transport):
         2-core VM), and the step waits for it."""
         dist = torch.distributed
         group = self.sharding.group
+        self._exchanges += 1
         mine = torch.tensor(values, dtype=torch.float64, device=self.sharding.mesh.device_type)
         every = mine.new_empty(dist.get_world_size(group) * mine.numel())
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)

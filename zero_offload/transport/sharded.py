@@ -287,12 +287,13 @@ class ShardedTransport(Transport):
         self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
         return check and self._stats.nonfinite
 
-    def together(self) -> Any:
+    def together(self, skipped: bool = False) -> Any:
         """A rank that raises before the step's first collective meets the others' next one, when that is of the
         statistics' size (see :meth:`gather`): buckets sent in backward, or a check before those it did not send.
         Unstreamed buckets are reduce-scattered first, of their own sizes: a failed rank cannot meet that (gloo
-        would abort both), so there the others still wait for it until the group's timeout."""
-        if any(not lane.launches for lane in self.lanes) and not any(lane.streamed for lane in self.lanes):
+        would abort both), so there the others still wait for it until the group's timeout; nor can it meet a
+        step the others skip (``skipped``: a GradScaler found an inf/nan)."""
+        if skipped or (any(not lane.launches for lane in self.lanes) and not any(lane.streamed for lane in self.lanes)):
             return NOTHING
         return self.agreement.failing()
 
