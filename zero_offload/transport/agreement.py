@@ -13,7 +13,7 @@ from typing import Callable, Iterator, List, Sequence, Tuple
 
 from zero_offload.distributed import Comm, _dist
 
-__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "digest"]
+__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "differing", "digest"]
 
 # Where a rank is when it runs a collective of the statistics' size.
 BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
@@ -35,6 +35,15 @@ def digest(settings: Sequence[Tuple[str, float]]) -> float:
     values = [float(v) for _, v in settings]
     raw = hashlib.blake2b(struct.pack(f"<{len(values)}d", *values), digest_size=6).digest()
     return float(int.from_bytes(raw, "little"))
+
+
+def differing(settings: Sequence[Tuple[str, float]], rows: Sequence[Sequence[float]]) -> str:
+    """The ``settings`` whose values differ between the ranks' ``rows`` (each rank's values, in their order), each
+    with every rank's value, at most four named; empty where none does (their digests may still differ: 0.0 and
+    -0.0 are equal values in other bits, and give the same update)."""
+    diffs = [f"{name}: " + ", ".join(f"{row[j]!r} on rank {r}" for r, row in enumerate(rows))
+             for j, (name, _) in enumerate(settings) if len({row[j] for row in rows}) > 1]
+    return f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}"
 
 
 class Agreement:
@@ -111,12 +120,9 @@ class Agreement:
         mine = [0.0] * (world * n)
         mine[rank * n : (rank + 1) * n] = [float(v) for _, v in settings]
         every = self.comm.all_reduce_host(mine, _dist().ReduceOp.SUM, "the values that differ, to name them")
-        diffs = []
-        for j, (name, _) in enumerate(settings):
-            values = [every[r * n + j] for r in range(world)]
-            if len(set(values)) > 1:
-                diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
-        listed = f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}"
+        listed = differing(settings, [every[r * n : (r + 1) * n] for r in range(world)])
+        if not listed:
+            return
         if state:
             raise RuntimeError(
                 f"zero_offload: rank {rank} of {world}: the ranks hold different state buffers ({where}): {listed}. "

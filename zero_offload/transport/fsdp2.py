@@ -40,7 +40,7 @@ from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING
-from zero_offload.transport.agreement import digest
+from zero_offload.transport.agreement import differing, digest
 from zero_offload.transport.base import Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
@@ -188,17 +188,16 @@ class FSDPTransport(Transport):
         raises alike (a ``failed`` rank returns: its own error follows); the values of differing settings are
         exchanged only then, to name them."""
         rows = self._exchange([sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings)])
-        rank, world = torch.distributed.get_rank(self.sharding.group), len(rows)
         down = [r for r, row in enumerate(rows) if row[3] == 0.0]
-        if failed:
-            return rows
-        where = f"zero_offload: rank {rank} of {world} (FSDP2 mesh)"
+        phases = [row[2] for row in rows]
+        if failed or (not down and len(set(phases)) == 1 and len({row[4] for row in rows}) == 1):
+            return rows  # (every step: nothing more to look up)
+        where = f"zero_offload: rank {torch.distributed.get_rank(self.sharding.group)} of {len(rows)} (FSDP2 mesh)"
         if down:
             raise RuntimeError(
                 f"{where}: " + "; ".join(f"rank {r} raised {_WHERE.get(rows[r][2], rows[r][2])}" for r in down)
                 + " before the ranks compared their gradient statistics (its own error says why: an invalid "
                 "hyperparameter there?). Nothing was updated on any rank; the ranks are still in step.")
-        phases = [row[2] for row in rows]
         if len(set(phases)) > 1:
             raise RuntimeError(
                 f"{where}: the ranks are at different points: "
@@ -214,19 +213,13 @@ class FSDPTransport(Transport):
         if len(set(lengths)) > 1:
             raise RuntimeError(f"{where}: the ranks step with different numbers of settings ({lengths}, by rank): "
                                "a param group added on some ranks only? Nothing was updated.")
-        rows = self._exchange([float(v) for _, v in settings])
-        diffs = []
-        for j, (name, _) in enumerate(settings):
-            values = [row[j] for row in rows]
-            if len(set(values)) > 1:
-                diffs.append(f"{name}: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
-        if not diffs:  # (equal values in other bits, 0.0 and -0.0: the same update)
+        listed = differing(settings, self._exchange([float(v) for _, v in settings]))
+        if not listed:
             return
         raise RuntimeError(
-            f"{where}: the ranks step with different hyperparameters: {'; '.join(diffs[:4])}"
-            f"{'; ...' if len(diffs) > 4 else ''}. Each rank would update its shards with its own, and FSDP's "
-            "all-gather would join them: every rank must use the same (an LR scheduler stepped on one rank only?). "
-            "Nothing was updated.")
+            f"{where}: the ranks step with different hyperparameters: {listed}. Each rank would update its shards "
+            "with its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
+            "stepped on one rank only?). Nothing was updated.")
 
     def _exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (non-empty, of one length on every rank), in rank order, over the mesh dimension
