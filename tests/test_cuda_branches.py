@@ -24,6 +24,7 @@ import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
 from zero_offload import OffloadOptimizer
 from zero_offload.transport import Route
+from zero_offload.transport.device import OffloadRoute
 
 
 @pytest.fixture
@@ -85,6 +86,159 @@ def test_cuda_branches_delayed_update_is_adamw_one_step_late(cuda_branches, clip
             ref.step()
             ref.prev = None
             assert_same(model, ref_model, ours, ref.opt, f"flush at step {step}")
+    ours.flush()
+    ref.step()
+    assert_same(model, ref_model, ours, ref.opt, "after flush")
+
+
+def _log_uploads(monkeypatch) -> list:
+    """Log every device copy made ahead of a commit (``("stage", bucket, made)``) and every upload (``("upload",
+    bucket, from_device_copy)``), in order."""
+    log = []
+    stage, upload = OffloadRoute.stage, OffloadRoute.upload
+
+    def logged_stage(self, lane, src, lanes):
+        out = stage(self, lane, src, lanes)
+        log.append(("stage", lane.position, out is not None))
+        return out
+
+    def logged_upload(self, lane, indices, srcs):
+        staged = lane.staged
+        on_device = (srcs is not None and staged is not None
+                     and srcs[0].untyped_storage().data_ptr() == staged.flat.untyped_storage().data_ptr())
+        log.append(("upload", lane.position, on_device))
+        return upload(self, lane, indices, srcs)
+
+    monkeypatch.setattr(OffloadRoute, "stage", logged_stage)
+    monkeypatch.setattr(OffloadRoute, "upload", logged_upload)
+    return log
+
+
+def _worker_done(ours) -> None:
+    """Wait for the pending delayed update's worker (what a real forward and backward would take long enough for)."""
+    pending = ours._mode._pending
+    if pending is not None and pending.job is not None:
+        pending.job.result()
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room", "no_room"])
+def test_cuda_branches_delayed_update_uploads_during_backward(cuda_branches, monkeypatch, room):
+    """delayed_update's new parameters go up during the next backward, into a device buffer per bucket, as soon as
+    both the bucket's kernel has run and backward has sent the bucket's gradients; step() then copies them into the
+    parameters device to device, so the parameters change only at step(). Where the device has no room, step()
+    uploads from the host as before. Either way: AdamW one step late, every step, and nothing held on the device
+    after step()."""
+    log = _log_uploads(monkeypatch)
+    if not room:
+        monkeypatch.setattr("zero_offload.transport.device.device_room", lambda device: 0)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True, bucket_numel=600)
+    ref = LateAdamW(ref_model)
+    lanes = ours._transport.lanes
+    assert len(lanes) > 3
+    for step in range(10):
+        ours.zero_grad()
+        ref.opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_fn(model, step, 0, "cpu").backward()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        _worker_done(ours)
+        for p, q in zip(model.parameters(), before):
+            assert torch.equal(p, q), f"step {step}: a parameter changed before step()"
+        staged_early = {b for kind, b, made in log if kind == "stage" and made}
+        log.append(("step", None, None))
+        ours.step()
+        ref.step()
+        at_step = log[log.index(("step", None, None)):]
+        log.clear()
+        uploaded = {b: on_device for kind, b, on_device in at_step if kind == "upload"}
+        assert not [e for e in at_step if e[0] == "stage"], f"step {step}: staged during step()"
+        if step == 0:
+            assert not uploaded and not staged_early  # nothing pending yet
+        else:
+            assert uploaded, f"step {step}: no upload"
+            # (A bucket without a gradient in the last step, aux's every third, has nothing pending.)
+            assert staged_early == (set(uploaded) if room else set()), f"step {step}"
+            assert all(uploaded[b] == room for b in uploaded), f"step {step}: {uploaded}"
+        assert all(lane.staged is None or lane.staged.flat.untyped_storage().nbytes() == 0 for lane in lanes)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
+    ours.flush()
+    ref.step()
+    assert_same(model, ref_model, ours, ref.opt, "after flush")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_branches_delayed_update_low_precision_device_copies_equal_host_uploads(cuda_branches, monkeypatch,
+                                                                                     dtype):
+    """A low-precision model's device copies carry the kernel's rounded output (the gradient buffer that also
+    carries the parameters out): the run equals, bit for bit, the same run uploading from the host."""
+    log = _log_uploads(monkeypatch)
+    torch.manual_seed(0)
+    models = [TinyTransformer().to(dtype) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [OffloadOptimizer(m.parameters(), delayed_update=True, release_grads=True, bucket_numel=600)
+            for m in models]
+    stage = OffloadRoute.stage
+    monkeypatch.setattr(OffloadRoute, "stage", lambda self, lane, src, lanes: (
+        None if self.transport is opts[1]._transport else stage(self, lane, src, lanes)))
+    for step in range(8):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            loss_fn(model, step, 0, "cpu").backward()
+            _worker_done(opt)
+            opt.step()
+        for opt in opts:
+            _worker_done(opt)  # (the state then holds the update pending in both)
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
+            for key, value in opts[1].state[q].items():
+                assert torch.equal(opts[0].state[p][key], value), f"step {step}: {name} {key}"
+    assert any(e[0] == "upload" and e[2] for e in log), "no upload from a device copy"
+
+
+def test_cuda_branches_delayed_update_gives_device_copies_back_when_the_step_does_not_come(cuda_branches,
+                                                                                          monkeypatch):
+    """A backward whose step() never comes (zero_grad() after it) or is skipped (an inf/nan with nonfinite="skip")
+    gives the device copies it made back at once (the next forward does not hold them); the next backward makes
+    them again, and the run is AdamW one step late over the steps that happened. A second micro-batch (no no_sync)
+    reads the old parameters while the copies wait."""
+    log = _log_uploads(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True, bucket_numel=600,
+                            nonfinite="skip")
+    ref = LateAdamW(ref_model)
+    lanes = ours._transport.lanes
+    held = lambda: sum(lane.staged.flat.untyped_storage().nbytes() for lane in lanes if lane.staged is not None)
+    for step in range(9):
+        ours.zero_grad()
+        ref.opt.zero_grad()
+        for micro in range(2):
+            poison = float("nan") if (step, micro) == (6, 1) else 1.0  # step 6 is skipped: an inf/nan gradient
+            (loss_fn(model, step, micro, "cpu") * poison).backward()
+            loss_fn(ref_model, step, micro, "cpu").backward()
+            _worker_done(ours)
+        if step in (3, 6):
+            assert held() > 0, f"step {step}: nothing staged"
+            if step == 3:
+                ours.zero_grad()  # the step is abandoned
+            else:
+                ours.step()  # skipped: counted, nothing applied
+                assert ours.skipped_steps == 1
+            assert held() == 0, f"step {step}: device copies kept after the step did not come"
+            log.clear()
+            continue
+        log.clear()
+        ours.step()
+        ref.step()
+        if step in (4, 7):  # the pending update, from before the step that did not come, staged again
+            assert [e for e in log if e[0] == "upload"] and all(e[2] for e in log if e[0] == "upload")
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
     ours.flush()
     ref.step()
     assert_same(model, ref_model, ours, ref.opt, "after flush")

@@ -258,6 +258,15 @@ class FlatBucket:
             return self.staging_views
         return self.grads.prev_views if self.grad_prev is not None else self.grad_views
 
+    @property
+    def upload_flat(self) -> torch.Tensor:
+        """The flat buffer behind :attr:`upload_views` (in the bucket's layout)."""
+        if not self.low_precision:
+            return self.master
+        if not self.shares_grad:
+            return self.staging
+        return self.grad_prev if self.grad_prev is not None else self.grad
+
     def runs(self, present: Sequence[bool]) -> List[Tuple[int, int, int]]:
         """Contiguous runs ``(first, last, step)`` of parameters that have a gradient (``present``) and the same step
         count: each is one kernel call. Usually one run covering the whole bucket."""

@@ -267,7 +267,9 @@ class Options:
         does the same exactly, with clipping and a ``GradScaler``, but measured slower (docs/speculation.md).""")
     delayed_update: Union[bool, int] = _option(False, """apply each step's update one step late, overlapped with
         the next forward and backward (parameters one step stale). An int N >= 1: the first N steps are exact
-        (AdamW's), the later ones delayed; docs/accuracy.md measures what the stale step costs.""",
+        (AdamW's), the later ones delayed; docs/accuracy.md measures what the stale step costs. On a GPU the new
+        parameters go up during that backward, into device buffers where the GPU has room (``gpu_margin_gib``
+        kept free), and ``step()`` copies them in device to device.""",
                                                lambda v: delayed_setting(v))
     process_group: Optional[Any] = _option(None, """shard the state over this data-parallel group (ZeRO): 12/N
         bytes per parameter per rank. Every rank builds the same optimizer and calls ``step()``,

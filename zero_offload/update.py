@@ -8,6 +8,7 @@ construction.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
@@ -23,10 +24,14 @@ from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers", "preview_bucket",
-           "update_bucket"]
+__all__ = ["DELAYED_SCHEDULE", "Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers",
+           "preview_bucket", "update_bucket"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
+
+# What ``delayed_update`` does on a GPU, as the event model (benchmarks/step_model.py) reads it: whether the new
+# parameters go up during the next backward (to a device buffer, where the GPU has room; see :class:`Delayed`).
+DELAYED_SCHEDULE = {"uploads_in_backward": True}
 
 
 def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any) -> None:
@@ -251,12 +256,20 @@ class Overlap(Immediate):
 @dataclasses.dataclass
 class _Pending:
     """A step's update held back by ``delayed_update``: ``run`` computes it; ``job`` is it running in the worker;
-    ``work`` (lane, which parameters, hyperparameters) and ``multiplier`` are what it was given."""
+    ``work`` (lane, which parameters, hyperparameters) and ``multiplier`` are what it was given. While the next
+    backward goes on (with ``stages``, under the schedule's lock): ``done``, the lanes whose kernel has run (with the
+    indices it updated); ``sent``, those whose gradients that backward has sent; ``staged``, the device copies of
+    their new parameters; ``closed``, set once ``step()`` takes them (nothing is staged after)."""
 
     run: Callable[[], List[Tuple[Lane, Optional[List[int]]]]]
     job: Optional[Future]
     work: List[Tuple[Lane, Sequence[bool], Any]]
     multiplier: float
+    stages: bool = False  # run in the worker, for GPU buckets: their new parameters may go up before step()
+    done: Dict[Lane, List[int]] = dataclasses.field(default_factory=dict)
+    sent: set = dataclasses.field(default_factory=set)
+    staged: Dict[Lane, Any] = dataclasses.field(default_factory=dict)
+    closed: bool = False
 
 
 class Delayed(Immediate):
@@ -264,6 +277,13 @@ class Delayed(Immediate):
     (sending its parameters back) and starts this step's from a second gradient buffer, in the worker thread while
     the next forward and backward run (with the model on CPU, at the next ``step()``: the parameters *are* the
     masters there). Hyperparameters, clipping and loss scaling of a step apply to its own gradients.
+
+    On a GPU the new parameters go up during that backward, not at ``step()``: once a bucket's kernel has run *and*
+    backward has sent the bucket's gradients (so the memory backward frees makes room, as for speculative uploads),
+    they are copied into a device buffer of the bucket's (:meth:`~zero_offload.transport.base.Route.stage`, where
+    the device has room for it), and ``step()`` copies them into the parameters device to device. The parameters
+    themselves change only at ``step()``, so a second micro-batch, or code between backward and ``step()``, still
+    reads the old ones. A bucket without room is uploaded from the host at ``step()``, as before.
 
     ``exact_steps``: the updates that take a parameter's step count up to this many are applied before ``step()``
     returns, as without delay (counted from the state, so a resumed run goes on where it was)."""
@@ -273,6 +293,7 @@ class Delayed(Immediate):
         self._worker = _Worker()
         self._pending: Optional[_Pending] = None
         self._exact_steps = exact_steps
+        self._lock = threading.Lock()  # the pending update's staging: the worker, backward's hooks, step()
 
     def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
         self.flush(state)
@@ -289,17 +310,56 @@ class Delayed(Immediate):
         transport, multiplier = self.transport, decision.multiplier
 
         def run() -> List[Tuple[Lane, Optional[List[int]]]]:
-            return [(lane, update_bucket(transport, lane, present, None, h, multiplier, state,
-                                         grad=lane.bucket.grad_prev, scatter=False)) for lane, present, h in work]
+            out = []
+            for lane, present, h in work:
+                idx = update_bucket(transport, lane, present, None, h, multiplier, state,
+                                    grad=lane.bucket.grad_prev, scatter=False)
+                out.append((lane, idx))
+                if idx is not None and pending.stages:
+                    with self._lock:
+                        pending.done[lane] = idx
+                        if lane in pending.sent:
+                            self._stage(pending, lane)
+            return out
 
         # Read before the worker starts on the step counts; only while a warm-up is asked for (a tensor read per
         # bucket per step otherwise).
         exact = bool(self._exact_steps and work) and max(float(lane.bucket.steps.max())
                                                          for lane, _, _ in work) < self._exact_steps
         on_gpu = any(not lane.bucket.on_cpu for lane, _, _ in work)
-        self._pending = _Pending(run, self._worker.submit(run) if on_gpu else None, work, multiplier)
+        pending = self._pending = _Pending(run, None, work, multiplier, stages=on_gpu)
+        if on_gpu:
+            pending.job = self._worker.submit(run)
         if exact:
             self.flush(state)
+
+    def after_send(self, lane: Lane) -> None:
+        """Backward sent the bucket's gradients: if the pending update of it has run, its new parameters go up."""
+        pending = self._pending
+        if pending is None or not pending.stages:
+            return
+        with self._lock:
+            if pending.closed:
+                return
+            pending.sent.add(lane)
+            if lane in pending.done:
+                self._stage(pending, lane)
+
+    def _stage(self, pending: _Pending, lane: Lane) -> None:
+        """(Under the lock.) The lane's new parameters into its device buffer, once, where the device has room."""
+        if pending.closed or lane in pending.staged:
+            return
+        tl = self.transport.timeline
+        with NOTHING if tl is None else tl.span("copy", "h2d delayed", lane.position):
+            staged = lane.route.stage(lane, lane.bucket.upload_flat, self.transport.lanes)
+        if staged is not None:
+            pending.staged[lane] = staged
+
+    @staticmethod
+    def _close(pending: _Pending) -> Dict[Lane, Any]:
+        pending.closed = True
+        staged, pending.staged = pending.staged, {}
+        return staged
 
     def flush(self, state: State) -> None:
         pending, self._pending = self._pending, None
@@ -307,11 +367,28 @@ class Delayed(Immediate):
             return
         done = [(lane, idx) for lane, idx in (pending.job.result() if pending.job is not None else pending.run())
                 if idx is not None]
+        with self._lock:
+            staged = self._close(pending)
         lanes = [lane for lane, _ in done]
         self.transport.before_uploads(lanes)
         for lane, indices in done:
-            self.transport.send_params(lane, indices)
+            copy = staged.pop(lane, None)
+            self.transport.send_params(lane, indices, None if copy is None else copy.views)
+            if copy is not None:
+                copy.release()  # (after the copy from it was enqueued on the upload stream, which alone uses it)
         self.transport.finish_params(lanes)
+
+    def end_step(self, stepped: bool) -> None:
+        """A step that did not apply the pending update (skipped, refused, ``zero_grad()`` after backward): the
+        device copies are given back, so that they do not take memory from the next forward; the next backward
+        makes them again (or ``step()`` uploads from the host)."""
+        pending = self._pending
+        if pending is None or not pending.staged:
+            return
+        with self._lock:
+            staged, pending.staged = pending.staged, {}
+            pending.sent.clear()
+        _give_back(staged)
 
     def ahead(self) -> Dict[FlatBucket, Ahead]:
         """Saving must not change the run, so the pending update is neither applied early nor sent: on CUDA the
@@ -334,3 +411,13 @@ class Delayed(Immediate):
         pending, self._pending = self._pending, None
         if pending is not None and pending.job is not None:
             pending.job.result()
+            with self._lock:
+                staged = self._close(pending)
+            _give_back(staged)
+
+
+def _give_back(staged: Dict[Lane, Any]) -> None:
+    """Device copies no commit will read: given back once their upload has read the host buffers."""
+    for copy in staged.values():
+        copy.done.synchronize()
+        copy.release()

@@ -73,6 +73,11 @@ class Route:
     def finish(self, lanes: Sequence[Lane]) -> None:
         """After every upload of a step: order what reads the parameters next after them."""
 
+    def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Any]:
+        """Copy new parameters (``src``, flat in the bucket's layout) ahead of their commit into a device buffer of
+        the lane's; None where there is none (this kind: the commit uploads from the host)."""
+        return None
+
     @staticmethod
     def _slot_copies(lane: Lane) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """Zero the slots of absent gradients; return the (slot, gradient) copies still to make."""
