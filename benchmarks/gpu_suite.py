@@ -93,7 +93,7 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
         Stage("machine", "the machine: GPU, host CPU and RAM, torch, what the package detects",
               [py, "-m", "zero_offload.report"], 20, needs_gpu=False),
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
-                        "(the three CUDA tests that failed on torch 2.11)",
+                        "(the three CUDA tests that failed on torch 2.11); the device-room check's latency",
               [py, str(Path(__file__).resolve()), "--probe-pinned"], 25),
         Stage("steps", f"whole training step, {model}, no clipping",
               _step_argv(tiny, keys, []), 135, needs_gpu=not tiny),
@@ -179,7 +179,39 @@ def probe_pinned() -> Dict[str, Any]:
     res["ours_registered"] = host_memory.is_registered(ours)
     res["ours_is_pinned"] = bool(ours.is_pinned())
     res["ours_copy_return_ms"] = return_ms(ours)
+    res.update(probe_room())
     return res
+
+
+def probe_room() -> Dict[str, Any]:
+    """How long the device-room check of a speculative or delayed upload takes (``device_room``: the driver's free
+    memory and the caching allocator's counts, once per bucket and step, from the worker or backward's hooks),
+    with the GPU idle and while it runs a long kernel: a driver call that waits for the GPU would stall the
+    worker (speculation measured twice its modelled step on the third lease, unexplained)."""
+    import torch
+
+    from zero_offload.transport.device import device_room
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(8192, 8192, device=dev)
+
+    def us(fn, busy: bool) -> float:
+        torch.cuda.synchronize()
+        if busy:
+            for _ in range(20):  # some 100 ms of matmuls queued ahead
+                a @ a
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        took = (time.perf_counter() - t0) * 1e6 / 20
+        torch.cuda.synchronize()
+        return round(took, 1)
+
+    return {f"{name}_us_{state}": us(fn, state == "busy")
+            for name, fn in (("mem_get_info", lambda: torch.cuda.mem_get_info(dev)),
+                             ("memory_allocated", lambda: torch.cuda.memory_allocated(dev)),
+                             ("device_room", lambda: device_room(dev)))
+            for state in ("idle", "busy")}
 
 
 # --------------------------------------------------------------------------------------------------- report --
