@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -121,20 +122,22 @@ def _worker_done(ours) -> None:
         pending.job.result()
 
 
-@pytest.mark.parametrize("room", [True, False], ids=["room", "no_room"])
-def test_cuda_branches_delayed_update_uploads_during_backward(cuda_branches, monkeypatch, room):
+@pytest.mark.parametrize("case", ["room", "no_room", "margin", "off"])
+def test_cuda_branches_delayed_update_uploads_during_backward(cuda_branches, monkeypatch, case):
     """delayed_update's new parameters go up during the next backward, into a device buffer per bucket, as soon as
     both the bucket's kernel has run and backward has sent the bucket's gradients; step() then copies them into the
-    parameters device to device, so the parameters change only at step(). Where the device has no room, step()
-    uploads from the host as before. Either way: AdamW one step late, every step, and nothing held on the device
-    after step()."""
+    parameters device to device, so the parameters change only at step(). Where the device has no room (none, or
+    not beyond gpu_margin_gib), or with uploads_in_backward=False, step() uploads from the host as before. Either
+    way: AdamW one step late, every step, and nothing held on the device after step()."""
     log = _log_uploads(monkeypatch)
-    if not room:
-        monkeypatch.setattr("zero_offload.transport.device.device_room", lambda device: 0)
+    room = case == "room"
+    free = {"no_room": 0, "margin": 3 << 30}.get(case, 1 << 40)
+    monkeypatch.setattr("zero_offload.transport.device.device_room", lambda device: free)
+    kw = {"margin": dict(gpu_margin_gib=3.0), "off": dict(uploads_in_backward=False)}.get(case, {})
     torch.manual_seed(0)
     model = TinyTransformer()
     ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True, bucket_numel=600)
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True, bucket_numel=600, **kw)
     ref = LateAdamW(ref_model)
     lanes = ours._transport.lanes
     assert len(lanes) > 3
@@ -242,6 +245,44 @@ def test_cuda_branches_delayed_update_gives_device_copies_back_when_the_step_doe
     ours.flush()
     ref.step()
     assert_same(model, ref_model, ours, ref.opt, "after flush")
+
+
+def test_cuda_branches_delayed_update_worker_finishing_after_an_abandoned_step_stages_nothing(cuda_branches,
+                                                                                            monkeypatch):
+    """The worker still running when a backward's step() does not come (zero_grad()): what it finishes later is
+    not copied up until the next backward sends its gradients, so the next forward holds no device copy."""
+    import zero_offload.update as update
+
+    gate = threading.Event()
+    real = update.update_bucket
+
+    def gated(*args, **kwargs):
+        gate.wait(timeout=60)
+        return real(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ours = OffloadOptimizer(model.parameters(), delayed_update=True, release_grads=True, bucket_numel=600)
+    lanes = ours._transport.lanes
+    held = lambda: sum(lane.staged.flat.untyped_storage().nbytes() for lane in lanes if lane.staged is not None)
+    ours.zero_grad()
+    loss_fn(model, 0, 0, "cpu").backward()
+    ours.step()
+    _worker_done(ours)
+    monkeypatch.setattr(update, "update_bucket", gated)
+    ours.zero_grad()
+    loss_fn(model, 1, 0, "cpu").backward()
+    ours.step()  # its update waits in the worker
+    loss_fn(model, 2, 0, "cpu").backward()  # sends every bucket while the worker is held
+    assert held() == 0
+    ours.zero_grad()  # that step never comes
+    gate.set()
+    _worker_done(ours)
+    assert held() == 0, "device copies made after the step was abandoned"
+    loss_fn(model, 3, 0, "cpu").backward()  # the next backward copies them up
+    assert held() > 0
+    ours.step()
+    assert held() == 0
 
 
 # Low precision: uploads of the bf16/fp16 staging copy, and masters (re)initialised from parameters on the device.

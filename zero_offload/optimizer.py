@@ -478,8 +478,7 @@ def _make_mode(options: Options, transport: Transport, early_update: Callable[[L
     if options.delayed_update:
         return Delayed(transport, options.delayed_exact_steps)
     if options.speculates:
-        return Speculative(transport, inputs, check_speculation_memory(options.speculation_memory),
-                           options.gpu_margin_gib)
+        return Speculative(transport, inputs, check_speculation_memory(options.speculation_memory))
     return Immediate(transport)
 
 

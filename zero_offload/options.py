@@ -221,6 +221,11 @@ def _check_speculate(value: Any) -> None:
         raise ValueError(f"Invalid speculate: {value!r} (True, False or None)")
 
 
+def _check_bool(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"Invalid uploads_in_backward: {value!r} (True or False)")
+
+
 def _check_gpu_fraction(f: Any) -> None:
     if not (f == "auto" or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
         raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
@@ -301,8 +306,14 @@ class Options:
         free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
         ``delayed_update``. See docs/twin-flow.md.""", _check_gpu_fraction)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and by
-        speculation's uploads during backward (made only where that much and the gradients still to come fit).""",
-                                    _check_gpu_margin)
+        the uploads during backward (``uploads_in_backward``: made only where that much and the gradients still
+        to come fit).""", _check_gpu_margin)
+    uploads_in_backward: bool = _option(True, """with ``speculate`` or ``delayed_update`` on a GPU: copy each
+        bucket's new parameters up during backward, once its update has run, into a device buffer of the bucket's
+        size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at
+        ``step()``; the buffers are given back at ``step()``. False: every upload from the host at ``step()``, no
+        device memory beyond the parameters (for a run near its GPU memory limit, e.g. with activation
+        checkpointing, whose recomputation the room check does not foresee).""", _check_bool)
     speculation_memory: Optional[int] = _option(None, """the most bytes of host RAM speculation's buffers may
         hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that
         finds no room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to

@@ -134,9 +134,8 @@ class Speculative(Immediate):
     """
 
     def __init__(self, transport: Transport, inputs: Callable[[int], Tuple[Any, str]],
-                 memory: Optional[int] = None, margin_gib: float = 2.0):
+                 memory: Optional[int] = None):
         super().__init__(transport)
-        transport.staging_margin = int(margin_gib * 2**30)
         self._inputs = inputs
         self._worker = _Worker()
         self._specs: List[_Spec] = []  # this step's, in arrival order (each also its lane's ``spec``)

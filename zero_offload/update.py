@@ -365,8 +365,12 @@ class Delayed(Immediate):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        done = [(lane, idx) for lane, idx in (pending.job.result() if pending.job is not None else pending.run())
-                if idx is not None]
+        try:
+            done = [(lane, idx) for lane, idx in (pending.job.result() if pending.job is not None else pending.run())
+                    if idx is not None]
+        except BaseException:
+            self._abandon(pending)
+            raise
         with self._lock:
             staged = self._close(pending)
         lanes = [lane for lane, _ in done]
@@ -383,9 +387,9 @@ class Delayed(Immediate):
         device copies are given back, so that they do not take memory from the next forward; the next backward
         makes them again (or ``step()`` uploads from the host)."""
         pending = self._pending
-        if pending is None or not pending.staged:
+        if pending is None or not pending.stages:
             return
-        with self._lock:
+        with self._lock:  # (the worker may still be running: what it finishes now waits for the next backward)
             staged, pending.staged = pending.staged, {}
             pending.sent.clear()
         _give_back(staged)
@@ -410,10 +414,16 @@ class Delayed(Immediate):
     def drop(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None and pending.job is not None:
-            pending.job.result()
-            with self._lock:
-                staged = self._close(pending)
-            _give_back(staged)
+            try:
+                pending.job.result()
+            finally:
+                self._abandon(pending)
+
+    def _abandon(self, pending: _Pending) -> None:
+        """The pending update will not be committed from its device copies: close it (nothing is staged after) and
+        give them back."""
+        with self._lock:
+            _give_back(self._close(pending))
 
 
 def _give_back(staged: Dict[Lane, Any]) -> None:

@@ -18,15 +18,20 @@ __all__ = ["LocalTransport", "Route", "Transport", "make_transport", "record_eve
 def make_transport(process_group: Optional[Any], options: Options, fsdp: bool = False) -> Transport:
     """The transport ``options`` ask for: one process's, FSDP2's shards' (``fsdp``), or (``process_group``) the
     sharded one."""
+    transport: Transport
     if fsdp:
         from zero_offload.transport.fsdp2 import FSDPTransport
 
-        return FSDPTransport(release=options.release_grads)
-    if process_group is None:
-        return LocalTransport(release=options.release_grads)
-    from zero_offload.distributed import DEFAULT_TIMEOUT, Comm  # only with a process group
-    from zero_offload.transport.sharded import ShardedTransport
+        transport = FSDPTransport(release=options.release_grads)
+    elif process_group is None:
+        transport = LocalTransport(release=options.release_grads)
+    else:
+        from zero_offload.distributed import DEFAULT_TIMEOUT, Comm  # only with a process group
+        from zero_offload.transport.sharded import ShardedTransport
 
-    timeout = DEFAULT_TIMEOUT if options.timeout is None else options.timeout
-    return ShardedTransport(Comm(process_group, timeout, options.grads_reduced,
-                                 compact_state=options.state_dtype != torch.float32), release=options.release_grads)
+        timeout = DEFAULT_TIMEOUT if options.timeout is None else options.timeout
+        transport = ShardedTransport(Comm(process_group, timeout, options.grads_reduced,
+                                          compact_state=options.state_dtype != torch.float32),
+                                     release=options.release_grads)
+    transport.staging_margin = int(options.gpu_margin_gib * 2**30) if options.uploads_in_backward else None
+    return transport

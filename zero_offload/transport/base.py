@@ -116,8 +116,9 @@ class Transport:
         self.upload_streams: Dict[Any, Any] = {}
         self.arrivals: List[Lane] = []  # the lanes backward sent in this step, in the order it sent them
         self.moved = False  # a lane's step began (something was sent or received) since the last reset
-        # The device memory (bytes) a speculative upload leaves free (OffloadOptimizer's gpu_margin_gib).
-        self.staging_margin = 2 << 30
+        # The device memory (bytes) an upload during backward leaves free (gpu_margin_gib); None: no such uploads
+        # (uploads_in_backward=False).
+        self.staging_margin: Optional[int] = None
         self._routes: Dict[type, Route] = {}
 
     def route(self, kind: type) -> Route:

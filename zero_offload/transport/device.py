@@ -121,12 +121,15 @@ class OffloadRoute(Route):
 
     # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
     def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Staged]:
-        """Copy a speculative update's new parameters (``src``, flat in the bucket's layout, in pinned host memory)
-        up into the lane's device buffer, in one copy, from the worker, while backward goes on; the parameters
-        are not touched (the commit copies device to device, then :meth:`Staged.release` gives the memory back).
-        Only where the device has room for it beyond ``margin`` bytes and the gradients backward has still to make
-        (the buckets not sent yet); None otherwise (the commit uploads from the host, as without it)."""
+        """Copy a speculative or delayed update's new parameters (``src``, flat in the bucket's layout, in pinned
+        host memory) up into the lane's device buffer, in one copy, from the worker or backward's hooks, while
+        backward goes on; the parameters are not touched (the commit copies device to device, then
+        :meth:`Staged.release` gives the memory back). Only where the device has room for it beyond the transport's
+        ``staging_margin`` (None: never) and the gradients backward has still to make (the buckets not sent yet);
+        None otherwise (the commit uploads from the host, as without it)."""
         bucket, t = lane.bucket, self.transport
+        if t.staging_margin is None:
+            return None
         device = bucket.device
         nbytes = bucket.layout.padded_numel * bucket.dtype.itemsize
         coming = sum(o.bucket.layout.numel * o.bucket.dtype.itemsize for o in lanes
