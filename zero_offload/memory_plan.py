@@ -461,6 +461,11 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
                        "back (no staging copy)")
     if plan.device == "cuda" and not sharded:
         out += _speculation_lines(plan)
+        copy = plan.host.padded_numel * plan.dtype.itemsize
+        out += [f"uploads          with speculate=True or delayed_update: up to {format_bytes(copy)} more on the GPU "
+                "during backward", "                 (the new parameters, copied up early, only where the GPU has "
+                "room beyond gpu_margin_gib;", "                 given back at step(); none with "
+                "uploads_in_backward=False; not in the verdict below)"]
     return out
 
 
