@@ -38,8 +38,8 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
     ``kwargs`` are the class's own hyperparameters (its defaults apply, it validates them with its own messages)
     and any offload option of :class:`~zero_offload.OffloadOptimizer` (``nonfinite``, ``bucket_numel``,
     ``pin_memory``, ``stream_grads``, ``release_grads``, ``overlap_step``, ``delayed_update``, ``process_group``,
-    ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``, ``speculation_memory``; ``gpu_fraction`` and
-    ``gpu_margin_gib`` for Adam(W) only, whose update also runs on the GPU). The result is an
+    ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``, ``speculation_memory``, ``gpu_margin_gib``,
+    ``uploads_in_backward``; ``gpu_fraction`` for Adam(W) only, whose update also runs on the GPU). The result is an
     ``OffloadOptimizer``: the same ``step``, ``clip_grad_norm_``, GradScaler support and sharding, with
     ``defaults``, ``param_groups`` and ``state_dict()`` in the format of ``optimizer_class`` (so LR schedulers work
     and a checkpoint of the plain torch optimizer loads, and the other way round).
