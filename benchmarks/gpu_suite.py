@@ -66,6 +66,7 @@ class Stage:
     timeout_s: int
     needs_gpu: bool = True
     command: str = "1"  # which command of the lease runs it
+    timeline: bool = False  # train_step.py records ours' own timeline: per row, its spans by kind, and a trace
 
 
 def _step_argv(tiny: bool, keys: List[str], extra: List[str]) -> List[str]:
@@ -95,8 +96,9 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
                         "(the three CUDA tests that failed on torch 2.11); the device-room check's latency",
               [py, str(Path(__file__).resolve()), "--probe-pinned"], 25),
-        Stage("steps", f"whole training step, {model}, no clipping",
-              _step_argv(tiny, keys, []), 135, needs_gpu=not tiny),
+        Stage("steps", f"whole training step, {model}, no clipping (with ours' timeline: where each row's step "
+                       "waits, what its worker and uploads did)",
+              _step_argv(tiny, keys, []), 135, needs_gpu=not tiny, timeline=True),
         Stage("steps-clip", "the same with clip_grad_norm 1.0, the rows clipping changes",
               _step_argv(tiny, clip_keys, ["--clip", "1.0"]), 85, needs_gpu=not tiny),
         # Last in command 1: bounded by its limit, the headline rows come first.
@@ -125,6 +127,8 @@ def run_stage(stage: Stage, out: Path, cuda: bool) -> Dict[str, Any]:
     result_json = out / f"{stage.name}.result.json"
     if TRAIN_STEP in argv:
         argv += ["--json", str(result_json)]
+    if stage.timeline:
+        argv += ["--timeline", str(out / f"{stage.name}.timeline")]
     log = out / f"{stage.name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
