@@ -1,9 +1,10 @@
 """The GPU runbook, planned for one lease of a lent machine: 15 minutes of device time per session, its start (1-2
 minutes) included, at most 10 minutes a command. Two commands, each a list of stages:
 
-    command 1 (under 8 min): the kernel's build, the machine, the pinned-memory probe, the 1.3B step matrix
-              (AdamW, ours default, with speculation, gpu_fraction='auto', bf16 state, delayed, torchao), the
-              rows clipping changes again with clipping, and ``pytest -m cuda`` bounded;
+    command 1 (under 8 min): the kernel's build, the machine, the pinned-memory probe (and the latency of the
+              device-room check of uploads during backward), the 1.3B step matrix (AdamW, ours default, with
+              speculation, gpu_fraction='auto', bf16 state, delayed, torchao; ours' rows with their own
+              timeline), the rows clipping changes again with clipping, and ``pytest -m cuda`` bounded;
     command 2 (under 4 min, on the same warm machine: the build is cached): the rest (the FSDP2 rows,
               DeepSpeed's step row and the largest model on a 12 GiB GPU).
 
