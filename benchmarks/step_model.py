@@ -4,7 +4,10 @@ an :class:`~zero_offload.options.Options` (the default, ``speculate=True``, a nu
 speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the new
 parameters go up during backward (``zero_offload.speculation.SCHEDULE``), which buckets ``gpu_fraction`` keeps on the
 GPU (``device_tier_plan``, or for ``"auto"`` the buckets that fit in the GPU memory the offloaded step leaves, as
-``placement.place_on_device`` decides).
+``placement.place_on_device`` decides). Then ``delayed_update`` (one step stale, so not one of the exact rows), with
+its uploads during the next backward or not as ``Options.uploads_in_backward`` says, and with every upload at
+``step()``: the schedule the first H100 run measured (417 ms; the model gives 391, so read its delayed rows as lower
+bounds).
 
 The model is ``../shared/gpu/model/sim.py`` (calibrated to +-2% on the two measured schedules of the first H100 run;
 see ``../shared/gpu/STEP_ANALYSIS.md``), fed the bucket sizes and gradient arrival times of the profiled run.
@@ -130,7 +133,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from zero_offload.options import Options
     from zero_offload.speculation import SCHEDULE
-    from zero_offload.update import DELAYED_SCHEDULE
 
     sim = load_model(args.model_dir)
     kw = {}
@@ -156,8 +158,8 @@ def main() -> None:
     # delayed_update (not exact: one step stale): as built, and with every upload at step() (what the first H100 run
     # measured, 417 ms, to check the model against).
     r0 = kw.get("r0", 4.91e6)
-    for name, in_backward in (("delayed_update=True", DELAYED_SCHEDULE["uploads_in_backward"]),
-                              ("delayed, uploads at step", False)):
+    for name, in_backward in (("delayed_update=True", Options(delayed_update=True).uploads_in_backward),
+                              ("delayed, no early uploads", False)):
         t = delayed_ms(sim, in_backward, r0)
         print(f"{name:22s} {'no':>10s} {'none':>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x")
 

@@ -221,7 +221,7 @@ def _check_speculate(value: Any) -> None:
         raise ValueError(f"Invalid speculate: {value!r} (True, False or None)")
 
 
-def _check_bool(value: Any) -> None:
+def _check_uploads_in_backward(value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"Invalid uploads_in_backward: {value!r} (True or False)")
 
@@ -313,7 +313,7 @@ class Options:
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at
         ``step()``; the buffers are given back at ``step()``. False: every upload from the host at ``step()``, no
         device memory beyond the parameters (for a run near its GPU memory limit, e.g. with activation
-        checkpointing, whose recomputation the room check does not foresee).""", _check_bool)
+        checkpointing, whose recomputation the room check does not foresee).""", _check_uploads_in_backward)
     speculation_memory: Optional[int] = _option(None, """the most bytes of host RAM speculation's buffers may
         hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that
         finds no room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to

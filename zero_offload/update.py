@@ -24,14 +24,10 @@ from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 
-__all__ = ["DELAYED_SCHEDULE", "Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers",
-           "preview_bucket", "update_bucket"]
+__all__ = ["Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers", "preview_bucket",
+           "update_bucket"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
-
-# What ``delayed_update`` does on a GPU, as the event model (benchmarks/step_model.py) reads it: whether the new
-# parameters go up during the next backward (to a device buffer, where the GPU has room; see :class:`Delayed`).
-DELAYED_SCHEDULE = {"uploads_in_backward": True}
 
 
 def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any) -> None:
@@ -257,16 +253,16 @@ class Overlap(Immediate):
 class _Pending:
     """A step's update held back by ``delayed_update``: ``run`` computes it; ``job`` is it running in the worker;
     ``work`` (lane, which parameters, hyperparameters) and ``multiplier`` are what it was given. While the next
-    backward goes on (with ``stages``, under the schedule's lock): ``done``, the lanes whose kernel has run (with the
-    indices it updated); ``sent``, those whose gradients that backward has sent; ``staged``, the device copies of
-    their new parameters; ``closed``, set once ``step()`` takes them (nothing is staged after)."""
+    backward goes on (with ``stages``, under the schedule's lock): ``done``, the lanes whose kernel has run;
+    ``sent``, those whose gradients that backward has sent; ``staged``, the device copies of their new parameters;
+    ``closed``, set once ``step()`` takes them (nothing is staged after)."""
 
     run: Callable[[], List[Tuple[Lane, Optional[List[int]]]]]
     job: Optional[Future]
     work: List[Tuple[Lane, Sequence[bool], Any]]
     multiplier: float
     stages: bool = False  # run in the worker, for GPU buckets: their new parameters may go up before step()
-    done: Dict[Lane, List[int]] = dataclasses.field(default_factory=dict)
+    done: set = dataclasses.field(default_factory=set)
     sent: set = dataclasses.field(default_factory=set)
     staged: Dict[Lane, Any] = dataclasses.field(default_factory=dict)
     closed: bool = False
@@ -317,7 +313,7 @@ class Delayed(Immediate):
                 out.append((lane, idx))
                 if idx is not None and pending.stages:
                     with self._lock:
-                        pending.done[lane] = idx
+                        pending.done.add(lane)
                         if lane in pending.sent:
                             self._stage(pending, lane)
             return out
