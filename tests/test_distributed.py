@@ -885,10 +885,11 @@ def _invalid_on_one_rank_worker(rank, world, stream):
     return error, unchanged, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def test_a_rank_refusing_its_hyperparameters_makes_the_others_raise_not_wait():
-    # (Streamed: the step's first collective is the statistics' all-reduce, which a failed rank can meet. Without
-    # streaming it is a reduce-scatter per bucket; there the others still wait until the group's timeout.)
-    out = launch(_invalid_on_one_rank_worker, 2, True, timeout=120)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
+def test_a_rank_refusing_its_hyperparameters_makes_the_others_raise_not_wait(stream):
+    # (The step's first collective is the statistics' all-reduce or, before reduce-scattering what backward did not
+    # send, a check of its size: a failed rank meets either. The group's timeout is 20 s, the test's 120.)
+    out = launch(_invalid_on_one_rank_worker, 2, stream, timeout=120)
     (kind0, message0), unchanged0, params0 = out[0]
     (kind1, message1), unchanged1, params1 = out[1]
     assert kind1 == "ValueError" and "Invalid learning rate: -1.0" in message1, message1

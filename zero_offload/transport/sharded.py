@@ -261,8 +261,10 @@ class ShardedTransport(Transport):
         silently reconcile (a scheduler stepped on one rank only)."""
         lanes = list(chain.from_iterable(plans))
         todo = [lane for lane in lanes if not lane.launches]
-        if todo and any(lane.streamed for lane in self.lanes):
-            # Another rank may have sent these from backward already: it is at the statistics, not here.
+        if todo:
+            # Another rank may have sent these from backward already (it is at the statistics, not here), or have
+            # raised before its first collective (it meets this, marked failed): the reduce-scatters, of each
+            # bucket's size, would abort gloo or wait for it until the timeout.
             self.agreement.check(STEP_REDUCE, (), "reduce_scatter", f"gradients of {todo[0].bucket.where}")
         for lane in todo:
             lane.route.reduce_scatter(lane, lane.pending)
@@ -288,14 +290,11 @@ class ShardedTransport(Transport):
         return check and self._stats.nonfinite
 
     def together(self, skipped: bool = False) -> Any:
-        """A rank that raises before the step's first collective meets the others' next one, when that is of the
-        statistics' size (see :meth:`gather`): buckets sent in backward, or a check before those it did not send.
-        Unstreamed buckets are reduce-scattered first, of their own sizes: a failed rank cannot meet that (gloo
-        would abort both), so there the others still wait for it until the group's timeout; nor can it meet a
-        step the others skip (``skipped``: a GradScaler found an inf/nan)."""
-        if skipped or (any(not lane.launches for lane in self.lanes) and not any(lane.streamed for lane in self.lanes)):
-            return NOTHING
-        return self.agreement.failing()
+        """A rank that raises before the step's first collective meets the others' next one, which is of the
+        statistics' size (see :meth:`gather`: the statistics, or the check before reduce-scattering what backward
+        did not send), so that they raise too; not a step the others skip (``skipped``: a GradScaler found an
+        inf/nan)."""
+        return NOTHING if skipped else self.agreement.failing()
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (whose all-reduce was the gradient statistics'): check that every
