@@ -435,6 +435,41 @@ def test_cuda_streaming_matches_gpu_adamw_with_an_oversized_layer(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_delayed_update_uploads_during_backward_with_an_oversized_layer(dtype):
+    """delayed_update's new parameters copied up during the next backward (uploads_in_backward, the default) and
+    into the parameters at step(), with a 32 x 131072 layer, so that a missing stream wait shows up as wrong
+    numbers: AdamW one step late on an fp32 copy fed the same (upcast) gradients, every step (bf16: to one bf16
+    ulp, as above); the copies were made during backward (the timeline's "h2d delayed"), and none holds device
+    memory after step()."""
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 131072), nn.Linear(131072, 8, bias=False))
+    model = big.to("cuda", dtype)
+    ref_model = copy.deepcopy(model).float()
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=1 << 20, delayed_update=True)
+    opt.record_timeline()
+    ref = LateAdamW(ref_model, lr=1e-3)
+    staged = 0
+    for step in range(24):
+        x = torch.randn(16, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        opt.zero_grad()
+        model(x.to(dtype)).float().pow(2).mean().backward()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        staged += sum(e.kind == "copy" and e.what == "h2d delayed" for e in opt.timeline())
+        assert all(lane.staged is None or lane.staged.flat.untyped_storage().nbytes() == 0
+                   for lane in opt._transport.lanes), f"step {step}: a device copy held after step()"
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if dtype == torch.float32:
+                torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
+            else:
+                torch.testing.assert_close(p, q.to(dtype), atol=1e-6, rtol=2**-7, msg=lambda m: f"step {step}: {m}")
+    assert staged > 0, "no device copy was made during backward"
+
+
+@pytest.mark.cuda
 def test_cuda_memory_holds_no_state_and_no_released_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
