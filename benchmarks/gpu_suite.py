@@ -203,7 +203,7 @@ def probe_room() -> Dict[str, Any]:
     def us(fn, busy: bool) -> float:
         torch.cuda.synchronize()
         if busy:
-            for _ in range(20):  # some 100 ms of matmuls queued ahead
+            for _ in range(20):  # some 0.4 s of fp32 matmuls queued ahead
                 a @ a
         t0 = time.perf_counter()
         for _ in range(20):

@@ -1,13 +1,13 @@
 """The event model's predictions for the GPU step of the 1.3B GPT preset, for the schedules this tree runs: each row is
 an :class:`~zero_offload.options.Options` (the default, ``speculate=True``, a numeric ``gpu_fraction``,
 ``gpu_fraction="auto"``), and what the model simulates is read from the code, not written here: whether the options
-speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the new
-parameters go up during backward (``zero_offload.speculation.SCHEDULE``), which buckets ``gpu_fraction`` keeps on the
-GPU (``device_tier_plan``, or for ``"auto"`` the buckets that fit in the GPU memory the offloaded step leaves, as
-``placement.place_on_device`` decides). Then ``delayed_update`` (one step stale, so not one of the exact rows), with
-its uploads during the next backward or not as ``Options.uploads_in_backward`` says, and with every upload at
-``step()``: the schedule the first H100 run measured (417 ms; the model gives 391, so read its delayed rows as lower
-bounds).
+speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the
+new parameters go up during backward (``zero_offload.speculation.SCHEDULE``, ``Options.uploads_in_backward``), which
+buckets ``gpu_fraction`` keeps on the GPU (``device_tier_plan``, or for ``"auto"`` the buckets that fit in the GPU
+memory the offloaded step leaves, as ``placement.place_on_device`` decides). Then ``delayed_update`` (one step
+stale, so not one of the exact rows), with its uploads during the next backward or not as
+``Options.uploads_in_backward`` says, and with every upload at ``step()``: the schedule the first H100 run measured
+(417 ms; the model gives 391, so read its delayed rows as lower bounds).
 
 The model is ``../shared/gpu/model/sim.py`` (calibrated to +-2% on the two measured schedules of the first H100 run;
 see ``../shared/gpu/STEP_ANALYSIS.md``), fed the bucket sizes and gradient arrival times of the profiled run.
@@ -71,7 +71,7 @@ def step_ms(sim: types.ModuleType, options, gpu: int, schedule):
     validated = sim.B + 0.5  # the checks, right after the last gradient copy
     speculate = options.speculates
     factor = (KERNEL_BYTES + schedule["kernel_extra_bytes"]) / KERNEL_BYTES
-    at_once = speculate and schedule["uploads_in_backward"]
+    at_once = speculate and schedule["uploads_in_backward"] and options.uploads_in_backward
     commit = (4.0 * sum(sim.SIZE[i] for i in range(gpu, sim.NB)) / D2D_BYTES_PER_MS) if at_once else 0.0
     out = []
     for extra in (dict(), dict(c=0.0), dict(linear_W=140e6)):
@@ -147,13 +147,13 @@ def main() -> None:
             ('gpu_fraction="auto"', {"gpu_fraction": "auto"})]
     print(f"1.3B GPT preset, fused AdamW {sim.T_ADAMW:.0f} ms; kernel {sim.N / kw.get('r0', 4.91e6):.0f} ms over "
           f"{sim.N:,} elements; schedule as built: {SCHEDULE}")
-    print(f"{'options':22s} {'speculates':>10s} {'GPU tier':>18s} {'step ms':>8s} {'x AdamW':>8s} {'range':>12s}")
+    print(f"{'options':26s} {'speculates':>10s} {'GPU tier':>18s} {'step ms':>8s} {'x AdamW':>8s} {'range':>12s}")
     for name, options_kw in rows:
         options = Options(**options_kw)
         m = gpu_buckets(sim, options.gpu_fraction, room) if options.gpu_tier else 0
         t, lo, hi = step_ms(sim, options, m, SCHEDULE)
         tier = "none" if not m else f"{m} of {sim.NB} buckets"
-        print(f"{name:22s} {str(options.speculates):>10s} {tier:>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x "
+        print(f"{name:26s} {str(options.speculates):>10s} {tier:>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x "
               f"{lo / sim.T_ADAMW:5.2f}-{hi / sim.T_ADAMW:.2f}x")
     # delayed_update (not exact: one step stale): as built, and with every upload at step() (what the first H100 run
     # measured, 417 ms, to check the model against).
@@ -161,7 +161,7 @@ def main() -> None:
     for name, in_backward in (("delayed_update=True", Options(delayed_update=True).uploads_in_backward),
                               ("delayed, no early uploads", False)):
         t = delayed_ms(sim, in_backward, r0)
-        print(f"{name:22s} {'no':>10s} {'none':>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x")
+        print(f"{name:26s} {'no':>10s} {'none':>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def _log_uploads(monkeypatch) -> list:
     log = []
     stage, upload = OffloadRoute.stage, OffloadRoute.upload
 
-    def logged_stage(self, lane, src, lanes):
-        out = stage(self, lane, src, lanes)
+    def logged_stage(self, lane, src, lanes, label):
+        out = stage(self, lane, src, lanes, label)
         log.append(("stage", lane.position, out is not None))
         return out
 
@@ -185,8 +185,8 @@ def test_cuda_branches_delayed_update_low_precision_device_copies_equal_host_upl
     opts = [OffloadOptimizer(m.parameters(), delayed_update=True, release_grads=True, bucket_numel=600)
             for m in models]
     stage = OffloadRoute.stage
-    monkeypatch.setattr(OffloadRoute, "stage", lambda self, lane, src, lanes: (
-        None if self.transport is opts[1]._transport else stage(self, lane, src, lanes)))
+    monkeypatch.setattr(OffloadRoute, "stage", lambda self, lane, src, lanes, label: (
+        None if self.transport is opts[1]._transport else stage(self, lane, src, lanes, label)))
     for step in range(8):
         for model, opt in zip(models, opts):
             opt.zero_grad()

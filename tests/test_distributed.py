@@ -898,6 +898,40 @@ def test_a_rank_refusing_its_hyperparameters_makes_the_others_raise_not_wait(str
     torch.testing.assert_close(params0, params1, rtol=0, atol=0)
 
 
+def _invalid_after_a_redone_clip_worker(rank, world, stream):
+    """Clipping every step, then a GradScaler's mark appearing (``found_inf``, its unscale done) makes step() redo
+    clip_grad_norm_ (collectives on every rank) before it reads the hyperparameters; rank 1 then refuses its LR:
+    rank 0 raises too, naming it, instead of waiting for it in the step's next collective until the timeout."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           stream_grads=stream, timeout=20)
+    _step(model, opt, 0, rank, world, clip=1.0)
+    if rank == 1:
+        opt.param_groups[1]["lr"] = -1.0
+    before = _snapshot(model, opt)
+    error = None
+    try:
+        opt.zero_grad()
+        loss_on(model, 1, 0, rows_of(rank, world)).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.found_inf = torch.tensor(0.0)  # as GradScaler.step marks it, having unscaled the gradients
+        opt.step()
+    except (RuntimeError, ValueError) as exc:
+        error = (type(exc).__name__, str(exc))
+    return error, _unchanged(model, opt, before)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
+def test_a_rank_refusing_its_hyperparameters_after_a_redone_clip_makes_the_others_raise(stream):
+    out = launch(_invalid_after_a_redone_clip_worker, 2, stream, timeout=120)
+    (kind0, message0), unchanged0 = out[0]
+    (kind1, message1), unchanged1 = out[1]
+    assert kind1 == "ValueError" and "Invalid learning rate: -1.0" in message1, message1
+    assert kind0 == "RuntimeError" and "rank 1 is raised at step() before its first collective" in message0, message0
+    assert unchanged0 and unchanged1
+
+
 def _extra_backward_worker(rank, world, release, backwards):
     """Rank 0 runs ``backwards[0]`` backward passes before the step, rank 1 ``backwards[1]``, gradients streamed:
     every rank raises a RuntimeError naming itself and the collective (gloo aborted the process), nothing changes,

@@ -287,6 +287,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         with self._transport.together(skipped=scaler.overflow):
             self._sync()
             clip = self._take_clip(scaler.unscaled)
+        with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
             self._scaled = scaler.present
             plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
             hypers = [self._rule.hyper(g) for g in self.param_groups]

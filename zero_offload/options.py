@@ -274,7 +274,7 @@ class Options:
         the next forward and backward (parameters one step stale). An int N >= 1: the first N steps are exact
         (AdamW's), the later ones delayed; docs/accuracy.md measures what the stale step costs. On a GPU the new
         parameters go up during that backward, into device buffers where the GPU has room (``gpu_margin_gib``
-        kept free), and ``step()`` copies them in device to device.""",
+        kept free), and ``step()`` copies them in device to device (``uploads_in_backward``).""",
                                                lambda v: delayed_setting(v))
     process_group: Optional[Any] = _option(None, """shard the state over this data-parallel group (ZeRO): 12/N
         bytes per parameter per rank. Every rank builds the same optimizer and calls ``step()``,
@@ -293,7 +293,7 @@ class Options:
         gradients, parameters and state unchanged); otherwise drop it and update the bucket at ``step()``. The
         result is always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory
         for the buckets speculated in a step (see ``speculation_memory``) and, until ``step()``, GPU memory for their
-        new parameters. None (the default): off, as False: on an H100 it measured slower than the step without it
+        new parameters (``uploads_in_backward``). None (the default): off, as False: on an H100 it measured slower than the step without it
         (2.61x fused AdamW against 1.99x, 1.3B GPT; docs/benchmarks.md). True: on wherever it applies (refused
         with ``overlap_step``, ``delayed_update`` or a ``process_group``); CPU parameters are updated at ``step()``
         either way. See docs/speculation.md.""", _check_speculate)

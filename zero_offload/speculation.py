@@ -212,8 +212,7 @@ class Speculative(Immediate):
             self._release(spec)
             raise
         spec.runs = runs
-        with NOTHING if tl is None else tl.span("copy", "h2d speculative", lane.position):
-            spec.staged = lane.route.stage(lane, self._new_flat(spec), transport.lanes)
+        spec.staged = lane.route.stage(lane, self._new_flat(spec), transport.lanes, "h2d speculative")
 
     @staticmethod
     def _pieces(bucket: FlatBucket, names: Sequence[str]) -> List[Tuple[str, int, torch.dtype, bool]]:

@@ -345,9 +345,7 @@ class Delayed(Immediate):
         """(Under the lock.) The lane's new parameters into its device buffer, once, where the device has room."""
         if pending.closed or lane in pending.staged:
             return
-        tl = self.transport.timeline
-        with NOTHING if tl is None else tl.span("copy", "h2d delayed", lane.position):
-            staged = lane.route.stage(lane, lane.bucket.upload_flat, self.transport.lanes)
+        staged = lane.route.stage(lane, lane.bucket.upload_flat, self.transport.lanes, "h2d delayed")
         if staged is not None:
             pending.staged[lane] = staged
 
@@ -370,12 +368,15 @@ class Delayed(Immediate):
         with self._lock:
             staged = self._close(pending)
         lanes = [lane for lane, _ in done]
-        self.transport.before_uploads(lanes)
-        for lane, indices in done:
-            copy = staged.pop(lane, None)
-            self.transport.send_params(lane, indices, None if copy is None else copy.views)
-            if copy is not None:
-                copy.release()  # (after the copy from it was enqueued on the upload stream, which alone uses it)
+        try:
+            self.transport.before_uploads(lanes)
+            for lane, indices in done:
+                copy = staged.pop(lane, None)
+                self.transport.send_params(lane, indices, None if copy is None else copy.views)
+                if copy is not None:
+                    copy.release()  # (after the copy from it was enqueued on the upload stream, which alone uses it)
+        finally:
+            _give_back(staged)  # (what an upload that raised left)
         self.transport.finish_params(lanes)
 
     def end_step(self, stepped: bool) -> None:

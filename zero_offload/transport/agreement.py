@@ -85,8 +85,8 @@ class Agreement:
         """Around what a rank does at ``step()`` before its first collective: if it raises, the rank still meets
         the others' next collective (of the statistics' size), marked as failed, so that they raise too, naming it,
         rather than wait for it until the process group times out; then its own error goes on. A rank that ran a
-        collective on the way (a redone ``clip_grad_norm_``: the others raised with it, or will meet it) runs none
-        more."""
+        collective inside the block (a redone ``clip_grad_norm_`` that raised: the others raised with it) runs none
+        more; ``step()`` opens a new block after the redo, so a failure after it meets the others' next one."""
         started = self.comm.started
         try:
             yield

@@ -73,9 +73,10 @@ class Route:
     def finish(self, lanes: Sequence[Lane]) -> None:
         """After every upload of a step: order what reads the parameters next after them."""
 
-    def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Any]:
+    def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane], label: str) -> Optional[Any]:
         """Copy new parameters (``src``, flat in the bucket's layout) ahead of their commit into a device buffer of
-        the lane's; None where there is none (this kind: the commit uploads from the host)."""
+        the lane's (``label``: the copy's name in the timeline); None where there is none (this kind: the commit
+        uploads from the host)."""
         return None
 
     @staticmethod

@@ -120,13 +120,14 @@ class OffloadRoute(Route):
         lane.h2d_gen += 1
 
     # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
-    def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane]) -> Optional[Staged]:
+    def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane], label: str) -> Optional[Staged]:
         """Copy a speculative or delayed update's new parameters (``src``, flat in the bucket's layout, in pinned
         host memory) up into the lane's device buffer, in one copy, from the worker or backward's hooks, while
         backward goes on; the parameters are not touched (the commit copies device to device, then
         :meth:`Staged.release` gives the memory back). Only where the device has room for it beyond the transport's
         ``staging_margin`` (None: never) and the gradients backward has still to make (the buckets not sent yet);
-        None otherwise (the commit uploads from the host, as without it)."""
+        None otherwise (the commit uploads from the host, as without it). ``label``: the copy's name in the
+        timeline."""
         bucket, t = lane.bucket, self.transport
         if t.staging_margin is None:
             return None
@@ -140,7 +141,8 @@ class OffloadRoute(Route):
         staged = lane.staged
         # (Its memory comes from the upload stream, which alone uses it: given back, it is reused only by later
         # work there.)
-        with torch.cuda.stream(stream):
+        tl = t.timeline
+        with torch.cuda.stream(stream), NOTHING if tl is None else tl.span("copy", label, lane.position):
             try:
                 if staged is None:
                     flat = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype, device=device)

@@ -170,8 +170,9 @@ class FSDPTransport(Transport):
         """What a rank does before the exchange of ``phase``: if it raises (a hyperparameter invalid on this rank,
         a refused gradient), the rank still meets the others' exchange, marked as failed, so that they raise too
         (naming it) rather than wait for it until the process group times out; then its own error goes on. A rank
-        that exchanged on the way (a redone ``clip_grad_norm_``: the others raised with it, or will meet it)
-        exchanges no more."""
+        that exchanged inside the block (a redone ``clip_grad_norm_`` that raised: the others raised with it)
+        exchanges no more; ``step()`` opens a new block after the redo, so a failure after it meets the others'
+        next exchange."""
         exchanged = self._exchanges
         try:
             yield

@@ -5,7 +5,8 @@ One bucket's journey with a group of N ranks: its gradients are flattened and re
 the average is folded into the kernel's gradient multiplier), from the backward hooks when streamed or at
 ``step()``, so each rank holds the sum for the shard it owns; the gradient statistics of all buckets (sum of
 squares, a non-finite flag, and which parameters have a gradient on any rank) are combined in *one* all-reduce of
-a small tensor per step; the kernel updates the shard; the updated shard is all-gathered into the full parameters
+a small tensor per step (a step that reduce-scatters gradients backward did not send begins with one more, of the
+same size: a check that every rank is there); the kernel updates the shard; the updated shard is all-gathered into the full parameters
 while the next bucket is updated. The collectives themselves, their timeouts and failures are
 :mod:`zero_offload.distributed`'s; where ranks part ways, :mod:`~zero_offload.transport.agreement` catches it.
 
@@ -261,7 +262,7 @@ class ShardedTransport(Transport):
         silently reconcile (a scheduler stepped on one rank only)."""
         lanes = list(chain.from_iterable(plans))
         todo = [lane for lane in lanes if not lane.launches]
-        if todo:
+        if todo and not self.comm.grads_reduced:  # (DDP-reduced gradients: only copied, the statistics come next)
             # Another rank may have sent these from backward already (it is at the statistics, not here), or have
             # raised before its first collective (it meets this, marked failed): the reduce-scatters, of each
             # bucket's size, would abort gloo or wait for it until the timeout.
