@@ -13,7 +13,8 @@ from typing import Callable, Iterator, List, Sequence, Tuple
 
 from zero_offload.distributed import Comm, _dist
 
-__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "differing", "digest"]
+__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "differing",
+           "digest", "meeting_on_failure"]
 
 # Where a rank is when it runs a collective of the statistics' size.
 BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
@@ -28,6 +29,23 @@ def _describe(phase: float, backwards: int) -> str:
             STATE_DICT: "in state_dict(), about to gather the state",
             FAILED: "raised at step() before its first collective (its own error says why: an invalid "
                     "hyperparameter there?)"}.get(phase, f"lost (phase {phase})")
+
+
+@contextlib.contextmanager
+def meeting_on_failure(met: Callable[[], int], meet: Callable[[], object]) -> Iterator[None]:
+    """Around what a rank does at ``step()`` before it meets the other ranks: if it raises (a hyperparameter
+    invalid on this rank, a refused gradient), it still meets them once (``meet``: marked as failed), so that they
+    raise too, naming it, rather than wait for it until the process group times out; then its own error goes on.
+    ``met`` counts the rank's meetings: one made inside the block (a redone ``clip_grad_norm_`` that raised: the
+    others raised with it) leaves none to make. ``step()`` opens a new block after such a redo, so a failure after
+    it meets the others' next one."""
+    before = met()
+    try:
+        yield
+    except Exception:
+        if met() == before:
+            meet()
+        raise
 
 
 def digest(settings: Sequence[Tuple[str, float]]) -> float:
@@ -80,21 +98,14 @@ class Agreement:
         self.check_phases(tail, what, where)
         self.check_settings(tail, settings, where, state)
 
-    @contextlib.contextmanager
-    def failing(self) -> Iterator[None]:
-        """Around what a rank does at ``step()`` before its first collective: if it raises, the rank still meets
-        the others' next collective (of the statistics' size), marked as failed, so that they raise too, naming it,
-        rather than wait for it until the process group times out; then its own error goes on. A rank that ran a
-        collective inside the block (a redone ``clip_grad_norm_`` that raised: the others raised with it) runs none
-        more; ``step()`` opens a new block after the redo, so a failure after it meets the others' next one."""
-        started = self.comm.started
-        try:
-            yield
-        except Exception:
-            if self.comm.started == started:
-                with contextlib.suppress(RuntimeError):  # (the others raise there; this rank's own error is the one)
-                    self.check(FAILED, (), "all_reduce", "the step")
-            raise
+    def failing(self) -> contextlib.AbstractContextManager:
+        """:func:`meeting_on_failure` before the step's first collective: a failed rank meets the others' next
+        one (of the statistics' size)."""
+        return meeting_on_failure(lambda: self.comm.started, self._meet_failed)
+
+    def _meet_failed(self) -> None:
+        with contextlib.suppress(RuntimeError):  # (the others raise there; this rank's own error is the one)
+            self.check(FAILED, (), "all_reduce", "the step")
 
     def check_phases(self, tail: List[float], what: str, where: str) -> None:
         world = self.comm.world

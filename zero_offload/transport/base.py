@@ -192,7 +192,6 @@ class Transport:
         ``torch.nn.utils.clip_grad_norm_``) is left pending, to be read again. With ``fresh`` (and without
         ``release``) every gradient still on its parameter is read again: ``GradScaler.unscale_`` rewrites
         gradients without bumping their version."""
-        bucket = lane.bucket
         grads = self.collect(lane)
         lane.in_place = None
         self.moved = True

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 from itertools import chain
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,7 +40,7 @@ from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING
-from zero_offload.transport.agreement import differing, digest
+from zero_offload.transport.agreement import differing, digest, meeting_on_failure
 from zero_offload.transport.base import Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
@@ -165,21 +165,9 @@ class FSDPTransport(Transport):
         # (A GradScaler's inf/nan is the mesh's under FSDP2: every rank skips the step, and meets nobody.)
         return NOTHING if skipped else self._failing(STEP)
 
-    @contextlib.contextmanager
-    def _failing(self, phase: float) -> Iterator[None]:
-        """What a rank does before the exchange of ``phase``: if it raises (a hyperparameter invalid on this rank,
-        a refused gradient), the rank still meets the others' exchange, marked as failed, so that they raise too
-        (naming it) rather than wait for it until the process group times out; then its own error goes on. A rank
-        that exchanged inside the block (a redone ``clip_grad_norm_`` that raised: the others raised with it)
-        exchanges no more; ``step()`` opens a new block after the redo, so a failure after it meets the others'
-        next exchange."""
-        exchanged = self._exchanges
-        try:
-            yield
-        except Exception:
-            if self._exchanges == exchanged:
-                self._meet(phase, (), failed=True)
-            raise
+    def _failing(self, phase: float) -> contextlib.AbstractContextManager:
+        """:func:`~zero_offload.transport.agreement.meeting_on_failure` before the exchange of ``phase``."""
+        return meeting_on_failure(lambda: self._exchanges, lambda: self._meet(phase, (), failed=True))
 
     def _meet(self, phase: float, settings: Sequence[Tuple[str, float]], sq: float = 0.0, bad: bool = False,
               failed: bool = False) -> List[List[float]]:
