@@ -16,6 +16,12 @@ every rank on the host: what an FSDP2 user who offloads has, and where an offloa
   ours-ignore     ``nonfinite="ignore"``: no inf/nan check, as AdamW (the all-gather stays: it carries every rank's
                   hyperparameters, which must agree).
 
+With ``--clip MAX_NORM`` every row clips each step, and the clip is timed with ``step()`` (a loop that clips pays
+for both; ``torch.nn.utils.clip_grad_norm_`` reads every gradient and scales it in place, ours reads them once with
+the inf/nan check and folds the coefficient into the kernel): AdamW rows with ``torch.nn.utils.clip_grad_norm_``,
+ours with ``opt.clip_grad_norm_``, and one more row, ``ours-torch-clip``: ours clipped by torch's function (a loop
+that swaps the optimizer and nothing else).
+
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
 two moments; write parameter and moments, over the step's time), the median time of one small all-gather over the
 ranks after a barrier (both ``ours`` rows run one per step; AdamW none; an all-reduce of that size beside it), and
@@ -24,7 +30,8 @@ figure, not a bound: a fused Adam streams seven arrays and can beat it).
 
 GPU mode (CUDA available): ``--world`` ranks (default: every GPU), NCCL, FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; timed: the whole training step (forward,
-backward, ``--clip`` if given, step, zero_grad) and ``step()`` alone, with peak GPU memory:
+backward, ``--clip`` if given, step, zero_grad) and ``step()`` alone (with ``--clip``: the clip and
+``step()``, as in CPU mode), with peak GPU memory:
 
   gpu-adamw-fused      fp32 shards, AdamW(fused=True), all on the GPU: the baseline;
   cpuoffload-adamw     + ``CPUOffloadPolicy(pin_memory=True)``, AdamW default (the single-tensor loop on CPU);
@@ -90,7 +97,9 @@ CPU_ROWS = {
     "adamw-fused": ("offload", _adamw(fused=True)),
     "ours": ("offload", _ours()),
     "ours-ignore": ("offload", _ours(nonfinite="ignore")),  # no inf/nan check before the update, as AdamW
+    "ours-torch-clip": ("offload", _ours()),  # with --clip only: clipped by torch's clip_grad_norm_, not ours
 }
+CLIP_ONLY = ("ours-torch-clip",)
 GPU_ROWS = {
     "gpu-adamw-fused": ("gpu", _adamw(fused=True)),
     "cpuoffload-adamw": ("offload", _adamw()),
@@ -196,16 +205,20 @@ def measure(args, rank: int, world: int, device: torch.device, name: str, placem
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     steps, opt_times = [], []
+    own_clip = name.startswith("ours") and name not in CLIP_ONLY  # ours clips with opt.clip_grad_norm_
     for i in range(args.warmup + args.steps):
         dist.barrier()
         sync()
         t0 = time.perf_counter()
         model(x).float().square().mean().backward()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         sync()
         dist.barrier()
         t1 = time.perf_counter()
+        if args.clip:
+            if own_clip:
+                opt.clip_grad_norm_(args.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         sync()
         t2 = time.perf_counter()
@@ -237,7 +250,7 @@ def worker(rank: int, world: int, port: int, args, queue):
             results["copy_bytes_per_s"] = copy_bandwidth()
             results["exchange_s"] = exchange_latency()
         rows = GPU_ROWS if cuda else CPU_ROWS
-        for name in args.rows or rows:
+        for name in args.rows or default_rows(rows, args):
             placement, make_opt = rows[name]
             try:
                 results[name] = measure(args, rank, world, device, name, placement, make_opt)
@@ -257,8 +270,12 @@ def worker(rank: int, world: int, port: int, args, queue):
         raise
 
 
+def default_rows(rows: Dict[str, Any], args) -> List[str]:
+    return [name for name in rows if args.clip or name not in CLIP_ONLY]
+
+
 def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
-    rows = args.rows or list(GPU_ROWS if cuda else CPU_ROWS)
+    rows = args.rows or default_rows(GPU_ROWS if cuda else CPU_ROWS, args)
     merged: Dict[str, Any] = {}
     for name in rows:
         per_rank = [out[r][name] for r in sorted(out)]
@@ -276,7 +293,7 @@ def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict
     local = max(r["local_numel"] for r in merged.values() if "local_numel" in r)
     print(f"\nmedians of {args.steps} steps after {args.warmup}; the slowest of {world} ranks; x: ratio to "
           f"{rows[0]} (> 1 slower)")
-    head = f"  {'row':<18} {'step() ms':>10} {'x':>6} {'GB/s':>6}"
+    head = f"  {'row':<18} {'clip+step ms' if args.clip else 'step() ms':>10} {'x':>6} {'GB/s':>6}"
     if cuda:
         head += f" {'train step ms':>14} {'x':>6} {'peak GiB':>9}"
     print(head + "  implementation / status")
@@ -322,7 +339,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads per rank (default 1)")
     ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
-                    help="torch.nn.utils.clip_grad_norm_ every step, before the timed step() (default: none)")
+                    help="clip every step, timed with step(): AdamW rows with torch.nn.utils.clip_grad_norm_, ours "
+                         "with opt.clip_grad_norm_, ours-torch-clip with torch's (default: none)")
     ap.add_argument("--rows", default=None, help="comma-separated rows to run (default: all of the mode)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args()

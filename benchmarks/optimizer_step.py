@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_offload import OffloadOptimizer, functional  # noqa: E402
-from zero_offload.host_memory import format_bytes  # noqa: E402
+from zero_offload.host_memory import HUGE_PAGES_ENV, format_bytes  # noqa: E402
 
 LR, WD = 1e-3, 0.01
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -156,6 +156,10 @@ def main():
     one_p, one_g = make_model(numel, 1, seed=3)
     kw = {} if args.bucket_numel is None else dict(bucket_numel=int(args.bucket_numel))
     ours_many, ours_one = Ours(many_p, many_g, **kw), Ours(one_p, one_g, **kw)
+    small_p, small_g = make_model(numel, 1, seed=6)
+    os.environ[HUGE_PAGES_ENV] = "0"  # the same optimizer, its buffers on ordinary pages (see host_memory)
+    ours_small = Ours(small_p, small_g, **kw)
+    del os.environ[HUGE_PAGES_ENV]
     fused_many_p, fused_many_g = make_model(numel, k, seed=4)
     fused_one_p, fused_one_g = make_model(numel, 1, seed=5)
     fused_many_opt, fused_one_opt = torch_fused(fused_many_p, fused_many_g), torch_fused(fused_one_p, fused_one_g)
@@ -165,11 +169,13 @@ def main():
     many_fresh, one_fresh = f"ours {k} tensors, fresh grads", "ours 1 tensor, fresh grad"
     many_buf, one_buf = f"ours {k} tensors, in-buffer grads", "ours 1 tensor, in-buffer grad"
     many_ignore, fused_many = f"ours {k} tensors, in-buffer, nonfinite=ignore", f"torch fused AdamW {k} tensors"
+    small_buf = "ours 1 tensor, in-buffer grad, 4 KiB pages"
     cands = {
         many_fresh: (ours_many.prepare("fresh"), ours_many.opt.step, 28 + 4),
         one_fresh: (ours_one.prepare("fresh"), ours_one.opt.step, 28 + 4),
         many_buf: (ours_many.prepare("views"), ours_many.opt.step, 28 + 4),
         one_buf: (ours_one.prepare("views"), ours_one.opt.step, 28 + 4),
+        small_buf: (ours_small.prepare("views"), ours_small.opt.step, 28 + 4),
         many_ignore: (ours_many.prepare("views", "ignore"), ours_many.opt.step, 28),
         fused_many: (noop, fused_many_opt.step, 28),
         "torch fused AdamW 1 tensor": (noop, fused_one_opt.step, 28),
@@ -202,6 +208,7 @@ def main():
         (f"ours {k} fresh / torch fused {k}", med[many_fresh] / med[fused_many], 1.0),
         (f"ours {k} in-buffer / torch fused {k}", med[many_buf] / med[fused_many], 1.0),
         (f"ours {k} in-buffer, ignore / torch fused {k}", med[many_ignore] / med[fused_many], 1.0),
+        ("ours 1 in-buffer: huge pages / 4 KiB pages", med[one_buf] / med[small_buf], 1.0),
     ]
     print("\nratios (target):")
     for label, ratio, target in checks:

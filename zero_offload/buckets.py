@@ -15,14 +15,13 @@ import dataclasses
 import errno
 import functools
 import logging
-import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload import fsdp2
 from zero_offload.grads import GradSlots, check_grads
-from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, estimate_bucket, format_bytes
+from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes
 from zero_offload.options import Options
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule, StateBuffer
@@ -342,21 +341,13 @@ class FlatBucket:
 
 
 OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"
-_FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
 
 
 def allow_overcommit() -> bool:
-    """``ZERO_OFFLOAD_ALLOW_OVERCOMMIT`` as a boolean, as users write one (any case): ``false``, ``no``, ``off``,
-    ``0`` (``00``...) or unset/empty are off; ``true``, ``yes``, ``on``, ``1`` on. Anything else raises
-    ``ValueError`` naming it: a typo must not silently decide whether the out-of-memory guard runs."""
-    text = os.environ.get(OVERCOMMIT_ENV, "")
-    value = text.strip().lower()
-    if value.isdigit() and int(value) in (0, 1):
-        value = str(int(value))
-    if value in _FALSE or value in _TRUE:
-        return value in _TRUE
-    raise ValueError(f"Invalid {OVERCOMMIT_ENV}={text!r}: expected 1, true, yes or on (allocate even beyond the "
-                     "host RAM this process can take) or 0, false, no, off or empty (refuse with a MemoryError)")
+    """``ZERO_OFFLOAD_ALLOW_OVERCOMMIT`` as a boolean (:func:`~zero_offload.host_memory.env_flag`; unset: off): a
+    typo raises rather than silently decide whether the out-of-memory guard runs."""
+    return env_flag(OVERCOMMIT_ENV, False, "allocate even beyond the host RAM this process can take",
+                    "refuse with a MemoryError")
 
 
 class _Room:

@@ -13,6 +13,11 @@ same size and pinning can trade their memory with :func:`~zero_offload._compat.s
 either follows (speculation commits its result so, see :mod:`zero_offload.speculation`). A pinned buffer's
 registration belongs to its memory, not to a tensor: it is undone when the memory is released, whichever storage
 holds it then.
+
+Large buffers (from 8 MiB) start on a 2 MiB boundary and are advised to the kernel as huge-page memory
+(``madvise(MADV_HUGEPAGE)``, where the system's transparent huge pages are ``madvise`` or ``always``): the step
+streams every buffer once, and on 4 KiB pages it took 1.09x as long (``benchmarks/optimizer_step.py``, docs/memory.md).
+``ZERO_OFFLOAD_HUGE_PAGES=0`` keeps them on ordinary pages. Pinned buffers stay shared maps on ordinary pages.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,14 +64,64 @@ def _unregister(ptr: int) -> None:
         logger.debug("zero_offload: cudaHostUnregister(%#x) failed: %s", ptr, exc)
 
 
-class _PinnedMap(mmap.mmap):
-    """Anonymous memory, page-aligned and page-locked: the storage of a pinned buffer holds this object (its
-    buffer), so it is released, and unregistered first, exactly when the last storage holding the memory goes."""
+HUGE_PAGE = 2 << 20  # bytes: x86-64's and (4 KiB granule) arm64's transparent huge page
+HUGE_FROM = 8 << 20  # bytes: buffers this large get huge pages (aligning costs address space, never RAM)
+HUGE_PAGES_ENV = "ZERO_OFFLOAD_HUGE_PAGES"
+_FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def env_flag(name: str, default: bool, on: str, off: str) -> bool:
+    """The environment variable ``name`` as a boolean, as users write one (any case): ``false``, ``no``, ``off``,
+    ``0`` (``00``...) or empty are off; ``true``, ``yes``, ``on``, ``1`` on; unset: ``default``. Anything else
+    raises ``ValueError`` naming it and what each value does (``on``, ``off``): a typo must not silently decide."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    value = text.strip().lower()
+    if value.isdigit() and int(value) in (0, 1):
+        value = str(int(value))
+    if value in _FALSE or value in _TRUE:
+        return value in _TRUE
+    raise ValueError(f"Invalid {name}={text!r}: expected 1, true, yes or on ({on}) or 0, false, no, off or empty "
+                     f"({off})")
+
+
+class _HostMap(mmap.mmap):
+    """Anonymous memory holding one buffer: its storage holds this object (its buffer), so the memory goes back to
+    the system exactly when the last storage holding it goes."""
+
+
+class _PinnedMap(_HostMap):
+    """A :class:`_HostMap` page-locked from ``ptr``: unregistered first when released."""
 
     ptr = 0
 
     def __del__(self) -> None:
         _unregister(self.ptr)
+
+
+def _wants_huge(nbytes: int) -> bool:
+    return nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE") and env_flag(
+        HUGE_PAGES_ENV, True, "large buffers on huge pages", "every buffer on ordinary pages")
+
+
+def _mapped(numel: int, dtype: torch.dtype, kind: type, huge: bool) -> Tuple[torch.Tensor, mmap.mmap]:
+    """``numel`` elements of anonymous memory zero-filled by the system, and their map (a ``kind``): starting on
+    a page, and with ``huge`` on a huge page, the range advised as huge-page memory."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    span = -(-numel * itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
+    if huge:  # (private: a shared anonymous map is shmem, whose huge pages the system's shmem_enabled governs)
+        memory = kind(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        memory = kind(-1, span)
+    offset = 0
+    if huge:
+        offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
+        except OSError as exc:  # (a kernel without transparent huge pages)
+            logger.debug("zero_offload: madvise(MADV_HUGEPAGE) failed: %s", exc)
+    return torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset), memory
 
 
 def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
@@ -76,7 +131,9 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     Pinned buffers are anonymous memory maps of their page-rounded size (``cudaHostRegister`` works on whole pages
     and refuses a page already registered, which two small buffers from the same heap page would hit), zero-filled
     by the system; the cost is under one page per buffer. The registration is undone when the memory is released
-    (see :class:`_PinnedMap`), however many views of it are alive until then.
+    (see :class:`_PinnedMap`), however many views of it are alive until then. Unpinned buffers of ``HUGE_FROM``
+    bytes or more are private maps on huge pages (see the module docstring); smaller ones come from torch's CPU
+    allocator.
 
     Args:
         numel (int): number of elements (not rounded up).
@@ -89,15 +146,13 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     """
     numel = int(numel)
     if not pin or numel == 0:
+        if numel and _wants_huge(numel * torch.empty((), dtype=dtype).element_size()):
+            return _mapped(numel, dtype, _HostMap, True)[0]
         return torch.empty(numel, dtype=dtype, device="cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("zero_offload: pinned host memory was requested but CUDA is not available")
-    page = mmap.PAGESIZE
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    span = -(-numel * itemsize // page) * page
-    memory = _PinnedMap(-1, span)
-    buf = torch.frombuffer(memory, dtype=dtype, count=numel)
-    ptr = buf.data_ptr()
+    buf, memory = _mapped(numel, dtype, _PinnedMap, False)
+    ptr, span = buf.data_ptr(), -(-buf.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
     if int(err) != 0:
         _clear_last_cuda_error()

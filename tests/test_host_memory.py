@@ -1,0 +1,111 @@
+"""Host buffers on huge pages (``zero_offload.host_memory``): large unpinned buffers start on a 2 MiB boundary and
+are advised as huge-page memory, are still exact-size whole storages (speculation trades their memory), and an
+optimizer on them matches ``torch.optim.AdamW``; ``ZERO_OFFLOAD_HUGE_PAGES`` turns it off, and a value that is no
+boolean is refused."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from zero_offload import OffloadOptimizer, host_memory
+from zero_offload._compat import take_memory
+
+LARGE = host_memory.HUGE_FROM // 4 + 7  # fp32 elements: just over the threshold, not a whole number of pages
+needs_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                                   reason="needs Linux's madvise(MADV_HUGEPAGE) and /proc/self/smaps")
+
+
+def _vm_flags(ptr: int) -> str:
+    """The VmFlags of the mapping of this process that holds address ``ptr`` ("hg": advised as huge pages)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split(":", 1)[1]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@needs_madvise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_large_buffers_start_on_a_huge_page_advised_for_huge_pages(monkeypatch, dtype):
+    monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = host_memory.HUGE_FROM // itemsize + 7
+    buf = host_memory.empty_host(n, dtype)
+    assert buf.dtype == dtype and buf.numel() == n and buf.is_contiguous()
+    assert buf.storage_offset() == 0 and buf.untyped_storage().nbytes() == n * itemsize  # a whole, exact storage
+    assert buf.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(buf.data_ptr()).split()
+    assert "hg" in _vm_flags(buf.data_ptr() + buf.nbytes - 1).split()
+    small = host_memory.empty_host(host_memory.HUGE_FROM // itemsize - 1, dtype)
+    assert "hg" not in _vm_flags(small.data_ptr()).split()
+
+
+@needs_madvise
+@pytest.mark.parametrize("value", ["0", "off", " False "])
+def test_huge_pages_turned_off_by_the_environment(monkeypatch, value):
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, value)
+    buf = host_memory.empty_host(LARGE, torch.float32)
+    assert buf.numel() == LARGE and "hg" not in _vm_flags(buf.data_ptr()).split()
+
+
+def test_a_huge_pages_setting_that_is_no_boolean_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"Invalid ZERO_OFFLOAD_HUGE_PAGES='maybe'"):
+        host_memory.empty_host(LARGE, torch.float32)
+    w = nn.Parameter(torch.randn(LARGE))
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="ZERO_OFFLOAD_HUGE_PAGES"):
+        OffloadOptimizer([w])
+    assert torch.equal(w, before)
+
+
+def test_memory_is_traded_between_huge_and_ordinary_buffers_and_freed_with_the_last_view(monkeypatch):
+    """Speculation commits by trading memory between two buffers of one size (every view follows): a buffer on
+    huge pages trades with another, or with one from torch's allocator, and its map lives as long as a view."""
+    monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    a = host_memory.empty_host(LARGE, torch.float32).fill_(1.0)
+    b = host_memory.empty_host(LARGE, torch.float32).fill_(2.0)
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "0")
+    c = host_memory.empty_host(LARGE, torch.float32).fill_(3.0)
+    view = a[5:9]
+    assert take_memory(a, b) and take_memory(a, c)
+    assert torch.equal(view, torch.full((4,), 3.0)) and bool((a == 3.0).all())
+    assert bool((b == 1.0).all()) and bool((c == 2.0).all())
+    del a, b
+    c.add_(1.0)  # c holds the memory b started with: alive after a and b are gone
+    assert bool((c == 3.0).all()) and torch.equal(view, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_an_optimizer_on_huge_page_buffers_matches_adamw(monkeypatch, huge):
+    """Parameters of 1, 7, 4097 and just over the threshold elements in one bucket, fresh gradients every step:
+    parameters and both moments against ``torch.optim.AdamW(foreach=False)`` at default tolerance."""
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, huge)
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (1, 7, 4097, LARGE)]
+    refs = [nn.Parameter(p.detach().clone()) for p in params]
+    ours = OffloadOptimizer(params, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(refs, lr=1e-2, weight_decay=0.1, foreach=False)
+    if huge == "1" and hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/proc/self/smaps"):
+        held = [t for buffers in ours.host_buffers() for t in buffers.values() if t.nbytes >= host_memory.HUGE_FROM]
+        assert held and all("hg" in _vm_flags(t.data_ptr()).split() for t in held)
+    for step in range(3):
+        for p, q in zip(params, refs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(params, refs)):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step} param {i}: {m}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.state[p][key], ref.state[q][key])
