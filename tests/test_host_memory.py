@@ -109,3 +109,22 @@ def test_an_optimizer_on_huge_page_buffers_matches_adamw(monkeypatch, huge):
             torch.testing.assert_close(p, q, msg=lambda m: f"step {step} param {i}: {m}")
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(ours.state[p][key], ref.state[q][key])
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="needs madvise(MADV_HUGEPAGE)")
+@pytest.mark.parametrize("setting", ["always", "madvise", "never", None])
+def test_the_report_says_what_becomes_of_large_buffers(monkeypatch, tmp_path, setting):
+    """``python -m zero_offload.report``'s "huge pages" line: advised, and whether the system's setting lets it take
+    effect; off, naming the variable; a bad value named."""
+    monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    if setting is not None:
+        (tmp_path / "enabled").write_text(" ".join(f"[{w}]" if w == setting else w
+                                                    for w in ("always", "madvise", "never")) + "\n")
+    line = host_memory.huge_pages(str(tmp_path))
+    assert line.startswith("unpinned host buffers of 8.0 MiB or more advised"), line
+    assert f"(system setting: {setting or 'unknown'})" in line, line
+    assert ("to no effect" in line) == (setting == "never"), line
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "no")
+    assert host_memory.huge_pages(str(tmp_path)) == "off (ZERO_OFFLOAD_HUGE_PAGES=no): host buffers on ordinary pages"
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "sometimes")
+    assert "Invalid ZERO_OFFLOAD_HUGE_PAGES='sometimes'" in host_memory.huge_pages(str(tmp_path))

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 
-__all__ = ["empty_host", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
+__all__ = ["empty_host", "huge_pages", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
            "address_space_room", "format_bytes", "copy_many_"]
 
 logger = logging.getLogger("zero_offload")
@@ -103,6 +103,27 @@ class _PinnedMap(_HostMap):
 def _wants_huge(nbytes: int) -> bool:
     return nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE") and env_flag(
         HUGE_PAGES_ENV, True, "large buffers on huge pages", "every buffer on ordinary pages")
+
+
+def huge_pages(root: str = "/sys/kernel/mm/transparent_hugepage") -> str:
+    """What becomes of large host buffers here, in words (the report's line): advised as huge pages, and whether the
+    system's transparent huge pages (``enabled`` under ``root``) let that take effect; or why not."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "not on this platform: host buffers on ordinary pages"
+    try:
+        if not env_flag(HUGE_PAGES_ENV, True, "on", "off"):
+            return f"off ({HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]}): host buffers on ordinary pages"
+    except ValueError as exc:
+        return f"error: {exc}"
+    try:
+        with open(os.path.join(root, "enabled")) as f:
+            setting = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "unknown")
+    except OSError:
+        setting = "unknown"
+    what = f"unpinned host buffers of {format_bytes(HUGE_FROM)} or more advised (system setting: {setting})"
+    if setting == "never":
+        return what + ", to no effect: they stay on ordinary pages"
+    return what + f"; {HUGE_PAGES_ENV}=0 turns it off"
 
 
 def _mapped(numel: int, dtype: torch.dtype, kind: type, huge: bool) -> Tuple[torch.Tensor, mmap.mmap]:

@@ -27,7 +27,7 @@ import torch
 
 import zero_offload
 from zero_offload import _build, functional
-from zero_offload.host_memory import available_host_bytes
+from zero_offload.host_memory import available_host_bytes, huge_pages
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
                                       count_plan, fsdp_plan, gpu_capacity, memory_plan, meta_params, parse_count,
@@ -82,6 +82,7 @@ def items() -> List[Tuple[str, str]]:
     except (ValueError, RuntimeError) as exc:
         chosen = f"error: {exc}"
     out.append(("path chosen", chosen))
+    out.append(("huge pages", huge_pages()))
     if torch.cuda.is_available():
         out.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s): "
                             f"{torch.cuda.get_device_name(0)}"))
