@@ -95,8 +95,9 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
         Stage("machine", "the machine: GPU, host CPU and RAM, torch, what the package detects",
               [py, "-m", "zero_offload.report"], 20, needs_gpu=False),
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
-                        "(the three CUDA tests that failed on torch 2.11); the device-room check's latency",
-              [py, str(Path(__file__).resolve()), "--probe-pinned"], 25),
+                        "(the three CUDA tests that failed on torch 2.11); the device-room check's latency; "
+                        "pinned buffers on huge pages against ours (copy rates, the kernel's time)",
+              [py, str(Path(__file__).resolve()), "--probe-pinned"], 35),
         Stage("steps", f"whole training step, {model}, no clipping (with ours' timeline: where each row's step "
                        "waits, what its worker and uploads did)",
               _step_argv(tiny, keys, []), 135, needs_gpu=not tiny, timeline=True),
@@ -104,7 +105,7 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
               _step_argv(tiny, clip_keys, ["--clip", "1.0"]), 85, needs_gpu=not tiny),
         # Last in command 1: bounded by its limit, the headline rows come first.
         Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
-              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 100),
+              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 90),
         Stage("fsdp2", "FSDP2 (fully_shard) on every GPU: fused AdamW on the GPU, CPUOffloadPolicy with torch's "
                        "AdamW and with ours, ours with the shards on the GPU",
               [py, FSDP2_STEP, "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5", "--warmup", "2"], 40,
@@ -185,6 +186,88 @@ def probe_pinned() -> Dict[str, Any]:
     res["ours_is_pinned"] = bool(ours.is_pinned())
     res["ours_copy_return_ms"] = return_ms(ours)
     res.update(probe_room())
+    res.update(probe_huge_pinned())
+    return res
+
+
+def huge_private_map(numel: int) -> Any:
+    """``numel`` fp32 elements of a private anonymous map (and the map), starting on a 2 MiB boundary, advised
+    ``MADV_HUGEPAGE`` (as ours' unpinned buffers are) and ``MADV_DONTFORK``: a fork would otherwise share, copy or
+    copy-on-write page-locked private memory (ours' pinned buffers are shared maps for that reason today)."""
+    import mmap
+
+    import torch
+
+    from zero_offload.host_memory import HUGE_PAGE
+
+    span = -(-numel * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+    memory = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    memory.madvise(mmap.MADV_DONTFORK, offset, span)
+    return torch.frombuffer(memory, dtype=torch.float32, count=numel, offset=offset), memory
+
+
+def huge_bytes(ptr: int) -> int:
+    """Bytes of the mapping holding ``ptr`` that sit on huge pages (AnonHugePages in /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def probe_huge_pinned(numel: int = 64 << 20) -> Dict[str, Any]:
+    """Whether pinned buffers should sit on huge pages too (the host step ran 0.92x the time on them unpinned,
+    docs/memory.md): a :func:`huge_private_map` page-locked with cudaHostRegister against ours' pinned buffers of
+    today (shared maps, 4 KiB pages): whether it registers and is on huge pages, the copy rates both ways, and the
+    CPU-Adam kernel's time on four buffers of each (interleaved, best of 5)."""
+    import torch
+
+    from zero_offload import functional, host_memory
+
+    cudart = torch.cuda.cudart()
+    maps, huge = [], []
+    res: Dict[str, Any] = {}
+    for _ in range(4):
+        t, m = huge_private_map(numel)
+        err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+        if err:
+            res["huge_pinned_register_error"] = err
+            host_memory._clear_last_cuda_error()
+            break
+        maps.append(m)
+        huge.append(t.normal_())
+    if len(huge) < 4:
+        return res
+    plain = [host_memory.empty_host(numel, torch.float32, pin=True).normal_() for _ in range(4)]
+    res["huge_pinned_bytes_on_huge_pages"] = sum(huge_bytes(t.data_ptr()) for t in huge)
+    dev = torch.empty(numel, device="cuda")
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for name, bufs in (("plain", plain), ("huge", huge)):
+        res[f"{name}_pinned_h2d_gbs"] = round(numel * 4 / best(lambda: dev.copy_(bufs[0], non_blocking=True)) / 1e9, 1)
+        res[f"{name}_pinned_d2h_gbs"] = round(numel * 4 / best(lambda: bufs[0].copy_(dev, non_blocking=True)) / 1e9, 1)
+    for name, (p, g, m, v) in (("plain", plain), ("huge", huge)) * 2:  # (interleaved: the second round counts)
+        m.zero_()
+        v.zero_()
+        res[f"{name}_pinned_adam_ms"] = round(best(lambda: functional.cpu_adam_(p, g, m, v, step=1, lr=1e-4)) * 1e3, 2)
+    for t in huge:
+        cudart.cudaHostUnregister(t.data_ptr())
     return res
 
 

@@ -80,3 +80,30 @@ def test_tiny_run_reports_what_train_step_measured(tmp_path):
     subprocess.run([sys.executable, str(SUITE), "--report-only", "--out", str(out)], check=True,
                    capture_output=True, timeout=120, cwd=ROOT)
     assert (out / "REPORT.md").read_text() == before
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_the_huge_pinned_probe_maps_private_huge_page_memory_no_fork_inherits():
+    """The probe's candidate for pinned buffers on huge pages (its page-locking needs a GPU): exact size, on a
+    2 MiB boundary, advised as huge pages and not inherited by a fork (VmFlags "hg" and "dc")."""
+    import mmap
+
+    import torch
+
+    from zero_offload.host_memory import HUGE_PAGE
+
+    if not hasattr(mmap, "MADV_DONTFORK"):
+        pytest.skip("needs madvise(MADV_DONTFORK)")
+    t, memory = gpu_suite.huge_private_map((4 << 20) + 3)
+    assert t.dtype == torch.float32 and t.numel() == (4 << 20) + 3 and t.data_ptr() % HUGE_PAGE == 0
+    flags = ""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= t.data_ptr() < hi
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split(":", 1)[1]
+    assert {"hg", "dc"} <= set(flags.split()), flags

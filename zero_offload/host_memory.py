@@ -14,7 +14,7 @@ either follows (speculation commits its result so, see :mod:`zero_offload.specul
 registration belongs to its memory, not to a tensor: it is undone when the memory is released, whichever storage
 holds it then.
 
-Large buffers (from 8 MiB) start on a 2 MiB boundary and are advised to the kernel as huge-page memory
+Large unpinned buffers (from 8 MiB) start on a 2 MiB boundary and are advised to the kernel as huge-page memory
 (``madvise(MADV_HUGEPAGE)``, where the system's transparent huge pages are ``madvise`` or ``always``): the step
 streams every buffer once, and on 4 KiB pages it took 1.09x as long (``benchmarks/optimizer_step.py``, docs/memory.md).
 ``ZERO_OFFLOAD_HUGE_PAGES=0`` keeps them on ordinary pages. Pinned buffers stay shared maps on ordinary pages.
@@ -35,8 +35,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 
-__all__ = ["empty_host", "huge_pages", "is_registered", "HostMemoryEstimate", "estimate_bucket", "available_host_bytes",
-           "address_space_room", "format_bytes", "copy_many_"]
+__all__ = ["empty_host", "huge_pages", "env_flag", "is_registered", "HostMemoryEstimate", "estimate_bucket",
+           "available_host_bytes", "address_space_room", "format_bytes", "copy_many_"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -131,12 +131,11 @@ def _mapped(numel: int, dtype: torch.dtype, kind: type, huge: bool) -> Tuple[tor
     a page, and with ``huge`` on a huge page, the range advised as huge-page memory."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     span = -(-numel * itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
-    if huge:  # (private: a shared anonymous map is shmem, whose huge pages the system's shmem_enabled governs)
-        memory = kind(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:
-        memory = kind(-1, span)
     offset = 0
-    if huge:
+    if not huge:
+        memory = kind(-1, span)
+    else:  # (private: a shared anonymous map is shmem, whose huge pages the system's shmem_enabled governs)
+        memory = kind(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
         try:
             memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
