@@ -23,7 +23,7 @@ ours with ``opt.clip_grad_norm_``, and one more row, ``ours-torch-clip``: ours c
 that swaps the optimizer and nothing else).
 
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
-two moments; write parameter and moments, over the step's time), the median time of one small all-gather over the
+two moments; write parameter and moments, over the timed span, the clip's included), the median time of one small all-gather over the
 ranks after a barrier (both ``ours`` rows run one per step; AdamW none; an all-reduce of that size beside it), and
 for reference the rate of a plain 512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth
 figure, not a bound: a fused Adam streams seven arrays and can beat it).
@@ -293,17 +293,17 @@ def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict
     local = max(r["local_numel"] for r in merged.values() if "local_numel" in r)
     print(f"\nmedians of {args.steps} steps after {args.warmup}; the slowest of {world} ranks; x: ratio to "
           f"{rows[0]} (> 1 slower)")
-    head = f"  {'row':<18} {'clip+step ms' if args.clip else 'step() ms':>10} {'x':>6} {'GB/s':>6}"
+    head = f"  {'row':<18} {'clip+step ms' if args.clip else 'step() ms':>12} {'x':>6} {'GB/s':>6}"
     if cuda:
         head += f" {'train step ms':>14} {'x':>6} {'peak GiB':>9}"
     print(head + "  implementation / status")
     for name, row in merged.items():
         if row["status"] != "ok":
-            print(f"  {name:<18} {'-':>10} {'-':>6} {'-':>6}" + (f" {'-':>14} {'-':>6} {'-':>9}" if cuda else "")
+            print(f"  {name:<18} {'-':>12} {'-':>6} {'-':>6}" + (f" {'-':>14} {'-':>6} {'-':>9}" if cuda else "")
                   + f"  {row['status']}: {row['error']}")
             continue
         rate = BYTES_PER_ELEMENT * row["local_numel"] / row["opt_s"] / 1e9
-        line = (f"  {name:<18} {row['opt_s'] * 1e3:10.2f} {row['opt_s'] / base if base else float('nan'):6.2f}"
+        line = (f"  {name:<18} {row['opt_s'] * 1e3:12.2f} {row['opt_s'] / base if base else float('nan'):6.2f}"
                 f" {rate:6.1f}")
         if cuda:
             line += (f" {row['step_s'] * 1e3:14.2f} {row['step_s'] / base_step if base_step else float('nan'):6.2f}"
@@ -352,6 +352,8 @@ def main():
         unknown = [r for r in args.rows if r not in known]
         if unknown:
             ap.error(f"unknown rows {unknown} in {'GPU' if cuda else 'CPU'} mode; choose from {list(known)}")
+        if not args.clip and set(args.rows) & set(CLIP_ONLY):
+            ap.error(f"rows {list(CLIP_ONLY)} need --clip")
     width, layers = (args.gpu_width, args.gpu_layers) if cuda else (args.width, args.layers)
     numel = layers * (width * width + width)
     print(f"machine: {machine(cuda)}")

@@ -191,18 +191,20 @@ def probe_pinned() -> Dict[str, Any]:
 
 
 def huge_private_map(numel: int) -> Any:
-    """``numel`` fp32 elements of a private anonymous map (and the map), starting on a 2 MiB boundary, advised
+    """``numel`` fp32 elements of a private anonymous map (and the map), starting on a huge page, advised
     ``MADV_HUGEPAGE`` (as ours' unpinned buffers are) and ``MADV_DONTFORK``: a fork would otherwise share, copy or
-    copy-on-write page-locked private memory (ours' pinned buffers are shared maps for that reason today)."""
+    copy-on-write page-locked private memory (ours' pinned buffers are shared maps for that reason today). Raises
+    ``OSError`` where the system refuses either advice."""
     import mmap
 
     import torch
 
-    from zero_offload.host_memory import HUGE_PAGE
+    from zero_offload.host_memory import HUGE_PAGE, huge_page_bytes
 
+    huge = huge_page_bytes() or HUGE_PAGE
     span = -(-numel * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
-    memory = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    memory = mmap.mmap(-1, span + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % huge
     memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
     memory.madvise(mmap.MADV_DONTFORK, offset, span)
     return torch.frombuffer(memory, dtype=torch.float32, count=numel, offset=offset), memory
@@ -226,25 +228,38 @@ def probe_huge_pinned(numel: int = 64 << 20) -> Dict[str, Any]:
     """Whether pinned buffers should sit on huge pages too (the host step ran 0.92x the time on them unpinned,
     docs/memory.md): a :func:`huge_private_map` page-locked with cudaHostRegister against ours' pinned buffers of
     today (shared maps, 4 KiB pages): whether it registers and is on huge pages, the copy rates both ways, and the
-    CPU-Adam kernel's time on four buffers of each (interleaved, best of 5)."""
+    CPU-Adam kernel's time on four buffers of each (interleaved, best of 5). A failure is reported, not raised (the
+    probe's other results stand), and whatever was page-locked is unregistered."""
+    import torch
+
+    from zero_offload import host_memory
+
+    cudart = torch.cuda.cudart()
+    registered: List[Any] = []
+    res: Dict[str, Any] = {}
+    try:
+        for _ in range(4):
+            t, memory = huge_private_map(numel)
+            err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+            if err:
+                host_memory._clear_last_cuda_error()
+                res["huge_pinned_register_error"] = err
+                return res
+            registered.append((t, memory))
+        _time_huge_pinned(numel, [t.normal_() for t, _ in registered], res)
+    except Exception as exc:  # noqa: BLE001 (reported with the probe's results)
+        res["huge_pinned_error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for t, _ in registered:
+            cudart.cudaHostUnregister(t.data_ptr())
+    return res
+
+
+def _time_huge_pinned(numel: int, huge: List[Any], res: Dict[str, Any]) -> None:
     import torch
 
     from zero_offload import functional, host_memory
 
-    cudart = torch.cuda.cudart()
-    maps, huge = [], []
-    res: Dict[str, Any] = {}
-    for _ in range(4):
-        t, m = huge_private_map(numel)
-        err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
-        if err:
-            res["huge_pinned_register_error"] = err
-            host_memory._clear_last_cuda_error()
-            break
-        maps.append(m)
-        huge.append(t.normal_())
-    if len(huge) < 4:
-        return res
     plain = [host_memory.empty_host(numel, torch.float32, pin=True).normal_() for _ in range(4)]
     res["huge_pinned_bytes_on_huge_pages"] = sum(huge_bytes(t.data_ptr()) for t in huge)
     dev = torch.empty(numel, device="cuda")
@@ -266,40 +281,6 @@ def probe_huge_pinned(numel: int = 64 << 20) -> Dict[str, Any]:
         m.zero_()
         v.zero_()
         res[f"{name}_pinned_adam_ms"] = round(best(lambda: functional.cpu_adam_(p, g, m, v, step=1, lr=1e-4)) * 1e3, 2)
-    for t in huge:
-        cudart.cudaHostUnregister(t.data_ptr())
-    return res
-
-
-def probe_room() -> Dict[str, Any]:
-    """How long the device-room check of a speculative or delayed upload takes (``device_room``: the driver's free
-    memory and the caching allocator's counts, once per bucket and step, from the worker or backward's hooks),
-    with the GPU idle and while it runs a long kernel: a driver call that waits for the GPU would stall the
-    worker (speculation measured twice its modelled step on the third lease, unexplained)."""
-    import torch
-
-    from zero_offload.transport.device import device_room
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    a = torch.randn(8192, 8192, device=dev)
-
-    def us(fn, busy: bool) -> float:
-        torch.cuda.synchronize()
-        if busy:
-            for _ in range(20):  # some 0.4 s of fp32 matmuls queued ahead
-                a @ a
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        took = (time.perf_counter() - t0) * 1e6 / 20
-        torch.cuda.synchronize()
-        return round(took, 1)
-
-    return {f"{name}_us_{state}": us(fn, state == "busy")
-            for name, fn in (("mem_get_info", lambda: torch.cuda.mem_get_info(dev)),
-                             ("memory_allocated", lambda: torch.cuda.memory_allocated(dev)),
-                             ("device_room", lambda: device_room(dev)))
-            for state in ("idle", "busy")}
 
 
 # --------------------------------------------------------------------------------------------------- report --

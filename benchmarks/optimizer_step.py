@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_offload import OffloadOptimizer, functional  # noqa: E402
-from zero_offload.host_memory import HUGE_PAGES_ENV, format_bytes  # noqa: E402
+from zero_offload.host_memory import HUGE_PAGES_ENV, format_bytes, huge_pages_on  # noqa: E402
 
 LR, WD = 1e-3, 0.01
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -157,9 +157,17 @@ def main():
     kw = {} if args.bucket_numel is None else dict(bucket_numel=int(args.bucket_numel))
     ours_many, ours_one = Ours(many_p, many_g, **kw), Ours(one_p, one_g, **kw)
     small_p, small_g = make_model(numel, 1, seed=6)
+    if not huge_pages_on():
+        print(f"({HUGE_PAGES_ENV} is off here: every row of ours is on ordinary pages)")
+    user = os.environ.get(HUGE_PAGES_ENV)
     os.environ[HUGE_PAGES_ENV] = "0"  # the same optimizer, its buffers on ordinary pages (see host_memory)
-    ours_small = Ours(small_p, small_g, **kw)
-    del os.environ[HUGE_PAGES_ENV]
+    try:
+        ours_small = Ours(small_p, small_g, **kw)
+    finally:
+        if user is None:
+            del os.environ[HUGE_PAGES_ENV]
+        else:
+            os.environ[HUGE_PAGES_ENV] = user
     fused_many_p, fused_many_g = make_model(numel, k, seed=4)
     fused_one_p, fused_one_g = make_model(numel, 1, seed=5)
     fused_many_opt, fused_one_opt = torch_fused(fused_many_p, fused_many_g), torch_fused(fused_one_p, fused_one_g)

@@ -15,9 +15,10 @@ import torch.nn as nn
 from zero_offload import OffloadOptimizer, host_memory
 from zero_offload._compat import take_memory
 
-LARGE = host_memory.HUGE_FROM // 4 + 7  # fp32 elements: just over the threshold, not a whole number of pages
-needs_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
-                                   reason="needs Linux's madvise(MADV_HUGEPAGE) and /proc/self/smaps")
+HUGE = host_memory.huge_page_bytes()  # the system's huge page (None: none)
+LARGE = max(host_memory.HUGE_FROM, 4 * (HUGE or 0)) // 4 + 7  # fp32 elements: just over the threshold
+needs_madvise = pytest.mark.skipif(HUGE is None or not os.path.exists("/proc/self/smaps"),
+                                   reason="needs transparent huge pages and /proc/self/smaps")
 
 
 def _vm_flags(ptr: int) -> str:
@@ -39,34 +40,36 @@ def _vm_flags(ptr: int) -> str:
 def test_large_buffers_start_on_a_huge_page_advised_for_huge_pages(monkeypatch, dtype):
     monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    n = host_memory.HUGE_FROM // itemsize + 7
+    n = LARGE * 4 // itemsize
     buf = host_memory.empty_host(n, dtype)
     assert buf.dtype == dtype and buf.numel() == n and buf.is_contiguous()
     assert buf.storage_offset() == 0 and buf.untyped_storage().nbytes() == n * itemsize  # a whole, exact storage
-    assert buf.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert buf.data_ptr() % HUGE == 0
     assert "hg" in _vm_flags(buf.data_ptr()).split()
     assert "hg" in _vm_flags(buf.data_ptr() + buf.nbytes - 1).split()
-    small = host_memory.empty_host(host_memory.HUGE_FROM // itemsize - 1, dtype)
+    small = host_memory.empty_host(max(host_memory.HUGE_FROM, 4 * HUGE) // itemsize - 1, dtype)
     assert "hg" not in _vm_flags(small.data_ptr()).split()
 
 
 @needs_madvise
-@pytest.mark.parametrize("value", ["0", "off", " False "])
-def test_huge_pages_turned_off_by_the_environment(monkeypatch, value):
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), (" False ", False), ("", True), ("yes", True)])
+def test_huge_pages_turned_off_by_the_environment(monkeypatch, value, on):
+    """Off by a boolean's false values; an empty value is unset (on), as a launcher's blank template leaves it."""
     monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, value)
     buf = host_memory.empty_host(LARGE, torch.float32)
-    assert buf.numel() == LARGE and "hg" not in _vm_flags(buf.data_ptr()).split()
+    assert buf.numel() == LARGE and ("hg" in _vm_flags(buf.data_ptr()).split()) == on
 
 
 def test_a_huge_pages_setting_that_is_no_boolean_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "maybe")
     with pytest.raises(ValueError, match=r"Invalid ZERO_OFFLOAD_HUGE_PAGES='maybe'"):
         host_memory.empty_host(LARGE, torch.float32)
-    w = nn.Parameter(torch.randn(LARGE))
-    before = w.detach().clone()
-    with pytest.raises(ValueError, match="ZERO_OFFLOAD_HUGE_PAGES"):
-        OffloadOptimizer([w])
-    assert torch.equal(w, before)
+    for n in (LARGE, 17):  # refused at construction, whether or not a buffer is large enough to be concerned
+        w = nn.Parameter(torch.randn(n))
+        before = w.detach().clone()
+        with pytest.raises(ValueError, match="ZERO_OFFLOAD_HUGE_PAGES"):
+            OffloadOptimizer([w])
+        assert torch.equal(w, before)
 
 
 def test_memory_is_traded_between_huge_and_ordinary_buffers_and_freed_with_the_last_view(monkeypatch):
@@ -96,7 +99,7 @@ def test_an_optimizer_on_huge_page_buffers_matches_adamw(monkeypatch, huge):
     refs = [nn.Parameter(p.detach().clone()) for p in params]
     ours = OffloadOptimizer(params, lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(refs, lr=1e-2, weight_decay=0.1, foreach=False)
-    if huge == "1" and hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/proc/self/smaps"):
+    if huge == "1" and HUGE is not None and os.path.exists("/proc/self/smaps"):
         held = [t for buffers in ours.host_buffers() for t in buffers.values() if t.nbytes >= host_memory.HUGE_FROM]
         assert held and all("hg" in _vm_flags(t.data_ptr()).split() for t in held)
     for step in range(3):
@@ -115,8 +118,11 @@ def test_an_optimizer_on_huge_page_buffers_matches_adamw(monkeypatch, huge):
 @pytest.mark.parametrize("setting", ["always", "madvise", "never", None])
 def test_the_report_says_what_becomes_of_large_buffers(monkeypatch, tmp_path, setting):
     """``python -m zero_offload.report``'s "huge pages" line: advised, and whether the system's setting lets it take
-    effect; off, naming the variable; a bad value named."""
+    effect; off, naming the variable; a bad value named; none without the kernel feature."""
     monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    (tmp_path / "none").mkdir()  # (no hpage_pmd_size: the kernel feature is missing)
+    assert host_memory.huge_pages(str(tmp_path / "none")).startswith("not on this system")
+    (tmp_path / "hpage_pmd_size").write_text("2097152\n")
     if setting is not None:
         (tmp_path / "enabled").write_text(" ".join(f"[{w}]" if w == setting else w
                                                     for w in ("always", "madvise", "never")) + "\n")

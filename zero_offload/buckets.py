@@ -21,7 +21,8 @@ import torch
 
 from zero_offload import fsdp2
 from zero_offload.grads import GradSlots, check_grads
-from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes
+from zero_offload.host_memory import (HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes,
+                                      huge_pages_on)
 from zero_offload.options import Options
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule, StateBuffer
@@ -374,6 +375,7 @@ class _Room:
         a CPU parameter's own storage is freed only once its buckets are filled. ``ZERO_OFFLOAD_ALLOW_OVERCOMMIT=1``
         turns the error into a warning (swap, or memory about to be freed elsewhere)."""
         allow = allow_overcommit()  # (read first: a bad value is an error whether or not the buckets fit)
+        huge_pages_on()  # (the same for ZERO_OFFLOAD_HUGE_PAGES, whether or not a buffer is large enough)
         avail = available_host_bytes()
         if avail is None or self.estimate().total_bytes <= avail:
             return

@@ -14,10 +14,12 @@ either follows (speculation commits its result so, see :mod:`zero_offload.specul
 registration belongs to its memory, not to a tensor: it is undone when the memory is released, whichever storage
 holds it then.
 
-Large unpinned buffers (from 8 MiB) start on a 2 MiB boundary and are advised to the kernel as huge-page memory
-(``madvise(MADV_HUGEPAGE)``, where the system's transparent huge pages are ``madvise`` or ``always``): the step
-streams every buffer once, and on 4 KiB pages it took 1.09x as long (``benchmarks/optimizer_step.py``, docs/memory.md).
-``ZERO_OFFLOAD_HUGE_PAGES=0`` keeps them on ordinary pages. Pinned buffers stay shared maps on ordinary pages.
+Large unpinned buffers (from 8 MiB and four huge pages) start on a huge-page boundary (2 MiB on x86-64) and are
+advised to the kernel as huge-page memory (``madvise(MADV_HUGEPAGE)``, which takes effect where the system's
+transparent huge pages are ``madvise`` or ``always``): the step streams every buffer once, and on 4 KiB pages it
+took 1.09x as long (``benchmarks/optimizer_step.py``, docs/memory.md). ``ZERO_OFFLOAD_HUGE_PAGES=0`` keeps them on
+ordinary pages. Pinned buffers stay shared maps on ordinary pages. A fork splits the huge pages of a private map
+that the parent then writes (copy-on-write goes page by page), until the kernel's khugepaged rebuilds them.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 
-__all__ = ["empty_host", "huge_pages", "env_flag", "is_registered", "HostMemoryEstimate", "estimate_bucket",
-           "available_host_bytes", "address_space_room", "format_bytes", "copy_many_"]
+__all__ = ["empty_host", "huge_pages", "huge_pages_on", "huge_page_bytes", "env_flag", "is_registered",
+           "HostMemoryEstimate", "estimate_bucket", "available_host_bytes", "address_space_room", "format_bytes",
+           "copy_many_"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -65,7 +68,8 @@ def _unregister(ptr: int) -> None:
 
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and (4 KiB granule) arm64's transparent huge page
-HUGE_FROM = 8 << 20  # bytes: buffers this large get huge pages (aligning costs address space, never RAM)
+HUGE_FROM = 8 << 20  # bytes: buffers this large get huge pages (aligning costs address space, not resident RAM)
+_THP = "/sys/kernel/mm/transparent_hugepage"
 HUGE_PAGES_ENV = "ZERO_OFFLOAD_HUGE_PAGES"
 _FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
 
@@ -73,9 +77,10 @@ _FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
 def env_flag(name: str, default: bool, on: str, off: str) -> bool:
     """The environment variable ``name`` as a boolean, as users write one (any case): ``false``, ``no``, ``off``,
     ``0`` (``00``...) or empty are off; ``true``, ``yes``, ``on``, ``1`` on; unset: ``default``. Anything else
-    raises ``ValueError`` naming it and what each value does (``on``, ``off``): a typo must not silently decide."""
+    raises ``ValueError`` naming it and what each value does (``on``, ``off``): a typo must not silently decide.
+    Empty counts as unset (a launcher's template that leaves it blank)."""
     text = os.environ.get(name)
-    if text is None:
+    if text is None or not text.strip():
         return default
     value = text.strip().lower()
     if value.isdigit() and int(value) in (0, 1):
@@ -100,18 +105,40 @@ class _PinnedMap(_HostMap):
         _unregister(self.ptr)
 
 
-def _wants_huge(nbytes: int) -> bool:
-    return nbytes >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE") and env_flag(
-        HUGE_PAGES_ENV, True, "large buffers on huge pages", "every buffer on ordinary pages")
+def huge_pages_on() -> bool:
+    """``ZERO_OFFLOAD_HUGE_PAGES`` (unset: on); a value that is no boolean raises ``ValueError`` naming it."""
+    return env_flag(HUGE_PAGES_ENV, True, "large buffers on huge pages", "every buffer on ordinary pages")
 
 
-def huge_pages(root: str = "/sys/kernel/mm/transparent_hugepage") -> str:
+@functools.lru_cache(maxsize=None)
+def huge_page_bytes(root: str = _THP) -> Optional[int]:
+    """The system's transparent huge page size (2 MiB on x86-64 and 4 KiB-page arm64, 512 MiB with 64 KiB pages);
+    None where it has none (no such kernel feature, another OS)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        with open(os.path.join(root, "hpage_pmd_size")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _wants_huge(nbytes: int) -> Optional[int]:
+    """The huge page size a buffer of ``nbytes`` is aligned to, or None: ordinary pages (a buffer under
+    ``HUGE_FROM`` or under four huge pages, no huge pages here, or ``ZERO_OFFLOAD_HUGE_PAGES`` off)."""
+    size = huge_page_bytes()
+    if size is None or nbytes < max(HUGE_FROM, 4 * size) or not huge_pages_on():
+        return None
+    return size
+
+
+def huge_pages(root: str = _THP) -> str:
     """What becomes of large host buffers here, in words (the report's line): advised as huge pages, and whether the
     system's transparent huge pages (``enabled`` under ``root``) let that take effect; or why not."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return "not on this platform: host buffers on ordinary pages"
+    if huge_page_bytes(root) is None:
+        return "not on this system (no transparent huge pages): host buffers on ordinary pages"
     try:
-        if not env_flag(HUGE_PAGES_ENV, True, "on", "off"):
+        if not huge_pages_on():
             return f"off ({HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]}): host buffers on ordinary pages"
     except ValueError as exc:
         return f"error: {exc}"
@@ -126,17 +153,17 @@ def huge_pages(root: str = "/sys/kernel/mm/transparent_hugepage") -> str:
     return what + f"; {HUGE_PAGES_ENV}=0 turns it off"
 
 
-def _mapped(numel: int, dtype: torch.dtype, kind: type, huge: bool) -> Tuple[torch.Tensor, mmap.mmap]:
+def _mapped(numel: int, dtype: torch.dtype, kind: type, huge: Optional[int]) -> Tuple[torch.Tensor, mmap.mmap]:
     """``numel`` elements of anonymous memory zero-filled by the system, and their map (a ``kind``): starting on
-    a page, and with ``huge`` on a huge page, the range advised as huge-page memory."""
+    a page, or with ``huge`` (a huge page's size) on a huge page, the range advised as huge-page memory."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     span = -(-numel * itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
     offset = 0
     if not huge:
         memory = kind(-1, span)
     else:  # (private: a shared anonymous map is shmem, whose huge pages the system's shmem_enabled governs)
-        memory = kind(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+        memory = kind(-1, span + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        offset = -torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr() % huge
         try:
             memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
         except OSError as exc:  # (a kernel without transparent huge pages)
@@ -166,12 +193,13 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     """
     numel = int(numel)
     if not pin or numel == 0:
-        if numel and _wants_huge(numel * torch.empty((), dtype=dtype).element_size()):
-            return _mapped(numel, dtype, _HostMap, True)[0]
+        huge = _wants_huge(numel * torch.empty((), dtype=dtype).element_size()) if numel else None
+        if huge:
+            return _mapped(numel, dtype, _HostMap, huge)[0]
         return torch.empty(numel, dtype=dtype, device="cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("zero_offload: pinned host memory was requested but CUDA is not available")
-    buf, memory = _mapped(numel, dtype, _PinnedMap, False)
+    buf, memory = _mapped(numel, dtype, _PinnedMap, None)
     ptr, span = buf.data_ptr(), -(-buf.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
     if int(err) != 0:
