@@ -71,14 +71,14 @@ HUGE_PAGE = 2 << 20  # bytes: x86-64's and (4 KiB granule) arm64's transparent h
 HUGE_FROM = 8 << 20  # bytes: buffers this large get huge pages (aligning costs address space, not resident RAM)
 _THP = "/sys/kernel/mm/transparent_hugepage"
 HUGE_PAGES_ENV = "ZERO_OFFLOAD_HUGE_PAGES"
-_FALSE, _TRUE = ("", "0", "false", "no", "off"), ("1", "true", "yes", "on")
+_FALSE, _TRUE = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
 
 
 def env_flag(name: str, default: bool, on: str, off: str) -> bool:
     """The environment variable ``name`` as a boolean, as users write one (any case): ``false``, ``no``, ``off``,
-    ``0`` (``00``...) or empty are off; ``true``, ``yes``, ``on``, ``1`` on; unset: ``default``. Anything else
-    raises ``ValueError`` naming it and what each value does (``on``, ``off``): a typo must not silently decide.
-    Empty counts as unset (a launcher's template that leaves it blank)."""
+    ``0`` (``00``...) are off; ``true``, ``yes``, ``on``, ``1`` on; unset or empty (a launcher's template left
+    blank): ``default``. Anything else raises ``ValueError`` naming it and what each value does (``on``, ``off``):
+    a typo must not silently decide."""
     text = os.environ.get(name)
     if text is None or not text.strip():
         return default
@@ -87,8 +87,7 @@ def env_flag(name: str, default: bool, on: str, off: str) -> bool:
         value = str(int(value))
     if value in _FALSE or value in _TRUE:
         return value in _TRUE
-    raise ValueError(f"Invalid {name}={text!r}: expected 1, true, yes or on ({on}) or 0, false, no, off or empty "
-                     f"({off})")
+    raise ValueError(f"Invalid {name}={text!r}: expected 1, true, yes or on ({on}) or 0, false, no or off ({off})")
 
 
 class _HostMap(mmap.mmap):
@@ -135,7 +134,8 @@ def _wants_huge(nbytes: int) -> Optional[int]:
 def huge_pages(root: str = _THP) -> str:
     """What becomes of large host buffers here, in words (the report's line): advised as huge pages, and whether the
     system's transparent huge pages (``enabled`` under ``root``) let that take effect; or why not."""
-    if huge_page_bytes(root) is None:
+    size = huge_page_bytes(root)
+    if size is None:
         return "not on this system (no transparent huge pages): host buffers on ordinary pages"
     try:
         if not huge_pages_on():
@@ -147,7 +147,8 @@ def huge_pages(root: str = _THP) -> str:
             setting = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "unknown")
     except OSError:
         setting = "unknown"
-    what = f"unpinned host buffers of {format_bytes(HUGE_FROM)} or more advised (system setting: {setting})"
+    what = (f"unpinned host buffers of {format_bytes(max(HUGE_FROM, 4 * size))} or more advised (system setting: "
+            f"{setting})")
     if setting == "never":
         return what + ", to no effect: they stay on ordinary pages"
     return what + f"; {HUGE_PAGES_ENV}=0 turns it off"
