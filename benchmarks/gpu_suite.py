@@ -210,8 +210,9 @@ def huge_private_map(numel: int) -> Any:
     return torch.frombuffer(memory, dtype=torch.float32, count=numel, offset=offset), memory
 
 
-def huge_bytes(ptr: int) -> int:
-    """Bytes of the mapping holding ``ptr`` that sit on huge pages (AnonHugePages in /proc/self/smaps)."""
+def smaps_field(ptr: int, key: str) -> str:
+    """Field ``key`` ("AnonHugePages", "VmFlags") of the mapping of this process that holds address ``ptr``, from
+    /proc/self/smaps ("" where none holds it)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -219,9 +220,15 @@ def huge_bytes(ptr: int) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= ptr < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            elif inside and line.startswith(key + ":"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def huge_bytes(ptr: int) -> int:
+    """Bytes of the mapping holding ``ptr`` that sit on huge pages."""
+    field = smaps_field(ptr, "AnonHugePages")
+    return int(field.split()[0]) * 1024 if field else 0
 
 
 def probe_huge_pinned(numel: int = 64 << 20) -> Dict[str, Any]:

@@ -96,14 +96,5 @@ def test_the_huge_pinned_probe_maps_private_huge_page_memory_no_fork_inherits():
         pytest.skip("needs madvise(MADV_DONTFORK) and transparent huge pages")
     t, memory = gpu_suite.huge_private_map((4 << 20) + 3)
     assert t.dtype == torch.float32 and t.numel() == (4 << 20) + 3 and t.data_ptr() % huge_page_bytes() == 0
-    flags = ""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= t.data_ptr() < hi
-            elif inside and line.startswith("VmFlags:"):
-                flags = line.split(":", 1)[1]
+    flags = gpu_suite.smaps_field(t.data_ptr(), "VmFlags")
     assert {"hg", "dc"} <= set(flags.split()), flags

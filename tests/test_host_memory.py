@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ import torch.nn as nn
 
 from zero_offload import OffloadOptimizer, host_memory
 from zero_offload._compat import take_memory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_suite  # noqa: E402  (its smaps reader)
 
 HUGE = host_memory.huge_page_bytes()  # the system's huge page (None: none)
 LARGE = max(host_memory.HUGE_FROM, 4 * (HUGE or 0)) // 4 + 7  # fp32 elements: just over the threshold
@@ -23,16 +28,9 @@ needs_madvise = pytest.mark.skipif(HUGE is None or not os.path.exists("/proc/sel
 
 def _vm_flags(ptr: int) -> str:
     """The VmFlags of the mapping of this process that holds address ``ptr`` ("hg": advised as huge pages)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split(":", 1)[1]
-    raise AssertionError(f"no mapping holds {ptr:#x}")
+    flags = gpu_suite.smaps_field(ptr, "VmFlags")
+    assert flags, f"no mapping holds {ptr:#x}"
+    return flags
 
 
 @needs_madvise
