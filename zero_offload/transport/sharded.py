@@ -6,8 +6,8 @@ the average is folded into the kernel's gradient multiplier), from the backward 
 ``step()``, so each rank holds the sum for the shard it owns; the gradient statistics of all buckets (sum of
 squares, a non-finite flag, and which parameters have a gradient on any rank) are combined in *one* all-reduce of
 a small tensor per step (a step that reduce-scatters gradients backward did not send begins with one more, of the
-same size: a check that every rank is there); the kernel updates the shard; the updated shard is all-gathered into the full parameters
-while the next bucket is updated. The collectives themselves, their timeouts and failures are
+same size: a check that every rank is there); the kernel updates the shard; the updated shard is all-gathered into
+the full parameters while the next bucket is updated. The collectives themselves, their timeouts and failures are
 :mod:`zero_offload.distributed`'s; where ranks part ways, :mod:`~zero_offload.transport.agreement` catches it.
 
 * On CPU the parameters are views of the bucket's ``flat_param``; gradients are copied into (or, after
