@@ -23,10 +23,10 @@ ours with ``opt.clip_grad_norm_``, and one more row, ``ours-torch-clip``: ours c
 that swaps the optimizer and nothing else).
 
 Also printed: each row's memory traffic rate (28 bytes per element of the rank's shard: read parameter, gradient,
-two moments; write parameter and moments, over the timed span, the clip's included), the median time of one
-small all-gather over the ranks after a barrier (both ``ours`` rows run one per step; AdamW none; an all-reduce of that size beside it), and
-for reference the rate of a plain 512 MiB copy run on all ranks at once (one thread per rank: a rough bandwidth
-figure, not a bound: a fused Adam streams seven arrays and can beat it).
+two moments; write parameter and moments, over the timed span, the clip's included), the median time of one small
+all-gather over the ranks after a barrier (both ``ours`` rows run one per step; AdamW none; an all-reduce of that
+size beside it), and for reference the rate of a plain 512 MiB copy run on all ranks at once (one thread per rank: a
+rough bandwidth figure, not a bound: a fused Adam streams seven arrays and can beat it).
 
 GPU mode (CUDA available): ``--world`` ranks (default: every GPU), NCCL, FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; timed: the whole training step (forward,

@@ -294,9 +294,9 @@ class Options:
         result is always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory
         for the buckets speculated in a step (see ``speculation_memory``) and, until ``step()``, GPU memory for their
         new parameters (``uploads_in_backward``). None (the default): off, as False: on an H100 it measured slower
-        than the step without it (2.61x fused AdamW against 1.99x, 1.3B GPT; docs/benchmarks.md). True: on wherever it applies (refused
-        with ``overlap_step``, ``delayed_update`` or a ``process_group``); CPU parameters are updated at ``step()``
-        either way. See docs/speculation.md.""", _check_speculate)
+        than the step without it (2.61x fused AdamW against 1.99x, 1.3B GPT; docs/benchmarks.md). True: on wherever
+        it applies (refused with ``overlap_step``, ``delayed_update`` or a ``process_group``); CPU parameters are
+        updated at ``step()`` either way. See docs/speculation.md.""", _check_speculate)
     gpu_fraction: Union[float, str] = _option(0.0, """the share of each param group's CUDA elements whose master
         and moments stay on the GPU ("twin flow"): the group's first buckets, whose gradients backward produces
         last, are updated there by torch's fused AdamW after the same checks as the rest (finite gradients, the
