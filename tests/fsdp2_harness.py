@@ -129,7 +129,9 @@ class Recipe:
             and load them (a round trip a user's restart does). Default: None.
         resume_how (str): ``"dcp"``: ``dcp.save``/``dcp.load`` of the sharded state dicts; ``"full"``: full state
             dicts gathered to rank 0 (``full_state_dict=True, cpu_offload=True``) and loaded with
-            ``broadcast_from_rank0=True``. Default: "dcp".
+            ``broadcast_from_rank0=True``; ``"torch_save"``: each rank's sharded ``model.state_dict()`` and
+            ``opt.state_dict()`` as they are, ``torch.save``'d to a file of its own (and ``copy.deepcopy``'d, as a
+            loop keeping its best state in memory does) and loaded with ``load_state_dict``. Default: "dcp".
         built_unsharded (bool): accelerate's FSDP2 preparation: the optimizer (and scheduler) built over the plain
             model, then ``fully_shard``, then each group's ``params`` switched to the DTensors, matched by name (as
             ``Accelerator.prepare(model, optimizer)`` does with its FSDP2 plugin). Default: False.
@@ -166,6 +168,8 @@ RECIPES: Dict[str, Recipe] = {
     "hsdp_shard": Recipe(mesh=(1, -1), clip=CLIP),  # a 2-D mesh whose shard dimension is the whole world
     "dcp_roundtrip": Recipe(groups=True, scheduler=True, clip=CLIP, resume_at=3),
     "full_roundtrip": Recipe(scaler=True, resume_at=3, resume_how="full"),
+    "saved_roundtrip": Recipe(groups=True, scheduler=True, clip=CLIP, clip_with="opt", resume_at=3,
+                              resume_how="torch_save"),
     "accelerate_switch": Recipe(groups=True, scheduler=True, clip=CLIP, built_unsharded=True),
 }
 
@@ -427,6 +431,12 @@ def save_checkpoint(path: str, loop: Loop, rank: int, how: str = "dcp") -> Any:
 
     extra = {"scheduler": loop.scheduler.state_dict() if loop.scheduler is not None else None,
              "scaler": loop.scaler.state_dict() if loop.scaler is not None else None}
+    if how == "torch_save":
+        local = {"model": loop.model.state_dict(), "optim": loop.opt.state_dict(), "extra": extra}
+        copy.deepcopy(local)
+        os.makedirs(path, exist_ok=True)
+        torch.save(local, os.path.join(path, f"rank{rank}.pt"))
+        return None
     if how == "full":
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only
         return dict(model=get_model_state_dict(loop.model, options=options),
@@ -446,7 +456,12 @@ def load_checkpoint(path: str, loop: Loop, saved: Any = None, how: str = "dcp") 
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    if how == "full":
+    if how == "torch_save":
+        saved = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+        loop.model.load_state_dict(saved["model"])
+        loop.opt.load_state_dict(saved["optim"])
+        extra = saved["extra"]
+    elif how == "full":
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         saved = saved or {}
         set_model_state_dict(loop.model, saved.get("model", {}), options=options)

@@ -5,12 +5,13 @@ Each helper picks its form once, from the installed torch's version, so the hot 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Callable, List, Sequence
 
 import torch
 
-__all__ = ["increment_version", "foreach_norm_fp32", "take_memory", "MIN_TORCH"]
+__all__ = ["increment_version", "foreach_norm_fp32", "own_storage", "take_memory", "MIN_TORCH"]
 
 MIN_TORCH = (2, 3)
 
@@ -55,3 +56,17 @@ def take_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return True
     dst.copy_(src)
     return False
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over the memory of ``t`` (contiguous, on the host) whose storage is its own and starts at its first
+    element, keeping ``t``'s storage alive. For a ``DTensor``'s local tensor: torch (2.8 and later) gives the
+    ``DTensor`` its local tensor's storage offset, and one whose offset is not 0 cannot be pickled or deep-copied
+    (``torch.save``, ``copy.deepcopy``: "invalid python storage"), nor can what is derived from it
+    (``detach()``, and so ``module.state_dict()``). Unlike a view, it does not follow :func:`take_memory` on ``t``'s
+    storage."""
+    if not t.nbytes:
+        return torch.empty(t.shape, dtype=t.dtype)
+    memory = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+    memory.owner = t  # (torch.frombuffer keeps ``memory`` alive, and it ``t``)
+    return torch.frombuffer(memory, dtype=t.dtype).view(t.shape)

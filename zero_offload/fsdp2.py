@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload._compat import own_storage
+
 __all__ = ["Sharding", "adopt_switched", "bind_shard", "given", "home", "home_numel", "home_ptrs", "is_dtensor",
            "local_shard", "local_value", "plan", "take", "version", "wrap"]
 
@@ -258,13 +260,20 @@ def home_numel(record: Any) -> int:
     return torch.Size(record.padded_sharded_param_size).numel()
 
 
-def bind_shard(p: torch.Tensor, record: Any, room: torch.Tensor) -> torch.Tensor:
+def bind_shard(p: torch.Tensor, record: Any, room: torch.Tensor, pinned: bool = False) -> torch.Tensor:
     """Move the storage FSDP keeps for ``p``'s shard (``record``, see :func:`home`) into ``room``, a slot of the
     optimizer's flat buffer of :func:`home_numel` elements: the values (padding included) are copied there, FSDP's
     padded tensor becomes ``room`` and ``p``'s local shard its leading rows, as FSDP lays them out itself. Its
     all-gather then reads what the optimizer's kernel writes, and its lazy initialisation, seeing the same storage,
-    keeps it (a pinned shard, ``CPUOffloadPolicy(pin_memory=True)``, needs ``room`` pinned). Returns the new local
-    shard (as :func:`local_shard`)."""
+    keeps it (a pinned shard, ``CPUOffloadPolicy(pin_memory=True)``, needs ``room`` pinned: ``pinned``). Returns
+    the new local shard (as :func:`local_shard`).
+
+    ``room`` gets a storage of its own over its memory (:func:`~zero_offload._compat.own_storage`), so that the
+    shard, and ``module.state_dict()``'s tensors derived from it, can be pickled and deep-copied as FSDP's own. Where
+    CUDA would not count that storage as page-locked (FSDP would then re-pin the shard into a copy the optimizer
+    does not write), the view of the flat buffer is kept."""
+    own = own_storage(room)
+    room = own if not pinned or own.is_pinned() else room
     room.copy_(record._sharded_param_data)
     local = p._local_tensor
     record._sharded_param_data = room
@@ -284,8 +293,18 @@ def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
     shows, and what DCP plans and writes into."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(view, owner.device_mesh, owner.placements, shape=owner.shape, stride=owner.stride(),
-                              run_check=False)
+    out = DTensor.from_local(view, owner.device_mesh, owner.placements, shape=owner.shape, stride=owner.stride(),
+                             run_check=False)
+    if out.storage_offset() == 0:
+        return out
+    # torch (2.8 and later) gave it the view's storage offset, with which it could be neither pickled nor deep-copied
+    # (see zero_offload._compat.own_storage); the same DTensor at offset 0, still over the view (which follows the
+    # buffer when speculation or a load trades its memory).
+    fixed = torch.Tensor._make_wrapper_subclass(DTensor, out.shape, strides=out.stride(), storage_offset=0,
+                                                dtype=out.dtype, device=out.device, layout=out.layout,
+                                                requires_grad=out.requires_grad)
+    fixed._spec, fixed._local_tensor = out._spec, out._local_tensor
+    return fixed
 
 
 def local_value(value: Any, owner: torch.Tensor) -> Any:

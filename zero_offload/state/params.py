@@ -74,6 +74,7 @@ class Masters:
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
         slots = home_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
+        self.slots_pinned = slots.pinned
         self.master = (own if (own is not None and not self.low_precision)
                        else (tier if self.low_precision else slots).zeros(n, torch.float32))
         self.staging: Optional[torch.Tensor] = None
@@ -109,7 +110,8 @@ class Masters:
         if self.homes is not None:
             flat = self.staging if self.low_precision else self.master
             for i, (owner, home, offset) in enumerate(zip(self.watch, self.homes, self.offsets)):
-                self.params[i] = fsdp2.bind_shard(owner, home, flat[offset : offset + fsdp2.home_numel(home)])
+                room = flat[offset : offset + fsdp2.home_numel(home)]
+                self.params[i] = fsdp2.bind_shard(owner, home, room, self.slots_pinned)
             self.slot_ptrs = fsdp2.home_ptrs(self.watch, self.homes)
         elif self.resident:
             for p, slot in zip(self.params, self.param_slots):
