@@ -60,7 +60,7 @@ def take_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """A tensor over the memory of ``t`` (contiguous, on the host) whose storage is its own and starts at its first
-    element, keeping ``t``'s storage alive. For a ``DTensor``'s local tensor: torch (2.8 and later) gives the
+    element, keeping ``t``'s storage alive. For a ``DTensor``'s local tensor: torch (2.13 here) gives the
     ``DTensor`` its local tensor's storage offset, and one whose offset is not 0 cannot be pickled or deep-copied
     (``torch.save``, ``copy.deepcopy``: "invalid python storage"), nor can what is derived from it
     (``detach()``, and so ``module.state_dict()``). Unlike a view, it does not follow :func:`take_memory` on ``t``'s

@@ -297,7 +297,7 @@ def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
                              run_check=False)
     if out.storage_offset() == 0:
         return out
-    # torch (2.8 and later) gave it the view's storage offset, with which it could be neither pickled nor deep-copied
+    # torch (2.13 here) gave it the view's storage offset, with which it could be neither pickled nor deep-copied
     # (see zero_offload._compat.own_storage); the same DTensor at offset 0, still over the view (which follows the
     # buffer when speculation or a load trades its memory).
     fixed = torch.Tensor._make_wrapper_subclass(DTensor, out.shape, strides=out.stride(), storage_offset=0,
