@@ -125,6 +125,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["adamw<-ours-w2"] = h.Job(plain, ADAMW, start_from=("ours-w2", SAVE_AT))
         jobs["storage/shards"] = h.Call(shard_storage)
         jobs["bf16/model"] = h.Call(bf16_model)
+        jobs["bf16/from_adamw"] = h.Call(bf16_from_adamw_checkpoint)
+        jobs["refuse/compact_moments"] = h.Call(refuse_bad_compact_moments)
         jobs["switch/lets_go"] = h.Call(switch_lets_go)
         jobs["switch/zero_grads/adamw"] = h.Call(switch_then_zero_grads, (ADAMW,))
         jobs["switch/zero_grads/ours"] = h.Call(switch_then_zero_grads, (OURS,))
@@ -527,6 +529,111 @@ def test_a_bf16_model_keeps_fp32_masters_on_the_host_as_adamw_on_fp32_copies(wor
                 torch.testing.assert_close(ours, reference, msg=lambda m: f"rank {rank} step {step} param {i}: {m}")
                 for k in state:
                     torch.testing.assert_close(state[k], ref_state[k], msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def bf16_from_adamw_checkpoint(rank, world):
+    """A bf16 model (no master anywhere) trained by FSDP2 + AdamW, saved by DCP; a new model and ours load it the
+    documented way, the planner allowing the ``master`` entries AdamW's checkpoint lacks (each master is then the
+    one the load left: this model's initial weights, not the loaded ones). One step of ours against
+    ``AdamW(foreach=False)`` on fp32 copies of the loaded shards with the loaded moments, fed the same gradients:
+    the masters, shards and moments after it."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def bf16_net(seed):
+        torch.manual_seed(seed)
+        model = h.Net().to(torch.bfloat16)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    model = bf16_net(0)
+    adamw = ADAMW(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    for step in range(2):
+        adamw.zero_grad()
+        h.loss_on(model, step, 0, rank, world).backward()
+        adamw.step()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, adamw)},
+             checkpoint_id=path[0])
+    model = bf16_net(1)
+    params = list(model.parameters())
+    opt = OffloadOptimizer(params, lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path[0], planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    with torch.no_grad():
+        masters = [p.to_local().float().clone().requires_grad_() for p in params]
+        ref = torch.optim.AdamW(masters, lr=h.LR, weight_decay=h.WEIGHT_DECAY, foreach=False)
+        loaded = opt.state_dict()["state"]
+        for i, (p, m) in enumerate(zip(params, masters)):
+            ref.state[m] = {"step": loaded[i]["step"].clone(),
+                            **{k: loaded[i][k].to_local().clone() for k in ("exp_avg", "exp_avg_sq")}}
+    opt.zero_grad()
+    h.loss_on(model, 2, 0, rank, world).backward()
+    for m, p in zip(masters, params):
+        m.grad = None if p.grad is None else p.grad.to_local().float()
+    opt.step()
+    ref.step()
+    with torch.no_grad():
+        return [((opt.state[p]["master"].to_local().clone(), p.to_local().clone(),
+                  {k: opt.state_dict()["state"][i][k].to_local().clone() for k in ("exp_avg", "exp_avg_sq")}),
+                 (m.detach().clone(), m.detach().to(torch.bfloat16), {k: ref.state[m][k] for k in ("exp_avg",
+                                                                                                   "exp_avg_sq")}))
+                for i, (p, m) in enumerate(zip(params, masters)) if p.grad is not None]
+
+
+def refuse_bad_compact_moments(rank, world):
+    """Compact state loading a full state dict with one bad moment element (in rank 0's rows): each rank's error,
+    and whether the state is as before (the check is of the rows a rank loads: only rank 0 meets the element)."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True, strict=False)  # (a parameter without a gradient has no state)
+    out = {}
+    for dtype, key, bad in ((torch.bfloat16, "exp_avg_sq", -1.0), (torch.int8, "exp_avg", math.inf)):
+        model = h.build_model(world, h.RECIPES["plain"])
+        opt = OffloadOptimizer(model.parameters(), lr=h.LR, state_dtype=dtype)
+        h.loss_on(model, 0, 0, rank, world).backward()
+        opt.step()
+        before = get_optimizer_state_dict(model, opt, options=full)
+        edited = copy.deepcopy(before)
+        edited["state"]["embed.weight"][key][0, 0] = bad
+        try:
+            set_optimizer_state_dict(model, opt, edited, options=full)
+            message = None
+        except ValueError as exc:
+            message = str(exc)
+        after = get_optimizer_state_dict(model, opt, options=full)
+        out[key] = message, all(torch.equal(after["state"][fqn][k], v) for fqn, entry in before["state"].items()
+                                for k, v in entry.items())
+    return out
+
+
+def test_compact_state_refuses_a_bad_moment_naming_it(world2):
+    cases = world2["refuse/compact_moments"].per_rank[0]
+    negative, unchanged = cases["exp_avg_sq"]
+    assert negative and "exp_avg_sq has a negative value (-1)" in negative and unchanged, negative
+    nonfinite, unchanged = cases["exp_avg"]
+    assert nonfinite and "exp_avg holds a non-finite value (inf)" in nonfinite and unchanged, nonfinite
+
+
+def test_an_adamw_checkpoint_of_a_bf16_model_gives_ours_the_loaded_weights_as_masters(world2):
+    for rank, pairs in world2["bf16/from_adamw"].per_rank.items():
+        assert pairs
+        for i, (ours, reference) in enumerate(pairs):
+            for a, b, what in zip(ours, reference, ("master", "shard", "state")):
+                torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank} param {i} {what}: {m}")
 
 
 def _switched(world, make_opt=OURS, **kw):

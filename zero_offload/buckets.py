@@ -172,7 +172,7 @@ class FlatBucket:
         self.resident, self.device_tier, self.shares_grad, self.pin = True, True, False, False
         self.masters, self.store, self.grads = masters, store, grads
         masters.bind()
-        masters.versions = [-1 if v == -1 else fsdp2.version(p) for v, p in zip(versions, self.owners)]
+        masters.versions = [v if v < 0 else fsdp2.version(p) for v, p in zip(versions, self.owners)]
         self.views = StateViews(self.rule, store, masters, self.layout, self.shard, self.params,
                                 self.owners if self.fsdp else None)
         for i, e in enumerate(exposed):

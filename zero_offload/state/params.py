@@ -29,7 +29,10 @@ from zero_offload import fsdp2
 from zero_offload.state.layout import BucketLayout, ShardLayout, memory_order_flat, view_like
 from zero_offload.state.tiers import Tier
 
-__all__ = ["Masters"]
+__all__ = ["LOADED", "Masters"]
+
+# A version never recorded: a master just loaded, to be checked against its parameter (Masters.loaded); -1: none yet.
+LOADED = -2
 
 
 class Masters:
@@ -152,10 +155,13 @@ class Masters:
         return p.dtype != self.dtype or p.device != self.device
 
     def loaded(self, i: int, loaded: bool) -> None:
-        """A separate master was just written from a checkpoint (kept while the parameter still rounds from it), or
-        not (``loaded=False``: taken from the parameter at its next update)."""
+        """A separate master was just written from a checkpoint, or not (``loaded=False``: taken from the parameter
+        at its next update). A loaded one is checked at the next update, whatever the parameter's version: kept if
+        it rounds to the parameter then (a model checkpoint loaded before or after this one, from the same step),
+        else replaced by it (it was not this parameter's: e.g. the master a partial DCP load of an AdamW checkpoint,
+        which has none, left as it was)."""
         if self.separate:
-            self.versions[i] = fsdp2.version(self.watch[i]) if loaded else -1
+            self.versions[i] = LOADED if loaded else -1
 
     def record_versions(self, indices: Sequence[int]) -> None:
         if self.separate:
