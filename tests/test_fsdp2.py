@@ -852,6 +852,11 @@ def refuse_tensor_parallel(rank, world):
         parallelize_module(both, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(both, mesh=mesh["dp"])
         cases["FSDP+TP down.weight"] = both.down.weight
+    from torch.distributed.tensor import Shard
+
+    columns = nn.Linear(4, 4 * world)
+    fully_shard(columns, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    cases["FSDP2 Shard(1) weight"] = columns.weight
     for label, p in cases.items():
         try:
             OffloadOptimizer([p], lr=h.LR)
@@ -978,12 +983,13 @@ def test_tensor_parallel_parameters_are_refused_naming_the_placement(world2):
         assert message is not None, f"{label} {placements}: taken"
         odd = [pl for pl in ("Shard(dim=1)", "Replicate()") if pl in placements]
         assert odd and odd[0] in message, (label, placements, message)
+        assert ("another dimension" in message) == label.startswith("FSDP2 "), (label, message)
         assert hooks == 0, label
 
 
 def test_fsdp2_parameters_mixed_with_plain_ones_are_refused_and_nothing_changes(world2):
     message, unchanged, hooks = world2["refuse/mixed_with_plain"].get()
-    assert message is not None, "taken"
+    assert message is not None and "the param groups mix" in message, message  # (each group is of one kind)
     assert unchanged and hooks == 0, (unchanged, hooks)
 
 

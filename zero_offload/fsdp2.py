@@ -185,12 +185,15 @@ def _managed() -> Dict[int, Tuple[int, Any]]:
     return found
 
 
-def _placement_error(p: torch.Tensor, what: str) -> TypeError:
+_OTHER_PLACEMENTS = ("Tensor parallelism and other placements are not supported: shard the model with fully_shard "
+                     "alone (or keep torch.optim.AdamW for it)")
+
+
+def _placement_error(p: torch.Tensor, what: str, advice: str = _OTHER_PLACEMENTS) -> TypeError:
     return TypeError(
         f"OffloadOptimizer takes FSDP2's sharded parameters (Shard(0) on a 1-D mesh, or (Replicate(), Shard(0)) on a "
         f"2-D mesh for HSDP), but a parameter of shape {tuple(p.shape)} is a DTensor with placements "
-        f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: {what}. Tensor parallelism and other placements are "
-        "not supported: shard the model with fully_shard alone (or keep torch.optim.AdamW for it)")
+        f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: {what}. {advice}")
 
 
 def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
@@ -204,8 +207,9 @@ def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
 
     plain = [p for p in params if not is_dtensor(p)]
     if plain:
+        mixed = "a param group mixes" if len(plain) < len(params) else "the param groups mix"
         raise TypeError(
-            f"OffloadOptimizer: a param group mixes FSDP2's sharded parameters (DTensors) with plain ones (shape "
+            f"OffloadOptimizer: {mixed} FSDP2's sharded parameters (DTensors) with plain ones (shape "
             f"{tuple(plain[0].shape)}): every parameter of the model must be sharded with fully_shard (wrap the "
             "root module too: fully_shard(model)), or none")
     managed = _managed() if managed is None else managed
@@ -216,6 +220,10 @@ def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
             shard_dim = 0
         elif p.device_mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
             shard_dim = 1
+        elif id(p) in managed and (p.device_mesh.ndim == 1 or placements[0] == Replicate()):  # (shard_placement_fn)
+            raise _placement_error(p, "FSDP2 shards it along another dimension (shard_placement_fn)",
+                                   "Shard it along dimension 0 (shard_placement_fn returning None for it), or keep "
+                                   "torch.optim.AdamW for this model")
         else:
             raise _placement_error(p, "not a placement FSDP2 gives")
         if id(p) not in managed:
