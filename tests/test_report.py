@@ -129,6 +129,15 @@ def test_cli_prints_the_byte_arithmetic_per_state_dtype(capsys, state_dtype, mom
     assert f"= {moments:.4g} B/param" in out
 
 
+@pytest.mark.parametrize("args, fp32, saved", [([], 8, (4, 5.875)), (["--amsgrad"], 12, (6, 8.8125)),
+                                               (["--world-size", "8"], 1, (0.5, 0.7344))])
+def test_cli_prints_what_compact_state_saves_for_these_moments_on_one_rank(capsys, args, fp32, saved):
+    """Two bytes per moment element for bf16, 4 - (1 + 4/64) for 8-bit, of each moment this rank holds."""
+    main(["--params", "13B", *args])
+    line = next(line for line in capsys.readouterr().out.splitlines() if "(fp32 state:" in line)
+    assert f"(fp32 state: {fp32:.4g} B/param; " in line and f"saves {saved[0]:.4g} or {saved[1]:.4g} B/param" in line
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_plan_is_the_optimizers_estimate_with_pinning(dtype):
     params = [torch.empty(s, dtype=dtype, device="meta") for s in ((1000, 3), (5,), (70001,))]

@@ -356,7 +356,7 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     sharded = plan.world_size > 1
     whole = plan.model_numel or n
     out = [
-        f"memory plan      {whole:,} parameters ({whole / 1e9:.3g} B), {name} model on {plan.device}"
+        f"memory plan      {whole:,} parameters{_short_count(whole)}, {name} model on {plan.device}"
         + (f", {plan.world_size} data-parallel ranks" if sharded else "")
         + (f", sharded by FSDP2 over {plan.fsdp} ranks" if plan.fsdp > 1 else ""),
         "                 parameters, gradients and optimizer state per rank; activations not counted",
@@ -480,15 +480,23 @@ def _speculation_lines(plan: MemoryPlan) -> List[str]:
             "(learned),", "                 or at most speculation_memory bytes (not in the verdict below)"]
 
 
+def _short_count(n: int) -> str:
+    """`` (1.3B)``-style count of parameters, or nothing below a thousand."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f" ({n / scale:.3g}{unit})"
+    return ""
+
+
 def _state_lines(plan: MemoryPlan, state: str) -> List[str]:
     """The byte arithmetic of the moments for the plan's ``state_dtype``, per parameter and per rank."""
     moments = [m for m in _BUFFERS if plan.host.buffers.get(m)]
     per = {"fp32": "4 B", "bf16": "2 B", "8-bit": "1 B code + 4 B scale / 64 = 1.0625 B"}[state]
     share = sum(plan.host.buffers.get(m, 0) + plan.host.buffers.get(m + "_scale", 0) for m in moments)
-    fp32 = 4 * len(moments) * plan.host.padded_numel / plan.world_size
+    elements = len(moments) * plan.host.padded_numel / plan.world_size / plan.numel  # (moment elements per param)
     return [f"state_dtype      {state}: {len(moments)} moments x {per} per element = {share / plan.numel:.4g} B/param "
-            f"per rank with padding", f"                 (fp32 state: {fp32 / plan.numel:.4g} B/param; state_dtype="
-            "torch.bfloat16 or torch.int8 saves 4 or 5.875 B/param)"]
+            f"per rank with padding", f"                 (fp32 state: {4 * elements:.4g} B/param; state_dtype="
+            f"torch.bfloat16 or torch.int8 saves {2 * elements:.4g} or {(4 - 1.0625) * elements:.4g} B/param)"]
 
 
 # ------------------------------------------------------------------------------------------ verdicts, JSON, HF --

@@ -155,7 +155,8 @@ _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "ams
 
 def _parser() -> argparse.ArgumentParser:
     """The command line of ``python -m zero_offload.report``."""
-    ap = argparse.ArgumentParser(prog="python -m zero_offload.report", description=_DESCRIPTION,
+    prog = "python -m zero_offload" if sys.argv[0].endswith("__main__.py") else "python -m zero_offload.report"
+    ap = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=_count_arg, metavar="N",
                     help="print the memory plan for a model of N parameters (7B, 350M, 1.3e9...) instead of the "
