@@ -29,10 +29,10 @@ from zero_offload import fsdp2
 from zero_offload.state.layout import BucketLayout, ShardLayout, memory_order_flat, view_like
 from zero_offload.state.tiers import Tier
 
-__all__ = ["LOADED", "Masters"]
+__all__ = ["Masters"]
 
 # A version never recorded: a master just loaded, to be checked against its parameter (Masters.loaded); -1: none yet.
-LOADED = -2
+_LOADED = -2
 
 
 class Masters:
@@ -161,7 +161,7 @@ class Masters:
         else replaced by it (it was not this parameter's: e.g. the master a partial DCP load of an AdamW checkpoint,
         which has none, left as it was)."""
         if self.separate:
-            self.versions[i] = LOADED if loaded else -1
+            self.versions[i] = _LOADED if loaded else -1
 
     def record_versions(self, indices: Sequence[int]) -> None:
         if self.separate:
