@@ -167,6 +167,17 @@ def test_clipping_inactive_commits(eager):
     assert stats.rollbacks == 0 and stats.commits == 5 * N_BUCKETS, stats
 
 
+def test_gradscaler_with_the_fused_clip_keeps_speculating(eager):
+    """GradScaler and opt.clip_grad_norm_ with no unscale_ (the README's fused recipe): the clip finds the gradients
+    as they were streamed (their norms unchanged since their copy), so the speculations stand; only a step whose
+    scale changed (growth every 3 steps) rolls back, for its multiplier."""
+    pairs = _pair()
+    _drive(pairs, 7, between=lambda step, m, opt: opt.clip_grad_norm_(1e6), scaler=True)
+    stats = pairs[0][1].speculation_stats
+    assert set(_reasons(pairs[0][1])) <= {"multiplier"}, stats
+    assert stats.commits >= 4 * N_BUCKETS, stats
+
+
 @pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_nonfinite_gradient_in_the_last_bucket(eager, policy, value):

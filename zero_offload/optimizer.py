@@ -139,7 +139,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         self._buckets: List[List[FlatBucket]] = []  # set before the base constructor calls add_param_group
         self._lanes: Lanes = []  # each bucket's lane, by group
         self._pending: Optional[PendingClip] = None
-        self._scaled: Optional[bool] = None  # whether a GradScaler drove the last step() (see clip_grad_norm_)
         self._constructed = False
         super().__init__(params, defaults)
         # Parameters are rebound to their slots only once every group is in: a bad group raises with the model
@@ -288,7 +287,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             self._sync()
             clip = self._take_clip(scaler.unscaled)
         with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
-            self._scaled = scaler.present
+            self._transport.scaled = scaler.present
             plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
             hypers = [self._rule.hyper(g) for g in self.param_groups]
             if scaler.present:
@@ -336,7 +335,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
                            "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
                            "step was of the scaled ones)")
-            self._scaled = True
+            self._transport.scaled = True
             self.clip_grad_norm_(pending.max_norm, pending.norm_type)
             pending, self._pending = self._pending, None
         return pending
@@ -419,9 +418,9 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         gradient inside the kernel instead of rewriting ``.grad`` (which is left as it was).
 
         It brings the gradients to the host now (``step()`` reuses them): call it right before ``step()`` (or
-        ``scaler.step``); ``zero_grad()`` cancels it. Streamed gradients still on their parameters are read again
-        while a ``GradScaler`` may have unscaled them in place (a step it drove, or the first), which leaves no
-        trace in their version counters; a scaler that first appears later makes ``step()`` clip again.
+        ``scaler.step``); ``zero_grad()`` cancels it. While a ``GradScaler`` may have unscaled the streamed
+        gradients in place (a step it drove, or the first), which moves no version counter, those whose norm differs
+        from the one at their copy are read again; a scaler that first appears later makes ``step()`` clip again.
 
         Args:
             max_norm (float): max norm of the gradients.
@@ -438,7 +437,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         if self.options.overlap_step:
             raise gate.refuse_clipping()
         fsdp2.adopt_switched(self)
-        fresh = self._scaled is not False
+        fresh = self._transport.scaled is not False
         plans = self._receive(fresh=fresh)
         first = next((lane.bucket.params[i] for lane in chain.from_iterable(plans)
                       for i, has in enumerate(lane.present) if has), None)

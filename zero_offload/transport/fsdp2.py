@@ -31,11 +31,10 @@ from __future__ import annotations
 import contextlib
 import math
 from itertools import chain
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
@@ -73,6 +72,8 @@ class FSDPTransport(Transport):
         release (bool): as for :class:`~zero_offload.transport.base.Transport`.
     """
 
+    unversioned_edits = True  # (foreach ops on DTensor gradients: see the module docstring)
+
     def __init__(self, *, release: bool):
         super().__init__(release=release)
         self.sharding: Optional[Sharding] = None  # set with the first group (zero_offload.fsdp2.plan)
@@ -80,8 +81,6 @@ class FSDPTransport(Transport):
         self._sq = 0.0  # the last gather's sum of squares over the mesh
         self._exchanges = 0  # exchanges with the other ranks so far (see _failing)
         self._bad = False
-        # This step's streamed gradients' norms at their copy, by lane and parameter index (see the module docstring).
-        self._digests: Dict[Lane, Dict[int, torch.Tensor]] = {}
 
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.resident:  # the shards' storage taken over: the kernel writes what FSDP's all-gather reads
@@ -97,14 +96,10 @@ class FSDPTransport(Transport):
 
     def send_grads(self, lane: Lane) -> None:
         self._take_grads(lane)
-        sent = [(i, p.grad) for i, p in enumerate(lane.bucket.params) if p.grad is not None and p.grad.numel()]
         super().send_grads(lane)
         if self.release:
             for owner in lane.bucket.owners:
                 owner.grad = None
-        elif sent and not lane.route.resident:
-            norms = foreach_norm_fp32([g for _, g in sent])
-            self._digests.setdefault(lane, {}).update((i, n) for (i, _), n in zip(sent, norms))
 
     def collect(self, lane: Lane) -> List[Optional[torch.Tensor]]:
         bucket = lane.bucket
@@ -112,31 +107,7 @@ class FSDPTransport(Transport):
         self._take_grads(lane)
         return bucket.grads.collect()
 
-    def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
-        lane = super().receive(lane, fresh=fresh)
-        digests = self._digests.pop(lane, None)
-        if digests:
-            self._read_edited(lane, digests)
-        return lane
-
-    @staticmethod
-    def _read_edited(lane: Lane, digests: Dict[int, torch.Tensor]) -> None:
-        """Gradients the version check found unchanged whose norm now differs from the one at their copy (edited by
-        a ``foreach`` op): read again at ``step()``, and the streamed norm is stale."""
-        params = lane.bucket.params
-        kept = [i for i, g in enumerate(lane.pending) if g is None and lane.present[i] and i in digests]
-        if not kept:
-            return
-        now = torch.stack(foreach_norm_fp32([params[i].grad for i in kept]))
-        changed = (now != torch.stack([digests[i] for i in kept])).tolist()
-        if any(changed):
-            for i, c in zip(kept, changed):
-                if c:
-                    lane.pending[i] = params[i].grad
-            lane.stale, lane.norm = True, None
-
     def reset(self) -> None:
-        self._digests = {}
         super().reset()
         for lane in self.lanes:
             for p in lane.bucket.params:
