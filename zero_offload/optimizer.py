@@ -287,7 +287,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             self._sync()
             clip = self._take_clip(scaler.unscaled)
         with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
-            self._transport.scaled = scaler.present
+            self._transport.edits.scaled = scaler.present
             plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
             hypers = [self._rule.hyper(g) for g in self.param_groups]
             if scaler.present:
@@ -335,7 +335,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
                            "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
                            "step was of the scaled ones)")
-            self._transport.scaled = True
+            self._transport.edits.scaled = True
             self.clip_grad_norm_(pending.max_norm, pending.norm_type)
             pending, self._pending = self._pending, None
         return pending
@@ -354,8 +354,9 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
     def _receive(self, fresh: bool = False) -> Lanes:
         for lane in chain.from_iterable(self._lanes):
             self._transport.receive(lane, fresh=fresh)
-            if self._mode.check_received is not None:
-                self._mode.check_received(lane)
+        self._transport.edits.read_edited()
+        for lane in chain.from_iterable(self._lanes) if self._mode.check_received is not None else ():
+            self._mode.check_received(lane)
         return self._lanes
 
     def _early_update(self, lane: Lane) -> None:
@@ -437,7 +438,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         if self.options.overlap_step:
             raise gate.refuse_clipping()
         fsdp2.adopt_switched(self)
-        fresh = self._transport.scaled is not False
+        fresh = self._transport.edits.scaled is not False
         plans = self._receive(fresh=fresh)
         first = next((lane.bucket.params[i] for lane in chain.from_iterable(plans)
                       for i, has in enumerate(lane.present) if has), None)

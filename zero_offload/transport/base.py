@@ -13,13 +13,9 @@ work (device copies are only enqueued, so they go first), and measures what arri
 GPU-computed norms of streamed buckets with one synchronisation), and whether one is inf/nan. What the step then
 does with those measurements is the gate's (:mod:`zero_offload.gate`).
 
-**Edits that move no version counter.** A gradient assigned or edited in place after its copy is read again at
-``step()``, found by its version counter. ``GradScaler.unscale_`` rewrites gradients in place without moving one
-(as do ``foreach`` ops on FSDP2's DTensor gradients): after a step a ``GradScaler`` drove (and before the first),
-each streamed gradient's norm is kept at its copy, on the device, and where such an edit may have happened
-(``clip_grad_norm_`` after a scaler's step; every ``step()`` under FSDP2) the norms are taken again and compared bit
-for bit: one that differs is read again (one synchronisation per bucket; an edit that keeps every norm, such as a
-sign flip through a ``foreach`` op, is not seen).
+**Edits.** A gradient assigned or edited in place after its copy is read again at ``step()``, found by its version
+counter, or, for the edits that move none (``GradScaler.unscale_``, ``foreach`` ops on FSDP2's DTensors), by its
+norm (:mod:`~zero_offload.transport.edits`).
 
 **Accumulation.** Without ``no_sync`` every backward streams: with ``release`` each later copy is *added* to what
 the host buffer already holds for this step (fp32 gradients add exactly as they would on the GPU); without it
@@ -39,6 +35,7 @@ from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.grads import check_grads
 from zero_offload.lane import Lane, Lanes
+from zero_offload.transport.edits import EditWatch
 from zero_offload.timeline import NOTHING, Timeline, span
 
 __all__ = ["Route", "Transport", "device_sq_norm"]
@@ -114,15 +111,11 @@ class Transport:
     """
 
     sharded = False
-    # Gradient edits that move no version counter may happen at any step (FSDP2's DTensors), not only after a
-    # GradScaler's (see the module docstring).
-    unversioned_edits = False
+    unversioned_edits = False  # edits that move no version counter may come at any step (FSDP2), see EditWatch
 
     def __init__(self, *, release: bool):
         self.release = release
-        self.scaled: Optional[bool] = None  # whether a GradScaler drove the last step() (None: none yet)
-        # This step's streamed gradients' norms at their copy, by lane and parameter index (see the module docstring).
-        self._digests: Dict[Lane, Dict[int, torch.Tensor]] = {}
+        self.edits = EditWatch(always=self.unversioned_edits)
         self.timeline: Optional[Timeline] = None  # OffloadOptimizer.record_timeline()
         self.lanes: List[Lane] = []
         # Per device: the stream of the copies off the GPU (and a sharded bucket's reduce-scatter), and the stream
@@ -183,11 +176,8 @@ class Transport:
         tl = self.timeline
         with NOTHING if tl is None else tl.span("copy", "d2h", lane.position):
             lane.route.send(lane, idx, grads, add)
-        if not self.release and not lane.route.resident and (self.unversioned_edits or self.scaled is not False):
-            kept = [(i, g) for i, g in zip(idx, grads) if g.numel()]
-            if kept:
-                norms = foreach_norm_fp32([g for _, g in kept])
-                self._digests.setdefault(lane, {}).update((i, n) for (i, _), n in zip(kept, norms))
+        if not self.release and not lane.route.resident:
+            self.edits.keep(lane, idx, grads)
         zero = bucket.grads.zero
         for i, g in zip(idx, grads):
             lane.sent[i] = True
@@ -210,9 +200,8 @@ class Transport:
         assigned or edited in place after its copy (without ``release``: ``GradScaler.unscale_``,
         ``torch.nn.utils.clip_grad_norm_``) is left pending, to be read again. With ``fresh`` (and without
         ``release``) every gradient still on its parameter is read again, but for those whose norm at their copy was
-        kept and is the same now (see the module docstring): ``GradScaler.unscale_`` rewrites gradients without
-        bumping their version."""
-        digests = self._digests.pop(lane, {})
+        kept, to be compared by :meth:`EditWatch.read_edited` after every lane's ``receive``."""
+        norms = self.edits.take(lane)
         grads = self.collect(lane)
         lane.in_place = None
         self.moved = True
@@ -232,11 +221,10 @@ class Transport:
                 pending.append(g)  # assigned after the stream: gathered like any gradient (overwrites the slot)
             else:
                 src = lane.sources[i]
-                same = src is not None and src[0] is g and src[1] == g._version and (not fresh or i in digests)
+                same = src is not None and src[0] is g and src[1] == g._version and (not fresh or i in norms)
                 present.append(True)
                 pending.append(None if same else g)
-        if digests and (fresh or self.unversioned_edits):
-            _read_edited(lane.bucket.params, pending, digests)
+        self.edits.defer(lane, pending, norms, fresh)
         # A gradient changed or dropped since its launch: the streamed norm (a sharded bucket's reduced sum) is
         # stale.
         stale = any(t is not None for t in pending) or any(was and not has for has, was in zip(present, lane.sent))
@@ -374,7 +362,8 @@ class Transport:
     # -- between steps ---------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget what was sent for this step (after ``step()``, or at ``zero_grad()``), once it has landed."""
-        self.arrivals, self.moved, self._digests = [], False, {}
+        self.arrivals, self.moved = [], False
+        self.edits.reset()
         for lane in self.lanes:
             # Anything of this step sent down the lane, or received at step(): the gradients it holds are let go
             # with the step (after zero_grad() the caller's references are the last, as with AdamW).
@@ -434,17 +423,3 @@ def device_sq_norm(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
     if math.isfinite(total):
         return total, False
     return total, not all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def _read_edited(params: Sequence[torch.Tensor], pending: List[Optional[torch.Tensor]],
-                 digests: Dict[int, torch.Tensor]) -> None:
-    """Gradients the version check found unchanged whose norm now differs from the one at their copy: pending, to be
-    read again (see the module docstring)."""
-    kept = [i for i, g in enumerate(pending) if g is None and i in digests and params[i].grad is not None]
-    if not kept:
-        return
-    now = torch.stack(foreach_norm_fp32([params[i].grad for i in kept]))
-    changed = (now != torch.stack([digests[i] for i in kept])).tolist()
-    for i, c in zip(kept, changed):
-        if c:
-            pending[i] = params[i].grad
