@@ -35,8 +35,8 @@ from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.grads import check_grads
 from zero_offload.lane import Lane, Lanes
-from zero_offload.transport.edits import EditWatch
 from zero_offload.timeline import NOTHING, Timeline, span
+from zero_offload.transport.edits import EditWatch
 
 __all__ = ["Route", "Transport", "device_sq_norm"]
 

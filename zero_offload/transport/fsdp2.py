@@ -10,9 +10,9 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
-  at its copy (on the device, in the stream that made it) and compared bit for bit at ``step()`` with its norm
-  then: one that differs is read again. (One synchronisation per bucket at ``step()``; an edit that keeps every
-  gradient's norm, a sign flip or a permutation through a ``foreach`` op, is not seen.)
+  at its copy and compared bit for bit at every ``step()`` (:mod:`~zero_offload.transport.edits`): one that
+  differs is read again. (An edit that keeps every gradient's norm, a sign flip or a permutation through a
+  ``foreach`` op, is not seen.)
 
 Routes: on a GPU, :class:`~zero_offload.transport.device.OffloadRoute` itself (gradients down from FSDP's hooks, in
 the reduce-scatter stream's context, the updated shard up into ``p.to_local()``); on the host (a CPU mesh, or
