@@ -642,12 +642,14 @@ def test_speculative_uploads_go_up_before_step_and_wait_for_no_other_bucket(cuda
                    and e.kind == "wait"]
         assert all(e.bucket == kernel.bucket for e in between), between
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))  # untouched until step()
-    commits = spec.speculation_stats.commits
+    stats = spec.speculation_stats
+    speculated, commits = stats.speculated, stats.commits
+    assert speculated == stats.commits + stats.rollbacks + N_BUCKETS, stats  # (counted as each kernel ends)
     for _, opt in pairs:
         opt.step()
     (a, spec), (b, plain) = pairs
     assert_bitwise(a, b, spec, plain, "after the commit of staged uploads")
-    assert spec.speculation_stats.commits == commits + N_BUCKETS
+    assert stats.commits == commits + N_BUCKETS and stats.speculated == speculated, stats
 
 
 def test_the_device_buffers_of_speculative_uploads_hold_memory_only_from_upload_to_commit(cuda_branches):

@@ -212,6 +212,7 @@ class Speculative(Immediate):
             self._release(spec)
             raise
         spec.runs = runs
+        self.stats.speculated += 1  # (only this thread writes it; step() reads it once every job has ended)
         spec.staged = lane.route.stage(lane, self._new_flat(spec), transport.lanes, "h2d speculative")
 
     @staticmethod
@@ -280,9 +281,7 @@ class Speculative(Immediate):
                 self._broken = True
                 spec.runs, spec.skipped = None, "failed"
         spec.job = None
-        if spec.runs is not None:
-            self.stats.speculated += 1
-        elif spec.skipped:
+        if spec.runs is None and spec.skipped:
             self.stats.not_started[spec.skipped] += 1
 
     def _finish_all(self) -> None:
