@@ -484,19 +484,18 @@ def test_host_shards_are_updated_where_fsdp_keeps_them_and_no_gradient_outlives_
             assert grad_buffers == 0, f"rank {rank}, {case}: {grad_buffers} gradient buffers made"
 
 
-def bf16_model(rank, world):
-    """A bf16 model under FSDP2 on a host mesh (no MixedPrecisionPolicy: the shards are bf16): ours keeps fp32
-    masters, the reference is ``AdamW(foreach=False)`` on fp32 copies of this rank's shards fed the same gradients.
-    Per step: each shard of ours and the reference's master rounded to bf16, and both states; and whether the
-    shards live in the optimizer's buffers."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _bf16_net(world: int, seed: int = 0) -> nn.Module:
+    """The harness's model cast to bf16, then sharded as the plain recipe shards it (no MixedPrecisionPolicy: the
+    shards are bf16)."""
+    torch.manual_seed(seed)
+    return h.build_model(world, h.RECIPES["plain"], model=h.Net().to(torch.bfloat16))
 
-    torch.manual_seed(0)
-    model = h.Net().to(torch.bfloat16)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+
+def bf16_model(rank, world):
+    """A bf16 model under FSDP2 on a host mesh: ours keeps fp32 masters, the reference is ``AdamW(foreach=False)``
+    on fp32 copies of this rank's shards fed the same gradients. Per step: each shard of ours and the reference's
+    master rounded to bf16, and both states; and whether the shards live in the optimizer's buffers."""
+    model = _bf16_net(world)
     params = list(model.parameters())
     opt = OffloadOptimizer(params, lr=h.LR, weight_decay=h.WEIGHT_DECAY)
     with torch.no_grad():
@@ -543,19 +542,9 @@ def bf16_from_adamw_checkpoint(rank, world):
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    def bf16_net(seed):
-        torch.manual_seed(seed)
-        model = h.Net().to(torch.bfloat16)
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-
     path = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(path, src=0)
-    model = bf16_net(0)
+    model = _bf16_net(world)
     adamw = ADAMW(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
     for step in range(2):
         adamw.zero_grad()
@@ -563,7 +552,7 @@ def bf16_from_adamw_checkpoint(rank, world):
         adamw.step()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, adamw)},
              checkpoint_id=path[0])
-    model = bf16_net(1)
+    model = _bf16_net(world, seed=1)
     params = list(model.parameters())
     opt = OffloadOptimizer(params, lr=h.LR, weight_decay=h.WEIGHT_DECAY)
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}

@@ -482,9 +482,9 @@ def _speculation_lines(plan: MemoryPlan) -> List[str]:
 
 def _short_count(n: int) -> str:
     """`` (1.3B)``-style count of parameters, or nothing below a thousand."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f" ({n / scale:.3g}{unit})"
+    for suffix in "tbmk":  # (parse_count's suffixes, which read it back)
+        if n >= _SUFFIXES[suffix]:
+            return f" ({n / _SUFFIXES[suffix]:.3g}{suffix.upper()})"
     return ""
 
 

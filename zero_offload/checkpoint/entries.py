@@ -298,17 +298,13 @@ def check_compact_moment(state_dtype: torch.dtype, buf: StateBuffer, value: torc
     if state_dtype == torch.float32 or not buf.compactable:
         return
     name = buf.name
-    # (A DTensor's any() and all() are the whole mesh's, so every rank refuses alike; the value shown is local.)
-    local = _local(value)
+    value = _local(value)  # (FSDP2: the rows this rank loads; each rank checks its own)
     if not buf.signed and bool((value < 0).any()):
-        found = local[local < 0]
-        shown = f"{float(found.min()):g}" if found.numel() else "on another rank"
-        raise ValueError(f"{where}: {name} has a negative value ({shown}), which a second moment cannot have; "
-                         f"{DTYPE_LABELS[state_dtype]} state refuses it")
+        raise ValueError(f"{where}: {name} has a negative value ({float(value[value < 0].min()):g}), which a second "
+                         f"moment cannot have; {DTYPE_LABELS[state_dtype]} state refuses it")
     if state_dtype == torch.int8 and not bool(torch.isfinite(value).all()):
-        found = local[~torch.isfinite(local)].view(-1)
-        shown = str(float(found[0])) if found.numel() else "on another rank"
-        raise ValueError(f"{where}: {name} holds a non-finite value ({shown}), which 8-bit state cannot hold "
+        bad = value[~torch.isfinite(value)].view(-1)[0]
+        raise ValueError(f"{where}: {name} holds a non-finite value ({float(bad)}), which 8-bit state cannot hold "
                          "(its elements share their 64-element block's scale); load it into fp32 or bf16 state, or "
                          "repair the checkpoint")
 
