@@ -508,16 +508,53 @@ static void adam_range_state(const zo::AdamArgs& a, int64_t b, int64_t e) {
   else adam_range_out<G, zo::DType::kF32>(a, b, e);
 }
 
+// Whole blocks of sq_norm_typed (64 vectors each) read kSqStreams at a time, from as many stretches of the
+// range side by side. One sequential read stream leaves a core waiting on memory (it has few misses in flight);
+// four keep more in flight (measured on a 2-vCPU AMD EPYC VM, 16.8M fp32 elements: 9.6 to 14.2 GB/s alone, 8.5 to
+// 11 GB/s with a second process doing the same). Each block's sum is formed exactly as in the one-stream loop and
+// the blocks' sums are added in their order, so the result is bit for bit the same.
+constexpr int kSqStreams = 4;
+constexpr int64_t kSqRun = 256;  // blocks per stretch and round: the blocks' sums wait on the stack
+
+template <zo::DType G>
+static int64_t sq_norm_streams(const void* grad, int64_t begin, int64_t end, double& total, VF& bad) {
+  constexpr int64_t kBlock = 64 * kW;
+  int64_t i = begin;
+  for (;;) {
+    const int64_t blocks = (end - i) / kBlock / kSqStreams;
+    const int64_t per = blocks < kSqRun ? blocks : kSqRun;
+    if (per == 0) return i;
+    float sums[kSqStreams * kSqRun];
+    for (int64_t j = 0; j < per; ++j) {
+      VF acc0[kSqStreams], acc1[kSqStreams];
+      for (int s = 0; s < kSqStreams; ++s) acc0[s] = acc1[s] = set1(0.0f);
+      for (int64_t k = 0; k < kBlock; k += 2 * kW) {
+        for (int s = 0; s < kSqStreams; ++s) {
+          const int64_t at = i + (s * per + j) * kBlock + k;
+          VF x0 = load_as_float<G>(grad, at), x1 = load_as_float<G>(grad, at + kW);
+          acc0[s] = fma(x0, x0, acc0[s]);
+          acc1[s] = fma(x1, x1, acc1[s]);
+          bad = add(bad, add(sub(x0, x0), sub(x1, x1)));
+        }
+      }
+      for (int s = 0; s < kSqStreams; ++s) sums[s * per + j] = hsum(add(acc0[s], acc1[s]));
+    }
+    for (int64_t b = 0; b < kSqStreams * per; ++b) total += static_cast<double>(sums[b]);
+    i += kSqStreams * per * kBlock;
+  }
+}
+
 template <zo::DType G>
 static zo::SqNormResult sq_norm_typed(const void* grad, int64_t begin, int64_t end) {
   // Squares are summed in float vectors over blocks of 64 vectors (at most 32 terms per accumulator lane) and the
   // blocks in double: float-fast, and accurate for buffers of hundreds of millions of elements. x - x is 0 for
   // finite x and NaN for inf/nan, so one extra subtract-and-add per vector tells non-finite values apart from a
-  // sum that merely overflowed (which, as in torch's fp32 norm, gives inf).
+  // sum that merely overflowed (which, as in torch's fp32 norm, gives inf). Most blocks go through
+  // sq_norm_streams; what it leaves (fewer than four whole blocks, a partial block, a tail) through the loop here.
   constexpr int64_t kBlock = 64 * kW;
   double total = 0.0;
   VF bad = set1(0.0f);
-  int64_t i = begin;
+  int64_t i = sq_norm_streams<G>(grad, begin, end, total, bad);
   while (i + kW <= end) {
     const int64_t stop = (end - i > kBlock) ? i + kBlock : end;
     VF acc0 = set1(0.0f), acc1 = set1(0.0f);

@@ -146,6 +146,21 @@ def test_grad_sq_norm(path, n, dtype):
         assert functional.grad_sq_norm(h)[1] is True
 
 
+def test_grad_sq_norm_reads_side_by_side_stretches_whole(path):
+    # Four whole blocks or more are read four stretches at a time, in rounds of up to 256 blocks per stretch; the
+    # blocks left over, a partial block and the tail one at a time. This size gives two full rounds at every
+    # ISA's block (64 vectors), a short round and leftovers: an inf/nan anywhere is found, and the sum is whole.
+    n = 2 * 4 * 256 * 1024 + 5 * 1024 + 77
+    g = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    total, nonfinite = functional.grad_sq_norm(g)
+    assert total == pytest.approx(g.double().square().sum().item(), rel=1e-5) and nonfinite is False
+    for at in torch.linspace(0, n - 1, 61).long().tolist():
+        h = g.clone()
+        h[at] = float("nan") if at % 2 else float("inf")
+        assert functional.grad_sq_norm(h)[1] is True, at
+        assert functional.grad_sq_norm_segments([g[:100], h])[1] is True, at
+
+
 def test_grad_sq_norm_overflow_is_not_nonfinite(path):
     g = torch.full((1000,), 1e30)  # finite values whose squares overflow fp32
     total, nonfinite = functional.grad_sq_norm(g)
