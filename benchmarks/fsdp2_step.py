@@ -3,8 +3,10 @@
 CPU mode (no CUDA, or ``--cpu``): ``--world`` ranks (default 2) spawned here, gloo, each layer of a stack of
 ``--width`` x ``--width`` linear layers its own FSDP unit, with ``CPUOffloadPolicy`` (parameters and gradients of
 every rank on the host: what an FSDP2 user who offloads has, and where an offloading optimizer's step runs). Timed:
-``opt.step()`` alone, the slowest rank's time (the step is synchronous), median over ``--steps`` after
-``--warmup``. Rows, each on a model built from the same seed, fed the same gradients:
+``opt.step()`` alone, from the moment the last rank starts it to the moment the last rank ends it (the step is
+synchronous; ranks leave the barrier before it some ms apart, which is not the step's time: :func:`critical_path`),
+median over ``--steps`` after ``--warmup``; ``rank ms``: the slowest rank's own median, that wait
+included. Rows, each on a model built from the same seed, fed the same gradients:
 
   adamw-default   ``torch.optim.AdamW(params)``: what its default resolves to on these parameters is printed
                   (on CPU DTensors: the single-tensor loop: neither fused nor foreach is taken on CPU);
@@ -65,7 +67,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -204,7 +206,8 @@ def measure(args, rank: int, world: int, device: torch.device, name: str, placem
     x = torch.randn(args.batch, width, device=device, generator=torch.Generator(device).manual_seed(rank))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    steps, opt_times = [], []
+    steps: List[float] = []
+    spans: List[Tuple[float, float]] = []  # each timed step()'s start and end (perf_counter)
     own_clip = name.startswith("ours") and name not in CLIP_ONLY  # ours clips with opt.clip_grad_norm_
     for i in range(args.warmup + args.steps):
         dist.barrier()
@@ -226,8 +229,9 @@ def measure(args, rank: int, world: int, device: torch.device, name: str, placem
         sync()
         if i >= args.warmup:
             steps.append(time.perf_counter() - t0)
-            opt_times.append(t2 - t1)
-    out = dict(status="ok", opt_s=statistics.median(opt_times), step_s=statistics.median(steps), local_numel=local)
+            spans.append((t1, t2))
+    out = dict(status="ok", spans=spans, opt_s=statistics.median(t2 - t1 for t1, t2 in spans),
+               step_s=statistics.median(steps), local_numel=local)
     if name.startswith("adamw") or name.startswith("gpu-adamw") or name.startswith("cpuoffload"):
         out["implementation"] = resolved(opt)
     if cuda:
@@ -274,6 +278,15 @@ def default_rows(rows: Dict[str, Any], args) -> List[str]:
     return [name for name in rows if args.clip or name not in CLIP_ONLY]
 
 
+def critical_path(spans: List[List[Tuple[float, float]]]) -> float:
+    """The median over steps of the time from the last rank's start of a step to the last rank's end of it (each
+    rank's ``spans``: perf_counter, one clock for every process of this machine). A rank that leaves the barrier
+    before the step early would otherwise count its wait for the others in its own time: ranks leave a gloo
+    barrier up to a few ms apart on a 2-core VM, which says nothing of the step (for a row without a collective in
+    its step, never more than the slowest rank's own time of the same step)."""
+    return statistics.median(max(s[1] for s in step) - max(s[0] for s in step) for step in zip(*spans))
+
+
 def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
     rows = args.rows or default_rows(GPU_ROWS if cuda else CPU_ROWS, args)
     merged: Dict[str, Any] = {}
@@ -282,29 +295,32 @@ def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict
         row = dict(per_rank[0])
         row.pop("traceback", None)
         if row["status"] == "ok":  # the slowest rank paces a synchronous step
-            for key in ("opt_s", "step_s", "peak_gib"):
+            for key in ("step_s", "peak_gib"):
                 if key in row:
                     row[key] = max(r[key] for r in per_rank)
+            row["rank_opt_s"] = max(r["opt_s"] for r in per_rank)
+            row["opt_s"] = critical_path([r.pop("spans") for r in per_rank])
+            row.pop("spans", None)
             row["local_numel"] = max(r["local_numel"] for r in per_rank)
         merged[name] = row
     anchor = merged.get(rows[0], {})
     base = anchor.get("opt_s") if anchor.get("status") == "ok" else None
     base_step = anchor.get("step_s") if anchor.get("status") == "ok" else None
     local = max(r["local_numel"] for r in merged.values() if "local_numel" in r)
-    print(f"\nmedians of {args.steps} steps after {args.warmup}; the slowest of {world} ranks; x: ratio to "
-          f"{rows[0]} (> 1 slower)")
-    head = f"  {'row':<18} {'clip+step ms' if args.clip else 'step() ms':>12} {'x':>6} {'GB/s':>6}"
+    print(f"\nmedians of {args.steps} steps after {args.warmup}; from the last of {world} ranks to start to the "
+          f"last to end; x: ratio to {rows[0]} (> 1 slower); rank ms: the slowest rank's own median")
+    head = f"  {'row':<18} {'clip+step ms' if args.clip else 'step() ms':>12} {'x':>6} {'GB/s':>6} {'rank ms':>8}"
     if cuda:
         head += f" {'train step ms':>14} {'x':>6} {'peak GiB':>9}"
     print(head + "  implementation / status")
     for name, row in merged.items():
         if row["status"] != "ok":
-            print(f"  {name:<18} {'-':>12} {'-':>6} {'-':>6}" + (f" {'-':>14} {'-':>6} {'-':>9}" if cuda else "")
+            print(f"  {name:<18} {'-':>12} {'-':>6} {'-':>6} {'-':>8}" + (f" {'-':>14} {'-':>6} {'-':>9}" if cuda else "")
                   + f"  {row['status']}: {row['error']}")
             continue
         rate = BYTES_PER_ELEMENT * row["local_numel"] / row["opt_s"] / 1e9
         line = (f"  {name:<18} {row['opt_s'] * 1e3:12.2f} {row['opt_s'] / base if base else float('nan'):6.2f}"
-                f" {rate:6.1f}")
+                f" {rate:6.1f} {row['rank_opt_s'] * 1e3:8.2f}")
         if cuda:
             line += (f" {row['step_s'] * 1e3:14.2f} {row['step_s'] / base_step if base_step else float('nan'):6.2f}"
                      f" {row['peak_gib']:9.2f}")
