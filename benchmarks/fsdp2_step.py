@@ -315,7 +315,8 @@ def report(args, cuda: bool, world: int, out: Dict[int, Dict[str, Any]]) -> Dict
     print(head + "  implementation / status")
     for name, row in merged.items():
         if row["status"] != "ok":
-            print(f"  {name:<18} {'-':>12} {'-':>6} {'-':>6} {'-':>8}" + (f" {'-':>14} {'-':>6} {'-':>9}" if cuda else "")
+            dashes = f" {'-':>14} {'-':>6} {'-':>9}" if cuda else ""
+            print(f"  {name:<18} {'-':>12} {'-':>6} {'-':>6} {'-':>8}" + dashes
                   + f"  {row['status']}: {row['error']}")
             continue
         rate = BYTES_PER_ELEMENT * row["local_numel"] / row["opt_s"] / 1e9
