@@ -108,6 +108,8 @@ def _jobs(world: int) -> Dict[str, object]:
             jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
         jobs["speculation/standins"] = h.Call(speculation_stats)
         jobs["refuse/disagreeing_lr"] = h.Call(refuse_disagreeing_lr)
+        jobs["refuse/disagreeing_lr_hsdp"] = h.Call(refuse_disagreeing_lr, ("hsdp_replicate",))
+        jobs["refuse/nonfinite_named"] = h.Call(refuse_nonfinite_naming_it)
         jobs["refuse/invalid_lr_on_one_rank"] = h.Call(refuse_invalid_lr_on_one_rank)
         jobs["refuse/clip_on_one_rank"] = h.Call(refuse_clip_on_one_rank)
         for name, dtype in COMPACT.items():
@@ -882,10 +884,11 @@ def refuse_process_group(rank, world):
     return message, sum(_hooks_of(p) for p in model.parameters())
 
 
-def refuse_disagreeing_lr(rank, world):
+def refuse_disagreeing_lr(rank, world, recipe: str = "plain"):
     """An LR set on one rank only (a scheduler stepped there alone): step() raises on every rank, naming it, and
-    nothing is updated; with the same LR again the run goes on."""
-    recipe = h.RECIPES["plain"]
+    nothing is updated; with the same LR again the run goes on. Under HSDP (``"hsdp_replicate"``: world 2 as two
+    replicas of one shard) the ranks differing are replicas of each other: they are checked as well."""
+    recipe = h.RECIPES[recipe]
     loop = h.make_loop(world, recipe, OURS)
     h.train_step(loop, recipe, 0, rank, world)
     if rank == 1:
@@ -904,10 +907,38 @@ def refuse_disagreeing_lr(rank, world):
     return message, unchanged
 
 
-def test_ranks_stepping_with_different_hyperparameters_raise_on_every_rank(world2):
-    for message, unchanged in world2["refuse/disagreeing_lr"].per_rank.values():
+@pytest.mark.parametrize("job", ["refuse/disagreeing_lr", "refuse/disagreeing_lr_hsdp"])
+def test_ranks_stepping_with_different_hyperparameters_raise_on_every_rank(world2, job):
+    for message, unchanged in world2[job].per_rank.values():
         assert message is not None and "lr of param group 0" in message and "on rank 1" in message, message
         assert unchanged
+
+
+def refuse_nonfinite_naming_it(rank, world):
+    """An inf in rank 1's shard of the first block's up-projection, under the default ``nonfinite="raise"``: every
+    rank raises, and names the same parameter with its whole shape and the rank whose shard holds the inf; nothing
+    is updated on any rank."""
+    recipe = h.RECIPES["plain"]
+    model = h.build_model(world, recipe)
+    opt = OffloadOptimizer(model.named_parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    h.loss_on(model, 0, 0, rank, world).backward()
+    if rank == 1:
+        model.blocks[0].up.weight.grad.to_local()[0, 0] = float("inf")
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    return message, unchanged, tuple(model.blocks[0].up.weight.shape)
+
+
+def test_an_inf_in_one_ranks_shard_is_named_alike_on_every_rank(world2):
+    for rank, (message, unchanged, shape) in world2["refuse/nonfinite_named"].per_rank.items():
+        assert message is not None and "non-finite gradient" in message, (rank, message)
+        assert f"'blocks.0.up.weight') of shape {shape} (in rank 1's shard)" in message, (rank, message)
+        assert unchanged, rank
 
 
 def _step_raising(loop, call) -> Tuple[Optional[str], Optional[str], bool]:

@@ -137,7 +137,8 @@ def given(params: Any, options: Any) -> bool:
 class Sharding:
     """What the FSDP2 parameters of one optimizer share: their ``mesh``, the mesh dimension their shards are cut
     along (``shard_dim``; 1 under HSDP, whose dimension 0 replicates), and that dimension's process group, over
-    which a norm of the gradients (a sum over the shards) is reduced."""
+    which a norm of the gradients (a sum over the shards) is reduced; the step's agreement checks cover the
+    replicas too (:meth:`~zero_offload.transport.fsdp2.FSDPTransport._exchange`)."""
 
     mesh: Any
     shard_dim: int
@@ -145,6 +146,11 @@ class Sharding:
     @property
     def group(self):
         return self.mesh.get_group(mesh_dim=self.shard_dim)
+
+    @property
+    def replicas(self):
+        """Under HSDP, the process group of this rank's replicas (mesh dimension 0)."""
+        return self.mesh.get_group(mesh_dim=0)
 
     @property
     def hsdp(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import struct
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from zero_offload.distributed import Comm, _dist
 
@@ -55,11 +55,14 @@ def digest(settings: Sequence[Tuple[str, float]]) -> float:
     return float(int.from_bytes(raw, "little"))
 
 
-def differing(settings: Sequence[Tuple[str, float]], rows: Sequence[Sequence[float]]) -> str:
-    """The ``settings`` whose values differ between the ranks' ``rows`` (each rank's values, in their order), each
-    with every rank's value, at most four named; empty where none does (their digests may still differ: 0.0 and
-    -0.0 are equal values in other bits, and give the same update)."""
-    diffs = [f"{name}: " + ", ".join(f"{row[j]!r} on rank {r}" for r, row in enumerate(rows))
+def differing(settings: Sequence[Tuple[str, float]], rows: Sequence[Sequence[float]],
+              ranks: Optional[Sequence[int]] = None) -> str:
+    """The ``settings`` whose values differ between the ranks' ``rows`` (each rank's values, in their order; the
+    rank of each row in ``ranks``, default its position), each with every rank's value, at most four named; empty
+    where none does (their digests may still differ: 0.0 and -0.0 are equal values in other bits, and give the
+    same update)."""
+    ranks = range(len(rows)) if ranks is None else ranks
+    diffs = [f"{name}: " + ", ".join(f"{row[j]!r} on rank {r}" for r, row in zip(ranks, rows))
              for j, (name, _) in enumerate(settings) if len({row[j] for row in rows}) > 1]
     return f"{'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}"
 

@@ -38,7 +38,7 @@ from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING, Timeline, span
 from zero_offload.transport.edits import EditWatch
 
-__all__ = ["Route", "Transport", "device_sq_norm"]
+__all__ = ["Route", "Transport", "device_sq_norm", "first_nonfinite", "name_param"]
 
 
 class Route:
@@ -320,18 +320,8 @@ class Transport:
     def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
         """Which parameter holds the first inf/nan gradient, for an error message (``names``: each group's
         ``param_names``, or None)."""
-        for gi, group_plan in enumerate(plans):
-            for lane in group_plan:
-                bucket = lane.bucket
-                for i, has in enumerate(lane.present):
-                    if not has:
-                        continue
-                    host = bucket.grads.grad_views[i] if lane.in_place is None else lane.in_place[i]
-                    if host is not None and not bool(torch.isfinite(host).all()):
-                        j = bucket.layout.indices[i]
-                        label = f" ({names[gi][j]!r})" if names[gi] else ""
-                        return f"param group {gi}, parameter {j}{label} of shape {tuple(bucket.params[i].shape)}"
-        return "the gradients"
+        found = first_nonfinite(plans)
+        return "the gradients" if found is None else name_param(*found, names)
 
     # -- parameters, back ------------------------------------------------------------------------------------
     def before_uploads(self, lanes: Iterable[Lane]) -> None:
@@ -423,3 +413,24 @@ def device_sq_norm(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
     if math.isfinite(total):
         return total, False
     return total, not all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def first_nonfinite(plans: Lanes) -> Optional[Tuple[int, int, torch.Tensor]]:
+    """The first gradient of ``plans`` (gathered) holding an inf/nan: its param group, its index there and the
+    parameter as the optimizer was given it (an FSDP2 parameter's DTensor, not its local shard); None if none."""
+    for gi, group_plan in enumerate(plans):
+        for lane in group_plan:
+            bucket = lane.bucket
+            for i, has in enumerate(lane.present):
+                if not has:
+                    continue
+                host = bucket.grads.grad_views[i] if lane.in_place is None else lane.in_place[i]
+                if host is not None and not bool(torch.isfinite(host).all()):
+                    return gi, bucket.layout.indices[i], bucket.owners[i]
+    return None
+
+
+def name_param(group: int, index: int, param: torch.Tensor, names: Sequence[Optional[Sequence[str]]]) -> str:
+    """A parameter as an error message names it (``names``: each group's ``param_names``, or None)."""
+    label = f" ({names[group][index]!r})" if names[group] else ""
+    return f"param group {group}, parameter {index}{label} of shape {tuple(param.shape)}"

@@ -5,8 +5,10 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are exchanged over the mesh dimension the shards are cut along (one small all-gather per step, which
-  also carries every rank's hyperparameters: ranks that differ raise on every rank): every rank decides alike;
+  decides on are exchanged over the mesh (one small all-gather per step over the dimension the shards are cut
+  along, and under HSDP one more over the replicas; it also carries every rank's hyperparameters: ranks that
+  differ raise on every rank, replicas included): every rank decides alike; the norm is the sum over one
+  replica's shards (FSDP has already reduced the gradients over the replicas);
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
@@ -40,7 +42,7 @@ from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import differing, digest, meeting_on_failure
-from zero_offload.transport.base import Route, Transport
+from zero_offload.transport.base import Route, Transport, first_nonfinite, name_param
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
 
@@ -124,7 +126,7 @@ class FSDPTransport(Transport):
             bad = super().gather(plans, check=check)
             sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
         rows = self._meet(phase, settings, sq, local_bad)
-        self._sq = sum(row[0] for row in rows)
+        self._sq = sum(row[0] for row in self._replica(rows))
         self._bad = any(row[1] > 0 for row in rows) or not math.isfinite(self._sq)
         return check and self._bad
 
@@ -152,16 +154,17 @@ class FSDPTransport(Transport):
         phases = [row[2] for row in rows]
         if failed or (not down and len(set(phases)) == 1 and len({row[4] for row in rows}) == 1):
             return rows  # (every step: nothing more to look up)
-        where = f"zero_offload: rank {torch.distributed.get_rank(self.sharding.group)} of {len(rows)} (FSDP2 mesh)"
+        where = f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
         if down:
             raise RuntimeError(
-                f"{where}: " + "; ".join(f"rank {r} raised {_WHERE.get(rows[r][2], rows[r][2])}" for r in down)
+                f"{where}: " + "; ".join(f"rank {_rank(rows[r])} raised {_WHERE.get(rows[r][2], rows[r][2])}"
+                                         for r in down)
                 + " before the ranks compared their gradient statistics (its own error says why: an invalid "
                 "hyperparameter there?). Nothing was updated on any rank; the ranks are still in step.")
         if len(set(phases)) > 1:
             raise RuntimeError(
                 f"{where}: the ranks are at different points: "
-                + "; ".join(f"rank {r} {_WHERE.get(p, p)}" for r, p in enumerate(phases))
+                + "; ".join(f"rank {_rank(row)} {_WHERE.get(row[2], row[2])}" for row in rows)
                 + ". Every rank must call clip_grad_norm_() (or not) and step() together. Nothing was updated.")
         if len({row[4] for row in rows}) > 1:
             self._name_settings(settings, where)
@@ -173,7 +176,8 @@ class FSDPTransport(Transport):
         if len(set(lengths)) > 1:
             raise RuntimeError(f"{where}: the ranks step with different numbers of settings ({lengths}, by rank): "
                                "a param group added on some ranks only? Nothing was updated.")
-        listed = differing(settings, self._exchange([float(v) for _, v in settings]))
+        rows = self._exchange([float(v) for _, v in settings])
+        listed = differing(settings, rows, [_rank(row) for row in rows])
         if not listed:
             return
         raise RuntimeError(
@@ -182,17 +186,45 @@ class FSDPTransport(Transport):
             "stepped on one rank only?). Nothing was updated.")
 
     def _exchange(self, values: List[float]) -> List[List[float]]:
-        """Every rank's ``values`` (non-empty, of one length on every rank), in rank order, over the mesh dimension
-        the shards are cut along: one all-gather (on the mesh's device: NCCL moves device tensors only). Gloo runs a
-        small all-gather faster than an all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2 ranks of a
-        2-core VM), and the step waits for it."""
+        """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
+        the whole mesh: one all-gather over the dimension the shards are cut along (on the mesh's device: NCCL
+        moves device tensors only) and under HSDP one more, of those rows, over the replicas: replica by replica,
+        each replica's rows in shard order (:meth:`_replica`). Gloo runs a small all-gather faster than an
+        all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2 ranks of a 2-core VM), and the step waits
+        for it."""
         dist = torch.distributed
-        group = self.sharding.group
         self._exchanges += 1
-        mine = torch.tensor(values, dtype=torch.float64, device=self.sharding.mesh.device_type)
-        every = mine.new_empty(dist.get_world_size(group) * mine.numel())
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)
-        return every.view(-1, len(values)).tolist()
+        mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64,
+                            device=self.sharding.mesh.device_type)
+        groups = [self.sharding.group] + ([self.sharding.replicas] if self.sharding.hsdp else [])
+        for group in groups:
+            every = mine.new_empty(dist.get_world_size(group) * mine.numel())
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)
+            mine = every
+        return mine.view(-1, len(values) + 1).tolist()
+
+    def _replica(self, rows: List[List[float]]) -> List[List[float]]:
+        """The rows of this rank's replica (all of them without HSDP)."""
+        if not self.sharding.hsdp:
+            return rows
+        n = torch.distributed.get_world_size(self.sharding.group)
+        at = torch.distributed.get_rank(self.sharding.replicas) * n
+        return rows[at : at + n]
+
+    def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+        """As the transport's, but every rank names the same parameter (a collective: every rank refuses the step
+        alike): of the first inf/nan gradient each rank's shards hold, the first by param group and index, with
+        its whole shape and the rank whose shard holds it."""
+        found = first_nonfinite(plans)
+        rows = self._exchange([-1.0, -1.0] if found is None else [float(found[0]), float(found[1])])
+        held = sorted((int(row[0]), int(row[1]), _rank(row)) for row in rows if row[0] >= 0)
+        if not held:
+            return "the gradients"
+        group, index, rank = held[0]
+        param = next((lane.bucket.owners[i] for lane in plans[group]
+                      for i, j in enumerate(lane.bucket.layout.indices) if j == index), None)
+        named = f"param group {group}, parameter {index}" if param is None else name_param(group, index, param, names)
+        return f"{named} (in rank {rank}'s shard)"
 
     def _all_reduce(self, values: List[float], op) -> List[float]:
         """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device)."""
@@ -219,3 +251,8 @@ class FSDPTransport(Transport):
             local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
             value = self._all_reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
         return value, self._bad or not math.isfinite(value)
+
+
+def _rank(row: Sequence[float]) -> int:
+    """The global rank an exchanged row came from (see :meth:`FSDPTransport._exchange`)."""
+    return int(row[-1])
