@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import math
 import os
+import re
 import socket
 import tempfile
 import time
@@ -837,6 +838,34 @@ def _hyper_worker(rank, world, clip):
         opt.zero_grad()
     _step(model, opt, 50, rank, world, clip=clip)  # the ranks go on together
     return errors, unchanged, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _nonfinite_named_worker(rank, world):
+    """An inf in one element of ``big``'s gradient on rank 1 only, under the default ``nonfinite="raise"``: the
+    reduce-scatter carries it into one rank's shard; every rank raises, naming the same parameter and that rank."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OffloadOptimizer(model.named_parameters(), lr=1e-2, bucket_numel=BUCKET_NUMEL,
+                           process_group=dist.group.WORLD, timeout=20)
+    opt.zero_grad()
+    loss_on(model, 0, 0, rows_of(rank, world)).backward()
+    if rank == 1:
+        model.big.grad[4000] = float("inf")
+    before = _snapshot(model, opt)
+    try:
+        opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    return message, _unchanged(model, opt, before)
+
+
+def test_an_inf_reduced_into_one_ranks_shard_is_named_alike_on_every_rank():
+    out = launch(_nonfinite_named_worker, 2, timeout=120)
+    messages = {rank: message for rank, (message, _) in out.items()}
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert re.search(r"parameter \d+ \('big'\) of shape \(4097,\) \(in rank [01]'s shard\)", messages[0]), messages
+    assert all(unchanged for _, unchanged in out.values())
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["step", "clipped"])

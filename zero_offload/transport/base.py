@@ -38,7 +38,7 @@ from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING, Timeline, span
 from zero_offload.transport.edits import EditWatch
 
-__all__ = ["Route", "Transport", "device_sq_norm", "first_nonfinite", "name_param"]
+__all__ = ["Route", "Transport", "device_sq_norm", "first_nonfinite", "name_held", "name_param"]
 
 
 class Route:
@@ -434,3 +434,16 @@ def name_param(group: int, index: int, param: torch.Tensor, names: Sequence[Opti
     """A parameter as an error message names it (``names``: each group's ``param_names``, or None)."""
     label = f" ({names[group][index]!r})" if names[group] else ""
     return f"param group {group}, parameter {index}{label} of shape {tuple(param.shape)}"
+
+
+def name_held(held: Sequence[Tuple[int, int, int]], plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+    """For a step refused on every rank of a group: of the inf/nan gradients ``held`` (each rank's first, as
+    ``(param group, index, rank)``), the first by param group and index, named alike on every rank with the rank
+    whose shard holds it."""
+    if not held:
+        return "the gradients"
+    group, index, rank = min(held)
+    param = next((lane.bucket.owners[i] for lane in plans[group]
+                  for i, j in enumerate(lane.bucket.layout.indices) if j == index), None)
+    named = f"param group {group}, parameter {index}" if param is None else name_param(group, index, param, names)
+    return f"{named} (in rank {rank}'s shard)"

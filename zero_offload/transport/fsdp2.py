@@ -42,7 +42,7 @@ from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import differing, digest, meeting_on_failure
-from zero_offload.transport.base import Route, Transport, first_nonfinite, name_param
+from zero_offload.transport.base import Route, Transport, first_nonfinite, name_held
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
 
@@ -212,19 +212,12 @@ class FSDPTransport(Transport):
         return rows[at : at + n]
 
     def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
-        """As the transport's, but every rank names the same parameter (a collective: every rank refuses the step
-        alike): of the first inf/nan gradient each rank's shards hold, the first by param group and index, with
-        its whole shape and the rank whose shard holds it."""
+        """As the transport's, but every rank names the same parameter, with its whole shape and the rank whose shard
+        holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses the
+        step alike)."""
         found = first_nonfinite(plans)
         rows = self._exchange([-1.0, -1.0] if found is None else [float(found[0]), float(found[1])])
-        held = sorted((int(row[0]), int(row[1]), _rank(row)) for row in rows if row[0] >= 0)
-        if not held:
-            return "the gradients"
-        group, index, rank = held[0]
-        param = next((lane.bucket.owners[i] for lane in plans[group]
-                      for i, j in enumerate(lane.bucket.layout.indices) if j == index), None)
-        named = f"param group {group}, parameter {index}" if param is None else name_param(group, index, param, names)
-        return f"{named} (in rank {rank}'s shard)"
+        return name_held([(int(row[0]), int(row[1]), _rank(row)) for row in rows if row[0] >= 0], plans, names)
 
     def _all_reduce(self, values: List[float], op) -> List[float]:
         """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device)."""

@@ -40,7 +40,7 @@ from zero_offload.lane import Lane, Lanes
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
-from zero_offload.transport.base import Route, Transport, device_sq_norm
+from zero_offload.transport.base import Route, Transport, device_sq_norm, first_nonfinite, name_held
 
 __all__ = ["GradStats", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
 
@@ -333,6 +333,17 @@ class ShardedTransport(Transport):
             sqs[i], bads[i] = redone[0][j], redone[1][j]
         return self.comm.all_reduce_host([sum(sqs), sum(bads)], _dist().ReduceOp.SUM,
                                          "the gradient norm and non-finite check, after reducing again")
+
+    def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+        """As the transport's, but every rank names the same parameter and the rank whose shard of its reduced
+        gradient holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses
+        the step alike)."""
+        found = first_nonfinite(plans)
+        every = torch.empty(2 * self.comm.world, dtype=torch.float64)
+        mine = torch.tensor([-1.0, -1.0] if found is None else [float(found[0]), float(found[1])], dtype=torch.float64)
+        self.comm.all_gather_host(every, mine, "the name of an inf/nan gradient")
+        rows = every.view(-1, 2).tolist()
+        return name_held([(int(g), int(j), r) for r, (g, j) in enumerate(rows) if g >= 0], plans, names)
 
     def _shard_stats(self, lanes: Sequence[Lane]) -> Tuple[List[float], List[float]]:
         """Wait for each bucket's shard; its sum of squares (of the averaged gradient) and non-finite flag."""
