@@ -126,10 +126,12 @@ def given(params: Any, options: Any) -> bool:
     refused = [name for name, on in (("process_group", options.sharded), ("gpu_fraction", options.gpu_tier),
                                      ("delayed_update", bool(options.delayed_update)),
                                      ("overlap_step", options.overlap_step)) if on]
+    if refused and refused[0] == "process_group":
+        raise ValueError("OffloadOptimizer over FSDP2's sharded parameters does not take process_group: FSDP does "
+                         "the collectives and each rank keeps the state of its own shards (leave it out)")
     if refused:
-        raise ValueError(f"OffloadOptimizer over FSDP2's sharded parameters does not take {refused[0]}: FSDP does "
-                         "the collectives and each rank keeps the state of its own shards (no process_group is "
-                         "needed); gpu_fraction, delayed_update and overlap_step are not combined with it yet")
+        raise ValueError(f"OffloadOptimizer over FSDP2's sharded parameters does not take {refused[0]} yet: "
+                         "gpu_fraction, delayed_update and overlap_step are not combined with FSDP2 (leave it out)")
     return True
 
 
