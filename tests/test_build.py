@@ -133,6 +133,16 @@ def test_setup_loads_the_build_config_for_the_ahead_of_time_build(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == __import__("zero_offload").__version__
 
 
+def test_every_package_is_declared_for_the_wheel():
+    """pyproject.toml lists the packages a wheel (or ``pip install .``) carries: an editable install finds a
+    subpackage missing from that list anyway, a wheel leaves it out and ``import zero_offload`` fails there."""
+    tomllib = pytest.importorskip("tomllib")
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "zero_offload").rglob("__init__.py")}
+    assert found == declared, (f"in the tree, not declared: {sorted(found - declared)}; "
+                               f"declared, not in the tree: {sorted(declared - found)}")
+
+
 # ------------------------------------------------------------------------------------------- the JIT cache --
 # Most cache tests replace the compile step with a tiny stand-in (a .py "extension" written after an optional
 # sleep), so they exercise the real key, lock, rename and manifest logic in seconds; the module-scoped fixture
