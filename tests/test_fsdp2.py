@@ -928,13 +928,7 @@ def refuse_nonfinite_naming_it(rank, world):
     h.loss_on(model, 0, 0, rank, world).backward()
     if rank == 1:
         model.blocks[0].up.weight.grad.to_local()[0, 0] = float("inf")
-    before = [p.to_local().clone() for p in model.parameters()]
-    try:
-        opt.step()
-        message = None
-    except RuntimeError as exc:
-        message = str(exc)
-    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    _, message, unchanged = _step_raising(h.Loop(model, opt), opt.step)
     return message, unchanged, tuple(model.blocks[0].up.weight.shape)
 
 
