@@ -162,7 +162,10 @@ _FAKE = """
     from pathlib import Path
     from zero_offload import _build
     def _fake(build):
-        time.sleep(float(os.environ.get("FAKE_BUILD_SECONDS", "0")))
+        release = os.environ.get("FAKE_BUILD_UNTIL")  # a file the test creates when the build may end
+        deadline = time.monotonic() + 120
+        while release and not Path(release).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         (Path(build) / "fake_kernel.py").write_text("def available_isas():\\n    return ['scalar']\\n")
         return "fake_kernel.py"
     _build._compile = _fake
@@ -174,11 +177,11 @@ _FAKE = """
 """
 
 
-def _start(code, env_extra, new_session=False):
+def _start(code, env_extra, new_session=False, stderr=subprocess.PIPE):
     env = dict(os.environ, PYTHONPATH=str(REPO), **env_extra)
     env.pop("ZERO_OFFLOAD_SIMD", None)
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
+                            stderr=stderr, text=True, start_new_session=new_session)
 
 
 def _wait_for(predicate, timeout, what):
@@ -350,17 +353,27 @@ def test_a_lock_held_too_long_ends_in_the_fallback_naming_it(tmp_path):
 
 
 def test_a_waiter_loads_what_another_process_built(tmp_path):
-    """Two processes asking at once: one builds, the other waits for it and loads its build (one build)."""
+    """Two processes asking at once: one builds, the other waits for it and loads its build (one build). The
+    build ends only once the waiter has said it waits, so a slow start of the waiter cannot find it finished."""
     root = tmp_path / "cache"
-    env = {"ZERO_OFFLOAD_CACHE_DIR": str(root), "FAKE_BUILD_SECONDS": "6"}
+    release, w_err_file = tmp_path / "release", tmp_path / "waiter.err"
+    env = {"ZERO_OFFLOAD_CACHE_DIR": str(root), "FAKE_BUILD_UNTIL": str(release)}
     builder = _start(_FAKE, env)
     try:
         _wait_for(lambda: list(root.glob(".build-*")), 120, "the first process to start building")
-        waiter = _start(_FAKE, env)
-        w_out, w_err = waiter.communicate(timeout=120)
+        with open(w_err_file, "w") as w_err_sink:
+            waiter = _start(_FAKE, env, stderr=w_err_sink)
+            try:
+                _wait_for(lambda: "another process is building" in w_err_file.read_text(), 120,
+                          "the second process to say it waits")
+                release.touch()
+                w_out, _ = waiter.communicate(timeout=120)
+            finally:
+                waiter.kill()
         b_out, b_err = builder.communicate(timeout=120)
     finally:
         builder.kill()
+    w_err = w_err_file.read_text()
     assert "STATE jit-built" in b_out, b_out + b_err
     assert "STATE jit-cached" in w_out, w_out + w_err
     assert "another process is building the CPU-Adam kernel" in w_err
