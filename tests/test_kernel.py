@@ -161,6 +161,42 @@ def test_grad_sq_norm_reads_side_by_side_stretches_whole(path):
         assert functional.grad_sq_norm_segments([g[:100], h])[1] is True, at
 
 
+def test_queued_updates_run_in_order_at_exit_even_when_the_body_raises(path):
+    # Two updates of one buffer queued, then one of a second: nothing is written until the outermost context exits;
+    # then the result is that of the same calls made at once, in order (two steps of AdamW on the first buffer).
+    # A body that raises still runs what it queued before the error goes on.
+    n = 4097
+    gen = torch.Generator().manual_seed(5)
+    inits, grads = [torch.randn(n, generator=gen) for _ in range(2)], [torch.randn(n, generator=gen) for _ in range(3)]
+
+    def calls(bufs):
+        for step, (b, g) in enumerate([(0, grads[0]), (0, grads[1]), (1, grads[2])]):
+            param, m, v = bufs[b]
+            functional.cpu_adam_segments_(param, [g[:7], g[7:]], [0, 7], m, v, step=1 + step - 2 * b, lr=1e-2,
+                                          weight_decay=0.1)
+
+    def fresh():
+        return [(t.clone(), torch.zeros(n), torch.zeros(n)) for t in inits]
+
+    at_once = fresh()
+    calls(at_once)
+    queued = fresh()
+    with functional.queued_updates():
+        with functional.queued_updates():  # nested: the outer one runs the queue
+            calls(queued)
+        native = path not in ("torch", "torch-fused")  # (the torch paths run at once)
+        assert torch.equal(queued[0][0], inits[0]) is native and torch.equal(queued[1][0], inits[1]) is native
+    for (p, m, v), (rp, rm, rv) in zip(queued, at_once):
+        assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
+    raised = fresh()
+    with pytest.raises(KeyError, match="after the calls"):
+        with functional.queued_updates():
+            calls(raised)
+            raise KeyError("after the calls")
+    for (p, m, v), (rp, rm, rv) in zip(raised, at_once):
+        assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
+
+
 def test_grad_sq_norm_overflow_is_not_nonfinite(path):
     g = torch.full((1000,), 1e30)  # finite values whose squares overflow fp32
     total, nonfinite = functional.grad_sq_norm(g)

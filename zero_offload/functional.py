@@ -46,9 +46,11 @@ and an impossible choice is an error, never a silent substitute; unset (or ``aut
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -58,7 +60,7 @@ from zero_offload._checks import (GRAD_DTYPES, buffers_of, check_buffer, check_g
 from zero_offload.quantize import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
 
 __all__ = ["cpu_adam_", "cpu_adam_segments_", "check_hparams", "grad_sq_norm", "grad_sq_norm_segments",
-           "resolve_path", "path_reason", "PATHS", "OUT_KEYS",
+           "queued_updates", "resolve_path", "path_reason", "PATHS", "OUT_KEYS",
            "Q8_BLOCK", "q8_scale_numel", "quantize_state_", "dequantize_state"]
 
 PATHS = ("avx512", "avx2", "neon", "scalar", "torch-fused", "torch")
@@ -238,10 +240,50 @@ def _adam_dispatch(path: str, native, tensors: tuple, q8_kw: dict, step: int, lr
             grad_scale=scale, param_out=param_out, **q8_kw,
         )  # fmt: skip
     else:
-        native.adam_step(
-            path, param, grad, exp_avg, exp_avg_sq, vmax, param_out, step, lr, beta1, beta2, eps, wd, decoupled,
-            maximize, scale, **q8_kw, out=out,
+        _native_call(
+            native.adam_step, path, param, grad, exp_avg, exp_avg_sq, vmax, param_out, step, lr, beta1, beta2, eps,
+            wd, decoupled, maximize, scale, **q8_kw, out=out,
         )  # fmt: skip
+
+
+class _Queue(threading.local):
+    calls: Optional[List[Tuple[Callable[..., Any], tuple, dict]]] = None
+
+
+_QUEUE = _Queue()
+
+
+@contextlib.contextmanager
+def queued_updates() -> Iterator[None]:
+    """Within this context (in this thread), the native kernel's updates are queued, then run back to back, in
+    order, when it exits: also when its body raises, before the error goes on, so that what the body recorded of
+    them (step counts) stays true. Each update streams tens of MB past the caches, and the Python and torch work
+    between two of them then runs cold: a small torch op takes 50-150 us after a pass against 5 us warm (measured
+    on a 2-core EPYC VM), about 0.5 ms of a step per bucket. Queued, that work all runs before the first pass.
+
+    Only for a caller whose code between the calls neither reads nor writes what they update (the step on buckets
+    whose parameters are the kernel's output: :attr:`~zero_offload.transport.base.Route.upload_reads` False).
+    The torch paths run at once. Nested, the outermost runs the queue."""
+    if _QUEUE.calls is not None:
+        yield
+        return
+    calls: List[Tuple[Callable[..., Any], tuple, dict]] = []
+    _QUEUE.calls = calls
+    try:
+        yield
+    finally:
+        _QUEUE.calls = None
+        for fn, args, kw in calls:
+            fn(*args, **kw)
+
+
+def _native_call(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+    """``fn(*args, **kw)`` now, or queued by :func:`queued_updates`."""
+    calls = _QUEUE.calls
+    if calls is None:
+        fn(*args, **kw)
+    else:
+        calls.append((fn, args, kw))
 
 
 def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
@@ -340,7 +382,8 @@ def _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper, ou
                        "grad_scale"), hyper))
         _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, out)
     else:
-        native.adam_step_segments(path, param, list(grads), offsets, *state, param_out, *hyper, **q8_kw, out=out)
+        _native_call(native.adam_step_segments, path, param, list(grads), offsets, *state, param_out, *hyper,
+                     **q8_kw, out=out)
 
 
 def _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, out=None) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload import gate
+from zero_offload import functional, gate
 from zero_offload.apply import copies_of, run_rule, touched
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import Ahead, expose
@@ -167,9 +167,13 @@ class Immediate:
         back."""
         self.ensure(hypers, plans, state)
         lanes = [lane for group in plans for lane in group]
-        for hyper, lane in device_tier_first(hypers, plans):
-            if not self.updated(lane):
-                update_bucket(self.transport, lane, lane.present, lane.in_place, hyper, decision.multiplier, state)
+        # (Traced steps keep each kernel inside its own span.)
+        queue = self.transport.timeline is None and not any(lane.route.upload_reads for lane in lanes)
+        with functional.queued_updates() if queue else NOTHING:
+            for hyper, lane in device_tier_first(hypers, plans):
+                if not self.updated(lane):
+                    update_bucket(self.transport, lane, lane.present, lane.in_place, hyper, decision.multiplier,
+                                  state)
         self.transport.finish_params(lanes)  # sharded: the all-gathers, each overlapped with the next update
 
     def flush(self, state: State) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import functional
+from zero_offload._checks import CheckedGrads
 from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.grads import check_grads
@@ -49,10 +50,14 @@ class Route:
         resident (bool): the state lives with the parameters (no copies between them).
         speculates (bool): its updates may run speculatively during backward (its gradients reach the host in
             backward and its parameters are updated only by uploads that wait for a commit).
+        upload_reads (bool): :meth:`upload` reads what the update wrote (a copy from the master); False where the
+            kernel wrote the parameters' storage itself, so a step may queue its kernels
+            (:func:`~zero_offload.functional.queued_updates`).
     """
 
     resident = False
     speculates = False
+    upload_reads = True
 
     def __init__(self, transport: "Transport"):
         self.transport = transport
@@ -236,7 +241,10 @@ class Transport:
     def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """Make every bucket's gradients readable where the kernel reads them; with ``check``, return whether any
-        is inf/nan. A CPU bucket is checked right after its own gather, when what it copied is still in cache.
+        is inf/nan. A CPU bucket is checked right after its own gather, when what it copied is still in cache; the
+        gradients read where they are (FSDP2's host shards, ``stream_grads=False``) are checked in one native call
+        after every gather (a call per bucket costs each its cold Python in between: see
+        :func:`~zero_offload.functional.queued_updates`).
         ``clipping``: called by ``clip_grad_norm_`` and ``settings`` (name, value) pairs of the step: what the
         sharded transport checks every rank agrees on."""
         lanes = list(chain.from_iterable(plans))
@@ -244,11 +252,17 @@ class Transport:
             if not lane.route.resident:
                 lane.route.gather(lane)
         bad = False
+        read_in_place: List[torch.Tensor] = []
         for lane in lanes:
             if lane.route.resident:
                 lane.route.gather(lane)
                 if check and not bad and not lane.bucket.device_tier:
-                    bad = lane.host_sq_norm()[1]
+                    if lane.in_place is None:
+                        bad = lane.host_sq_norm()[1]
+                    else:
+                        read_in_place.extend(lane.host_grads())
+        if check and not bad and read_in_place:
+            bad = _sq_norm_by_dtype(read_in_place)[1]
         if check and not bad:
             bad = _device_tier_norm(lanes)[1]
         if check and not bad:
@@ -399,6 +413,19 @@ def _device_tier_norm(lanes: Sequence[Lane]) -> Tuple[float, bool]:
                                                                   or lane.bucket.grads.allocated)
              for t in lane.host_grads()]
     return device_sq_norm(grads) if grads else (0.0, False)
+
+
+def _sq_norm_by_dtype(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
+    """:func:`~zero_offload.functional.grad_sq_norm_segments` over checked host gradients (lanes'
+    :meth:`~zero_offload.lane.Lane.host_grads`) of any dtypes: one call for each."""
+    by_dtype: Dict[torch.dtype, CheckedGrads] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, CheckedGrads()).append(g)
+    sq, bad = 0.0, False
+    for same in by_dtype.values():
+        s, b = functional.grad_sq_norm_segments(same)
+        sq, bad = sq + s, bad or b
+    return sq, bad
 
 
 def device_sq_norm(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:

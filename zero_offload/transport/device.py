@@ -29,6 +29,8 @@ __all__ = ["DeviceTierRoute", "OffloadRoute", "Staged", "device_room"]
 class DeviceTierRoute(HostRoute):
     """A GPU bucket whose state stays on the GPU: read in place and updated there by torch's fused AdamW."""
 
+    upload_reads = True  # (its update runs on the GPU, not by a queued native call)
+
 
 class OffloadRoute(Route):
     """A GPU bucket whose state lives on the host (see the module docstring)."""

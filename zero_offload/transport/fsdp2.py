@@ -57,6 +57,8 @@ class FSDPHostRoute(HostRoute):
     """Local shards on the host whose storage is FSDP's: gradients read in place; the update (a separate master)
     copied into the shard."""
 
+    upload_reads = True
+
     def bind(self, lane: Lane) -> None:
         """Nothing is bound: the masters are taken from the shards at their first update."""
 

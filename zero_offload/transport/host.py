@@ -24,6 +24,7 @@ class HostRoute(Route):
     """Parameters on the host, the state beside them (see the module docstring)."""
 
     resident = True
+    upload_reads = False  # (the kernel writes the parameters' storage: upload bumps versions only)
 
     def bind(self, lane: Lane) -> None:
         """Make CPU parameters views of their slots (see :meth:`~zero_offload.state.params.Masters.bind`)."""
