@@ -258,7 +258,7 @@ def queued_updates() -> Iterator[None]:
     """Within this context (in this thread), the native kernel's updates are queued, then run back to back, in
     order, when it exits: also when its body raises, before the error goes on, so that what the body recorded of
     them (step counts) stays true. Each update streams tens of MB past the caches, and the Python and torch work
-    between two of them then runs cold: a small torch op takes 50-150 us after a pass against 5 us warm (measured
+    between two of them then runs cold: a small torch op takes 90-170 us after a pass against 5 us warm (measured
     on a 2-core EPYC VM), about 0.5 ms of a step per bucket. Queued, that work all runs before the first pass.
 
     Only for a caller whose code between the calls neither reads nor writes what they update (the step on buckets

@@ -242,7 +242,7 @@ class Transport:
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """Make every bucket's gradients readable where the kernel reads them; with ``check``, return whether any
         is inf/nan. A CPU bucket is checked right after its own gather, when what it copied is still in cache; the
-        gradients read where they are (FSDP2's host shards, ``stream_grads=False``) are checked in one native call
+        gradients read where they are (FSDP2's host shards, a CPU model's unstreamed ``.grad``) are checked in one call
         after every gather (a call per bucket costs each its cold Python in between: see
         :func:`~zero_offload.functional.queued_updates`).
         ``clipping``: called by ``clip_grad_norm_`` and ``settings`` (name, value) pairs of the step: what the
