@@ -261,7 +261,7 @@ class Transport:
                         bad = lane.host_sq_norm()[1]
                     else:
                         read_in_place.extend(lane.host_grads())
-        if check and not bad and read_in_place:
+        if check and not bad:
             bad = _sq_norm_by_dtype(read_in_place)[1]
         if check and not bad:
             bad = _device_tier_norm(lanes)[1]
@@ -314,15 +314,20 @@ class Transport:
             self.streamed_norms([lane for lane in lanes if not lane.route.resident])
             self.wait_all(plans)
             sq, nonfinite = _device_tier_norm(lanes)  # (one synchronisation for the device tier too)
+            read_in_place: List[torch.Tensor] = []  # (one call for them all, as in gather)
             for lane in lanes:
                 if lane.bucket.device_tier:
                     continue
                 if lane.sq is not None and not lane.route.resident:
                     s, bad = lane.sq, not math.isfinite(lane.sq)
+                elif lane.in_place is not None:
+                    read_in_place.extend(lane.host_grads())
+                    continue
                 else:
                     s, bad = lane.host_sq_norm()
                 sq, nonfinite = sq + s, nonfinite or bad
-            return math.sqrt(sq), nonfinite
+            s, bad = _sq_norm_by_dtype(read_in_place)
+            return math.sqrt(sq + s), nonfinite or bad
         self.wait_all(plans)
         # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
         host = [t for lane in lanes for t in lane.host_grads() if t.numel()]
@@ -416,8 +421,8 @@ def _device_tier_norm(lanes: Sequence[Lane]) -> Tuple[float, bool]:
 
 
 def _sq_norm_by_dtype(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
-    """:func:`~zero_offload.functional.grad_sq_norm_segments` over checked host gradients (lanes'
-    :meth:`~zero_offload.lane.Lane.host_grads`) of any dtypes: one call for each."""
+    """:meth:`~zero_offload.lane.Lane.host_sq_norm` of the gradients several lanes read in place (their
+    :meth:`~zero_offload.lane.Lane.host_grads`, checked), of any dtypes: one native call for each dtype."""
     by_dtype: Dict[torch.dtype, CheckedGrads] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, CheckedGrads()).append(g)
