@@ -47,15 +47,17 @@ GIB = 1 << 30
 # A lease, in seconds: at most 10 minutes a command; the plan keeps command 1 under 8 minutes and command 2 under
 # 4, so that both fit 15 minutes of device time with the machine's start.
 COMMAND_LIMIT_S = {"1": 8 * 60, "2": 4 * 60}
-# The step matrix on the GPU: the anchor, ours in each exact mode and delayed, and the other offloaders (reported
-# as not installed when their package is missing). DeepSpeed's row is command 2's (its CPU Adam compiles first).
-MATRIX = ("adamw", "ours", "ours-spec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao")
+# The step matrix on the GPU: the anchor, ours, the other offloader (reported as not installed when its package is
+# missing), then ours' other modes, speculation (off by default) last: a stage cut short by its limit loses the
+# last rows (the H200 lease of 2026-11-27 lost torchao's, then last). DeepSpeed's row is command 2's (its CPU Adam
+# compiles first).
+MATRIX = ("adamw", "ours", "torchao", "ours-gpuauto", "ours-bf16state", "ours-delayed", "ours-spec")
 TINY_MATRIX = ("adamw-ref", "ours")
 # With clipping, the rows whose work clipping changes: the anchor, ours with and without speculation (which a clip
 # coefficient can invalidate) and torchao (its gradients then stay on the GPU).
 CLIP_MATRIX = ("adamw", "ours", "ours-spec", "torchao")
 # Timed steps per row, after the warm-up: 7 rows, then 4 with clipping, fit command 1 at ~18 s a row (the first
-# lease: 130 s for 7 rows).
+# lease: 130 s for 7 rows; the H200 lease: 123 s for the first 6, each 12-28 s).
 STEPS, WARMUP = 5, 2
 
 
@@ -100,22 +102,22 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
               [py, str(Path(__file__).resolve()), "--probe-pinned"], 35),
         Stage("steps", f"whole training step, {model}, no clipping (with ours' timeline: where each row's step "
                        "waits, what its worker and uploads did)",
-              _step_argv(tiny, keys, []), 135, needs_gpu=not tiny, timeline=True),
+              _step_argv(tiny, keys, []), 160, needs_gpu=not tiny, timeline=True),
         Stage("steps-clip", "the same with clip_grad_norm 1.0, the rows clipping changes",
               _step_argv(tiny, clip_keys, ["--clip", "1.0"]), 85, needs_gpu=not tiny),
         # Last in command 1: bounded by its limit, the headline rows come first.
         Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
-              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 90),
+              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 80),
         Stage("fsdp2", "FSDP2 (fully_shard) on every GPU: fused AdamW on the GPU, CPUOffloadPolicy with torch's "
                        "AdamW and with ours, ours with the shards on the GPU",
-              [py, FSDP2_STEP, "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5", "--warmup", "2"], 40,
+              [py, FSDP2_STEP, "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5", "--warmup", "2"], 30,
               command="2"),
         Stage("steps-deepspeed", "DeepSpeed ZeRO-2 offload's step row (its CPU Adam compiled first), 1.3B GPT",
               [py, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", str(STEPS),
                "--warmup", str(WARMUP), "--only", "adamw,deepspeed"], 115, command="2"),
         Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing",
               [py, TRAIN_STEP, "--find-max", "--checkpoint", "--gpu-cap-gib", "12",
-               "--only", "adamw,ours-release,torchao"], 80, command="2"),
+               "--only", "adamw,ours-release,torchao"], 90, command="2"),
     ]
 
 
@@ -188,6 +190,37 @@ def probe_pinned() -> Dict[str, Any]:
     res.update(probe_room())
     res.update(probe_huge_pinned())
     return res
+
+
+def probe_room() -> Dict[str, Any]:
+    """How long the device-room check of a speculative or delayed upload takes (``device_room``: the driver's free
+    memory and the caching allocator's counts, once per bucket and step, from the worker or backward's hooks),
+    with the GPU idle and while it runs a long kernel: a driver call that waits for the GPU would stall the
+    worker (speculation measured twice its modelled step on the third lease, unexplained)."""
+    import torch
+
+    from zero_offload.transport.device import device_room
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(8192, 8192, device=dev)
+
+    def us(fn, busy: bool) -> float:
+        torch.cuda.synchronize()
+        if busy:
+            for _ in range(20):  # some 0.4 s of fp32 matmuls queued ahead
+                a @ a
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        took = (time.perf_counter() - t0) * 1e6 / 20
+        torch.cuda.synchronize()
+        return round(took, 1)
+
+    return {f"{name}_us_{state}": us(fn, state == "busy")
+            for name, fn in (("mem_get_info", lambda: torch.cuda.mem_get_info(dev)),
+                             ("memory_allocated", lambda: torch.cuda.memory_allocated(dev)),
+                             ("device_room", lambda: device_room(dev)))
+            for state in ("idle", "busy")}
 
 
 def huge_private_map(numel: int) -> Any:
@@ -425,6 +458,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--probe-pinned", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe_pinned:
+        sys.path.insert(0, str(ROOT))  # (run as a script: the package beside benchmarks/, installed or not)
         print(json.dumps(probe_pinned(), indent=1))
         return 0
     out = Path(args.out)

@@ -1,11 +1,14 @@
 """The package's shape, checked from its source with ``ast`` (issues 23 and 34): every concept has a named home of
 bounded size (a class over ~300 lines, or a module over ~600, is a concept without a name; the optimizer class,
 which holds torch.optim's conventions, is allowed 400), no module imports another in a loop, a bucket's per-step
-record is its lane (no look-ups keyed by ``id(bucket)``), and the update rule's buffer names live in the rule."""
+record is its lane (no look-ups keyed by ``id(bucket)``), the update rule's buffer names live in the rule, and no
+source file of the repository loads a name that nothing in it binds (a helper deleted while still called: the GPU
+runbook's pinned probe lost a lease stage so)."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 import pathlib
 import re
 from typing import Dict, Iterator, List, Set, Tuple
@@ -19,6 +22,9 @@ CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 400}
 # torch optimizer.
 ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_checks.py", "quantize.py", "_reference.py", "_torch_fused.py",
                       "rules/lion.py", "lion.py"}
+REPO = PACKAGE.parent
+MODULE_DUNDERS = {"__file__", "__name__", "__doc__", "__spec__", "__path__", "__package__", "__builtins__",
+                  "__loader__"}
 # Compiled modules of the package (no source here, and they import nothing of ours).
 EXTENSIONS = {"zero_offload._C"}
 
@@ -117,6 +123,39 @@ def adam_names_outside_rule() -> List[str]:
             for i, line in enumerate(path.read_text().splitlines(), 1) if "exp_avg" in line]
 
 
+def unbound_names(text: str) -> List[Tuple[str, int]]:
+    """Names a module loads that nothing in it binds, anywhere (an assignment, def, class, argument, import,
+    ``except ... as``, ``global``, match capture) and that are not builtins, as (name, line). Scopes are not told
+    apart, so it misses a name bound in one function and loaded in another: it finds what fails in every scope."""
+    tree = ast.parse(text)
+    bound = set(dir(builtins)) | MODULE_DUNDERS
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            bound.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(n.name)
+        elif isinstance(n, ast.arg):
+            bound.add(n.arg)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in n.names):
+                return []
+            bound.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and n.name:
+            bound.add(n.name)
+        elif isinstance(n, ast.MatchMapping) and n.rest:
+            bound.add(n.rest)
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            bound.update(n.names)
+    return sorted({(n.id, n.lineno) for n in ast.walk(tree)
+                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound})
+
+
+def unbound_in_repository() -> List[str]:
+    paths = [REPO / "setup.py", *(p for d in ("zero_offload", "benchmarks", "examples", "tests")
+                                   for p in sorted((REPO / d).rglob("*.py")))]
+    return [f"{p.relative_to(REPO)}:{line} {name}" for p in paths for name, line in unbound_names(p.read_text())]
+
+
 def test_no_function_over_60_lines_no_class_over_300_no_module_over_600():
     long_defs, long_classes, long_modules = sizes()
     assert not long_defs, long_defs
@@ -137,8 +176,16 @@ def test_adam_buffer_names_live_in_the_adamw_rule():
     assert not adam_names_outside_rule()
 
 
+def test_no_source_file_loads_a_name_nothing_binds():
+    assert not unbound_in_repository()
+    assert unbound_names("def f():\n    return probe_room()\n") == [("probe_room", 2)]
+    bound_every_way = "import os.path as p\nfrom a import b\ntry:\n    pass\nexcept E as e:\n    e, b, p\n"
+    assert unbound_names(bound_every_way) == [("E", 5)]
+
+
 if __name__ == "__main__":
     print("long functions, long classes, long modules:", sizes())
     print("look-ups by id of a bucket:", bucket_id_lookups())
     print("import cycles:", import_cycles())
+    print("names nothing binds:", unbound_in_repository())
     print("'exp_avg' outside the rule and kernel API:", adam_names_outside_rule())
