@@ -112,6 +112,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["refuse/nonfinite_named"] = h.Call(refuse_nonfinite_naming_it)
         jobs["refuse/invalid_lr_on_one_rank"] = h.Call(refuse_invalid_lr_on_one_rank)
         jobs["refuse/clip_on_one_rank"] = h.Call(refuse_clip_on_one_rank)
+        jobs["clip/returns"] = h.Call(clip_returns)
+        jobs["clip/returns_hsdp"] = h.Call(clip_returns, ("hsdp_shard",))
         for name, dtype in COMPACT.items():
             jobs[f"ours_{name}/dcp_roundtrip"] = h.Job(h.RECIPES["dcp_roundtrip"],
                                                        functools.partial(OffloadOptimizer, state_dtype=dtype))
@@ -978,6 +980,25 @@ def refuse_clip_on_one_rank(rank, world):
     refused = _step_raising(loop, (lambda: loop.opt.clip_grad_norm_(1.0)) if rank == 0 else loop.opt.step)
     again = _step_raising(loop, loop.opt.step)
     return refused, again[0] is None and not again[2]
+
+
+def clip_returns(rank, world, recipe: str = "plain"):
+    """What ``opt.clip_grad_norm_`` returns against what ``torch.nn.utils.clip_grad_norm_`` returns on the same
+    gradients (max_norm inf: torch's multiplies them by 1): type, placements, mesh shape, device and value."""
+    loop = h.make_loop(world, h.RECIPES[recipe], OURS)
+    loop.opt.zero_grad()
+    h.loss_on(loop.model, 0, 0, rank, world).backward()
+    norms = (torch.nn.utils.clip_grad_norm_(loop.model.parameters(), float("inf")),
+             loop.opt.clip_grad_norm_(float("inf")))
+    return [(type(n).__name__, tuple(n.placements), tuple(n.device_mesh.shape), n.device.type, n.dtype,
+             n.full_tensor().item(), n.to_local().item()) for n in norms]
+
+
+@pytest.mark.parametrize("job", ["clip/returns", "clip/returns_hsdp"])
+def test_clip_grad_norm_returns_what_torchs_clip_returns(world2, job):
+    for rank, (theirs, ours) in world2[job].per_rank.items():
+        assert theirs[0] == "DTensor" and theirs[:5] == ours[:5], (rank, theirs, ours)
+        torch.testing.assert_close(torch.tensor(ours[5:]), torch.tensor(theirs[5:]), msg=lambda m: f"rank {rank}: {m}")
 
 
 def test_a_rank_that_raises_before_the_exchange_makes_the_others_raise_not_wait(world2):

@@ -431,7 +431,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
 
         Returns:
             Tensor: the total norm of the gradients (viewed as a single vector), float32, on the device of the
-            first parameter with a gradient.
+            first parameter with a gradient; for FSDP2's parameters, a DTensor replicated over their mesh (as torch's).
         """
         norm_type = gate.check_norm_type(norm_type)
         max_norm = float(max_norm)
@@ -450,8 +450,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         if error_if_nonfinite and nonfinite:
             raise gate.nonfinite_norm_error(norm_type)
         self._pending = PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh)
-        device = first.device if first is not None else torch.device("cpu")
-        return torch.tensor(total, dtype=torch.float32, device=device)
+        norm = torch.tensor(total, dtype=torch.float32, device=first.device if first is not None else "cpu")
+        return fsdp2.replicated(norm, self.param_groups) if self._fsdp else norm
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Gradient accumulation, like ``DistributedDataParallel.no_sync``: backward passes inside it keep their
