@@ -11,7 +11,8 @@ zero_offload.OffloadOptimizer" is a matter of::
     ours = run(2, RECIPES["clip"], functools.partial(zero_offload.OffloadOptimizer))
     assert_same(ref, ours, "clip")
 
-Each ``run`` is one spawn (about 5 s of process start-up on 2 cores); :func:`run_jobs` runs many jobs in one spawn,
+Each ``run`` is one launch of the ranks (``test_distributed.launch``: forked from a fork server that has imported
+torch, about 1 s on 2 cores; FSDP's own set-up costs more); :func:`run_jobs` runs many jobs in one launch,
 one after another in the same process group, and hands back each job's outcome (its snapshots, or the exception
 it raised on the ranks, re-raised by :meth:`Outcome.get` with the ranks' tracebacks as its cause).
 
