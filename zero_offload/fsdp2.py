@@ -326,11 +326,13 @@ def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
 def replicated(value: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> torch.Tensor:
     """``value`` (the same on every rank) as a DTensor replicated over the mesh of the first FSDP2 parameter in
     ``param_groups``: what ``torch.nn.utils.clip_grad_norm_`` returns for FSDP2's gradients, so ``.full_tensor()``,
-    ``.to_local()`` and ``.item()`` read the total norm either way."""
+    ``.to_local()`` and ``.item()`` read the total norm either way. On that parameter's device (a rank whose shards
+    got no gradient too)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = next(p for g in param_groups for p in g["params"] if is_dtensor(p)).device_mesh
-    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    owner = next(p for g in param_groups for p in g["params"] if is_dtensor(p))
+    mesh = owner.device_mesh
+    return DTensor.from_local(value.to(owner.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def local_value(value: Any, owner: torch.Tensor) -> Any:
