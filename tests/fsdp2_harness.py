@@ -12,7 +12,7 @@ zero_offload.OffloadOptimizer" is a matter of::
     assert_same(ref, ours, "clip")
 
 Each ``run`` is one launch of the ranks (``test_distributed.launch``: forked from a fork server that has imported
-torch, about 1 s on 2 cores; FSDP's own set-up costs more); :func:`run_jobs` runs many jobs in one launch,
+torch, about 0.2 s on 2 cores; FSDP's own set-up costs more); :func:`run_jobs` runs many jobs in one launch,
 one after another in the same process group, and hands back each job's outcome (its snapshots, or the exception
 it raised on the ranks, re-raised by :meth:`Outcome.get` with the ranks' tracebacks as its cause).
 
