@@ -1,16 +1,21 @@
 """A sharded run exits with its own status, never in ``std::terminate`` (issue 27).
 
-World 2 over gloo, each rank its own ``python`` process (started from this file, see ``main``) so that its exit
-status and stderr are its own. Error-free runs ended in "terminate called without an active exception" (exit -6)
-in about one run in six: a gloo worker thread released the last step's all-gather after ``wait()`` had returned,
-and the shard view it held had lost its Python owner, so the worker needed the GIL, which Python refuses a thread
-at interpreter shutdown (with ``pthread_exit``, fatal inside the work's ``noexcept`` destructor). The same after a
-peer's failure and after the construction-time mismatch error (torch's ``all_gather_object``). A rank that exits
-with a streamed reduce-scatter in flight (``peer_failure``, rank 1, in one run of two) still aborted in about one
-run in three after that: its work, never waited for, lost its last Python reference in the interpreter's final
-collection, and the worker that completed it then destroyed it, giving back the Python objects of the thread state
-captured in the backward hook and the tensors' references (both need the GIL). The work is now held with its
-tensors, and kept for good when never waited for (``zero_offload.distributed._Held``).
+World 2 over gloo, each rank a process of its own, so that its exit status and stderr are its own: forked by a
+server (this file run with ``--serve``, see :func:`serve`) that imported torch and the package once, and ending as
+a script does, through the interpreter's own shutdown, where the races below live. (Started as a new ``python``
+each, a rank spent most of its time importing torch and, at the optimizer's construction, ``torch._dynamo``: 8.7 s
+a run on 2 cores against 3.7 s forked.)
+
+Error-free runs ended in "terminate called without an active exception" (exit -6) in about one run in six: a gloo
+worker thread released the last step's all-gather after ``wait()`` had returned, and the shard view it held had lost
+its Python owner, so the worker needed the GIL, which Python refuses a thread at interpreter shutdown (with
+``pthread_exit``, fatal inside the work's ``noexcept`` destructor). The same after a peer's failure and after the
+construction-time mismatch error (torch's ``all_gather_object``). A rank that exits with a streamed reduce-scatter
+in flight (``peer_failure``, rank 1, in one run of two) still aborted in about one run in three after that: its
+work, never waited for, lost its last Python reference in the interpreter's final collection, and the worker that
+completed it then destroyed it, giving back the Python objects of the thread state captured in the backward hook and
+the tensors' references (both need the GIL). The work is now held with its tensors, and kept for good when never
+waited for (``zero_offload.distributed._Held``).
 
 Scenarios (``SCENARIOS``): ``clean`` (3 steps, ``destroy_process_group()``, end of script; gradients
 reduce-scattered at ``step()`` or streamed from backward, alternately), ``peer_failure`` (rank 1 dies after the
@@ -24,11 +29,15 @@ tests/test_clean_exit.py`` runs each scenario 30 times (CI does); the default su
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
@@ -83,36 +92,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(scenario: str, run: int, tmp_path: Path):
-    """Both ranks of one run; each rank's exit status and stderr."""
+RUN_TIMEOUT = 120.0  # seconds for both ranks of one run
+
+
+def serve(scenario: str, runs: int, outdir: str) -> Optional[Tuple[int, int, str, int]]:
+    """``runs`` runs of ``scenario``, their ranks forked from this process one run at a time. In the server:
+    waits for each run's ranks (killing them after ``RUN_TIMEOUT``), writes ``outdir/run{N}.json`` (exit statuses as
+    subprocess reports them, negative for a signal) and returns None. In a forked rank: returns ``main``'s
+    arguments, its stdout on /dev/null and its stderr in ``outdir/run{N}.rank{R}.err``, for the caller to run
+    ``main`` at the top level of the script, so that the rank ends as a script does. No ``try``/``with`` here: a
+    rank returns through these frames."""
+    from test_distributed import import_dynamo
+    from zero_offload import _build
+
+    _build.load_native()  # (once, before the forks)
+    import_dynamo()  # (what the optimizer's construction imports)
+    for run in range(runs):
+        port, pids = _free_port(), []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                err = os.path.join(outdir, f"run{run}.rank{rank}.err")
+                os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+                return rank, port, scenario, run
+            pids.append(pid)
+        codes = [_wait(pid, time.monotonic() + RUN_TIMEOUT) for pid in pids]
+        Path(outdir, f"run{run}.json").write_text(json.dumps(codes))
+    return None
+
+
+def _wait(pid: int, deadline: float) -> int:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.02)
+
+
+def _runs(scenario: str, tmp_path: Path) -> List[Tuple[List[int], List[str]]]:
+    """Every run of ``scenario`` (in one server); each run's exit statuses and its ranks' stderr."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    port = _free_port()
-    errs = [tmp_path / f"run{run}.rank{rank}.err" for rank in range(2)]
-    procs = []
-    for rank in range(2):
-        with open(errs[rank], "w") as err:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(rank), str(port), scenario, str(run)],
-                                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err))
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return codes, [e.read_text() for e in errs]
+    subprocess.run([sys.executable, __file__, "--serve", scenario, str(RUNS), str(tmp_path)], cwd=ROOT, env=env,
+                   check=True, timeout=RUN_TIMEOUT * RUNS + 60)
+    return [(json.loads((tmp_path / f"run{run}.json").read_text()),
+             [(tmp_path / f"run{run}.rank{rank}.err").read_text() for rank in range(2)]) for run in range(RUNS)]
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_run_exits_with_its_own_status(scenario, tmp_path):
-    from zero_offload import _build
-
-    _build.load_native()  # build the kernel (if not yet cached) here, not in the two ranks at once
     expected = list(SCENARIOS[scenario])
     bad = []
-    for run in range(RUNS):
-        codes, errs = _run(scenario, run, tmp_path)
+    for run, (codes, errs) in enumerate(_runs(scenario, tmp_path)):
         if codes != expected or any("terminate called" in e for e in errs):
             bad.append(f"run {run}: exit statuses {codes} (expected {expected})\n" + "\n".join(
                 e[-1500:] for e in errs))
@@ -120,4 +155,9 @@ def test_every_run_exits_with_its_own_status(scenario, tmp_path):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    if sys.argv[1] == "--serve":  # python tests/test_clean_exit.py --serve SCENARIO RUNS OUTDIR
+        job = serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        if job is not None:  # a forked rank
+            main(*job)
+    else:  # one rank by hand: python tests/test_clean_exit.py RANK PORT SCENARIO RUN
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
