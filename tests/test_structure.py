@@ -23,6 +23,8 @@ CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 400}
 ADAM_NAMES_ALLOWED = {"rules/adamw.py", "functional.py", "_checks.py", "quantize.py", "_reference.py", "_torch_fused.py",
                       "rules/lion.py", "lion.py"}
 REPO = PACKAGE.parent
+# Nodes that bind a name in ``name`` (match patterns only from Python 3.10 on; the floor is 3.9).
+NAMING_NODES = tuple(getattr(ast, n) for n in ("ExceptHandler", "MatchAs", "MatchStar") if hasattr(ast, n))
 MODULE_DUNDERS = {"__file__", "__name__", "__doc__", "__spec__", "__path__", "__package__", "__builtins__",
                   "__loader__"}
 # Compiled modules of the package (no source here, and they import nothing of ours).
@@ -140,9 +142,9 @@ def unbound_names(text: str) -> List[Tuple[str, int]]:
             if any(a.name == "*" for a in n.names):
                 return []
             bound.update((a.asname or a.name).split(".")[0] for a in n.names)
-        elif isinstance(n, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and n.name:
+        elif isinstance(n, NAMING_NODES) and n.name:
             bound.add(n.name)
-        elif isinstance(n, ast.MatchMapping) and n.rest:
+        elif type(n).__name__ == "MatchMapping" and n.rest:
             bound.add(n.rest)
         elif isinstance(n, (ast.Global, ast.Nonlocal)):
             bound.update(n.names)
