@@ -1,6 +1,8 @@
 // The ATen-facing side of the kernel: argument checks, ISA detection and choice, threading.
 #pragma once
-#include <torch/extension.h>
+// ATen's Tensor alone, not <torch/extension.h> (all of torch's C++ API): 7 s to compile this and cpu_adam.cpp
+// instead of 55 s (2-core x86, g++ -O3).
+#include <ATen/core/Tensor.h>
 
 #include <map>
 #include <optional>
