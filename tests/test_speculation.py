@@ -11,6 +11,7 @@ worker freely and checks that the kernels start before ``step()`` is called, in 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -524,9 +525,25 @@ def test_bad_speculation_memory_is_refused_and_nothing_changes(cuda_branches, va
     assert OffloadOptimizer(model.parameters(), speculate=True, speculation_memory=8e3)._mode.pool.fixed == 8000
 
 
-def test_learned_cap_grows_to_the_window_and_gives_memory_back():
-    """The pool alone: the first speculating step is measured; a wider window is found by doubling; steps that
-    lease nothing let the cap, and the memory held, fall back to one bucket's."""
+@pytest.fixture
+def made_on(monkeypatch):
+    """The thread each buffer of the undo pool is made on, by name, in order."""
+    names = []
+    real = undo.empty_host
+
+    def empty_host(numel, dtype, *, pin=False):
+        names.append(threading.current_thread().name)
+        return real(numel, dtype, pin=pin)
+
+    monkeypatch.setattr(undo, "empty_host", empty_host)
+    return names
+
+
+def test_learned_cap_grows_to_the_window_between_steps_and_gives_memory_back(made_on):
+    """The pool alone: the first speculating step is measured (its buffers made as they are leased); after it, a
+    lease that lacks a buffer is refused and what it lacked is made once the step has ended, on the pool's own
+    thread; a wider window is found by doubling; steps that lease nothing let the cap, and the memory held, fall
+    back to one bucket's."""
     pool = undo.UndoPool()
     x = 4096
     piece = [("master", x // 4, torch.float32, False)]
@@ -534,30 +551,83 @@ def test_learned_cap_grows_to_the_window_and_gives_memory_back():
     def step(n):
         leases = [pool.take(piece) for _ in range(n)]
         got = [lease for lease in leases if isinstance(lease, undo.Lease)]
+        refused = collections.Counter(lease for lease in leases if isinstance(lease, str))
         held = pool.held_bytes
-        assert all(lease == "undo pool full" for lease in leases if lease not in got)
         for lease in got:
             pool.give_back(lease)
         pool.end_step(record=True)
-        return len(got), held
+        pool.wait_grown(60)
+        return len(got), held, dict(refused)
 
-    assert step(0) == (0, 0)  # (a step that sends buckets but asks for no lease, before any: not counted)
-    assert step(3) == (3, 3 * x) and pool.limit() == 4 * x
-    # The window widens to 8: 4 fit, so 2 * 4 + 1 are demanded, then all 8 fit.
-    assert step(8) == (4, 4 * x) and pool.limit() == 10 * x
-    assert step(8) == (8, 8 * x) and step(8) == (8, 8 * x) and pool.held_bytes == 8 * x
+    assert step(0) == (0, 0, {})  # (a step that sends buckets but asks for no lease, before any: not counted)
+    assert step(3) == (3, 3 * x, {}) and pool.limit() == 4 * x
+    # The window widens to 8. The five leases without buffers are refused, and count as one bucket more: the cap
+    # becomes 5, and two buffers are made after the step.
+    assert step(8) == (3, 3 * x, {"undo pool growing": 5}) and pool.limit() == 5 * x and pool.held_bytes == 5 * x
+    # Five fit, three are over the cap: 2 * 5 + 1 demanded, and the three made after the step.
+    assert step(8) == (5, 5 * x, {"undo pool full": 3}) and pool.limit() == 12 * x and pool.held_bytes == 8 * x
+    assert step(8) == (8, 8 * x, {}) and pool.held_bytes == 8 * x
+    assert made_on == [threading.current_thread().name] * 3 + ["zero_offload undo pool"] * 5
     for _ in range(undo.RECENT_STEPS):
         last = step(0)
     # Ten steps that lease nothing: the cap falls to one bucket's slack, and the free buffers beyond it go.
-    assert last == (0, 8 * x) and pool.limit() == x and pool.held_bytes <= x
-    # A buffer given back serves the next lease of its size and pinning (whatever it holds): nothing is made.
-    a = pool.take([("master", x // 4, torch.float32, False), ("exp_avg", 7, torch.bfloat16, False)])
+    assert last == (0, 8 * x, {}) and pool.limit() == x and pool.held_bytes <= x
+    # A buffer given back serves the next lease of its size and pinning (whatever it holds); a piece of another
+    # size is made after the step that asked for it.
+    two = [("master", x // 4, torch.float32, False), ("exp_avg", 7, torch.bfloat16, False)]
+    assert pool.take(two) == "undo pool growing"
+    pool.end_step(record=True)
+    pool.wait_grown(60)
+    a = pool.take(two)
     assert isinstance(a, undo.Lease) and a.nbytes == x + 64 and a.buffers["exp_avg"].dtype == torch.bfloat16
     held, ptr = pool.held_bytes, a.buffers["master"].data_ptr()
     pool.give_back(a)
     b = pool.take(piece)
     assert b.buffers["master"].data_ptr() == ptr and pool.held_bytes == held
     pool.give_back(b)
+
+
+def test_the_pool_grows_after_the_step_not_in_the_worker(eager, made_on, monkeypatch):
+    """The first speculating step reaches one bucket (the worker is held back from the others). In the next, the
+    buckets the pool has no buffers for are updated at step() ("undo pool growing") and their buffers made after
+    it, on the pool's own thread, never the worker's; two steps later every bucket is speculated. Bit for bit the
+    run without speculation at every step."""
+    pairs = _pair()
+    (model, opt), _ = pairs
+    real_why = speculation.Speculative._why_not
+    allowed = [None]  # buckets the worker may still speculate this step (None: all)
+
+    def why_not(self, spec):
+        if allowed[0] is not None:
+            if allowed[0] == 0:
+                return "held back"
+            allowed[0] -= 1
+        return real_why(self, spec)
+
+    monkeypatch.setattr(speculation.Speculative, "_why_not", why_not)
+    pool = opt._mode.pool
+    speculated = []
+    for step in range(5):
+        allowed[0] = 1 if step == 1 else None  # (step 0 initialises the masters: nothing is speculated)
+        before = opt.speculation_stats.speculated
+        for m, o in pairs:
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+        pool.wait_grown(60)
+        speculated.append(opt.speculation_stats.speculated - before)
+        assert_bitwise(pairs[0][0], pairs[1][0], opt, pairs[1][1], f"step {step}")
+    stats = opt.speculation_stats
+    # Step 2 finds one bucket's buffers and two more made after it (the cap: what it leased plus the bucket it
+    # lacked, plus one bucket of slack); step 3 three, over the cap past them: 2 * 3 + 1 demanded.
+    assert speculated == [0, 1, 1, 3, N_BUCKETS], (speculated, stats)
+    assert stats.not_started["undo pool growing"] == N_BUCKETS - 1, stats
+    assert stats.not_started["undo pool full"] == N_BUCKETS - 3, stats
+    assert stats.commits == stats.speculated and stats.rollbacks == 0, stats
+    per_lease = len(made_on) // N_BUCKETS
+    assert pool.held_bytes == N_BUCKETS * _lease_bytes(opt._buckets[0][0])
+    assert made_on[per_lease:] == ["zero_offload undo pool"] * (N_BUCKETS - 1) * per_lease, made_on
+    assert made_on[0] != "zero_offload undo pool", made_on
 
 
 def test_step_cancels_what_is_still_queued_before_waiting_for_the_running_one(cuda_branches, monkeypatch):

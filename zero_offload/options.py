@@ -318,7 +318,8 @@ class Options:
         hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that
         finds no room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to
         what the worker reaches during backward, learned step by step (the most it used in the last 10 steps, plus
-        one bucket; the first step that speculates measures it), never more than the host can spare twice over. 0
+        one bucket; the first step that speculates measures it, later growth is made between steps on a thread of its
+        own), never more than the host can spare twice over. 0
         turns speculation off; unused where speculation is off. ``opt.estimate_host_memory()`` shows what the pool
         holds (``undo``).""", check_speculation_memory)
     sharded: bool = _context(False)

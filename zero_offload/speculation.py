@@ -89,8 +89,9 @@ class SpeculationStats:
             norm over ``max_norm`` earlier in the step; ``"queued at step()"``: ``step()`` came first, the bucket
             is updated there; ``"masters refresh"``: a parameter was changed outside the optimizer;
             ``"sent again"``; ``"rule updates in place"``: a rule that cannot write out of place; ``"undo pool
-            full"``: the bucket's spare buffers would take the pool over its cap (``speculation_memory``); ``"host
-            memory"``: the host could not spare twice the pool's growth...).
+            full"``: the bucket's spare buffers would take the pool over its cap (``speculation_memory``); ``"undo
+            pool growing"``: they are not made yet (after the first speculating step the pool grows between steps,
+            see :mod:`zero_offload.undo`); ``"host memory"``: the host could not spare twice the pool's growth...).
     """
 
     speculated: int = 0

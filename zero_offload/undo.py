@@ -24,11 +24,22 @@ step. Between steps, free buffers beyond the cap are released.
 
 Whatever the cap, a buffer is not made when the host has less than twice its size available (``MemAvailable``,
 capped by the cgroup's limit and ``ulimit -v``): an optional speedup must never be what brings in the OOM killer.
+
+**Growth off the critical path.** Only the first step that speculates makes buffers where the worker leases them
+(it measures the window with the worker's real pace). From then on a lease that would have to make a buffer is
+refused (``"undo pool growing"``, or ``"undo pool full"`` past the cap): its bucket is updated at ``step()`` as
+without speculation, and its pieces are queued. When the step ends, one thread of the pool's own makes the queued
+pieces that fit the cap that follows, while the next forward runs; the next step's leases find them free. Making
+a bucket's spares on a GPU host (about 0.3 GB page-locked with ``cudaHostRegister`` for the 1.3B preset) took
+200-250 ms on the worker, and ``step()`` waited for it: one stall a step while the window widened (H200 lease,
+docs/speculation.md). A growing refusal counts in the step's demand as the bucket it would have leased (a full
+one as above), so the window widens by about two buckets a step.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -39,6 +50,8 @@ from zero_offload.buckets import estimate_params
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, empty_host
 
 __all__ = ["Lease", "UndoPool", "RECENT_STEPS", "plan_undo"]
+
+logger = logging.getLogger("zero_offload")
 
 # Steps over which the learned cap remembers the largest demand (a run that stops speculating, e.g. clipping every
 # step, gives the memory back after this many steps).
@@ -88,6 +101,9 @@ class UndoPool:
         self._largest = 0  # the largest lease asked for so far
         self._recent: collections.deque = collections.deque(maxlen=RECENT_STEPS)
         self._asked = False  # a lease was asked for this step
+        self._growing = 0  # bytes of the first lease refused this step because its buffers were not made yet
+        self._wanted: List[List[Key]] = []  # what each lease refused so lacked, for the grower
+        self._grower: Optional[threading.Thread] = None
 
     # -- what it holds ---------------------------------------------------------------------------------------------
     @property
@@ -124,11 +140,17 @@ class UndoPool:
             buffers = self._reuse(keys)
             new = {name: k for name, k in keys.items() if name not in buffers}
             why = self._room(sum(_nbytes(k) for k in new.values()), total)
+            if why is None and new and self._recent:  # (past the first step: made by the grower, after the step)
+                why = "undo pool growing"
             if why is not None:
                 for name, t in buffers.items():  # (all or nothing)
                     self._free[keys[name]].append(t)
                 if why == "undo pool full" and not self._refused:
                     self._refused = total
+                if why == "undo pool growing" and not self._growing:
+                    self._growing = total
+                if why != "host memory" and self._recent:
+                    self._wanted.append(list(new.values()))
                 return why
             for name, (numel, dtype, pin) in new.items():
                 buffers[name] = empty_host(numel, dtype, pin=pin)
@@ -175,8 +197,8 @@ class UndoPool:
             assert self._leases == 0, "undo pool: a lease outlived its step"
             if record and (self._asked or self._recent):  # (steps before the first lease do not count)
                 demand = self._step_peak if not self._refused else 2 * self._step_peak + self._refused
-                self._recent.append(demand)
-            self._step_peak = self._refused = 0
+                self._recent.append(max(demand, self._step_peak + self._growing))
+            self._step_peak = self._refused = self._growing = 0
             self._asked = False
             limit = self.limit()
             for key in sorted(self._free, key=_nbytes, reverse=True):  # the largest first
@@ -185,6 +207,46 @@ class UndoPool:
                     free.pop()
                     self._held -= _nbytes(key)
                     self._pinned -= _nbytes(key) if key[2] else 0
+            wanted, self._wanted = self._wanted, []
+            # (A fixed cap that is full refuses leases every step: no thread for them.)
+            if wanted and (self._grower is None or not self._grower.is_alive()) \
+                    and self._room(sum(map(_nbytes, wanted[0])), 0) is None:
+                self._grower = threading.Thread(target=self._grow, args=(wanted,), name="zero_offload undo pool",
+                                                daemon=False)
+                self._grower.start()
+
+    def _grow(self, wanted: List[List[Key]]) -> None:
+        """The grower (a thread of its own, between one step and the next): make what each refused lease of
+        ``wanted`` lacked, a lease's buffers all or none, in the order they were asked for, while the cap and the
+        host's room allow."""
+        for keys in wanted:
+            nbytes = sum(map(_nbytes, keys))
+            pinned = sum(_nbytes(k) for k in keys if k[2])
+            with self._lock:  # (the bytes are counted before they are made: the cap holds whatever runs beside)
+                if self._room(nbytes, nbytes) is not None:
+                    return
+                self._held += nbytes
+                self._pinned += pinned
+            made: List[Tuple[Key, torch.Tensor]] = []
+            try:
+                for key in keys:
+                    made.append((key, empty_host(key[0], key[1], pin=key[2])))
+            except Exception as exc:  # noqa: BLE001 (e.g. cudaHostRegister refused: the pool stays as it is)
+                with self._lock:
+                    self._held -= nbytes
+                    self._pinned -= pinned
+                logger.warning("OffloadOptimizer: speculation's undo pool could not grow (%r); buckets beyond what it "
+                               "holds are updated at step()", exc)
+                return
+            with self._lock:
+                for key, buf in made:
+                    self._free[key].append(buf)
+
+    def wait_grown(self, timeout: Optional[float] = None) -> None:
+        """Wait until the buffers queued at the last step's end are made (tests; nothing in a step waits)."""
+        grower = self._grower
+        if grower is not None:
+            grower.join(timeout)
 
 
 def plan_undo(params: Sequence[Any], limit: int, **options: Any) -> HostMemoryEstimate:
