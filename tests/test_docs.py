@@ -149,6 +149,7 @@ def test_ci_runs_the_first_quickstart_command_on_a_fresh_clone():
     # The venv's own pip and python run them: "$WORK/a/bin/pip" install -q ..., "$WORK/a/bin/python" -m ...
     assert install.replace("pip install ", 'pip" install -q ') in frontdoor
     assert run.replace("python ", 'python" ') in frontdoor
-    assert "\n.ci/frontdoor.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "\nstart_bg frontdoor nice -n 10 .ci/frontdoor.sh\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "\njoin_bg frontdoor\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     # The venv that runs it first is made as a user makes one: not over the base interpreter's packages.
     assert "new_venv a" in _commands(ROOT / ".ci" / "frontdoor.sh")
