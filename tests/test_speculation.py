@@ -422,8 +422,9 @@ def _lease_bytes(bucket):
 
 @pytest.fixture
 def pool_watch(monkeypatch):
-    """Every lease taken (after it): (bytes held, cap), and every arena allocated, in bytes."""
-    seen = {"held": [], "made": []}
+    """Every lease taken (after it): (bytes held, cap), and every arena allocated, in bytes and by the name of the
+    thread that made it."""
+    seen = {"held": [], "made": [], "made_on": []}
     real_take, real_empty = undo.UndoPool.take, undo.empty_host
 
     def take(self, pieces):
@@ -433,6 +434,7 @@ def pool_watch(monkeypatch):
 
     def empty_host(numel, dtype, *, pin=False):
         seen["made"].append(numel * dtype.itemsize)
+        seen["made_on"].append(threading.current_thread().name)
         return real_empty(numel, dtype, pin=pin)
 
     monkeypatch.setattr(undo.UndoPool, "take", take)
@@ -525,25 +527,12 @@ def test_bad_speculation_memory_is_refused_and_nothing_changes(cuda_branches, va
     assert OffloadOptimizer(model.parameters(), speculate=True, speculation_memory=8e3)._mode.pool.fixed == 8000
 
 
-@pytest.fixture
-def made_on(monkeypatch):
-    """The thread each buffer of the undo pool is made on, by name, in order."""
-    names = []
-    real = undo.empty_host
-
-    def empty_host(numel, dtype, *, pin=False):
-        names.append(threading.current_thread().name)
-        return real(numel, dtype, pin=pin)
-
-    monkeypatch.setattr(undo, "empty_host", empty_host)
-    return names
-
-
-def test_learned_cap_grows_to_the_window_between_steps_and_gives_memory_back(made_on):
+def test_learned_cap_grows_to_the_window_between_steps_and_gives_memory_back(pool_watch):
     """The pool alone: the first speculating step is measured (its buffers made as they are leased); after it, a
     lease that lacks a buffer is refused and what it lacked is made once the step has ended, on the pool's own
     thread; a wider window is found by doubling; steps that lease nothing let the cap, and the memory held, fall
     back to one bucket's."""
+    made_on = pool_watch["made_on"]
     pool = undo.UndoPool()
     x = 4096
     piece = [("master", x // 4, torch.float32, False)]
@@ -587,11 +576,12 @@ def test_learned_cap_grows_to_the_window_between_steps_and_gives_memory_back(mad
     pool.give_back(b)
 
 
-def test_the_pool_grows_after_the_step_not_in_the_worker(eager, made_on, monkeypatch):
+def test_the_pool_grows_after_the_step_not_in_the_worker(eager, pool_watch, monkeypatch):
     """The first speculating step reaches one bucket (the worker is held back from the others). In the next, the
     buckets the pool has no buffers for are updated at step() ("undo pool growing") and their buffers made after
     it, on the pool's own thread, never the worker's; two steps later every bucket is speculated. Bit for bit the
     run without speculation at every step."""
+    made_on = pool_watch["made_on"]
     pairs = _pair()
     (model, opt), _ = pairs
     real_why = speculation.Speculative._why_not
