@@ -129,6 +129,7 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["adamw<-ours-w2"] = h.Job(plain, ADAMW, start_from=("ours-w2", SAVE_AT))
         jobs["storage/shards"] = h.Call(shard_storage)
         jobs["bf16/model"] = h.Call(bf16_model)
+        jobs["estimate/before_building"] = h.Call(estimates_before_building)
         jobs["bf16/from_adamw"] = h.Call(bf16_from_adamw_checkpoint)
         jobs["refuse/compact_moments"] = h.Call(refuse_bad_compact_moments)
         jobs["switch/lets_go"] = h.Call(switch_lets_go)
@@ -486,6 +487,42 @@ def test_host_shards_are_updated_where_fsdp_keeps_them_and_no_gradient_outlives_
             assert at_build and after_step, f"rank {rank}, {case}: a shard outside the optimizer's buffers"
             assert grads and alive == 0, f"rank {rank}, {case}: {alive} of {grads} gradient shards still alive"
             assert grad_buffers == 0, f"rank {rank}, {case}: {grad_buffers} gradient buffers made"
+
+
+def estimates_before_building(rank, world):
+    """``OffloadOptimizer.estimate_host_memory(params, **options)`` before building, and ``opt.estimate_host_memory()``
+    once built over the same parameters, for each model and option: (before, after) by case. Then what the estimate
+    says of ``world_size=2`` and of FSDP2 parameters mixed with plain ones."""
+    out = {}
+    for model_name in ("plain", "cpu_offload", "bf16"):
+        for opts in ({}, {"bucket_numel": 40}, {"state_dtype": torch.bfloat16}, {"amsgrad": True}):
+            model = _bf16_net(world) if model_name == "bf16" else h.build_model(world, h.RECIPES[model_name])
+            decay = [p for n, p in model.named_parameters() if p.dim() == 2]
+            groups = [{"params": decay}, {"params": [p for p in model.parameters() if p.dim() != 2], "lr": 2 * h.LR}]
+            before = OffloadOptimizer.estimate_host_memory(groups, **opts)
+            after = OffloadOptimizer(groups, lr=h.LR, **opts).estimate_host_memory()
+            out[f"{model_name}, {opts}"] = (before, after)
+    params = list(h.build_model(world, h.RECIPES["plain"]).parameters())
+    refused = {}
+    for name, args, kw in (("world_size", (params,), {"world_size": 2}),
+                           ("mixed", (params + [nn.Parameter(torch.randn(3, 4))],), {})):
+        try:
+            OffloadOptimizer.estimate_host_memory(*args, **kw)
+            refused[name] = None
+        except (TypeError, ValueError) as exc:
+            refused[name] = str(exc)
+    return out, refused
+
+
+def test_the_host_memory_estimate_before_building_is_what_the_built_optimizer_holds(world2):
+    """Per rank, from its local shards (uneven, one empty), cut at FSDP's units, no gradient buffer on a host mesh:
+    what the optimizer then allocates, buffer by buffer."""
+    for rank, (cases, refused) in world2["estimate/before_building"].per_rank.items():
+        for case, (before, after) in cases.items():
+            assert before == after, f"rank {rank}, {case}: estimated {before}, holds {after}"
+            assert before.buffers["grad"] == 0 and before.total_bytes > 0, (rank, case, before)
+        assert "world_size=2" in refused["world_size"] and "per rank" in refused["world_size"], refused
+        assert refused["mixed"] and "plain ones" in refused["mixed"], refused
 
 
 def _bf16_net(world: int, seed: int = 0) -> nn.Module:

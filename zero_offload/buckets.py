@@ -42,16 +42,25 @@ logger = logging.getLogger("zero_offload")
 
 def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], pin_memory: Optional[bool],
                      world_size: int = 1, delayed_update: bool = False, state_dtype: torch.dtype = torch.float32,
-                     rule: Rule = ADAMW) -> HostMemoryEstimate:
+                     rule: Rule = ADAMW, homes: Optional[Sequence[Any]] = None) -> HostMemoryEstimate:
     """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` (per rank when
-    sharded over ``world_size``), without allocating: the same declarations as the real buckets'."""
+    sharded over ``world_size``), without allocating: the same declarations as the real buckets'. ``homes``: the
+    layouts are of FSDP2's local shards, with each one's :func:`zero_offload.fsdp2.home` (as
+    :func:`allocate_group`'s): a bucket on the host has no gradient buffer until one is needed (FSDP's gradients
+    are read where they are), and the slots that take over shards FSDP pins are pinned."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout in layouts:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         state = state_bytes(buffers, state_dtype, padded // world_size, rule.buffers)
-        total = total + estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=layout.device.type == "cpu",
-                                        state=state, pin=should_pin(layout.device, pin_memory),
-                                        world_size=world_size, delayed_update=delayed_update)
+        on_cpu = layout.device.type == "cpu"
+        bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
+                                 pin=should_pin(layout.device, pin_memory), world_size=world_size,
+                                 delayed_update=delayed_update, grad_buffer=homes is None or not on_cpu)
+        taken = [homes[i] for i in layout.indices] if homes is not None and on_cpu else []
+        if taken and all(h is not None for h in taken) and any(getattr(h, "pin_memory", False) for h in taken):
+            slot = bucket.buffers["staging" if layout.dtype != torch.float32 else "master"]
+            bucket = dataclasses.replace(bucket, pinned_bytes=slot)  # (as FlatBucket.estimate: home_pinned)
+        total = total + bucket
     return total
 
 
@@ -65,15 +74,24 @@ def estimate_params(params: Iterable[Any], *, defaults: Optional[Dict[str, Any]]
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    total = HostMemoryEstimate(0, 0, {}, 0, 0)
-    for g in groups:
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else [p[1] if isinstance(p, tuple) else p for p in ps]
+    groups = [(g, [g["params"]] if isinstance(g["params"], torch.Tensor) else
+               [p[1] if isinstance(p, tuple) else p for p in g["params"]]) for g in groups]
+    fsdp = any(fsdp2.is_dtensor(p) for _, ps in groups for p in ps)
+    if fsdp and world_size != 1:
+        raise ValueError(f"OffloadOptimizer.estimate_host_memory: world_size={world_size} with FSDP2's sharded "
+                         "parameters (DTensors): their estimate is per rank already, from this rank's local shards "
+                         "(world_size is the process_group's, for plain parameters)")
+    total, sharding, homes = HostMemoryEstimate(0, 0, {}, 0, 0), None, None
+    for g, ps in groups:
         settings = {**(defaults or {}), **{k: v for k, v in g.items() if k != "params"}}
-        layouts = plan_buckets(ps, bucket_numel)
+        if fsdp:  # as the constructor lays them out: this rank's local shards, cut at FSDP's units
+            sharding, units, homes = fsdp2.plan(ps, sharding)
+            layouts = plan_local([fsdp2.local_shard(p) for p in ps], bucket_numel, units, homes)
+        else:
+            layouts = plan_buckets(ps, bucket_numel)
         host = [l for l, g in zip(layouts, device_tier_plan(layouts, gpu_fraction)) if not g]
         total = total + estimate_layouts(host, rule.buffers_for(settings), pin_memory, world_size, delayed_update,
-                                         state_dtype, rule)
+                                         state_dtype, rule, homes)
     return total
 
 
@@ -449,10 +467,7 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
     if data is None:
         layouts = plan_buckets(group["params"], options.bucket_numel)
     else:
-        from zero_offload.fsdp2 import home_numel
-
-        rooms = None if homes is None else [0 if h is None else home_numel(h) for h in homes]
-        layouts = plan_buckets(data, options.bucket_numel, cuts=units, rooms=rooms)
+        layouts = plan_local(data, options.bucket_numel, units, homes)
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
@@ -472,6 +487,15 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
         buckets.clear()
         raise MemoryError(room.message(available_host_bytes(), failed))
     return buckets
+
+
+def plan_local(data: Sequence[torch.Tensor], bucket_numel: int, units: Optional[Sequence[int]],
+               homes: Optional[Sequence[Any]]) -> List[BucketLayout]:
+    """The buckets of FSDP2 parameters' local shards ``data``: cut at their FSDP ``units``, and a slot that takes
+    over a shard's storage (its ``homes`` record, see :func:`zero_offload.fsdp2.home`) with room for FSDP's padding
+    rows too."""
+    rooms = None if homes is None else [0 if h is None else fsdp2.home_numel(h) for h in homes]
+    return plan_buckets(data, bucket_numel, cuts=units, rooms=rooms)
 
 
 def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_device: Sequence[bool],

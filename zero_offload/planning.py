@@ -27,7 +27,8 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
     * ``OffloadOptimizer.estimate_host_memory(params, **options)``, before constructing: what an optimizer over
       ``params`` with these options will allocate (exact: the same bucket layout), allocating nothing; meta
       tensors do as ``params``. The options are the constructor's; ``amsgrad`` is the default for groups that do
-      not set it, ``world_size`` that of the ``process_group`` (the estimate is then per rank).
+      not set it, ``world_size`` that of the ``process_group`` (the estimate is then per rank). FSDP2's
+      parameters (DTensors) give this rank's buffers, from its local shards (``world_size`` is refused there).
     * ``opt.estimate_host_memory()``, on an optimizer: the buffers it holds now (per rank when sharded).
 
     Args:
@@ -52,7 +53,9 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
 
     Raises:
-        ValueError: a ``state_dtype`` or ``speculation_memory`` the constructor refuses (its very error).
+        ValueError: a ``state_dtype`` or ``speculation_memory`` the constructor refuses (its very error);
+            ``world_size`` with FSDP2's parameters.
+        TypeError: FSDP2's parameters mixed with plain ones, or placed otherwise (the constructor's error).
     """
     check_state_dtype(state_dtype)
     Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()  # the constructor's checks
