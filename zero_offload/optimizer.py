@@ -414,9 +414,9 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> torch.Tensor:
-        """Clip the gradients of all parameters by their total norm, like ``torch.nn.utils.clip_grad_norm_``,
-        fused into the next ``step()``: the coefficient ``min(max_norm / (total_norm + 1e-6), 1)`` multiplies the
-        gradient inside the kernel instead of rewriting ``.grad`` (which is left as it was).
+        """Clip the gradients of the optimizer's parameters (not others of the model) by their total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` over them, fused into the next ``step()``: ``min(max_norm / (total_norm +
+        1e-6), 1)`` multiplies the gradient inside the kernel instead of rewriting ``.grad`` (left as it was).
 
         It brings the gradients to the host now (``step()`` reuses them): call it right before ``step()`` (or
         ``scaler.step``); ``zero_grad()`` cancels it. While a ``GradScaler`` may have unscaled the streamed
