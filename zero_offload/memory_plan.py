@@ -430,7 +430,7 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
     sharded = plan.world_size > 1
     out: List[str] = []
     pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
-    out.append(f"host buffers     {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
+    out.append(f"host memory      {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
     if plan.device == "cpu" and sharded:
         out.append(f"                 the parameters are views of one flat buffer (params and this rank's {home}); "
                    "after")
