@@ -375,9 +375,10 @@ class _Room:
     address-space limit met part way, memory taken meanwhile by another process)."""
 
     def __init__(self, layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[StateBuffer], options: Options,
-                 world: int, rule: Rule):
+                 world: int, rule: Rule, homes: Optional[Sequence[Any]] = None):
         self.layouts, self.gi, self.buffers, self.options, self.world, self.rule = (layouts, gi, buffers, options,
                                                                                     world, rule)
+        self.homes = homes  # (FSDP2's: see estimate_layouts)
 
     def estimate(self, buffers: Optional[Sequence[StateBuffer]] = None, world: Optional[int] = None,
                  delayed: Optional[bool] = None, state_dtype: Optional[torch.dtype] = None) -> HostMemoryEstimate:
@@ -385,7 +386,7 @@ class _Room:
         return estimate_layouts(self.layouts, self.buffers if buffers is None else buffers, o.pin_memory,
                                 self.world if world is None else world,
                                 o.delayed_update if delayed is None else delayed,
-                                o.state_dtype if state_dtype is None else state_dtype, self.rule)
+                                o.state_dtype if state_dtype is None else state_dtype, self.rule, self.homes)
 
     def check(self) -> None:
         """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
@@ -471,7 +472,8 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
-    room = _Room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule)
+    room = _Room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule,
+                 homes)
     room.check()
     buckets: List[FlatBucket] = []
     failed = ""
