@@ -346,6 +346,28 @@ class TrustSwitch(torch.optim.Optimizer):
                 p.add_(buf.sign(), alpha=-group["lr"] * ratio)
 
 
+class SizeGatedAdamW(torch.optim.AdamW):
+    """AdamW that halves the gradient of tensors of 1,000 elements or more (as bitsandbytes keeps 8-bit state from
+    4,096): elementwise on the probe's 24 elements, but the offloaded runs, spanning several parameters, would cross
+    the threshold where none of the parameters does."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.numel() >= 1000:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
+
+
+def test_a_rule_that_changes_with_the_tensors_size_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(33, 15), torch.nn.Linear(15, 7))  # 495 and 105 elements: below
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NotElementwise, match=r"SizeGatedAdamW is not elementwise: .* or on its size \(a \(256, 520\)"):
+        offload(SizeGatedAdamW, model.parameters(), lr=1e-2)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
 def test_a_refusal_at_step_or_at_load_leaves_the_optimizer_model_and_checkpoint_as_they_were():
     model = torch.nn.Linear(4, 3)
     opt = offload(TrustSwitch, model.parameters(), lr=0.05)

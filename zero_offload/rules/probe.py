@@ -9,7 +9,8 @@ share a gradient tensor):
   are noted, as state the class's own instance keeps (see :mod:`zero_offload.rules.torch_class`);
 * **elementwise**: the class steps a 2-D parameter, and separately the same elements shuffled and split into two
   1-D parameters; they must agree (else an element's update depends on others of its tensor, or on its shape:
-  LAMB, LARS, Muon, Shampoo, gradient centralisation). Its result must also not change from one run to the next
+  LAMB, LARS, Muon, Shampoo, gradient centralisation), at 24 elements and at 133,120 (else it changes with the
+  tensor's size, which the offloaded runs change). Its result must also not change from one run to the next
   (random draws);
 * **scheme** (:func:`check_scheme`): the rule itself, over flat buffers laid out as zero_offload lays them (two
   param groups, two buckets each, padding between the slots, a parameter without a gradient at one step), against
@@ -37,6 +38,9 @@ KIND_STEPS = 24  # a key of its group may start to move late (schedule-free RAda
 ELEMENTWISE_STEPS = 8
 SCHEME_STEPS = 24  # RAdam's rectification starts at step 6; D-Adaptation's d moves from step 2
 _WHOLE, _SPLIT = (4, 6), 7  # the elementwise pass: 24 elements, shuffled into parameters of 7 and 17
+# ... and again at a size past the thresholds some classes switch at (bitsandbytes' 8-bit state from 4096 elements):
+# the offloaded runs span many parameters, so a run is far larger than the parameters the class would step itself.
+_LARGE = (256, 520)
 # The scheme pass: per group, its buckets, each a list of parameter shapes.
 _SCHEME = (([(4, 6), (7,)], [(3, 2, 2)]), ([(5,), (2, 3)], [(9,)]))
 _ABSENT = (5, 0, 0, 1)  # at this step, this (group, bucket, parameter) has no gradient
@@ -208,24 +212,34 @@ def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probed:
 
 
 def elementwise(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], probed: Probed) -> None:
-    """The elementwise pass (see the module docstring): raises :class:`NotElementwise` or :class:`Refused`."""
+    """The elementwise pass (see the module docstring), at :data:`_WHOLE` and at :data:`_LARGE`: raises
+    :class:`NotElementwise` or :class:`Refused`."""
+    _split_steps_alike(cls, ctor, group, probed, _WHOLE, twice=True)
+    _split_steps_alike(cls, ctor, group, probed, _LARGE)
+
+
+def _split_steps_alike(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], probed: Probed,
+                       shape: Tuple[int, int], twice: bool = False) -> None:
+    """A ``shape`` parameter and the same elements shuffled into two 1-D parameters (:data:`_SPLIT` and the rest)
+    step alike; ``twice``: two runs of the whole one step alike too."""
     name = cls.__name__
     gen = torch.Generator().manual_seed(1)
-    n = _WHOLE[0] * _WHOLE[1]
-    start = torch.randn(_WHOLE, generator=gen)
-    grads = [torch.randn(_WHOLE, generator=gen) for _ in range(ELEMENTWISE_STEPS)]
+    n = shape[0] * shape[1]
+    start = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(ELEMENTWISE_STEPS)]
     perm = torch.randperm(n, generator=gen)
     cut = [_SPLIT, n - _SPLIT]
-    wholes = [torch.nn.Parameter(start.clone()) for _ in range(2)]
-    refs = [_run(cls, ctor, group, [w], [[g] for g in grads], f"a {_WHOLE} parameter") for w in wholes]
-    if not same(wholes[0].detach(), wholes[1].detach()):
+    wholes = [torch.nn.Parameter(start.clone()) for _ in range(2 if twice else 1)]
+    refs = [_run(cls, ctor, group, [w], [[g] for g in grads], f"a {shape} parameter") for w in wholes]
+    if twice and not same(wholes[0].detach(), wholes[1].detach()):
         raise Refused(f"{name} cannot be offloaded faithfully: two runs of it on the same parameter and gradients "
                       "step differently (it draws random numbers), so no offloaded run can be checked against it")
     parts = [torch.nn.Parameter(t.clone()) for t in start.reshape(-1)[perm].split(cut)]
-    why = (f"{name} is not elementwise: its update of an element depends on other elements of the parameter or on "
-           "its shape (the same elements shuffled and split into two parameters step differently: a per-tensor "
-           "norm, a mean over rows, a matrix operation, as in LAMB, LARS, Muon, Shampoo or gradient "
-           "centralisation)")
+    why = (f"{name} is not elementwise: its update of an element depends on other elements of the parameter, on "
+           f"its shape or on its size (a {shape} parameter and the same elements shuffled and split into two "
+           f"parameters of {cut[0]} and {cut[1]} step differently: a per-tensor norm, a mean over rows, a matrix "
+           "operation, as in LAMB, LARS, Muon, Shampoo or gradient centralisation, or a rule that changes with "
+           "the tensor's size, which the offloaded runs, spanning many parameters, would change)")
     try:
         split = _run(cls, ctor, group, parts, [list(g.reshape(-1)[perm].split(cut)) for g in grads],
                      "the same elements split into two 1-D parameters")
