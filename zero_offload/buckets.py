@@ -56,10 +56,8 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
         bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
                                  pin=should_pin(layout.device, pin_memory), world_size=world_size,
                                  delayed_update=delayed_update, grad_buffer=homes is None or not on_cpu)
-        taken = [homes[i] for i in layout.indices] if homes is not None and on_cpu else []
-        if taken and all(h is not None for h in taken) and any(getattr(h, "pin_memory", False) for h in taken):
-            slot = bucket.buffers["staging" if layout.dtype != torch.float32 else "master"]
-            bucket = dataclasses.replace(bucket, pinned_bytes=slot)  # (as FlatBucket.estimate: home_pinned)
+        if _pins_home(bucket_homes(layout, homes)):
+            bucket = _pinned_home(bucket, layout.dtype != torch.float32)
         total = total + bucket
     return total
 
@@ -134,9 +132,7 @@ class FlatBucket:
         self.device, self.dtype = layout.device, layout.dtype
         self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
-        # FSDP2 shards on the host whose storage the slots take over (zero_offload.fsdp2.home), all or none.
-        homes = None if homes is None or not self.on_cpu else [homes[i] for i in layout.indices]
-        homes = homes if homes and all(h is not None for h in homes) else None
+        homes = bucket_homes(layout, homes)
         # The state lives with the parameters: a CPU bucket (FSDP2's host shards where their storage is taken over),
         # or a GPU bucket whose state is on the device tier (``gpu_fraction``): no transfers, the parameters bound
         # to the slots the update writes.
@@ -149,9 +145,7 @@ class FlatBucket:
         self.shares_grad = self.low_precision and not self.resident and shard is None
         # (nothing of a sharded CPU bucket, or of a device-tier one, goes through host memory to a GPU)
         self.pin = pin and not (shard is not None and self.on_cpu) and not device_tier
-        # FSDP pins the shards it keeps for CPUOffloadPolicy(pin_memory=True) (it copies them to the GPU), and
-        # re-pins any that are not: the buffer that takes them over is pinned, the rest of the state is not.
-        self.home_pinned = any(getattr(h, "pin_memory", False) for h in homes or ())
+        self.home_pinned = _pins_home(homes)
         tier = DeviceTier(layout.device) if device_tier else HostTier(self.pin)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
@@ -340,10 +334,7 @@ class FlatBucket:
                                world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None,
                                grad_buffer=self.grads.allocated)
-        if self.home_pinned:  # (the pinned buffer the shards live in)
-            slots = self.staging if self.low_precision else self.master
-            held = dataclasses.replace(held, pinned_bytes=slots.numel() * slots.element_size())
-        return held
+        return _pinned_home(held, self.low_precision) if self.home_pinned else held
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, **self.store.tensors()}
@@ -489,6 +480,26 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
         buckets.clear()
         raise MemoryError(room.message(available_host_bytes(), failed))
     return buckets
+
+
+def bucket_homes(layout: BucketLayout, homes: Optional[Sequence[Any]]) -> Optional[List[Any]]:
+    """The records of the FSDP2 shards on the host whose storage the slots of ``layout`` take over
+    (:func:`zero_offload.fsdp2.home`, given per parameter of the group), all or none."""
+    if homes is None or layout.device.type != "cpu":
+        return None
+    mine = [homes[i] for i in layout.indices]
+    return mine if mine and all(h is not None for h in mine) else None
+
+
+def _pins_home(homes: Optional[Sequence[Any]]) -> bool:
+    """FSDP pins the shards it keeps for CPUOffloadPolicy(pin_memory=True) (it copies them to the GPU), and re-pins
+    any that are not: the slot buffer that takes them over is pinned, the rest of the state is not."""
+    return any(getattr(h, "pin_memory", False) for h in homes or ())
+
+
+def _pinned_home(held: HostMemoryEstimate, low_precision: bool) -> HostMemoryEstimate:
+    """``held`` with its pinned bytes the slot buffer the shards live in (staging, or the fp32 master)."""
+    return dataclasses.replace(held, pinned_bytes=held.buffers["staging" if low_precision else "master"])
 
 
 def plan_local(data: Sequence[torch.Tensor], bucket_numel: int, units: Optional[Sequence[int]],
