@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -133,6 +133,7 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["estimate/before_building"] = h.Call(estimates_before_building)
         jobs["bf16/from_adamw"] = h.Call(bf16_from_adamw_checkpoint)
         jobs["refuse/compact_moments"] = h.Call(refuse_bad_compact_moments)
+        jobs["refuse/other_ranks_state_dict"] = h.Call(refuse_another_ranks_state_dict)
         jobs["switch/lets_go"] = h.Call(switch_lets_go)
         jobs["switch/zero_grads/adamw"] = h.Call(switch_then_zero_grads, (ADAMW,))
         jobs["switch/zero_grads/ours"] = h.Call(switch_then_zero_grads, (OURS,))
@@ -662,6 +663,47 @@ def test_compact_state_refuses_a_bad_moment_naming_it(world2):
     assert negative and "exp_avg_sq has a negative value (-1)" in negative and unchanged, negative
     nonfinite, unchanged = cases["exp_avg"]
     assert nonfinite and "exp_avg holds a non-finite value (inf)" in nonfinite and unchanged, nonfinite
+
+
+def refuse_another_ranks_state_dict(rank, world):
+    """Each rank saves its own ``opt.state_dict()`` with ``torch.save`` and loads the next rank's (its DTensors
+    hold that rank's shards; the embedding's rows are uneven across the ranks): the error, and whether the state
+    and the parameters are as before."""
+    import io
+
+    model = h.build_model(world, h.RECIPES["plain"])
+    opt = OffloadOptimizer(model.parameters(), lr=h.LR)
+    h.loss_on(model, 0, 0, rank, world).backward()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved: List[bytes] = [b""] * world
+    dist.all_gather_object(saved, buf.getvalue())
+    other = torch.load(io.BytesIO(saved[(rank + 1) % world]), weights_only=False)
+
+    def snapshot():
+        state = [{k: v.to_local().clone() if hasattr(v, "to_local") else v.clone() for k, v in entry.items()}
+                 for entry in opt.state_dict()["state"].values()]
+        return state, [p.detach().to_local().clone() for p in model.parameters()]
+
+    before = snapshot()
+    try:
+        opt.load_state_dict(other)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    after = snapshot()
+    unchanged = all(torch.equal(a[k], b[k]) for a, b in zip(before[0], after[0]) for k in a) and all(
+        torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    return message, unchanged
+
+
+def test_another_ranks_state_dict_is_refused_naming_the_parameter_and_nothing_changes(world2):
+    for rank, (message, unchanged) in world2["refuse/other_ranks_state_dict"].per_rank.items():
+        # (the first uneven parameter: the embedding's or the head's 11 rows, 6 and 5 on the two ranks)
+        assert message is not None and "(shape (11, 6)): this rank's shard" in message, (rank, message)
+        assert "torch.distributed.checkpoint" in message, message
+        assert unchanged, rank
 
 
 def test_an_adamw_checkpoint_of_a_bf16_model_gives_ours_the_loaded_weights_as_masters(world2):

@@ -339,12 +339,20 @@ def local_value(value: Any, owner: torch.Tensor) -> Any:
     """A loaded state value for the parameter ``owner``, as its local shard: a DTensor's own (placed like the
     parameter), or, for a plain tensor of the parameter's full shape (a checkpoint of an unsharded model), the
     rows this rank holds (FSDP2 cuts dimension 0 as ``torch.chunk`` does). Anything else is returned as it is
-    (and refused by the caller's checks)."""
+    (and refused by the caller's checks). A DTensor whose local shard is not this rank's shape (one that another
+    rank saved with ``torch.save``, or a rank at another world size) is refused."""
     if is_dtensor(value):
         if tuple(value.placements) != tuple(owner.placements) or value.shape != owner.shape:
             raise ValueError(f"a state DTensor placed {tuple(value.placements)} with shape {tuple(value.shape)} for a "
                              f"parameter placed {tuple(owner.placements)} with shape {tuple(owner.shape)}")
-        return value.to_local()
+        local, mine = value.to_local(), owner.to_local()
+        if local.shape != mine.shape:
+            raise ValueError(
+                f"this rank's shard of the state DTensor has shape {tuple(local.shape)}, its shard of the parameter "
+                f"{tuple(mine.shape)}: a state dict saved by another rank (or at another world size) and loaded "
+                "with torch.load? Save and load FSDP2 state with torch.distributed.checkpoint (dcp.save/dcp.load "
+                "of get_optimizer_state_dict/set_optimizer_state_dict), which gives each rank its own shard")
+        return local
     if isinstance(value, torch.Tensor) and value.dim() and value.shape == owner.shape:
         mesh = owner.device_mesh
         shard_dim = mesh.ndim - 1
