@@ -199,15 +199,15 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
+        named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
         if bucket.fsdp:  # (each rank loads its own shard of the values)
             try:
                 entries[p] = {k: v if k == "step" else fsdp2.local_value(v, p) for k, v in entries[p].items()}
             except ValueError as exc:
-                raise ValueError(f"loaded state for parameter id {key!r} (shape {tuple(p.shape)}): {exc}") from None
+                raise ValueError(f"{named}: {exc}") from None
         for buf in bucket.rule.buffers:
             if buf.name in entry:
-                check_compact_moment(bucket.state_dtype, buf, entry[buf.name],
-                                     f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})")
+                check_compact_moment(bucket.state_dtype, buf, entry[buf.name], named)
     return LoadPlan(new_groups, entries, extras)
 
 
