@@ -111,6 +111,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["refuse/disagreeing_lr"] = h.Call(refuse_disagreeing_lr)
         jobs["refuse/disagreeing_lr_hsdp"] = h.Call(refuse_disagreeing_lr, ("hsdp_replicate",))
         jobs["refuse/nonfinite_named"] = h.Call(refuse_nonfinite_naming_it)
+        jobs["refuse/grad_on_some_ranks"] = h.Call(refuse_grad_on_some_ranks, (False,))
+        jobs["refuse/grad_on_some_ranks_clip"] = h.Call(refuse_grad_on_some_ranks, (True,))
         jobs["refuse/invalid_lr_on_one_rank"] = h.Call(refuse_invalid_lr_on_one_rank)
         jobs["refuse/clip_on_one_rank"] = h.Call(refuse_clip_on_one_rank)
         jobs["clip/returns"] = h.Call(clip_returns)
@@ -1024,6 +1026,46 @@ def test_an_inf_in_one_ranks_shard_is_named_alike_on_every_rank(world2):
         assert message is not None and "non-finite gradient" in message, (rank, message)
         assert f"'blocks.0.up.weight') of shape {shape} (in rank 1's shard)" in message, (rank, message)
         assert unchanged, rank
+
+
+def refuse_grad_on_some_ranks(rank, world, clip: bool):
+    """The first block's up-projection's gradient set to None on rank 1 only: ``step()`` (or with ``clip``,
+    ``opt.clip_grad_norm_``) raises on every rank, naming it and the ranks, where AdamW would update rank 0's shard
+    of it alone; nothing is updated. With that gradient let go on every rank, the step then matches AdamW's on the
+    same gradients (params and moments of every local shard)."""
+    recipe = h.RECIPES["plain"]
+    loops = []
+    for make in (OURS, ADAMW):
+        model = h.build_model(world, recipe)
+        loop = h.Loop(model, make(model.named_parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY))
+        h.loss_on(model, 0, 0, rank, world).backward()
+        loop.opt.step()
+        loop.opt.zero_grad()
+        h.loss_on(model, 1, 0, rank, world).backward()
+        loops.append(loop)
+    ours = loops[0]
+    if rank == 1:
+        ours.model.blocks[0].up.weight.grad = None
+    kind, message, unchanged = _step_raising(ours, (lambda: ours.opt.clip_grad_norm_(1.0)) if clip else ours.opt.step)
+    for loop in loops:
+        loop.model.blocks[0].up.weight.grad = None
+        loop.opt.step()
+    pairs = [(a.to_local(), b.to_local()) for a, b in zip(*(loop.model.parameters() for loop in loops))]
+    for a, b in zip(*(loop.model.parameters() for loop in loops)):
+        sa, sb = loops[0].opt.state[a], loops[1].opt.state[b]
+        pairs += [(sa[k].to_local(), sb[k].to_local()) for k in ("exp_avg", "exp_avg_sq") if k in sb]
+    return kind, message, unchanged, tuple(ours.model.blocks[0].up.weight.shape), pairs
+
+
+@pytest.mark.parametrize("job", ["refuse/grad_on_some_ranks", "refuse/grad_on_some_ranks_clip"])
+def test_a_gradient_on_some_ranks_only_is_refused_on_every_rank_naming_it(world2, job):
+    for rank, (kind, message, unchanged, shape, pairs) in world2[job].per_rank.items():
+        assert kind == "RuntimeError" and "gradients for different parameters" in message, (rank, message)
+        assert f"'blocks.0.up.weight') of shape {shape} has one on rank(s) [0] and none on rank(s) [1]" in message
+        assert unchanged, rank
+        assert pairs
+        for ours, adamw in pairs:
+            torch.testing.assert_close(ours, adamw)
 
 
 def _step_raising(loop, call) -> Tuple[Optional[str], Optional[str], bool]:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 from zero_offload.distributed import Comm, _dist
 
 __all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "differing",
-           "digest", "meeting_on_failure"]
+           "digest", "digest_bytes", "meeting_on_failure"]
 
 # Where a rank is when it runs a collective of the statistics' size.
 BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
@@ -51,8 +51,12 @@ def meeting_on_failure(met: Callable[[], int], meet: Callable[[], object]) -> It
 def digest(settings: Sequence[Tuple[str, float]]) -> float:
     """A 48-bit digest of the settings' values, exact as a float64 (it travels in a float64 all-reduce)."""
     values = [float(v) for _, v in settings]
-    raw = hashlib.blake2b(struct.pack(f"<{len(values)}d", *values), digest_size=6).digest()
-    return float(int.from_bytes(raw, "little"))
+    return digest_bytes(struct.pack(f"<{len(values)}d", *values))
+
+
+def digest_bytes(raw: bytes) -> float:
+    """A 48-bit digest of ``raw``, exact as a float64."""
+    return float(int.from_bytes(hashlib.blake2b(raw, digest_size=6).digest(), "little"))
 
 
 def differing(settings: Sequence[Tuple[str, float]], rows: Sequence[Sequence[float]],

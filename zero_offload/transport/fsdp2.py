@@ -8,7 +8,9 @@ collective (all-gather, reduce-scatter). What is left to this transport:
   decides on are exchanged over the mesh (one small all-gather per step over the dimension the shards are cut
   along, and under HSDP one more over the replicas; it also carries every rank's hyperparameters: ranks that
   differ raise on every rank, replicas included): every rank decides alike; the norm is the sum over one
-  replica's shards (FSDP has already reduced the gradients over the replicas);
+  replica's shards (FSDP has already reduced the gradients over the replicas); and which parameters have a
+  gradient: ranks that differ (a ``.grad`` set to None on some ranks only) raise on every rank, naming the first
+  such parameter, where AdamW would step each rank's shards of it or not, silently;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
@@ -41,7 +43,7 @@ from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Lanes
 from zero_offload.timeline import NOTHING
-from zero_offload.transport.agreement import differing, digest, meeting_on_failure
+from zero_offload.transport.agreement import differing, digest, digest_bytes, meeting_on_failure
 from zero_offload.transport.base import Route, Transport, first_nonfinite, name_held
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
@@ -121,13 +123,19 @@ class FSDPTransport(Transport):
                settings: Sequence[Tuple[str, float]] = ()) -> bool:
         """The local gather, then the statistics of the whole mesh: its sum of squares and whether any rank's
         shard holds an inf/nan, with every rank's ``settings`` (the step's hyperparameters and ``nonfinite``
-        policy), in one small all-gather (:meth:`_meet`): a rank that steps with other settings than the others
-        makes every rank raise, naming them, before anything is updated."""
+        policy) and which of its parameters have a gradient, in one small all-gather (:meth:`_meet`): a rank that
+        steps with other settings than the others, or other parameters (a ``.grad`` set to None on some ranks
+        only: each rank would step the shards it has gradients for, as AdamW does, and FSDP's all-gather would join
+        a parameter updated on some ranks only), makes every rank raise, naming them, before anything is
+        updated."""
         phase = CLIP if clipping else STEP
         with self._failing(phase):
             bad = super().gather(plans, check=check)
             sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
-        rows = self._meet(phase, settings, sq, local_bad)
+        present = bytes(bytearray(has for lane in chain.from_iterable(plans) for has in lane.present))
+        rows = self._meet(phase, settings, sq, local_bad, digest_bytes(present))
+        if len({row[5] for row in rows}) > 1:
+            self._refuse_presence(plans, present)
         self._sq = sum(row[0] for row in self._replica(rows))
         self._bad = any(row[1] > 0 for row in rows) or not math.isfinite(self._sq)
         return check and self._bad
@@ -145,13 +153,14 @@ class FSDPTransport(Transport):
         return meeting_on_failure(lambda: self._exchanges, lambda: self._meet(phase, (), failed=True))
 
     def _meet(self, phase: float, settings: Sequence[Tuple[str, float]], sq: float = 0.0, bad: bool = False,
-              failed: bool = False) -> List[List[float]]:
+              present: float = 0.0, failed: bool = False) -> List[List[float]]:
         """Every rank's row: (sum of squares, inf/nan flag, ``phase``, whether the rank got this far, a digest of
-        its ``settings``), one all-gather of the same size at every point where ranks meet, so that ranks at
-        different points, or failed, or with other settings are told apart. Every rank sees the same rows and so
-        raises alike (a ``failed`` rank returns: its own error follows); the values of differing settings are
-        exchanged only then, to name them."""
-        rows = self._exchange([sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings)])
+        its ``settings``, ``present``: a digest of which parameters have a gradient, checked by the caller), one
+        all-gather of the same size at every point where ranks meet, so that ranks at different points, or failed,
+        or with other settings are told apart. Every rank sees the same rows and so raises alike (a ``failed`` rank
+        returns: its own error follows); the values of differing settings are exchanged only then, to name them."""
+        rows = self._exchange([sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings),
+                               present])
         down = [r for r, row in enumerate(rows) if row[3] == 0.0]
         phases = [row[2] for row in rows]
         if failed or (not down and len(set(phases)) == 1 and len({row[4] for row in rows}) == 1):
@@ -186,6 +195,28 @@ class FSDPTransport(Transport):
             f"{where}: the ranks step with different hyperparameters: {listed}. Each rank would update its shards "
             "with its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
             "stepped on one rank only?). Nothing was updated.")
+
+    def _refuse_presence(self, plans: Lanes, present: bytes) -> None:
+        """The ranks' gradients are on different parameters (their digests differed): exchange which, and raise
+        on every rank naming the first parameter that has a gradient on some ranks only."""
+        where = f"zero_offload: rank {torch.distributed.get_rank()}"
+        lengths = {int(row[0]) for row in self._exchange([float(len(present))])}
+        if len(lengths) > 1:
+            raise RuntimeError(f"{where}: the ranks step different numbers of parameters ({sorted(lengths)}): every "
+                               "rank must give the optimizer the same model's parameters. Nothing was updated.")
+        rows = self._exchange([float(has) for has in present])
+        k = next((k for k in range(len(present)) if len({row[k] for row in rows}) > 1), None)
+        if k is None:  # (two masks with one digest)
+            return
+        lane, i = next((lane, k - at) for lane, at in _offsets(plans) if k - at < len(lane.present))
+        having = [_rank(row) for row in rows if row[k]]
+        lacking = [_rank(row) for row in rows if not row[k]]
+        raise RuntimeError(
+            f"{where}: the ranks have gradients for different parameters: {lane.bucket.label(i)} of shape "
+            f"{tuple(lane.bucket.owners[i].shape)} has one on rank(s) {having} and none on rank(s) {lacking} (its "
+            ".grad set to None on some ranks only?). Each rank would update only the shards it has gradients for, "
+            "and FSDP's all-gather would join a parameter updated on some ranks only: every rank must step the same "
+            "parameters. Nothing was updated.")
 
     def _exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
@@ -246,6 +277,14 @@ class FSDPTransport(Transport):
             local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
             value = self._all_reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
         return value, self._bad or not math.isfinite(value)
+
+
+def _offsets(plans: Lanes):
+    """Each lane of ``plans`` with the position of its first parameter among all of theirs."""
+    at = 0
+    for lane in chain.from_iterable(plans):
+        yield lane, at
+        at += len(lane.present)
 
 
 def _rank(row: Sequence[float]) -> int:
