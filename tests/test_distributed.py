@@ -100,9 +100,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+OUTDIR_VARIABLE = "ZERO_OFFLOAD_TEST_LAUNCH_OUTDIR"
+
+
 def _entry(rank, world, port, fn, args, outdir, environ):
     os.environ.clear()
     os.environ.update(environ)  # the test's environment now, not the fork server's when it started
+    os.environ[OUTDIR_VARIABLE] = outdir  # (where each rank's result appears: see _outlive_rank_0)
     torch.set_num_threads(1)
     warnings.filterwarnings("error", category=FutureWarning)  # as pyproject.toml sets for the test process
     try:
@@ -611,9 +615,17 @@ def _one_step_then_rank_1_fails(rank, world, **options):
                            timeout=FAIL_TIMEOUT, **options)
     _step(model, opt, 0, rank, world)
     if rank == 1:
-        time.sleep(3 * FAIL_TIMEOUT)  # stays alive without joining: only the timeout can end rank 0's wait
+        _outlive_rank_0(3 * FAIL_TIMEOUT)  # stays alive without joining: only the timeout can end rank 0's wait
         raise RuntimeError("rank 1 failed before its step")
     return model, opt
+
+
+def _outlive_rank_0(limit: float) -> None:
+    """Wait until rank 0 of this launch has written its result, or ``limit`` seconds."""
+    done = os.path.join(os.environ[OUTDIR_VARIABLE], "0.pt")
+    deadline = time.monotonic() + limit
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _failing_worker(rank, world, stream):
