@@ -113,6 +113,7 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["refuse/nonfinite_named"] = h.Call(refuse_nonfinite_naming_it)
         jobs["refuse/grad_on_some_ranks"] = h.Call(refuse_grad_on_some_ranks, (False,))
         jobs["refuse/grad_on_some_ranks_clip"] = h.Call(refuse_grad_on_some_ranks, (True,))
+        jobs["refuse/grad_on_some_ranks_hsdp"] = h.Call(refuse_grad_on_some_ranks, (False, "hsdp_replicate"))
         jobs["refuse/invalid_lr_on_one_rank"] = h.Call(refuse_invalid_lr_on_one_rank)
         jobs["refuse/clip_on_one_rank"] = h.Call(refuse_clip_on_one_rank)
         jobs["clip/returns"] = h.Call(clip_returns)
@@ -1028,12 +1029,13 @@ def test_an_inf_in_one_ranks_shard_is_named_alike_on_every_rank(world2):
         assert unchanged, rank
 
 
-def refuse_grad_on_some_ranks(rank, world, clip: bool):
+def refuse_grad_on_some_ranks(rank, world, clip: bool, recipe: str = "plain"):
     """The first block's up-projection's gradient set to None on rank 1 only: ``step()`` (or with ``clip``,
     ``opt.clip_grad_norm_``) raises on every rank, naming it and the ranks, where AdamW would update rank 0's shard
     of it alone; nothing is updated. With that gradient let go on every rank, the step then matches AdamW's on the
-    same gradients (params and moments of every local shard)."""
-    recipe = h.RECIPES["plain"]
+    same gradients (params and moments of every local shard). Under HSDP (``"hsdp_replicate"``: two replicas of
+    one shard) the ranks that differ are replicas of each other: they are compared as well."""
+    recipe = h.RECIPES[recipe]
     loops = []
     for make in (OURS, ADAMW):
         model = h.build_model(world, recipe)
@@ -1057,7 +1059,8 @@ def refuse_grad_on_some_ranks(rank, world, clip: bool):
     return kind, message, unchanged, tuple(ours.model.blocks[0].up.weight.shape), pairs
 
 
-@pytest.mark.parametrize("job", ["refuse/grad_on_some_ranks", "refuse/grad_on_some_ranks_clip"])
+@pytest.mark.parametrize("job", ["refuse/grad_on_some_ranks", "refuse/grad_on_some_ranks_clip",
+                                 "refuse/grad_on_some_ranks_hsdp"])
 def test_a_gradient_on_some_ranks_only_is_refused_on_every_rank_naming_it(world2, job):
     for rank, (kind, message, unchanged, shape, pairs) in world2[job].per_rank.items():
         assert kind == "RuntimeError" and "gradients for different parameters" in message, (rank, message)
