@@ -13,6 +13,7 @@ import os
 import pwd
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,12 +102,18 @@ def _loader(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("ZERO_OFFLOAD_SIMD", None)
     server = subprocess.Popen([sys.executable, "-c", _SERVER, textwrap.dedent(_LOAD)], env=env, cwd="/",
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     _SERVED.update(server=server, outputs=tmp_path_factory.mktemp("loads"), count=itertools.count())
-    yield
-    _SERVED.clear()
-    server.stdin.close()
-    server.wait(timeout=60)
+    try:
+        yield
+    finally:
+        _SERVED.clear()
+        server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)  # (with a load that hung: its own session)
+            server.wait()
 
 
 def _load(root, **env):
@@ -119,7 +126,9 @@ def _load(root, **env):
     server.stdin.write(json.dumps([full, out]) + "\n")
     server.stdin.flush()
     ready, _, _ = select.select([server.stdout], [], [], 300)
-    assert ready, "the load did not finish in 300 s"
+    if not ready:
+        os.killpg(server.pid, signal.SIGKILL)  # the server and the hung load: no later load waits behind it
+        pytest.fail("the load did not finish in 300 s")
     status = int(server.stdout.readline())
     assert status == 0, Path(out + ".err").read_text()
     return json.loads(Path(out).read_text().strip().splitlines()[-1])

@@ -199,15 +199,14 @@ class FSDPTransport(Transport):
     def _refuse_presence(self, plans: Lanes, present: bytes) -> None:
         """The ranks' gradients are on different parameters (their digests differed): exchange which, and raise
         on every rank naming the first parameter that has a gradient on some ranks only."""
-        where = f"zero_offload: rank {torch.distributed.get_rank()}"
-        lengths = {int(row[0]) for row in self._exchange([float(len(present))])}
+        counts = self._exchange([float(len(present))])
+        where = f"zero_offload: rank {torch.distributed.get_rank()} ({len(counts)} ranks in the FSDP2 mesh)"
+        lengths = {int(row[0]) for row in counts}
         if len(lengths) > 1:
             raise RuntimeError(f"{where}: the ranks step different numbers of parameters ({sorted(lengths)}): every "
                                "rank must give the optimizer the same model's parameters. Nothing was updated.")
         rows = self._exchange([float(has) for has in present])
-        k = next((k for k in range(len(present)) if len({row[k] for row in rows}) > 1), None)
-        if k is None:  # (two masks with one digest)
-            return
+        k = next(k for k in range(len(present)) if len({row[k] for row in rows}) > 1)  # (the digests differed)
         lane, i = next((lane, k - at) for lane, at in _offsets(plans) if k - at < len(lane.present))
         having = [_rank(row) for row in rows if row[k]]
         lacking = [_rank(row) for row in rows if not row[k]]
