@@ -135,7 +135,7 @@ class FSDPTransport(Transport):
         present = bytes(bytearray(has for lane in chain.from_iterable(plans) for has in lane.present))
         rows = self._meet(phase, settings, sq, local_bad, digest_bytes(present))
         if len({row[5] for row in rows}) > 1:
-            self._refuse_presence(plans, present)
+            self._refuse_presence(plans, present, rows)
         self._sq = sum(row[0] for row in self._replica(rows))
         self._bad = any(row[1] > 0 for row in rows) or not math.isfinite(self._sq)
         return check and self._bad
@@ -165,7 +165,7 @@ class FSDPTransport(Transport):
         phases = [row[2] for row in rows]
         if failed or (not down and len(set(phases)) == 1 and len({row[4] for row in rows}) == 1):
             return rows  # (every step: nothing more to look up)
-        where = f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
+        where = _where(rows)
         if down:
             raise RuntimeError(
                 f"{where}: " + "; ".join(f"rank {_rank(rows[r])} raised {_WHERE.get(rows[r][2], rows[r][2])}"
@@ -183,11 +183,8 @@ class FSDPTransport(Transport):
 
     def _name_settings(self, settings: Sequence[Tuple[str, float]], where: str) -> None:
         """The ranks' settings differ (their digests did): exchange them and raise, naming those that differ."""
-        lengths = [int(row[0]) for row in self._exchange([float(len(settings))])]
-        if len(set(lengths)) > 1:
-            raise RuntimeError(f"{where}: the ranks step with different numbers of settings ({lengths}, by rank): "
-                               "a param group added on some ranks only? Nothing was updated.")
-        rows = self._exchange([float(v) for _, v in settings])
+        rows = self._exchange_listed([float(v) for _, v in settings], where,
+                                     "settings (a param group added on some ranks only?)")
         listed = differing(settings, rows, [_rank(row) for row in rows])
         if not listed:
             return
@@ -196,18 +193,13 @@ class FSDPTransport(Transport):
             "with its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
             "stepped on one rank only?). Nothing was updated.")
 
-    def _refuse_presence(self, plans: Lanes, present: bytes) -> None:
-        """The ranks' gradients are on different parameters (their digests differed): exchange which, and raise
-        on every rank naming the first parameter that has a gradient on some ranks only."""
-        counts = self._exchange([float(len(present))])
-        where = f"zero_offload: rank {torch.distributed.get_rank()} ({len(counts)} ranks in the FSDP2 mesh)"
-        lengths = {int(row[0]) for row in counts}
-        if len(lengths) > 1:
-            raise RuntimeError(f"{where}: the ranks step different numbers of parameters ({sorted(lengths)}): every "
-                               "rank must give the optimizer the same model's parameters. Nothing was updated.")
-        rows = self._exchange([float(has) for has in present])
+    def _refuse_presence(self, plans: Lanes, present: bytes, rows: List[List[float]]) -> None:
+        """The ranks' gradients are on different parameters (their digests in ``rows`` differed): exchange which,
+        and raise on every rank naming the first parameter that has a gradient on some ranks only."""
+        where = _where(rows)
+        rows = self._exchange_listed([float(has) for has in present], where, "parameters (another model?)")
         k = next(k for k in range(len(present)) if len({row[k] for row in rows}) > 1)  # (the digests differed)
-        lane, i = next((lane, k - at) for lane, at in _offsets(plans) if k - at < len(lane.present))
+        lane, i = [(lane, i) for lane in chain.from_iterable(plans) for i in range(len(lane.present))][k]
         having = [_rank(row) for row in rows if row[k]]
         lacking = [_rank(row) for row in rows if not row[k]]
         raise RuntimeError(
@@ -216,6 +208,16 @@ class FSDPTransport(Transport):
             ".grad set to None on some ranks only?). Each rank would update only the shards it has gradients for, "
             "and FSDP's all-gather would join a parameter updated on some ranks only: every rank must step the same "
             "parameters. Nothing was updated.")
+
+    def _exchange_listed(self, values: List[float], where: str, what: str) -> List[List[float]]:
+        """:meth:`_exchange` of lists whose lengths may differ between the ranks (the values of what their
+        digests found different): the lengths first, and a ``RuntimeError`` on every rank naming ``what`` where
+        they differ."""
+        lengths = [int(row[0]) for row in self._exchange([float(len(values))])]
+        if len(set(lengths)) > 1:
+            raise RuntimeError(f"{where}: the ranks step with different numbers of {what} ({lengths}, by rank). "
+                               "Nothing was updated.")
+        return self._exchange(values)
 
     def _exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
@@ -278,12 +280,9 @@ class FSDPTransport(Transport):
         return value, self._bad or not math.isfinite(value)
 
 
-def _offsets(plans: Lanes):
-    """Each lane of ``plans`` with the position of its first parameter among all of theirs."""
-    at = 0
-    for lane in chain.from_iterable(plans):
-        yield lane, at
-        at += len(lane.present)
+def _where(rows: Sequence[Sequence[float]]) -> str:
+    """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""
+    return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
 
 
 def _rank(row: Sequence[float]) -> int:
