@@ -47,11 +47,11 @@ OURS_SPECULATING = functools.partial(OffloadOptimizer, speculate=True)
 
 
 def ours_copying(params, **kw):
-    """OffloadOptimizer where FSDP keeps host shards in a way it cannot take over (zero_offload.fsdp2.home finds
+    """OffloadOptimizer where FSDP keeps host shards in a way it cannot take over (zero_offload.fsdp2.takeover finds
     none): a separate master, each update copied into the shard."""
     from unittest import mock
 
-    with mock.patch("zero_offload.fsdp2.home", lambda p, record: None):
+    with mock.patch("zero_offload.fsdp2.takeover", lambda p, record: None):
         return OffloadOptimizer(params, **kw)
 
 

@@ -12,12 +12,11 @@ from zero_offload._checks import CheckedGrads
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Run, Slots
 from zero_offload.state.codecs import Codec
+from zero_offload.state.home import Copies
 
 __all__ = ["Copies", "RunSpec", "copies_of", "is_whole", "run_rule", "touched"]
 
 RunSpec = Tuple[int, int, int]  # (first, last, step count before the update): see FlatBucket.runs
-# Copies of a bucket's buffers by name ("master", the rule's, "staging"), and of their 8-bit scales.
-Copies = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
 
 
 def is_whole(bucket: FlatBucket, runs: Sequence[RunSpec]) -> bool:
@@ -33,11 +32,8 @@ def touched(bucket: FlatBucket, runs: Sequence[RunSpec]) -> Sequence[int]:
 
 
 def copies_of(bucket: FlatBucket) -> Copies:
-    """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
-    flat = {"master": bucket.master.clone(), **{n: t.clone() for n, t in bucket.store.flat.items()}}
-    if bucket.staging is not None:
-        flat["staging"] = bucket.staging.clone()
-    return flat, {n: t.clone() for n, t in bucket.store.scales.items()}
+    """Copies of everything an update writes (see :meth:`~zero_offload.state.home.Home.copies`)."""
+    return bucket.home.copies()
 
 
 def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.Tensor],
@@ -45,22 +41,20 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
              copies: Optional[Copies] = None, out: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """The rule's update of each run, reading the gradients from ``grad`` (flat, the bucket's layout; None: the
     bucket's gradient buffer) or ``in_place`` (per parameter, where they are), on the bucket's buffers or
-    ``copies``; a device-tier bucket's with the rule's device update. With ``out`` (whole-bucket destinations by
-    name: ``"master"``, each state buffer the update writes, their ``"<name>_scale"``, and ``"param"`` for the
-    low-precision output), the bucket's buffers are only read (the rule must write out of place). A run starts on
-    a slot, so it owns whole scale blocks of 8-bit state."""
-    rule, layout, store = bucket.rule, bucket.layout, bucket.store
-    update = rule.update_on_device if bucket.device_tier else rule.update
+    ``copies``, run where the bucket's home steps it (:meth:`~zero_offload.state.home.Home.update`). With ``out``
+    (whole-bucket destinations by name: ``"master"``, each state buffer the update writes, their
+    ``"<name>_scale"``, and ``"param"`` for the low-precision output), the bucket's buffers are only read (the rule
+    must write out of place). A run starts on a slot, so it owns whole scale blocks of 8-bit state."""
+    rule, layout, home = bucket.rule, bucket.layout, bucket.home
     if grad is None and in_place is None:
         grad = bucket.grad
-    master = bucket.master if copies is None else copies[0]["master"]
     staging = None if copies is None else copies[0].get("staging")
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
     dry = copies is not None  # a preview (saving the state a pending update will leave): nothing kept changes
     for index, (first, last, step) in enumerate(runs):
         a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
-        state, scales = store.run_state(a, b, copies)
+        master, state, scales = home.run_buffers(a, b, copies)
         if out is not None:
             param_out = out["param"][a:b] if "param" in out else None
             dest = _run_out(out, a, b)
@@ -69,12 +63,12 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
             dest = None
         slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry)
         if in_place is None:
-            run = Run(master[a:b], grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots)
+            run = Run(master, grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots)
         else:
             grads = in_place if whole else CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
-            run = Run(master[a:b], None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots)
-        update(run, hyper)
+            run = Run(master, None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots)
+        home.update(rule, run, hyper)
 
 
 def _run_out(out: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:

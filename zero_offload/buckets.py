@@ -1,7 +1,6 @@
 """A bucket: a run of parameters of one parameter group that share a device and a dtype, laid out in aligned flat
-host buffers (:mod:`zero_offload.state.layout`), and the composition of what lives there: the update rule's state
-(:class:`~zero_offload.state.store.StateStore`), the masters and parameter binding
-(:class:`~zero_offload.state.params.Masters`) and the gradient slots (:class:`~zero_offload.grads.GradSlots`).
+buffers (:mod:`zero_offload.state.layout`), and the composition of what lives there: its state, in a home
+(:mod:`zero_offload.state.home`), and its gradient slots (:class:`~zero_offload.grads.GradSlots`).
 Also: planning a group's buckets, estimating their host RAM from the same declarations, and allocating them.
 
 The per-parameter optimizer state PyTorch exposes is views of the buffers' slots, shaped and strided like the
@@ -28,10 +27,11 @@ from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import (ALIGN, BucketLayout, ShardLayout, align_up, memory_order_flat, plan_buckets,
                                        view_like)
-from zero_offload.state.params import Masters
-from zero_offload.state.store import StateStore, state_bytes
-from zero_offload.state.tiers import DeviceTier, HostTier, should_pin
-from zero_offload.state.views import StateViews
+from zero_offload.state.device_home import DeviceHome
+from zero_offload.state.home import Home
+from zero_offload.state.host_home import HostHome
+from zero_offload.state.store import state_bytes
+from zero_offload.state.tiers import HostTier, should_pin
 
 __all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardLayout", "plan_buckets", "align_up", "view_like",
            "memory_order_flat", "check_grads", "should_pin", "estimate_layouts", "estimate_params", "allocate_group",
@@ -42,10 +42,10 @@ logger = logging.getLogger("zero_offload")
 
 def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], pin_memory: Optional[bool],
                      world_size: int = 1, delayed_update: bool = False, state_dtype: torch.dtype = torch.float32,
-                     rule: Rule = ADAMW, homes: Optional[Sequence[Any]] = None) -> HostMemoryEstimate:
+                     rule: Rule = ADAMW, takeovers: Optional[Sequence[Any]] = None) -> HostMemoryEstimate:
     """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` (per rank when
-    sharded over ``world_size``), without allocating: the same declarations as the real buckets'. ``homes``: the
-    layouts are of FSDP2's local shards, with each one's :func:`zero_offload.fsdp2.home` (as
+    sharded over ``world_size``), without allocating: the same declarations as the real buckets'. ``takeovers``: the
+    layouts are of FSDP2's local shards, with each one's :func:`zero_offload.fsdp2.takeover` (as
     :func:`allocate_group`'s): a bucket on the host has no gradient buffer until one is needed (FSDP's gradients
     are read where they are), and the slots that take over shards FSDP pins are pinned."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
@@ -55,9 +55,9 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
         on_cpu = layout.device.type == "cpu"
         bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
                                  pin=should_pin(layout.device, pin_memory), world_size=world_size,
-                                 delayed_update=delayed_update, grad_buffer=homes is None or not on_cpu)
-        if _pins_home(bucket_homes(layout, homes)):
-            bucket = _pinned_home(bucket, layout.dtype != torch.float32)
+                                 delayed_update=delayed_update, grad_buffer=takeovers is None or not on_cpu)
+        if _pins_takeover(bucket_takeovers(layout, takeovers)):
+            bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
         total = total + bucket
     return total
 
@@ -79,24 +79,25 @@ def estimate_params(params: Iterable[Any], *, defaults: Optional[Dict[str, Any]]
         raise ValueError(f"OffloadOptimizer.estimate_host_memory: world_size={world_size} with FSDP2's sharded "
                          "parameters (DTensors): their estimate is per rank already, from this rank's local shards "
                          "(world_size is the process_group's, for plain parameters)")
-    total, sharding, homes = HostMemoryEstimate(0, 0, {}, 0, 0), None, None
+    total, sharding, takeovers = HostMemoryEstimate(0, 0, {}, 0, 0), None, None
     for g, ps in groups:
         settings = {**(defaults or {}), **{k: v for k, v in g.items() if k != "params"}}
         if fsdp:  # as the constructor lays them out: this rank's local shards, cut at FSDP's units
-            sharding, units, homes = fsdp2.plan(ps, sharding)
-            layouts = plan_local([fsdp2.local_shard(p) for p in ps], bucket_numel, units, homes)
+            sharding, units, takeovers = fsdp2.plan(ps, sharding)
+            layouts = plan_local([fsdp2.local_shard(p) for p in ps], bucket_numel, units, takeovers)
         else:
             layouts = plan_buckets(ps, bucket_numel)
         host = [l for l, g in zip(layouts, device_tier_plan(layouts, gpu_fraction)) if not g]
         total = total + estimate_layouts(host, rule.buffers_for(settings), pin_memory, world_size, delayed_update,
-                                         state_dtype, rule, homes)
+                                         state_dtype, rule, takeovers)
     return total
 
 
 class FlatBucket:
-    """One bucket's buffers and the per-parameter views into them: the rule's state (:attr:`store`, in
-    ``state_dtype``), the fp32 masters and low-precision ``staging`` (:attr:`masters`), the gradient slots
-    (:attr:`grads`), and the state entries ``opt.state`` shows (:attr:`views`).
+    """One bucket: a run of parameters laid out in aligned flat buffers, and the composition of what lives there:
+    its state, in its :attr:`home` (the rule's buffers in ``state_dtype``, the fp32 masters and low-precision
+    ``staging``, the step counts, the entries ``opt.state`` shows: see :mod:`zero_offload.state.home`) and its
+    gradient slots (:attr:`grads`).
 
     **Sharded** (``shard`` given, see :class:`ShardLayout`): every buffer holds this rank's shard only, ``layout``
     is the shard's, and per-parameter views are 1-D pieces; the kernel's gradient multiplier carries the 1/world of
@@ -110,90 +111,86 @@ class FlatBucket:
         shard (ShardLayout, optional): this rank's cut of the bucket.
         grads_reduced (bool): sharded, the gradients arrive averaged already (no 1/world in the multiplier).
         where (str): "param group G, bucket B", for error messages.
-        group (int): the param group's index, and ``names`` (optional) its ``param_names``: error messages name
-            a parameter by both.
         state_dtype (torch.dtype): the state's codec, ``torch.float32``, ``torch.bfloat16`` or ``torch.int8``
             (8-bit block-wise). Default: ``torch.float32``.
+        group (int): the param group's index, and ``names`` (optional) its ``param_names``: error messages name
+            a parameter by both.
+        device_tier (bool): the state's home is the GPU's memory (``gpu_fraction``). Default: False.
+        owners (Sequence[Tensor], optional): FSDP2: the group's DTensor parameters, whose local shards ``params``
+            are; ``takeovers`` each one's record where its slot takes over the shard's storage
+            (:func:`zero_offload.fsdp2.takeover`).
     """
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, rule: Rule = ADAMW,
                  buffers: Optional[Sequence[StateBuffer]] = None, pin: bool, shard: Optional[ShardLayout] = None,
                  grads_reduced: bool = False, where: str = "", state_dtype: torch.dtype = torch.float32,
                  group: int = 0, names: Optional[Sequence[str]] = None, device_tier: bool = False,
-                 owners: Optional[Sequence[torch.Tensor]] = None, homes: Optional[Sequence[Any]] = None):
+                 owners: Optional[Sequence[torch.Tensor]] = None, takeovers: Optional[Sequence[Any]] = None):
         self.shard, self.where, self.group, self.rule = shard, where, group, rule
         self.names = None if not names else [names[i] for i in layout.indices]
         self.params: List[torch.Tensor] = [params[i] for i in layout.indices]
         # The tensors users see (the keys of opt.state, whose .grad and hooks the optimizer reads): the parameters
         # themselves, or FSDP2's DTensor parameters, whose local shards ``params`` then are (zero_offload.fsdp2).
-        self.fsdp = owners is not None
         self.owners: List[torch.Tensor] = self.params if owners is None else [owners[i] for i in layout.indices]
-        self.shapes = [p.shape for p in self.params]
         self.device, self.dtype = layout.device, layout.dtype
-        self.on_cpu = layout.device.type == "cpu"
         self.low_precision = layout.dtype != torch.float32
-        homes = bucket_homes(layout, homes)
+        on_cpu = layout.device.type == "cpu"
+        takeovers = bucket_takeovers(layout, takeovers)
         # The state lives with the parameters: a CPU bucket (FSDP2's host shards where their storage is taken over),
         # or a GPU bucket whose state is on the device tier (``gpu_fraction``): no transfers, the parameters bound
         # to the slots the update writes.
-        self.resident = (self.on_cpu and (not self.fsdp or homes is not None)) or device_tier
-        self.device_tier = device_tier  # the state is on its GPU (``gpu_fraction``), updated there
+        self.resident = (on_cpu and (owners is None or takeovers is not None)) or device_tier
         # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
         # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
         # transport orders the next gradient copies into the buffer after that upload. A CPU parameter *is* its
         # staging slot, and a sharded bucket all-gathers from its staging shard: those keep one.
         self.shares_grad = self.low_precision and not self.resident and shard is None
         # (nothing of a sharded CPU bucket, or of a device-tier one, goes through host memory to a GPU)
-        self.pin = pin and not (shard is not None and self.on_cpu) and not device_tier
-        self.home_pinned = _pins_home(homes)
-        tier = DeviceTier(layout.device) if device_tier else HostTier(self.pin)
+        self.pin = pin and not (shard is not None and on_cpu) and not device_tier
+        self.takeover_pinned = _pins_takeover(takeovers)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
-        pieces = None if shard is None else shard.pieces
-        self.masters = Masters(self.params, self.layout, shard, tier, self.shares_grad, self._views, self.owners,
-                               bind=not self.fsdp, homes=homes, home_tier=HostTier(True) if self.home_pinned else None)
-        self.store = StateStore(rule, rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
-                                state_dtype, tier, self.layout.padded_numel, self._views, len(self.params))
-        self.grads = GradSlots(self.params, self.shapes, self.layout, self.full, pieces,
-                               shard is not None and self.resident, tier, self.label, lazy=self.fsdp and self.on_cpu)
-        self.views = StateViews(rule, self.store, self.masters, self.layout, shard, self.params,
-                                self.owners if self.fsdp else None)
-        self.state_dtype, self.compact, self.steps = state_dtype, self.store.compact, self.store.steps
+        self.home: Home = self._home(DeviceHome if device_tier else HostHome,
+                                     rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
+                                     state_dtype, takeovers)
+        self.grads = self._grads(self.home, lazy=self.fsdp and on_cpu)
+
+    def _home(self, kind: type, buffers: Sequence[StateBuffer], state_dtype: torch.dtype,
+              takeovers: Optional[Sequence[Any]] = None) -> Home:
+        """A home of ``kind`` for this bucket's state (its slots cut as the bucket cuts them)."""
+        return kind(self.device, self.pin, rule=self.rule, buffers=buffers, state_dtype=state_dtype,
+                    params=self.params, owners=self.owners, layout=self.layout, shard=self.shard, views=self._views,
+                    bind=not self.fsdp, shares_grad=self.shares_grad, placed=self.owners if self.fsdp else None,
+                    takeovers=takeovers,
+                    takeover_tier=HostTier(True) if takeovers is not None and self.takeover_pinned else None)
+
+    def _grads(self, home: Home, lazy: bool = False) -> GradSlots:
+        """The gradient slots, in ``home``'s tier."""
+        return GradSlots(self.params, [p.shape for p in self.params], self.layout, self.full,
+                         None if self.shard is None else self.shard.pieces, self.shard is not None and self.resident,
+                         home.tier, self.label, lazy=lazy)
 
     def move_to_device(self) -> None:
         """Re-home the bucket's state on its GPU (``gpu_fraction="auto"``, between steps): the same masters,
-        buffers, step counts and entries' flags in device memory, the parameters bound to their new slots. The
-        caller has waited for every copy in flight; it shows the new entries and stops streaming the bucket. An
-        allocation failure leaves the bucket as it was."""
-        tier = DeviceTier(self.device)
-        masters = Masters(self.params, self.layout, self.shard, tier, False, self._views, self.owners,
-                          bind=not self.fsdp)
-        store = StateStore(self.rule, [self.store.declared[n] for n in self.store.flat], self.state_dtype, tier,
-                           self.layout.padded_numel, self._views, len(self.params))
-        grads = GradSlots(self.params, self.shapes, self.layout, self.full,
-                          None if self.shard is None else self.shard.pieces, self.shard is not None, tier, self.label)
-        for name, buf in self.store.flat.items():
-            store.flat[name].copy_(buf)
-        if masters.separate:
-            masters.master.copy_(self.masters.master)
-        # The parameters hold what was uploaded from the old masters (an fp32 master itself): their slots take it.
-        masters.fill_param_slots()
-        store.steps = self.store.steps  # (the entries' "step" tensors are views of it)
-        versions, exposed = self.masters.versions, list(self.views.exposed)
-        self.resident, self.device_tier, self.shares_grad, self.pin = True, True, False, False
-        self.masters, self.store, self.grads = masters, store, grads
-        masters.bind()
-        masters.versions = [v if v < 0 else fsdp2.version(p) for v, p in zip(versions, self.owners)]
-        self.views = StateViews(self.rule, store, masters, self.layout, self.shard, self.params,
-                                self.owners if self.fsdp else None)
-        for i, e in enumerate(exposed):
-            self.views.set_exposed(i, e)
+        buffers, step counts and entries' flags in device memory, the parameters bound to their new slots (see
+        :meth:`DeviceHome.take_over`). The caller has waited for every copy in flight; it shows the new entries and
+        stops streaming the bucket. An allocation failure leaves the bucket as it was."""
+        resident, shares_grad, pin = self.resident, self.shares_grad, self.pin
+        self.resident, self.shares_grad, self.pin = True, False, False  # (what the device home is made with)
+        try:
+            home = self._home(DeviceHome, [self.home.declared[n] for n in self.home.names], self.state_dtype)
+            grads = self._grads(home)
+        except BaseException:
+            self.resident, self.shares_grad, self.pin = resident, shares_grad, pin
+            raise
+        home.take_over(self.home)
+        self.home, self.grads = home, grads
 
     def device_cost(self) -> int:
         """Device bytes :meth:`move_to_device` would add (see :meth:`device_bytes`)."""
         n = self.layout.padded_numel
-        cost = sum(self.store.nbytes().values()) + (4 * n if self.low_precision else 0)
+        cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision else 0)
         if self.shard is not None:
             cost += self.full.padded_numel * self.dtype.itemsize  # the full gradient the reduce-scatter reads
         return cost
@@ -220,6 +217,16 @@ class FlatBucket:
 
     # -- the parts, by the names the other modules read ----------------------------------------------------------
     sharded = property(lambda self: self.shard is not None)
+    on_cpu = property(lambda self: self.device.type == "cpu")
+    fsdp = property(lambda self: self.owners is not self.params)  # FSDP2's local shards (see the constructor)
+    device_tier = property(lambda self: self.home.on_device)  # stepped on its GPU (``gpu_fraction``)
+    masters = property(lambda self: self.home.masters)
+    store = property(lambda self: self.home.store)
+    views = property(lambda self: self.home.views)
+    steps = property(lambda self: self.home.store.steps)
+    state_dtype = property(lambda self: self.home.store.state_dtype)
+    compact = property(lambda self: self.home.store.compact)
+    shapes = property(lambda self: self.grads.shapes)
     master = property(lambda self: self.masters.master)
     master_views = property(lambda self: self.masters.master_views)
     staging = property(lambda self: self.masters.staging)
@@ -299,26 +306,27 @@ class FlatBucket:
 
     def count_steps(self, runs: Sequence[Tuple[int, int, int]]) -> Sequence[int]:
         """One more step for the parameters of ``runs`` (see :meth:`runs`); returns those parameters."""
+        steps = self.steps
         if len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == len(self.params) - 1:
-            self.steps += 1
+            steps += 1
             return range(len(self.params))
         for first, last, _ in runs:
-            self.steps[first : last + 1] += 1
+            steps[first : last + 1] += 1
         return [i for first, last, _ in runs for i in range(first, last + 1)]
 
     # -- memory --------------------------------------------------------------------------------------------------
     def ensure_buffers(self, buffers: Sequence[StateBuffer]) -> List[str]:
         """Allocate those of the rule's ``buffers`` the bucket lacks (a group switched amsgrad on); their names."""
-        return self.store.ensure(buffers)
+        return self.home.ensure(buffers)
 
     def device_bytes(self) -> Dict[str, int]:
         """Device memory the device tier adds to the parameters', by buffer (empty for a host bucket): the rule's
         state, a separate fp32 master (low-precision parameters), gradient buffers made. The parameters' own
         storage becomes the master (fp32) or staging slots and is not counted."""
-        if not self.device_tier:
+        if self.home.tier.host:
             return {}
-        held = dict(self.store.tensors())
-        if self.masters.separate:
+        held = dict(self.home.tensors())
+        if self.separate_master:
             held["master"] = self.master
         if self.grads.allocated:
             held["grad"] = self.grad
@@ -327,17 +335,17 @@ class FlatBucket:
         return {name: t.numel() * t.element_size() for name, t in held.items()}
 
     def estimate(self) -> HostMemoryEstimate:
-        if self.device_tier:  # (no host buffers: see device_bytes)
+        if not self.home.tier.host:  # (no host buffers: see device_bytes)
             return HostMemoryEstimate(self.full.numel, 0, {}, 0, 0)
         held = estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                               state=self.store.nbytes(), pin=self.pin,
+                               state=self.home.nbytes(), pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None,
                                grad_buffer=self.grads.allocated)
-        return _pinned_home(held, self.low_precision) if self.home_pinned else held
+        return _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
 
     def buffers(self) -> Dict[str, torch.Tensor]:
-        out = {"master": self.master, **self.store.tensors()}
+        out = {"master": self.master, **self.home.tensors()}
         if self.grads.allocated:
             out["grad"] = self.grad
         if self.staging is not None:
@@ -366,10 +374,10 @@ class _Room:
     address-space limit met part way, memory taken meanwhile by another process)."""
 
     def __init__(self, layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[StateBuffer], options: Options,
-                 world: int, rule: Rule, homes: Optional[Sequence[Any]] = None):
+                 world: int, rule: Rule, takeovers: Optional[Sequence[Any]] = None):
         self.layouts, self.gi, self.buffers, self.options, self.world, self.rule = (layouts, gi, buffers, options,
                                                                                     world, rule)
-        self.homes = homes  # (FSDP2's: see estimate_layouts)
+        self.takeovers = takeovers  # (FSDP2's: see estimate_layouts)
 
     def estimate(self, buffers: Optional[Sequence[StateBuffer]] = None, world: Optional[int] = None,
                  delayed: Optional[bool] = None, state_dtype: Optional[torch.dtype] = None) -> HostMemoryEstimate:
@@ -377,7 +385,7 @@ class _Room:
         return estimate_layouts(self.layouts, self.buffers if buffers is None else buffers, o.pin_memory,
                                 self.world if world is None else world,
                                 o.delayed_update if delayed is None else delayed,
-                                o.state_dtype if state_dtype is None else state_dtype, self.rule, self.homes)
+                                o.state_dtype if state_dtype is None else state_dtype, self.rule, self.takeovers)
 
     def check(self) -> None:
         """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
@@ -449,27 +457,27 @@ def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[boo
 
 def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]] = None,
                    rule: Rule = ADAMW, data: Optional[Sequence[torch.Tensor]] = None,
-                   units: Optional[Sequence[int]] = None, homes: Optional[Sequence[Any]] = None) -> List[FlatBucket]:
+                   units: Optional[Sequence[int]] = None, takeovers: Optional[Sequence[Any]] = None) -> List[FlatBucket]:
     """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``) with the state
     ``rule`` declares for the group's hyperparameters. ``MemoryError`` with the numbers, and nothing left allocated,
     if the host has no room for them (checked first) or their allocation fails. FSDP2: ``data`` are the parameters'
     local shards, which the buckets hold (the group's parameters their owners), ``units`` each one's FSDP unit, at
-    whose boundaries buckets are cut, and ``homes`` each one's record where its slot takes over the shard's storage
-    (see :func:`zero_offload.fsdp2.home`; its slot then has room for FSDP's padding rows too)."""
+    whose boundaries buckets are cut, and ``takeovers`` each one's record where its slot takes over the shard's storage
+    (see :func:`zero_offload.fsdp2.takeover`; its slot then has room for FSDP's padding rows too)."""
     if data is None:
         layouts = plan_buckets(group["params"], options.bucket_numel)
     else:
-        layouts = plan_local(data, options.bucket_numel, units, homes)
+        layouts = plan_local(data, options.bucket_numel, units, takeovers)
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
     room = _Room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule,
-                 homes)
+                 takeovers)
     room.check()
     buckets: List[FlatBucket] = []
     failed = ""
     try:
-        _make_buckets(buckets, layouts, on_device, group, gi, options, sharded, rule, buffers, data, homes)
+        _make_buckets(buckets, layouts, on_device, group, gi, options, sharded, rule, buffers, data, takeovers)
     except (MemoryError, OSError, RuntimeError) as exc:
         if not _host_allocation_failed(exc):
             raise
@@ -482,39 +490,39 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Op
     return buckets
 
 
-def bucket_homes(layout: BucketLayout, homes: Optional[Sequence[Any]]) -> Optional[List[Any]]:
+def bucket_takeovers(layout: BucketLayout, takeovers: Optional[Sequence[Any]]) -> Optional[List[Any]]:
     """The records of the FSDP2 shards on the host whose storage the slots of ``layout`` take over
-    (:func:`zero_offload.fsdp2.home`, given per parameter of the group), all or none."""
-    if homes is None or layout.device.type != "cpu":
+    (:func:`zero_offload.fsdp2.takeover`, given per parameter of the group), all or none."""
+    if takeovers is None or layout.device.type != "cpu":
         return None
-    mine = [homes[i] for i in layout.indices]
+    mine = [takeovers[i] for i in layout.indices]
     return mine if mine and all(h is not None for h in mine) else None
 
 
-def _pins_home(homes: Optional[Sequence[Any]]) -> bool:
+def _pins_takeover(takeovers: Optional[Sequence[Any]]) -> bool:
     """FSDP pins the shards it keeps for CPUOffloadPolicy(pin_memory=True) (it copies them to the GPU), and re-pins
     any that are not: the slot buffer that takes them over is pinned, the rest of the state is not."""
-    return any(getattr(h, "pin_memory", False) for h in homes or ())
+    return any(getattr(h, "pin_memory", False) for h in takeovers or ())
 
 
-def _pinned_home(held: HostMemoryEstimate, low_precision: bool) -> HostMemoryEstimate:
+def _pinned_takeover(held: HostMemoryEstimate, low_precision: bool) -> HostMemoryEstimate:
     """``held`` with its pinned bytes the slot buffer the shards live in (staging, or the fp32 master)."""
     return dataclasses.replace(held, pinned_bytes=held.buffers["staging" if low_precision else "master"])
 
 
 def plan_local(data: Sequence[torch.Tensor], bucket_numel: int, units: Optional[Sequence[int]],
-               homes: Optional[Sequence[Any]]) -> List[BucketLayout]:
+               takeovers: Optional[Sequence[Any]]) -> List[BucketLayout]:
     """The buckets of FSDP2 parameters' local shards ``data``: cut at their FSDP ``units``, and a slot that takes
-    over a shard's storage (its ``homes`` record, see :func:`zero_offload.fsdp2.home`) with room for FSDP's padding
+    over a shard's storage (its ``takeovers`` record, see :func:`zero_offload.fsdp2.takeover`) with room for FSDP's padding
     rows too."""
-    rooms = None if homes is None else [0 if h is None else fsdp2.home_numel(h) for h in homes]
+    rooms = None if takeovers is None else [0 if h is None else fsdp2.takeover_numel(h) for h in takeovers]
     return plan_buckets(data, bucket_numel, cuts=units, rooms=rooms)
 
 
 def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_device: Sequence[bool],
                   group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]], rule: Rule,
                   buffers: Sequence[StateBuffer], data: Optional[Sequence[torch.Tensor]],
-                  homes: Optional[Sequence[Any]] = None) -> None:
+                  takeovers: Optional[Sequence[Any]] = None) -> None:
     """Allocate the buckets of ``layouts`` into ``out``, one at a time (``data``: see :func:`allocate_group`)."""
     world, rank = sharded if sharded is not None else (1, 0)
     for bi, layout in enumerate(layouts):
@@ -524,7 +532,7 @@ def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_dev
                             grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
                             state_dtype=options.state_dtype, group=gi, names=group.get("param_names"),
                             device_tier=on_device[bi], owners=None if data is None else group["params"],
-                            homes=homes)
+                            takeovers=takeovers)
         if options.delayed_update:
             bucket.grads.add_prev()  # allocated now, so the logged estimate and the RSS include it
         out.append(bucket)

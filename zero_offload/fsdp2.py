@@ -30,7 +30,7 @@ import torch
 
 from zero_offload._compat import own_storage
 
-__all__ = ["Sharding", "adopt_switched", "bind_shard", "given", "home", "home_numel", "home_ptrs", "is_dtensor",
+__all__ = ["Sharding", "adopt_switched", "bind_shard", "given", "takeover", "takeover_numel", "takeover_ptrs", "is_dtensor",
            "local_shard", "local_value", "plan", "take", "version", "wrap"]
 
 
@@ -208,7 +208,7 @@ def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
          managed: Optional[Dict[int, Tuple[int, Any]]] = None) -> "tuple[Sharding, List[int], List[Any]]":
     """Check that ``params`` (some of them DTensors) are FSDP2's, all on one mesh and cut alike (and on the mesh of
     the optimizer's other groups, ``sharding``); the :class:`Sharding`, each parameter's FSDP unit, and each one's
-    :func:`home` (or None). ``managed``:
+    :func:`takeover` (or None). ``managed``:
     the registry as :func:`take` read it (else read now). Raises ``TypeError`` naming what cannot be taken (a plain
     parameter among them, another placement, a DTensor FSDP does not manage)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -243,7 +243,7 @@ def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
             raise TypeError("OffloadOptimizer: the FSDP2 parameters are on different device meshes (or cut along "
                             "different dimensions); build one optimizer per mesh")
         units.append(managed[id(p)][0])
-    return sharding, units, [home(p, managed[id(p)][1]) for p in params]
+    return sharding, units, [takeover(p, managed[id(p)][1]) for p in params]
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
         return p.to_local()
 
 
-def home(p: torch.Tensor, record: Any) -> Optional[Any]:
+def takeover(p: torch.Tensor, record: Any) -> Optional[Any]:
     """FSDP's record of ``p`` (its ``FSDPParam``) where the optimizer can take over the storage of ``p``'s shard,
     else None. Taken over: a shard on the host (a CPU mesh, or ``CPUOffloadPolicy``) that FSDP keeps as a plain
     padded 1-D tensor (``_sharded_param_data``, what its all-gather reads) whose leading rows are ``p``'s local
@@ -271,14 +271,14 @@ def home(p: torch.Tensor, record: Any) -> Optional[Any]:
     return record
 
 
-def home_numel(record: Any) -> int:
-    """The elements FSDP keeps for the shard of :func:`home`'s record: the local shard and its padding rows."""
+def takeover_numel(record: Any) -> int:
+    """The elements FSDP keeps for the shard of :func:`takeover`'s record: the local shard and its padding rows."""
     return torch.Size(record.padded_sharded_param_size).numel()
 
 
 def bind_shard(p: torch.Tensor, record: Any, room: torch.Tensor, pinned: bool = False) -> torch.Tensor:
-    """Move the storage FSDP keeps for ``p``'s shard (``record``, see :func:`home`) into ``room``, a slot of the
-    optimizer's flat buffer of :func:`home_numel` elements: the values (padding included) are copied there, FSDP's
+    """Move the storage FSDP keeps for ``p``'s shard (``record``, see :func:`takeover`) into ``room``, a slot of the
+    optimizer's flat buffer of :func:`takeover_numel` elements: the values (padding included) are copied there, FSDP's
     padded tensor becomes ``room`` and ``p``'s local shard its leading rows, as FSDP lays them out itself. Its
     all-gather then reads what the optimizer's kernel writes, and its lazy initialisation, seeing the same storage,
     keeps it (a pinned shard, ``CPUOffloadPolicy(pin_memory=True)``, needs ``room`` pinned: ``pinned``). Returns
@@ -297,7 +297,7 @@ def bind_shard(p: torch.Tensor, record: Any, room: torch.Tensor, pinned: bool = 
     return local_shard(p)
 
 
-def home_ptrs(params: Sequence[torch.Tensor], records: Sequence[Any]) -> List[Tuple[int, int]]:
+def takeover_ptrs(params: Sequence[torch.Tensor], records: Sequence[Any]) -> List[Tuple[int, int]]:
     """Where FSDP keeps each shard now (its padded tensor's and the local shard's addresses): compared with the
     addresses :func:`bind_shard` gave, a difference means FSDP re-made the storage (``model.to(...)``,
     ``load_state_dict(assign=True)``, a re-pin)."""

@@ -49,7 +49,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import fsdp2
-from zero_offload._compat import take_memory
 from zero_offload.apply import run_rule
 from zero_offload.quantize import Q8_BLOCK, q8_scale_numel
 from zero_offload.buckets import FlatBucket
@@ -204,7 +203,7 @@ class Speculative(Immediate):
         spec.lease = lease
         spec.steps = bucket.steps.clone()
         # (Views share their base's counter: an in-place write into an ``opt.state`` tensor bumps it.)
-        spec.versions = tuple(buf._version for _, buf in _state_buffers(bucket, spec.names))
+        spec.versions = tuple(buf._version for _, buf in bucket.home.written(spec.names))
         _copy_outside(bucket, runs, spec.names, lease.buffers)
         try:
             with NOTHING if tl is None else tl.span("kernel", "speculative", lane.position):
@@ -220,7 +219,7 @@ class Speculative(Immediate):
     def _pieces(bucket: FlatBucket, names: Sequence[str]) -> List[Tuple[str, int, torch.dtype, bool]]:
         """What a speculation of the bucket leases: a spare of each buffer the update writes, the bucket's size and
         pinning (so that the commit can trade their memory), and the low-precision output."""
-        pieces = [(name, buf.numel(), buf.dtype, bucket.pin) for name, buf in _state_buffers(bucket, names)]
+        pieces = [(name, buf.numel(), buf.dtype, bucket.pin) for name, buf in bucket.home.written(names)]
         if bucket.low_precision:  # uploaded from (shares_grad: never the gradient, which a rollback must redo from)
             pieces.append(("param", bucket.layout.padded_numel, bucket.dtype, bucket.pin))
         return pieces
@@ -238,9 +237,8 @@ class Speculative(Immediate):
             return "stopped"
         lane = spec.lane
         bucket = lane.bucket
-        flat = bucket.store.flat
         spec.names = tuple(b.name for b in bucket.rule.needed(spec.hyper))
-        if any(name not in flat for name in spec.names):
+        if not bucket.home.holds(spec.names):
             return "amsgrad switched on"  # (a buffer the hyperparameters now need) its entries are made at step()
         if any(has and fsdp2.version(p) != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
@@ -357,10 +355,7 @@ class Speculative(Immediate):
         if lane.h2d_gen != lane.h2d_seen:
             lane.wait_h2d(self.transport.timeline)  # the last upload read the memory the lease takes now
         out = lease.buffers
-        for name, buf in _state_buffers(bucket, spec.names):
-            take_memory(buf, out[name])
-        if bucket.staging is not None:
-            take_memory(bucket.staging, out["param"])
+        bucket.home.trade(spec.names, out)
         # The upload's sources: the device copy (after the speculative upload on one stream), or (a low-precision
         # bucket whose gradient buffer carries the parameters out) the lease; else the bucket's own buffers.
         staged, spec.staged = spec.staged, None
@@ -420,7 +415,7 @@ def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional
     bucket = lane.bucket
     if not torch.equal(bucket.steps, spec.steps):
         return "steps changed"
-    if tuple(buf._version for _, buf in _state_buffers(bucket, spec.names)) != spec.versions:
+    if tuple(buf._version for _, buf in bucket.home.written(spec.names)) != spec.versions:
         return "state edited"  # in place (an ``opt.state`` tensor's ``zero_()``): step() reads the edited state
     if any(has and fsdp2.version(p) != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
         return "parameters changed"  # on the GPU, since the optimizer last wrote them: step() reads them anew
@@ -443,7 +438,7 @@ def _copy_outside(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], name
         at = b
     if at < layout.padded_numel:
         gaps.append((at, layout.padded_numel))
-    for name, buf in _state_buffers(bucket, names):
+    for name, buf in bucket.home.written(names):
         if name.endswith("_scale"):
             pieces = [(a // Q8_BLOCK, q8_scale_numel(b)) for a, b in gaps]
         else:
@@ -451,14 +446,3 @@ def _copy_outside(bucket: FlatBucket, runs: Sequence[Tuple[int, int, int]], name
         for a, b in pieces:
             out[name][a:b].copy_(buf[a:b])
 
-
-def _state_buffers(bucket: FlatBucket, names: Sequence[str]) -> List[Tuple[str, torch.Tensor]]:
-    """(name, flat buffer) of everything the update writes in the bucket's state: master, the rule's buffers
-    ``names`` (those its hyperparameters need) and their 8-bit scales."""
-    store = bucket.store
-    found = [("master", bucket.master)]
-    for name in names:
-        found.append((name, store.flat[name]))
-        if name in store.scales:
-            found.append((name + "_scale", store.scales[name]))
-    return found

@@ -77,7 +77,7 @@ def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
     if lane.h2d_gen != lane.h2d_seen:
         lane.wait_h2d(transport.timeline)  # the last upload may still be reading master/staging
     indices = touched(bucket, runs)
-    bucket.masters.refresh(indices)
+    bucket.home.refresh(indices)
     # (A device-tier bucket's update is only launched here: the span is the host's part; the GPU runs it later.)
     tl = transport.timeline
     with NOTHING if tl is None else tl.span("kernel", "gpu launch" if bucket.device_tier else "step", lane.position):
@@ -100,12 +100,12 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multipli
     copies = copies_of(bucket)
     flat = copies[0]
     indices = list(touched(bucket, runs))
-    bucket.masters.refresh(indices, into=[view_like(flat["master"], o, p)
+    bucket.home.refresh(indices, into=[view_like(flat["master"], o, p)
                                           for o, p in zip(bucket.layout.offsets, bucket.params)])
     run_rule(bucket, runs, grad, None, h, multiplier, copies)
     if bucket.compact:  # saved as fp32, as state_dict() does
-        for name in bucket.store.names:
-            flat[name] = bucket.store.codecs[name].to_fp32(flat[name], copies[1].get(name))
+        for name in bucket.home.names:
+            flat[name] = bucket.home.to_fp32(name, flat[name], copies[1].get(name))
     steps = bucket.steps.clone()
     for first, last, _ in runs:
         steps[first : last + 1] += 1

@@ -139,14 +139,6 @@ class WholePiece(torch.Tensor):
         return deepcopy(self.local, memo)
 
 
-def _live_buffer(bucket: FlatBucket, name: str) -> Optional[torch.Tensor]:
-    """The flat buffer whose views the state tensor ``name`` of a :func:`sharded_state_dict` entry is; None for
-    ``param`` (a parameter's value, staged on its own)."""
-    if name == "master":
-        return bucket.master
-    return bucket.store.flat.get(name)
-
-
 def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
                        ahead: Optional[Dict[FlatBucket, Ahead]] = None, param: bool = False) -> Dict[str, Any]:
     """See :meth:`zero_offload.OffloadOptimizer.sharded_state_dict`. ``ahead``: a pending update's state, given
@@ -173,7 +165,7 @@ def sharded_state_dict(groups: Sequence[Dict[str, Any]], buckets: Buckets,
             copied = after is not None and after.flat is not None and i in after.indices
             entry: Dict[str, Any] = {"step": (after.steps if copied else bucket.steps)[i].clone()}
             for name, local in _state_pieces(bucket, i, after, param).items():
-                live = _live_buffer(bucket, name)
+                live = bucket.home.live(name)
                 twin = None  # (a private copy, or ``param``: not a view of a live buffer)
                 if live is not None and not copied:
                     twin = twins.get(name)
@@ -259,12 +251,12 @@ def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor,
             _copy_in(bucket, tensors)
         for i, p in enumerate(bucket.params):
             step = steps[p]
-            bucket.views.set_step(i, step)
+            bucket.home.set_step(i, step)
             if step > 0:
                 expose(state, bucket, [i])
             else:
-                bucket.views.set_exposed(i, False)
+                bucket.home.set_exposed(i, False)
                 state.pop(p, None)
             # A master loaded with the state is kept while the parameter still rounds from it (see
             # Masters.refresh); a parameter never stepped takes its master from the parameter.
-            bucket.masters.loaded(i, step > 0 and bucket.low_precision)
+            bucket.home.loaded(i, step > 0 and bucket.low_precision)

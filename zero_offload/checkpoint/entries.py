@@ -165,10 +165,10 @@ def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
     """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
     AdamW creates its state at a parameter's first step. The one place entries are created."""
     for i in indices:
-        entry = bucket.views.entry(i)
+        entry = bucket.home.entry(i)
         if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
             _put(state, bucket.owners[i], entry)
-            bucket.views.set_exposed(i, True)
+            bucket.home.set_exposed(i, True)
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
@@ -189,8 +189,8 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     where = f"opt.state entry of a parameter of shape {tuple(bucket.shapes[i])} ({bucket.where})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
-    slots = bucket.views.slots(i)
-    steps = [] if bucket.views.step_key is None else [bucket.views.step_key]
+    slots = bucket.home.slots(i)
+    steps = [] if bucket.home.step_key is None else [bucket.home.step_key]
     unknown = set(entry) - {*steps, *slots}
     # Compact state's entries show no buffers of the rule (see StateViews.entry): an edit may leave them out.
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
@@ -208,28 +208,28 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
                                or v.shape != slots[name].shape):
             raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {tuple(slots[name].shape)} "
                              f"holding values, got {v!r:.80}")
-        if name in bucket.store.declared:
-            check_compact_moment(bucket.state_dtype, bucket.store.declared[name], v, where)
+        if name in bucket.home.declared:
+            check_compact_moment(bucket.state_dtype, bucket.home.declared[name], v, where)
     # Values only (see check_entry): detached, so a user's tensor that requires grad leaves autograd out of it.
     return {**{k: v.detach() for k, v in entry.items() if k not in steps},
-            "step": _entry_step(bucket.views.step_key, entry, where, float(bucket.steps[i]))}
+            "step": _entry_step(bucket.home.step_key, entry, where, float(bucket.steps[i]))}
 
 
 def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> None:
     """Write a validated edit into the buffers: ``None`` starts the parameter afresh, as AdamW's next step does for
     a missing or empty entry (zero moments, step 1 next); an entry's tensors are copied in."""
-    slots = bucket.views.slots(i)
+    slots = bucket.home.slots(i)
     if bucket.compact:  # moments converted (quantised) through the bucket; left as they are where not given
         for name in [n for n in slots if n != "master" and (entry is None or n in entry)]:
-            bucket.views.load(name, i, None if entry is None else entry[name])
+            bucket.home.load(name, i, None if entry is None else entry[name])
         slots = {k: v for k, v in slots.items() if k == "master"}
     if entry is None:
         for name, slot in slots.items():
             if name != "master":
                 slot.zero_()
-        bucket.views.reset(i)
+        bucket.home.reset(i)
         return
-    bucket.views.set_step(i, entry["step"])
+    bucket.home.set_step(i, entry["step"])
     for name, slot in slots.items():
         if name in entry:
             if not _same_memory(entry[name], slot):
@@ -237,14 +237,14 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         elif _optional(bucket, name):
             slot.zero_()
     if "master" in entry:
-        bucket.masters.loaded(i, True)
+        bucket.home.loaded(i, True)
     elif bucket.low_precision:
-        bucket.masters.loaded(i, False)  # AdamW's state has no master: take it from the parameter
+        bucket.home.loaded(i, False)  # AdamW's state has no master: take it from the parameter
 
 
 def _optional(bucket: FlatBucket, name: str) -> bool:
     """Whether ``name`` is an optional buffer of the bucket's rule (amsgrad's: zeroed where an entry lacks it)."""
-    buf = bucket.store.declared.get(name)
+    buf = bucket.home.declared.get(name)
     return buf is not None and buf.optional
 
 
@@ -282,7 +282,7 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "S
 
 def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
     """Whether an entry still is exactly what :func:`expose` put there (its tensors the buffers' views)."""
-    mine = bucket.views.entry(i)
+    mine = bucket.home.entry(i)
     return entry.keys() == mine.keys() and all(_same_memory(entry[k], v) for k, v in mine.items())
 
 

@@ -42,7 +42,7 @@ class Ahead:
 def _entry_tensors(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
     """Parameter ``i``'s state tensors, parameter-shaped: views of the buffers, or of ``after``'s copies where it
     has them for ``i``; with ``param``, also the parameter's value (see :func:`_param_value`)."""
-    slots = bucket.views.slots(i, master=bucket.low_precision)
+    slots = bucket.home.slots(i, master=bucket.low_precision)
     pending = after is not None and i in after.indices
     if pending and after.flat is not None:
         p, offset = bucket.params[i], bucket.layout.offsets[i]
@@ -74,7 +74,7 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
     for bucket in chain.from_iterable(buckets):
         after = ahead.get(bucket)
         # Compact moments in the buffers (the worker wrote them) are converted, as state_dict() does.
-        fp32 = ({n: bucket.views.fp32(n) for n in bucket.store.names}
+        fp32 = ({n: bucket.home.fp32(n) for n in bucket.home.names}
                 if after is not None and after.flat is None and bucket.compact else {})
         for i in after.indices if after is not None else ():
             p = bucket.params[i]
@@ -216,7 +216,7 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     for bucket in chain.from_iterable(buckets):
         entries = [plan.entries.get(p) for p in bucket.owners]
         if bucket.sharded:  # this rank's piece of each full entry
-            bucket.views.load_pieces(entries)
+            bucket.home.load_pieces(entries)
         else:
             _load_flat(bucket, entries)
         expose(state, bucket, [i for i, e in enumerate(entries) if e is not None])
@@ -244,17 +244,17 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
     srcs: List[torch.Tensor] = []
     zero: List[torch.Tensor] = []
     for i, entry in enumerate(entries):
-        slots = bucket.views.slots(i)
+        slots = bucket.home.slots(i)
         if bucket.compact:  # converted (quantised) parameter by parameter
             for name in slots:
                 if name != "master":
-                    bucket.views.load(name, i, None if entry is None else entry.get(name))
+                    bucket.home.load(name, i, None if entry is None else entry.get(name))
             slots = {"master": slots["master"]} if "master" in slots else {}
         if entry is None:
             zero.extend(v for k, v in slots.items() if k != "master")
-            bucket.views.reset(i)
+            bucket.home.reset(i)
             continue
-        bucket.views.set_step(i, entry["step"])
+        bucket.home.set_step(i, entry["step"])
         for name, slot in slots.items():
             if name in entry:
                 dsts.append(slot)
@@ -262,7 +262,7 @@ def _load_flat(bucket: FlatBucket, entries: Sequence[Optional[Dict[str, Any]]]) 
             elif _optional(bucket, name):
                 zero.append(slot)
         if "master" in slots:
-            bucket.masters.loaded(i, "master" in entry)
+            bucket.home.loaded(i, "master" in entry)
     for d, s in zip(dsts, srcs):
         d.copy_(s)
     if zero:
@@ -279,12 +279,12 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
     for bucket in chain.from_iterable(buckets):
         if not any(bucket.exposed):  # the same on every rank: exposure follows the agreed presence
             continue
-        names = list(bucket.views.slots(0, master=bucket.low_precision)) if bucket.params else []
+        names = list(bucket.home.slots(0, master=bucket.low_precision)) if bucket.params else []
         full = {}
         for name in names:
             full[name] = torch.empty(bucket.full.padded_numel, dtype=torch.float32)
             # Compact moments are converted one shard of one bucket at a time (a temporary of the shard's size).
-            mine = bucket.master if name == "master" else bucket.views.fp32(name)
+            mine = bucket.home.fp32(name)
             all_gather(full[name], mine, f"state '{name}' of {bucket.where}")
         for i, p in enumerate(bucket.params):
             if bucket.exposed[i]:
@@ -304,8 +304,8 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
     for bucket in chain.from_iterable(buckets):
         if not bucket.compact or bucket.sharded or not any(bucket.exposed):
             continue
-        names = bucket.store.names
-        full = {n: bucket.views.fp32(n) for n in names}
+        names = bucket.home.names
+        full = {n: bucket.home.fp32(n) for n in names}
         for i, (p, owner) in enumerate(zip(bucket.params, bucket.owners)):
             k = index[id(owner)]
             if bucket.exposed[i] and k in packed:

@@ -50,23 +50,23 @@ class Masters:
             optimizer writes). Default: ``params``.
         bind (bool): CPU parameters may become views of their slots; False: they stay where they are (FSDP2's
             shards live in FSDP's storage) and are written like GPU parameters. Default: True.
-        homes (Sequence, optional): FSDP2: FSDP's record of each host shard (see :func:`zero_offload.fsdp2.home`),
+        takeovers (Sequence, optional): FSDP2: FSDP's record of each host shard (see :func:`zero_offload.fsdp2.takeover`),
             whose storage the slots take over (``watch`` the DTensor parameters); each slot has room for the shard's
             padding rows. Default: None.
-        home_tier (Tier, optional): where the buffer that takes the shards over lives, when not ``tier`` (page-locked
+        takeover_tier (Tier, optional): where the buffer that takes the shards over lives, when not ``tier`` (page-locked
             for ``CPUOffloadPolicy(pin_memory=True)``, whose shards FSDP copies to the GPU). Default: None.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
                  watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True,
-                 homes: Optional[Sequence[Any]] = None, home_tier: Optional[Tier] = None):
-        self.params, self.shard, self.homes, self.offsets = params, shard, homes, layout.offsets
+                 takeovers: Optional[Sequence[Any]] = None, takeover_tier: Optional[Tier] = None):
+        self.params, self.shard, self.takeovers, self.offsets = params, shard, takeovers, layout.offsets
         self.watch = params if watch is None else watch
         self.device, self.dtype = layout.device, layout.dtype
         # The state lives with the parameters (a CPU model, FSDP2's host shards taken over, or a GPU bucket on the
         # device tier): the parameters are bound to the slots the update writes, and nothing is transferred.
-        self.resident = (layout.device.type == "cpu" and (bind or homes is not None)) or not tier.host
+        self.resident = (layout.device.type == "cpu" and (bind or takeovers is not None)) or not tier.host
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
@@ -76,7 +76,7 @@ class Masters:
             self.flat_param = tier.zeros(shard.full.padded_numel, self.dtype)
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
-        slots = home_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
+        slots = takeover_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
         self.slots_pinned = slots.pinned
         self.master = (own if (own is not None and not self.low_precision)
                        else (tier if self.low_precision else slots).zeros(n, torch.float32))
@@ -88,7 +88,7 @@ class Masters:
         # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
         # from it); -1 = master not initialised. Unused when the parameter is its own master.
         self.versions = [-1] * len(params)
-        self.slot_ptrs: List[Any] = []  # data_ptr of each CPU parameter's slot, once bound (FSDP2: home_ptrs)
+        self.slot_ptrs: List[Any] = []  # data_ptr of each CPU parameter's slot, once bound (FSDP2: takeover_ptrs)
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
@@ -103,19 +103,19 @@ class Masters:
     def fill_param_slots(self) -> None:
         """Copy each CPU parameter's values into the slot it will be bound to (see :meth:`bind`; FSDP2's shards
         are copied as they are bound)."""
-        for p, slot in zip(self.params, () if self.homes is not None else self.param_slots or ()):
+        for p, slot in zip(self.params, () if self.takeovers is not None else self.param_slots or ()):
             slot.copy_(p.detach())
 
     def bind(self) -> None:
         """Make CPU parameters views of the slots the kernel writes (after :meth:`fill_param_slots`, so the model
         is unchanged, and a later in-place load into a parameter lands in its slot). FSDP2: the storage FSDP
         keeps for each shard moves into its slot, and ``params`` take the new local shards."""
-        if self.homes is not None:
+        if self.takeovers is not None:
             flat = self.staging if self.low_precision else self.master
-            for i, (owner, home, offset) in enumerate(zip(self.watch, self.homes, self.offsets)):
-                room = flat[offset : offset + fsdp2.home_numel(home)]
-                self.params[i] = fsdp2.bind_shard(owner, home, room, self.slots_pinned)
-            self.slot_ptrs = fsdp2.home_ptrs(self.watch, self.homes)
+            for i, (owner, record, offset) in enumerate(zip(self.watch, self.takeovers, self.offsets)):
+                room = flat[offset : offset + fsdp2.takeover_numel(record)]
+                self.params[i] = fsdp2.bind_shard(owner, record, room, self.slots_pinned)
+            self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
         elif self.resident:
             for p, slot in zip(self.params, self.param_slots):
                 p.data = slot
@@ -124,8 +124,8 @@ class Masters:
     def check_in_place(self) -> None:
         """Refuse parameters that no longer live where the optimizer put them. C-level loops on the hot path."""
         params = self.params
-        if self.homes is not None:
-            now = fsdp2.home_ptrs(self.watch, self.homes)
+        if self.takeovers is not None:
+            now = fsdp2.takeover_ptrs(self.watch, self.takeovers)
             if now != self.slot_ptrs:
                 p = next(self.watch[i] for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b)
                 raise RuntimeError(

@@ -355,7 +355,7 @@ class Transport:
         """Make the updated values visible in the parameters ``indices`` (``srcs``: per parameter, where to upload
         from instead of :attr:`FlatBucket.upload_views`: a speculative update's own low-precision output)."""
         lane.route.upload(lane, indices, srcs)
-        lane.bucket.masters.record_versions(indices)
+        lane.bucket.home.record_versions(indices)
 
     def finish_params(self, lanes: Sequence[Lane]) -> None:
         """After a step's uploads: what reads the parameters next waits for them (the host does not)."""

@@ -110,7 +110,7 @@ class OffloadRoute(Route):
         params = bucket.params if len(indices) == len(bucket.params) else [bucket.params[i] for i in indices]
         stream = t.upload_streams.get(bucket.device) or t.stream(bucket.device, upload=True)
         if srcs is None:
-            srcs = bucket.masters.master_views if not bucket.low_precision else bucket.upload_views
+            srcs = bucket.upload_views
         tl = t.timeline
         # no_grad here, not at the callers: grad mode is per thread, and overlap_step uploads from its worker.
         with torch.no_grad(), torch.cuda.stream(stream), NOTHING if tl is None else tl.span("copy", "h2d",

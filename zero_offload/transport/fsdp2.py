@@ -109,7 +109,7 @@ class FSDPTransport(Transport):
 
     def collect(self, lane: Lane) -> List[Optional[torch.Tensor]]:
         bucket = lane.bucket
-        bucket.masters.check_in_place()  # (before the gradients are handed to shards that may have moved)
+        bucket.home.check_in_place()  # (before the gradients are handed to shards that may have moved)
         self._take_grads(lane)
         return bucket.grads.collect()
 

@@ -27,9 +27,9 @@ class HostRoute(Route):
     upload_reads = False  # (the kernel writes the parameters' storage: upload bumps versions only)
 
     def bind(self, lane: Lane) -> None:
-        """Make CPU parameters views of their slots (see :meth:`~zero_offload.state.params.Masters.bind`)."""
-        lane.bucket.masters.fill_param_slots()
-        lane.bucket.masters.bind()
+        """Make CPU parameters views of their slots (see :meth:`~zero_offload.state.home.Home.bind`)."""
+        lane.bucket.home.fill_param_slots()
+        lane.bucket.home.bind()
 
     def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
         """Streamed CPU gradients (``stream_grads=True``): copied (or summed) into their slots now."""

@@ -119,9 +119,9 @@ class ShardedResidentRoute(_ShardedRoute):
         """Rank 0's values on every rank (broadcast, as DDP does at construction), the parameters views of
         ``flat_param``. A collective: every rank binds its buckets in the same order."""
         bucket = lane.bucket
-        bucket.masters.fill_param_slots()
+        bucket.home.fill_param_slots()
         self.transport.comm.broadcast(bucket.flat_param, f"initial parameters of {bucket.where}")
-        bucket.masters.bind()
+        bucket.home.bind()
 
     def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
         bucket, comm = lane.bucket, self.transport.comm
@@ -195,7 +195,7 @@ class ShardedOffloadRoute(_ShardedRoute):
         the next bucket's update runs meanwhile, and :meth:`finish` waits."""
         bucket, t = lane.bucket, self.transport
         shard, full = bucket.shard.numel, bucket.full
-        src = bucket.staging if bucket.low_precision else bucket.master
+        src = bucket.upload_flat  # (the staging shard, or the master: never a shared gradient buffer when sharded)
         stream = t.stream(bucket.device, upload=True)
         with torch.no_grad(), torch.cuda.stream(stream):
             own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
@@ -305,7 +305,7 @@ class ShardedTransport(Transport):
     def agree_state(self, buckets: Iterable[FlatBucket]) -> None:
         """``state_dict()``, before gathering: every rank is there, and holds the same state buffers (an amsgrad
         buffer on some ranks only, from a state dict loaded there, would gather unlike sizes and abort gloo)."""
-        settings = [(f"{buf.name} buffer of {b.where}", float(buf.name in b.store.flat))
+        settings = [(f"{buf.name} buffer of {b.where}", float(b.home.holds([buf.name])))
                     for b in buckets for buf in b.rule.buffers if buf.optional]
         self.agreement.check(STATE_DICT, settings, "all_gather", "the state", state=True)
 

@@ -1,0 +1,238 @@
+"""The residency seam: a bucket's optimizer state (its rule's buffers, the fp32 masters, the step counts and the
+entries ``opt.state`` shows) behind one interface, :class:`Home`, which says where the state is, brings it to where
+its update runs (and back), and hands out what the rest of the package asks of it: the buffers one update reads and
+writes, copies of them, the entries of ``opt.state`` and of a checkpoint. No module outside :mod:`zero_offload.state`
+(and the kernel's entry, :mod:`zero_offload.apply`, through :meth:`Home.run_buffers`) reads a flat buffer.
+
+Where the state lives is a subclass, one file each: :class:`~zero_offload.state.host_home.HostHome` (host memory,
+stepped there by the CPU kernel), :class:`~zero_offload.state.device_home.DeviceHome` (the GPU's memory,
+``gpu_fraction``, stepped there by torch's fused kernels). A new home (the state parked on the host between steps
+and stepped on the GPU, or paged from NVMe) is one more subclass: its tier, its :meth:`Home.bring` and
+:meth:`Home.put_back`, and where its update runs.
+
+The parts a home composes stay in their files: :mod:`~zero_offload.state.store` (the rule's buffers through their
+codecs), :mod:`~zero_offload.state.params` (masters, staging, the parameters bound to their slots) and
+:mod:`~zero_offload.state.views` (the entries).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload._compat import take_memory
+from zero_offload.rules.base import Rule, Run, StateBuffer
+from zero_offload.state.layout import BucketLayout, ShardLayout
+from zero_offload.state.params import Masters
+from zero_offload.state.store import StateStore
+from zero_offload.state.tiers import Tier
+from zero_offload.state.views import StateViews
+
+__all__ = ["Copies", "Home"]
+
+# Copies of a bucket's buffers by name ("master", the rule's, "staging"), and of their 8-bit scales.
+Copies = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
+Views = Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]
+
+
+class Home:
+    """Where one bucket's state lives (see the module docstring). Made by the bucket, with the geometry of its
+    slots; subclasses say where.
+
+    Attributes:
+        kind (str): the home's name in messages and reports ("host", "device").
+        on_device (bool): its update runs on the bucket's GPU (the rule's device update), not by the CPU kernel.
+        tier (Tier): where its buffers are now.
+        masters (Masters), store (StateStore), views (StateViews): its parts (see the module docstring).
+
+    Args:
+        tier (Tier): where to allocate.
+        rule (Rule): the update rule; ``buffers`` the state buffers to allocate now; ``state_dtype`` their codec.
+        params (Sequence[Tensor]): the bucket's parameters (FSDP2: their local shards), ``owners`` the tensors
+            users see (the keys of ``opt.state``), ``placed``: FSDP2's owners, whose entries are DTensors.
+        layout (BucketLayout): the slots (the shard's when sharded), ``shard`` the cut over ranks, ``views`` cuts a
+            flat buffer into per-parameter views.
+        bind (bool), shares_grad (bool), takeovers, takeover_tier: see :class:`~zero_offload.state.params.Masters`.
+    """
+
+    kind = ""
+    on_device = False
+
+    def __init__(self, tier: Tier, *, rule: Rule, buffers: Sequence[StateBuffer], state_dtype: torch.dtype,
+                 params: Sequence[torch.Tensor], owners: Sequence[torch.Tensor], layout: BucketLayout,
+                 shard: Optional[ShardLayout], views: Views, bind: bool, shares_grad: bool,
+                 placed: Optional[Sequence[torch.Tensor]] = None, takeovers: Optional[Sequence[Any]] = None,
+                 takeover_tier: Optional[Tier] = None):
+        self.tier = tier
+        self.masters = Masters(params, layout, shard, tier, shares_grad, views, owners, bind=bind, takeovers=takeovers,
+                               takeover_tier=takeover_tier)
+        self.store = StateStore(rule, buffers, state_dtype, tier, layout.padded_numel, views, len(params))
+        self.views = StateViews(rule, self.store, self.masters, layout, shard, params, placed)
+
+    # -- where it is, and where it is stepped ----------------------------------------------------------------------
+    @property
+    def where(self) -> str:
+        """Where the state is now, for messages ("pinned host", "cuda:0")."""
+        return self.tier.name
+
+    def bring(self) -> None:
+        """Make the state readable where its update runs, before the update (here: it is there already)."""
+
+    def put_back(self) -> None:
+        """After the update: the state goes back where it lives between steps (here: it never left)."""
+
+    def update(self, rule: Rule, run: Run, hyper: Any) -> None:
+        """Run ``rule`` over one run of this home's slots, where this home's state is stepped."""
+        rule.update(run, hyper)
+
+    # -- what one update reads and writes (the kernel's entry) ---------------------------------------------------
+    def run_buffers(self, a: int, b: int, copies: Optional[Copies] = None
+                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """The master, the rule's buffers and their scales over elements ``[a, b)``: the live ones, or of
+        ``copies`` (see :meth:`copies`)."""
+        master = self.masters.master if copies is None else copies[0]["master"]
+        state, scales = self.store.run_state(a, b, copies)
+        return master[a:b], state, scales
+
+    def copies(self) -> Copies:
+        """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
+        flat = {"master": self.masters.master.clone(), **{n: t.clone() for n, t in self.store.flat.items()}}
+        if self.masters.staging is not None:
+            flat["staging"] = self.masters.staging.clone()
+        return flat, {n: t.clone() for n, t in self.store.scales.items()}
+
+    def holds(self, names: Sequence[str]) -> bool:
+        """Whether every buffer of ``names`` is allocated (amsgrad's, once switched on)."""
+        return all(name in self.store.flat for name in names)
+
+    def written(self, names: Sequence[str]) -> List[Tuple[str, torch.Tensor]]:
+        """(name, flat buffer) of everything an update with the buffers ``names`` writes in the state: the master,
+        those buffers and their 8-bit scales (as ``<name>_scale``). For an update written elsewhere and then traded
+        in (:meth:`trade`): what to lease, and the version counters an edit of ``opt.state`` moves."""
+        store = self.store
+        found = [("master", self.masters.master)]
+        for name in names:
+            found.append((name, store.flat[name]))
+            if name in store.scales:
+                found.append((name + "_scale", store.scales[name]))
+        return found
+
+    def trade(self, names: Sequence[str], out: Dict[str, torch.Tensor]) -> None:
+        """Make the buffers of :meth:`written` (and the staging copy, from ``out["param"]``) hold what ``out`` holds,
+        trading memory with it (no byte copied: every view of the state, ``opt.state``'s and a checkpoint's
+        included, reads the new values; ``out`` holds the old ones)."""
+        for name, buf in self.written(names):
+            take_memory(buf, out[name])
+        if self.masters.staging is not None:
+            take_memory(self.masters.staging, out["param"])
+
+    # -- what users see: opt.state entries and checkpoints -------------------------------------------------------
+    def entry(self, i: int) -> Dict[str, torch.Tensor]:
+        """Parameter ``i``'s ``opt.state`` entry (views of the buffers)."""
+        return self.views.entry(i)
+
+    def slots(self, i: int, *, master: bool = True) -> Dict[str, torch.Tensor]:
+        """Parameter ``i``'s state tensors by name, views of the buffers (the master with ``master``, where it is
+        separate from the parameter)."""
+        return self.views.slots(i, master=master)
+
+    def fp32(self, name: str) -> torch.Tensor:
+        """Buffer ``name`` (``"master"`` too) whole as float32: the buffer itself where it is fp32, else a new
+        tensor."""
+        return self.masters.master if name == "master" else self.store.fp32(name)
+
+    def live(self, name: str) -> Optional[torch.Tensor]:
+        """The flat buffer ``name`` (``"master"`` or one of the rule's) that views of the state are views of, for a
+        checkpoint that saves them in place and stages loads beside them; None where there is none."""
+        return self.masters.master if name == "master" else self.store.flat.get(name)
+
+    def load(self, name: str, i: int, value: Optional[torch.Tensor]) -> None:
+        """Write parameter ``i``'s buffer ``name`` (its piece when sharded) from ``value`` (validated, parameter-shaped,
+        converted by the buffer's codec; None: zeros)."""
+        self.views.load(name, i, value)
+
+    def load_pieces(self, entries: Sequence[Optional[Dict[str, object]]]) -> None:
+        """Sharded: this rank's piece of each parameter's full entry (validated; None: fresh state)."""
+        self.views.load_pieces(entries)
+
+    def reset(self, i: int) -> None:
+        """Parameter ``i`` starts afresh (its buffers zeroed by the caller): step 0, no entry, master taken from the
+        parameter at its next update."""
+        self.views.reset(i)
+
+    def set_step(self, i: int, step: float) -> None:
+        self.views.set_step(i, step)
+
+    def set_exposed(self, i: int, exposed: bool) -> None:
+        """Record whether parameter ``i`` has an entry in ``opt.state``."""
+        self.views.set_exposed(i, exposed)
+
+    def loaded(self, i: int, loaded: bool) -> None:
+        """Parameter ``i``'s separate master was just written from a checkpoint, or not (see
+        :meth:`Masters.loaded`)."""
+        self.masters.loaded(i, loaded)
+
+    @property
+    def step_key(self) -> Optional[str]:
+        """The key of the step count in the entries (see :attr:`StateViews.step_key`)."""
+        return self.views.step_key
+
+    @property
+    def exposed(self) -> List[bool]:
+        """Whether each parameter has an entry in ``opt.state``."""
+        return self.views.exposed
+
+    def to_fp32(self, name: str, codes: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+        """A copy of buffer ``name``'s codes (``codes``, ``scales``: see :meth:`copies`) as float32."""
+        return self.store.codecs[name].to_fp32(codes, scales)
+
+    @property
+    def names(self) -> List[str]:
+        """The rule's buffers allocated, in declaration order."""
+        return self.store.names
+
+    @property
+    def declared(self) -> Dict[str, StateBuffer]:
+        """The rule's buffers by name, allocated or not."""
+        return self.store.declared
+
+    @property
+    def steps(self) -> torch.Tensor:
+        """Per-parameter step counts (float32; ``state["step"]`` is a 0-dim view of an element)."""
+        return self.store.steps
+
+    def nbytes(self) -> Dict[str, int]:
+        """Bytes of the rule's buffers held (and their scales), by name."""
+        return self.store.nbytes()
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor of the rule's state held, by name (the buffers, then their scales as ``<name>_scale``)."""
+        return self.store.tensors()
+
+    def ensure(self, buffers: Sequence[StateBuffer]) -> List[str]:
+        """Allocate those of ``buffers`` not allocated yet (zeroed); returns their names."""
+        return self.store.ensure(buffers)
+
+    # -- the parameters beside the state -------------------------------------------------------------------------
+    def fill_param_slots(self) -> None:
+        """Copy the values of the parameters that live with the state into the slots :meth:`bind` binds them to."""
+        self.masters.fill_param_slots()
+
+    def bind(self) -> None:
+        """At construction, after :meth:`fill_param_slots`: parameters that live with the state become views of the
+        slots the update writes (see :meth:`Masters.bind`)."""
+        self.masters.bind()
+
+    def check_in_place(self) -> None:
+        """Refuse parameters that no longer live where the home put them."""
+        self.masters.check_in_place()
+
+    def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
+        """(Re)initialise the separate masters of ``indices`` whose parameter changed outside the optimizer (into
+        ``into`` instead where given)."""
+        self.masters.refresh(indices, into)
+
+    def record_versions(self, indices: Sequence[int]) -> None:
+        """The parameters ``indices`` were just written from the state."""
+        self.masters.record_versions(indices)

@@ -1,0 +1,84 @@
+"""A bucket's channel: what its copies need for the optimizer's life, kept by its route. The CUDA events that order
+its copies (:class:`Mark`: an event, how many times it was recorded and which recording the host last waited for)
+and whether something sent is still to be waited for; each route's own channel adds its landing buffers
+(:class:`~zero_offload.transport.device.CopyChannel`, :class:`~zero_offload.transport.sharded.ShardedChannel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from zero_offload.timeline import NOTHING, Timeline
+
+__all__ = ["Channel", "Mark"]
+
+
+class Mark:
+    """A point on a stream the host may wait for: a CUDA event (made at its first recording), the number of times
+    it was recorded, and the recording the host last waited for (a complete event is not waited for again)."""
+
+    __slots__ = ("event", "recorded", "seen")
+
+    def __init__(self) -> None:
+        self.event: Optional[Any] = None
+        self.recorded = 0
+        self.seen = 0
+
+    def record(self, stream: Any) -> None:
+        """Record the point, on ``stream``."""
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record(stream)
+        self.recorded += 1
+
+    @property
+    def waited(self) -> bool:
+        """Whether the host has waited for the last recording (or there was none)."""
+        return self.recorded == self.seen
+
+    def wait(self, timeline: Optional[Timeline], label: str, position: int, query: bool = False) -> None:
+        """Wait until the last recording has passed (``query``: look first, as for a point usually long passed;
+        the timeline then shows a wait only where there was one)."""
+        recorded = self.recorded
+        if self.event is not None and self.seen != recorded:
+            if not (query and self.event.query()):
+                with NOTHING if timeline is None else timeline.span("wait", label, position):
+                    self.event.synchronize()
+            self.seen = recorded  # (if recorded again meanwhile, the newer recording is still to be waited for)
+
+
+class Channel:
+    """What a bucket's copies keep for the optimizer's life (see the module docstring). The base channel is a
+    route's where nothing lands anywhere (parameters on the host, the device tier's buckets).
+
+    Attributes:
+        down (Mark): after the bucket's last gradient copy to the host.
+        up (Mark): after its last upload of parameters (which read the master or staging: the next update of the
+            bucket waits for it).
+        unsettled (bool): something was sent that the host has not waited for (a copy, a collective, a sum to
+            add): the route's ``wait`` has work to do.
+    """
+
+    __slots__ = ("down", "up", "unsettled")
+
+    def __init__(self) -> None:
+        self.down, self.up = Mark(), Mark()
+        self.unsettled = False
+
+    def sent(self, stream: Any = None) -> None:
+        """Something was sent (its copies recorded on ``stream`` where given): the host must wait before reading
+        what lands."""
+        if stream is not None:
+            self.down.record(stream)
+        self.unsettled = True
+
+    def settled(self) -> None:
+        """The host has waited for everything sent."""
+        self.unsettled = False
+
+    @property
+    def staged(self) -> Optional[Any]:
+        """A device copy of new parameters ahead of their commit (the copying route's channel only)."""
+        return None
