@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from zero_offload.lane import Lanes
+from zero_offload.lane import Plans
 
 __all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
            "refuse_clipping", "refuse_released_scaler"]
@@ -64,11 +64,11 @@ class ScalerSignal:
 NO_SCALER = {"raise": ScalerSignal(), "skip": ScalerSignal(), "ignore": ScalerSignal(check_nonfinite=False)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PendingClip:
-    """What ``clip_grad_norm_`` left for the next ``step``: the lanes it received and gathered, and the norm."""
+    """What ``clip_grad_norm_`` left for the next ``step``: the intakes it received and gathered, and the norm."""
 
-    lanes: Lanes
+    plans: Plans
     max_norm: float
     norm_type: float
     total_norm: float
@@ -142,10 +142,10 @@ def refuse_overlap_scaler() -> RuntimeError:
                         "overlap_step off, or use bf16 autocast, which needs no scaler.")
 
 
-def refuse_released_scaler(plans: Lanes, release: bool) -> None:
+def refuse_released_scaler(plans: Plans, release: bool) -> None:
     """A GradScaler finds infs in, and unscales, the gradients on the parameters: released ones it never saw."""
-    if release and any(has and g is None for lanes in plans for lane in lanes
-                       for has, g in zip(lane.present, lane.pending)):
+    if release and any(has and g is None for intakes in plans for intake in intakes
+                       for has, g in zip(intake.present, intake.pending)):
         raise RuntimeError(
             "OffloadOptimizer: a GradScaler drives this step, but the gradients were released from the "
             "parameters as backward streamed them (release_grads=True), so the scaler could not check them for "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -32,6 +32,19 @@ from zero_offload.lane import Lane
 from zero_offload.transport import Transport
 
 __all__ = ["GradStreamer"]
+
+
+class _Watch:
+    """The hooks' record of one streamed bucket: its lane, the hooks' handles, and their count in the current
+    backward (``epoch`` the backward it counts for; ``fired`` of ``expected`` parameters; ``ready``: the backward
+    in which a sharded bucket was found complete, to launch in its turn)."""
+
+    __slots__ = ("lane", "handles", "epoch", "fired", "expected", "ready", "__weakref__")
+
+    def __init__(self, lane: Lane):
+        self.lane = lane
+        self.handles: List[Any] = []
+        self.epoch, self.fired, self.expected, self.ready = -1, 0, 0, -1
 
 
 class GradStreamer:
@@ -45,44 +58,46 @@ class GradStreamer:
     def __init__(self, transport: Transport, mode) -> None:
         self._transport = transport
         self._mode = mode
-        self._lanes: List[Lane] = []  # the lanes streamed (each counts its hooks: epoch, fired, expected, ready)
+        self._watches: List[_Watch] = []  # one per bucket streamed
         self._no_sync = 0
         self._epoch = 0
         # A backward is counting (or raised and never ran its end-of-backward callback): see reset().
         self.in_backward = False
-        self._touched: List[Lane] = []
+        self._touched: List[_Watch] = []
         self._armed: Optional[weakref.ref] = None  # the end-of-backward callback last queued (see _arm)
-        self._sharded: List[Lane] = []  # sharded buckets in launch order
+        self._sharded: List[_Watch] = []  # sharded buckets in launch order
         self._next = 0  # how many of them this backward has launched
         self._lock = threading.Lock()
 
     # -- registration --------------------------------------------------------------------------------------------
     def add(self, lane: Lane) -> None:
-        self._lanes.append(lane)
+        watch = _Watch(lane)
+        self._watches.append(watch)
         if lane.bucket.sharded:
-            self._sharded.insert(0, lane)  # added in construction order, launched in reverse
+            self._sharded.insert(0, watch)  # added in construction order, launched in reverse
         for p in lane.bucket.owners:  # (FSDP2: its DTensor parameters, whose hooks FSDP runs)
             # A frozen parameter cannot take a hook; if it is unfrozen later, its bucket launches when backward
             # ends, and its gradient is gathered at step() like any gradient assigned by hand.
             if p.requires_grad:
-                lane.handles.append(p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), weakref.ref(lane))))
+                watch.handles.append(p.register_post_accumulate_grad_hook(_hook(weakref.ref(self),
+                                                                                weakref.ref(watch))))
 
     def drop(self, lane: Lane) -> None:
         """Stop streaming the bucket (between steps): its gradients are read at ``step()`` from now on."""
-        for h in lane.handles:
-            h.remove()
-        lane.handles = []
-        if lane in self._lanes:
-            self._lanes.remove(lane)
-        if lane in self._sharded:
-            self._sharded.remove(lane)
+        for watch in [w for w in self._watches if w.lane is lane]:
+            for h in watch.handles:
+                h.remove()
+            watch.handles = []
+            self._watches.remove(watch)
+            if watch in self._sharded:
+                self._sharded.remove(watch)
 
     def remove(self) -> None:
         """Unregister every hook (the optimizer's finaliser calls this; a dropped optimizer's hooks do nothing)."""
-        for lane in self._lanes:
-            for h in lane.handles:
+        for watch in self._watches:
+            for h in watch.handles:
                 h.remove()
-            lane.handles = []
+            watch.handles = []
 
     # -- backward ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -93,7 +108,7 @@ class GradStreamer:
         finally:
             self._no_sync -= 1
 
-    def _on_grad(self, lane: Lane) -> None:
+    def _on_grad(self, watch: _Watch) -> None:
         if self._no_sync:
             return
         with self._lock:
@@ -105,19 +120,19 @@ class GradStreamer:
             # Buckets with parameters that get no gradient in this backward never complete: launch them when the
             # backward ends.
             self._arm()
-            if lane.epoch != self._epoch:
-                lane.epoch = self._epoch
-                lane.fired = 0
-                lane.expected = sum(p.requires_grad for p in lane.bucket.owners)
-                self._touched.append(lane)
-            lane.fired += 1
-            if lane.fired == lane.expected:
+            if watch.epoch != self._epoch:
+                watch.epoch = self._epoch
+                watch.fired = 0
+                watch.expected = sum(p.requires_grad for p in watch.lane.bucket.owners)
+                self._touched.append(watch)
+            watch.fired += 1
+            if watch.fired == watch.expected:
                 try:
-                    if lane.bucket.sharded:
-                        lane.ready = self._epoch
+                    if watch.lane.bucket.sharded:
+                        watch.ready = self._epoch
                         self._launch_in_order(upto=None)
                     else:
-                        self._launch(lane)
+                        self._launch(watch.lane)
                 except BaseException:
                     # The backward is aborted with this error and its end-of-backward callback will not run.
                     self._forget_backward()
@@ -136,11 +151,12 @@ class GradStreamer:
             return
         with self._lock, torch.no_grad():
             try:
-                for lane in self._touched:
+                for watch in self._touched:
                     # (An FSDP2 bucket is launched by its hooks alone: FSDP runs the root unit's in its own final
                     # callback, which may come after this one; what is not sent is gathered at step().)
-                    if lane.fired != lane.expected and not lane.bucket.sharded and not lane.bucket.fsdp:
-                        self._launch(lane)
+                    bucket = watch.lane.bucket
+                    if watch.fired != watch.expected and not bucket.sharded and not bucket.fsdp:
+                        self._launch(watch.lane)
                 self._launch_in_order(upto=len(self._sharded))
             finally:
                 self._forget_backward()
@@ -183,16 +199,14 @@ class GradStreamer:
         while self._next < len(order) and ((upto is not None and self._next < upto)
                                             or order[self._next].ready == self._epoch):
             self._next += 1
-            self._launch(order[self._next - 1])
+            self._launch(order[self._next - 1].lane)
 
     def _launch(self, lane: Lane) -> None:
         """Send the bucket's gradients (see :meth:`Transport.send_grads`)."""
         mode = self._mode
-        if (lane.spec is not None or lane.job is not None) and mode.before_send is not None:
-            mode.before_send(lane)  # (an update of it is in flight: the schedule's to undo)
+        mode.before_send(lane)  # (an update of it may be in flight: the schedule's to undo)
         self._transport.send_grads(lane)
-        if mode.after_send is not None:
-            mode.after_send(lane)
+        mode.after_send(lane)
 
     def reset(self) -> None:
         """The step is over: a backward that raised (an OOM the loop skips, say) never ran its end-of-backward
@@ -215,14 +229,14 @@ class _EndOfBackward:
         self.streamer._end_backward()
 
 
-def _hook(streamer_ref: "weakref.ref[GradStreamer]", lane_ref: "weakref.ref[Lane]"):
+def _hook(streamer_ref: "weakref.ref[GradStreamer]", watch_ref: "weakref.ref[_Watch]"):
     # The hook lives on the parameter, which usually outlives the optimizer: it must not keep the streamer or the
     # lane (and through them the host buffers) alive.
     def hook(p: torch.Tensor) -> None:
-        streamer, lane = streamer_ref(), lane_ref()
-        if streamer is not None and lane is not None:
+        streamer, watch = streamer_ref(), watch_ref()
+        if streamer is not None and watch is not None:
             with torch.no_grad():  # under backward(create_graph=True) autograd would record the hook's copies
-                streamer._on_grad(lane)
+                streamer._on_grad(watch)
 
     return hook
 

@@ -34,7 +34,7 @@ from zero_offload.buckets import FlatBucket, allocate_group
 from zero_offload.gate import NO_SCALER, Decision, PendingClip, ScalerSignal
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
-from zero_offload.lane import Lane, Lanes
+from zero_offload.lane import Lane, Plans
 from zero_offload.options import (OFFLOAD_OPTIONS, Options, agreed_settings, check_params, check_speculation_memory,
                                   option_docs, world_without_group)
 from zero_offload.planning import plan_host_memory
@@ -43,6 +43,7 @@ from zero_offload.rules.base import Rule
 from zero_offload.speculation import Speculative
 from zero_offload.timeline import NOTHING, Timeline, TimelineEvent
 from zero_offload.transport import Transport, make_transport
+from zero_offload.transport.base import Gathered
 from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket
 
 __all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
@@ -137,7 +138,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         self._unhook = weakref.finalize(self, self._streamer.remove)
         self.skipped_steps = 0
         self._buckets: List[List[FlatBucket]] = []  # set before the base constructor calls add_param_group
-        self._lanes: Lanes = []  # each bucket's lane, by group
+        self._lanes: List[List[Lane]] = []  # each bucket's lane, by group
         self._pending: Optional[PendingClip] = None
         self._constructed = False
         super().__init__(params, defaults)
@@ -288,14 +289,14 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             clip = self._take_clip(scaler.unscaled)
         with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
             self._transport.edits.scaled = scaler.present
-            plans = clip.lanes if clip is not None else self._receive(fresh=scaler.unscaled)
+            plans = clip.plans if clip is not None else self._receive(fresh=scaler.unscaled)
             hypers = [self._rule.hyper(g) for g in self.param_groups]
             if scaler.present:
                 self._mode.check_scaler()
                 gate.refuse_released_scaler(plans, self._transport.release)
         found = False
         if not scaler.overflow:
-            found = self._measure(plans, clip, scaler.check_nonfinite, hypers)
+            plans, found = self._measure(plans, clip, scaler.check_nonfinite, hypers)
         # Decide.
         decision = gate.decide(scaler, clip, found, self.options.nonfinite)
         if decision.skip is not None:
@@ -304,21 +305,21 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         # Run.
         self._mode.run(decision, hypers, plans, self.state)
 
-    def _measure(self, plans: Lanes, clip: Optional[PendingClip], check: bool, hypers: List[Any]) -> bool:
+    def _measure(self, plans: Plans, clip: Optional[PendingClip], check: bool, hypers: List[Any]) -> Gathered:
         """Gather every gradient where the kernel reads it and, with ``check``, whether one is inf/nan (after
         ``clip_grad_norm_``, which gathered them already, what it found). Sharded: every rank agrees on the
         step's settings. Then the uploads to come wait for what the compute stream has queued so far."""
         agrees = self._transport.sharded or self._fsdp
         settings = agreed_settings(hypers, self.options.nonfinite) if agrees else ()
         if clip is None:
-            bad = self._transport.gather(plans, check=check, settings=settings)
+            gathered = self._transport.gather(plans, check=check, settings=settings)
         else:
             self._transport.agree(settings)
-            bad = check and clip.nonfinite
-        self._transport.before_uploads([lane for lanes in plans for lane in lanes])
-        return bad
+            gathered = Gathered(plans, check and clip.nonfinite)
+        self._transport.before_uploads([intake.lane for intakes in gathered.plans for intake in intakes])
+        return gathered
 
-    def _skip(self, decision: Decision, plans: Lanes) -> None:
+    def _skip(self, decision: Decision, plans: Plans) -> None:
         """A step not applied: counted, or refused with an error naming the first inf/nan gradient."""
         if decision.skip == "nonfinite":
             self._transport.wait_all(plans)  # no copy may still be reading the gradients once step() returns
@@ -346,18 +347,16 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             self._streamer.reset()  # (a backward that raised: see GradStreamer.reset)
         if self._transport.moved:  # (nothing moved: no lane has a step to end, e.g. zero_grad() after step())
             try:
-                if self._mode.end_step is not None:
-                    self._mode.end_step(stepped)
+                self._mode.end_step(stepped)
             finally:
                 self._transport.reset()  # every lane's step ends, whatever the schedule's end did
 
-    def _receive(self, fresh: bool = False) -> Lanes:
-        for lane in chain.from_iterable(self._lanes):
-            self._transport.receive(lane, fresh=fresh)
-        self._transport.edits.read_edited()
-        for lane in chain.from_iterable(self._lanes) if self._mode.check_received is not None else ():
-            self._mode.check_received(lane)
-        return self._lanes
+    def _receive(self, fresh: bool = False) -> Plans:
+        """What every bucket received for this step, by group (see :meth:`Transport.receive`)."""
+        t = self._transport
+        plans = t.edits.read_edited([[t.receive(lane, fresh=fresh) for lane in lanes] for lanes in self._lanes])
+        self._mode.check_received(plans)
+        return plans
 
     def _early_update(self, lane: Lane) -> None:
         """``overlap_step``: a bucket's update, run in the worker thread as soon as its gradients are sent
@@ -365,7 +364,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         self._sync()
         hyper = self._rule.hyper(self.param_groups[lane.group])
         ensure_buffers(self.state, lane.bucket, hyper)
-        update_bucket(self._transport, lane, list(lane.sent), None, hyper, 1.0, self.state)
+        update_bucket(self._transport, lane, list(lane.arrival.sent), None, hyper, 1.0, self.state)
 
     def _speculation_inputs(self, group: int) -> Tuple[Any, str]:
         """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
@@ -440,11 +439,11 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         fsdp2.adopt_switched(self)
         fresh = self._transport.edits.scaled is not False
         plans = self._receive(fresh=fresh)
-        first = next((lane.bucket.params[i] for lane in chain.from_iterable(plans)
-                      for i, has in enumerate(lane.present) if has), None)
+        first = next((intake.bucket.params[i] for intake in chain.from_iterable(plans)
+                      for i, has in enumerate(intake.present) if has), None)
         agrees = self._transport.sharded or self._fsdp
         settings = agreed_settings((), self.options.nonfinite, (max_norm, norm_type)) if agrees else ()
-        self._transport.gather(plans, clipping=True, settings=settings)
+        plans = self._transport.gather(plans, clipping=True, settings=settings).plans
         total, nonfinite = self._transport.total_norm(plans, norm_type)
         nonfinite = nonfinite or not math.isfinite(total)
         if error_if_nonfinite and nonfinite:

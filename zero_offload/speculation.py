@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import math
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -54,7 +54,7 @@ from zero_offload.quantize import Q8_BLOCK, q8_scale_numel
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import expose
 from zero_offload.gate import Decision
-from zero_offload.lane import Lane, Lanes
+from zero_offload.lane import Intake, Lane, Plans
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 from zero_offload.undo import Lease, UndoPool
@@ -102,15 +102,14 @@ class SpeculationStats:
 
 @dataclasses.dataclass
 class _Spec:
-    """One bucket's speculative update in this step (its lane's ``spec``): what it was given, and what it did
-    (``runs`` None: it did not run, for ``skipped``; ``lease``: its undo buffers, held while ``runs`` is not
+    """One bucket's speculative update in this step (kept by the schedule, by lane): what it was given, and what
+    it did (``runs`` None: it did not run, for ``skipped``; ``lease``: its undo buffers, held while ``runs`` is not
     None)."""
 
     lane: Lane
     hyper: Any
     multiplier: float
     present: List[bool]
-    policy: str  # the nonfinite policy
     names: Tuple[str, ...] = ()  # the state buffers the update writes (those ``hyper`` needs)
     staged: Optional[Any] = None  # its speculative upload (a transport.device.Staged), if the device had room
     job: Optional[Future] = None
@@ -138,7 +137,8 @@ class Speculative(Immediate):
         super().__init__(transport)
         self._inputs = inputs
         self._worker = _Worker()
-        self._specs: List[_Spec] = []  # this step's, in arrival order (each also its lane's ``spec``)
+        self._specs: Dict[Lane, _Spec] = {}  # this step's, in arrival order
+        self._barred: Set[Lane] = set()  # this step's buckets sent twice: not speculated
         self._read: Dict[int, Tuple[Any, str]] = {}  # this step's inputs, by group index
         self.pool = UndoPool(memory)
         # Buckets committed since the worker last took a lease whose upload read leased memory (the speculative
@@ -153,12 +153,12 @@ class Speculative(Immediate):
 
     # -- backward (the autograd thread) ----------------------------------------------------------------------
     def before_send(self, lane: Lane) -> None:
-        spec = lane.spec
+        spec = self._specs.get(lane)
         if spec is not None:  # a second backward (no ``no_sync``): the speculation read a partial gradient
             self._finish(spec)
             self._undo_spec(spec, "gradients changed")
-            self._specs.remove(spec)
-            lane.spec, lane.barred = None, True
+            del self._specs[lane]
+            self._barred.add(lane)
 
     def after_send(self, lane: Lane) -> None:
         if not lane.route.speculates or self._broken:
@@ -166,7 +166,7 @@ class Speculative(Immediate):
         if not lane.bucket.rule.writes_out:
             self.stats.not_started["rule updates in place"] += 1
             return
-        if lane.barred:
+        if lane in self._barred:
             self.stats.not_started["sent again"] += 1
             return
         read = self._read.get(lane.group)
@@ -175,8 +175,7 @@ class Speculative(Immediate):
                 read = self._read[lane.group] = self._inputs(lane.group)
             except Exception:  # (an invalid hyperparameter: step() refuses it; backward must not raise here)
                 return
-        spec = lane.spec = _Spec(lane, read[0], self._guess, list(lane.sent), read[1])
-        self._specs.append(spec)
+        spec = self._specs[lane] = _Spec(lane, read[0], self._guess, list(lane.arrival.sent))
         spec.job = self._worker.submit(self._speculate, spec)
 
     # -- the worker --------------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ class Speculative(Immediate):
             return
         tl = transport.timeline
         for other in self._uploading:  # uploads from leased memory given back (usually long done: a query each)
-            other.wait_h2d(tl)
+            other.channel.up.wait(tl, "h2d", other.position, query=True)
         self._uploading = []
         lease = self.pool.take(self._pieces(bucket, spec.names))
         if isinstance(lease, str):
@@ -242,9 +241,10 @@ class Speculative(Immediate):
             return "amsgrad switched on"  # (a buffer the hyperparameters now need) its entries are made at step()
         if any(has and fsdp2.version(p) != v for has, p, v in zip(spec.present, bucket.owners, bucket.versions)):
             return "masters refresh"  # first step, or a parameter changed outside: refresh_masters syncs the GPU
-        sq = None if lane.norm is None or lane.norm_host is None else float(lane.norm_host[0])
+        norm_host = getattr(lane.channel, "norm_host", None)  # (the copying route's: on the host once waited for)
+        sq = None if lane.arrival.norm is None or norm_host is None else float(norm_host[0])
         if sq is not None:
-            if not math.isfinite(sq) and spec.policy != "ignore":
+            if not math.isfinite(sq) and self._read[lane.group][1] != "ignore":
                 self._stopped = True
                 return "stopped"
             self._running_sq += sq
@@ -287,19 +287,21 @@ class Speculative(Immediate):
         # What is still queued is cancelled before the running one is waited for: waited for first, it would let the
         # worker start the next as it ends, and so on through the whole queue. (From the back: the worker moves on
         # from the front.)
-        specs = list(self._specs)
+        specs = list(self._specs.values())
         for spec in reversed(specs):
             if spec.job is not None and spec.job.cancel():
                 spec.skipped = spec.skipped or "queued at step()"
         for spec in specs:
             self._finish(spec)
 
-    def check_received(self, lane: Lane) -> None:
-        spec = lane.spec
-        if spec is not None and (lane.stale or any(g is not None for g in lane.pending) or lane.present != spec.present):
-            # The gradients are about to be copied again into the buffer the speculation reads.
-            self._finish(spec)
-            self._undo_spec(spec, "gradients changed")
+    def check_received(self, plans: Plans) -> None:
+        for intakes in plans if self._specs else ():
+            for intake in intakes:
+                spec = self._specs.get(intake.lane)
+                if spec is not None and _changed(intake, spec):
+                    # The gradients are about to be copied again into the buffer the speculation reads.
+                    self._finish(spec)
+                    self._undo_spec(spec, "gradients changed")
 
     def observe(self, decision: Decision) -> None:
         """The next step is expected to look like this one: its loss-scale inverse, and its clipping."""
@@ -317,43 +319,48 @@ class Speculative(Immediate):
         self.stats.rollbacks += 1
         self.stats.reasons[reason] += 1
 
-    def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+    def run(self, decision: Decision, hypers: Sequence[Any], plans: Plans, state: State) -> None:
         self.observe(decision)
         if not self._specs:
             return super().run(decision, hypers, plans, state)
         self._finish_all()  # the one running ends; those still queued are cancelled and updated below
         if hypers != self._seen.hypers:
             self.ensure(hypers, plans, state)
-        lanes = [lane for group in plans for lane in group]
+        received = {intake.lane: intake for group in plans for intake in group}
         multiplier = decision.multiplier
-        done = set()
-        for lane in lanes:  # the device tier's first: launched on the GPU, which runs them meanwhile
-            if lane.bucket.device_tier:
-                update_bucket(self.transport, lane, lane.present, lane.in_place, hypers[lane.group], multiplier, state)
-                done.add(lane.position)
-        for spec in self._specs:  # commits first: their uploads overlap the updates left
-            lane = spec.lane
-            if spec.runs is None or not lane.present:  # (not in this step's plan)
+        done: Set[Lane] = set()
+
+        def update(intake: Intake) -> None:
+            lane = intake.lane
+            update_bucket(self.transport, lane, intake.present, intake.in_place, hypers[lane.group], multiplier,
+                          state)
+            done.add(lane)
+
+        for intake in received.values():  # stepped on a GPU first: launched there, which runs them meanwhile
+            if intake.bucket.home.on_device:
+                update(intake)
+        for lane, spec in self._specs.items():  # commits first: their uploads overlap the updates left
+            intake = received.get(lane)
+            if spec.runs is None or intake is None or not intake.present:  # (not in this step's plan)
                 continue
-            reason = _verdict(lane, spec, hypers[lane.group], multiplier)
+            reason = _verdict(intake, spec, hypers[lane.group], multiplier)
             if reason is not None:
                 self._undo_spec(spec, reason)
                 continue
             self._commit(spec, state)
-            done.add(lane.position)
+            done.add(lane)
         # The rest in arrival order, then what backward did not send.
-        order = [spec.lane for spec in self._specs] + [lane for lane in lanes if lane.spec is None]
+        order = [lane for lane in self._specs if lane in received] + [l for l in received if l not in self._specs]
         for lane in order:
-            if lane.position not in done and lane.present:
-                update_bucket(self.transport, lane, lane.present, lane.in_place, hypers[lane.group], multiplier,
-                              state)
-        self.transport.finish_params(lanes)
+            if lane not in done and received[lane].present:
+                update(received[lane])
+        self.transport.finish_params(list(received))
 
     def _commit(self, spec: _Spec, state: State) -> None:
         lane, runs, lease = spec.lane, spec.runs, spec.lease
         bucket = lane.bucket
-        if lane.h2d_gen != lane.h2d_seen:
-            lane.wait_h2d(self.transport.timeline)  # the last upload read the memory the lease takes now
+        # The last upload read the memory the lease takes now.
+        lane.channel.up.wait(self.transport.timeline, "h2d", lane.position, query=True)
         out = lease.buffers
         bucket.home.trade(spec.names, out)
         # The upload's sources: the device copy (after the speculative upload on one stream), or (a low-precision
@@ -378,7 +385,7 @@ class Speculative(Immediate):
 
     def _roll_back_all(self, reason: str) -> None:
         self._finish_all()
-        for spec in self._specs:
+        for spec in self._specs.values():
             self._undo_spec(spec, reason)
 
     def flush(self, state: State) -> None:
@@ -396,23 +403,26 @@ class Speculative(Immediate):
             self._roll_back_all("skipped step" if stepped else "no step")
             self.pool.end_step(record=bool(self._specs))
         finally:
-            for spec in self._specs:
-                spec.lane.spec = None
-            self._specs = []
+            self._specs, self._barred = {}, set()
             self._read = {}
             self._stopped = False
             self._running_sq = 0.0
 
 
-def _verdict(lane: Lane, spec: _Spec, hyper: Any, multiplier: float) -> Optional[str]:
+def _changed(intake: Intake, spec: _Spec) -> bool:
+    """Whether the gradients ``step()`` received for the bucket are not those its speculation read."""
+    return intake.stale or list(intake.present) != spec.present or any(g is not None for g in intake.pending)
+
+
+def _verdict(intake: Intake, spec: _Spec, hyper: Any, multiplier: float) -> Optional[str]:
     """Why ``step()`` cannot keep the speculative update; None if it can."""
     if multiplier != spec.multiplier:
         return "multiplier"
     if hyper != spec.hyper:
         return "hyperparameters"
-    if lane.stale or lane.present != spec.present or any(g is not None for g in lane.pending):
+    if _changed(intake, spec):
         return "gradients changed"
-    bucket = lane.bucket
+    bucket = intake.bucket
     if not torch.equal(bucket.steps, spec.steps):
         return "steps changed"
     if tuple(buf._version for _, buf in bucket.home.written(spec.names)) != spec.versions:

@@ -19,7 +19,7 @@ from zero_offload.apply import copies_of, run_rule, touched
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import Ahead, expose
 from zero_offload.gate import Decision
-from zero_offload.lane import Lane, Lanes
+from zero_offload.lane import Intake, Lane, Plans
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
@@ -37,10 +37,10 @@ def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any) -> None:
         expose(state, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i]])
 
 
-def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Lanes) -> None:
-    for hyper, lanes in zip(hypers, plans):
-        for lane in lanes:
-            ensure_buffers(state, lane.bucket, hyper)
+def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Plans) -> None:
+    for hyper, intakes in zip(hypers, plans):
+        for intake in intakes:
+            ensure_buffers(state, intake.bucket, hyper)
 
 
 class _Seen:
@@ -53,35 +53,38 @@ class _Seen:
         self.hypers: Optional[List[Any]] = None
 
 
-def device_tier_first(hypers: Sequence[Any], plans: Lanes) -> List[Tuple[Any, Lane]]:
-    """Each lane of ``plans`` with its group's hyperparameters, the device tier's first: their updates are only
-    launched on the GPU, which then runs them while the host updates the others."""
-    pairs = [(h, lane) for h, lanes in zip(hypers, plans) for lane in lanes]
-    return [p for p in pairs if p[1].bucket.device_tier] + [p for p in pairs if not p[1].bucket.device_tier]
+def device_tier_first(hypers: Sequence[Any], plans: Plans) -> List[Tuple[Any, Intake]]:
+    """Each intake of ``plans`` with its group's hyperparameters, those of the buckets stepped on a GPU first: their
+    updates are only launched there, and the GPU runs them while the host updates the others."""
+    pairs = [(h, intake) for h, intakes in zip(hypers, plans) for intake in intakes]
+    return [p for p in pairs if p[1].bucket.home.on_device] + [p for p in pairs if not p[1].bucket.home.on_device]
 
 
 def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
                   in_place: Optional[List[Optional[torch.Tensor]]], h: Any, multiplier: float, state: State, *,
                   grad: Optional[torch.Tensor] = None, scatter: bool = True) -> Optional[List[int]]:
     """Update the bucket's parameters that have a gradient (``present``), reading it from ``grad`` (default: the
-    bucket's gradient buffer) or ``in_place``: wait for the gradients, run the rule, show new state entries, and
-    with ``scatter`` send the results to the parameters. Returns the indices updated (None: none)."""
+    bucket's gradient buffer) or ``in_place``: wait for the gradients, bring the state to where its home steps it,
+    run the rule, put the state back, show new state entries, and with ``scatter`` send the results to the
+    parameters. Returns the indices updated (None: none)."""
     bucket = lane.bucket
     runs = bucket.runs(present)
     if not runs:
         return None
-    if grad is None and lane.unsettled:
+    if grad is None and lane.channel.unsettled:
         # (A delayed update's ``grad`` was waited for at its step(); its bucket's copy event may meanwhile have
         # been recorded again by the next backward, which this must not wait for.)
         lane.route.wait(lane)
-    if lane.h2d_gen != lane.h2d_seen:
-        lane.wait_h2d(transport.timeline)  # the last upload may still be reading master/staging
-    indices = touched(bucket, runs)
-    bucket.home.refresh(indices)
-    # (A device-tier bucket's update is only launched here: the span is the host's part; the GPU runs it later.)
     tl = transport.timeline
-    with NOTHING if tl is None else tl.span("kernel", "gpu launch" if bucket.device_tier else "step", lane.position):
+    lane.channel.up.wait(tl, "h2d", lane.position, query=True)  # the last upload may still read master/staging
+    indices = touched(bucket, runs)
+    home = bucket.home
+    home.refresh(indices)
+    home.bring()
+    # (An update stepped on a GPU is only launched here: the span is the host's part; the GPU runs it later.)
+    with NOTHING if tl is None else tl.span("kernel", "gpu launch" if home.on_device else "step", lane.position):
         run_rule(bucket, runs, grad, in_place, h, multiplier)
+    home.put_back()
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
@@ -123,29 +126,34 @@ class _Worker(ThreadPoolExecutor):
 class Immediate:
     """The default schedule: ``step()`` updates every bucket, sending each back while the next is updated.
 
-    Hooks a schedule may define (None here, where there is nothing to do: the step then makes no call):
-
-    * ``before_send(lane)``: the backward hooks are about to send a bucket's gradients while an update of it is in
-      flight (its lane's ``spec`` or ``job``);
-    * ``after_send(lane)``: the backward hooks have sent a bucket's gradients on their way;
-    * ``settle()``: ``step()`` has begun: wait for updates started during backward (re-raising the first failure);
-    * ``check_received(lane)``: refuse what this schedule cannot take (a gradient edited after its bucket was
-      already updated);
-    * ``end_step(stepped)``: the step is over (``stepped``: ``step()`` ran, whatever its outcome) or abandoned
-      (``zero_grad()``), before the transport ends every lane's step.
+    A schedule's hooks (here they do nothing): :meth:`before_send` and :meth:`after_send` around each send from
+    backward, :meth:`settle` as ``step()`` begins, :meth:`check_received` once the gradients are received,
+    :meth:`end_step` when the step is over. What a schedule keeps of a bucket's step (an update in flight) it keeps
+    itself, by lane.
     """
-
-    before_send: Optional[Callable[[Lane], None]] = None
-    after_send: Optional[Callable[[Lane], None]] = None
-    settle: Optional[Callable[[], None]] = None
-    check_received: Optional[Callable[[Lane], None]] = None
-    end_step: Optional[Callable[[bool], None]] = None
 
     def __init__(self, transport: Transport):
         self.transport = transport
         self._seen = _Seen()
 
-    def ensure(self, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+    def before_send(self, lane: Lane) -> None:
+        """The backward hooks are about to send a bucket's gradients (an update of it may be in flight)."""
+
+    def after_send(self, lane: Lane) -> None:
+        """The backward hooks have sent a bucket's gradients on their way."""
+
+    def settle(self) -> None:
+        """``step()`` has begun: wait for updates started during backward (re-raising the first failure)."""
+
+    def check_received(self, plans: Plans) -> None:
+        """Refuse what this schedule cannot take of what ``step()`` received (a gradient edited after its bucket
+        was already updated)."""
+
+    def end_step(self, stepped: bool) -> None:
+        """The step is over (``stepped``: ``step()`` ran, whatever its outcome) or abandoned (``zero_grad()``),
+        before the transport ends every lane's step."""
+
+    def ensure(self, hypers: Sequence[Any], plans: Plans, state: State) -> None:
         """Every bucket has the state buffers its group's hyperparameters need (looked at when they change)."""
         if hypers != self._seen.hypers:
             _ensure_buffers(state, hypers, plans)
@@ -162,18 +170,18 @@ class Immediate:
         """Refuse to replace the state now, if this schedule has already applied part of this step from the
         state being replaced (before anything changes)."""
 
-    def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+    def run(self, decision: Decision, hypers: Sequence[Any], plans: Plans, state: State) -> None:
         """Update every bucket of ``plans`` not yet updated with ``decision``'s multiplier, and send the results
         back."""
         self.ensure(hypers, plans, state)
-        lanes = [lane for group in plans for lane in group]
+        lanes = [intake.lane for group in plans for intake in group]
         # (Traced steps keep each kernel inside its own span.)
         queue = self.transport.timeline is None and not any(lane.route.upload_reads for lane in lanes)
         with functional.queued_updates() if queue else NOTHING:
-            for hyper, lane in device_tier_first(hypers, plans):
-                if not self.updated(lane):
-                    update_bucket(self.transport, lane, lane.present, lane.in_place, hyper, decision.multiplier,
-                                  state)
+            for hyper, intake in device_tier_first(hypers, plans):
+                if not self.updated(intake.lane):
+                    update_bucket(self.transport, intake.lane, intake.present, intake.in_place, hyper,
+                                  decision.multiplier, state)
         self.transport.finish_params(lanes)  # sharded: the all-gathers, each overlapped with the next update
 
     def flush(self, state: State) -> None:
@@ -201,28 +209,28 @@ class Overlap(Immediate):
         super().__init__(transport)
         self._early_update = early_update
         self._worker = _Worker()
-        self._launched: List[Lane] = []
+        self._jobs: Dict[Lane, Future] = {}  # this step's updates launched in backward, in launch order
         self._raised = False  # settle() has raised a job's failure this step
 
     def before_send(self, lane: Lane) -> None:
-        if lane.job is not None:
+        if lane in self._jobs:
             raise RuntimeError(
                 "OffloadOptimizer(overlap_step=True): a second backward before step() reached a bucket that was "
                 "already updated. Run every micro-batch but the last under `with optimizer.no_sync():`."
             )
 
     def after_send(self, lane: Lane) -> None:
-        lane.job = self._worker.submit(self._early_update, lane)
-        self._launched.append(lane)
+        self._jobs[lane] = self._worker.submit(self._early_update, lane)
 
     def settle(self) -> None:
-        for lane in list(self._launched):
-            if lane.job.exception() is not None:
+        for job in list(self._jobs.values()):
+            if job.exception() is not None:
                 self._raised = True
-            lane.job.result()
+            job.result()
 
-    def check_received(self, lane: Lane) -> None:
-        if self.updated(lane) and any(g is not None for g in lane.pending):
+    def check_received(self, plans: Plans) -> None:
+        if any(self.updated(intake.lane) and any(g is not None for g in intake.pending)
+               for intakes in plans for intake in intakes):
             raise RuntimeError(
                 "OffloadOptimizer(overlap_step=True): a gradient was assigned or changed in place after "
                 "backward (by clipping or unscaling?), but its bucket was already updated during "
@@ -234,10 +242,10 @@ class Overlap(Immediate):
         raise gate.refuse_overlap_scaler()
 
     def updated(self, lane: Lane) -> bool:
-        return lane.job is not None
+        return lane in self._jobs
 
     def check_load(self) -> None:
-        if self._launched:
+        if self._jobs:
             raise RuntimeError(
                 "OffloadOptimizer(overlap_step=True): load_state_dict() after backward, but this step's update "
                 "already ran during backward, from the state being replaced, and its parameters were written. "
@@ -245,10 +253,9 @@ class Overlap(Immediate):
             )
 
     def end_step(self, stepped: bool) -> None:
-        launched, self._launched = self._launched, []
+        jobs, self._jobs = self._jobs, {}
         raised, self._raised = self._raised, False
-        for lane in launched:
-            job, lane.job = lane.job, None
+        for job in jobs.values():
             if job.exception() is not None and not raised:  # (waits for the job) not yet seen by settle()
                 job.result()
 
@@ -295,18 +302,19 @@ class Delayed(Immediate):
         self._exact_steps = exact_steps
         self._lock = threading.Lock()  # the pending update's staging: the worker, backward's hooks, step()
 
-    def run(self, decision: Decision, hypers: Sequence[Any], plans: Lanes, state: State) -> None:
+    def run(self, decision: Decision, hypers: Sequence[Any], plans: Plans, state: State) -> None:
         self.flush(state)
         self.ensure(hypers, plans, state)
         work = []
-        for hyper, lanes in zip(hypers, plans):
-            for lane in lanes:
-                if lane.in_place is not None:  # never for streamed buckets, which every bucket is here
+        for hyper, intakes in zip(hypers, plans):
+            for intake in intakes:
+                if intake.in_place is not None:  # never for streamed buckets, which every bucket is here
                     raise AssertionError("delayed_update with gradients read in place")
-                if lane.bucket.runs(lane.present):
+                lane = intake.lane
+                if lane.bucket.runs(intake.present):
                     lane.route.wait(lane)
                     lane.bucket.grads.swap()
-                    work.append((lane, lane.present, hyper))
+                    work.append((lane, intake.present, hyper))
         transport, multiplier = self.transport, decision.multiplier
 
         def run() -> List[Tuple[Lane, Optional[List[int]]]]:

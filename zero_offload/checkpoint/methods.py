@@ -84,8 +84,7 @@ class StateDictMethods:
     def _settle(self) -> None:
         """Wait for the updates ``overlap_step`` started in backward: they write the state (and the parameters)
         being read, and a save must not catch a bucket half updated (re-raises the first one that failed)."""
-        if self._mode.settle is not None:
-            self._mode.settle()
+        self._mode.settle()
 
     def _quiesce(self) -> None:
         """Before the state is replaced: no update running, none pending, no copy reading the buffers. The step's

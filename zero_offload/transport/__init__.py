@@ -7,12 +7,11 @@ from typing import Any, Optional
 
 import torch
 
-from zero_offload.lane import record_event
 from zero_offload.options import Options
 from zero_offload.transport.base import Route, Transport
 from zero_offload.transport.local import LocalTransport
 
-__all__ = ["LocalTransport", "Route", "Transport", "make_transport", "record_event"]
+__all__ = ["LocalTransport", "Route", "Transport", "make_transport"]
 
 
 def make_transport(process_group: Optional[Any], options: Options, fsdp: bool = False) -> Transport:

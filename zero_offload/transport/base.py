@@ -6,12 +6,16 @@ on the host (:mod:`~zero_offload.transport.host`, nothing moves), one GPU with t
 GPU's own tier (:mod:`~zero_offload.transport.device`), our ``process_group`` sharding
 (:mod:`~zero_offload.transport.sharded`), FSDP2's shards (:mod:`~zero_offload.transport.fsdp2`). A route sends a
 bucket's gradients (from backward, or at ``step()``), waits for them, gathers them where the kernel reads them,
-and sends the updated values back; it keeps what it learns in the bucket's :class:`~zero_offload.lane.Lane`.
+and sends the updated values back; what it keeps for the optimizer's life is the lane's channel
+(:mod:`~zero_offload.transport.channel`), what backward sent the lane's :class:`~zero_offload.lane.Arrival`, and what
+``step()`` received an :class:`~zero_offload.lane.Intake` it returns.
 
 **The transport** (:class:`Transport`) takes a step's lanes through their routes in the order that overlaps
-work (device copies are only enqueued, so they go first), and measures what arrived: the gradients' norm (the
-GPU-computed norms of streamed buckets with one synchronisation), and whether one is inf/nan. What the step then
-does with those measurements is the gate's (:mod:`zero_offload.gate`).
+work (device copies are only enqueued, so they go first), and measures what arrived
+(:mod:`~zero_offload.transport.measure`): the gradients' norm (the GPU-computed norms of streamed buckets with one
+synchronisation), and whether one is inf/nan. What the step then does with those measurements is the gate's
+(:mod:`zero_offload.gate`). Where a parameter lives across ranks, and so which collectives the step makes, is the
+transport's topology's (:mod:`zero_offload.topology`).
 
 **Edits.** A gradient assigned or edited in place after its copy is read again at ``step()``, found by its version
 counter, or, for the edits that move none (``GradScaler.unscale_``, ``foreach`` ops on FSDP2's DTensors), by its
@@ -26,25 +30,34 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload import functional
-from zero_offload._checks import CheckedGrads
-from zero_offload._compat import foreach_norm_fp32
 from zero_offload.buckets import FlatBucket
 from zero_offload.grads import check_grads
-from zero_offload.lane import Lane, Lanes
+from zero_offload.lane import Intake, Lane, Plans
 from zero_offload.timeline import NOTHING, Timeline, span
+from zero_offload.transport.channel import Channel
 from zero_offload.transport.edits import EditWatch
+from zero_offload.transport.measure import (Norm, every, first_nonfinite, host_norm, name_param, on_device_sq_norm,
+                                            sq_norm_by_dtype, streamed_norms, two_norm)
 
-__all__ = ["Route", "Transport", "device_sq_norm", "first_nonfinite", "name_held", "name_param"]
+__all__ = ["Gathered", "Route", "Transport"]
+
+
+class Gathered(NamedTuple):
+    """What :meth:`Transport.gather` returns: the step's intakes with every gradient where the kernel reads it, and
+    whether one is inf/nan (where checked)."""
+
+    plans: Plans
+    nonfinite: bool
 
 
 class Route:
     """How the bytes of one kind of bucket move (see the module docstring). One instance per kind and optimizer,
-    shared by its buckets; every method takes the bucket's lane.
+    shared by its buckets; every method takes the bucket's lane (or its intake).
 
     Attributes:
         resident (bool): the state lives with the parameters (no copies between them).
@@ -62,6 +75,10 @@ class Route:
     def __init__(self, transport: "Transport"):
         self.transport = transport
 
+    def channel(self) -> Channel:
+        """A new lane's channel (what its copies keep for the optimizer's life)."""
+        return Channel()
+
     def bind(self, lane: Lane) -> None:
         """At construction: tie the parameters to their slots (CPU parameters become views of them)."""
 
@@ -71,9 +88,11 @@ class Route:
 
     def wait(self, lane: Lane) -> None:
         """Wait until the host buffer holds everything sent (and add what landed elsewhere)."""
+        lane.channel.settled()
 
-    def gather(self, lane: Lane) -> None:
-        """At ``step()``: every present gradient where the kernel reads it (``lane.in_place``, or the buffer)."""
+    def gather(self, intake: Intake) -> Intake:
+        """At ``step()``: every present gradient where the kernel reads it; returns the intake that says where
+        (``in_place``, or None: the buffer)."""
         raise NotImplementedError
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
@@ -90,13 +109,13 @@ class Route:
         return None
 
     @staticmethod
-    def _slot_copies(lane: Lane) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    def _slot_copies(intake: Intake) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """Zero the slots of absent gradients; return the (slot, gradient) copies still to make."""
-        bucket = lane.bucket
+        bucket = intake.bucket
         views = bucket.grads.grad_views
         dsts, srcs = [], []
         zero = bucket.grads.zero
-        for i, (has, g) in enumerate(zip(lane.present, lane.pending)):
+        for i, (has, g) in enumerate(zip(intake.present, intake.pending)):
             if not has:
                 if not zero[i]:
                     bucket.grads.clear(i)
@@ -152,9 +171,10 @@ class Transport:
         return lane
 
     def rehome(self, lane: Lane) -> None:
-        """The bucket moved to the device tier (between steps): its new route; backward no longer sends it."""
+        """The bucket moved to the device tier (between steps): its new route and channel (without the host
+        buffers it no longer needs); backward no longer sends it."""
         lane.route = self.route_for(lane.bucket)
-        lane.streamed, lane.incoming, lane.norm_host = False, None, None  # (host buffers it no longer needs)
+        lane.channel, lane.streamed = lane.route.channel(), False
 
     def stream(self, device: torch.device, upload: bool = False):
         streams = self.upload_streams if upload else self.streams
@@ -166,33 +186,33 @@ class Transport:
     # -- gradients, from backward ----------------------------------------------------------------------------
     def send_grads(self, lane: Lane) -> None:
         """Start sending the bucket's gradients (those on its parameters now) to the host."""
-        bucket = lane.bucket
-        if lane.unsettled:
+        bucket, arrival = lane.bucket, lane.arrival
+        if lane.channel.unsettled:
             lane.route.wait(lane)
         self.moved = True
-        if not lane.launches:
+        if not arrival.launches:
             self.arrivals.append(lane)
         idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         grads = [bucket.params[i].grad for i in idx]
         shapes = bucket.grads.shapes if len(idx) == len(bucket.params) else [bucket.grads.shapes[i] for i in idx]
         check_grads(grads, [bucket.params[i] for i in idx], shapes, lambda k: bucket.label(idx[k]))
         # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
-        add = [self.release and lane.sent[i] for i in idx]
+        add = [self.release and arrival.sent[i] for i in idx]
         tl = self.timeline
         with NOTHING if tl is None else tl.span("copy", "d2h", lane.position):
             lane.route.send(lane, idx, grads, add)
         if not self.release and not lane.route.resident:
-            self.edits.keep(lane, idx, grads)
+            arrival.norms.update(self.edits.norms(idx, grads))
         zero = bucket.grads.zero
         for i, g in zip(idx, grads):
-            lane.sent[i] = True
+            arrival.sent[i] = True
             zero[i] = False
             if not self.release:
-                lane.sources[i] = (g, g._version)
+                arrival.sources[i] = (g, g._version)
         if self.release:
             for i in idx:
                 bucket.params[i].grad = None
-        lane.launches += 1
+        arrival.launches += 1
 
     # -- gradients, at step() --------------------------------------------------------------------------------
     def collect(self, lane: Lane) -> List[Optional[torch.Tensor]]:
@@ -200,101 +220,91 @@ class Transport:
         put them (:meth:`~zero_offload.buckets.FlatBucket.collect_grads`)."""
         return lane.bucket.collect_grads()
 
-    def receive(self, lane: Lane, *, fresh: bool = False) -> Lane:
-        """The bucket's gradients for this step, recorded in its lane. Streamed ones are waited for; a gradient
-        assigned or edited in place after its copy (without ``release``: ``GradScaler.unscale_``,
-        ``torch.nn.utils.clip_grad_norm_``) is left pending, to be read again. With ``fresh`` (and without
-        ``release``) every gradient still on its parameter is read again, but for those whose norm at their copy was
-        kept, to be compared by :meth:`EditWatch.read_edited` after every lane's ``receive``."""
-        norms = self.edits.take(lane)
+    def receive(self, lane: Lane, *, fresh: bool = False) -> Intake:
+        """The bucket's gradients for this step. Streamed ones are waited for; a gradient assigned or edited in
+        place after its copy (without ``release``: ``GradScaler.unscale_``, ``torch.nn.utils.clip_grad_norm_``) is
+        left pending, to be read again. With ``fresh`` (and without ``release``) every gradient still on its
+        parameter is read again, but for those whose norm at their copy was kept, to be compared by
+        :meth:`EditWatch.read_edited` once every lane is received."""
+        arrival = lane.arrival
+        norms, arrival.norms = arrival.norms, {}  # (given up: a second receive reads every gradient again)
         grads = self.collect(lane)
-        lane.in_place = None
         self.moved = True
-        if not lane.streamed or not (lane.launches or any(lane.sent)):
-            lane.present, lane.pending, lane.stale = [g is not None for g in grads], grads, False
-            return lane
-        if lane.unsettled:
+        if not lane.streamed or not (arrival.launches or any(arrival.sent)):
+            return Intake(lane, [g is not None for g in grads], grads)
+        if lane.channel.unsettled:
             lane.route.wait(lane)
         present: List[bool] = []
         pending: List[Optional[torch.Tensor]] = []
+        sent, sources = arrival.sent, arrival.sources
         for i, g in enumerate(grads):
             if g is None:
-                present.append(lane.sent[i] and self.release)
+                present.append(sent[i] and self.release)
                 pending.append(None)
-            elif self.release or not lane.sent[i]:
+            elif self.release or not sent[i]:
                 present.append(True)
                 pending.append(g)  # assigned after the stream: gathered like any gradient (overwrites the slot)
             else:
-                src = lane.sources[i]
+                src = sources[i]
                 same = src is not None and src[0] is g and src[1] == g._version and (not fresh or i in norms)
                 present.append(True)
                 pending.append(None if same else g)
-        self.edits.defer(lane, pending, norms, fresh)
         # A gradient changed or dropped since its launch: the streamed norm (a sharded bucket's reduced sum) is
         # stale.
-        stale = any(t is not None for t in pending) or any(was and not has for has, was in zip(present, lane.sent))
-        if stale:
-            lane.norm = None
-        lane.present, lane.pending, lane.stale = present, pending, stale
-        return lane
+        stale = any(t is not None for t in pending) or any(was and not has for has, was in zip(present, sent))
+        intake = Intake(lane, present, pending, stale)
+        self.edits.defer(intake, norms, fresh)
+        return intake
 
-    def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
-               settings: Sequence[Tuple[str, float]] = ()) -> bool:
-        """Make every bucket's gradients readable where the kernel reads them; with ``check``, return whether any
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> Gathered:
+        """Make every bucket's gradients readable where the kernel reads them; with ``check``, say whether any
         is inf/nan. A CPU bucket is checked right after its own gather, when what it copied is still in cache; the
         gradients read where they are (FSDP2's host shards, a CPU model's unstreamed ``.grad``) are checked in one call
         after every gather (a call per bucket costs each its cold Python in between: see
         :func:`~zero_offload.functional.queued_updates`).
         ``clipping``: called by ``clip_grad_norm_`` and ``settings`` (name, value) pairs of the step: what the
-        sharded transport checks every rank agrees on."""
-        lanes = list(chain.from_iterable(plans))
-        for lane in lanes:  # device copies are only enqueued: they go first and overlap the host's
-            if not lane.route.resident:
-                lane.route.gather(lane)
+        sharded transports check every rank agrees on."""
+        out = [list(intakes) for intakes in plans]
+        places = [(g, k) for g, intakes in enumerate(out) for k in range(len(intakes))]
+        for g, k in places:  # device copies are only enqueued: they go first and overlap the host's
+            if not out[g][k].lane.route.resident:
+                out[g][k] = out[g][k].lane.route.gather(out[g][k])
         bad = False
         read_in_place: List[torch.Tensor] = []
-        for lane in lanes:
-            if lane.route.resident:
-                lane.route.gather(lane)
-                if check and not bad and not lane.bucket.device_tier:
-                    if lane.in_place is None:
-                        bad = lane.host_sq_norm()[1]
+        for g, k in places:
+            intake = out[g][k]
+            if intake.lane.route.resident:
+                intake = out[g][k] = intake.lane.route.gather(intake)
+                if check and not bad and not intake.bucket.home.on_device:
+                    if intake.in_place is None:
+                        bad = intake.host_sq_norm().nonfinite
                     else:
-                        read_in_place.extend(lane.host_grads())
+                        read_in_place.extend(intake.host_grads())
+        intakes = every(out)
         if check and not bad:
-            bad = _sq_norm_by_dtype(read_in_place)[1]
+            bad = sq_norm_by_dtype(read_in_place).nonfinite
         if check and not bad:
-            bad = _device_tier_norm(lanes)[1]
+            bad = on_device_sq_norm(intakes).nonfinite
         if check and not bad:
-            bad = self._cuda_nonfinite([lane for lane in lanes if not lane.route.resident])
-        return bad
+            bad = self._copied_nonfinite([intake for intake in intakes if not intake.lane.route.resident])
+        return Gathered(out, bad)
 
-    def _cuda_nonfinite(self, lanes: List[Lane]) -> bool:
-        self.streamed_norms(lanes)  # one synchronisation for every streamed bucket
-        if any(lane.sq is not None and not math.isfinite(lane.sq) for lane in lanes):
+    def _copied_nonfinite(self, intakes: List[Intake]) -> bool:
+        """Whether a gradient copied to the host holds an inf/nan: from the norms backward computed (one
+        synchronisation for every streamed bucket), else read on the host."""
+        norms = streamed_norms(intakes, self.timeline)
+        if any(sq is not None and not math.isfinite(sq) for sq in norms):
             return True
-        for lane in lanes:
-            if lane.sq is None:
-                lane.route.wait(lane)
-                if functional.grad_sq_norm(lane.bucket.grad)[1]:
+        for intake, sq in zip(intakes, norms):
+            if sq is None:
+                intake.lane.route.wait(intake.lane)
+                if functional.grad_sq_norm(intake.bucket.grad)[1]:
                     return True
         return False
 
-    def streamed_norms(self, lanes: Sequence[Lane]) -> None:
-        """Read the GPU-computed squared norms of the streamed buckets among ``lanes`` into ``lane.sq``: each copied
-        to the host in backward, ahead of the bucket's gradients (a wait for its event, usually long complete, and
-        for no gradient copy)."""
-        tl = self.timeline
-        for lane in lanes:
-            lane.sq = None
-            if lane.norm is not None:
-                if not lane.norm_ev.query():
-                    with NOTHING if tl is None else tl.span("wait", "norms", lane.position):
-                        lane.norm_ev.synchronize()
-                lane.sq = float(lane.norm_host[0])
-
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
-        """``step()`` after ``clip_grad_norm_``: the sharded transport checks the ranks agree on ``settings``."""
+        """``step()`` after ``clip_grad_norm_``: the sharded transports check the ranks agree on ``settings``."""
 
     def together(self, skipped: bool = False) -> Any:
         """A context around what ``step()`` does before its exchange with the other ranks (FSDP2's transport: a
@@ -302,41 +312,24 @@ class Transport:
         ``skipped`` on every rank, a GradScaler having found an inf/nan); here nothing."""
         return NOTHING
 
-    def wait_all(self, plans: Lanes) -> None:
-        for lane in chain.from_iterable(plans):
-            lane.route.wait(lane)
+    def wait_all(self, plans: Plans) -> None:
+        for intake in chain.from_iterable(plans):
+            intake.lane.route.wait(intake.lane)
 
-    def total_norm(self, plans: Lanes, norm_type: float) -> Tuple[float, bool]:
+    def total_norm(self, plans: Plans, norm_type: float) -> Norm:
         """``clip_grad_norm_``'s total norm of the gathered gradients, and whether any is inf/nan."""
-        lanes = list(chain.from_iterable(plans))
+        intakes = every(plans)
         if norm_type == 2.0:
             # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
-            self.streamed_norms([lane for lane in lanes if not lane.route.resident])
+            norms = streamed_norms([i for i in intakes if not i.lane.route.resident], self.timeline)
             self.wait_all(plans)
-            sq, nonfinite = _device_tier_norm(lanes)  # (one synchronisation for the device tier too)
-            read_in_place: List[torch.Tensor] = []  # (one call for them all, as in gather)
-            for lane in lanes:
-                if lane.bucket.device_tier:
-                    continue
-                if lane.sq is not None and not lane.route.resident:
-                    s, bad = lane.sq, not math.isfinite(lane.sq)
-                elif lane.in_place is not None:
-                    read_in_place.extend(lane.host_grads())
-                    continue
-                else:
-                    s, bad = lane.host_sq_norm()
-                sq, nonfinite = sq + s, nonfinite or bad
-            s, bad = _sq_norm_by_dtype(read_in_place)
-            return math.sqrt(sq + s), nonfinite or bad
+            it = iter(norms)
+            sq, nonfinite = two_norm(intakes, [None if i.lane.route.resident else next(it) for i in intakes])
+            return Norm(math.sqrt(sq), nonfinite)
         self.wait_all(plans)
-        # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
-        host = [t for lane in lanes for t in lane.host_grads() if t.numel()]
-        if norm_type == math.inf:
-            return max((float(t.abs().max()) for t in host), default=0.0), False
-        norms = [torch.linalg.vector_norm(t.float(), norm_type) for t in host]
-        return (float(torch.linalg.vector_norm(torch.stack(norms), norm_type)) if norms else 0.0), False
+        return Norm(host_norm(intakes, norm_type), False)
 
-    def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+    def describe_nonfinite(self, plans: Plans, names: Sequence[Optional[Sequence[str]]]) -> str:
         """Which parameter holds the first inf/nan gradient, for an error message (``names``: each group's
         ``param_names``, or None)."""
         found = first_nonfinite(plans)
@@ -370,15 +363,15 @@ class Transport:
 
     # -- between steps ---------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget what was sent for this step (after ``step()``, or at ``zero_grad()``), once it has landed."""
+        """Forget what was sent for this step (after ``step()``, or at ``zero_grad()``), once it has landed: the
+        gradients a lane holds are let go with the step (after zero_grad() the caller's references are the last,
+        as with AdamW)."""
         self.arrivals, self.moved = [], False
         self.edits.reset()
         for lane in self.lanes:
-            # Anything of this step sent down the lane, or received at step(): the gradients it holds are let go
-            # with the step (after zero_grad() the caller's references are the last, as with AdamW).
-            if lane.launches or lane.adds or any(lane.sent) or lane.present:
-                if lane.unsettled:
-                    lane.route.wait(lane)
+            if lane.channel.unsettled:
+                lane.route.wait(lane)
+            if lane.arrival.launches or any(lane.arrival.sent) or lane.arrival.norms:
                 lane.end()
 
     def keep_zero_grads(self) -> None:
@@ -392,9 +385,9 @@ class Transport:
                 bucket.grads.zero_as_views()
                 continue
             if self.release and any(lane.had):
-                if bucket.shares_grad:
-                    lane.wait_h2d(self.timeline)  # the slots cleared below may still be uploading parameters
-                lane.sent = list(lane.had)
+                if bucket.shares_grad:  # the slots cleared below may still be uploading parameters
+                    lane.channel.up.wait(self.timeline, "h2d", lane.position, query=True)
+                lane.arrival.sent[:] = lane.had
                 for i, has in enumerate(lane.had):
                     if has:
                         bucket.grads.clear(i)
@@ -408,74 +401,3 @@ class Transport:
                     grads.append(p.grad)
             if grads:
                 torch._foreach_zero_(grads)
-
-
-def _device_tier_norm(lanes: Sequence[Lane]) -> Tuple[float, bool]:
-    """The squared norm of the device tier's gathered gradients (``gpu_fraction``: they stay on the GPU), all
-    buckets at once, and whether one is inf/nan."""
-    # (A bucket with no gradient and no buffer has nothing to read: its host_grads() would make the buffer.)
-    grads = [t for lane in lanes if lane.bucket.device_tier and (lane.in_place is not None
-                                                                  or lane.bucket.grads.allocated)
-             for t in lane.host_grads()]
-    return device_sq_norm(grads) if grads else (0.0, False)
-
-
-def _sq_norm_by_dtype(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
-    """:meth:`~zero_offload.lane.Lane.host_sq_norm` of the gradients several lanes read in place (their
-    :meth:`~zero_offload.lane.Lane.host_grads`, checked), of any dtypes: one native call for each dtype."""
-    by_dtype: Dict[torch.dtype, CheckedGrads] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, CheckedGrads()).append(g)
-    sq, bad = 0.0, False
-    for same in by_dtype.values():
-        s, b = functional.grad_sq_norm_segments(same)
-        sq, bad = sq + s, bad or b
-    return sq, bad
-
-
-def device_sq_norm(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
-    """:func:`grad_sq_norm_segments` of gradients that stay on their device (the device tier's, ``gpu_fraction``):
-    torch's norms there (each in float32, squared and summed in float64) and one synchronisation. The non-finite
-    flag is exact: a sum that overflows is checked element by element (as the host kernel's flag, it is set only
-    by an inf or nan)."""
-    grads = [g for g in grads if g.numel()]
-    if not grads:
-        return 0.0, False
-    total = float(torch.stack(foreach_norm_fp32(grads)).double().square().sum())
-    if math.isfinite(total):
-        return total, False
-    return total, not all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def first_nonfinite(plans: Lanes) -> Optional[Tuple[int, int, torch.Tensor]]:
-    """The first gradient of ``plans`` (gathered) holding an inf/nan: its param group, its index there and the
-    parameter as the optimizer was given it (an FSDP2 parameter's DTensor, not its local shard); None if none."""
-    for gi, group_plan in enumerate(plans):
-        for lane in group_plan:
-            bucket = lane.bucket
-            for i, has in enumerate(lane.present):
-                if not has:
-                    continue
-                host = bucket.grads.grad_views[i] if lane.in_place is None else lane.in_place[i]
-                if host is not None and not bool(torch.isfinite(host).all()):
-                    return gi, bucket.layout.indices[i], bucket.owners[i]
-    return None
-
-
-def name_param(group: int, index: int, param: torch.Tensor, names: Sequence[Optional[Sequence[str]]]) -> str:
-    """A parameter as an error message names it (``names``: each group's ``param_names``, or None)."""
-    label = f" ({names[group][index]!r})" if names[group] else ""
-    return f"param group {group}, parameter {index}{label} of shape {tuple(param.shape)}"
-
-
-def name_held(held: Sequence[Tuple[int, int, int]], plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
-    """For a step refused on every rank of a group: of the inf/nan gradients ``held`` (each rank's first, as
-    ``(param group, index, rank)``), the first by param group and index, named alike on every rank with the rank
-    whose shard holds it."""
-    if not held:
-        return "the gradients"
-    group, index, rank = min(held)
-    param = next((lane.bucket.owners[i] for lane in plans[group]
-                  for i, j in enumerate(lane.bucket.layout.indices) if j == index), None)
-    named = f"param group {group}, parameter {index}" if param is None else name_param(group, index, param, names)
-    return f"{named} (in rank {rank}'s shard)"

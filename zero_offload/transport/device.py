@@ -11,19 +11,49 @@ gradient copies."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from zero_offload._compat import foreach_norm_fp32
 from zero_offload.host_memory import empty_host
-from zero_offload.lane import Lane
+from zero_offload.lane import Intake, Lane
 from zero_offload.state.layout import view_like
-from zero_offload.timeline import NOTHING
+from zero_offload.timeline import NOTHING, Timeline
 from zero_offload.transport.base import Route
+from zero_offload.transport.channel import Channel, Mark
 from zero_offload.transport.host import HostRoute
 
-__all__ = ["DeviceTierRoute", "OffloadRoute", "Staged", "device_room"]
+__all__ = ["CopyChannel", "DeviceTierRoute", "OffloadRoute", "Staged", "device_room"]
+
+
+class CopyChannel(Channel):
+    """The channel of a bucket whose state is on the host and parameters on a GPU: beside the copies' marks, its
+    landing buffers, made at first use.
+
+    Attributes:
+        incoming (Tensor, optional): where a later micro-batch's gradients land (``release``) to be added.
+        adds (List[int]): the slots whose copy landed in ``incoming``, still to add.
+        norm_host (Tensor, optional), norm_ready (Mark): the bucket's squared norm, copied to the host before the
+            gradients themselves, and the point after that copy.
+        staged (Staged, optional): its device buffer for new parameters ahead of their commit (holding memory
+            only from such an upload to its commit).
+    """
+
+    __slots__ = ("incoming", "adds", "norm_host", "norm_ready", "staged")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.incoming: Optional[torch.Tensor] = None
+        self.adds: List[int] = []
+        self.norm_host: Optional[torch.Tensor] = None
+        self.norm_ready = Mark()
+        self.staged: Optional[Staged] = None
+
+    def read_norm(self, timeline: Optional[Timeline], position: int) -> float:
+        """The squared norm backward computed (see :class:`~zero_offload.lane.Arrival`), once its copy landed."""
+        self.norm_ready.wait(timeline, "norms", position, query=True)
+        return float(self.norm_host[0])
 
 
 class DeviceTierRoute(HostRoute):
@@ -37,71 +67,69 @@ class OffloadRoute(Route):
 
     speculates = True
 
+    def channel(self) -> CopyChannel:
+        return CopyChannel()
+
     def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
-        bucket, t = lane.bucket, self.transport
+        bucket, t, channel = lane.bucket, self.transport, lane.channel
         stream = t.streams.get(bucket.device) or t.stream(bucket.device)
-        if any(add) and lane.incoming is None:
-            lane.incoming = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
+        if any(add) and channel.incoming is None:
+            channel.incoming = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
         views = bucket.grads.grad_views
-        landing = [_slot(lane.incoming, bucket, i) if a else views[i] for i, a in zip(idx, add)]
+        landing = [_slot(channel.incoming, bucket, i) if a else views[i] for i, a in zip(idx, add)]
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         if bucket.shares_grad:
             _after_upload(lane, stream)
         with torch.cuda.stream(stream):
             launched = set(idx)
-            if grads and not any(add) and all(i in launched for i, has in enumerate(lane.sent) if has):
+            if grads and not any(add) and all(i in launched for i, has in enumerate(lane.arrival.sent) if has):
                 # The bucket's squared norm, on the GPU, and to the host before the gradients themselves: step()'s
                 # checks (and speculation's early stops) read it without waiting for any gradient copy. Only when
                 # this launch carries all of the bucket's gradients (not when they are summed on the host with an
                 # earlier micro-batch's).
                 norms = foreach_norm_fp32(grads)
-                lane.norm = torch.stack(norms).double().square().sum()
-                if lane.norm_host is None:
-                    lane.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
-                lane.norm_host.copy_(lane.norm.view(1), non_blocking=True)
-                if lane.norm_ev is None:
-                    lane.norm_ev = torch.cuda.Event()
-                lane.norm_ev.record(stream)
+                lane.arrival.norm = norm = torch.stack(norms).double().square().sum()
+                if channel.norm_host is None:
+                    channel.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
+                channel.norm_host.copy_(norm.view(1), non_blocking=True)
+                channel.norm_ready.record(stream)
             else:
-                lane.norm = None
+                lane.arrival.norm = None
             if grads:
                 torch._foreach_copy_(landing, grads, non_blocking=True)
-            if lane.d2h is None:
-                lane.d2h = torch.cuda.Event()
-            lane.d2h.record(stream)
-            lane.d2h_gen += 1
-        lane.adds = [i for i, a in zip(idx, add) if a]
-        lane.unsettled = True
+            channel.sent(stream)
+        channel.adds = [i for i, a in zip(idx, add) if a]
         if t.release:
             for g in grads:
                 g.record_stream(stream)
 
     def wait(self, lane: Lane) -> None:
-        if lane.d2h_gen != lane.d2h_seen:
-            lane.wait_d2h(self.transport.timeline)
-        if lane.adds:
+        channel = lane.channel
+        channel.down.wait(self.transport.timeline, "d2h", lane.position)
+        if channel.adds:
             b = lane.bucket
             views = b.grads.grad_views
-            torch._foreach_add_([views[i] for i in lane.adds], [_slot(lane.incoming, b, i) for i in lane.adds])
-            lane.adds = []
-        lane.unsettled = False
+            torch._foreach_add_([views[i] for i in channel.adds], [_slot(channel.incoming, b, i) for i in channel.adds])
+            channel.adds = []
+        channel.settled()
 
-    def gather(self, lane: Lane) -> None:
+    def gather(self, intake: Intake) -> Intake:
         """Gradients not streamed (or changed since) copied into the host buffer on the copy stream."""
-        bucket, t = lane.bucket, self.transport
-        lane.in_place = None
+        lane, t = intake.lane, self.transport
+        bucket = lane.bucket
         stream = t.streams.get(bucket.device) or t.stream(bucket.device)
         # Gradients were produced on the compute stream; the side stream must not read them earlier.
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
-        if bucket.shares_grad and lane.h2d_gen != lane.h2d_seen:
-            lane.wait_h2d(t.timeline)  # slot_copies zeroes slots on the host
-        dsts, srcs = self._slot_copies(lane)
+        if bucket.shares_grad:
+            lane.channel.up.wait(t.timeline, "h2d", lane.position, query=True)  # slot_copies zeroes slots on the host
+        dsts, srcs = self._slot_copies(intake)
         if bucket.shares_grad:
             _after_upload(lane, stream)
         if dsts:  # (nothing copied: the last recording still covers the buffer)
             with torch.cuda.stream(stream):
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                lane.record_d2h(stream)
+                lane.channel.sent(stream)
+        return intake
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
         """Async copies of the master or the staging copy on the upload stream, then an event the next kernel on
@@ -116,10 +144,7 @@ class OffloadRoute(Route):
         with torch.no_grad(), torch.cuda.stream(stream), NOTHING if tl is None else tl.span("copy", "h2d",
                                                                                          lane.position):
             torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
-        if lane.h2d is None:
-            lane.h2d = torch.cuda.Event()
-        lane.h2d.record(stream)
-        lane.h2d_gen += 1
+        lane.channel.up.record(stream)
 
     # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
     def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane], label: str) -> Optional[Staged]:
@@ -136,11 +161,12 @@ class OffloadRoute(Route):
         device = bucket.device
         nbytes = bucket.layout.padded_numel * bucket.dtype.itemsize
         coming = sum(o.bucket.layout.numel * o.bucket.dtype.itemsize for o in lanes
-                     if o.streamed and not o.launches and o.bucket.device == device)
+                     if o.streamed and not o.arrival.launches and o.bucket.device == device)
         if device_room(device) < nbytes + coming + t.staging_margin:
             return None
         stream = t.upload_streams.get(device) or t.stream(device, upload=True)
-        staged = lane.staged
+        channel = lane.channel
+        staged = channel.staged
         # (Its memory comes from the upload stream, which alone uses it: given back, it is reused only by later
         # work there.)
         tl = t.timeline
@@ -148,7 +174,7 @@ class OffloadRoute(Route):
             try:
                 if staged is None:
                     flat = torch.empty(bucket.layout.padded_numel, dtype=bucket.dtype, device=device)
-                    staged = lane.staged = Staged(flat, bucket.slot_views(flat), torch.cuda.Event())
+                    staged = channel.staged = Staged(flat, bucket.slot_views(flat), torch.cuda.Event())
                 else:
                     staged.flat.untyped_storage().resize_(nbytes)
             except torch.cuda.OutOfMemoryError:
@@ -191,8 +217,9 @@ def device_room(device: torch.device) -> int:
 def _after_upload(lane: Lane, stream) -> None:
     """A gradient buffer that also carries the parameters out (``FlatBucket.shares_grad``) is written again only
     after the last upload has read it: ``stream``, about to copy gradients into it, waits for that."""
-    if lane.bucket.shares_grad and lane.h2d is not None:
-        stream.wait_event(lane.h2d)
+    event = lane.channel.up.event
+    if lane.bucket.shares_grad and event is not None:
+        stream.wait_event(event)
 
 
 def _slot(flat: torch.Tensor, bucket, i: int) -> torch.Tensor:

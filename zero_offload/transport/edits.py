@@ -1,10 +1,10 @@
 """Gradient edits that move no version counter (see :mod:`zero_offload.transport.base`): ``GradScaler.unscale_``
 rewrites gradients in place without moving one, and so do ``foreach`` ops on FSDP2's DTensor gradients. After a
 step a ``GradScaler`` drove (and before the first), or always under FSDP2, each streamed gradient's norm is kept at
-its copy, on the device; where such an edit may have happened (``clip_grad_norm_`` after a scaler's step; every
-``step()`` under FSDP2) the norms are taken again and compared bit for bit, those of every bucket at once (one
-synchronisation per device), and a gradient whose norm differs is read again. An edit that keeps every norm (a sign
-flip through a ``foreach`` op) is not seen.
+its copy, on the device (in the lane's :class:`~zero_offload.lane.Arrival`); where such an edit may have happened
+(``clip_grad_norm_`` after a scaler's step; every ``step()`` under FSDP2) the norms are taken again and compared bit
+for bit, those of every bucket at once (one synchronisation per device), and a gradient whose norm differs is read
+again. An edit that keeps every norm (a sign flip through a ``foreach`` op) is not seen.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload._compat import foreach_norm_fp32
-from zero_offload.lane import Lane
+from zero_offload.lane import Intake, Plans
 
 __all__ = ["EditWatch"]
 
@@ -32,45 +32,54 @@ class EditWatch:
     def __init__(self, always: bool):
         self.always = always
         self.scaled: Optional[bool] = None
-        self._norms: Dict[Lane, Dict[int, torch.Tensor]] = {}  # this step's, by lane and parameter index
-        self._unchecked: List[Tuple[Lane, List[int], List[torch.Tensor]]] = []  # left to compare (read_edited)
+        # This round of receives' gradients to compare (see read_edited): the intake, the parameters, their norms.
+        self._unchecked: List[Tuple[Intake, List[int], List[torch.Tensor]]] = []
 
-    def keep(self, lane: Lane, idx: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
-        """At a copy of the gradients ``grads`` (the bucket's ``idx``): their norms, while an edit may come."""
-        if self.always or self.scaled is not False:
-            kept = [(i, g) for i, g in zip(idx, grads) if g.numel()]
-            if kept:
-                norms = foreach_norm_fp32([g for _, g in kept])
-                self._norms.setdefault(lane, {}).update((i, n) for (i, _), n in zip(kept, norms))
+    def norms(self, idx: Sequence[int], grads: Sequence[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """At a copy of the gradients ``grads`` (the bucket's ``idx``): their norms by parameter, while an edit may
+        come (else none)."""
+        if not (self.always or self.scaled is not False):
+            return {}
+        kept = [(i, g) for i, g in zip(idx, grads) if g.numel()]
+        if not kept:
+            return {}
+        return dict(zip((i for i, _ in kept), foreach_norm_fp32([g for _, g in kept])))
 
-    def take(self, lane: Lane) -> Dict[int, torch.Tensor]:
-        """The lane's norms at their copy (given up: a second receive of the lane reads every gradient again)."""
-        return self._norms.pop(lane, {})
-
-    def defer(self, lane: Lane, pending: Sequence[Optional[torch.Tensor]], norms: Dict[int, torch.Tensor],
-              fresh: bool) -> None:
-        """Where an edit may have happened (``fresh``, or ``always``): the lane's gradients the version check found
-        unchanged, to compare in :meth:`read_edited`."""
+    def defer(self, intake: Intake, norms: Dict[int, torch.Tensor], fresh: bool) -> None:
+        """Where an edit may have happened (``fresh``, or ``always``): the intake's gradients the version check
+        found unchanged, to compare in :meth:`read_edited`."""
         if norms and (fresh or self.always):
-            params = lane.bucket.params
-            kept = [i for i, g in enumerate(pending) if g is None and i in norms and params[i].grad is not None]
+            params = intake.bucket.params
+            kept = [i for i, g in enumerate(intake.pending) if g is None and i in norms and params[i].grad is not None]
             if kept:
-                self._unchecked.append((lane, kept, [norms[i] for i in kept]))
+                self._unchecked.append((intake, kept, [norms[i] for i in kept]))
 
-    def read_edited(self) -> None:
-        """After every lane's receive: each deferred gradient whose norm differs from the one at its copy is
-        pending, to be read again, and its lane's streamed norm stale."""
+    def read_edited(self, plans: Plans) -> Plans:
+        """After every lane's receive: ``plans`` where each deferred gradient whose norm differs from the one at its
+        copy is pending, to be read again, and its bucket's streamed norm stale."""
         unchecked, self._unchecked = self._unchecked, []
-        found = [(lane, i, lane.bucket.params[i].grad, then) for lane, kept, thens in unchecked
+        found = [(intake, i, intake.bucket.params[i].grad, then) for intake, kept, thens in unchecked
                  for i, then in zip(kept, thens)]
+        edited: List[Tuple[Intake, int, torch.Tensor]] = []
         for device in {grad.device for _, _, grad, _ in found}:
             mine = [f for f in found if f[2].device == device]
             now = torch.stack(foreach_norm_fp32([grad for _, _, grad, _ in mine]))
             changed = (now != torch.stack([then for _, _, _, then in mine])).tolist()
-            for (lane, i, grad, _), c in zip(mine, changed):
-                if c:
-                    lane.pending[i] = grad
-                    lane.stale, lane.norm = True, None
+            edited.extend((intake, i, grad) for (intake, i, grad, _), c in zip(mine, changed) if c)
+        if not edited:
+            return plans
+        return [[_read_again(intake, edited) for intake in intakes] for intakes in plans]
 
     def reset(self) -> None:
-        self._norms, self._unchecked = {}, []
+        self._unchecked = []
+
+
+def _read_again(intake: Intake, edited: Sequence[Tuple[Intake, int, torch.Tensor]]) -> Intake:
+    """``intake``, with its gradients among ``edited`` pending (and its streamed norm stale) where there are any."""
+    mine = [(i, grad) for other, i, grad in edited if other is intake]
+    if not mine:
+        return intake
+    pending = list(intake.pending)
+    for i, grad in mine:
+        pending[i] = grad
+    return intake.but(pending=pending, stale=True)

@@ -23,7 +23,7 @@ the reduce-scatter stream's context, the updated shard up into ``p.to_local()``)
 ``CPUOffloadPolicy``), :class:`~zero_offload.transport.host.HostRoute`: the storage FSDP keeps for each shard is
 moved into its slot (:func:`zero_offload.fsdp2.bind_shard`), gradients are read where FSDP left them, and the kernel
 writes the shard itself: no second host copy of the parameters, no copy after the update. Where FSDP keeps a host
-shard in a way that cannot be taken over (:func:`zero_offload.fsdp2.home`), :class:`FSDPHostRoute`: a separate
+shard in a way that cannot be taken over (:func:`zero_offload.fsdp2.takeover`), :class:`FSDPHostRoute`: a separate
 master, the update copied into the shard.
 
 The local shards' ``.grad`` (set from their DTensor's at ``step()``) are let go with the step, so no gradient
@@ -34,25 +34,41 @@ from __future__ import annotations
 
 import contextlib
 import math
-from itertools import chain
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload.buckets import FlatBucket
 from zero_offload.fsdp2 import Sharding
-from zero_offload.lane import Lane, Lanes
+from zero_offload.lane import Lane, Plans
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import differing, digest, digest_bytes, meeting_on_failure
-from zero_offload.transport.base import Route, Transport, first_nonfinite, name_held
+from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
+from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held
 
-__all__ = ["FSDPHostRoute", "FSDPTransport"]
+__all__ = ["FSDPHostRoute", "FSDPTransport", "Row"]
 
 # Where a rank is when it meets the others (a slot of every exchange's row).
 STEP, CLIP, AFTER_CLIP = 1.0, 2.0, 3.0
 _WHERE = {STEP: "at step()", CLIP: "in clip_grad_norm_()", AFTER_CLIP: "at step() after clip_grad_norm_()"}
+
+
+class Row(NamedTuple):
+    """One rank's part of the step's exchange over the mesh (:meth:`FSDPTransport._meet`)."""
+
+    sq: float  # its shards' sum of squares (where clipping asked for it)
+    bad: float  # 1.0: a gradient of its shards holds an inf/nan
+    phase: float  # where it is: STEP, CLIP or AFTER_CLIP
+    alive: float  # 0.0: it raised before the exchange
+    settings: float  # a digest of the settings it steps with
+    present: float  # a digest of which parameters have a gradient
+    rank: int  # its global rank
+
+    @staticmethod
+    def of(values: Sequence[float]) -> "Row":
+        return Row(*values[:-1], int(values[-1]))
 
 
 class FSDPHostRoute(HostRoute):
@@ -119,8 +135,8 @@ class FSDPTransport(Transport):
             for p in lane.bucket.params:
                 p.grad = None
 
-    def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
-               settings: Sequence[Tuple[str, float]] = ()) -> bool:
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> Gathered:
         """The local gather, then the statistics of the whole mesh: its sum of squares and whether any rank's
         shard holds an inf/nan, with every rank's ``settings`` (the step's hyperparameters and ``nonfinite``
         policy) and which of its parameters have a gradient, in one small all-gather (:meth:`_meet`): a rank that
@@ -130,15 +146,15 @@ class FSDPTransport(Transport):
         updated."""
         phase = CLIP if clipping else STEP
         with self._failing(phase):
-            bad = super().gather(plans, check=check)
+            plans, bad = super().gather(plans, check=check)
             sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
-        present = bytes(bytearray(has for lane in chain.from_iterable(plans) for has in lane.present))
+        present = bytes(bytearray(has for intake in every(plans) for has in intake.present))
         rows = self._meet(phase, settings, sq, local_bad, digest_bytes(present))
-        if len({row[5] for row in rows}) > 1:
+        if len({row.present for row in rows}) > 1:
             self._refuse_presence(plans, present, rows)
-        self._sq = sum(row[0] for row in self._replica(rows))
-        self._bad = any(row[1] > 0 for row in rows) or not math.isfinite(self._sq)
-        return check and self._bad
+        self._sq = sum(row.sq for row in self._replica(rows))
+        self._bad = any(row.bad > 0 for row in rows) or not math.isfinite(self._sq)
+        return Gathered(plans, check and self._bad)
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
@@ -153,31 +169,29 @@ class FSDPTransport(Transport):
         return meeting_on_failure(lambda: self._exchanges, lambda: self._meet(phase, (), failed=True))
 
     def _meet(self, phase: float, settings: Sequence[Tuple[str, float]], sq: float = 0.0, bad: bool = False,
-              present: float = 0.0, failed: bool = False) -> List[List[float]]:
-        """Every rank's row: (sum of squares, inf/nan flag, ``phase``, whether the rank got this far, a digest of
-        its ``settings``, ``present``: a digest of which parameters have a gradient, checked by the caller), one
-        all-gather of the same size at every point where ranks meet, so that ranks at different points, or failed,
-        or with other settings are told apart. Every rank sees the same rows and so raises alike (a ``failed`` rank
-        returns: its own error follows); the values of differing settings are exchanged only then, to name them."""
-        rows = self._exchange([sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings),
-                               present])
-        down = [r for r, row in enumerate(rows) if row[3] == 0.0]
-        phases = [row[2] for row in rows]
-        if failed or (not down and len(set(phases)) == 1 and len({row[4] for row in rows}) == 1):
+              present: float = 0.0, failed: bool = False) -> List[Row]:
+        """Every rank's :class:`Row` (its ``present`` checked by the caller), one all-gather of the same size at
+        every point where ranks meet, so that ranks at different points, or failed, or with other settings are told
+        apart. Every rank sees the same rows and so raises alike (a ``failed`` rank returns: its own error
+        follows); the values of differing settings are exchanged only then, to name them."""
+        rows = [Row.of(values) for values in self._exchange(
+            [sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings), present])]
+        down = [row for row in rows if row.alive == 0.0]
+        phases = [row.phase for row in rows]
+        if failed or (not down and len(set(phases)) == 1 and len({row.settings for row in rows}) == 1):
             return rows  # (every step: nothing more to look up)
         where = _where(rows)
         if down:
             raise RuntimeError(
-                f"{where}: " + "; ".join(f"rank {_rank(rows[r])} raised {_WHERE.get(rows[r][2], rows[r][2])}"
-                                         for r in down)
+                f"{where}: " + "; ".join(f"rank {row.rank} raised {_WHERE.get(row.phase, row.phase)}" for row in down)
                 + " before the ranks compared their gradient statistics (its own error says why: an invalid "
                 "hyperparameter there?). Nothing was updated on any rank; the ranks are still in step.")
         if len(set(phases)) > 1:
             raise RuntimeError(
                 f"{where}: the ranks are at different points: "
-                + "; ".join(f"rank {_rank(row)} {_WHERE.get(row[2], row[2])}" for row in rows)
+                + "; ".join(f"rank {row.rank} {_WHERE.get(row.phase, row.phase)}" for row in rows)
                 + ". Every rank must call clip_grad_norm_() (or not) and step() together. Nothing was updated.")
-        if len({row[4] for row in rows}) > 1:
+        if len({row.settings for row in rows}) > 1:
             self._name_settings(settings, where)
         return rows
 
@@ -193,18 +207,18 @@ class FSDPTransport(Transport):
             "with its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
             "stepped on one rank only?). Nothing was updated.")
 
-    def _refuse_presence(self, plans: Lanes, present: bytes, rows: List[List[float]]) -> None:
+    def _refuse_presence(self, plans: Plans, present: bytes, rows: List[Row]) -> None:
         """The ranks' gradients are on different parameters (their digests in ``rows`` differed): exchange which,
         and raise on every rank naming the first parameter that has a gradient on some ranks only."""
         where = _where(rows)
         rows = self._exchange_listed([float(has) for has in present], where, "parameters (another model?)")
         k = next(k for k in range(len(present)) if len({row[k] for row in rows}) > 1)  # (the digests differed)
-        lane, i = [(lane, i) for lane in chain.from_iterable(plans) for i in range(len(lane.present))][k]
+        bucket, i = [(intake.bucket, i) for intake in every(plans) for i in range(len(intake.present))][k]
         having = [_rank(row) for row in rows if row[k]]
         lacking = [_rank(row) for row in rows if not row[k]]
         raise RuntimeError(
-            f"{where}: the ranks have gradients for different parameters: {lane.bucket.label(i)} of shape "
-            f"{tuple(lane.bucket.owners[i].shape)} has one on rank(s) {having} and none on rank(s) {lacking} (its "
+            f"{where}: the ranks have gradients for different parameters: {bucket.label(i)} of shape "
+            f"{tuple(bucket.owners[i].shape)} has one on rank(s) {having} and none on rank(s) {lacking} (its "
             ".grad set to None on some ranks only?). Each rank would update only the shards it has gradients for, "
             "and FSDP's all-gather would join a parameter updated on some ranks only: every rank must step the same "
             "parameters. Nothing was updated.")
@@ -232,12 +246,12 @@ class FSDPTransport(Transport):
                             device=self.sharding.mesh.device_type)
         groups = [self.sharding.group] + ([self.sharding.replicas] if self.sharding.hsdp else [])
         for group in groups:
-            every = mine.new_empty(dist.get_world_size(group) * mine.numel())
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=group)
-            mine = every
+            rows = mine.new_empty(dist.get_world_size(group) * mine.numel())
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine, group=group)
+            mine = rows
         return mine.view(-1, len(values) + 1).tolist()
 
-    def _replica(self, rows: List[List[float]]) -> List[List[float]]:
+    def _replica(self, rows: List[Row]) -> List[Row]:
         """The rows of this rank's replica (all of them without HSDP)."""
         if not self.sharding.hsdp:
             return rows
@@ -245,12 +259,12 @@ class FSDPTransport(Transport):
         at = torch.distributed.get_rank(self.sharding.replicas) * n
         return rows[at : at + n]
 
-    def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+    def describe_nonfinite(self, plans: Plans, names: Sequence[Optional[Sequence[str]]]) -> str:
         """As the transport's, but every rank names the same parameter, with its whole shape and the rank whose shard
         holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses the
         step alike)."""
         found = first_nonfinite(plans)
-        rows = self._exchange([-1.0, -1.0] if found is None else [float(found[0]), float(found[1])])
+        rows = self._exchange([-1.0, -1.0] if found is None else [float(found.group), float(found.index)])
         return name_held([(int(row[0]), int(row[1]), _rank(row)) for row in rows if row[0] >= 0], plans, names)
 
     def _all_reduce(self, values: List[float], op) -> List[float]:
@@ -260,24 +274,24 @@ class FSDPTransport(Transport):
         dist.all_reduce(t, op=op, group=self.sharding.group)
         return t.tolist()
 
-    def _local_sq(self, plans: Lanes) -> Tuple[float, bool]:
-        sq, bad = super().total_norm(plans, 2.0)
-        return sq * sq, bad
+    def _local_sq(self, plans: Plans) -> Tuple[float, bool]:
+        norm, bad = super().total_norm(plans, 2.0)
+        return norm * norm, bad
 
-    def total_norm(self, plans: Lanes, norm_type: float) -> Tuple[float, bool]:
+    def total_norm(self, plans: Plans, norm_type: float) -> Norm:
         """``clip_grad_norm_``'s total norm over the mesh: the 2-norm from the last :meth:`gather`, other norms
         with one more all-reduce (an empty shard adds nothing: torch's own clip fails there for the inf-norm)."""
         if norm_type == 2.0:
-            return math.sqrt(self._sq), self._bad
+            return Norm(math.sqrt(self._sq), self._bad)
         self.wait_all(plans)
-        host: List[torch.Tensor] = [t for lane in chain.from_iterable(plans) for t in lane.host_grads() if t.numel()]
+        host: List[torch.Tensor] = [t for intake in every(plans) for t in intake.host_grads() if t.numel()]
         if norm_type == math.inf:
             local = max((float(t.abs().max()) for t in host), default=0.0)
             value = self._all_reduce([local], torch.distributed.ReduceOp.MAX)[0]
         else:
             local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
             value = self._all_reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
-        return value, self._bad or not math.isfinite(value)
+        return Norm(value, self._bad or not math.isfinite(value))
 
 
 def _where(rows: Sequence[Sequence[float]]) -> str:

@@ -14,7 +14,7 @@ import torch
 from zero_offload._checks import CheckedGrads
 from zero_offload._compat import increment_version
 from zero_offload.host_memory import copy_many_
-from zero_offload.lane import Lane
+from zero_offload.lane import Intake, Lane
 from zero_offload.transport.base import Route
 
 __all__ = ["HostRoute"]
@@ -41,36 +41,35 @@ class HostRoute(Route):
         if summed:
             torch._foreach_add_([views[idx[k]] for k in summed], [grads[k] for k in summed])
 
-    def gather(self, lane: Lane) -> None:
-        """The gradients for the kernel: ``lane.in_place`` None when the flat buffer holds every one (each is its
-        slot, or absent); otherwise the tensors the kernel reads in place (see :meth:`_in_place`). Streamed
-        buckets copy into the buffer, where the streamed gradients already are."""
-        bucket = lane.bucket
-        lane.in_place = None
+    def gather(self, intake: Intake) -> Intake:
+        """The gradients for the kernel: ``in_place`` None when the flat buffer holds every one (each is its slot,
+        or absent); otherwise the tensors the kernel reads in place (see :meth:`_in_place`). Streamed buckets copy
+        into the buffer, where the streamed gradients already are."""
+        bucket, pending = intake.bucket, intake.pending
         if not bucket.grads.allocated:  # a device-tier bucket whose gradients are all read where they are
-            if any(g is not None for g in lane.pending):
-                lane.in_place = self._in_place(lane)
-            return
+            if any(g is not None for g in pending):
+                return intake.but(in_place=self._in_place(intake))
+            return intake
         views = bucket.grads.grad_views
-        if all(map(operator.is_, lane.pending, views)):
+        if all(map(operator.is_, pending, views)):
             # The zero_grad(set_to_none=False) steady state: backward accumulated into the slots already.
             bucket.grads.all_filled()
-            return
-        if not lane.streamed and any(g is not None and g is not v for g, v in zip(lane.pending, views)):
-            lane.in_place = self._in_place(lane)
-            return
-        dsts, srcs = self._slot_copies(lane)
+            return intake
+        if not intake.lane.streamed and any(g is not None and g is not v for g, v in zip(pending, views)):
+            return intake.but(in_place=self._in_place(intake))
+        dsts, srcs = self._slot_copies(intake)
         if dsts:
             copy_many_(dsts, srcs, [d.numel() for d in dsts])
+        return intake
 
     @staticmethod
-    def _in_place(lane: Lane) -> List[Optional[torch.Tensor]]:
+    def _in_place(intake: Intake) -> List[Optional[torch.Tensor]]:
         """Each gradient where the kernel can read it: itself where it is contiguous like its slot, else the
         slot's flat range after a copy into it (a channels-last or transposed gradient). Copying fresh gradients
         into the buffer first would add 8 bytes of memory traffic per element to the update's 28. Returned as
         checked: they passed ``collect_grads`` (dense, the parameter's shape), are contiguous, and autograd gives a
         CPU parameter's gradient its dtype and device."""
-        bucket, grads = lane.bucket, lane.pending
+        bucket, grads = intake.bucket, intake.pending
         slots = bucket.grads
         offsets, numels = bucket.layout.offsets, bucket.layout.numels
         # (A device-tier bucket's buffer may not exist: then no gradient is its slot.)

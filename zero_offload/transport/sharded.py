@@ -36,13 +36,15 @@ from zero_offload._compat import increment_version
 from zero_offload.buckets import FlatBucket
 from zero_offload.distributed import Comm, _dist
 from zero_offload.host_memory import copy_many_, empty_host
-from zero_offload.lane import Lane, Lanes
+from zero_offload.lane import Intake, Lane, Plans
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
-from zero_offload.transport.base import Route, Transport, device_sq_norm, first_nonfinite, name_held
+from zero_offload.transport.base import Gathered, Route, Transport
+from zero_offload.transport.channel import Channel
+from zero_offload.transport.measure import Norm, device_sq_norm, every, first_nonfinite, name_held
 
-__all__ = ["GradStats", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
+__all__ = ["GradStats", "ShardedChannel", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +56,33 @@ class GradStats:
     nonfinite: bool
 
 
+class ShardedChannel(Channel):
+    """The channel of a sharded bucket: beside the copies' marks, its collectives in flight and where a streamed
+    micro-batch's shard lands.
+
+    Attributes:
+        scatter, gather (Pending, optional): its reduce-scatter and all-gather in flight
+            (:class:`~zero_offload.distributed.Pending`).
+        shard_in (Tensor, optional): where a later micro-batch's shard of the reduced gradients lands (``release``),
+            made at first use; ``adding``: it is still to be added to the gradient.
+    """
+
+    __slots__ = ("scatter", "gather", "shard_in", "adding")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scatter: Optional[Any] = None
+        self.gather: Optional[Any] = None
+        self.shard_in: Optional[torch.Tensor] = None
+        self.adding = False
+
+
 class _ShardedRoute(Route):
     """What both sharded kinds share: a reduce-scatter leaves this rank's shard of the gradients' sum in the
     bucket's gradient buffer (or, for a streamed micro-batch with ``release``, in ``shard_in``, added to it)."""
+
+    def channel(self) -> ShardedChannel:
+        return ShardedChannel()
 
     def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
         """Start the reduce-scatter of a bucket complete in backward. Its shard of the reduced sum is added to an
@@ -66,7 +92,7 @@ class _ShardedRoute(Route):
         there and both raise, where their reduce-scatters would have met the step's all-reduce and aborted gloo."""
         t = self.transport
         t.count_backward(lane)
-        self.reduce_scatter(lane, [p.grad for p in lane.bucket.params], add=t.release and lane.launches > 0)
+        self.reduce_scatter(lane, [p.grad for p in lane.bucket.params], add=t.release and lane.arrival.launches > 0)
         if t.release and not self.resident:
             stream = t.stream(lane.bucket.device)
             for g in grads:
@@ -78,12 +104,12 @@ class _ShardedRoute(Route):
         is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
         reduce-scatter runs while the caller goes on, and :meth:`wait` finishes it."""
         self.wait(lane)  # the previous reduce-scatter may still read flat_grad or write grad
-        bucket = lane.bucket
-        if add and lane.shard_in is None:
-            lane.shard_in = empty_host(bucket.shard.numel, bucket.dtype, pin=bucket.pin)
-        self._scatter(lane, grads, lane.shard_in if add else bucket.grad)
-        lane.adding = add
-        lane.unsettled = True
+        bucket, channel = lane.bucket, lane.channel
+        if add and channel.shard_in is None:
+            channel.shard_in = empty_host(bucket.shard.numel, bucket.dtype, pin=bucket.pin)
+        self._scatter(lane, grads, channel.shard_in if add else bucket.grad)
+        channel.adding = add
+        channel.sent()
 
     def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
         raise NotImplementedError
@@ -91,22 +117,24 @@ class _ShardedRoute(Route):
     def wait(self, lane: Lane) -> None:
         """Wait for the reduce-scatter (at most the group's timeout, else an error naming rank and bucket) and the
         copy to the host, and add a streamed micro-batch's shard."""
-        if lane.rs is not None:
-            pending, lane.rs = lane.rs, None
+        channel = lane.channel
+        if channel.scatter is not None:
+            pending, channel.scatter = channel.scatter, None
             pending.wait()
-        lane.wait_d2h(self.transport.timeline)
-        if lane.adding:
-            lane.adding = False
-            lane.bucket.grad.add_(lane.shard_in)
-        lane.unsettled = False
+        channel.down.wait(self.transport.timeline, "d2h", lane.position)
+        if channel.adding:
+            channel.adding = False
+            lane.bucket.grad.add_(channel.shard_in)
+        channel.settled()
 
-    def gather(self, lane: Lane) -> None:
-        lane.in_place = None  # (the shard is in the gradient buffer: ShardedTransport.gather reduced it there)
+    def gather(self, intake: Intake) -> Intake:
+        return intake  # (the shard is in the gradient buffer: ShardedTransport.gather reduced it there)
 
     def finish(self, lanes: Sequence[Lane]) -> None:
         for lane in lanes:
-            if lane.ag is not None:
-                pending, lane.ag = lane.ag, None
+            channel = lane.channel
+            if channel.gather is not None:
+                pending, channel.gather = channel.gather, None
                 pending.wait()
 
 
@@ -142,15 +170,15 @@ class ShardedResidentRoute(_ShardedRoute):
         if comm.grads_reduced:
             out.copy_(bucket.flat_grad[lo : lo + shard])
         else:
-            lane.rs = comm.start_reduce_scatter(out, bucket.flat_grad, f"gradients of {bucket.where}")
-            lane.unsettled = True
+            lane.channel.scatter = comm.start_reduce_scatter(out, bucket.flat_grad, f"gradients of {bucket.where}")
+            lane.channel.sent()
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
         """Start all-gathering the updated shard into ``flat_param`` in place (the shard is its own slice)."""
         bucket = lane.bucket
         lo, shard = bucket.shard.lo, bucket.shard.numel
-        lane.ag = self.transport.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard],
-                                                       f"parameters of {bucket.where}")
+        lane.channel.gather = self.transport.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard],
+                                                                   f"parameters of {bucket.where}")
         increment_version([bucket.params[i] for i in indices])
 
 
@@ -185,9 +213,9 @@ class ShardedOffloadRoute(_ShardedRoute):
                 own = flat[lo : lo + shard]
             else:
                 own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
-                lane.rs = comm.start_reduce_scatter(own, flat, f"gradients of {bucket.where}")  # the stream waits
-            out.copy_(own, non_blocking=True)
-            lane.record_d2h(stream)
+                lane.channel.scatter = comm.start_reduce_scatter(own, flat, f"gradients of {bucket.where}")
+            out.copy_(own, non_blocking=True)  # (the stream waits for the reduce-scatter)
+            lane.channel.sent(stream)
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
         """The updated shard up on the upload stream, all-gathered into a transient device buffer, copied into
@@ -201,10 +229,10 @@ class ShardedOffloadRoute(_ShardedRoute):
             own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
             own.copy_(src, non_blocking=True)
             flat = torch.empty(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
-            lane.ag = t.comm.start_all_gather(flat, own, f"parameters of {bucket.where}")  # the stream waits for it
+            lane.channel.gather = t.comm.start_all_gather(flat, own, f"parameters of {bucket.where}")  # (waited for)
             torch._foreach_copy_([bucket.params[i] for i in indices],
                                  [view_like(flat, full.offsets[i], bucket.params[i]) for i in indices])
-        lane.record_h2d(stream)
+        lane.channel.up.record(stream)
 
     def finish(self, lanes: Sequence[Lane]) -> None:
         super().finish(lanes)
@@ -235,7 +263,7 @@ class ShardedTransport(Transport):
 
     def count_backward(self, lane: Lane) -> None:
         """A bucket is sent in backward: the first of each backward checks the ranks agree first."""
-        if lane.launches >= self._backwards:
+        if lane.arrival.launches >= self._backwards:
             self.agreement.check(BACKWARD, (), "reduce_scatter", f"gradients of {lane.bucket.where}")
             self._backwards += 1
 
@@ -243,10 +271,10 @@ class ShardedTransport(Transport):
         super().reset()
         self._backwards = 0
 
-    def gather(self, plans: Lanes, check: bool = False, clipping: bool = False,
-               settings: Sequence[Tuple[str, float]] = ()) -> bool:
+    def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
+               settings: Sequence[Tuple[str, float]] = ()) -> Gathered:
         """Bring every bucket's reduced gradient shard to the host and combine the sum of squares, the non-finite
-        flag and which parameters have a gradient in one all-reduce (each lane's ``present`` becomes the group's
+        flag and which parameters have a gradient in one all-reduce (each intake's ``present`` becomes the group's
         answer: a gradient on some ranks only counts as zero on the others).
 
         A bucket whose gradients backward already reduce-scattered (the same on every rank) is only waited for;
@@ -260,18 +288,19 @@ class ShardedTransport(Transport):
         The all-reduce also checks that every rank is at the same point with the same ``settings`` (name, value)
         pairs: the hyperparameters a step uses, which the all-gather of the updated shards would otherwise
         silently reconcile (a scheduler stepped on one rank only)."""
-        lanes = list(chain.from_iterable(plans))
-        todo = [lane for lane in lanes if not lane.launches]
+        intakes = every(plans)
+        todo = [intake for intake in intakes if not intake.lane.arrival.launches]
         if todo and not self.comm.grads_reduced:  # (DDP-reduced gradients: only copied, the statistics come next)
             # Another rank may have sent these from backward already (it is at the statistics, not here), or have
             # raised before its first collective (it meets this, marked failed): the reduce-scatters, of each
             # bucket's size, would abort gloo or wait for it until the timeout.
             self.agreement.check(STEP_REDUCE, (), "reduce_scatter", f"gradients of {todo[0].bucket.where}")
-        for lane in todo:
-            lane.route.reduce_scatter(lane, lane.pending)
-        local = [list(lane.present) for lane in lanes]
+        for intake in todo:
+            intake.lane.route.reduce_scatter(intake.lane, intake.pending)
+        lanes = [intake.lane for intake in intakes]
+        local = [list(intake.present) for intake in intakes]
         sqs, bads = self._shard_stats(lanes)
-        stale = [float(lane.launches > 0 and lane.stale) for lane in lanes]
+        stale = [float(intake.lane.arrival.launches > 0 and intake.stale) for intake in intakes]
         where = "the gradient norm, non-finite check and gradient presence"
         vals = self.comm.all_reduce_host([sum(sqs), sum(bads), float(clipping), *map(float, chain.from_iterable(local)),
                                           *stale, *self.agreement.tail(STATS, settings)], _dist().ReduceOp.SUM, where)
@@ -280,15 +309,16 @@ class ShardedTransport(Transport):
         self.agreement.check_clipping(int(vals[2]), clipping)
         self.agreement.check_settings(tail, settings, where)
         del vals[len(vals) - 3 * self.comm.world :]
-        k = 3
-        for lane in lanes:
-            lane.present = [v > 0 for v in vals[k : k + len(lane.present)]]
-            k += len(lane.present)
+        k, agreed = 3, []
+        for intake in intakes:
+            agreed.append(intake.but(present=[v > 0 for v in vals[k : k + len(intake.present)]]))
+            k += len(intake.present)
         redo = [i for i, v in enumerate(vals[k:]) if v > 0]
         if redo:
-            vals[:2] = self._reduce_again(lanes, local, redo, sqs, bads)
+            vals[:2] = self._reduce_again(intakes, local, redo, sqs, bads)
         self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
-        return check and self._stats.nonfinite
+        it = iter(agreed)
+        return Gathered([[next(it) for _ in group] for group in plans], check and self._stats.nonfinite)
 
     def together(self, skipped: bool = False) -> Any:
         """A rank that raises before the step's first collective meets the others' next one, which is of the
@@ -313,36 +343,37 @@ class ShardedTransport(Transport):
         """The length of :meth:`gather`'s all-reduce: fixed for the optimizer's life, the same on every rank."""
         return 3 + sum(len(lane.bucket.params) + 1 for lane in self.lanes) + 3 * self.comm.world
 
-    def _reduce_again(self, lanes: List[Lane], local: List[List[bool]], redo: List[int], sqs: List[float],
+    def _reduce_again(self, intakes: List[Intake], local: List[List[bool]], redo: List[int], sqs: List[float],
                       bads: List[float]) -> List[float]:
         if self.release:
             raise RuntimeError(
                 f"zero_offload: rank {self.comm.rank} of {self.comm.world}: a gradient was assigned or changed in "
-                f"place after backward had reduce-scattered it (in {lanes[redo[0]].bucket.where}), but "
+                f"place after backward had reduce-scattered it (in {intakes[redo[0]].bucket.where}), but "
                 "release_grads=True dropped the others', so it cannot be reduced again. Clip with "
                 "optimizer.clip_grad_norm_ and do not edit gradients after backward, or pass release_grads=False. "
                 "Nothing was updated."
             )
         for i in redo:
-            lane = lanes[i]
+            intake = intakes[i]
             again = [p.grad if has and g is None else g
-                     for p, has, g in zip(lane.bucket.params, local[i], lane.pending)]
-            lane.route.reduce_scatter(lane, again)
-        redone = self._shard_stats([lanes[i] for i in redo])
+                     for p, has, g in zip(intake.bucket.params, local[i], intake.pending)]
+            intake.lane.route.reduce_scatter(intake.lane, again)
+        redone = self._shard_stats([intakes[i].lane for i in redo])
         for j, i in enumerate(redo):
             sqs[i], bads[i] = redone[0][j], redone[1][j]
         return self.comm.all_reduce_host([sum(sqs), sum(bads)], _dist().ReduceOp.SUM,
                                          "the gradient norm and non-finite check, after reducing again")
 
-    def describe_nonfinite(self, plans: Lanes, names: Sequence[Optional[Sequence[str]]]) -> str:
+    def describe_nonfinite(self, plans: Plans, names: Sequence[Optional[Sequence[str]]]) -> str:
         """As the transport's, but every rank names the same parameter and the rank whose shard of its reduced
         gradient holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses
         the step alike)."""
         found = first_nonfinite(plans)
-        every = torch.empty(2 * self.comm.world, dtype=torch.float64)
-        mine = torch.tensor([-1.0, -1.0] if found is None else [float(found[0]), float(found[1])], dtype=torch.float64)
-        self.comm.all_gather_host(every, mine, "the name of an inf/nan gradient")
-        rows = every.view(-1, 2).tolist()
+        rows = torch.empty(2 * self.comm.world, dtype=torch.float64)
+        mine = torch.tensor([-1.0, -1.0] if found is None else [float(found.group), float(found.index)],
+                            dtype=torch.float64)
+        self.comm.all_gather_host(rows, mine, "the name of an inf/nan gradient")
+        rows = rows.view(-1, 2).tolist()
         return name_held([(int(g), int(j), r) for r, (g, j) in enumerate(rows) if g >= 0], plans, names)
 
     def _shard_stats(self, lanes: Sequence[Lane]) -> Tuple[List[float], List[float]]:
@@ -351,21 +382,21 @@ class ShardedTransport(Transport):
         for lane in lanes:
             lane.route.wait(lane)
             bucket = lane.bucket
-            s, nonfinite = (device_sq_norm([bucket.grad]) if bucket.device_tier
+            s, nonfinite = (device_sq_norm([bucket.grad]) if bucket.home.on_device
                             else functional.grad_sq_norm(bucket.grad))
             sqs.append(s * bucket.grad_multiplier**2)
             bads.append(float(nonfinite))
         return sqs, bads
 
-    def total_norm(self, plans: Lanes, norm_type: float) -> Tuple[float, bool]:
+    def total_norm(self, plans: Plans, norm_type: float) -> Norm:
         """``clip_grad_norm_``'s total norm of the averaged gradient over the group: the 2-norm from the last
         :meth:`gather` (no further collective), other norms with one more all-reduce."""
         self.wait_all(plans)
         stats = self._stats
         if norm_type == 2.0:
-            return math.sqrt(stats.sq), stats.nonfinite
+            return Norm(math.sqrt(stats.sq), stats.nonfinite)
         dist = _dist()
-        buckets = [lane.bucket for lane in chain.from_iterable(plans) if lane.bucket.grad.numel()]
+        buckets = [intake.bucket for intake in every(plans) if intake.bucket.grad.numel()]
         # Padding is zero in the gradient buffers, so it changes neither a max nor a p-norm.
         if norm_type == math.inf:
             local = max((float(b.grad.abs().max()) * b.grad_multiplier for b in buckets), default=0.0)
@@ -375,4 +406,4 @@ class ShardedTransport(Transport):
                         for b in buckets)
             total = self.comm.all_reduce_host([local], dist.ReduceOp.SUM, f"the gradient {norm_type}-norm")[0]
             total = total ** (1.0 / norm_type)
-        return total, stats.nonfinite or not math.isfinite(total)
+        return Norm(total, stats.nonfinite or not math.isfinite(total))
