@@ -717,6 +717,13 @@ def test_an_adamw_checkpoint_of_a_bf16_model_gives_ours_the_loaded_weights_as_ma
                 torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank} param {i} {what}: {m}")
 
 
+def _on_mesh(opt) -> bool:
+    """Whether ``opt`` is laid out over FSDP2's parameters (its topology is the mesh's)."""
+    from zero_offload.topology.mesh import Mesh
+
+    return isinstance(opt._topology, Mesh)
+
+
 def _switched(world, make_opt=OURS, **kw):
     """accelerate's preparation by hand: an optimizer built over the plain model, then fully_shard, then each
     group's params switched to the DTensors (by name)."""
@@ -752,10 +759,10 @@ def switch_lets_go(rank, world):
             out["failure"] = None
         except MemoryError as exc:
             out["failure"] = str(exc)
-    out["after failure: the old layout, the settings"] = (old() is opt._buckets[0][0], opt.nonfinite, opt._fsdp)
+    out["after failure: the old layout, the settings"] = (old() is opt._buckets[0][0], opt.nonfinite, _on_mesh(opt))
     opt.step()
     out["after the step: old layout alive, fsdp, nonfinite, timeline events, hook calls"] = (
-        old() is not None, opt._fsdp, opt.nonfinite, len(opt.timeline()) > 0, len(calls))
+        old() is not None, _on_mesh(opt), opt.nonfinite, len(opt.timeline()) > 0, len(calls))
     opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])[::-1]
     opt.zero_grad()
     h.loss_on(model, 1, 0, rank, world).backward()

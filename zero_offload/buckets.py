@@ -14,7 +14,7 @@ import dataclasses
 import errno
 import functools
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,63 +33,34 @@ from zero_offload.state.host_home import HostHome
 from zero_offload.state.store import state_bytes
 from zero_offload.state.tiers import HostTier, should_pin
 
-__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "ShardLayout", "plan_buckets", "align_up", "view_like",
-           "memory_order_flat", "check_grads", "should_pin", "estimate_layouts", "estimate_params", "allocate_group",
-           "device_tier_plan"]
+__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "Placement", "ShardLayout", "allocate_group", "align_up",
+           "check_grads", "device_tier_plan", "estimate_layouts", "memory_order_flat", "plan_buckets", "plan_local",
+           "should_pin", "view_like"]
 
 logger = logging.getLogger("zero_offload")
 
 
-def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], pin_memory: Optional[bool],
-                     world_size: int = 1, delayed_update: bool = False, state_dtype: torch.dtype = torch.float32,
-                     rule: Rule = ADAMW, takeovers: Optional[Sequence[Any]] = None) -> HostMemoryEstimate:
-    """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` (per rank when
-    sharded over ``world_size``), without allocating: the same declarations as the real buckets'. ``takeovers``: the
-    layouts are of FSDP2's local shards, with each one's :func:`zero_offload.fsdp2.takeover` (as
-    :func:`allocate_group`'s): a bucket on the host has no gradient buffer until one is needed (FSDP's gradients
-    are read where they are), and the slots that take over shards FSDP pins are pinned."""
+def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], options: Options,
+                     world_size: int = 1, rule: Rule = ADAMW,
+                     takeovers: Optional[Sequence[Any]] = None) -> HostMemoryEstimate:
+    """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` and ``options``
+    (their ``pin_memory``, ``delayed_update`` and ``state_dtype``), per rank when sharded over ``world_size``,
+    without allocating: the same declarations as the real buckets'. ``takeovers``: the layouts are of FSDP2's local
+    shards, with each one's :func:`zero_offload.fsdp2.takeover` (see :class:`Placement`): a bucket on the host has
+    no gradient buffer until one is needed (FSDP's gradients are read where they are), and the slots that take over
+    shards FSDP pins are pinned."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout in layouts:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
-        state = state_bytes(buffers, state_dtype, padded // world_size, rule.buffers)
+        state = state_bytes(buffers, options.state_dtype, padded // world_size, rule.buffers)
         on_cpu = layout.device.type == "cpu"
         bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
-                                 pin=should_pin(layout.device, pin_memory), world_size=world_size,
-                                 delayed_update=delayed_update, grad_buffer=takeovers is None or not on_cpu)
+                                 pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
+                                 delayed_update=bool(options.delayed_update),
+                                 grad_buffer=takeovers is None or not on_cpu)
         if _pins_takeover(bucket_takeovers(layout, takeovers)):
             bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
         total = total + bucket
-    return total
-
-
-def estimate_params(params: Iterable[Any], *, defaults: Optional[Dict[str, Any]] = None, bucket_numel: int,
-                    pin_memory: Optional[bool], world_size: int = 1, delayed_update: bool = False,
-                    state_dtype: torch.dtype = torch.float32, rule: Rule = ADAMW,
-                    gpu_fraction: Any = 0.0) -> HostMemoryEstimate:
-    """:func:`estimate_layouts` of the buckets an optimizer over ``params`` (tensors or group dicts, whose own
-    settings are honoured over ``defaults``) would plan, less those a numeric ``gpu_fraction`` keeps on the GPU;
-    see ``OffloadOptimizer.estimate_host_memory``."""
-    groups = list(params)
-    if groups and not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    groups = [(g, [g["params"]] if isinstance(g["params"], torch.Tensor) else
-               [p[1] if isinstance(p, tuple) else p for p in g["params"]]) for g in groups]
-    fsdp = any(fsdp2.is_dtensor(p) for _, ps in groups for p in ps)
-    if fsdp and world_size != 1:
-        raise ValueError(f"OffloadOptimizer.estimate_host_memory: world_size={world_size} with FSDP2's sharded "
-                         "parameters (DTensors): their estimate is per rank already, from this rank's local shards "
-                         "(world_size is the process_group's, for plain parameters)")
-    total, sharding, takeovers = HostMemoryEstimate(0, 0, {}, 0, 0), None, None
-    for g, ps in groups:
-        settings = {**(defaults or {}), **{k: v for k, v in g.items() if k != "params"}}
-        if fsdp:  # as the constructor lays them out: this rank's local shards, cut at FSDP's units
-            sharding, units, takeovers = fsdp2.plan(ps, sharding)
-            layouts = plan_local([fsdp2.local_shard(p) for p in ps], bucket_numel, units, takeovers)
-        else:
-            layouts = plan_buckets(ps, bucket_numel)
-        host = [l for l, g in zip(layouts, device_tier_plan(layouts, gpu_fraction)) if not g]
-        total = total + estimate_layouts(host, rule.buffers_for(settings), pin_memory, world_size, delayed_update,
-                                         state_dtype, rule, takeovers)
     return total
 
 
@@ -358,6 +329,20 @@ class FlatBucket:
         return out
 
 
+class Placement(NamedTuple):
+    """How a param group's buckets are laid out, as its topology places them (``Topology.place``): this rank's
+    ``cut`` of every bucket (``(world, rank)``; None: whole), the tensors the buckets hold (``data``: FSDP2's local
+    shards, the group's parameters their owners; None: the parameters themselves), each one's unit (``units``: its
+    FSDP unit, at whose boundaries buckets are cut), and ``takeovers``: each one's record where its slot takes over
+    the storage of the tensor it holds (:func:`zero_offload.fsdp2.takeover`; the slot then has room for FSDP's
+    padding rows too)."""
+
+    cut: Optional[Tuple[int, int]] = None
+    data: Optional[List[torch.Tensor]] = None
+    units: Optional[List[int]] = None
+    takeovers: Optional[List[Any]] = None
+
+
 OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"
 
 
@@ -380,12 +365,11 @@ class _Room:
         self.takeovers = takeovers  # (FSDP2's: see estimate_layouts)
 
     def estimate(self, buffers: Optional[Sequence[StateBuffer]] = None, world: Optional[int] = None,
-                 delayed: Optional[bool] = None, state_dtype: Optional[torch.dtype] = None) -> HostMemoryEstimate:
-        o = self.options
-        return estimate_layouts(self.layouts, self.buffers if buffers is None else buffers, o.pin_memory,
-                                self.world if world is None else world,
-                                o.delayed_update if delayed is None else delayed,
-                                o.state_dtype if state_dtype is None else state_dtype, self.rule, self.takeovers)
+                 **changes: Any) -> HostMemoryEstimate:
+        """The group's estimate, or with other ``buffers``, ``world`` or options (``changes``, by name)."""
+        options = dataclasses.replace(self.options, **changes) if changes else self.options
+        return estimate_layouts(self.layouts, self.buffers if buffers is None else buffers, options,
+                                self.world if world is None else world, self.rule, self.takeovers)
 
     def check(self) -> None:
         """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
@@ -409,7 +393,7 @@ class _Room:
         smaller = [(f"{b.switch}=False", self.estimate(buffers=[c for c in buffers if c is not b]))
                    for b in buffers if b.optional and b.switch]
         if options.delayed_update:
-            smaller.append(("delayed_update=False", self.estimate(delayed=False)))
+            smaller.append(("delayed_update=False", self.estimate(delayed_update=False)))
         for dtype, name in ((torch.bfloat16, "torch.bfloat16"), (torch.int8, "torch.int8")):
             if options.state_dtype.itemsize > dtype.itemsize and dtype in self.rule.state_dtypes:
                 smaller.append((f"state_dtype={name}", self.estimate(state_dtype=dtype)))
@@ -455,19 +439,17 @@ def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[boo
     return out
 
 
-def allocate_group(group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]] = None,
-                   rule: Rule = ADAMW, data: Optional[Sequence[torch.Tensor]] = None,
-                   units: Optional[Sequence[int]] = None, takeovers: Optional[Sequence[Any]] = None) -> List[FlatBucket]:
-    """Lay out and allocate the buckets of param group ``gi`` (cut over ``sharded = (world, rank)``) with the state
-    ``rule`` declares for the group's hyperparameters. ``MemoryError`` with the numbers, and nothing left allocated,
-    if the host has no room for them (checked first) or their allocation fails. FSDP2: ``data`` are the parameters'
-    local shards, which the buckets hold (the group's parameters their owners), ``units`` each one's FSDP unit, at
-    whose boundaries buckets are cut, and ``takeovers`` each one's record where its slot takes over the shard's storage
-    (see :func:`zero_offload.fsdp2.takeover`; its slot then has room for FSDP's padding rows too)."""
+def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Placement = Placement(),
+                   rule: Rule = ADAMW) -> List[FlatBucket]:
+    """Lay out and allocate the buckets of param group ``gi`` as its topology ``placed`` them (see
+    :class:`Placement`) with the state ``rule`` declares for the group's hyperparameters. ``MemoryError`` with the
+    numbers, and nothing left allocated, if the host has no room for them (checked first) or their allocation
+    fails."""
+    sharded, data, takeovers = placed.cut, placed.data, placed.takeovers
     if data is None:
         layouts = plan_buckets(group["params"], options.bucket_numel)
     else:
-        layouts = plan_local(data, options.bucket_numel, units, takeovers)
+        layouts = plan_local(data, options.bucket_numel, placed.units, takeovers)
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     on_device = device_tier_plan(layouts, options.gpu_fraction)
@@ -513,8 +495,8 @@ def _pinned_takeover(held: HostMemoryEstimate, low_precision: bool) -> HostMemor
 def plan_local(data: Sequence[torch.Tensor], bucket_numel: int, units: Optional[Sequence[int]],
                takeovers: Optional[Sequence[Any]]) -> List[BucketLayout]:
     """The buckets of FSDP2 parameters' local shards ``data``: cut at their FSDP ``units``, and a slot that takes
-    over a shard's storage (its ``takeovers`` record, see :func:`zero_offload.fsdp2.takeover`) with room for FSDP's padding
-    rows too."""
+    over a shard's storage (its ``takeovers`` record, see :func:`zero_offload.fsdp2.takeover`) with room for FSDP's
+    padding rows too."""
     rooms = None if takeovers is None else [0 if h is None else fsdp2.takeover_numel(h) for h in takeovers]
     return plan_buckets(data, bucket_numel, cuts=units, rooms=rooms)
 

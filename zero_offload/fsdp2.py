@@ -1,9 +1,10 @@
-"""FSDP2's parameters (``torch.distributed.fsdp.fully_shard``), as this optimizer takes them: each rank offloads the
-state of its own shards (FSDP does every collective), so what the buckets hold is each parameter's *local* shard.
+"""FSDP2's records of its parameters (``torch.distributed.fsdp.fully_shard``), as this optimizer reads them: which
+parameters FSDP2 manages, the storage it keeps for each shard, and the ``DTensor`` entries of ``opt.state``. Each
+rank offloads the state of its own shards (FSDP does every collective), so what the buckets hold is each parameter's
+*local* shard; what the mesh means (the placements taken, the collectives over it) is the Mesh topology's
+(:mod:`zero_offload.topology.mesh`).
 
-A parameter FSDP2 shards is a ``DTensor``: ``Shard(0)`` on a 1-D mesh (FSDP), or ``(Replicate(), Shard(0))`` on a
-2-D mesh (HSDP: the shards are replicated over the first dimension, every replica updates its shard alike). Its
-local shard (``p.to_local()``, no padding, possibly empty) is what FSDP's next all-gather reads, so the updated values
+A parameter FSDP2 shards is a ``DTensor``; its local shard (``p.to_local()``, no padding, possibly empty) is what FSDP's next all-gather reads, so the updated values
 are written into it (on the host, the optimizer's buffers take over the storage FSDP keeps for it, see
 :func:`bind_shard`, and the kernel writes it directly); its gradient arrives as a ``DTensor`` placed alike,
 through the post-accumulate-grad hooks FSDP runs after each unit's reduce-scatter. ``opt.state`` entries are
@@ -30,8 +31,8 @@ import torch
 
 from zero_offload._compat import own_storage
 
-__all__ = ["Sharding", "adopt_switched", "bind_shard", "given", "takeover", "takeover_numel", "takeover_ptrs", "is_dtensor",
-           "local_shard", "local_value", "plan", "take", "version", "wrap"]
+__all__ = ["adopt_switched", "bind_shard", "given", "is_dtensor", "local_shard", "registry", "take", "takeover",
+           "takeover_numel", "takeover_ptrs", "version", "wrap"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -54,10 +55,10 @@ def version(t: torch.Tensor) -> int:
 
 def take(params: Any, options: Any) -> "tuple[Any, Optional[Dict[int, int]]]":
     """The constructor's ``params`` (tensors or group dicts, maybe a generator), as a list, and, where they hold
-    DTensors, which parameters FSDP2 manages (see :func:`plan`), after refusing the options that cannot go with
+    DTensors, which parameters FSDP2 manages (see :func:`registry`), after refusing the options that cannot go with
     FSDP2's shards (``options``: :class:`~zero_offload.options.Options`). FSDP's registry is read *before* the
     iterable is consumed: ``model.parameters()`` keeps its model (and so FSDP's state) alive only until then."""
-    managed = _managed() if _dtensors_exist() else None
+    managed = registry() if _dtensors_exist() else None
     params = params if isinstance(params, torch.Tensor) else list(params)
     for item in params if isinstance(params, list) else ():
         # A group's parameters given as a generator are read once here: listed in the group, as torch's
@@ -76,9 +77,10 @@ def adopt_switched(opt: Any) -> None:
     policy, a timeline being recorded). The new layout is made beside the old one (the whole model's, which the
     host held already; the new one is this rank's shards): if that fails, the optimizer is left as it was, and
     otherwise the old layout and its gradient hooks are let go at once. Any other edit of ``params``, or one after
-    a step, is left to the optimizer's refusal (``check_param_lists``)."""
+    a step, is left to the optimizer's refusal (``check_param_lists``). (Only an optimizer not over FSDP2's
+    parameters already: see ``Topology.adopt_switched``.)"""
     groups = opt.param_groups
-    if opt._fsdp or not _dtensors_exist() or len(groups) != len(opt._buckets):
+    if not _dtensors_exist() or len(groups) != len(opt._buckets):
         return
     if all(not getattr(getattr(g["params"], "flag", None), "changed", True) for g in groups):
         return  # (the lists the optimizer made, unedited: the usual case, every zero_grad())
@@ -135,37 +137,13 @@ def given(params: Any, options: Any) -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True)
-class Sharding:
-    """What the FSDP2 parameters of one optimizer share: their ``mesh``, the mesh dimension their shards are cut
-    along (``shard_dim``; 1 under HSDP, whose dimension 0 replicates), and that dimension's process group, over
-    which a norm of the gradients (a sum over the shards) is reduced; the step's agreement checks cover the
-    replicas too (:meth:`~zero_offload.transport.fsdp2.FSDPTransport._exchange`)."""
-
-    mesh: Any
-    shard_dim: int
-
-    @property
-    def group(self):
-        return self.mesh.get_group(mesh_dim=self.shard_dim)
-
-    @property
-    def replicas(self):
-        """Under HSDP, the process group of this rank's replicas (mesh dimension 0)."""
-        return self.mesh.get_group(mesh_dim=0)
-
-    @property
-    def hsdp(self) -> bool:
-        return self.mesh.ndim == 2
-
-
 # FSDP2's state class lives in one of these modules (its home moved from torch.distributed._composable.fsdp to
 # torch.distributed.fsdp._fully_shard); no FSDP2 state can exist before its module was imported.
 _FSDP_STATE_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_state",
                        "torch.distributed._composable.fsdp._fsdp_state")
 
 
-def _managed() -> Dict[int, Tuple[int, Any]]:
+def registry() -> Dict[int, Tuple[int, Any]]:
     """``id`` of every parameter FSDP2 manages in this process -> its FSDP unit (an index, per FSDP state and param
     group) and FSDP's record of it (its ``FSDPParam``). Private (see the module docstring): FSDP's composable-state
     registry and its param groups."""
@@ -191,59 +169,6 @@ def _managed() -> Dict[int, Tuple[int, Any]]:
                 found.setdefault(id(fsdp_param.sharded_param), (unit, fsdp_param))
             unit += 1
     return found
-
-
-_OTHER_PLACEMENTS = ("Tensor parallelism and other placements are not supported: shard the model with fully_shard "
-                     "alone (or keep torch.optim.AdamW for it)")
-
-
-def _placement_error(p: torch.Tensor, what: str, advice: str = _OTHER_PLACEMENTS) -> TypeError:
-    return TypeError(
-        f"OffloadOptimizer takes FSDP2's sharded parameters (Shard(0) on a 1-D mesh, or (Replicate(), Shard(0)) on a "
-        f"2-D mesh for HSDP), but a parameter of shape {tuple(p.shape)} is a DTensor with placements "
-        f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: {what}. {advice}")
-
-
-def plan(params: Sequence[torch.Tensor], sharding: Optional[Sharding],
-         managed: Optional[Dict[int, Tuple[int, Any]]] = None) -> "tuple[Sharding, List[int], List[Any]]":
-    """Check that ``params`` (some of them DTensors) are FSDP2's, all on one mesh and cut alike (and on the mesh of
-    the optimizer's other groups, ``sharding``); the :class:`Sharding`, each parameter's FSDP unit, and each one's
-    :func:`takeover` (or None). ``managed``:
-    the registry as :func:`take` read it (else read now). Raises ``TypeError`` naming what cannot be taken (a plain
-    parameter among them, another placement, a DTensor FSDP does not manage)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    plain = [p for p in params if not is_dtensor(p)]
-    if plain:
-        mixed = "a param group mixes" if len(plain) < len(params) else "the param groups mix"
-        raise TypeError(
-            f"OffloadOptimizer: {mixed} FSDP2's sharded parameters (DTensors) with plain ones (shape "
-            f"{tuple(plain[0].shape)}): every parameter of the model must be sharded with fully_shard (wrap the "
-            "root module too: fully_shard(model)), or none")
-    managed = _managed() if managed is None else managed
-    units = []
-    for p in params:
-        placements = tuple(p.placements)
-        if p.device_mesh.ndim == 1 and placements == (Shard(0),):
-            shard_dim = 0
-        elif p.device_mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
-            shard_dim = 1
-        elif id(p) in managed and (p.device_mesh.ndim == 1 or placements[0] == Replicate()):  # (shard_placement_fn)
-            raise _placement_error(p, "FSDP2 shards it along another dimension (shard_placement_fn)",
-                                   "Shard it along dimension 0 (shard_placement_fn returning None for it), or keep "
-                                   "torch.optim.AdamW for this model")
-        else:
-            raise _placement_error(p, "not a placement FSDP2 gives")
-        if id(p) not in managed:
-            raise _placement_error(p, "FSDP2 does not manage it (tensor parallelism gives the same placements)")
-        mine = Sharding(p.device_mesh, shard_dim)
-        if sharding is None:
-            sharding = mine
-        elif sharding != mine:
-            raise TypeError("OffloadOptimizer: the FSDP2 parameters are on different device meshes (or cut along "
-                            "different dimensions); build one optimizer per mesh")
-        units.append(managed[id(p)][0])
-    return sharding, units, [takeover(p, managed[id(p)][1]) for p in params]
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -321,44 +246,3 @@ def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
                                                 requires_grad=out.requires_grad)
     fixed._spec, fixed._local_tensor = out._spec, out._local_tensor
     return fixed
-
-
-def replicated(value: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> torch.Tensor:
-    """``value`` (the same on every rank) as a DTensor replicated over the mesh of the first FSDP2 parameter in
-    ``param_groups``: what ``torch.nn.utils.clip_grad_norm_`` returns for FSDP2's gradients, so ``.full_tensor()``,
-    ``.to_local()`` and ``.item()`` read the total norm either way. On that parameter's device (a rank whose shards
-    got no gradient too)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    owner = next(p for g in param_groups for p in g["params"] if is_dtensor(p))
-    mesh = owner.device_mesh
-    return DTensor.from_local(value.to(owner.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def local_value(value: Any, owner: torch.Tensor) -> Any:
-    """A loaded state value for the parameter ``owner``, as its local shard: a DTensor's own (placed like the
-    parameter), or, for a plain tensor of the parameter's full shape (a checkpoint of an unsharded model), the
-    rows this rank holds (FSDP2 cuts dimension 0 as ``torch.chunk`` does). Anything else is returned as it is
-    (and refused by the caller's checks). A DTensor whose local shard is not this rank's shape (one that another
-    rank saved with ``torch.save``, or a rank at another world size) is refused."""
-    if is_dtensor(value):
-        if tuple(value.placements) != tuple(owner.placements) or value.shape != owner.shape:
-            raise ValueError(f"a state DTensor placed {tuple(value.placements)} with shape {tuple(value.shape)} for a "
-                             f"parameter placed {tuple(owner.placements)} with shape {tuple(owner.shape)}")
-        local, mine = value.to_local(), owner.to_local()
-        if local.shape != mine.shape:
-            raise ValueError(
-                f"this rank's shard of the state DTensor has shape {tuple(local.shape)}, its shard of the parameter "
-                f"{tuple(mine.shape)}: a state dict saved by another rank (or at another world size) and loaded "
-                "with torch.load? Save and load FSDP2 state with torch.distributed.checkpoint (dcp.save/dcp.load "
-                "of get_optimizer_state_dict/set_optimizer_state_dict), which gives each rank its own shard")
-        return local
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape == owner.shape:
-        mesh = owner.device_mesh
-        shard_dim = mesh.ndim - 1
-        rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
-        chunks = torch.chunk(value, world, dim=0)
-        if rank < len(chunks):
-            return chunks[rank]
-        return value.narrow(0, 0, 0)
-    return value

@@ -176,17 +176,17 @@ def memory_plan(
     """
     params = list(params)
     dtype = _check_plan_args(params, device, world_size, gpu_fraction, state_dtype)
+    options = Options(bucket_numel=bucket_numel, pin_memory=device == "cuda", state_dtype=state_dtype,
+                      release_grads=release_grads, gpu_fraction=gpu_fraction)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
-               for layout in plan_buckets(params, bucket_numel)]
+               for layout in plan_buckets(params, options.bucket_numel)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
-    on_gpu = device_tier_plan(layouts, gpu_fraction)
-    host = estimate_layouts([l for l, g in zip(layouts, on_gpu) if not g], needed, device == "cuda", world_size,
-                            state_dtype=state_dtype, rule=_RULE)
+    on_gpu = device_tier_plan(layouts, options.gpu_fraction)
+    host = estimate_layouts([l for l, g in zip(layouts, on_gpu) if not g], needed, options, world_size, _RULE)
     gpu_layouts = [l for l, g in zip(layouts, on_gpu) if g]
     gpu_tier, gpu_numel = _gpu_tier(gpu_layouts, needed, dtype, world_size), sum(l.numel for l in gpu_layouts)
-    numel = sum(layout.numel for layout in layouts)
-    param_bytes = sum(p.nbytes for p in params)
+    numel, param_bytes = sum(layout.numel for layout in layouts), sum(p.nbytes for p in params)
     if device == "cpu":
         # A CPU model's parameter storage becomes a view of master/staging (the estimate can only see that for
         # real CPU tensors, not for meta stand-ins).

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from zero_offload import fsdp2, gate, placement
+from zero_offload import gate, placement, topology
 from zero_offload.checkpoint.entries import ParamList, StateMap, check_param_lists, sync_state
 from zero_offload.checkpoint.methods import StateDictMethods
 from zero_offload.buckets import FlatBucket, allocate_group
@@ -35,14 +35,13 @@ from zero_offload.gate import NO_SCALER, Decision, PendingClip, ScalerSignal
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.lane import Lane, Plans
-from zero_offload.options import (OFFLOAD_OPTIONS, Options, agreed_settings, check_params, check_speculation_memory,
-                                  option_docs, world_without_group)
+from zero_offload.options import OFFLOAD_OPTIONS, Options, check_speculation_memory, option_docs
 from zero_offload.planning import plan_host_memory
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule
 from zero_offload.speculation import Speculative
 from zero_offload.timeline import NOTHING, Timeline, TimelineEvent
-from zero_offload.transport import Transport, make_transport
+from zero_offload.transport import Transport
 from zero_offload.transport.base import Gathered
 from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket
 
@@ -120,18 +119,13 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             raise TypeError(f"OffloadOptimizer got an unexpected keyword argument {unknown[0]!r}; its options are "
                             f"AdamW's and {', '.join(OFFLOAD_OPTIONS)}")
         rule.check(defaults)
-        process_group = options.get("process_group")
-        opts = Options(**options, sharded=process_group is not None, outside_world=world_without_group(process_group))
-        params, managed = fsdp2.take(params, opts)
-        if managed is not None:  # FSDP runs the hooks after each unit's reduce-scatter: the gradients are final there
-            opts = dataclasses.replace(opts, outside_world=1)
-        self.options = opts.validate()
+        opts = Options.of(options)
+        self._topology, params = topology.of(params, opts)
+        self.options = self._topology.options(opts).validate()
         _check_rule(rule, self.options)
         self._place_after_step = self.options.gpu_fraction == "auto"
-        self._rule, self._given, self._fsdp = rule, dict(options), managed is not None
-        self._transport = make_transport(process_group, self.options, self._fsdp)
-        if self._fsdp:
-            self._transport.managed = managed
+        self._rule, self._given = rule, dict(options)
+        self._transport = self._topology.transport(self.options)
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
                                 weak_method(self._speculation_inputs))
         self._streamer = GradStreamer(self._transport, self._mode)
@@ -147,8 +141,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         for lane in chain.from_iterable(self._lanes):
             lane.route.bind(lane)
         self._constructed = True
-        if self._fsdp:  # (FSDP2's registry: every FSDP model of the process, collected or not; read only above)
-            self._transport.managed = None
+        self._topology.built()
         logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
                     sum(len(b) for b in self._buckets), _held_host_memory(self).describe())
 
@@ -193,27 +186,15 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                             "of tensors in sets will change between runs. Please use a list instead.")
         raw = list(raw)
         tensors = [p[1] if isinstance(p, tuple) else p for p in raw]
-        check_params(tensors, fsdp=self._fsdp)
-        data = units = homes = None
-        if self._fsdp:  # (each rank's buckets hold its local shards; FSDP does every collective)
-            t = self._transport
-            t.sharding, units, homes = fsdp2.plan(tensors, t.sharding, t.managed if not self._constructed else None)
-            data = [fsdp2.local_shard(p) for p in tensors]
         n_groups = len(self.param_groups)
-        comm = self._transport.comm if self._transport.sharded else None
-        if comm is not None:
-            # The switches of optional state buffers (amsgrad's) decide which buffers state_dict() gathers.
-            switches = tuple((f"{b.switch} of param group {n_groups}", bool(param_group.get(b.switch,
-                             self.defaults[b.switch]))) for b in self._rule.buffers if b.switch)
-            comm.check_same_params(tensors, n_groups, (*self.options.collective_layout(), *switches))
-            if not comm.host_ok and any(p.device.type == "cpu" for p in tensors):
-                raise ValueError("process_group runs NCCL alone, which moves CUDA tensors only, but param group "
-                                 f"{n_groups} has parameters on the CPU: shard a CPU model over a gloo group")
+        # The switches of optional state buffers (amsgrad's) decide which buffers state_dict() gathers on a group.
+        switches = tuple((f"{b.switch} of param group {n_groups}", bool(param_group.get(b.switch,
+                         self.defaults[b.switch]))) for b in self._rule.buffers if b.switch)
+        placed = self._topology.place(tensors, n_groups, (*self.options.collective_layout(), *switches))
         param_group["params"] = raw
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
-            buckets = allocate_group(self.param_groups[-1], n_groups, self.options, None if comm is None
-                                     else (comm.world, comm.rank), self._rule, data, units, homes)
+            buckets = allocate_group(self.param_groups[-1], n_groups, self.options, placed, self._rule)
         except BaseException:
             del self.param_groups[n_groups:]
             raise
@@ -255,7 +236,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                 self._step()
             if self._place_after_step:
                 self._place_after_step = False
-                placement.place_on_device(self._transport, self._streamer, self.state, self.options.gpu_margin_gib)
+                placement.place_on_device(self._topology, self._transport, self._streamer, self.state,
+                                          self.options.gpu_margin_gib)
         finally:
             self._end_step(stepped=True)
         return loss
@@ -270,9 +252,9 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                 and all(type(g["params"]) is ParamList and not g["params"].flag.changed
                         for g in self.param_groups):
             return
-        fsdp2.adopt_switched(self)
+        self._topology.adopt_switched(self)
         check_param_lists(self.param_groups, self._buckets)
-        self.state = sync_state(self.state, self._buckets, self.flush)
+        self.state = sync_state(self.state, self._buckets, self.flush, self._topology.local_value)
 
     def gpu_state_bytes(self) -> Dict[str, int]:
         """GPU memory held by the state on the device tier (``gpu_fraction``), in bytes by buffer, beyond the
@@ -309,8 +291,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         """Gather every gradient where the kernel reads it and, with ``check``, whether one is inf/nan (after
         ``clip_grad_norm_``, which gathered them already, what it found). Sharded: every rank agrees on the
         step's settings. Then the uploads to come wait for what the compute stream has queued so far."""
-        agrees = self._transport.sharded or self._fsdp
-        settings = agreed_settings(hypers, self.options.nonfinite) if agrees else ()
+        settings = self._topology.settings(hypers, self.options.nonfinite)
         if clip is None:
             gathered = self._transport.gather(plans, check=check, settings=settings)
         else:
@@ -403,7 +384,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             set_to_none (bool): set gradients to None instead of zeroing them. Default: True.
         """
         self._pending = None
-        fsdp2.adopt_switched(self)  # (before the first step: the gradients to zero are the shards')
+        self._topology.adopt_switched(self)  # (before the first step: the gradients to zero are the shards')
         self._end_step()  # gradients streamed since the last step are discarded with the rest
         if set_to_none:
             super().zero_grad(set_to_none=True)
@@ -436,13 +417,12 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         max_norm = float(max_norm)
         if self.options.overlap_step:
             raise gate.refuse_clipping()
-        fsdp2.adopt_switched(self)
+        self._topology.adopt_switched(self)
         fresh = self._transport.edits.scaled is not False
         plans = self._receive(fresh=fresh)
         first = next((intake.bucket.params[i] for intake in chain.from_iterable(plans)
                       for i, has in enumerate(intake.present) if has), None)
-        agrees = self._transport.sharded or self._fsdp
-        settings = agreed_settings((), self.options.nonfinite, (max_norm, norm_type)) if agrees else ()
+        settings = self._topology.settings((), self.options.nonfinite, (max_norm, norm_type))
         plans = self._transport.gather(plans, clipping=True, settings=settings).plans
         total, nonfinite = self._transport.total_norm(plans, norm_type)
         nonfinite = nonfinite or not math.isfinite(total)
@@ -450,7 +430,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             raise gate.nonfinite_norm_error(norm_type)
         self._pending = PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh)
         norm = torch.tensor(total, dtype=torch.float32, device=first.device if first is not None else "cpu")
-        return fsdp2.replicated(norm, self.param_groups) if self._fsdp else norm
+        return self._topology.norm_value(norm, self.param_groups)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Gradient accumulation, like ``DistributedDataParallel.no_sync``: backward passes inside it keep their

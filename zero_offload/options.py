@@ -325,6 +325,12 @@ class Options:
     sharded: bool = _context(False)
     outside_world: int = _context(1)
 
+    @classmethod
+    def of(cls, given: Dict[str, Any]) -> "Options":
+        """The constructor's offload options (``given``, by name), with what it knows besides them."""
+        process_group = given.get("process_group")
+        return cls(**given, sharded=process_group is not None, outside_world=world_without_group(process_group))
+
     def __post_init__(self) -> None:
         for name in ("release_grads", "overlap_step", "grads_reduced"):  # (any truthy value, as before)
             object.__setattr__(self, name, bool(getattr(self, name)))

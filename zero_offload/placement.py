@@ -11,6 +11,7 @@ import torch
 
 from zero_offload import checkpoint
 from zero_offload.lane import Lane
+from zero_offload.topology import Topology
 from zero_offload.transport import Transport
 
 __all__ = ["device_bytes", "place_on_device"]
@@ -26,11 +27,12 @@ def _device_room(device: torch.device, margin_gib: float) -> int:
     return int(free + held - torch.cuda.max_memory_allocated(device) - margin_gib * 2**30)
 
 
-def place_on_device(transport: Transport, streamer: Any, state: MutableMapping, margin_gib: float) -> None:
+def place_on_device(topology: Topology, transport: Transport, streamer: Any, state: MutableMapping,
+                    margin_gib: float) -> None:
     """Move the last-arriving CUDA buckets of ``transport``'s lanes to the device tier (see the module
     docstring); ``streamer`` stops streaming them and ``state`` shows their new entries."""
     lanes = [lane for lane in transport.lanes if not lane.bucket.resident]
-    if not lanes and not transport.sharded:  # (a CPU model: nothing to place; sharded, agree anyway)
+    if not lanes and topology.alone:  # (a CPU model: nothing to place; with other ranks, agree anyway)
         return
     arrived = [lane for lane in transport.arrivals if not lane.bucket.resident]  # (streamed CPU buckets too)
     # Last to arrive first; then those backward did not send, in construction order (backward would produce the
@@ -44,26 +46,24 @@ def place_on_device(transport: Transport, streamer: Any, state: MutableMapping, 
             break
         room[lane.bucket.device] -= cost
         count += 1
-    if transport.sharded:
-        count = int(transport.comm.all_reduce_host([count], torch.distributed.ReduceOp.MIN,
-                                                   "the buckets gpu_fraction='auto' moves")[0])
+    count = topology.fewest(count, "the buckets gpu_fraction='auto' moves")
     if not count:
         logger.info("OffloadOptimizer(gpu_fraction='auto'): no bucket fits on the GPU; all state stays on the host")
         return
     transport.synchronize()  # no copy may still read the host buffers being replaced
-    moved = _move(order[:count], transport, streamer, state)
+    moved = _move(order[:count], topology, transport, streamer, state)
     logger.info("OffloadOptimizer(gpu_fraction='auto'): %d of %d GPU buckets moved to the GPU (%s)", moved,
                 len(lanes), device_bytes(transport.lanes))
 
 
-def _move(lanes: List[Lane], transport: Transport, streamer: Any, state: MutableMapping) -> int:
+def _move(lanes: List[Lane], topology: Topology, transport: Transport, streamer: Any, state: MutableMapping) -> int:
     moved = 0
     for lane in lanes:
         bucket = lane.bucket
         try:
             bucket.move_to_device()
         except torch.cuda.OutOfMemoryError as exc:
-            if transport.sharded:  # the other ranks may have moved it: the layouts would differ
+            if not topology.alone:  # the other ranks may have moved it: the layouts would differ
                 raise
             logger.warning("OffloadOptimizer(gpu_fraction='auto'): the GPU ran out of memory moving %s (%s); it "
                            "and the buckets after it stay on the host", bucket.where, exc)

@@ -1,18 +1,20 @@
 """The host RAM an optimizer will take, planned before it is built (``OffloadOptimizer.estimate_host_memory(params,
-**options)``): the same bucket layout and buffer declarations as the real buckets', allocating nothing."""
+**options)``): the same bucket layout and buffer declarations as the real buckets', allocating nothing; the options
+taken once, as :class:`~zero_offload.options.Options`."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from zero_offload.buckets import estimate_params
+from zero_offload import buckets, fsdp2
 from zero_offload.host_memory import HostMemoryEstimate
 from zero_offload.options import DEFAULT_BUCKET_NUMEL, Options, check_speculation_memory, check_state_dtype
-from zero_offload.undo import plan_undo
+from zero_offload.rules.adamw import ADAMW
+from zero_offload.rules.base import Rule
 
-__all__ = ["plan_host_memory"]
+__all__ = ["estimate_params", "plan_host_memory", "plan_undo"]
 
 
 def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -59,12 +61,73 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
     """
     check_state_dtype(state_dtype)
     Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()  # the constructor's checks
+    options = Options(bucket_numel=bucket_numel, pin_memory=pin_memory, delayed_update=delayed_update,
+                      state_dtype=state_dtype, gpu_fraction=gpu_fraction)
     memory = check_speculation_memory(speculation_memory)
     params = list(params)
-    options = dict(bucket_numel=bucket_numel, pin_memory=pin_memory, state_dtype=state_dtype,
-                   gpu_fraction=gpu_fraction)
-    estimate = estimate_params(params, defaults={"amsgrad": amsgrad}, world_size=world_size,
-                               delayed_update=delayed_update, **options)
+    estimate = estimate_params(params, options, world_size, defaults={"amsgrad": amsgrad})
     if memory and world_size == 1 and not delayed_update:
-        estimate = estimate + plan_undo(params, memory, defaults={"amsgrad": amsgrad}, **options)
+        estimate = estimate + plan_undo(params, memory, options, defaults={"amsgrad": amsgrad})
     return estimate
+
+
+def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1, *,
+                    defaults: Optional[Dict[str, Any]] = None, rule: Rule = ADAMW) -> HostMemoryEstimate:
+    """:func:`~zero_offload.buckets.estimate_layouts` of the buckets an optimizer over ``params`` (tensors or group
+    dicts, whose own settings are honoured over ``defaults``) with ``options`` would plan, less those a numeric
+    ``gpu_fraction`` keeps on the GPU; see ``OffloadOptimizer.estimate_host_memory``. FSDP2's parameters
+    (DTensors) are placed as their topology places them (this rank's local shards, cut at FSDP's units)."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    groups = [(g, [g["params"]] if isinstance(g["params"], torch.Tensor) else
+               [p[1] if isinstance(p, tuple) else p for p in g["params"]]) for g in groups]
+    mesh = None
+    if any(fsdp2.is_dtensor(p) for _, ps in groups for p in ps):
+        if world_size != 1:
+            raise ValueError(f"OffloadOptimizer.estimate_host_memory: world_size={world_size} with FSDP2's sharded "
+                             "parameters (DTensors): their estimate is per rank already, from this rank's local "
+                             "shards (world_size is the process_group's, for plain parameters)")
+        from zero_offload.topology.mesh import Mesh
+
+        mesh = Mesh()
+    total = HostMemoryEstimate(0, 0, {}, 0, 0)
+    for g, ps in groups:
+        settings = {**(defaults or {}), **{k: v for k, v in g.items() if k != "params"}}
+        takeovers = None
+        if mesh is not None:
+            placed = mesh.plan(ps)
+            layouts = buckets.plan_local(placed.data, options.bucket_numel, placed.units, placed.takeovers)
+            takeovers = placed.takeovers
+        else:
+            layouts = buckets.plan_buckets(ps, options.bucket_numel)  # (as the constructor does: through the module)
+        host = [l for l, g in zip(layouts, buckets.device_tier_plan(layouts, options.gpu_fraction)) if not g]
+        total = total + buckets.estimate_layouts(host, rule.buffers_for(settings), options, world_size, rule,
+                                                 takeovers)
+    return total
+
+
+def plan_undo(params: Sequence[Any], limit: int, options: Options, *,
+              defaults: Optional[Dict[str, Any]] = None) -> HostMemoryEstimate:
+    """The ``undo`` row of a plan (``OffloadOptimizer.estimate_host_memory(params, speculation_memory=limit)``):
+    the cap, or, where less, every bucket off the CPU speculated at once (its master, state and scales, and the
+    low-precision output of bf16/fp16 parameters, each page-locked like the bucket's own)."""
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+
+    def only(keep: Callable[[torch.Tensor], bool]) -> List[Dict[str, Any]]:
+        out = []
+        for group in groups:
+            ps = group["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            out.append({**group, "params": [p for p in ps if keep(p[1] if isinstance(p, tuple) else p)]})
+        return out
+
+    fp32 = estimate_params(only(lambda p: p.device.type != "cpu" and p.dtype == torch.float32), options,
+                           defaults=defaults)
+    low = estimate_params(only(lambda p: p.device.type != "cpu" and p.dtype != torch.float32), options,
+                          defaults=defaults)
+    outputs = low.buffers.get("grad", 0)  # (the gradient buffer's size: one low-precision element per slot)
+    worst = fp32.state_bytes + low.state_bytes + outputs
+    held = min(limit, worst)
+    pinned = held if (fp32.pinned_bytes or low.pinned_bytes) else 0
+    return HostMemoryEstimate(0, 0, {"undo": held}, pinned, 0)

@@ -42,14 +42,13 @@ import collections
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from zero_offload.buckets import estimate_params
 from zero_offload.host_memory import HostMemoryEstimate, available_host_bytes, empty_host
 
-__all__ = ["Lease", "UndoPool", "RECENT_STEPS", "plan_undo"]
+__all__ = ["Lease", "UndoPool", "RECENT_STEPS"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -247,27 +246,3 @@ class UndoPool:
         grower = self._grower
         if grower is not None:
             grower.join(timeout)
-
-
-def plan_undo(params: Sequence[Any], limit: int, **options: Any) -> HostMemoryEstimate:
-    """The ``undo`` row of a plan (``OffloadOptimizer.estimate_host_memory(params, speculation_memory=limit)``):
-    the cap, or, where less, every bucket off the CPU speculated at once (its master, state and scales, and the
-    low-precision output of bf16/fp16 parameters, each page-locked like the bucket's own).
-    ``options``: :func:`estimate_params`'."""
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-
-    def only(keep: Callable[[torch.Tensor], bool]) -> List[Dict[str, Any]]:
-        out = []
-        for group in groups:
-            ps = group["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            out.append({**group, "params": [p for p in ps if keep(p[1] if isinstance(p, tuple) else p)]})
-        return out
-
-    fp32 = estimate_params(only(lambda p: p.device.type != "cpu" and p.dtype == torch.float32), **options)
-    low = estimate_params(only(lambda p: p.device.type != "cpu" and p.dtype != torch.float32), **options)
-    outputs = low.buffers.get("grad", 0)  # (the gradient buffer's size: one low-precision element per slot)
-    worst = fp32.state_bytes + low.state_bytes + outputs
-    held = min(limit, worst)
-    pinned = held if (fp32.pinned_bytes or low.pinned_bytes) else 0
-    return HostMemoryEstimate(0, 0, {"undo": held}, pinned, 0)

@@ -48,6 +48,8 @@ def _listed(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 Buckets = Sequence[Sequence[FlatBucket]]
+# The part of a value given for a parameter that this rank holds (its topology's ``local_value``).
+LocalValue = Callable[[Any, torch.Tensor], Any]
 State = MutableMapping[Any, Dict[str, Any]]
 
 
@@ -183,9 +185,10 @@ def _local(t: Any) -> Any:
     return t.to_local() if fsdp2.is_dtensor(t) else t
 
 
-def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
-    """Validate an ``opt.state`` entry a user wrote for the bucket's parameter ``i``; returns it with ``step`` as a
-    float. As AdamW, a non-empty entry must hold the whole state; its tensors are copied into the buffers."""
+def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue) -> Dict[str, Any]:
+    """Validate an ``opt.state`` entry a user wrote for the bucket's parameter ``i`` (``local_value``: see
+    :func:`sync_state`); returns it with ``step`` as a float. As AdamW, a non-empty entry must hold the whole state;
+    its tensors are copied into the buffers."""
     where = f"opt.state entry of a parameter of shape {tuple(bucket.shapes[i])} ({bucket.where})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
@@ -198,11 +201,10 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int) -> Dict[str, Any]:
     if unknown or missing:
         raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
                          f"may hold {', '.join(k for k in slots if k not in needs)}")
-    if bucket.fsdp:  # a DTensor (or the parameter's full tensor): this rank's shard of it
-        try:
-            entry = {k: v if k == "step" else fsdp2.local_value(v, bucket.owners[i]) for k, v in entry.items()}
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+    try:  # (FSDP2: a DTensor, or the parameter's full tensor: this rank's shard of it)
+        entry = {k: v if k == "step" else local_value(v, bucket.owners[i]) for k, v in entry.items()}
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     for name, v in entry.items():
         if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
                                or v.shape != slots[name].shape):
@@ -248,13 +250,14 @@ def _optional(bucket: FlatBucket, name: str) -> bool:
     return buf is not None and buf.optional
 
 
-def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "StateMap":
+def sync_state(state: State, buckets: Buckets, settle: Callable[[], None], local_value: LocalValue) -> "StateMap":
     """``opt.state`` after the user's edits since the last call took effect as they would in AdamW: a removed or
     emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
     restarts its parameter (moments zeroed, step 1 next); tensors or steps put into an entry are copied into the
     buffers, and the entry points at the buffers again. Everything is validated before anything is written
     (``ValueError``). ``settle`` runs first when there is something to do: an update still pending belongs to the
-    state before the edit. O(1) when nothing was edited."""
+    state before the edit. ``local_value(value, param)``: the part of an entry's tensor this rank holds (the
+    optimizer's topology's). O(1) when nothing was edited."""
     if type(state) is StateMap and not state.flag.changed:
         return state
     settle()
@@ -266,7 +269,7 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None]) -> "S
                 if bucket.exposed[i] or entry is not None:  # (an empty entry goes: state_dict() would list it)
                     edits.append((bucket, i, None))
             elif not (bucket.exposed[i] and _unchanged(entry, bucket, i)):
-                edits.append((bucket, i, _check_edit(entry, bucket, i)))
+                edits.append((bucket, i, _check_edit(entry, bucket, i, local_value)))
     out = state if type(state) is StateMap else StateMap(dict, state)
     for bucket, i, entry in edits:
         if entry is None:

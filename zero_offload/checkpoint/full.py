@@ -174,9 +174,11 @@ def check_format(state_dict: Any) -> None:
         raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from Optimizer.state_dict())")
 
 
-def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule) -> LoadPlan:
+def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
+              local_value: Callable[[Any, torch.Tensor], Any]) -> LoadPlan:
     """Validate a full state dict (from this class, or the rule's optimizer: ``torch.optim.AdamW``/``Adam``, ...)
-    against the optimizer."""
+    against the optimizer; ``local_value(value, param)``: the part of a loaded value this rank holds (its
+    topology's)."""
     check_format(state_dict)
     check_param_lists(groups, buckets)
     saved = deepcopy(state_dict["param_groups"])
@@ -200,11 +202,10 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
-        if bucket.fsdp:  # (each rank loads its own shard of the values)
-            try:
-                entries[p] = {k: v if k == "step" else fsdp2.local_value(v, p) for k, v in entries[p].items()}
-            except ValueError as exc:
-                raise ValueError(f"{named}: {exc}") from None
+        try:  # (each rank loads its own part of the values)
+            entries[p] = {k: v if k == "step" else local_value(v, p) for k, v in entries[p].items()}
+        except ValueError as exc:
+            raise ValueError(f"{named}: {exc}") from None
         for buf in bucket.rule.buffers:
             if buf.name in entry:
                 check_compact_moment(bucket.state_dtype, buf, entry[buf.name], named)

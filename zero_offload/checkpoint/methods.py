@@ -5,13 +5,11 @@ step has in flight, then hands the param groups, the buckets and ``opt.state`` t
 from __future__ import annotations
 
 import contextlib
-from itertools import chain
 from typing import Any, Dict
 
 import torch
 
-from zero_offload import fsdp2
-from zero_offload.checkpoint import dcp, entries, full
+from zero_offload.checkpoint import dcp, full
 
 __all__ = ["StateDictMethods"]
 
@@ -34,13 +32,9 @@ class StateDictMethods:
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
         with _hooks_set_aside(self):  # torch's own packing of the param groups, without running the hooks twice
             sd = super().state_dict()
-        if self._transport.sharded:  # gathered, then the entries that are no parameter's
-            self._transport.agree_state(chain.from_iterable(self._buckets))
-            state = full.full_state(self.param_groups, self._buckets, self._transport.comm.all_gather_host)
-            state.update((k, v) for k, v in self.state.items() if not isinstance(k, torch.Tensor))
-            sd["state"] = state
-        else:  # entries as plain dicts
-            sd["state"] = {k: dict(v) if isinstance(v, entries.StateEntry) else v for k, v in sd["state"].items()}
+        # (as plain dicts; on a process group gathered, with the entries that are no parameter's)
+        sd["state"] = self._topology.state_entries(sd["state"], self.param_groups, self._buckets, self.state,
+                                                   self._transport)
         full.add_compact_moments(sd["state"], self.param_groups, self._buckets)
         sd["state"].update(full.ahead_entries(self.param_groups, self._buckets, ahead))
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -62,14 +56,14 @@ class StateDictMethods:
             state_dict (dict): with ``"state"`` and ``"param_groups"``, as returned by ``state_dict()``.
         """
         full.check_format(state_dict)
-        fsdp2.adopt_switched(self)
+        self._topology.adopt_switched(self)
         self._mode.check_load()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        plan = full.plan_load(self.param_groups, self._buckets, state_dict, self._rule)
+        plan = full.plan_load(self.param_groups, self._buckets, state_dict, self._rule, self._topology.local_value)
         # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
         # buffer, amsgrad's, is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
         for group, buckets in zip(plan.groups, self._buckets):

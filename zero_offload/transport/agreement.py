@@ -77,11 +77,15 @@ class Agreement:
     Args:
         comm (Comm): the group's collectives.
         stats_numel (Callable[[], int]): the length of the statistics' all-reduce (the same on every rank).
-        backwards (Callable[[], int]): how many streamed backwards this step has had on this rank.
+
+    Attributes:
+        backwards (int): how many streamed backwards this step has had on this rank (whose reduce-scatters have
+            begun; counted by the transport, back to 0 when the step ends).
     """
 
-    def __init__(self, comm: Comm, stats_numel: Callable[[], int], backwards: Callable[[], int]):
-        self.comm, self._stats_numel, self._backwards = comm, stats_numel, backwards
+    def __init__(self, comm: Comm, stats_numel: Callable[[], int]):
+        self.comm, self._stats_numel = comm, stats_numel
+        self.backwards = 0
 
     def tail(self, phase: float, settings: Sequence[Tuple[str, float]]) -> List[float]:
         """What the statistics' all-reduce ends with: per rank, a digest of ``settings``, then where the rank is
@@ -90,7 +94,7 @@ class Agreement:
         world, rank = self.comm.world, self.comm.rank
         tail = [0.0] * (3 * world)
         tail[rank] = digest(settings)
-        tail[world + 2 * rank], tail[world + 2 * rank + 1] = phase, float(self._backwards())
+        tail[world + 2 * rank], tail[world + 2 * rank + 1] = phase, float(self.backwards)
         return tail
 
     def check(self, phase: float, settings: Sequence[Tuple[str, float]], what: str, where: str,

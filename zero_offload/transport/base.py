@@ -38,13 +38,22 @@ from zero_offload import functional
 from zero_offload.buckets import FlatBucket
 from zero_offload.grads import check_grads
 from zero_offload.lane import Intake, Lane, Plans
-from zero_offload.timeline import NOTHING, Timeline, span
-from zero_offload.transport.channel import Channel
+from zero_offload.timeline import NOTHING, Timeline
+from zero_offload.transport.channel import Channel, Streams
 from zero_offload.transport.edits import EditWatch
 from zero_offload.transport.measure import (Norm, every, first_nonfinite, host_norm, name_param, on_device_sq_norm,
                                             sq_norm_by_dtype, streamed_norms, two_norm)
 
-__all__ = ["Gathered", "Route", "Transport"]
+__all__ = ["GradStats", "Gathered", "Route", "Transport"]
+
+
+class GradStats(NamedTuple):
+    """A step's gradient statistics over every rank (the sharded transports': their last gather's): ``sq`` the sum
+    of squares of the (averaged) gradient over every bucket, ``nonfinite`` whether some rank's shard holds an inf or
+    nan."""
+
+    sq: float
+    nonfinite: bool
 
 
 class Gathered(NamedTuple):
@@ -134,7 +143,6 @@ class Transport:
         release (bool): set ``p.grad`` to None once a gradient is on its way to the host.
     """
 
-    sharded = False
     unversioned_edits = False  # edits that move no version counter may come at any step (FSDP2), see EditWatch
 
     def __init__(self, *, release: bool):
@@ -142,15 +150,13 @@ class Transport:
         self.edits = EditWatch(always=self.unversioned_edits)
         self.timeline: Optional[Timeline] = None  # OffloadOptimizer.record_timeline()
         self.lanes: List[Lane] = []
-        # Per device: the stream of the copies off the GPU (and a sharded bucket's reduce-scatter), and the stream
-        # of the uploads back (and all-gathers).
-        self.streams: Dict[Any, Any] = {}
-        self.upload_streams: Dict[Any, Any] = {}
+        self.streams = Streams()
         self.arrivals: List[Lane] = []  # the lanes backward sent in this step, in the order it sent them
         self.moved = False  # a lane's step began (something was sent or received) since the last reset
         # The device memory (bytes) an upload during backward leaves free (gpu_margin_gib); None: no such uploads
         # (uploads_in_backward=False).
         self.staging_margin: Optional[int] = None
+        self.stats = GradStats(0.0, False)  # (a sharded transport's last gather's, over every rank)
         self._routes: Dict[type, Route] = {}
 
     def route(self, kind: type) -> Route:
@@ -175,13 +181,6 @@ class Transport:
         buffers it no longer needs); backward no longer sends it."""
         lane.route = self.route_for(lane.bucket)
         lane.channel, lane.streamed = lane.route.channel(), False
-
-    def stream(self, device: torch.device, upload: bool = False):
-        streams = self.upload_streams if upload else self.streams
-        stream = streams.get(device)
-        if stream is None:
-            stream = streams[device] = torch.cuda.Stream(device=device)
-        return stream
 
     # -- gradients, from backward ----------------------------------------------------------------------------
     def send_grads(self, lane: Lane) -> None:
@@ -342,7 +341,7 @@ class Transport:
         before ``state_dict()``). Not needed for ``overlap_step``'s uploads in backward: every use of a parameter
         was queued before the hook that found its gradient final."""
         for device in {lane.bucket.device for lane in lanes if not lane.route.resident}:
-            self.stream(device, upload=True).wait_stream(torch.cuda.current_stream(device))
+            self.streams.up(device).wait_stream(torch.cuda.current_stream(device))
 
     def send_params(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Make the updated values visible in the parameters ``indices`` (``srcs``: per parameter, where to upload
@@ -357,9 +356,7 @@ class Transport:
 
     def synchronize(self) -> None:
         """Wait for copies in flight from the host buffers (before anything rewrites them)."""
-        for stream in chain(self.streams.values(), self.upload_streams.values()):
-            with span(self.timeline, "wait", "streams"):
-                stream.synchronize()
+        self.streams.synchronize(self.timeline)
 
     # -- between steps ---------------------------------------------------------------------------------------
     def reset(self) -> None:

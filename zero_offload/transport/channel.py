@@ -1,18 +1,19 @@
 """A bucket's channel: what its copies need for the optimizer's life, kept by its route. The CUDA events that order
 its copies (:class:`Mark`: an event, how many times it was recorded and which recording the host last waited for)
 and whether something sent is still to be waited for; each route's own channel adds its landing buffers
-(:class:`~zero_offload.transport.device.CopyChannel`, :class:`~zero_offload.transport.sharded.ShardedChannel`).
+(:class:`~zero_offload.transport.device.CopyChannel`, :class:`~zero_offload.transport.sharded.ShardedChannel`);
+and the side streams those events are recorded on, the transport's (:class:`Streams`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from zero_offload.timeline import NOTHING, Timeline
 
-__all__ = ["Channel", "Mark"]
+__all__ = ["Channel", "Mark", "Streams"]
 
 
 class Mark:
@@ -82,3 +83,34 @@ class Channel:
     def staged(self) -> Optional[Any]:
         """A device copy of new parameters ahead of their commit (the copying route's channel only)."""
         return None
+
+
+class Streams:
+    """The side streams of one transport, a pair per device, made at first use: one for the copies off the GPU (and
+    a sharded bucket's reduce-scatter), one for the uploads back (and all-gathers), so that uploads never queue
+    behind gradient copies."""
+
+    __slots__ = ("_down", "_up")
+
+    def __init__(self) -> None:
+        self._down: Dict[Any, Any] = {}
+        self._up: Dict[Any, Any] = {}
+
+    def down(self, device: torch.device) -> Any:
+        """The stream of the copies off ``device``."""
+        return self._down.get(device) or self._make(self._down, device)
+
+    def up(self, device: torch.device) -> Any:
+        """The stream of the uploads to ``device``."""
+        return self._up.get(device) or self._make(self._up, device)
+
+    @staticmethod
+    def _make(streams: Dict[Any, Any], device: torch.device) -> Any:
+        stream = streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def synchronize(self, timeline: Optional[Timeline]) -> None:
+        """Wait for everything queued on every side stream."""
+        for stream in [*self._down.values(), *self._up.values()]:
+            with NOTHING if timeline is None else timeline.span("wait", "streams"):
+                stream.synchronize()

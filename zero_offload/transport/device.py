@@ -72,7 +72,7 @@ class OffloadRoute(Route):
 
     def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
         bucket, t, channel = lane.bucket, self.transport, lane.channel
-        stream = t.streams.get(bucket.device) or t.stream(bucket.device)
+        stream = t.streams.down(bucket.device)
         if any(add) and channel.incoming is None:
             channel.incoming = empty_host(bucket.layout.padded_numel, bucket.dtype, pin=bucket.pin)
         views = bucket.grads.grad_views
@@ -117,7 +117,7 @@ class OffloadRoute(Route):
         """Gradients not streamed (or changed since) copied into the host buffer on the copy stream."""
         lane, t = intake.lane, self.transport
         bucket = lane.bucket
-        stream = t.streams.get(bucket.device) or t.stream(bucket.device)
+        stream = t.streams.down(bucket.device)
         # Gradients were produced on the compute stream; the side stream must not read them earlier.
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         if bucket.shares_grad:
@@ -136,7 +136,7 @@ class OffloadRoute(Route):
         this bucket waits for."""
         bucket, t = lane.bucket, self.transport
         params = bucket.params if len(indices) == len(bucket.params) else [bucket.params[i] for i in indices]
-        stream = t.upload_streams.get(bucket.device) or t.stream(bucket.device, upload=True)
+        stream = t.streams.up(bucket.device)
         if srcs is None:
             srcs = bucket.upload_views
         tl = t.timeline
@@ -164,7 +164,7 @@ class OffloadRoute(Route):
                      if o.streamed and not o.arrival.launches and o.bucket.device == device)
         if device_room(device) < nbytes + coming + t.staging_margin:
             return None
-        stream = t.upload_streams.get(device) or t.stream(device, upload=True)
+        stream = t.streams.up(device)
         channel = lane.channel
         staged = channel.staged
         # (Its memory comes from the upload stream, which alone uses it: given back, it is reused only by later
@@ -188,7 +188,7 @@ class OffloadRoute(Route):
         waits for the upload stream's work so far (an event), the host does not wait."""
         t = self.transport
         for device in {lane.bucket.device for lane in lanes}:
-            torch.cuda.current_stream(device).wait_stream(t.upload_streams.get(device) or t.stream(device, True))
+            torch.cuda.current_stream(device).wait_stream(t.streams.up(device))
 
 
 class Staged:

@@ -5,10 +5,11 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are exchanged over the mesh (one small all-gather per step over the dimension the shards are cut
-  along, and under HSDP one more over the replicas; it also carries every rank's hyperparameters: ranks that
-  differ raise on every rank, replicas included): every rank decides alike; the norm is the sum over one
-  replica's shards (FSDP has already reduced the gradients over the replicas); and which parameters have a
+  decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: one small all-gather
+  per step over the dimension the shards are cut along, and under HSDP one more over the replicas; it also carries
+  every rank's hyperparameters: ranks that differ raise on every rank, replicas included): every rank decides
+  alike; the norm is the sum over one replica's shards (FSDP has already reduced the gradients over the
+  replicas); and which parameters have a
   gradient: ranks that differ (a ``.grad`` set to None on some ranks only) raise on every rank, naming the first
   such parameter, where AdamW would step each rank's shards of it or not, silently;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
@@ -34,19 +35,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload.buckets import FlatBucket
-from zero_offload.fsdp2 import Sharding
 from zero_offload.lane import Lane, Plans
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import differing, digest, digest_bytes, meeting_on_failure
-from zero_offload.transport.base import Gathered, Route, Transport
+from zero_offload.transport.base import Gathered, GradStats, Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
 from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held
+
+if TYPE_CHECKING:  # (annotations only)
+    from zero_offload.topology.mesh import Mesh
 
 __all__ = ["FSDPHostRoute", "FSDPTransport", "Row"]
 
@@ -91,18 +94,15 @@ class FSDPTransport(Transport):
     """The transport of FSDP2's local shards (see the module docstring).
 
     Args:
+        topology (Mesh): the mesh the parameters are on (its collectives carry the step's exchange).
         release (bool): as for :class:`~zero_offload.transport.base.Transport`.
     """
 
     unversioned_edits = True  # (foreach ops on DTensor gradients: see the module docstring)
 
-    def __init__(self, *, release: bool):
+    def __init__(self, topology: "Mesh", *, release: bool):
         super().__init__(release=release)
-        self.sharding: Optional[Sharding] = None  # set with the first group (zero_offload.fsdp2.plan)
-        self.managed = None  # FSDP2's registry as the constructor read it (zero_offload.fsdp2.take)
-        self._sq = 0.0  # the last gather's sum of squares over the mesh
-        self._exchanges = 0  # exchanges with the other ranks so far (see _failing)
-        self._bad = False
+        self.topology = topology
 
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.resident:  # the shards' storage taken over: the kernel writes what FSDP's all-gather reads
@@ -152,9 +152,9 @@ class FSDPTransport(Transport):
         rows = self._meet(phase, settings, sq, local_bad, digest_bytes(present))
         if len({row.present for row in rows}) > 1:
             self._refuse_presence(plans, present, rows)
-        self._sq = sum(row.sq for row in self._replica(rows))
-        self._bad = any(row.bad > 0 for row in rows) or not math.isfinite(self._sq)
-        return Gathered(plans, check and self._bad)
+        sq = sum(row.sq for row in self.topology.replica(rows))  # (one replica's shards make each parameter once)
+        self.stats = GradStats(sq, any(row.bad > 0 for row in rows) or not math.isfinite(sq))
+        return Gathered(plans, check and self.stats.nonfinite)
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
@@ -166,7 +166,7 @@ class FSDPTransport(Transport):
 
     def _failing(self, phase: float) -> contextlib.AbstractContextManager:
         """:func:`~zero_offload.transport.agreement.meeting_on_failure` before the exchange of ``phase``."""
-        return meeting_on_failure(lambda: self._exchanges, lambda: self._meet(phase, (), failed=True))
+        return meeting_on_failure(lambda: self.topology.exchanges, lambda: self._meet(phase, (), failed=True))
 
     def _meet(self, phase: float, settings: Sequence[Tuple[str, float]], sq: float = 0.0, bad: bool = False,
               present: float = 0.0, failed: bool = False) -> List[Row]:
@@ -174,13 +174,13 @@ class FSDPTransport(Transport):
         every point where ranks meet, so that ranks at different points, or failed, or with other settings are told
         apart. Every rank sees the same rows and so raises alike (a ``failed`` rank returns: its own error
         follows); the values of differing settings are exchanged only then, to name them."""
-        rows = [Row.of(values) for values in self._exchange(
+        rows = [Row.of(values) for values in self.topology.exchange(
             [sq, float(bad), phase, 0.0 if failed else 1.0, 0.0 if failed else digest(settings), present])]
         down = [row for row in rows if row.alive == 0.0]
         phases = [row.phase for row in rows]
         if failed or (not down and len(set(phases)) == 1 and len({row.settings for row in rows}) == 1):
             return rows  # (every step: nothing more to look up)
-        where = _where(rows)
+        where = self.topology.where(rows)
         if down:
             raise RuntimeError(
                 f"{where}: " + "; ".join(f"rank {row.rank} raised {_WHERE.get(row.phase, row.phase)}" for row in down)
@@ -210,7 +210,7 @@ class FSDPTransport(Transport):
     def _refuse_presence(self, plans: Plans, present: bytes, rows: List[Row]) -> None:
         """The ranks' gradients are on different parameters (their digests in ``rows`` differed): exchange which,
         and raise on every rank naming the first parameter that has a gradient on some ranks only."""
-        where = _where(rows)
+        where = self.topology.where(rows)
         rows = self._exchange_listed([float(has) for has in present], where, "parameters (another model?)")
         k = next(k for k in range(len(present)) if len({row[k] for row in rows}) > 1)  # (the digests differed)
         bucket, i = [(intake.bucket, i) for intake in every(plans) for i in range(len(intake.present))][k]
@@ -224,55 +224,22 @@ class FSDPTransport(Transport):
             "parameters. Nothing was updated.")
 
     def _exchange_listed(self, values: List[float], where: str, what: str) -> List[List[float]]:
-        """:meth:`_exchange` of lists whose lengths may differ between the ranks (the values of what their
+        """:meth:`Mesh.exchange` of lists whose lengths may differ between the ranks (the values of what their
         digests found different): the lengths first, and a ``RuntimeError`` on every rank naming ``what`` where
         they differ."""
-        lengths = [int(row[0]) for row in self._exchange([float(len(values))])]
+        lengths = [int(row[0]) for row in self.topology.exchange([float(len(values))])]
         if len(set(lengths)) > 1:
             raise RuntimeError(f"{where}: the ranks step with different numbers of {what} ({lengths}, by rank). "
                                "Nothing was updated.")
-        return self._exchange(values)
-
-    def _exchange(self, values: List[float]) -> List[List[float]]:
-        """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
-        the whole mesh: one all-gather over the dimension the shards are cut along (on the mesh's device: NCCL
-        moves device tensors only) and under HSDP one more, of those rows, over the replicas: replica by replica,
-        each replica's rows in shard order (:meth:`_replica`). Gloo runs a small all-gather faster than an
-        all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2 ranks of a 2-core VM), and the step waits
-        for it."""
-        dist = torch.distributed
-        self._exchanges += 1
-        mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64,
-                            device=self.sharding.mesh.device_type)
-        groups = [self.sharding.group] + ([self.sharding.replicas] if self.sharding.hsdp else [])
-        for group in groups:
-            rows = mine.new_empty(dist.get_world_size(group) * mine.numel())
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine, group=group)
-            mine = rows
-        return mine.view(-1, len(values) + 1).tolist()
-
-    def _replica(self, rows: List[Row]) -> List[Row]:
-        """The rows of this rank's replica (all of them without HSDP)."""
-        if not self.sharding.hsdp:
-            return rows
-        n = torch.distributed.get_world_size(self.sharding.group)
-        at = torch.distributed.get_rank(self.sharding.replicas) * n
-        return rows[at : at + n]
+        return self.topology.exchange(values)
 
     def describe_nonfinite(self, plans: Plans, names: Sequence[Optional[Sequence[str]]]) -> str:
         """As the transport's, but every rank names the same parameter, with its whole shape and the rank whose shard
         holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses the
         step alike)."""
         found = first_nonfinite(plans)
-        rows = self._exchange([-1.0, -1.0] if found is None else [float(found.group), float(found.index)])
+        rows = self.topology.exchange([-1.0, -1.0] if found is None else [float(found.group), float(found.index)])
         return name_held([(int(row[0]), int(row[1]), _rank(row)) for row in rows if row[0] >= 0], plans, names)
-
-    def _all_reduce(self, values: List[float], op) -> List[float]:
-        """A small all-reduce over the mesh dimension the shards are cut along (on the mesh's device)."""
-        dist = torch.distributed
-        t = torch.tensor(values, dtype=torch.float64, device=self.sharding.mesh.device_type)
-        dist.all_reduce(t, op=op, group=self.sharding.group)
-        return t.tolist()
 
     def _local_sq(self, plans: Plans) -> Tuple[float, bool]:
         norm, bad = super().total_norm(plans, 2.0)
@@ -282,23 +249,18 @@ class FSDPTransport(Transport):
         """``clip_grad_norm_``'s total norm over the mesh: the 2-norm from the last :meth:`gather`, other norms
         with one more all-reduce (an empty shard adds nothing: torch's own clip fails there for the inf-norm)."""
         if norm_type == 2.0:
-            return Norm(math.sqrt(self._sq), self._bad)
+            return Norm(math.sqrt(self.stats.sq), self.stats.nonfinite)
         self.wait_all(plans)
         host: List[torch.Tensor] = [t for intake in every(plans) for t in intake.host_grads() if t.numel()]
         if norm_type == math.inf:
             local = max((float(t.abs().max()) for t in host), default=0.0)
-            value = self._all_reduce([local], torch.distributed.ReduceOp.MAX)[0]
+            value = self.topology.reduce([local], torch.distributed.ReduceOp.MAX)[0]
         else:
             local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
-            value = self._all_reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
-        return Norm(value, self._bad or not math.isfinite(value))
-
-
-def _where(rows: Sequence[Sequence[float]]) -> str:
-    """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""
-    return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
+            value = self.topology.reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
+        return Norm(value, self.stats.nonfinite or not math.isfinite(value))
 
 
 def _rank(row: Sequence[float]) -> int:
-    """The global rank an exchanged row came from (see :meth:`FSDPTransport._exchange`)."""
+    """The global rank an exchanged row came from (see :meth:`~zero_offload.topology.mesh.Mesh.exchange`)."""
     return int(row[-1])

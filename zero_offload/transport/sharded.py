@@ -24,7 +24,6 @@ in :meth:`ShardedTransport.gather`, so every rank then updates (and all-gathers)
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from itertools import chain
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
@@ -40,20 +39,11 @@ from zero_offload.lane import Intake, Lane, Plans
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
-from zero_offload.transport.base import Gathered, Route, Transport
+from zero_offload.transport.base import Gathered, GradStats, Route, Transport
 from zero_offload.transport.channel import Channel
 from zero_offload.transport.measure import Norm, device_sq_norm, every, first_nonfinite, name_held
 
-__all__ = ["GradStats", "ShardedChannel", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GradStats:
-    """One step's gradient statistics, combined over the group: ``sq`` the sum of squares of the (averaged)
-    gradient over every bucket, ``nonfinite`` whether some rank's shard holds an inf or nan."""
-
-    sq: float
-    nonfinite: bool
+__all__ = ["ShardedChannel", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
 
 
 class ShardedChannel(Channel):
@@ -94,7 +84,7 @@ class _ShardedRoute(Route):
         t.count_backward(lane)
         self.reduce_scatter(lane, [p.grad for p in lane.bucket.params], add=t.release and lane.arrival.launches > 0)
         if t.release and not self.resident:
-            stream = t.stream(lane.bucket.device)
+            stream = t.streams.down(lane.bucket.device)
             for g in grads:
                 g.record_stream(stream)
 
@@ -200,7 +190,7 @@ class ShardedOffloadRoute(_ShardedRoute):
         bucket, t = lane.bucket, self.transport
         full, comm = bucket.full, t.comm
         lo, shard = bucket.shard.lo, bucket.shard.numel
-        stream = t.stream(bucket.device)
+        stream = t.streams.down(bucket.device)
         # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end).
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         with torch.cuda.stream(stream):
@@ -224,7 +214,7 @@ class ShardedOffloadRoute(_ShardedRoute):
         bucket, t = lane.bucket, self.transport
         shard, full = bucket.shard.numel, bucket.full
         src = bucket.upload_flat  # (the staging shard, or the master: never a shared gradient buffer when sharded)
-        stream = t.stream(bucket.device, upload=True)
+        stream = t.streams.up(bucket.device)
         with torch.no_grad(), torch.cuda.stream(stream):
             own = torch.empty(shard, dtype=bucket.dtype, device=bucket.device)
             own.copy_(src, non_blocking=True)
@@ -237,7 +227,7 @@ class ShardedOffloadRoute(_ShardedRoute):
     def finish(self, lanes: Sequence[Lane]) -> None:
         super().finish(lanes)
         for device in {lane.bucket.device for lane in lanes}:
-            torch.cuda.current_stream(device).wait_stream(self.transport.stream(device, upload=True))
+            torch.cuda.current_stream(device).wait_stream(self.transport.streams.up(device))
 
 
 class ShardedTransport(Transport):
@@ -245,31 +235,33 @@ class ShardedTransport(Transport):
     collectives over all buckets (the statistics' all-reduce, the agreement checks).
 
     Args:
-        comm (Comm): the group's collectives.
+        topology (Group): the process group's topology (its ``comm`` runs the collectives).
         release (bool): as for :class:`~zero_offload.transport.base.Transport`.
     """
 
-    sharded = True
-
-    def __init__(self, comm: Comm, *, release: bool):
+    def __init__(self, topology: Any, *, release: bool):
         super().__init__(release=release)
-        self.comm = comm
-        self._stats: Optional[GradStats] = None
-        self._backwards = 0  # backward passes of this step whose reduce-scatters have begun (see count_backward)
-        self.agreement = Agreement(comm, self._stats_numel, lambda: self._backwards)
+        self.topology = topology
+        self.agreement = Agreement(topology.comm, self._stats_numel)
+
+    @property
+    def comm(self) -> Comm:
+        """The process group's collectives (its topology's)."""
+        return self.topology.comm
 
     def route_for(self, bucket: FlatBucket) -> Route:
         return self.route(ShardedResidentRoute if bucket.resident else ShardedOffloadRoute)
 
     def count_backward(self, lane: Lane) -> None:
         """A bucket is sent in backward: the first of each backward checks the ranks agree first."""
-        if lane.arrival.launches >= self._backwards:
-            self.agreement.check(BACKWARD, (), "reduce_scatter", f"gradients of {lane.bucket.where}")
-            self._backwards += 1
+        agreement = self.agreement
+        if lane.arrival.launches >= agreement.backwards:
+            agreement.check(BACKWARD, (), "reduce_scatter", f"gradients of {lane.bucket.where}")
+            agreement.backwards += 1
 
     def reset(self) -> None:
         super().reset()
-        self._backwards = 0
+        self.agreement.backwards = 0
 
     def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
                settings: Sequence[Tuple[str, float]] = ()) -> Gathered:
@@ -316,9 +308,9 @@ class ShardedTransport(Transport):
         redo = [i for i, v in enumerate(vals[k:]) if v > 0]
         if redo:
             vals[:2] = self._reduce_again(intakes, local, redo, sqs, bads)
-        self._stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
+        self.stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
         it = iter(agreed)
-        return Gathered([[next(it) for _ in group] for group in plans], check and self._stats.nonfinite)
+        return Gathered([[next(it) for _ in group] for group in plans], check and self.stats.nonfinite)
 
     def together(self, skipped: bool = False) -> Any:
         """A rank that raises before the step's first collective meets the others' next one, which is of the
@@ -392,7 +384,7 @@ class ShardedTransport(Transport):
         """``clip_grad_norm_``'s total norm of the averaged gradient over the group: the 2-norm from the last
         :meth:`gather` (no further collective), other norms with one more all-reduce."""
         self.wait_all(plans)
-        stats = self._stats
+        stats = self.stats
         if norm_type == 2.0:
             return Norm(math.sqrt(stats.sq), stats.nonfinite)
         dist = _dist()

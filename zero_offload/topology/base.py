@@ -1,0 +1,96 @@
+"""A topology: where the optimizer's parameters live across ranks, as one object that answers what the step asks of
+it, so that the optimizer never branches on the kind: this rank's part of a param group's parameters (and the
+checks a group passes to be laid out), whether the ranks must agree on a step's settings, the total norm as the
+caller of ``clip_grad_norm_`` receives it, a loaded value's part for this rank, the state dict's layout, and the
+transport whose collectives the step makes. :class:`Local` is one process's (no collective); the others are
+:class:`~zero_offload.topology.group.Group` (``process_group`` sharding) and
+:class:`~zero_offload.topology.mesh.Mesh` (FSDP2's DTensor parameters, 1-D or HSDP). A new kind of mesh (tensor
+parallelism) is a new topology.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload import fsdp2
+from zero_offload.buckets import Placement
+from zero_offload.options import Options, agreed_settings, check_params
+
+if TYPE_CHECKING:  # (annotations only)
+    from zero_offload.transport.base import Transport
+
+__all__ = ["Local", "Placement", "Topology"]
+
+
+class Topology:
+    """Where the parameters live across ranks (see the module docstring). Here: one process, every parameter whole.
+
+    Attributes:
+        alone (bool): no other rank takes part in the step (nothing to agree on, no collective).
+    """
+
+    alone = True
+
+    def options(self, options: Options) -> Options:
+        """``options`` as this topology runs them (before they are validated)."""
+        return options
+
+    def transport(self, options: Options) -> "Transport":
+        """The transport of this topology's buckets (made once, with the validated ``options``)."""
+        from zero_offload.transport.local import LocalTransport
+
+        return _with_margin(LocalTransport(release=options.release_grads), options)
+
+    def place(self, tensors: Sequence[torch.Tensor], index: int, layout: Tuple[Tuple[str, Any], ...]) -> Placement:
+        """Check the tensors of param group ``index`` (``layout``: the settings that shape its buckets, which every
+        rank must share) and say how its buckets are laid out. Raises, naming what cannot be taken, before anything
+        is allocated."""
+        check_params(tensors)
+        return Placement()
+
+    def built(self) -> None:
+        """The constructor is done: what was read only for it is let go."""
+
+    def settings(self, hypers: Sequence[Any], nonfinite: str,
+                 clip: Optional[Tuple[float, float]] = None) -> List[Tuple[str, float]]:
+        """What every rank must step with, as (name, value) pairs (see
+        :func:`~zero_offload.options.agreed_settings`); none alone."""
+        return [] if self.alone else agreed_settings(hypers, nonfinite, clip)
+
+    def norm_value(self, norm: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> torch.Tensor:
+        """``clip_grad_norm_``'s return value for the total norm ``norm`` (the same on every rank)."""
+        return norm
+
+    def local_value(self, value: Any, owner: torch.Tensor) -> Any:
+        """A loaded state value for the parameter ``owner``, as the part this rank holds (here: all of it)."""
+        return value
+
+    def fewest(self, count: int, what: str) -> int:
+        """The least of ``count`` over the ranks (each rank's own), for a decision every rank must take alike."""
+        return count
+
+    def adopt_switched(self, opt: Any) -> None:
+        """Lay ``opt`` out again over FSDP2's parameters where its groups' ``params`` were switched to them before
+        its first step (see :func:`zero_offload.fsdp2.adopt_switched`): an optimizer not over them yet."""
+        fsdp2.adopt_switched(opt)
+
+    def state_entries(self, packed: Dict[Any, Any], groups: Sequence[Dict[str, Any]], buckets: Sequence[Any],
+                      state: Dict[Any, Any], transport: "Transport") -> Dict[Any, Any]:
+        """``state_dict()``'s ``"state"``, from what ``torch.optim.Optimizer.state_dict`` ``packed``: here its
+        entries as plain dicts."""
+        from zero_offload.checkpoint.entries import StateEntry
+
+        return {k: dict(v) if isinstance(v, StateEntry) else v for k, v in packed.items()}
+
+
+class Local(Topology):
+    """One process: the parameters whole, no collective."""
+
+
+def _with_margin(transport: "Transport", options: Options) -> "Transport":
+    """``transport`` with the device memory its uploads during backward leave free (``gpu_margin_gib``; None: no
+    such uploads, ``uploads_in_backward=False``)."""
+    transport.staging_margin = int(options.gpu_margin_gib * 2**30) if options.uploads_in_backward else None
+    return transport
