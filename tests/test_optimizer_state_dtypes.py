@@ -413,7 +413,7 @@ def test_gradient_copies_wait_for_the_upload_of_the_parameters_sharing_their_buf
         loss_fn(model, step, 0, "cpu").backward()
         opt.step()
     links = opt._transport.lanes
-    h2d = {id(link.h2d) for link in links}
+    h2d = {id(link.channel.up.event) for link in links}  # (each lane's event after its last upload)
     # Steps 2 and 3: every bucket's copies waited for its own upload event (step 1 had none yet).
     assert {id(e) for e in waits} == h2d and len(waits) >= 2 * len(h2d)
 

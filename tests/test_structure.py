@@ -1,9 +1,11 @@
-"""The package's shape, checked from its source with ``ast`` (issues 23 and 34): every concept has a named home of
+"""The package's shape, checked from its source with ``ast`` (issues 23, 34 and 51): every concept has a named home of
 bounded size (a class over ~300 lines, or a module over ~600, is a concept without a name; the optimizer class,
-which holds torch.optim's conventions, is allowed 400), no module imports another in a loop, a bucket's per-step
-record is its lane (no look-ups keyed by ``id(bucket)``), the update rule's buffer names live in the rule, and no
-source file of the repository loads a name that nothing in it binds (a helper deleted while still called: the GPU
-runbook's pinned probe lost a lease stage so)."""
+which holds torch.optim's conventions, is allowed 350), no module imports another in a loop, a bucket's step is told
+in records by phase (no look-ups keyed by ``id(bucket)``, no class of more than 20 fields but the options and the
+optimizer, no record of the step's phases of more than 12), the state's buffers are read behind its home's seam
+only, the optimizer does not branch on the kind of topology, the update rule's buffer names live in the rule, and
+no source file of the repository loads a name that nothing in it binds (a helper deleted while still called: the
+GPU runbook's pinned probe lost a lease stage so)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,16 @@ from typing import Dict, Iterator, List, Set, Tuple
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zero_offload"
 MAX_CLASS, MAX_MODULE = 300, 600
 # torch.optim's conventions (param groups, step, clipping, hooks) in one class, as torch's own optimizers are.
-CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 400}
+CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 350}
+# Fields a class may hold (slots, annotated fields, attributes set on self, its package bases' included): what the
+# user asked for and the torch.optim facade may hold more; the records of a bucket's step, in the modules that tell
+# it, are small and named by phase.
+MAX_FIELDS, MAX_RECORD_FIELDS = 20, 12
+FIELD_LIMITS = {"options.py:Options": None, "optimizer.py:OffloadOptimizer": None}
+STEP_MODULES = ("lane.py", "grad_stream.py", "gate.py", "update.py", "speculation.py", "transport/")
+# Where a bucket's flat state buffers may be read: its home (state/), the rules it runs, and the bucket itself.
+BUFFER_READERS = ("state/", "rules/", "buckets.py")
+_BUFFERS = re.compile(r"store\.flat\b|\.master\b")
 # Adam's buffer names may appear in its rule and in the kernel's API (functional, the references) only; Lion's
 # momentum has the same state-dict key (``exp_avg``, as in the reference Lion implementations), in its rule and its
 # torch optimizer.
@@ -158,6 +169,85 @@ def unbound_in_repository() -> List[str]:
     return [f"{p.relative_to(REPO)}:{line} {name}" for p in paths for name, line in unbound_names(p.read_text())]
 
 
+def _fields(cls: ast.ClassDef) -> Set[str]:
+    """What a class holds: its ``__slots__``, its fields if it is a dataclass or a NamedTuple (annotated at class
+    level), and every attribute its methods set on ``self``."""
+    names: Set[str] = set()
+    record = any("dataclass" in ast.unparse(d) for d in cls.decorator_list) or any(
+        ast.unparse(b).endswith("NamedTuple") for b in cls.bases)
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            names.update(n for n in ast.literal_eval(node.value) if n not in ("__weakref__", "__dict__"))
+        elif record and isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and "ClassVar" not in ast.unparse(node.annotation):
+            names.add(node.target.id)
+    for fn in ast.walk(cls):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.args.args and fn.args.args[0].arg == "self":
+            for n in ast.walk(fn):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                    n, (ast.AugAssign, ast.AnnAssign)) else []
+                names.update(e.attr for t in targets for e in ast.walk(t)
+                             if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self")
+    return names
+
+
+def field_counts() -> Dict[str, int]:
+    """Each class of the package (``module:Class``) and the fields it holds, with those of its bases defined in the
+    package (by name)."""
+    own: Dict[str, Tuple[str, Set[str], List[str]]] = {}
+    for rel, path in _modules():
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            own.setdefault(cls.name, (rel, _fields(cls), [ast.unparse(b).split(".")[-1] for b in cls.bases]))
+
+    def every(name: str, seen: Tuple[str, ...] = ()) -> Set[str]:
+        if name not in own or name in seen:
+            return set()
+        _, names, bases = own[name]
+        return set(names).union(*(every(b, seen + (name,)) for b in bases))
+
+    return {f"{rel}:{name}": len(every(name)) for name, (rel, _, _) in own.items()}
+
+
+def too_many_fields() -> List[Tuple[str, int]]:
+    """Classes over :data:`MAX_FIELDS`, and classes of the step's modules over :data:`MAX_RECORD_FIELDS`."""
+    out = []
+    for where, n in field_counts().items():
+        if where in FIELD_LIMITS:
+            continue
+        limit = MAX_RECORD_FIELDS if where.startswith(STEP_MODULES) else MAX_FIELDS
+        if n > limit:
+            out.append((where, n))
+    return out
+
+
+def buffer_reads_outside_the_home() -> List[str]:
+    """Lines outside :data:`BUFFER_READERS` that read a bucket's flat state buffers (``store.flat``, ``.master``)."""
+    return [f"{rel}:{i}" for rel, path in _modules() if not rel.startswith(BUFFER_READERS)
+            for i, line in enumerate(path.read_text().splitlines(), 1) if _BUFFERS.search(line)]
+
+
+def topology_branches() -> List[str]:
+    """Lines of optimizer.py that test the kind of topology (``_fsdp``, ``sharded``): the topology answers."""
+    text = (PACKAGE / "optimizer.py").read_text()
+    return [f"optimizer.py:{i}" for i, line in enumerate(text.splitlines(), 1) if re.search(r"_fsdp|sharded", line)]
+
+
+def test_no_class_holds_too_many_fields_and_the_records_of_a_step_are_small():
+    assert not too_many_fields(), too_many_fields()
+    counts = field_counts()
+    assert counts["lane.py:Lane"] <= MAX_RECORD_FIELDS and counts["buckets.py:FlatBucket"] <= MAX_FIELDS
+
+
+def test_the_state_buffers_are_read_behind_the_home_only():
+    assert not buffer_reads_outside_the_home()
+    assert _BUFFERS.search("b.store.flat[name]") and _BUFFERS.search("bucket.master.clone()")
+    assert not _BUFFERS.search("bucket.master_views") and not _BUFFERS.search("bucket.store.flat_views")
+
+
+def test_the_optimizer_does_not_branch_on_the_topology():
+    assert not topology_branches()
+
+
 def test_no_function_over_60_lines_no_class_over_300_no_module_over_600():
     long_defs, long_classes, long_modules = sizes()
     assert not long_defs, long_defs
@@ -191,3 +281,6 @@ if __name__ == "__main__":
     print("import cycles:", import_cycles())
     print("names nothing binds:", unbound_in_repository())
     print("'exp_avg' outside the rule and kernel API:", adam_names_outside_rule())
+    print("classes with too many fields:", too_many_fields())
+    print("state buffers read outside the home:", buffer_reads_outside_the_home())
+    print("topology branches in optimizer.py:", topology_branches())

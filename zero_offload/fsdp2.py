@@ -4,10 +4,10 @@ rank offloads the state of its own shards (FSDP does every collective), so what 
 *local* shard; what the mesh means (the placements taken, the collectives over it) is the Mesh topology's
 (:mod:`zero_offload.topology.mesh`).
 
-A parameter FSDP2 shards is a ``DTensor``; its local shard (``p.to_local()``, no padding, possibly empty) is what FSDP's next all-gather reads, so the updated values
-are written into it (on the host, the optimizer's buffers take over the storage FSDP keeps for it, see
-:func:`bind_shard`, and the kernel writes it directly); its gradient arrives as a ``DTensor`` placed alike,
-through the post-accumulate-grad hooks FSDP runs after each unit's reduce-scatter. ``opt.state`` entries are
+A parameter FSDP2 shards is a ``DTensor``; its local shard (``p.to_local()``, no padding, possibly empty) is what
+FSDP's next all-gather reads, so the updated values are written into it (on the host, the optimizer's buffers take
+over the storage FSDP keeps for it, see :func:`bind_shard`, and the kernel writes it directly); its gradient arrives
+as a ``DTensor`` placed alike, through the post-accumulate-grad hooks FSDP runs after each unit's reduce-scatter. ``opt.state`` entries are
 ``DTensor``s over the host buffers, placed like their parameter, so ``torch.distributed.checkpoint`` plans and loads
 them as it does ``torch.optim.AdamW``'s.
 
@@ -22,7 +22,6 @@ cheap.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple

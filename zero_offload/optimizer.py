@@ -20,7 +20,6 @@ import dataclasses
 import inspect
 import logging
 import math
-import warnings
 import weakref
 from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -30,19 +29,18 @@ import torch
 from zero_offload import gate, placement, topology
 from zero_offload.checkpoint.entries import ParamList, StateMap, check_param_lists, sync_state
 from zero_offload.checkpoint.methods import StateDictMethods
+from zero_offload.inspection import InspectionMethods
 from zero_offload.buckets import FlatBucket, allocate_group
 from zero_offload.gate import NO_SCALER, Decision, PendingClip, ScalerSignal
 from zero_offload.grad_stream import GradStreamer
-from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
+from zero_offload.host_memory import HostMemoryEstimate
 from zero_offload.lane import Lane, Plans
 from zero_offload.options import OFFLOAD_OPTIONS, Options, check_speculation_memory, option_docs
-from zero_offload.planning import plan_host_memory
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule
 from zero_offload.speculation import Speculative
-from zero_offload.timeline import NOTHING, Timeline, TimelineEvent
+from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
-from zero_offload.transport.base import Gathered
 from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket
 
 __all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
@@ -50,14 +48,7 @@ __all__ = ["OffloadOptimizer", "OFFLOAD_OPTIONS"]
 logger = logging.getLogger("zero_offload")
 
 
-def _held_host_memory(opt: "OffloadOptimizer") -> HostMemoryEstimate:
-    total = sum((b.estimate() for b in chain.from_iterable(opt._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
-    if isinstance(opt._mode, Speculative) and opt._mode.pool.held_bytes:  # (a row once it holds any)
-        total = total + opt._mode.pool.estimate()
-    return total
-
-
-class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
+class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimizer):
     r"""AdamW (or Adam) whose fp32 master weights and moments live in flat host buffers, updated by a fused SIMD
     CPU kernel: a drop-in for ``torch.optim.AdamW`` that takes the optimizer state off the GPU.
 
@@ -143,7 +134,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         self._constructed = True
         self._topology.built()
         logger.info("OffloadOptimizer: %d param groups, %d buckets: %s", len(self.param_groups),
-                    sum(len(b) for b in self._buckets), _held_host_memory(self).describe())
+                    sum(len(b) for b in self._buckets), self.estimate_host_memory().describe())
 
     @property
     def nonfinite(self) -> str:
@@ -153,20 +144,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
     @nonfinite.setter
     def nonfinite(self, policy: str) -> None:
         self.options = dataclasses.replace(self.options, nonfinite=policy).validate()
-
-    # ------------------------------------------------------------------------------------------------ memory --
-    estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
-
-    def host_memory_estimate(self) -> HostMemoryEstimate:
-        """Deprecated: ``opt.estimate_host_memory()`` (the same result, under the one documented name)."""
-        warnings.warn("OffloadOptimizer.host_memory_estimate() is deprecated and will be removed: call "
-                      "opt.estimate_host_memory() (same result)", FutureWarning, stacklevel=2)
-        return _held_host_memory(self)
-
-    def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
-        """The flat buffers of every bucket (name -> tensor), for inspection and measurement (a device-tier
-        bucket's, ``gpu_fraction``, are on its GPU)."""
-        return [bucket.buffers() for bucket in chain.from_iterable(self._buckets)]
 
     # ---------------------------------------------------------------------------------------- param groups --
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -200,7 +177,7 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             raise
         self._buckets.append(buckets)
         self._pending = None
-        lanes = [self._transport.add(b, n_groups, self.options.streams(b.device) and not b.device_tier)
+        lanes = [self._transport.add(b, n_groups, self.options.streams(b.device) and not b.home.on_device)
                  for b in buckets]
         self._lanes.append(lanes)
         for lane in lanes:
@@ -256,11 +233,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         check_param_lists(self.param_groups, self._buckets)
         self.state = sync_state(self.state, self._buckets, self.flush, self._topology.local_value)
 
-    def gpu_state_bytes(self) -> Dict[str, int]:
-        """GPU memory held by the state on the device tier (``gpu_fraction``), in bytes by buffer, beyond the
-        parameters' own (summed over its buckets; empty without a device tier)."""
-        return placement.device_bytes(self._transport.lanes)
-
     def _step(self) -> None:
         self._settle()  # before _sync: an update running in backward may still write the state
         # Intake: what arrived, measured.
@@ -278,7 +250,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                 gate.refuse_released_scaler(plans, self._transport.release)
         found = False
         if not scaler.overflow:
-            plans, found = self._measure(plans, clip, scaler.check_nonfinite, hypers)
+            settings = self._topology.settings(hypers, self.options.nonfinite)
+            plans, found = self._transport.measure(plans, settings, scaler.check_nonfinite, clip)
         # Decide.
         decision = gate.decide(scaler, clip, found, self.options.nonfinite)
         if decision.skip is not None:
@@ -286,19 +259,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
             return
         # Run.
         self._mode.run(decision, hypers, plans, self.state)
-
-    def _measure(self, plans: Plans, clip: Optional[PendingClip], check: bool, hypers: List[Any]) -> Gathered:
-        """Gather every gradient where the kernel reads it and, with ``check``, whether one is inf/nan (after
-        ``clip_grad_norm_``, which gathered them already, what it found). Sharded: every rank agrees on the
-        step's settings. Then the uploads to come wait for what the compute stream has queued so far."""
-        settings = self._topology.settings(hypers, self.options.nonfinite)
-        if clip is None:
-            gathered = self._transport.gather(plans, check=check, settings=settings)
-        else:
-            self._transport.agree(settings)
-            gathered = Gathered(plans, check and clip.nonfinite)
-        self._transport.before_uploads([intake.lane for intakes in gathered.plans for intake in intakes])
-        return gathered
 
     def _skip(self, decision: Decision, plans: Plans) -> None:
         """A step not applied: counted, or refused with an error naming the first inf/nan gradient."""
@@ -333,9 +293,8 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
                 self._transport.reset()  # every lane's step ends, whatever the schedule's end did
 
     def _receive(self, fresh: bool = False) -> Plans:
-        """What every bucket received for this step, by group (see :meth:`Transport.receive`)."""
-        t = self._transport
-        plans = t.edits.read_edited([[t.receive(lane, fresh=fresh) for lane in lanes] for lanes in self._lanes])
+        """What every bucket received for this step, by group (see :meth:`Transport.receive_all`)."""
+        plans = self._transport.receive_all(self._lanes, fresh)
         self._mode.check_received(plans)
         return plans
 
@@ -351,25 +310,6 @@ class OffloadOptimizer(StateDictMethods, torch.optim.Optimizer):
         """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
         read them now, and the ``nonfinite`` policy."""
         return self._rule.hyper(self.param_groups[group]), self.options.nonfinite
-
-    @property
-    def speculation_stats(self) -> Optional[Any]:
-        """With speculation (``speculate``): a :class:`~zero_offload.speculation.SpeculationStats` counting the
-        buckets speculated, committed and rolled back (with the reasons); None without."""
-        return getattr(self._mode, "stats", None)
-
-    def record_timeline(self, enabled: bool = True) -> None:
-        """Start (or with ``enabled=False`` stop) recording a :class:`~zero_offload.timeline.Timeline` of the
-        steps: host waits, kernels, copies issued, speculation's commits and rollbacks, by the host clock. Costs a
-        few microseconds per bucket per step while on; nothing while off. See :meth:`timeline`."""
-        t = self._transport
-        t.timeline = (t.timeline if t.timeline is not None else Timeline()) if enabled else None
-
-    def timeline(self) -> List[TimelineEvent]:
-        """The events recorded since :meth:`record_timeline` or the last call, by start time (and forgets them).
-        ``zero_offload.timeline.breakdown`` sums them per kind; ``chrome_trace`` writes a Chrome trace."""
-        tl = self._transport.timeline
-        return [] if tl is None else tl.take()
 
     def flush(self) -> None:
         """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). Else: nothing."""

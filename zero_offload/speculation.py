@@ -120,6 +120,19 @@ class _Spec:
     lease: Optional[Lease] = None
 
 
+@dataclasses.dataclass
+class _Round:
+    """What speculation keeps of one step, begun afresh when the step ends: each bucket's speculative update (in
+    arrival order), the buckets sent twice (not speculated), the inputs read by group, and whether speculation
+    stopped for the rest of the step (with the squared norm of the buckets sent so far)."""
+
+    specs: Dict[Lane, _Spec] = dataclasses.field(default_factory=dict)
+    barred: Set[Lane] = dataclasses.field(default_factory=set)
+    read: Dict[int, Tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    stopped: bool = False
+    running_sq: float = 0.0
+
+
 class Speculative(Immediate):
     """The speculating schedule (see the module docstring). Buckets on the CPU (whose parameters *are* the
     masters) and buckets not streamed are updated at ``step()`` as by :class:`Immediate`.
@@ -137,15 +150,11 @@ class Speculative(Immediate):
         super().__init__(transport)
         self._inputs = inputs
         self._worker = _Worker()
-        self._specs: Dict[Lane, _Spec] = {}  # this step's, in arrival order
-        self._barred: Set[Lane] = set()  # this step's buckets sent twice: not speculated
-        self._read: Dict[int, Tuple[Any, str]] = {}  # this step's inputs, by group index
+        self._round = _Round()
         self.pool = UndoPool(memory)
         # Buckets committed since the worker last took a lease whose upload read leased memory (the speculative
         # upload, or a low-precision output uploaded from the lease): that memory is reused after their h2d event.
         self._uploading: List[Lane] = []
-        self._stopped = False
-        self._running_sq = 0.0
         self._guess = 1.0  # the multiplier expected: the last step's loss-scale inverse
         self._max_norm: Optional[float] = None  # the last max_norm clipped with (2-norm)
         self._broken = False
@@ -153,12 +162,12 @@ class Speculative(Immediate):
 
     # -- backward (the autograd thread) ----------------------------------------------------------------------
     def before_send(self, lane: Lane) -> None:
-        spec = self._specs.get(lane)
+        spec = self._round.specs.get(lane)
         if spec is not None:  # a second backward (no ``no_sync``): the speculation read a partial gradient
             self._finish(spec)
             self._undo_spec(spec, "gradients changed")
-            del self._specs[lane]
-            self._barred.add(lane)
+            del self._round.specs[lane]
+            self._round.barred.add(lane)
 
     def after_send(self, lane: Lane) -> None:
         if not lane.route.speculates or self._broken:
@@ -166,16 +175,16 @@ class Speculative(Immediate):
         if not lane.bucket.rule.writes_out:
             self.stats.not_started["rule updates in place"] += 1
             return
-        if lane in self._barred:
+        if lane in self._round.barred:
             self.stats.not_started["sent again"] += 1
             return
-        read = self._read.get(lane.group)
+        read = self._round.read.get(lane.group)
         if read is None:  # read once per group and backward (step() checks it reads the same)
             try:
-                read = self._read[lane.group] = self._inputs(lane.group)
+                read = self._round.read[lane.group] = self._inputs(lane.group)
             except Exception:  # (an invalid hyperparameter: step() refuses it; backward must not raise here)
                 return
-        spec = self._specs[lane] = _Spec(lane, read[0], self._guess, list(lane.arrival.sent))
+        spec = self._round.specs[lane] = _Spec(lane, read[0], self._guess, list(lane.arrival.sent))
         spec.job = self._worker.submit(self._speculate, spec)
 
     # -- the worker --------------------------------------------------------------------------------------------
@@ -232,7 +241,7 @@ class Speculative(Immediate):
 
     def _why_not(self, spec: _Spec) -> Optional[str]:
         """Why the bucket is not worth (or not safe) speculating on now; None if it is."""
-        if self._stopped:
+        if self._round.stopped:
             return "stopped"
         lane = spec.lane
         bucket = lane.bucket
@@ -244,12 +253,12 @@ class Speculative(Immediate):
         norm_host = getattr(lane.channel, "norm_host", None)  # (the copying route's: on the host once waited for)
         sq = None if lane.arrival.norm is None or norm_host is None else float(norm_host[0])
         if sq is not None:
-            if not math.isfinite(sq) and self._read[lane.group][1] != "ignore":
-                self._stopped = True
+            if not math.isfinite(sq) and self._round.read[lane.group][1] != "ignore":
+                self._round.stopped = True
                 return "stopped"
-            self._running_sq += sq
-            if self._max_norm is not None and math.sqrt(self._running_sq) * spec.multiplier > self._max_norm:
-                self._stopped = True
+            self._round.running_sq += sq
+            if self._max_norm is not None and math.sqrt(self._round.running_sq) * spec.multiplier > self._max_norm:
+                self._round.stopped = True
                 return "stopped"
         return None
 
@@ -287,7 +296,7 @@ class Speculative(Immediate):
         # What is still queued is cancelled before the running one is waited for: waited for first, it would let the
         # worker start the next as it ends, and so on through the whole queue. (From the back: the worker moves on
         # from the front.)
-        specs = list(self._specs.values())
+        specs = list(self._round.specs.values())
         for spec in reversed(specs):
             if spec.job is not None and spec.job.cancel():
                 spec.skipped = spec.skipped or "queued at step()"
@@ -295,9 +304,9 @@ class Speculative(Immediate):
             self._finish(spec)
 
     def check_received(self, plans: Plans) -> None:
-        for intakes in plans if self._specs else ():
+        for intakes in plans if self._round.specs else ():
             for intake in intakes:
-                spec = self._specs.get(intake.lane)
+                spec = self._round.specs.get(intake.lane)
                 if spec is not None and _changed(intake, spec):
                     # The gradients are about to be copied again into the buffer the speculation reads.
                     self._finish(spec)
@@ -321,7 +330,7 @@ class Speculative(Immediate):
 
     def run(self, decision: Decision, hypers: Sequence[Any], plans: Plans, state: State) -> None:
         self.observe(decision)
-        if not self._specs:
+        if not self._round.specs:
             return super().run(decision, hypers, plans, state)
         self._finish_all()  # the one running ends; those still queued are cancelled and updated below
         if hypers != self._seen.hypers:
@@ -339,7 +348,7 @@ class Speculative(Immediate):
         for intake in received.values():  # stepped on a GPU first: launched there, which runs them meanwhile
             if intake.bucket.home.on_device:
                 update(intake)
-        for lane, spec in self._specs.items():  # commits first: their uploads overlap the updates left
+        for lane, spec in self._round.specs.items():  # commits first: their uploads overlap the updates left
             intake = received.get(lane)
             if spec.runs is None or intake is None or not intake.present:  # (not in this step's plan)
                 continue
@@ -350,7 +359,8 @@ class Speculative(Immediate):
             self._commit(spec, state)
             done.add(lane)
         # The rest in arrival order, then what backward did not send.
-        order = [lane for lane in self._specs if lane in received] + [l for l in received if l not in self._specs]
+        specs = self._round.specs
+        order = [lane for lane in specs if lane in received] + [lane for lane in received if lane not in specs]
         for lane in order:
             if lane not in done and received[lane].present:
                 update(received[lane])
@@ -385,7 +395,7 @@ class Speculative(Immediate):
 
     def _roll_back_all(self, reason: str) -> None:
         self._finish_all()
-        for spec in self._specs.values():
+        for spec in self._round.specs.values():
             self._undo_spec(spec, reason)
 
     def flush(self, state: State) -> None:
@@ -401,12 +411,9 @@ class Speculative(Immediate):
         # abandoned by zero_grad()).
         try:
             self._roll_back_all("skipped step" if stepped else "no step")
-            self.pool.end_step(record=bool(self._specs))
+            self.pool.end_step(record=bool(self._round.specs))
         finally:
-            self._specs, self._barred = {}, set()
-            self._read = {}
-            self._stopped = False
-            self._running_sq = 0.0
+            self._round = _Round()
 
 
 def _changed(intake: Intake, spec: _Spec) -> bool:

@@ -42,7 +42,7 @@ import collections
 import logging
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 

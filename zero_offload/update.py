@@ -104,7 +104,7 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multipli
     flat = copies[0]
     indices = list(touched(bucket, runs))
     bucket.home.refresh(indices, into=[view_like(flat["master"], o, p)
-                                          for o, p in zip(bucket.layout.offsets, bucket.params)])
+                                       for o, p in zip(bucket.layout.offsets, bucket.params)])
     run_rule(bucket, runs, grad, None, h, multiplier, copies)
     if bucket.compact:  # saved as fp32, as state_dict() does
         for name in bucket.home.names:

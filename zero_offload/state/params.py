@@ -50,11 +50,12 @@ class Masters:
             optimizer writes). Default: ``params``.
         bind (bool): CPU parameters may become views of their slots; False: they stay where they are (FSDP2's
             shards live in FSDP's storage) and are written like GPU parameters. Default: True.
-        takeovers (Sequence, optional): FSDP2: FSDP's record of each host shard (see :func:`zero_offload.fsdp2.takeover`),
-            whose storage the slots take over (``watch`` the DTensor parameters); each slot has room for the shard's
-            padding rows. Default: None.
-        takeover_tier (Tier, optional): where the buffer that takes the shards over lives, when not ``tier`` (page-locked
-            for ``CPUOffloadPolicy(pin_memory=True)``, whose shards FSDP copies to the GPU). Default: None.
+        takeovers (Sequence, optional): FSDP2: FSDP's record of each host shard (see
+            :func:`zero_offload.fsdp2.takeover`), whose storage the slots take over (``watch`` the DTensor
+            parameters); each slot has room for the shard's padding rows. Default: None.
+        takeover_tier (Tier, optional): where the buffer that takes the shards over lives, when not ``tier``
+            (page-locked for ``CPUOffloadPolicy(pin_memory=True)``, whose shards FSDP copies to the GPU).
+            Default: None.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],

@@ -255,6 +255,25 @@ class Transport:
         self.edits.defer(intake, norms, fresh)
         return intake
 
+    def receive_all(self, lanes: Sequence[Sequence[Lane]], fresh: bool = False) -> Plans:
+        """:meth:`receive` of every lane, by group, then the edits that moved no version counter found
+        (:meth:`EditWatch.read_edited`)."""
+        return self.edits.read_edited([[self.receive(lane, fresh=fresh) for lane in group] for group in lanes])
+
+    def measure(self, plans: Plans, settings: Sequence[Tuple[str, float]], check: bool,
+                clip: Optional[Any] = None) -> Gathered:
+        """The step's intake, measured: every gradient gathered where the kernel reads it and, with ``check``,
+        whether one is inf/nan (after ``clip_grad_norm_``, whose :class:`~zero_offload.gate.PendingClip` is
+        ``clip``, what it gathered and found; the ranks then agree on the step's ``settings`` alone). Then the
+        uploads to come wait for what the compute stream has queued so far."""
+        if clip is None:
+            gathered = self.gather(plans, check=check, settings=settings)
+        else:
+            self.agree(settings)
+            gathered = Gathered(plans, check and clip.nonfinite)
+        self.before_uploads([intake.lane for intakes in gathered.plans for intake in intakes])
+        return gathered
+
     def gather(self, plans: Plans, check: bool = False, clipping: bool = False,
                settings: Sequence[Tuple[str, float]] = ()) -> Gathered:
         """Make every bucket's gradients readable where the kernel reads them; with ``check``, say whether any

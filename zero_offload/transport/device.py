@@ -11,7 +11,7 @@ gradient copies."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 

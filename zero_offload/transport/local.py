@@ -19,4 +19,4 @@ class LocalTransport(Transport):
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.on_cpu:
             return self.route(HostRoute)
-        return self.route(DeviceTierRoute if bucket.device_tier else OffloadRoute)
+        return self.route(DeviceTierRoute if bucket.home.on_device else OffloadRoute)

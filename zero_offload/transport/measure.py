@@ -16,8 +16,8 @@ from zero_offload._compat import foreach_norm_fp32
 from zero_offload.lane import Intake, Plans, SqNorm
 from zero_offload.timeline import Timeline
 
-__all__ = ["Found", "Norm", "device_sq_norm", "first_nonfinite", "host_norm", "name_held", "name_param", "sq_norm_by_dtype",
-           "streamed_norms", "two_norm"]
+__all__ = ["Found", "Norm", "device_sq_norm", "every", "first_nonfinite", "host_norm", "name_held", "name_param",
+           "on_device_sq_norm", "sq_norm_by_dtype", "streamed_norms", "two_norm"]
 
 
 class Norm(NamedTuple):

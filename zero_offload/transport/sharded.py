@@ -167,8 +167,9 @@ class ShardedResidentRoute(_ShardedRoute):
         """Start all-gathering the updated shard into ``flat_param`` in place (the shard is its own slice)."""
         bucket = lane.bucket
         lo, shard = bucket.shard.lo, bucket.shard.numel
-        lane.channel.gather = self.transport.comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard],
-                                                                   f"parameters of {bucket.where}")
+        comm = self.transport.comm
+        lane.channel.gather = comm.start_all_gather(bucket.flat_param, bucket.flat_param[lo : lo + shard],
+                                                    f"parameters of {bucket.where}")
         increment_version([bucket.params[i] for i in indices])
 
 

@@ -1,0 +1,68 @@
+"""What an :class:`~zero_offload.OffloadOptimizer` tells about itself, beyond ``torch.optim``'s conventions, as a base
+class of it: the host RAM it holds or would take (``estimate_host_memory``), its buffers, the GPU memory of its
+device tier, speculation's counts, and a timeline of its steps."""
+
+from __future__ import annotations
+
+import warnings
+from itertools import chain
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
+from zero_offload.placement import device_bytes
+from zero_offload.planning import plan_host_memory
+from zero_offload.timeline import Timeline, TimelineEvent
+
+__all__ = ["InspectionMethods"]
+
+
+def _held_host_memory(opt: Any) -> HostMemoryEstimate:
+    """The host RAM ``opt`` holds: its buckets', and speculation's undo pool once it holds any."""
+    total = sum((b.estimate() for b in chain.from_iterable(opt._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
+    pool = getattr(opt._mode, "pool", None)
+    if pool is not None and pool.held_bytes:  # (a row once it holds any)
+        total = total + pool.estimate()
+    return total
+
+
+class InspectionMethods:
+    """The inspection methods of an :class:`~zero_offload.OffloadOptimizer` (see the module docstring)."""
+
+    estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
+
+    def host_memory_estimate(self) -> HostMemoryEstimate:
+        """Deprecated: ``opt.estimate_host_memory()`` (the same result, under the one documented name)."""
+        warnings.warn("OffloadOptimizer.host_memory_estimate() is deprecated and will be removed: call "
+                      "opt.estimate_host_memory() (same result)", FutureWarning, stacklevel=2)
+        return _held_host_memory(self)
+
+    def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
+        """The flat buffers of every bucket (name -> tensor), for inspection and measurement (a device-tier
+        bucket's, ``gpu_fraction``, are on its GPU)."""
+        return [bucket.buffers() for bucket in chain.from_iterable(self._buckets)]
+
+    def gpu_state_bytes(self) -> Dict[str, int]:
+        """GPU memory held by the state on the device tier (``gpu_fraction``), in bytes by buffer, beyond the
+        parameters' own (summed over its buckets; empty without a device tier)."""
+        return device_bytes(self._transport.lanes)
+
+    @property
+    def speculation_stats(self) -> Optional[Any]:
+        """With speculation (``speculate``): a :class:`~zero_offload.speculation.SpeculationStats` counting the
+        buckets speculated, committed and rolled back (with the reasons); None without."""
+        return getattr(self._mode, "stats", None)
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Start (or with ``enabled=False`` stop) recording a :class:`~zero_offload.timeline.Timeline` of the
+        steps: host waits, kernels, copies issued, speculation's commits and rollbacks, by the host clock. Costs a
+        few microseconds per bucket per step while on; nothing while off. See :meth:`timeline`."""
+        t = self._transport
+        t.timeline = (t.timeline if t.timeline is not None else Timeline()) if enabled else None
+
+    def timeline(self) -> List[TimelineEvent]:
+        """The events recorded since :meth:`record_timeline` or the last call, by start time (and forgets them).
+        ``zero_offload.timeline.breakdown`` sums them per kind; ``chrome_trace`` writes a Chrome trace."""
+        tl = self._transport.timeline
+        return [] if tl is None else tl.take()
