@@ -91,8 +91,10 @@ class Route:
     def bind(self, lane: Lane) -> None:
         """At construction: tie the parameters to their slots (CPU parameters become views of them)."""
 
-    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
-        """Start moving these gradients (parameters ``idx``) to the host buffer; ``add``: sum into it."""
+    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> Optional[torch.Tensor]:
+        """Start moving these gradients (parameters ``idx``) to the host buffer; ``add``: sum into it. Returns the
+        bucket's squared norm where the route computed it on the way (see :class:`~zero_offload.lane.Arrival`),
+        else None."""
         raise NotImplementedError
 
     def wait(self, lane: Lane) -> None:
@@ -199,7 +201,7 @@ class Transport:
         add = [self.release and arrival.sent[i] for i in idx]
         tl = self.timeline
         with NOTHING if tl is None else tl.span("copy", "d2h", lane.position):
-            lane.route.send(lane, idx, grads, add)
+            arrival.norm = lane.route.send(lane, idx, grads, add)
         if not self.release and not lane.route.resident:
             arrival.norms.update(self.edits.norms(idx, grads))
         zero = bucket.grads.zero

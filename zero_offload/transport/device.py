@@ -70,7 +70,7 @@ class OffloadRoute(Route):
     def channel(self) -> CopyChannel:
         return CopyChannel()
 
-    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
+    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> Optional[torch.Tensor]:
         bucket, t, channel = lane.bucket, self.transport, lane.channel
         stream = t.streams.down(bucket.device)
         if any(add) and channel.incoming is None:
@@ -80,6 +80,7 @@ class OffloadRoute(Route):
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         if bucket.shares_grad:
             _after_upload(lane, stream)
+        norm = None
         with torch.cuda.stream(stream):
             launched = set(idx)
             if grads and not any(add) and all(i in launched for i, has in enumerate(lane.arrival.sent) if has):
@@ -87,14 +88,11 @@ class OffloadRoute(Route):
                 # checks (and speculation's early stops) read it without waiting for any gradient copy. Only when
                 # this launch carries all of the bucket's gradients (not when they are summed on the host with an
                 # earlier micro-batch's).
-                norms = foreach_norm_fp32(grads)
-                lane.arrival.norm = norm = torch.stack(norms).double().square().sum()
+                norm = torch.stack(foreach_norm_fp32(grads)).double().square().sum()
                 if channel.norm_host is None:
                     channel.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
                 channel.norm_host.copy_(norm.view(1), non_blocking=True)
                 channel.norm_ready.record(stream)
-            else:
-                lane.arrival.norm = None
             if grads:
                 torch._foreach_copy_(landing, grads, non_blocking=True)
             channel.sent(stream)
@@ -102,6 +100,7 @@ class OffloadRoute(Route):
         if t.release:
             for g in grads:
                 g.record_stream(stream)
+        return norm
 
     def wait(self, lane: Lane) -> None:
         channel = lane.channel
