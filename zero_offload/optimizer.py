@@ -2,15 +2,16 @@ r"""``OffloadOptimizer``: ``torch.optim.AdamW`` with its state in flat host buff
 
 This module holds the ``torch.optim`` conventions only (defaults, param_groups, hyperparameters read at every
 step, hooks, ``state_dict``) and drives the stages in the order the data meets them: :mod:`~zero_offload.options`
-(what was asked), :mod:`~zero_offload.buckets` (where bytes live), :mod:`~zero_offload.grad_stream` (when
-gradients may leave), :mod:`~zero_offload.transport` (moving them, each bucket down its
-:mod:`~zero_offload.lane`), :mod:`~zero_offload.gate` (whether the step applies, and with what multiplier),
-:mod:`~zero_offload.update` and :mod:`~zero_offload.speculation` (the kernel and its schedule) and
-:mod:`~zero_offload.checkpoint` (the state as users see it).
+(what was asked), :mod:`~zero_offload.topology` (where the parameters live across ranks),
+:mod:`~zero_offload.buckets` (where bytes live, each bucket's state in its home, :mod:`~zero_offload.state.home`),
+:mod:`~zero_offload.grad_stream` (when gradients may leave), :mod:`~zero_offload.transport` (moving them, each
+bucket's step told in the records of :mod:`~zero_offload.lane`), :mod:`~zero_offload.gate` (whether the step
+applies, and with what multiplier), :mod:`~zero_offload.update` and :mod:`~zero_offload.speculation` (the kernel
+and its schedule) and :mod:`~zero_offload.checkpoint` (the state as users see it).
 
-``step()`` reads in three phases: intake (the transport receives each bucket's gradients and measures them),
-decide (the gate's :class:`~zero_offload.gate.Decision`), run (the schedule), then finish (every lane's step
-ends in one place).
+``step()`` reads in three phases: intake (the transport receives each bucket's gradients as an intake and measures
+them), decide (the gate's :class:`~zero_offload.gate.Decision`), run (the schedule), then finish (every lane's
+step ends in one place).
 """
 
 from __future__ import annotations
