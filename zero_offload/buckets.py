@@ -30,34 +30,42 @@ from zero_offload.state.layout import (ALIGN, BucketLayout, ShardLayout, align_u
 from zero_offload.state.device_home import DeviceHome
 from zero_offload.state.home import Home
 from zero_offload.state.host_home import HostHome
+from zero_offload.state.parked_home import ParkedHome
 from zero_offload.state.store import state_bytes
 from zero_offload.state.tiers import HostTier, should_pin
 
-__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "Placement", "ShardLayout", "allocate_group", "align_up",
-           "check_grads", "device_tier_plan", "estimate_layouts", "memory_order_flat", "plan_buckets", "plan_local",
-           "should_pin", "view_like"]
+__all__ = ["ALIGN", "BucketLayout", "FlatBucket", "HOMES", "Placement", "ShardLayout", "allocate_group", "align_up",
+           "check_grads", "device_tier_plan", "estimate_layouts", "home_plan", "memory_order_flat", "plan_buckets",
+           "plan_local", "should_pin", "view_like"]
 
 logger = logging.getLogger("zero_offload")
 
+# Where a bucket's state can live, by the name placement gives it (see FlatBucket's ``home``).
+HOMES = {"host": HostHome, "resident": DeviceHome, "parked": ParkedHome}
+
 
 def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], options: Options,
-                     world_size: int = 1, rule: Rule = ADAMW,
-                     takeovers: Optional[Sequence[Any]] = None) -> HostMemoryEstimate:
+                     world_size: int = 1, rule: Rule = ADAMW, takeovers: Optional[Sequence[Any]] = None,
+                     homes: Optional[Sequence[str]] = None) -> HostMemoryEstimate:
     """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` and ``options``
     (their ``pin_memory``, ``delayed_update`` and ``state_dtype``), per rank when sharded over ``world_size``,
     without allocating: the same declarations as the real buckets'. ``takeovers``: the layouts are of FSDP2's local
     shards, with each one's :func:`zero_offload.fsdp2.takeover` (see :class:`Placement`): a bucket on the host has
     no gradient buffer until one is needed (FSDP's gradients are read where they are), and the slots that take over
-    shards FSDP pins are pinned."""
+    shards FSDP pins are pinned. ``homes``: each layout's home (:func:`home_plan`; default: all on the host); a
+    resident one holds no host bytes, a parked one its state only."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
-    for layout in layouts:
+    for layout, home in zip(layouts, homes or ["host"] * len(layouts)):
+        if home == "resident":  # (no host bytes: its state is in the GPU's memory)
+            total = total + HostMemoryEstimate(layout.numel, 0, {}, 0, 0)
+            continue
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         state = state_bytes(buffers, options.state_dtype, padded // world_size, rule.buffers)
         on_cpu = layout.device.type == "cpu"
         bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
                                  pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
                                  delayed_update=bool(options.delayed_update),
-                                 grad_buffer=takeovers is None or not on_cpu)
+                                 grad_buffer=takeovers is None or not on_cpu, parked=home == "parked")
         if _pins_takeover(bucket_takeovers(layout, takeovers)):
             bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
         total = total + bucket
@@ -86,7 +94,9 @@ class FlatBucket:
             (8-bit block-wise). Default: ``torch.float32``.
         group (int): the param group's index, and ``names`` (optional) its ``param_names``: error messages name
             a parameter by both.
-        device_tier (bool): the state's home is the GPU's memory (``gpu_fraction``). Default: False.
+        home (str): where the state lives (:data:`HOMES`): ``"host"``, stepped there; ``"resident"``, in the GPU's
+            memory (``gpu_fraction``); ``"parked"``, on the host between steps and stepped on the GPU. Default:
+            ``"host"``.
         owners (Sequence[Tensor], optional): FSDP2: the group's DTensor parameters, whose local shards ``params``
             are; ``takeovers`` each one's record where its slot takes over the shard's storage
             (:func:`zero_offload.fsdp2.takeover`).
@@ -95,7 +105,7 @@ class FlatBucket:
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor], *, rule: Rule = ADAMW,
                  buffers: Optional[Sequence[StateBuffer]] = None, pin: bool, shard: Optional[ShardLayout] = None,
                  grads_reduced: bool = False, where: str = "", state_dtype: torch.dtype = torch.float32,
-                 group: int = 0, names: Optional[Sequence[str]] = None, device_tier: bool = False,
+                 group: int = 0, names: Optional[Sequence[str]] = None, home: str = "host",
                  owners: Optional[Sequence[torch.Tensor]] = None, takeovers: Optional[Sequence[Any]] = None):
         self.shard, self.where, self.group, self.rule = shard, where, group, rule
         self.names = None if not names else [names[i] for i in layout.indices]
@@ -108,22 +118,21 @@ class FlatBucket:
         on_cpu = layout.device.type == "cpu"
         takeovers = bucket_takeovers(layout, takeovers)
         # The state lives with the parameters: a CPU bucket (FSDP2's host shards where their storage is taken over),
-        # or a GPU bucket whose state is on the device tier (``gpu_fraction``): no transfers, the parameters bound
-        # to the slots the update writes.
-        self.resident = (on_cpu and (owners is None or takeovers is not None)) or device_tier
+        # or a GPU bucket stepped on its GPU (its home resident there, or parked and brought up for the step): no
+        # transfers of parameters or gradients, the parameters bound to the slots the update writes.
+        self.resident = (on_cpu and (owners is None or takeovers is not None)) or home != "host"
         # A low-precision CUDA bucket, unsharded: the kernel reads each gradient and writes the rounded parameter
         # into the same slot, which the upload then reads (2 B/param less than a separate staging buffer). The
         # transport orders the next gradient copies into the buffer after that upload. A CPU parameter *is* its
         # staging slot, and a sharded bucket all-gathers from its staging shard: those keep one.
         self.shares_grad = self.low_precision and not self.resident and shard is None
-        # (nothing of a sharded CPU bucket, or of a device-tier one, goes through host memory to a GPU)
-        self.pin = pin and not (shard is not None and on_cpu) and not device_tier
+        # (nothing of a sharded CPU bucket, or of a resident one, goes through host memory to a GPU)
+        self.pin = pin and not (shard is not None and on_cpu) and home != "resident"
         self.takeover_pinned = _pins_takeover(takeovers)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
-        self.home: Home = self._home(DeviceHome if device_tier else HostHome,
-                                     rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
+        self.home: Home = self._home(HOMES[home], rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
                                      state_dtype, takeovers)
         self.grads = self._grads(self.home, lazy=self.fsdp and on_cpu)
 
@@ -134,29 +143,35 @@ class FlatBucket:
                     params=self.params, owners=self.owners, layout=self.layout, shard=self.shard, views=self._views,
                     bind=not self.fsdp, shares_grad=self.shares_grad, placed=self.owners if self.fsdp else None,
                     takeovers=takeovers,
-                    takeover_tier=HostTier(True) if takeovers is not None and self.takeover_pinned else None)
+                    slots_tier=HostTier(True) if takeovers is not None and self.takeover_pinned else None)
 
     def _grads(self, home: Home, lazy: bool = False) -> GradSlots:
-        """The gradient slots, in ``home``'s tier."""
+        """The gradient slots, in ``home``'s :attr:`~zero_offload.state.home.Home.grads_tier`."""
         return GradSlots(self.params, [p.shape for p in self.params], self.layout, self.full,
                          None if self.shard is None else self.shard.pieces, self.shard is not None and self.resident,
-                         home.tier, self.label, lazy=lazy)
+                         home.grads_tier, self.label, lazy=lazy)
 
-    def move_to_device(self) -> None:
-        """Re-home the bucket's state on its GPU (``gpu_fraction="auto"``, between steps): the same masters,
-        buffers, step counts and entries' flags in device memory, the parameters bound to their new slots (see
-        :meth:`DeviceHome.take_over`). The caller has waited for every copy in flight; it shows the new entries and
-        stops streaming the bucket. An allocation failure leaves the bucket as it was."""
+    def rehome(self, kind: str) -> None:
+        """Move the bucket's state into a home of ``kind`` (``"resident"`` or ``"parked"``: stepped on its GPU),
+        between steps (``gpu_fraction="auto"``, ``placement="auto"``): the same masters, buffers, step counts and
+        entries' flags, the parameters bound to their new slots (see :meth:`Home.take_over`). The caller has waited
+        for every copy in flight; it shows the new entries and stops streaming the bucket's gradients. An
+        allocation failure leaves the bucket as it was."""
         resident, shares_grad, pin = self.resident, self.shares_grad, self.pin
-        self.resident, self.shares_grad, self.pin = True, False, False  # (what the device home is made with)
+        # (what the new home is made with)
+        self.resident, self.shares_grad, self.pin = True, False, pin and kind != "resident"
         try:
-            home = self._home(DeviceHome, [self.home.declared[n] for n in self.home.names], self.state_dtype)
+            home = self._home(HOMES[kind], [self.home.declared[n] for n in self.home.names], self.state_dtype)
             grads = self._grads(home)
         except BaseException:
             self.resident, self.shares_grad, self.pin = resident, shares_grad, pin
             raise
         home.take_over(self.home)
         self.home, self.grads = home, grads
+
+    def move_to_device(self) -> None:
+        """:meth:`rehome` into the device home (``gpu_fraction="auto"``)."""
+        self.rehome("resident")
 
     def device_cost(self) -> int:
         """Device bytes :meth:`move_to_device` would add (see :meth:`device_bytes`)."""
@@ -190,7 +205,7 @@ class FlatBucket:
     sharded = property(lambda self: self.shard is not None)
     on_cpu = property(lambda self: self.device.type == "cpu")
     fsdp = property(lambda self: self.owners is not self.params)  # FSDP2's local shards (see the constructor)
-    device_tier = property(lambda self: self.home.on_device)  # stepped on its GPU (``gpu_fraction``)
+    device_tier = property(lambda self: self.home.kind == "resident")  # its state in its GPU's memory
     masters = property(lambda self: self.home.masters)
     store = property(lambda self: self.home.store)
     views = property(lambda self: self.home.views)
@@ -312,7 +327,7 @@ class FlatBucket:
                                state=self.home.nbytes(), pin=self.pin,
                                world_size=1 if self.shard is None else self.shard.world,
                                delayed_update=self.grad_prev is not None,
-                               grad_buffer=self.grads.allocated)
+                               grad_buffer=self.grads.allocated, parked=self.home.kind == "parked")
         return _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
 
     def buffers(self) -> Dict[str, torch.Tensor]:
@@ -358,18 +373,18 @@ class _Room:
     numbers, and what smaller setups would need) when they do not fit, or when allocating them failed anyway (an
     address-space limit met part way, memory taken meanwhile by another process)."""
 
-    def __init__(self, layouts: Sequence[BucketLayout], gi: int, buffers: Sequence[StateBuffer], options: Options,
-                 world: int, rule: Rule, takeovers: Optional[Sequence[Any]] = None):
+    def __init__(self, layouts: Sequence[BucketLayout], homes: Sequence[str], gi: int, buffers: Sequence[StateBuffer],
+                 options: Options, world: int, rule: Rule, takeovers: Optional[Sequence[Any]] = None):
         self.layouts, self.gi, self.buffers, self.options, self.world, self.rule = (layouts, gi, buffers, options,
                                                                                     world, rule)
-        self.takeovers = takeovers  # (FSDP2's: see estimate_layouts)
+        self.homes, self.takeovers = homes, takeovers  # (each layout's home; FSDP2's: see estimate_layouts)
 
     def estimate(self, buffers: Optional[Sequence[StateBuffer]] = None, world: Optional[int] = None,
                  **changes: Any) -> HostMemoryEstimate:
         """The group's estimate, or with other ``buffers``, ``world`` or options (``changes``, by name)."""
         options = dataclasses.replace(self.options, **changes) if changes else self.options
         return estimate_layouts(self.layouts, self.buffers if buffers is None else buffers, options,
-                                self.world if world is None else world, self.rule, self.takeovers)
+                                self.world if world is None else world, self.rule, self.takeovers, self.homes)
 
     def check(self) -> None:
         """Refuse, before allocating anything, buckets that cannot fit in the host RAM this process can still take:
@@ -419,6 +434,32 @@ def _host_allocation_failed(exc: BaseException) -> bool:
     return "can't allocate memory" in str(exc)
 
 
+def home_plan(layouts: Sequence[BucketLayout], options: Options) -> List[str]:
+    """Each of a group's buckets' home at construction (``"host"``, ``"resident"``, ``"parked"``), from the shares
+    ``options`` give (:meth:`~zero_offload.options.Options.shares`): the group's first buckets on CUDA (backward runs
+    the model from its end, so it produces their gradients last, when nothing is left to hide a host update
+    behind) resident, as many as fit in the resident share of the group's CUDA elements, then as many parked as fit
+    in the parked share; the rest, and every bucket off CUDA, on the host."""
+    shares = options.shares()
+    out = ["host"] * len(layouts)
+    if not shares:
+        return out
+    total = sum(l.numel for l in layouts if l.device.type == "cuda")
+    used, budget, homes = 0, 0.0, iter(home for home in ("resident", "parked") if home in shares)
+    home = None
+    for i, layout in enumerate(layouts):
+        if layout.device.type != "cuda":
+            continue
+        while home is None or used + layout.numel > budget:
+            home = next(homes, None)
+            if home is None:
+                return out
+            budget += shares[home] * total
+        used += layout.numel
+        out[i] = home
+    return out
+
+
 def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[bool]:
     """Which of a group's buckets keep their state on their GPU for a numeric ``gpu_fraction``: the group's first
     buckets on CUDA (backward runs the model from its end, so it produces their gradients last, when nothing is
@@ -452,14 +493,13 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Pla
         layouts = plan_local(data, options.bucket_numel, placed.units, takeovers)
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
-    on_device = device_tier_plan(layouts, options.gpu_fraction)
-    room = _Room([l for l, d in zip(layouts, on_device) if not d], gi, buffers, options, world, rule,
-                 takeovers)
+    homes = home_plan(layouts, options)
+    room = _Room(layouts, homes, gi, buffers, options, world, rule, takeovers)
     room.check()
     buckets: List[FlatBucket] = []
     failed = ""
     try:
-        _make_buckets(buckets, layouts, on_device, group, gi, options, sharded, rule, buffers, data, takeovers)
+        _make_buckets(buckets, layouts, homes, group, gi, options, sharded, rule, buffers, data, takeovers)
     except (MemoryError, OSError, RuntimeError) as exc:
         if not _host_allocation_failed(exc):
             raise
@@ -501,7 +541,7 @@ def plan_local(data: Sequence[torch.Tensor], bucket_numel: int, units: Optional[
     return plan_buckets(data, bucket_numel, cuts=units, rooms=rooms)
 
 
-def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_device: Sequence[bool],
+def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], homes: Sequence[str],
                   group: Dict[str, Any], gi: int, options: Options, sharded: Optional[Tuple[int, int]], rule: Rule,
                   buffers: Sequence[StateBuffer], data: Optional[Sequence[torch.Tensor]],
                   takeovers: Optional[Sequence[Any]] = None) -> None:
@@ -513,7 +553,7 @@ def _make_buckets(out: List[FlatBucket], layouts: Sequence[BucketLayout], on_dev
                             pin=should_pin(layout.device, options.pin_memory), shard=shard,
                             grads_reduced=options.grads_reduced, where=f"param group {gi}, bucket {bi}",
                             state_dtype=options.state_dtype, group=gi, names=group.get("param_names"),
-                            device_tier=on_device[bi], owners=None if data is None else group["params"],
+                            home=homes[bi], owners=None if data is None else group["params"],
                             takeovers=takeovers)
         if options.delayed_update:
             bucket.grads.add_prev()  # allocated now, so the logged estimate and the RSS include it

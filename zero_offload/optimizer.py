@@ -178,8 +178,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             raise
         self._buckets.append(buckets)
         self._pending = None
-        lanes = [self._transport.add(b, n_groups, self.options.streams(b.device) and not b.home.on_device)
-                 for b in buckets]
+        lanes = [self._transport.add(b, n_groups, self.options.streams(b.device)) for b in buckets]
         self._lanes.append(lanes)
         for lane in lanes:
             if lane.streamed:
@@ -313,8 +312,11 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         return self._rule.hyper(self.param_groups[group]), self.options.nonfinite
 
     def flush(self) -> None:
-        """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). Else: nothing."""
+        """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). A parked
+        bucket's state still on its way back to the host has landed when it returns."""
         self._mode.flush(self.state)
+        for bucket in chain.from_iterable(self._buckets):
+            bucket.home.settle()
 
     # ------------------------------------------------------------------------------------------- gradients --
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -386,8 +388,10 @@ def _check_rule(rule: Rule, options: Options) -> None:
         raise ValueError(f"state_dtype={options.state_dtype}: {rule.name}'s update keeps its state in "
                          f"{', '.join(map(str, rule.state_dtypes))} only")
     if options.gpu_tier and not rule.device_update:
-        raise ValueError(f"gpu_fraction={options.gpu_fraction!r}: {rule.name} has no GPU update (the GPU part runs "
-                         "torch's fused AdamW): leave gpu_fraction at 0")
+        given = ("gpu_fraction", options.gpu_fraction) if options.placement == "host" else ("placement",
+                                                                                             options.placement)
+        raise ValueError(f"{given[0]}={given[1]!r}: {rule.name} has no GPU update (the GPU part runs torch's fused "
+                         f"AdamW): leave {given[0]} at its default")
 
 
 def _make_mode(options: Options, transport: Transport, early_update: Callable[[Lane], None],

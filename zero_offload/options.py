@@ -231,6 +231,25 @@ def _check_gpu_fraction(f: Any) -> None:
         raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
 
 
+# Where a bucket's state can live (``placement``): stepped on the host; resident on the GPU (``gpu_fraction``);
+# parked on the host between steps and stepped on the GPU.
+HOMES = ("host", "resident", "parked")
+
+
+def _check_placement(p: Any) -> None:
+    if isinstance(p, dict):
+        bad = [k for k in p if k not in ("resident", "parked")]
+        shares = list(p.values())
+        if not bad and all(isinstance(v, Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in shares) \
+                and sum(shares) <= 1.0 + 1e-12:
+            return
+    elif p in (*HOMES, "auto"):
+        return
+    raise ValueError(f"Invalid placement: {p!r} (one of 'host', 'resident', 'parked', 'auto', or a dict of shares of "
+                     "each param group's CUDA elements, {'resident': r, 'parked': q} with r + q <= 1: the group's "
+                     "first buckets resident, the next parked, the rest on the host)")
+
+
 def _check_gpu_margin(m: Any) -> None:
     if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf):
         raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0)")
@@ -305,6 +324,18 @@ class Options:
         host kernel time. ``"auto"``: after the first step, as many of the last-arriving buckets as fit in the
         free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
         ``delayed_update``. See docs/twin-flow.md.""", _check_gpu_fraction)
+    placement: Union[str, Dict[str, float]] = _option("host", """where each GPU bucket's state lives and is stepped:
+        ``"host"`` (pinned host memory, stepped by the CPU kernel after backward; gradients down and parameters up
+        through PCIe), ``"parked"`` (pinned host memory between steps, brought up to the GPU as the bucket's
+        gradients complete in backward, stepped there by the same code as ``"resident"``'s, written back during the
+        next forward: 8 B per parameter each way for fp32 parameters, 12 B for bf16/fp16; its gradients and
+        parameters stay on the GPU), ``"resident"`` (kept on the GPU, as ``gpu_fraction=1``), a dict of shares of
+        each param group's CUDA elements (``{"resident": 0.1, "parked": 0.5}``: the group's first buckets, whose
+        gradients backward produces last, resident, the next ones parked, the rest on the host), or ``"auto"``
+        (after the first step, from what it measured: see docs/placement.md). CPU buckets are stepped on the host
+        whatever it says. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
+        ``overlap_step``, ``delayed_update``, ``speculate``, a ``process_group`` or FSDP2's parameters (yet).""",
+                                                       _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and by
         the uploads during backward (``uploads_in_backward``: made only where that much and the gradients still
         to come fit).""", _check_gpu_margin)
@@ -342,8 +373,20 @@ class Options:
 
     @property
     def gpu_tier(self) -> bool:
-        """Whether some buckets on a GPU may keep their state there (``gpu_fraction`` not 0)."""
-        return self.gpu_fraction == "auto" or self.gpu_fraction > 0
+        """Whether some buckets on a GPU may be stepped there (``gpu_fraction`` not 0, or a ``placement`` other
+        than ``"host"``)."""
+        return self.gpu_fraction == "auto" or self.gpu_fraction > 0 or self.placement != "host"
+
+    def shares(self) -> Dict[str, float]:
+        """The share of each param group's CUDA elements placed in each home at construction, by home
+        (``"resident"``, ``"parked"``; the rest on the host): from ``placement``, or ``gpu_fraction`` (its
+        alias for the resident share); ``"auto"`` places none at construction."""
+        if self.gpu_fraction != "auto" and self.gpu_fraction:
+            return {"resident": float(self.gpu_fraction)}
+        p = self.placement
+        if isinstance(p, dict):
+            return {k: float(v) for k, v in p.items() if v}
+        return {p: 1.0} if p in ("resident", "parked") else {}
 
     @property
     def speculates(self) -> bool:
@@ -366,14 +409,25 @@ class Options:
         f = self.gpu_fraction
         _check_gpu_fraction(f)
         _check_gpu_margin(self.gpu_margin_gib)
+        _check_placement(self.placement)
+        if f != 0 and self.placement != "host":
+            raise ValueError(f"gpu_fraction={f!r} and placement={self.placement!r}: gpu_fraction is placement's "
+                             "alias for the resident share; pass one of them")
         if not self.gpu_tier:
             return
+        given = f"gpu_fraction={f!r}" if self.placement == "host" else f"placement={self.placement!r}"
         if self.state_dtype != torch.float32:
-            raise ValueError(f"gpu_fraction={f!r} keeps state on the GPU, updated by torch's fused AdamW, which "
-                             f"holds fp32 state only; state_dtype={self.state_dtype} cannot be combined with it")
+            raise ValueError(f"{given} steps state on the GPU, updated by torch's fused AdamW, which holds fp32 state "
+                             f"only; state_dtype={self.state_dtype} cannot be combined with it")
         if self.overlap_step or self.delayed_update:
-            raise ValueError(f"gpu_fraction={f!r} and {self._mode}=True are not combined: the GPU part is updated "
-                             "at step(), after the checks of the whole step")
+            raise ValueError(f"{given} and {self._mode}=True are not combined: the GPU part is updated at step(), "
+                             "after the checks of the whole step")
+        if self.placement != "host" and self.speculate:
+            raise ValueError(f"{given} and speculate=True are not combined: a bucket stepped on the GPU has no host "
+                             "update to speculate on")
+        if self.placement != "host" and self.sharded:
+            raise ValueError(f"{given} is not yet combined with a process_group: leave placement at 'host' (or use "
+                             "gpu_fraction, whose resident buckets are sharded)")
 
     @property
     def _mode(self) -> str:

@@ -20,7 +20,7 @@ __all__ = ["estimate_params", "plan_host_memory", "plan_undo"]
 def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                      pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
                      state_dtype: torch.dtype = torch.float32, gpu_fraction: Union[float, str] = 0.0,
-                     speculation_memory: Optional[int] = None
+                     speculation_memory: Optional[int] = None, placement: Union[str, Dict[str, float]] = "host"
                      ) -> HostMemoryEstimate:
     """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
 
@@ -41,6 +41,10 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         world_size (int): ranks of the ``process_group``. Default: 1.
         delayed_update (bool): Default: False.
         state_dtype (torch.dtype): Default: torch.float32.
+        placement (str or dict): each home's share (see the constructor): a resident bucket holds no host RAM, a
+            parked one its state only (the rule's buffers, and the fp32 master of bf16/fp16 parameters);
+            ``"auto"`` (decided after the first step) counts every bucket on the host: an upper bound.
+            Default: ``"host"``.
         gpu_fraction (float or str): the buckets a number keeps on the GPU are not counted; ``"auto"`` (decided
             after the first step) counts every bucket: an upper bound. Default: 0.
         speculation_memory (int, optional): given, the plan has an ``undo`` row: the bytes speculation's undo pool
@@ -60,9 +64,10 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         TypeError: FSDP2's parameters mixed with plain ones, or placed otherwise (the constructor's error).
     """
     check_state_dtype(state_dtype)
-    Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()  # the constructor's checks
+    # (the constructor's checks)
+    Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)._check_gpu_tier()
     options = Options(bucket_numel=bucket_numel, pin_memory=pin_memory, delayed_update=delayed_update,
-                      state_dtype=state_dtype, gpu_fraction=gpu_fraction)
+                      state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)
     memory = check_speculation_memory(speculation_memory)
     params = list(params)
     estimate = estimate_params(params, options, world_size, defaults={"amsgrad": amsgrad})
@@ -74,8 +79,9 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
 def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1, *,
                     defaults: Optional[Dict[str, Any]] = None, rule: Rule = ADAMW) -> HostMemoryEstimate:
     """:func:`~zero_offload.buckets.estimate_layouts` of the buckets an optimizer over ``params`` (tensors or group
-    dicts, whose own settings are honoured over ``defaults``) with ``options`` would plan, less those a numeric
-    ``gpu_fraction`` keeps on the GPU; see ``OffloadOptimizer.estimate_host_memory``. FSDP2's parameters
+    dicts, whose own settings are honoured over ``defaults``) with ``options`` would plan, in the homes their
+    ``placement`` (or ``gpu_fraction``) gives them (a resident bucket holds no host bytes, a parked one its state);
+    see ``OffloadOptimizer.estimate_host_memory``. FSDP2's parameters
     (DTensors) are placed as their topology places them (this rank's local shards, cut at FSDP's units)."""
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
@@ -101,9 +107,8 @@ def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1
             takeovers = placed.takeovers
         else:
             layouts = buckets.plan_buckets(ps, options.bucket_numel)  # (as the constructor does: through the module)
-        host = [l for l, g in zip(layouts, buckets.device_tier_plan(layouts, options.gpu_fraction)) if not g]
-        total = total + buckets.estimate_layouts(host, rule.buffers_for(settings), options, world_size, rule,
-                                                 takeovers)
+        total = total + buckets.estimate_layouts(layouts, rule.buffers_for(settings), options, world_size, rule,
+                                                 takeovers, buckets.home_plan(layouts, options))
     return total
 
 

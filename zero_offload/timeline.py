@@ -28,9 +28,10 @@ class TimelineEvent:
             ``"step"``.
         what (str): for a wait, what it waited for (``"d2h"``: a bucket's gradient copy; ``"h2d"``: its last
             upload; ``"norms"``: the GPU norms; ``"streams"``); for a kernel, ``"speculative"``, ``"step"`` or
-            ``"gpu launch"`` (a device-tier bucket's update, launched: the GPU runs it after the span); for a
-            copy, ``"d2h"``, ``"h2d"``, ``"h2d speculative"`` or ``"h2d delayed"`` (new parameters copied up to a
-            device buffer during backward), ``"save"`` or ``"restore"``; for a rollback, its reason.
+            ``"gpu launch"`` (the update of a bucket stepped on the GPU, launched: the GPU runs it after the span);
+            for a copy, ``"d2h"``, ``"h2d"``, ``"h2d speculative"`` or ``"h2d delayed"`` (new parameters copied up
+            to a device buffer during backward), ``"reload"`` and ``"write-back"`` (a parked bucket's state up to the
+            GPU and back), ``"save"`` or ``"restore"``; for a rollback, its reason.
         bucket (int, optional): the bucket's position in the optimizer (groups in order, then buckets).
         thread (str): the thread's name.
         start (float), end (float): ``time.perf_counter()`` seconds (equal for an instant).

@@ -79,12 +79,12 @@ def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
     lane.channel.up.wait(tl, "h2d", lane.position, query=True)  # the last upload may still read master/staging
     indices = touched(bucket, runs)
     home = bucket.home
+    home.bring(transport.streams, tl, lane.position)
     home.refresh(indices)
-    home.bring()
     # (An update stepped on a GPU is only launched here: the span is the host's part; the GPU runs it later.)
     with NOTHING if tl is None else tl.span("kernel", "gpu launch" if home.on_device else "step", lane.position):
         run_rule(bucket, runs, grad, in_place, h, multiplier)
-    home.put_back()
+    home.put_back(transport.streams, tl, lane.position)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])

@@ -5,6 +5,7 @@ step has in flight, then hands the param groups, the buckets and ``opt.state`` t
 from __future__ import annotations
 
 import contextlib
+from itertools import chain
 from typing import Any, Dict
 
 import torch
@@ -27,7 +28,7 @@ class StateDictMethods:
         AdamW carries them. The pre-hooks run first and the post-hooks see the finished dict."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._settle()
+        self._settle(homes=True)
         self._sync()
         ahead = self._mode.ahead()  # on CUDA it waits for the worker that writes the buffers
         with _hooks_set_aside(self):  # torch's own packing of the param groups, without running the hooks twice
@@ -75,10 +76,14 @@ class StateDictMethods:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _settle(self) -> None:
+    def _settle(self, homes: bool = False) -> None:
         """Wait for the updates ``overlap_step`` started in backward: they write the state (and the parameters)
-        being read, and a save must not catch a bucket half updated (re-raises the first one that failed)."""
+        being read, and a save must not catch a bucket half updated (re-raises the first one that failed). With
+        ``homes``, also for the state still on its way back to its home (a parked bucket's write-back), before the
+        host reads it."""
         self._mode.settle()
+        for bucket in chain.from_iterable(self._buckets) if homes else ():
+            bucket.home.settle()
 
     def _quiesce(self) -> None:
         """Before the state is replaced: no update running, none pending, no copy reading the buffers. The step's
@@ -87,6 +92,8 @@ class StateDictMethods:
         already: the next ``step()`` updates the loaded state with them."""
         self._mode.drop()  # a pending (or speculative) update of the old trajectory
         self._transport.synchronize()
+        for bucket in chain.from_iterable(self._buckets):
+            bucket.home.settle()  # (a parked bucket's state brought up in backward is the old one)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a
@@ -97,7 +104,7 @@ class StateDictMethods:
         untouched if it fails part way; while staged, the state it loads takes its memory once more); then call
         :meth:`load_sharded_state_dict`, which makes it the optimizer's. With ``delayed_update``, as
         :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
-        self._settle()
+        self._settle(homes=True)
         self._sync()
         return dcp.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
                                       param=self.options.delayed_update)

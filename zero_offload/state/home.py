@@ -6,9 +6,9 @@ writes, copies of them, the entries of ``opt.state`` and of a checkpoint. No mod
 
 Where the state lives is a subclass, one file each: :class:`~zero_offload.state.host_home.HostHome` (host memory,
 stepped there by the CPU kernel), :class:`~zero_offload.state.device_home.DeviceHome` (the GPU's memory,
-``gpu_fraction``, stepped there by torch's fused kernels). A new home (the state parked on the host between steps
-and stepped on the GPU, or paged from NVMe) is one more subclass: its tier, its :meth:`Home.bring` and
-:meth:`Home.put_back`, and where its update runs.
+stepped there by torch's fused kernels) and :class:`~zero_offload.state.parked_home.ParkedHome` (parked in host
+memory between steps, brought to the GPU and stepped there). A new home (paged from NVMe, say) is one more
+subclass: its tier, its :meth:`Home.bring` and :meth:`Home.put_back`, and where its update runs.
 
 The parts a home composes stay in their files: :mod:`~zero_offload.state.store` (the rule's buffers through their
 codecs), :mod:`~zero_offload.state.params` (masters, staging, the parameters bound to their slots) and
@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload._compat import take_memory
 from zero_offload.rules.base import Rule, Run, StateBuffer
 from zero_offload.state.layout import BucketLayout, ShardLayout
@@ -28,6 +29,7 @@ from zero_offload.state.params import Masters
 from zero_offload.state.store import StateStore
 from zero_offload.state.tiers import Tier
 from zero_offload.state.views import StateViews
+from zero_offload.timeline import Timeline
 
 __all__ = ["Copies", "Home"]
 
@@ -41,7 +43,7 @@ class Home:
     slots; subclasses say where.
 
     Attributes:
-        kind (str): the home's name in messages and reports ("host", "device").
+        kind (str): the home's name, as placement gives it ("host", "resident", "parked").
         on_device (bool): its update runs on the bucket's GPU (the rule's device update), not by the CPU kernel.
         tier (Tier): where its buffers are now.
         masters (Masters), store (StateStore), views (StateViews): its parts (see the module docstring).
@@ -53,7 +55,7 @@ class Home:
             users see (the keys of ``opt.state``), ``placed``: FSDP2's owners, whose entries are DTensors.
         layout (BucketLayout): the slots (the shard's when sharded), ``shard`` the cut over ranks, ``views`` cuts a
             flat buffer into per-parameter views.
-        bind (bool), shares_grad (bool), takeovers, takeover_tier: see :class:`~zero_offload.state.params.Masters`.
+        bind (bool), shares_grad (bool), takeovers, slots_tier: see :class:`~zero_offload.state.params.Masters`.
     """
 
     kind = ""
@@ -63,10 +65,10 @@ class Home:
                  params: Sequence[torch.Tensor], owners: Sequence[torch.Tensor], layout: BucketLayout,
                  shard: Optional[ShardLayout], views: Views, bind: bool, shares_grad: bool,
                  placed: Optional[Sequence[torch.Tensor]] = None, takeovers: Optional[Sequence[Any]] = None,
-                 takeover_tier: Optional[Tier] = None):
+                 slots_tier: Optional[Tier] = None):
         self.tier = tier
         self.masters = Masters(params, layout, shard, tier, shares_grad, views, owners, bind=bind, takeovers=takeovers,
-                               takeover_tier=takeover_tier)
+                               slots_tier=slots_tier)
         self.store = StateStore(rule, buffers, state_dtype, tier, layout.padded_numel, views, len(params))
         self.views = StateViews(rule, self.store, self.masters, layout, shard, params, placed)
 
@@ -76,11 +78,26 @@ class Home:
         """Where the state is now, for messages ("pinned host", "cuda:0")."""
         return self.tier.name
 
-    def bring(self) -> None:
-        """Make the state readable where its update runs, before the update (here: it is there already)."""
+    @property
+    def grads_tier(self) -> Tier:
+        """Where the bucket's gradient slots live (made there at first use unless on the host)."""
+        return self.tier
 
-    def put_back(self) -> None:
+    def bring(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
+        """Make the state readable where its update runs, before the update (here: it is there already).
+        ``streams``: the transport's side streams (:class:`~zero_offload.transport.channel.Streams`), for a home
+        whose state must travel; ``timeline`` and ``where`` (the bucket's position) name the copies."""
+
+    def put_back(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
         """After the update: the state goes back where it lives between steps (here: it never left)."""
+
+    def release(self) -> None:
+        """The step is over without an update of the bucket: what :meth:`bring` (or an earlier reload) holds is
+        let go (here: nothing)."""
+
+    def settle(self) -> None:
+        """Before the host reads the state (a checkpoint, ``opt.state``): wait for any copy still bringing it back
+        (here: none)."""
 
     def update(self, rule: Rule, run: Run, hyper: Any) -> None:
         """Run ``rule`` over one run of this home's slots, where this home's state is stepped."""
@@ -214,6 +231,24 @@ class Home:
         """Allocate those of ``buffers`` not allocated yet (zeroed); returns their names."""
         return self.store.ensure(buffers)
 
+    def take_over(self, old: "Home") -> None:
+        """Hold what ``old`` (the bucket's home so far) holds, between steps, every copy from it waited for: the
+        rule's buffers, a separate master, the step counts (the same tensor: the entries' ``"step"`` are views of
+        it), whether each master is current, and which parameters have entries. The parameters, which hold what was
+        uploaded from the old masters, fill their new slots and are bound to them."""
+        for name, buf in old.store.flat.items():
+            self.store.flat[name].copy_(buf)
+        if self.masters.separate:
+            self.masters.master.copy_(old.masters.master)
+        self.masters.fill_param_slots()
+        self.store.steps = old.store.steps
+        self.views.steps = old.store.steps
+        self.masters.bind()
+        watch, versions = self.masters.watch, old.masters.versions
+        self.masters.versions = [v if v < 0 else fsdp2.version(p) for v, p in zip(versions, watch)]
+        for i, exposed in enumerate(old.views.exposed):
+            self.views.set_exposed(i, exposed)
+
     # -- the parameters beside the state -------------------------------------------------------------------------
     def fill_param_slots(self) -> None:
         """Copy the values of the parameters that live with the state into the slots :meth:`bind` binds them to."""
@@ -230,7 +265,7 @@ class Home:
 
     def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """(Re)initialise the separate masters of ``indices`` whose parameter changed outside the optimizer (into
-        ``into`` instead where given)."""
+        ``into`` instead where given: copies, the home left as it is)."""
         self.masters.refresh(indices, into)
 
     def record_versions(self, indices: Sequence[int]) -> None:

@@ -53,21 +53,23 @@ class Masters:
         takeovers (Sequence, optional): FSDP2: FSDP's record of each host shard (see
             :func:`zero_offload.fsdp2.takeover`), whose storage the slots take over (``watch`` the DTensor
             parameters); each slot has room for the shard's padding rows. Default: None.
-        takeover_tier (Tier, optional): where the buffer that takes the shards over lives, when not ``tier``
-            (page-locked for ``CPUOffloadPolicy(pin_memory=True)``, whose shards FSDP copies to the GPU).
-            Default: None.
+        slots_tier (Tier, optional): where the buffer the parameters are bound to lives (the master, or the staging
+            copy of low-precision parameters), when not ``tier``: page-locked host memory for the FSDP2 shards taken
+            over with ``CPUOffloadPolicy(pin_memory=True)`` (FSDP copies them to the GPU); the GPU for a parked
+            home's parameters, whose state is on the host. Default: None.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, shard: Optional[ShardLayout],
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
                  watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True,
-                 takeovers: Optional[Sequence[Any]] = None, takeover_tier: Optional[Tier] = None):
+                 takeovers: Optional[Sequence[Any]] = None, slots_tier: Optional[Tier] = None):
         self.params, self.shard, self.takeovers, self.offsets = params, shard, takeovers, layout.offsets
         self.watch = params if watch is None else watch
         self.device, self.dtype = layout.device, layout.dtype
-        # The state lives with the parameters (a CPU model, FSDP2's host shards taken over, or a GPU bucket on the
-        # device tier): the parameters are bound to the slots the update writes, and nothing is transferred.
-        self.resident = (layout.device.type == "cpu" and (bind or takeovers is not None)) or not tier.host
+        slots = slots_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
+        # The state lives with the parameters (a CPU model, FSDP2's host shards taken over, or a GPU bucket stepped
+        # on its GPU): the parameters are bound to the slots the update writes, and nothing is transferred.
+        self.resident = (layout.device.type == "cpu" and (bind or takeovers is not None)) or not slots.host
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
@@ -77,7 +79,6 @@ class Masters:
             self.flat_param = tier.zeros(shard.full.padded_numel, self.dtype)
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
-        slots = takeover_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
         self.slots_pinned = slots.pinned
         self.master = (own if (own is not None and not self.low_precision)
                        else (tier if self.low_precision else slots).zeros(n, torch.float32))
@@ -170,10 +171,13 @@ class Masters:
             for i in indices:
                 self.versions[i] = fsdp2.version(watch[i])
 
-    def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
+    def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None,
+                record: Optional[bool] = None) -> None:
         """(Re)initialise the separate masters of ``indices`` whose parameter changed since the optimizer last
-        wrote it. Each rank decides for its own pieces, with no collective. ``into`` (CPU buckets only):
-        per-parameter copies of the masters to refresh instead, the bucket left as it is."""
+        wrote it. Each rank decides for its own pieces, with no collective. ``into``: per-parameter tensors to
+        refresh instead of the masters (copies, on the parameters' device: the bucket left as it is, unless
+        ``record``, default False there: the parameters' versions are recorded, as where the copies become the
+        masters)."""
         if not self.separate:
             return
         stale = [i for i in indices if fsdp2.version(self.watch[i]) != self.versions[i]]
@@ -185,7 +189,7 @@ class Masters:
             # optimizer's) keeps the fp32 master's extra bits; any other value replaces the master.
             if value is not None and (self.versions[i] == -1 or not torch.equal(master.to(self.dtype), value)):
                 master.copy_(value)
-            if into is None:
+            if into is None or record:
                 self.versions[i] = fsdp2.version(self.watch[i])
 
     def _values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:

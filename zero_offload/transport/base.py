@@ -75,11 +75,17 @@ class Route:
         upload_reads (bool): :meth:`upload` reads what the update wrote (a copy from the master); False where the
             kernel wrote the parameters' storage itself, so a step may queue its kernels
             (:func:`~zero_offload.functional.queued_updates`).
+        hooks (bool): backward's hooks have work for its buckets (where gradients stream; False: they are read at
+            ``step()``).
+        reads_in_place (bool): ``step()`` reads its gradients where autograd left them, whatever backward sent
+            (what backward's hooks do for it is no copy: :meth:`send` may bring its state up instead).
     """
 
     resident = False
     speculates = False
     upload_reads = True
+    hooks = True
+    reads_in_place = False
 
     def __init__(self, transport: "Transport"):
         self.transport = transport
@@ -112,6 +118,9 @@ class Route:
 
     def finish(self, lanes: Sequence[Lane]) -> None:
         """After every upload of a step: order what reads the parameters next after them."""
+
+    def end(self, lane: Lane) -> None:
+        """The step is over (whatever its outcome): let go of what the lane's step held (here: nothing)."""
 
     def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane], label: str) -> Optional[Any]:
         """Copy new parameters (``src``, flat in the bucket's layout) ahead of their commit into a device buffer of
@@ -174,15 +183,16 @@ class Transport:
 
     def add(self, bucket: FlatBucket, group: int, streamed: bool) -> Lane:
         """Take charge of a new bucket: its lane (``streamed``: backward sends its gradients)."""
-        lane = Lane(bucket, group, len(self.lanes), self.route_for(bucket), streamed)
+        route = self.route_for(bucket)
+        lane = Lane(bucket, group, len(self.lanes), route, streamed and route.hooks)
         self.lanes.append(lane)
         return lane
 
     def rehome(self, lane: Lane) -> None:
-        """The bucket moved to the device tier (between steps): its new route and channel (without the host
-        buffers it no longer needs); backward no longer sends it."""
+        """The bucket's state moved to another home (between steps): its new route and channel (without the host
+        buffers it no longer needs); backward sends it still only where the new route has work for its hooks."""
         lane.route = self.route_for(lane.bucket)
-        lane.channel, lane.streamed = lane.route.channel(), False
+        lane.channel, lane.streamed = lane.route.channel(), lane.streamed and lane.route.hooks
 
     # -- gradients, from backward ----------------------------------------------------------------------------
     def send_grads(self, lane: Lane) -> None:
@@ -200,7 +210,7 @@ class Transport:
         # With release, a slot already holding this step's gradient is added to; otherwise it is overwritten.
         add = [self.release and arrival.sent[i] for i in idx]
         tl = self.timeline
-        with NOTHING if tl is None else tl.span("copy", "d2h", lane.position):
+        with NOTHING if tl is None or lane.route.reads_in_place else tl.span("copy", "d2h", lane.position):
             arrival.norm = lane.route.send(lane, idx, grads, add)
         if not self.release and not lane.route.resident:
             arrival.norms.update(self.edits.norms(idx, grads))
@@ -210,7 +220,7 @@ class Transport:
             zero[i] = False
             if not self.release:
                 arrival.sources[i] = (g, g._version)
-        if self.release:
+        if self.release and not lane.route.reads_in_place:
             for i in idx:
                 bucket.params[i].grad = None
         arrival.launches += 1
@@ -231,7 +241,7 @@ class Transport:
         norms, arrival.norms = arrival.norms, {}  # (given up: a second receive reads every gradient again)
         grads = self.collect(lane)
         self.moved = True
-        if not lane.streamed or not (arrival.launches or any(arrival.sent)):
+        if not lane.streamed or lane.route.reads_in_place or not (arrival.launches or any(arrival.sent)):
             return Intake(lane, [g is not None for g in grads], grads)
         if lane.channel.unsettled:
             lane.route.wait(lane)
@@ -389,6 +399,7 @@ class Transport:
         for lane in self.lanes:
             if lane.channel.unsettled:
                 lane.route.wait(lane)
+            lane.route.end(lane)
             if lane.arrival.launches or any(lane.arrival.sent) or lane.arrival.norms:
                 lane.end()
 

@@ -11,7 +11,7 @@ gradient copies."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from zero_offload.transport.base import Route
 from zero_offload.transport.channel import Channel, Mark
 from zero_offload.transport.host import HostRoute
 
-__all__ = ["CopyChannel", "DeviceTierRoute", "OffloadRoute", "Staged", "device_room"]
+__all__ = ["CopyChannel", "DeviceTierRoute", "OffloadRoute", "Staged", "device_room", "room_in_backward"]
 
 
 class CopyChannel(Channel):
@@ -60,6 +60,7 @@ class DeviceTierRoute(HostRoute):
     """A GPU bucket whose state stays on the GPU: read in place and updated there by torch's fused AdamW."""
 
     upload_reads = True  # (its update runs on the GPU, not by a queued native call)
+    hooks = False  # (nothing to hide behind backward)
 
 
 class OffloadRoute(Route):
@@ -155,13 +156,9 @@ class OffloadRoute(Route):
         None otherwise (the commit uploads from the host, as without it). ``label``: the copy's name in the
         timeline."""
         bucket, t = lane.bucket, self.transport
-        if t.staging_margin is None:
-            return None
         device = bucket.device
         nbytes = bucket.layout.padded_numel * bucket.dtype.itemsize
-        coming = sum(o.bucket.layout.numel * o.bucket.dtype.itemsize for o in lanes
-                     if o.streamed and not o.arrival.launches and o.bucket.device == device)
-        if device_room(device) < nbytes + coming + t.staging_margin:
+        if not room_in_backward(t, device, nbytes, lanes):
             return None
         stream = t.streams.up(device)
         channel = lane.channel
@@ -205,6 +202,17 @@ class Staged:
         """Give the device memory back (after the commit's copy was enqueued on the upload stream, or the upload
         was waited for): the next allocation on that stream is ordered after what reads it."""
         self.flat.untyped_storage().resize_(0)
+
+
+def room_in_backward(transport: Any, device: torch.device, nbytes: int, lanes: Sequence[Lane]) -> bool:
+    """Whether ``device`` has room, during backward, for ``nbytes`` more beyond the transport's ``staging_margin``
+    (None: no such uploads, ``uploads_in_backward=False``) and the gradients backward has still to make (those of the
+    streamed buckets of ``lanes`` not sent yet)."""
+    if transport.staging_margin is None:
+        return False
+    coming = sum(o.bucket.layout.numel * o.bucket.dtype.itemsize for o in lanes
+                 if o.streamed and not o.arrival.launches and o.bucket.device == device)
+    return device_room(device) >= nbytes + coming + transport.staging_margin
 
 
 def device_room(device: torch.device) -> int:

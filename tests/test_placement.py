@@ -1,0 +1,307 @@
+"""Where each bucket's state lives (``placement``): on the host and stepped there, resident on the GPU, or parked on
+the host between steps and stepped on the GPU (zero_offload/state/parked_home.py), alone or mixed in one param
+group. On CPU-only machines the GPU is the stand-in of tests/cuda_standins.py (the buckets are told their parameters
+are on ``cuda:0``; their "device" buffers are CPU tensors; streams and events order nothing), and torch's fused CPU
+kernel stands in for its CUDA kernel: the Python of each home runs for real, against AdamW every step.
+
+Tolerance: default fp32. The host buckets run our kernel, the GPU-stepped ones torch's fused kernel; both are AdamW
+within float rounding (docs/twin-flow.md). Parked and resident buckets run the same kernel on the same values: they
+are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from itertools import chain
+
+import pytest
+import torch
+
+import cuda_standins
+from test_cuda_branches import CUDA_RECIPES
+from test_grad_stream import _run_recipe
+from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
+from test_twin_flow import BUCKET, _with
+from zero_offload import Lion, OffloadOptimizer, _torch_fused, offload
+
+MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    if not _torch_fused.AVAILABLE:
+        pytest.skip("torch < 2.4 has no fused AdamW for CPU tensors to stand in for the GPU's")
+    planned = cuda_standins.install(monkeypatch.setattr)
+    yield monkeypatch
+    assert planned, "no optimizer was built on the stand-in device"
+
+
+def _buckets(opt):
+    return list(chain.from_iterable(opt._buckets))
+
+
+def _homes(opt):
+    return [[b.home.kind for b in group] for group in opt._buckets]
+
+
+def _train(opt, model, steps, start=0, clip=None):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+
+
+# Every recipe of the CUDA branches (clipping in each norm, accumulation, GradScaler with overflow, schedulers,
+# closures, add_param_group, release_grads, zero_grad(set_to_none=False), not streamed), every bucket parked; and
+# the three homes in one param group.
+@pytest.mark.parametrize("placement", ["parked", "mix"])
+@pytest.mark.parametrize("recipe", CUDA_RECIPES, ids=lambda r: r.name)
+def test_each_placement_matches_adamw_every_step(cuda_branches, recipe, placement):
+    opt = _run_recipe(_with(recipe, placement=MIX if placement == "mix" else placement), "cpu", steps=25)
+    homes = _homes(opt)
+    if placement == "parked":
+        assert all(h == "parked" for h in chain.from_iterable(homes)), homes
+    else:
+        assert set(homes[0]) == {"host", "resident", "parked"}, homes
+    # A parked bucket's gradients stay where autograd left them: no gradient buffer of its own (but
+    # zero_grad(set_to_none=False) of a bucket not streamed makes the .grad tensors views of one, as on the GPU).
+    made = [b.grads.allocated for b in _buckets(opt) if b.home.kind == "parked"]
+    keeps = not recipe.set_to_none and recipe.ours_kw.get("stream_grads") is False
+    assert all(made) if keeps else not any(made), made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parked_buckets_are_bitwise_the_resident_ones(cuda_branches, dtype):
+    """Parked and resident state are stepped by the same kernel from the same values: the same trajectory, bit for
+    bit (a bf16 model's fp32 masters parked too), whatever travelled in between."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(dtype)
+    twin_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    twin = OffloadOptimizer(param_groups(twin_model), bucket_numel=BUCKET, placement="resident")
+    for step in range(5):
+        _train(opt, model, 1, start=step, clip=0.5)
+        _train(twin, twin_model, 1, start=step, clip=0.5)
+        for p, q in zip(model.parameters(), twin_model.parameters()):
+            assert torch.equal(p, q), step
+            for key, value in opt.state[p].items():
+                assert torch.equal(value, twin.state[q][key]), (step, key)
+    assert ("master" in opt.state[next(model.parameters())]) == (dtype != torch.float32)
+
+
+def test_a_parked_buckets_state_comes_up_in_backward_and_goes_down_before_the_next_forward(cuda_branches):
+    """The reload of each parked bucket is issued by backward's hook once the bucket's gradients are final, before
+    ``step()``; its write-back is issued inside ``step()``, so before the next forward; both on the copy streams,
+    and only what the state holds travels (no gradient copy, no upload)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    opt.record_timeline()
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        backward_end = opt.timeline()  # (taken now: what happened up to here)
+        stepped = [i for i, b in enumerate(_buckets(opt)) if any(p.grad is not None for p in b.params)]
+        assert len(stepped) > 5 and sorted(e.bucket for e in backward_end if e.what == "reload") == stepped, (
+            f"step {step}: not every bucket with a gradient came up in backward")
+        opt.step()
+        events = opt.timeline()
+        (step_span,) = [e for e in events if e.kind == "step"]
+        written = [e for e in events if e.what == "write-back"]
+        assert sorted(e.bucket for e in written) == stepped
+        assert all(step_span.start <= e.start and e.end <= step_span.end for e in written)
+        assert not [e for e in events + backward_end if e.what in ("d2h", "h2d")], "a gradient or parameter moved"
+
+
+def test_without_room_in_backward_the_state_comes_up_at_step(cuda_branches):
+    """Where the GPU has no room for a bucket's state during backward (beyond ``gpu_margin_gib`` and the gradients
+    still to come), or with ``uploads_in_backward=False``, it comes up at ``step()``: the same trajectory."""
+    cuda_branches.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 40))  # 1 MiB free
+    for kw in ({}, {"uploads_in_backward": False}):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        ref_model = copy.deepcopy(model)
+        opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked", gpu_margin_gib=0.5,
+                               **kw)
+        ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+        opt.record_timeline()
+        for step in range(3):
+            for o, m in ((opt, model), (ref, ref_model)):
+                o.zero_grad()
+                loss_fn(m, step, 0, "cpu").backward()
+            assert not [e for e in opt.timeline() if e.what == "reload"], kw
+            stepped = [i for i, b in enumerate(_buckets(opt)) if any(p.grad is not None for p in b.params)]
+            opt.step()
+            ref.step()
+            assert_same(model, ref_model, opt, ref, f"{kw}, step {step}")
+            assert sorted(e.bucket for e in opt.timeline() if e.what == "reload") == stepped
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_nonfinite_gradient_leaves_every_home_as_it_was(cuda_branches, policy):
+    """The gate decides before any home updates: an inf in a parked bucket's gradient (its state already brought
+    up in backward) changes no parameter and no state, in any home, and the next step goes on from there."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX, nonfinite=policy)
+    _train(opt, model, 3)
+    parked = next(b.params[0] for b in _buckets(opt) if b.home.kind == "parked")
+    before = ([p.detach().clone() for p in model.parameters()],
+              {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()})
+    opt.zero_grad()
+    loss_fn(model, 3, 0, "cpu").backward()
+    parked.grad.view(-1)[0] = float("inf")
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match="non-finite gradient"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.skipped_steps == 1
+    for p, q in zip(model.parameters(), before[0]):
+        assert torch.equal(p.detach(), q)
+    opt.flush()  # (the host buffers hold the state once any write-back has landed)
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, before[1][id(p)][k]), k
+    assert all(b.home.twins is None for b in _buckets(opt) if b.home.kind == "parked"), "device copies kept"
+    _train(opt, model, 1, start=4)
+
+
+def test_an_lr_set_after_backward_is_the_one_every_home_steps_with(cuda_branches):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(4):
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            for group in o.param_groups:  # (after the parked state came up in backward)
+                group["lr"] = 1e-3 * (step + 2)
+            o.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
+def _save(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("saved,loaded", [("parked", "host"), ("host", "parked"), (MIX, "parked"),
+                                          ("parked", "adamw"), ("adamw", "parked")])
+def test_a_state_dict_loads_under_any_placement(cuda_branches, saved, loaded):
+    """AdamW's format whatever the homes: saved mid-run under one placement (or by AdamW), loaded under another
+    (or into AdamW), the runs go on together with the uninterrupted one."""
+
+    def make(model, placement):
+        if placement == "adamw":
+            return torch.optim.AdamW(param_groups(model), foreach=False)
+        return OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=placement)
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = make(model, saved)
+    for step in range(4):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    ckpt = _save({"model": model.state_dict(), "opt": opt.state_dict()})
+    resumed_model = TinyTransformer()
+    resumed_model.load_state_dict(ckpt["model"])
+    resumed = make(resumed_model, loaded)
+    resumed.load_state_dict(ckpt["opt"])
+    for step in range(4, 8):
+        for o, m in ((opt, model), (resumed, resumed_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            o.step()
+        assert_same(model, resumed_model, opt, resumed, f"{saved} -> {loaded}, step {step}")
+
+
+def test_a_load_between_backward_and_step_is_the_state_the_step_updates(cuda_branches):
+    """The state a parked bucket brought up in backward is let go when another is loaded before ``step()``: the
+    step updates the loaded state, as AdamW's does."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for o, m in ((opt, model), (ref, ref_model)):
+        _train(o, m, 3)
+    ckpt = copy.deepcopy(ref.state_dict())
+    for o, m in ((opt, model), (ref, ref_model)):
+        _train(o, m, 2, start=3)
+        o.zero_grad()
+        loss_fn(m, 5, 0, "cpu").backward()
+        o.load_state_dict(ckpt)
+        o.step()
+    assert_same(model, ref_model, opt, ref, "loaded between backward and step()")
+
+
+def test_a_parked_bucket_holds_its_state_on_the_host_only(cuda_branches):
+    """Host RAM: a parked bucket's moments (and a bf16 model's fp32 master), no gradient or parameter copy; the
+    plan before building says the same bytes."""
+    for dtype, per_param in ((torch.float32, 8), (torch.bfloat16, 12)):
+        torch.manual_seed(0)
+        model = TinyTransformer().to(dtype)
+        opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+        held = opt.estimate_host_memory()
+        assert held.buffers.get("grad", 0) == 0 and held.buffers.get("staging", 0) == 0
+        padded = sum(b.layout.padded_numel for b in _buckets(opt))
+        assert held.total_bytes == per_param * padded, dtype
+        planned = OffloadOptimizer.estimate_host_memory(param_groups(model), bucket_numel=BUCKET, placement="parked")
+        assert planned.total_bytes == held.total_bytes
+        mixed = OffloadOptimizer(param_groups(copy.deepcopy(model)), bucket_numel=BUCKET, placement=MIX)
+        assert OffloadOptimizer.estimate_host_memory(param_groups(model), bucket_numel=BUCKET,
+                                                     placement=MIX).total_bytes == mixed.estimate_host_memory().total_bytes
+
+
+def test_a_parked_buckets_gradients_are_let_go_with_the_step(cuda_branches):
+    import weakref
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(model.parameters(), placement="parked")
+    for step in range(2):
+        loss_fn(model, step, 0, "cpu").backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+        assert [g() is None for g in grads] == [True] * len(grads), "a gradient outlived the step"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(placement="gpu"), "Invalid placement"),
+    (dict(placement={"parked": 0.7, "resident": 0.4}), "Invalid placement"),
+    (dict(placement={"host": 0.5}), "Invalid placement"),
+    (dict(placement="parked", gpu_fraction=0.5), "alias"),
+    (dict(placement="parked", state_dtype=torch.bfloat16), "fp32 state only"),
+    (dict(placement="parked", overlap_step=True, nonfinite="ignore"), "not combined"),
+    (dict(placement="parked", delayed_update=True), "not combined"),
+    (dict(placement="parked", speculate=True), "no host update to speculate"),
+])
+def test_bad_placements_are_refused(kw, match):
+    model = TinyTransformer()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        OffloadOptimizer(model.parameters(), **kw)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_rule_without_a_gpu_update_refuses_a_gpu_placement():
+    with pytest.raises(ValueError, match="placement='parked': Lion has no GPU update"):
+        offload(Lion, TinyTransformer().parameters(), placement="parked")
+
+
+def test_a_cpu_model_is_stepped_on_the_host_whatever_the_placement():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    _train(opt, model, 2)
+    assert all(h == "host" for h in chain.from_iterable(_homes(opt)))

@@ -1,0 +1,146 @@
+"""The parked home: a bucket's state parked in pinned host memory between steps and stepped on the GPU its
+parameters are on, by the rule's device update (torch's fused AdamW for AdamW, as the device home's). Its moments
+(and the fp32 master of bf16/fp16 parameters; an fp32 parameter is its own master, bound to a slot on the GPU) come
+up as device copies on a copy stream once the bucket's gradients are final in backward (:meth:`ParkedHome.reload`:
+into memory allocated on the compute stream, which backward has been freeing), or at ``step()`` at the latest;
+``step()`` updates them there, after the same checks as every other bucket's; they go down again on the other copy
+stream while the next forward runs (:meth:`ParkedHome.put_back`), and the device copies' memory returns to the
+allocator once that copy has read it. No host wait on the way: the compute stream waits for the reload's event, the
+host only for a write-back still in flight when it reads the state (:meth:`ParkedHome.settle`). The bucket's
+gradients and parameters never cross PCIe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from zero_offload.rules.base import Rule, Run, StateBuffer
+from zero_offload.state.home import Copies, Home
+from zero_offload.state.layout import view_like
+from zero_offload.state.tiers import DeviceTier, HostTier, Tier
+from zero_offload.timeline import NOTHING, Timeline
+
+__all__ = ["ParkedHome"]
+
+
+class ParkedHome(Home):
+    """State parked in (page-locked, with ``pin``) host memory, stepped on ``device`` (see the module docstring and
+    :class:`~zero_offload.state.home.Home` for ``parts``).
+
+    Attributes:
+        twins (Dict[str, Tensor], optional): the device copies of the parked buffers (``"master"`` where it is
+            separate, the rule's by name) from their reload to their write-back; None between.
+    """
+
+    kind = "parked"
+    on_device = True
+
+    def __init__(self, device: torch.device, pin: bool, **parts: Any):
+        self.device = torch.device(device) if isinstance(device, str) else device
+        parts["slots_tier"] = DeviceTier(self.device)  # (the parameters are bound to slots on their GPU)
+        super().__init__(HostTier(pin), **parts)
+        self.twins: Optional[Dict[str, torch.Tensor]] = None
+        self._reloaded: Optional[Any] = None  # the event after the reload's copies
+        self._written: Optional[Any] = None  # the event after the last write-back's copies, until waited for
+
+    @property
+    def grads_tier(self) -> Tier:
+        return DeviceTier(self.device)  # (its gradients are read where autograd left them, on the GPU)
+
+    def parked(self) -> Dict[str, torch.Tensor]:
+        """The host buffers the home parks, by name: a separate fp32 master (``"master"``), the rule's buffers."""
+        master = {"master": self.masters.master} if self.masters.separate else {}
+        return {**master, **self.store.flat}
+
+    def nbytes_parked(self) -> int:
+        """Bytes of the parked buffers: what the GPU holds of this home while it is stepped."""
+        return sum(t.numel() * t.element_size() for t in self.parked().values())
+
+    # -- around a step -------------------------------------------------------------------------------------------
+    def reload(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
+        """Bring the parked buffers up (once a step): device copies allocated on the current (compute) stream,
+        filled on the upload stream after the last write-back, an event after them."""
+        if self.twins is not None:
+            return
+        up = streams.up(self.device)
+        twins = {name: torch.empty(buf.numel(), dtype=buf.dtype, device=self.device)
+                 for name, buf in self.parked().items()}
+        up.wait_stream(torch.cuda.current_stream(self.device))  # (the memory may have been the compute stream's)
+        if self._written is not None:
+            up.wait_event(self._written)  # the host buffers hold the last step's state only once it has landed
+        with torch.cuda.stream(up), NOTHING if timeline is None else timeline.span("copy", "reload", where):
+            for name, buf in self.parked().items():
+                twins[name].copy_(buf, non_blocking=True)
+            self._reloaded = torch.cuda.Event()
+            self._reloaded.record(up)
+        for twin in twins.values():
+            twin.record_stream(up)  # (freed while the copy may still run: the allocator waits for it)
+        self.twins = twins
+
+    def bring(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
+        """The update's stream (the current one) waits for the reload (issued now if backward did not)."""
+        self.reload(streams, timeline, where)
+        torch.cuda.current_stream(self.device).wait_event(self._reloaded)
+
+    def update(self, rule: Rule, run: Run, hyper: Any) -> None:
+        rule.update_on_device(run, hyper)
+
+    def put_back(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
+        """The updated buffers go down on the copy stream, after the update; their device memory is given back
+        (reused once that copy has read it)."""
+        twins, self.twins = self.twins, None
+        down = streams.down(self.device)
+        down.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(down), NOTHING if timeline is None else timeline.span("copy", "write-back", where):
+            for name, buf in self.parked().items():
+                buf.copy_(twins[name], non_blocking=True)
+            self._written = torch.cuda.Event()
+            self._written.record(down)
+        for twin in twins.values():
+            twin.record_stream(down)
+
+    def release(self) -> None:
+        """A step that did not update the bucket (skipped, refused, no gradient): its device copies are let go (the
+        host buffers still hold the state)."""
+        self.twins = None
+
+    def settle(self) -> None:
+        """The host buffers hold the state, before the host reads or writes them (a checkpoint, ``opt.state``, a
+        load): wait for a write-back still in flight, and let go of device copies brought up early (``step()``
+        brings the state up again, as it then is)."""
+        written, self._written = self._written, None
+        if written is not None:
+            written.synchronize()
+        self.twins = None
+
+    # -- what one update reads and writes --------------------------------------------------------------------------
+    def run_buffers(self, a: int, b: int, copies: Optional[Copies] = None
+                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """While stepped (reloaded): the device copies over elements ``[a, b)`` (the master: the parameters' own
+        slots where it is not separate). Otherwise, or of ``copies``, as every home."""
+        twins = self.twins
+        if twins is None or copies is not None:
+            return super().run_buffers(a, b, copies)
+        master = twins["master"] if self.masters.separate else self.masters.master
+        return master[a:b], {name: twins[name][a:b] for name in self.store.flat}, {}
+
+    def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
+        """While stepped, a separate master taken from its changed parameter goes into its device copy (which the
+        write-back then parks)."""
+        if into is None and self.twins is not None and self.masters.separate:
+            flat = self.twins["master"]
+            views = [view_like(flat, o, p) for o, p in zip(self.masters.offsets, self.masters.params)]
+            self.masters.refresh(indices, into=views, record=True)
+            return
+        super().refresh(indices, into)
+
+    def ensure(self, buffers: Sequence[StateBuffer]) -> List[str]:
+        """As every home's; a buffer added while the state is up (amsgrad switched on) comes up too (zeros)."""
+        added = super().ensure(buffers)
+        if added and self.twins is not None:
+            for name in added:
+                self.twins[name] = torch.zeros(self.store.flat[name].numel(), dtype=self.store.flat[name].dtype,
+                                               device=self.device)
+        return added

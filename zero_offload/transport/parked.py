@@ -1,0 +1,34 @@
+"""The route of a GPU bucket whose state is parked on the host between steps (:class:`ParkedRoute`, the parked home's:
+:mod:`zero_offload.state.parked_home`): no gradient and no parameter crosses PCIe, only the state. Backward's hooks
+bring the state up as the bucket's gradients become final, where the GPU has room for it then (memory backward has
+freed, beyond ``gpu_margin_gib`` and the gradients still to come; else at ``step()``); ``step()`` reads the gradients
+where autograd left them, steps the bucket on the GPU, and sends the state back down during the next forward."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from zero_offload.lane import Lane
+from zero_offload.transport.device import room_in_backward
+from zero_offload.transport.host import HostRoute
+
+__all__ = ["ParkedRoute"]
+
+
+class ParkedRoute(HostRoute):
+    """Parameters and gradients on a GPU, the state parked on the host (see the module docstring)."""
+
+    upload_reads = True  # (its update runs on the GPU, not by a queued native call)
+    reads_in_place = True
+
+    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> Optional[torch.Tensor]:
+        """The bucket's gradients are final: its state comes up now, where there is room (once a step)."""
+        t, home = self.transport, lane.bucket.home
+        if home.twins is None and room_in_backward(t, lane.bucket.device, home.nbytes_parked(), t.lanes):
+            home.reload(t.streams, t.timeline, lane.position)
+        return None
+
+    def end(self, lane: Lane) -> None:
+        lane.bucket.home.release()
