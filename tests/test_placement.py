@@ -113,6 +113,9 @@ def test_a_parked_buckets_state_comes_up_in_backward_and_goes_down_before_the_ne
         written = [e for e in events if e.what == "write-back"]
         assert sorted(e.bucket for e in written) == stepped
         assert all(step_span.start <= e.start and e.end <= step_span.end for e in written)
+        # Down in the order they came up (backward's): the next backward's first reloads find theirs landed.
+        came_up = [e.bucket for e in sorted(backward_end, key=lambda e: e.start) if e.what == "reload"]
+        assert [e.bucket for e in sorted(written, key=lambda e: e.start)] == came_up
         assert not [e for e in events + backward_end if e.what in ("d2h", "h2d")], "a gradient or parameter moved"
 
 
@@ -303,5 +306,80 @@ def test_a_cpu_model_is_stepped_on_the_host_whatever_the_placement():
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    _train(opt, model, 2)
+    assert all(h == "host" for h in chain.from_iterable(_homes(opt)))
+
+
+# -- placement="auto": the cost model, and the move after the first step --------------------------------------------
+def _cost(numel, arrival, nbytes=None):
+    from zero_offload.cost_model import BucketCost
+
+    return BucketCost(numel, 8 * numel if nbytes is None else nbytes, 8 * numel if nbytes is None else nbytes, arrival)
+
+
+def test_the_cost_model_balances_host_kernels_against_reloads():
+    """By hand: four buckets of 100 elements arriving at 0, 1, 2, 3 s; the kernel does 100 elements a second, the
+    upload 800 bytes a second (one bucket's state a second)."""
+    from zero_offload.cost_model import Rates, plan_homes
+
+    buckets = [_cost(100, t) for t in (0.0, 1.0, 2.0, 3.0)]
+    rates = Rates(kernel=100.0, upload=800.0)
+    # No room anywhere: every bucket on the host (4 s of kernels after backward).
+    assert plan_homes(buckets, rates, 0, 0) == ["host"] * 4
+    # Room for one resident bucket: the last to arrive. Then parking: bucket 0 reloads 0-1 s (tail max(2, -2)),
+    # bucket 1 1-2 s (tail max(1, -1)), bucket 2 2-3 s (tail max(0, 0) = 0 < 1): all three parked.
+    assert plan_homes(buckets, rates, 800, 10**6) == ["parked", "parked", "parked", "resident"]
+    # A slow upload (a bucket's state in 4 s): parking bucket 0 ends its reload at 4 s, 1 s after backward, which
+    # beats 3 s of kernels (tail 2 s); bucket 1 would end at 8 s (tail 5 s > 2 s): one parked.
+    assert plan_homes(buckets, Rates(100.0, 200.0), 800, 10**6) == ["parked", "host", "host", "resident"]
+    # Parked room for one bucket's state only: the earliest.
+    assert plan_homes(buckets, rates, 0, 800) == ["parked", "host", "host", "host"]
+    # Buckets backward did not send count as arriving at its end: no time to hide a reload.
+    late = [_cost(100, None), _cost(100, 0.0), _cost(100, 3.0)]
+    assert plan_homes(late, Rates(100.0, 200.0), 0, 10**6) == ["host", "parked", "host"]
+
+
+@pytest.mark.parametrize("upload,expect", [(1e15, {"resident", "parked"}), (1.0, {"resident", "host"})])
+def test_auto_moves_each_bucket_to_its_cheapest_home_after_the_first_step(cuda_branches, upload, expect):
+    """``placement="auto"``: the first step runs every bucket on the host and is measured; after it the buckets go
+    where the cost model says (here: a fast upload parks everything the resident room left; a slow one parks
+    nothing), and the trajectory stays AdamW's across the move."""
+    import zero_offload.cost_model as cost_model
+
+    monkeypatch = cuda_branches
+    monkeypatch.setattr(cost_model, "measure_copy_rate", lambda device, nbytes=0: upload)
+    monkeypatch.setattr(cost_model, "measure_kernel_rate", lambda numel=0: 1e6)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="auto", gpu_margin_gib=1.0)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    last = max(_buckets(opt), key=lambda b: b.device_cost())
+    assert set(chain.from_iterable(_homes(opt))) == {"host"}
+    # Room for the largest bucket's state beyond the peak (1 MiB) and the margin; backward freed 1 MiB by step().
+    free = 2**30 + 2**20 + last.device_cost()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    for step in range(5):
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+        opt.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+        opt.step()
+        ref.step()
+        assert_same(model, ref_model, opt, ref, f"auto, step {step}")
+        homes = set(chain.from_iterable(_homes(opt)))
+        assert homes == expect, (step, homes)  # (placed once, after the first step)
+    resident = [b for b in _buckets(opt) if b.home.kind == "resident"]
+    assert len(resident) >= 1 and sum(b.device_cost() for b in resident) <= last.device_cost()
+
+
+def test_auto_on_a_cpu_model_steps_everything_on_the_host():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="auto")
     _train(opt, model, 2)
     assert all(h == "host" for h in chain.from_iterable(_homes(opt)))

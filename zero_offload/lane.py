@@ -46,9 +46,11 @@ class Arrival:
             its gradients (read at ``step()`` without waiting for any gradient copy).
         norms (Dict[int, Tensor]): each gradient's norm at its copy, by parameter, where an edit that moves no
             version counter may come (see :mod:`~zero_offload.transport.edits`).
+        at (float, optional): when it was first sent (``time.perf_counter()``, the host's clock: on a GPU the hooks
+            run ahead of the device), what ``placement="auto"`` reads of the first step.
     """
 
-    __slots__ = ("sent", "launches", "sources", "norm", "norms")
+    __slots__ = ("sent", "launches", "sources", "norm", "norms", "at")
 
     def __init__(self, n: int):
         self.sent: List[bool] = [False] * n
@@ -56,6 +58,7 @@ class Arrival:
         self.sources: List[Optional[Tuple[torch.Tensor, int]]] = [None] * n
         self.norm: Optional[torch.Tensor] = None
         self.norms: Dict[int, torch.Tensor] = {}
+        self.at: Optional[float] = None
 
 
 class Lane:

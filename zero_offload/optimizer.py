@@ -115,7 +115,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         self._topology, params = topology.of(params, opts)
         self.options = self._topology.options(opts).validate()
         _check_rule(rule, self.options)
-        self._place_after_step = self.options.gpu_fraction == "auto"
+        self._placer = placement.Placer.of(self.options)  # (where buckets go once the first step is measured)
         self._rule, self._given = rule, dict(options)
         self._transport = self._topology.transport(self.options)
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
@@ -207,14 +207,16 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        placer = self._placer
         try:
+            if placer is not None:
+                placer.step_begins(self._transport)
             tl = self._transport.timeline
             with NOTHING if tl is None else tl.span("step", "step()"):
                 self._step()
-            if self._place_after_step:
-                self._place_after_step = False
-                placement.place_on_device(self._topology, self._transport, self._streamer, self.state,
-                                          self.options.gpu_margin_gib)
+            if placer is not None:  # (once, after the first step that did not raise)
+                self._placer = None
+                placer.step_ends(self._topology, self._transport, self._streamer, self.state)
         finally:
             self._end_step(stepped=True)
         return loss

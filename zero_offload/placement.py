@@ -1,20 +1,24 @@
-"""``gpu_fraction="auto"``: after the first step, the last-arriving CUDA buckets move to the device tier, as many
-as fit in the GPU memory the step left free (what neither the allocator's peak of the step nor ``gpu_margin_gib``
-takes). Sharded, every rank moves the same buckets (the fewest any rank has room for)."""
+"""Where the buckets go once the first step has shown the machine (:class:`Placer`): with ``gpu_fraction="auto"``
+the last-arriving CUDA buckets move to the device home, as many as fit in the GPU memory the step left free (what
+neither the allocator's peak of the step nor ``gpu_margin_gib`` takes; sharded, every rank moves the same buckets,
+the fewest any rank has room for); with ``placement="auto"`` each CUDA bucket goes where the cost model says its step
+is cheapest (:mod:`zero_offload.cost_model`), from the first step's arrival times, the GPU's room over it and the
+rates measured then."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, MutableMapping, Sequence
+from typing import Any, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload import checkpoint
+from zero_offload import checkpoint, cost_model
 from zero_offload.lane import Lane
+from zero_offload.options import Options
 from zero_offload.topology import Topology
 from zero_offload.transport import Transport
 
-__all__ = ["device_bytes", "place_on_device"]
+__all__ = ["Placer", "device_bytes", "place_on_device"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -56,23 +60,82 @@ def place_on_device(topology: Topology, transport: Transport, streamer: Any, sta
                 len(lanes), device_bytes(transport.lanes))
 
 
-def _move(lanes: List[Lane], topology: Topology, transport: Transport, streamer: Any, state: MutableMapping) -> int:
+def _move(lanes: List[Lane], topology: Topology, transport: Transport, streamer: Any, state: MutableMapping,
+          kinds: Optional[Sequence[str]] = None) -> int:
+    """Move each of ``lanes`` into the home of its ``kinds`` (default: resident); stop at the first the GPU has no
+    memory for. Returns how many moved."""
     moved = 0
-    for lane in lanes:
+    for lane, kind in zip(lanes, kinds or ["resident"] * len(lanes)):
         bucket = lane.bucket
         try:
-            bucket.move_to_device()
+            bucket.rehome(kind)
         except torch.cuda.OutOfMemoryError as exc:
             if not topology.alone:  # the other ranks may have moved it: the layouts would differ
                 raise
-            logger.warning("OffloadOptimizer(gpu_fraction='auto'): the GPU ran out of memory moving %s (%s); it "
-                           "and the buckets after it stay on the host", bucket.where, exc)
+            logger.warning("OffloadOptimizer: the GPU ran out of memory moving %s to its %s home (%s); it and the "
+                           "buckets after it stay on the host", bucket.where, kind, exc)
             break
-        streamer.drop(lane)
+        if kind == "resident":
+            streamer.drop(lane)  # (its gradients are read at step(): nothing for backward's hooks)
         transport.rehome(lane)
         checkpoint.expose(state, bucket, [i for i, e in enumerate(bucket.exposed) if e])
         moved += 1
     return moved
+
+
+class Placer:
+    """The first step's measurements and the move after it (``gpu_fraction="auto"``, ``placement="auto"``).
+
+    Args:
+        options (Options): the optimizer's.
+    """
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.allocated: Dict[Any, int] = {}  # GPU memory allocated as step() began, by device
+
+    @staticmethod
+    def of(options: Options) -> Optional["Placer"]:
+        """The placer ``options`` ask for; None (nothing to place after the first step)."""
+        return Placer(options) if "auto" in (options.gpu_fraction, options.placement) else None
+
+    def step_begins(self, transport: Transport) -> None:
+        """``step()`` begins: what backward has freed by now is what parked state may take (the step's peak came
+        before)."""
+        for device in {lane.bucket.device for lane in transport.lanes if not lane.bucket.on_cpu}:
+            self.allocated[device] = torch.cuda.memory_allocated(device)
+
+    def step_ends(self, topology: Topology, transport: Transport, streamer: Any, state: MutableMapping) -> None:
+        """Move the buckets where the options (and what the step showed) say."""
+        margin = self.options.gpu_margin_gib
+        if self.options.gpu_fraction == "auto":
+            place_on_device(topology, transport, streamer, state, margin)
+            return
+        lanes = [lane for lane in transport.lanes if not lane.bucket.on_cpu and lane.bucket.home.kind == "host"]
+        if not lanes:
+            return
+        homes = plan_auto(lanes, margin, self.allocated)
+        moving = [(lane, home) for lane, home in zip(lanes, homes) if home != "host"]
+        logger.info("OffloadOptimizer(placement='auto'): of %d GPU buckets, %d resident, %d parked, the rest stepped "
+                    "on the host", len(lanes), homes.count("resident"), homes.count("parked"))
+        if moving:
+            transport.synchronize()  # no copy may still read the host buffers being replaced
+            _move([lane for lane, _ in moving], topology, transport, streamer, state, [h for _, h in moving])
+
+
+def plan_auto(lanes: Sequence[Lane], margin_gib: float, allocated: Dict[Any, int]) -> List[str]:
+    """The home of each of ``lanes`` (CUDA buckets stepped on the host in the first step) by the cost model, with
+    the rates measured now and the room the first step left: resident, the memory its peak never used (less the
+    margin); parked, besides that, what backward had freed by ``step()`` (its peak less what was allocated then)."""
+    devices = {lane.bucket.device for lane in lanes}
+    rates = cost_model.Rates(cost_model.measure_kernel_rate(),
+                             min(cost_model.measure_copy_rate(d) for d in devices))
+    resident = min(_device_room(d, margin_gib) for d in devices)
+    parked = min(torch.cuda.max_memory_allocated(d) - allocated.get(d, 0) for d in devices)
+    # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master)
+    costs = [cost_model.BucketCost(lane.bucket.layout.numel, lane.bucket.device_cost(), lane.bucket.device_cost(),
+                                   lane.arrival.at) for lane in lanes]
+    return cost_model.plan_homes(costs, rates, max(0, resident), max(0, parked))
 
 
 def device_bytes(lanes: Sequence[Lane]) -> Dict[str, int]:

@@ -55,9 +55,13 @@ class _Seen:
 
 def device_tier_first(hypers: Sequence[Any], plans: Plans) -> List[Tuple[Any, Intake]]:
     """Each intake of ``plans`` with its group's hyperparameters, those of the buckets stepped on a GPU first: their
-    updates are only launched there, and the GPU runs them while the host updates the others."""
+    updates are only launched there, and the GPU runs them while the host updates the others. Among those, the ones
+    backward sent earliest first: a parked bucket's state goes back down in that order, so the next backward's first
+    reloads find theirs landed."""
     pairs = [(h, intake) for h, intakes in zip(hypers, plans) for intake in intakes]
-    return [p for p in pairs if p[1].bucket.home.on_device] + [p for p in pairs if not p[1].bucket.home.on_device]
+    gpu = sorted((p for p in pairs if p[1].bucket.home.on_device),
+                 key=lambda p: (p[1].lane.arrival.at is None, p[1].lane.arrival.at or 0.0))
+    return gpu + [p for p in pairs if not p[1].bucket.home.on_device]
 
 
 def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],

@@ -29,6 +29,7 @@ the host copy is simply refreshed from ``.grad``, which accumulated on the devic
 from __future__ import annotations
 
 import math
+import time
 from itertools import chain
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -203,6 +204,7 @@ class Transport:
         self.moved = True
         if not arrival.launches:
             self.arrivals.append(lane)
+            arrival.at = time.perf_counter()
         idx = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         grads = [bucket.params[i].grad for i in idx]
         shapes = bucket.grads.shapes if len(idx) == len(bucket.params) else [bucket.grads.shapes[i] for i in idx]

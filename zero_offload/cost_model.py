@@ -1,0 +1,108 @@
+"""``placement="auto"``'s cost model: which home each GPU bucket's step is cheapest in, from rates measured on the
+machine at hand (the CPU kernel's elements per second with its threads, pinned host-to-device bytes per second), the
+first step's arrival times (when backward made each bucket's gradients final) and the GPU's room.
+
+The step after backward waits for two things: the host kernels of the buckets stepped on the host (their gradients'
+copies overlap backward; the global clip and inf/nan verdict come only after the last gradient, so every host kernel
+runs after backward, one after another), and the state of the parked buckets coming up (a bucket's reload starts when
+its gradients are final, on the upload stream, one after another; the GPU steps it once it has landed). A resident
+bucket waits for neither. So:
+
+* **resident**: the last buckets to arrive, as many as fit in the memory the step never uses (free, plus the
+  allocator's cache, less the step's peak and ``gpu_margin_gib``): they have no time to hide anything behind;
+* **parked**: then, in arrival order (the earliest have the most backward left to hide their reload behind), each
+  bucket whose move from the host shortens the tail ``max(host kernels after backward, reloads after backward)``,
+  while the parked state fits in the memory backward has freed by ``step()`` (and the resident room left);
+* **host**: the rest.
+
+With a GPU step of a few milliseconds for a whole 1.3B model (fused AdamW, 13-17 ms), its own time is left out.
+A bucket's reload costs its parked bytes (8 per parameter for fp32 parameters, 12 with a separate fp32 master); its
+write-back as much again during the next forward, which the tail leaves out too. ``benchmarks/step_model.py`` runs the
+same plan through the event model of a measured step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+__all__ = ["BucketCost", "Rates", "measure_copy_rate", "measure_kernel_rate", "plan_homes"]
+
+
+class Rates(NamedTuple):
+    """What the machine does per second: ``kernel`` elements through the CPU kernel (fp32 state, all its threads),
+    ``upload`` pinned host-to-device bytes."""
+
+    kernel: float
+    upload: float
+
+
+class BucketCost(NamedTuple):
+    """One GPU bucket as the model sees it: its elements, the bytes its parked state takes (and moves each way),
+    the bytes its resident state would add to the GPU, and when backward made its gradients final (seconds, any
+    origin; None: not sent in backward, final when backward ends)."""
+
+    numel: int
+    parked_bytes: int
+    resident_bytes: int
+    arrival: Optional[float]
+
+
+def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float, parked_room: float) -> List[str]:
+    """Each bucket's home (``"resident"``, ``"parked"``, ``"host"``; see the module docstring)."""
+    end = max((b.arrival for b in buckets if b.arrival is not None), default=0.0)  # backward's end
+    arrival = [end if b.arrival is None else b.arrival for b in buckets]
+    order = sorted(range(len(buckets)), key=lambda i: arrival[i])  # (ties: construction order)
+    homes = ["host"] * len(buckets)
+    room = resident_room
+    for i in reversed(order):  # the last to arrive first, while they fit
+        if buckets[i].resident_bytes > room:
+            break
+        room -= buckets[i].resident_bytes
+        homes[i] = "resident"
+    parked_room += room  # (what the resident buckets left is free through the step too)
+    kernels = sum(buckets[i].numel for i in order if homes[i] == "host") / rates.kernel
+    reloaded, used = end, 0.0  # when the parked buckets' reloads end so far (the upload stream's clock)
+    for i in order:
+        if homes[i] != "host":
+            continue
+        b = buckets[i]
+        done = max(arrival[i], reloaded if used else arrival[i]) + b.parked_bytes / rates.upload
+        left = kernels - b.numel / rates.kernel
+        if used + b.parked_bytes > parked_room or max(left, done - end) >= max(kernels, reloaded - end):
+            break
+        homes[i], kernels, reloaded, used = "parked", left, done, used + b.parked_bytes
+    return homes
+
+
+def measure_kernel_rate(numel: int = 1 << 22) -> float:
+    """Elements per second of the CPU kernel (fp32 state and gradient, its threads as set), over ``numel`` scratch
+    elements, the best of three runs."""
+    from zero_offload import functional
+
+    params, grads = torch.zeros(numel), torch.full((numel,), 1e-3)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    best = float("inf")
+    for step in range(1, 4):
+        start = time.perf_counter()
+        functional.cpu_adam_(params, grads, m, v, step=step, lr=1e-3)
+        best = min(best, time.perf_counter() - start)
+    return numel / best
+
+
+def measure_copy_rate(device: torch.device, nbytes: int = 1 << 26) -> float:
+    """Bytes per second of a copy from pinned host memory to ``device`` (the best of three, timed by CUDA
+    events)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best
