@@ -12,17 +12,24 @@ bucket waits for neither. So:
   allocator's cache, less the step's peak and ``gpu_margin_gib``): they have no time to hide anything behind;
 * **parked**: then, in arrival order (the earliest have the most backward left to hide their reload behind), each
   bucket whose move from the host shortens the tail ``max(host kernels after backward, reloads after backward)``,
-  while the parked state fits in the memory backward has freed by ``step()`` (and the resident room left);
+  while the parked state fits in the memory backward has freed by ``step()`` (and the resident room left) and its
+  write-back is down before the next forward needs that memory back;
 * **host**: the rest.
 
+The write-backs: each parked bucket's state goes down on the copy stream once the GPU has stepped it (once its reload
+has landed and backward has ended), one after another. The next forward takes back the memory backward freed, so
+the parked state beyond the room the step leaves must be down by the end of that forward (``forward``: the first
+steps' measure of it): else the allocator would wait for the copies (a device-wide wait on the hot path). That bound
+is a condition, not a cost.
+
 With a GPU step of a few milliseconds for a whole 1.3B model (fused AdamW, 13-17 ms), its own time is left out.
-A bucket's reload costs its parked bytes (8 per parameter for fp32 parameters, 12 with a separate fp32 master); its
-write-back as much again during the next forward, which the tail leaves out too. ``benchmarks/step_model.py`` runs the
-same plan through the event model of a measured step.
+A bucket's reload costs its parked bytes (8 per parameter for fp32 parameters, 12 with a separate fp32 master), its
+write-back as much again. ``benchmarks/step_model.py`` runs the same plan through the event model of a measured step.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -33,10 +40,11 @@ __all__ = ["BucketCost", "Rates", "measure_copy_rate", "measure_kernel_rate", "p
 
 class Rates(NamedTuple):
     """What the machine does per second: ``kernel`` elements through the CPU kernel (fp32 state, all its threads),
-    ``upload`` pinned host-to-device bytes."""
+    ``upload`` pinned host-to-device bytes, ``download`` device-to-pinned-host bytes."""
 
     kernel: float
     upload: float
+    download: float
 
 
 class BucketCost(NamedTuple):
@@ -50,8 +58,11 @@ class BucketCost(NamedTuple):
     arrival: Optional[float]
 
 
-def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float, parked_room: float) -> List[str]:
-    """Each bucket's home (``"resident"``, ``"parked"``, ``"host"``; see the module docstring)."""
+def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float, parked_room: float,
+               forward: float = 0.0) -> List[str]:
+    """Each bucket's home (``"resident"``, ``"parked"``, ``"host"``; see the module docstring). ``resident_room``:
+    bytes the step's peak never uses; ``parked_room``: bytes backward has freed by ``step()``; ``forward``: seconds
+    the next forward takes before it has claimed them back (0: at once)."""
     end = max((b.arrival for b in buckets if b.arrival is not None), default=0.0)  # backward's end
     arrival = [end if b.arrival is None else b.arrival for b in buckets]
     order = sorted(range(len(buckets)), key=lambda i: arrival[i])  # (ties: construction order)
@@ -64,16 +75,21 @@ def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float
         homes[i] = "resident"
     parked_room += room  # (what the resident buckets left is free through the step too)
     kernels = sum(buckets[i].numel for i in order if homes[i] == "host") / rates.kernel
-    reloaded, used = end, 0.0  # when the parked buckets' reloads end so far (the upload stream's clock)
+    # The upload stream's clock (when the reloads so far have landed), the download stream's after backward's end
+    # (when their write-backs are down) and the parked bytes so far.
+    reloaded, written, used = -math.inf, 0.0, 0.0
     for i in order:
         if homes[i] != "host":
             continue
         b = buckets[i]
-        done = max(arrival[i], reloaded if used else arrival[i]) + b.parked_bytes / rates.upload
+        done = max(arrival[i], reloaded) + b.parked_bytes / rates.upload
+        down = max(written, done - end) + b.parked_bytes / rates.download
         left = kernels - b.numel / rates.kernel
-        if used + b.parked_bytes > parked_room or max(left, done - end) >= max(kernels, reloaded - end):
+        tail = max(left, done - end)
+        late = down - room / rates.download > max(tail, 0.0) + forward  # (the forward would wait for memory)
+        if used + b.parked_bytes > parked_room or late or tail >= max(kernels, reloaded - end):
             break
-        homes[i], kernels, reloaded, used = "parked", left, done, used + b.parked_bytes
+        homes[i], kernels, reloaded, written, used = "parked", left, done, down, used + b.parked_bytes
     return homes
 
 
@@ -92,11 +108,12 @@ def measure_kernel_rate(numel: int = 1 << 22) -> float:
     return numel / best
 
 
-def measure_copy_rate(device: torch.device, nbytes: int = 1 << 26) -> float:
-    """Bytes per second of a copy from pinned host memory to ``device`` (the best of three, timed by CUDA
-    events)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def measure_copy_rate(device: torch.device, nbytes: int = 1 << 26, up: bool = True) -> float:
+    """Bytes per second of a copy from pinned host memory to ``device`` (``up``) or back (the best of three, timed
+    by CUDA events)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst, src = (gpu, host) if up else (host, gpu)
     best = float("inf")
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -115,7 +115,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         self._topology, params = topology.of(params, opts)
         self.options = self._topology.options(opts).validate()
         _check_rule(rule, self.options)
-        self._placer = placement.Placer.of(self.options)  # (where buckets go once the first step is measured)
+        self._placer = placement.Placer.of(self.options)  # (where buckets go once the first steps are measured)
         self._rule, self._given = rule, dict(options)
         self._transport = self._topology.transport(self.options)
         self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
@@ -214,9 +214,9 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             tl = self._transport.timeline
             with NOTHING if tl is None else tl.span("step", "step()"):
                 self._step()
-            if placer is not None:  # (once, after the first step that did not raise)
+            if placer is not None:  # (after a step that did not raise, until it has placed)
                 self._placer = None
-                placer.step_ends(self._topology, self._transport, self._streamer, self.state)
+                self._placer = placer.step_ends(self._topology, self._transport, self._streamer, self.state)
         finally:
             self._end_step(stepped=True)
         return loss

@@ -1,13 +1,14 @@
-"""Where the buckets go once the first step has shown the machine (:class:`Placer`): with ``gpu_fraction="auto"``
+"""Where the buckets go once the first steps have shown the machine (:class:`Placer`): with ``gpu_fraction="auto"``
 the last-arriving CUDA buckets move to the device home, as many as fit in the GPU memory the step left free (what
 neither the allocator's peak of the step nor ``gpu_margin_gib`` takes; sharded, every rank moves the same buckets,
 the fewest any rank has room for); with ``placement="auto"`` each CUDA bucket goes where the cost model says its step
-is cheapest (:mod:`zero_offload.cost_model`), from the first step's arrival times, the GPU's room over it and the
-rates measured then."""
+is cheapest (:mod:`zero_offload.cost_model`), from the second step's arrival times, the GPU's room over the steps, the
+forward between them and the rates measured then."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
@@ -84,7 +85,10 @@ def _move(lanes: List[Lane], topology: Topology, transport: Transport, streamer:
 
 
 class Placer:
-    """The first step's measurements and the move after it (``gpu_fraction="auto"``, ``placement="auto"``).
+    """The first steps' measurements and the move after them: ``gpu_fraction="auto"`` places after the first step;
+    ``placement="auto"`` after the second, which shows the forward too (from the first step's end to the second's
+    first gradient, at most backward's length: forward does about half its work, and the gap holds whatever the
+    loop does between steps; host clock, which runs ahead of the GPU in forward, so the measure errs short).
 
     Args:
         options (Options): the optimizer's.
@@ -93,49 +97,63 @@ class Placer:
     def __init__(self, options: Options):
         self.options = options
         self.allocated: Dict[Any, int] = {}  # GPU memory allocated as step() began, by device
+        self.begun: Optional[float] = None  # when this step() began
+        self.ended: Optional[float] = None  # when the first step() ended (placement="auto")
 
     @staticmethod
     def of(options: Options) -> Optional["Placer"]:
-        """The placer ``options`` ask for; None (nothing to place after the first step)."""
+        """The placer ``options`` ask for; None (nothing to place after the first steps)."""
         return Placer(options) if "auto" in (options.gpu_fraction, options.placement) else None
 
     def step_begins(self, transport: Transport) -> None:
         """``step()`` begins: what backward has freed by now is what parked state may take (the step's peak came
         before)."""
+        self.begun = time.perf_counter()
         for device in {lane.bucket.device for lane in transport.lanes if not lane.bucket.on_cpu}:
             self.allocated[device] = torch.cuda.memory_allocated(device)
 
-    def step_ends(self, topology: Topology, transport: Transport, streamer: Any, state: MutableMapping) -> None:
-        """Move the buckets where the options (and what the step showed) say."""
+    def step_ends(self, topology: Topology, transport: Transport, streamer: Any,
+                  state: MutableMapping) -> Optional["Placer"]:
+        """Move the buckets where the options (and what the steps showed) say. Returns itself while it has more to
+        measure, else None."""
         margin = self.options.gpu_margin_gib
         if self.options.gpu_fraction == "auto":
             place_on_device(topology, transport, streamer, state, margin)
-            return
+            return None
         lanes = [lane for lane in transport.lanes if not lane.bucket.on_cpu and lane.bucket.home.kind == "host"]
         if not lanes:
-            return
-        homes = plan_auto(lanes, margin, self.allocated)
+            return None
+        if self.ended is None:
+            self.ended = time.perf_counter()
+            return self
+        sent = [lane.arrival.at for lane in lanes if lane.arrival.at is not None]
+        forward = 0.0 if not sent else max(0.0, min(min(sent) - self.ended, self.begun - min(sent)))
+        homes = plan_auto(lanes, margin, self.allocated, forward)
         moving = [(lane, home) for lane, home in zip(lanes, homes) if home != "host"]
         logger.info("OffloadOptimizer(placement='auto'): of %d GPU buckets, %d resident, %d parked, the rest stepped "
-                    "on the host", len(lanes), homes.count("resident"), homes.count("parked"))
+                    "on the host (forward taken as %.1f ms)", len(lanes), homes.count("resident"),
+                    homes.count("parked"), forward * 1e3)
         if moving:
             transport.synchronize()  # no copy may still read the host buffers being replaced
             _move([lane for lane, _ in moving], topology, transport, streamer, state, [h for _, h in moving])
+        return None
 
 
-def plan_auto(lanes: Sequence[Lane], margin_gib: float, allocated: Dict[Any, int]) -> List[str]:
-    """The home of each of ``lanes`` (CUDA buckets stepped on the host in the first step) by the cost model, with
-    the rates measured now and the room the first step left: resident, the memory its peak never used (less the
-    margin); parked, besides that, what backward had freed by ``step()`` (its peak less what was allocated then)."""
+def plan_auto(lanes: Sequence[Lane], margin_gib: float, allocated: Dict[Any, int], forward: float) -> List[str]:
+    """The home of each of ``lanes`` (CUDA buckets stepped on the host so far) by the cost model, with the rates
+    measured now and the room the first steps left: resident, the memory their peak never used (less the margin);
+    parked, besides that, what backward had freed by ``step()`` (the peak less what was allocated then), given back
+    within ``forward`` seconds of the step."""
     devices = {lane.bucket.device for lane in lanes}
     rates = cost_model.Rates(cost_model.measure_kernel_rate(),
-                             min(cost_model.measure_copy_rate(d) for d in devices))
+                             min(cost_model.measure_copy_rate(d) for d in devices),
+                             min(cost_model.measure_copy_rate(d, up=False) for d in devices))
     resident = min(_device_room(d, margin_gib) for d in devices)
     parked = min(torch.cuda.max_memory_allocated(d) - allocated.get(d, 0) for d in devices)
     # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master)
     costs = [cost_model.BucketCost(lane.bucket.layout.numel, lane.bucket.device_cost(), lane.bucket.device_cost(),
                                    lane.arrival.at) for lane in lanes]
-    return cost_model.plan_homes(costs, rates, max(0, resident), max(0, parked))
+    return cost_model.plan_homes(costs, rates, max(0, resident), max(0, parked), forward)
 
 
 def device_bytes(lanes: Sequence[Lane]) -> Dict[str, int]:
