@@ -1,12 +1,15 @@
 """The GPU runbook, planned for one lease of a lent machine: 15 minutes of device time per session, its start (1-2
 minutes) included, at most 10 minutes a command. Two commands, each a list of stages:
 
-    command 1 (under 8 min): the kernel's build, the machine, the pinned-memory probe (and the latency of the
-              device-room check of uploads during backward), the 1.3B step matrix (AdamW, ours default, with
-              speculation, gpu_fraction='auto', bf16 state, delayed, torchao; ours' rows with their own
-              timeline), the rows clipping changes again with clipping, and ``pytest -m cuda`` bounded;
-    command 2 (under 4 min, on the same warm machine: the build is cached): the rest (the FSDP2 rows,
-              DeepSpeed's step row and the largest model on a 12 GiB GPU).
+    command 1 (under 8 min): the kernel's build, the machine, the 1.3B step where AdamW does not fit (AdamW and
+              the all-host placement on the whole GPU, then the GPU capped at that placement's peak plus 1 GiB for
+              every bucket parked, placement='auto' and torchao; without clipping, then with), and the step on the
+              whole GPU (AdamW, ours default, parked, 'auto', gpu_fraction='auto', delayed, speculation; ours' rows
+              with their own timeline);
+    command 2 (under 4 min, on the same warm machine: the build is cached): the rest (``pytest -m cuda``
+              bounded, the pinned-memory probe and the latency of the device-room check, the FSDP2 rows and the
+              largest model on a 12 GiB GPU). DeepSpeed's step row (measured on the first leases, docs/benchmarks.md)
+              runs on request: ``--rows adamw,deepspeed --stages steps``.
 
 Each stage is a subprocess with its own time limit; a stage that fails or runs out of time is recorded and the
 suite goes on. Every stage writes ``<out>/<stage>.json`` and its log as it ends (the step stages also after each
@@ -51,11 +54,11 @@ COMMAND_LIMIT_S = {"1": 8 * 60, "2": 4 * 60}
 # missing), then ours' other modes, speculation (off by default) last: a stage cut short by its limit loses the
 # last rows (the H200 lease of 2026-11-27 lost torchao's, then last). DeepSpeed's row is command 2's (its CPU Adam
 # compiles first).
-MATRIX = ("adamw", "ours", "torchao", "ours-gpuauto", "ours-bf16state", "ours-delayed", "ours-spec")
+MATRIX = ("adamw", "ours", "ours-parked", "ours-auto", "ours-gpuauto", "ours-delayed", "ours-spec")
+# The homes at a GPU where AdamW does not fit: AdamW uncapped, the all-host placement uncapped (its peak sets the
+# cap: plus 1 GiB), then capped: every bucket parked, the cost model's placement, torchao (issue 52's rows).
+CAPPED_MATRIX = ("adamw", "ours-host", "ours-parked", "ours-auto", "torchao")
 TINY_MATRIX = ("adamw-ref", "ours")
-# With clipping, the rows whose work clipping changes: the anchor, ours with and without speculation (which a clip
-# coefficient can invalidate) and torchao (its gradients then stay on the GPU).
-CLIP_MATRIX = ("adamw", "ours", "ours-spec", "torchao")
 # Timed steps per row, after the warm-up: 7 rows, then 4 with clipping, fit command 1 at ~18 s a row (the first
 # lease: 130 s for 7 rows; the H200 lease: 123 s for the first 6, each 12-28 s).
 STEPS, WARMUP = 5, 2
@@ -84,8 +87,9 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
     """The stages of both commands, in order. ``known``: the contender keys train_step.py has (rows it lacks are
     left out of its command line and reported as not built); ``rows``: the step matrix (default ``MATRIX``)."""
     keys = [k for k in (rows or MATRIX) if k in known]
-    clip_keys = [k for k in keys if k in CLIP_MATRIX] or keys
+    capped = [k for k in CAPPED_MATRIX if k in known]
     model = "tiny GPT on the CPU (plumbing only)" if tiny else "1.3B GPT, batch 16, seq 1024"
+    cap = ["--cap-after", "ours-host+1"]
     py = sys.executable
     return [
         # The build first: the machine report loads the kernel (the first run's report compiled it, and ran
@@ -96,25 +100,26 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
               needs_gpu=False),
         Stage("machine", "the machine: GPU, host CPU and RAM, torch, what the package detects",
               [py, "-m", "zero_offload.report"], 20, needs_gpu=False),
+        # The homes where AdamW does not fit (issue 52): AdamW and the all-host placement uncapped, then the GPU
+        # capped at that placement's peak plus 1 GiB for every bucket parked, the cost model's placement and
+        # torchao; without clipping, then with.
+        Stage("steps-capped", f"whole training step, {model}, no clipping, the GPU capped after ours-host at its "
+                              "peak + 1 GiB (AdamW's row uncapped; ours' timeline)",
+              _step_argv(tiny, capped, cap), 110, needs_gpu=not tiny, timeline=True),
+        Stage("steps-capped-clip", "the same with clip_grad_norm 1.0",
+              _step_argv(tiny, capped, cap + ["--clip", "1.0"]), 110, needs_gpu=not tiny),
+        Stage("steps", f"whole training step, {model}, no clipping, the whole GPU (ours' timeline)",
+              _step_argv(tiny, keys, []), 130, needs_gpu=not tiny, timeline=True),
+        Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
+              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 80, command="2"),
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
                         "(the three CUDA tests that failed on torch 2.11); the device-room check's latency; "
                         "pinned buffers on huge pages against ours (copy rates, the kernel's time)",
-              [py, str(Path(__file__).resolve()), "--probe-pinned"], 35),
-        Stage("steps", f"whole training step, {model}, no clipping (with ours' timeline: where each row's step "
-                       "waits, what its worker and uploads did)",
-              _step_argv(tiny, keys, []), 160, needs_gpu=not tiny, timeline=True),
-        Stage("steps-clip", "the same with clip_grad_norm 1.0, the rows clipping changes",
-              _step_argv(tiny, clip_keys, ["--clip", "1.0"]), 85, needs_gpu=not tiny),
-        # Last in command 1: bounded by its limit, the headline rows come first.
-        Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
-              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 80),
+              [py, str(Path(__file__).resolve()), "--probe-pinned"], 35, command="2"),
         Stage("fsdp2", "FSDP2 (fully_shard) on every GPU: fused AdamW on the GPU, CPUOffloadPolicy with torch's "
                        "AdamW and with ours, ours with the shards on the GPU",
               [py, FSDP2_STEP, "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5", "--warmup", "2"], 30,
               command="2"),
-        Stage("steps-deepspeed", "DeepSpeed ZeRO-2 offload's step row (its CPU Adam compiled first), 1.3B GPT",
-              [py, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", str(STEPS),
-               "--warmup", str(WARMUP), "--only", "adamw,deepspeed"], 115, command="2"),
         Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing",
               [py, TRAIN_STEP, "--find-max", "--checkpoint", "--gpu-cap-gib", "12",
                "--only", "adamw,ours-release,torchao"], 90, command="2"),
@@ -388,7 +393,7 @@ def write_report(out: Path) -> Path:
     for name in ("pinned",):
         if recs.get(name, {}).get("result"):
             lines += ["", "## Pinned memory", "", "```", json.dumps(recs[name]["result"], indent=1), "```"]
-    for name in ("steps", "steps-clip"):
+    for name in ("steps-capped", "steps-capped-clip", "steps"):
         if recs.get(name, {}).get("result"):
             lines += ["", f"## {recs[name]['what']}", ""] + _steps_table(recs[name])
     for name in ("find-max-int8", "find-max-cap12"):

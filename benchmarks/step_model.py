@@ -121,6 +121,61 @@ def delayed_ms(sim: types.ModuleType, uploads_in_backward: bool, r0: float = 4.9
     return start + 4.0 * sim.N / 50.6e6
 
 
+def homes_step_ms(sim: types.ModuleType, homes, r0: float, spare_bytes: float = 0.0, copy_bytes: float = 50.6e6):
+    """The step (ms) with each bucket in its home (``homes``, the model's numbering, as
+    ``zero_offload.cost_model.plan_homes`` gives them): the host buckets as the default schedule runs them (their
+    kernels and uploads after the checks, their gradients copied down as they arrive); each parked bucket's state
+    (8 B per element, fp32 model) coming up on the upload stream once its gradients are final, one after another at
+    ``copy_bytes`` per ms, the GPU stepping it once it has landed and the checks have passed, then its write-back
+    going down, one after another at the same rate; the resident buckets stepped right after the checks. The next
+    forward (``sim.F``) claims back what backward freed: what is still to go down beyond ``spare_bytes`` by its end
+    makes it wait. Returns (step ms with that wait, the reloads' end and the write-backs' end after backward's end,
+    the wait)."""
+    validated = sim.B + 0.5
+    reloaded = written = 0.0
+    for i in sorted((i for i in range(sim.NB) if homes[i] == "parked"), key=lambda i: sim.ARR[i]["d2h_start"]):
+        reloaded = max(reloaded, sim.ARR[i]["d2h_start"]) + 8.0 * sim.SIZE[i] / copy_bytes
+        written = max(written, reloaded, validated) + 8.0 * sim.SIZE[i] / copy_bytes
+    on_gpu = frozenset(i for i in range(sim.NB) if homes[i] != "host")
+    step = sim.simulate(order=list(range(sim.NB - 1, -1, -1)), gate_kernel=lambda i: validated,
+                        gate_upload=lambda i: validated, g=0.1, gpu=on_gpu, v_gpu=max(validated, reloaded),
+                        r0=r0)
+    wait = max(0.0, written - spare_bytes / copy_bytes - (sim.B + step["X"] + sim.F)) if written else 0.0
+    return step["T"] + wait, reloaded - sim.B, written - sim.B, wait
+
+
+def placement_rows(sim: types.ModuleType, r0: float, gpu_gib: float, peak_gib: float, freed_gib: float,
+                   margin_gib: float) -> None:
+    """The three homes' rows: every bucket on the host, every bucket parked, and ``placement="auto"`` (the code's
+    own cost model, told the forward's time) on the whole GPU and at a GPU capped at the all-host placement's peak
+    plus 1 GiB (where AdamW, 52 GiB at its peak, does not fit)."""
+    from zero_offload.cost_model import BucketCost, Rates, plan_homes
+
+    rates = Rates(kernel=r0, upload=50.6e6, download=50.6e6)  # (per ms: the model's kernel rate, pinned copies)
+    costs = [BucketCost(sim.SIZE[i], 8 * sim.SIZE[i], 8 * sim.SIZE[i], sim.ARR[i]["d2h_start"])
+             for i in range(sim.NB)]
+    cap = peak_gib + 1.0
+    rows = [("placement='host'", ["host"] * sim.NB, None, 0.0),
+            ("placement='parked'", ["parked"] * sim.NB, cap, max(0.0, cap - peak_gib - margin_gib))]
+    for name, total in (("'auto', whole GPU", gpu_gib), ("'auto', capped", cap)):
+        resident = max(0.0, total - peak_gib - margin_gib) * 2**30
+        homes = plan_homes(costs, rates, resident, freed_gib * 2**30, forward=sim.F)
+        left = resident - sum(c.resident_bytes for c, h in zip(costs, homes) if h == "resident")
+        rows.append((f"placement={name}", homes, total, left / 2**30))
+    print(f"\nhomes (fp32 model; pinned copies {rates.upload / 1e6:.1f} GB/s each way; backward frees {freed_gib} GiB; "
+          f"cap = the all-host peak {peak_gib} + 1 GiB = {cap} GiB; margin {margin_gib} GiB)")
+    print(f"{'placement':26s} {'GPU GiB':>8s} {'host/parked/resident':>21s} {'step ms':>8s} {'x AdamW':>8s} "
+          f"{'reloads end':>12s} {'written end':>12s} {'fwd waits':>10s}")
+    for name, homes, gpu, spare_gib in rows:
+        t, reloaded, written, wait = homes_step_ms(sim, homes, r0, spare_gib * 2**30)
+        counts = "/".join(str(homes.count(h)) for h in ("host", "parked", "resident"))
+        ends = f"{reloaded:+12.1f} {written:+12.1f}" if "parked" in homes else f"{'-':>12s} {'-':>12s}"
+        print(f"{name:26s} {'all' if gpu is None else f'{gpu:.1f}':>8s} {counts:>21s} {t:8.1f} "
+              f"{t / sim.T_ADAMW:7.2f}x {ends} {wait:10.1f}")
+    print("(reloads end, written end: ms after backward's end, when the last parked state has come up, gone down;\n"
+          f" fwd waits: ms the next forward ({sim.F:.0f} ms) waits for memory still going down, counted in the step)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, default=ROOT.parent / "shared" / "gpu" / "model")
@@ -129,6 +184,8 @@ def main() -> None:
     ap.add_argument("--gpu-gib", type=float, default=79.2, help="GPU memory, GiB (default: an H100's)")
     ap.add_argument("--peak-gib", type=float, default=42.3,
                     help="the offloaded step's peak GPU memory, GiB (default: measured on the 1.3B preset)")
+    ap.add_argument("--freed-gib", type=float, default=37.0,
+                    help="GPU memory backward has freed by step(), GiB (what parked state may take; default 37)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from zero_offload.options import Options
@@ -162,6 +219,7 @@ def main() -> None:
                               ("delayed, no early uploads", False)):
         t = delayed_ms(sim, in_backward, r0)
         print(f"{name:26s} {'no':>10s} {'none':>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x")
+    placement_rows(sim, r0, args.gpu_gib, args.peak_gib, args.freed_gib, Options().gpu_margin_gib)
 
 
 if __name__ == "__main__":

@@ -396,6 +396,12 @@ CONTENDERS = [
     # The first quarter of the model (the last gradients backward produces) keeps its state on the GPU.
     Contender("ours-gpu25", "OffloadOptimizer gpu_fraction=0.25", _ours(gpu_fraction=0.25), ("gpu",), host_bytes=12),
     Contender("ours-gpuauto", "OffloadOptimizer gpu_fraction='auto'", _ours(gpu_fraction="auto"), ("gpu",)),
+    # Each bucket's home: stepped on the host (the default, named), parked on the host and stepped on the GPU, or
+    # chosen after the first step by the cost model.
+    Contender("ours-host", "OffloadOptimizer placement='host'", _ours(placement="host"), ("gpu",)),
+    Contender("ours-parked", "OffloadOptimizer placement='parked'", _ours(placement="parked"), ("gpu",),
+              host_bytes=8),
+    Contender("ours-auto", "OffloadOptimizer placement='auto'", _ours(placement="auto"), ("gpu",)),
     Contender("ours-bf16state", "OffloadOptimizer state_dtype=bf16", _ours(state_dtype=torch.bfloat16), ("gpu",),
               host_bytes=10),
     Contender("ours-overlap", "OffloadOptimizer release+overlap_step",
@@ -769,6 +775,10 @@ def main():
                          "gradients kept on the GPU and torch's clip, DeepSpeed with gradient_clipping")
     ap.add_argument("--gpu-cap-gib", type=float, default=None,
                     help="cap the GPU memory this process may allocate (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--cap-after", default=None, metavar="ROW[+GIB]",
+                    help="GPU: run the rows up to ROW uncapped, then cap the process at ROW's peak plus GIB (default "
+                         "1): e.g. 'ours-host+1', the all-host placement's peak plus 1 GiB, where AdamW does not fit; "
+                         "AdamW's time comes from its uncapped row in the same process")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -874,6 +884,7 @@ def main():
                 t0 = time.perf_counter()
                 rows[key] = measure(con, cfg, batches, args, device)
                 r = rows[key]
+                _cap_after(args, key, r, results)
                 status = (f"step {r['step_s'] * 1e3:.1f} ms, peak {r['peak_bytes'] / GIB:.2f} GiB allocated "
                           f"({r['reserved_bytes'] / GIB:.2f} reserved), {r['rest_bytes'] / GIB:.2f} GiB after"
                           if r["status"] == "ok" else f"{r['status']}: {r['error']}")
@@ -888,6 +899,22 @@ def main():
               "column):")
         print_table(rows, contenders, rows.get(ANCHOR[mode]), probe, cfg.params(), cuda)
     save()
+
+
+def _cap_after(args, key: str, row: Dict[str, Any], results: Dict[str, Any]) -> None:
+    """``--cap-after ROW[+GIB]``: once ``ROW`` has run, cap the process at its peak plus GIB for the rows after it
+    (recorded in the results' options)."""
+    if not args.cap_after:
+        return
+    name, _, plus = args.cap_after.partition("+")
+    if key != name or row.get("status") != "ok":
+        return
+    cap = row["peak_bytes"] + float(plus or 1.0) * GIB
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    results["options"]["gpu_cap_gib"] = round(cap / GIB, 2)
+    print(f"  capped at {cap / GIB:.2f} GiB ({name}'s peak plus {float(plus or 1.0):g} GiB) for the rows after it",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ def test_plan_matches_train_step_and_fits_one_lease():
     known = [c.key for c in train_step.CONTENDERS]
     # A renamed contender would silently drop a row from the GPU matrix.
     assert set(gpu_suite.MATRIX) <= set(known)
+    assert set(gpu_suite.CAPPED_MATRIX) <= set(known)
     assert set(gpu_suite.TINY_MATRIX) <= set(known)
     stages = gpu_suite.plan(False, known)
     # A lease: 15 minutes of device time with the start (1-2 min), at most 10 a command.
@@ -26,13 +27,19 @@ def test_plan_matches_train_step_and_fits_one_lease():
     assert by_command["1"] <= 8 * 60 and by_command["2"] <= 4 * 60, by_command
     assert set(by_command) == {s.command for s in stages}
     steps = {s.name: s for s in stages}
-    assert [s.name for s in stages if s.command == "1"] == ["build", "machine", "pinned", "steps", "steps-clip",
-                                                            "cuda-tests"]
+    assert [s.name for s in stages if s.command == "1"] == ["build", "machine", "steps-capped", "steps-capped-clip",
+                                                            "steps"]
     assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
     only = steps["steps"].argv[steps["steps"].argv.index("--only") + 1].split(",")
-    assert {"adamw", "ours", "ours-spec", "ours-gpuauto", "ours-bf16state", "ours-delayed", "torchao"} <= set(only)
-    assert steps["steps-clip"].argv[-2:] == ["--clip", "1.0"]
-    assert "deepspeed" in steps["steps-deepspeed"].argv[-1]
+    assert {"adamw", "ours", "ours-parked", "ours-auto", "ours-spec", "ours-gpuauto", "ours-delayed"} <= set(only)
+    # Issue 52's rows: AdamW and the all-host placement uncapped, then parked, 'auto' and torchao capped at the
+    # all-host peak plus 1 GiB, without and with clipping.
+    for name in ("steps-capped", "steps-capped-clip"):
+        argv = steps[name].argv
+        assert argv[argv.index("--only") + 1].split(",") == ["adamw", "ours-host", "ours-parked", "ours-auto",
+                                                            "torchao"]
+        assert argv[argv.index("--cap-after") + 1] == "ours-host+1"
+    assert steps["steps-capped-clip"].argv[-2:] == ["--clip", "1.0"]
     assert steps["find-max-cap12"].argv[steps["find-max-cap12"].argv.index("--gpu-cap-gib") + 1] == "12"
     assert "-m" in steps["cuda-tests"].argv and "cuda" in steps["cuda-tests"].argv
     rows = gpu_suite.plan(False, known, ["adamw", "ours"])
@@ -58,10 +65,10 @@ def test_unknown_stage_is_refused():
 
 def test_tiny_run_reports_what_train_step_measured(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--command", "1", "--out", str(out),
-                           "--stages", "machine,pinned,steps"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for command, stages in (("1", "machine,steps"), ("2", "pinned")):  # (both commands' folders, one report)
+        proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--command", command, "--out", str(out),
+                               "--stages", stages], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = json.loads((out / "steps.stage.json").read_text())
     assert steps["status"] == "ok", steps.get("tail")
     rows = steps["result"]["rows"]
