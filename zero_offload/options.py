@@ -332,13 +332,14 @@ class Options:
         parameters stay on the GPU), ``"resident"`` (kept on the GPU, as ``gpu_fraction=1``), a dict of shares of
         each param group's CUDA elements (``{"resident": 0.1, "parked": 0.5}``: the group's first buckets, whose
         gradients backward produces last, resident, the next ones parked, the rest on the host), or ``"auto"``
-        (after the first step, from what it measured: see docs/placement.md). CPU buckets are stepped on the host
+        (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
         whatever it says. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
         ``overlap_step``, ``delayed_update``, ``speculate``, a ``process_group`` or FSDP2's parameters (yet).""",
                                                        _check_placement)
-    gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and by
-        the uploads during backward (``uploads_in_backward``: made only where that much and the gradients still
-        to come fit).""", _check_gpu_margin)
+    gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
+        ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
+        ``uploads_in_backward``, a parked bucket's reload: made only where that much and the gradients still to
+        come fit; else at ``step()``).""", _check_gpu_margin)
     uploads_in_backward: bool = _option(True, """with ``speculate`` or ``delayed_update`` on a GPU: copy each
         bucket's new parameters up during backward, once its update has run, into a device buffer of the bucket's
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at
