@@ -109,3 +109,18 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))
     return planned
+
+
+def fixture_body(monkeypatch, needs_fused: bool = True):
+    """The body of a test module's ``cuda_branches`` fixture (``yield from fixture_body(monkeypatch)``): the
+    stand-ins installed for the test, ``monkeypatch`` handed on, and a check that some optimizer used them. With
+    ``needs_fused``, skipped where torch has no fused AdamW for CPU tensors to stand in for the GPU's (torch < 2.4)."""
+    from zero_offload import _torch_fused
+
+    if needs_fused and not _torch_fused.AVAILABLE:
+        import pytest
+
+        pytest.skip("torch < 2.4 has no fused AdamW for CPU tensors to stand in for the GPU's")
+    planned = install(monkeypatch.setattr)
+    yield monkeypatch
+    assert planned, "no optimizer was built on the stand-in device"

@@ -22,23 +22,15 @@ import cuda_standins
 from test_cuda_branches import CUDA_RECIPES
 from test_grad_stream import _run_recipe
 from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
-from test_twin_flow import BUCKET, _with
-from zero_offload import Lion, OffloadOptimizer, _torch_fused, offload
+from test_twin_flow import BUCKET, _buckets, _with
+from zero_offload import Lion, OffloadOptimizer, offload
 
 MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
 
 
 @pytest.fixture
 def cuda_branches(monkeypatch):
-    if not _torch_fused.AVAILABLE:
-        pytest.skip("torch < 2.4 has no fused AdamW for CPU tensors to stand in for the GPU's")
-    planned = cuda_standins.install(monkeypatch.setattr)
-    yield monkeypatch
-    assert planned, "no optimizer was built on the stand-in device"
-
-
-def _buckets(opt):
-    return list(chain.from_iterable(opt._buckets))
+    yield from cuda_standins.fixture_body(monkeypatch)
 
 
 def _homes(opt):
@@ -302,11 +294,12 @@ def test_a_rule_without_a_gpu_update_refuses_a_gpu_placement():
         offload(Lion, TinyTransformer().parameters(), placement="parked")
 
 
-def test_a_cpu_model_is_stepped_on_the_host_whatever_the_placement():
+@pytest.mark.parametrize("placement", ["parked", "resident", "auto"])
+def test_a_cpu_model_is_stepped_on_the_host_whatever_the_placement(placement):
     torch.manual_seed(0)
     model = TinyTransformer()
-    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
-    _train(opt, model, 2)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=placement)
+    _train(opt, model, 3)  # ("auto" places after the second step)
     assert all(h == "host" for h in chain.from_iterable(_homes(opt)))
 
 
@@ -404,11 +397,3 @@ def test_auto_moves_each_bucket_to_its_cheapest_home_after_the_first_step(cuda_b
         assert homes == ({"host"} if step == 0 else expect), (step, homes)  # (placed once, after the second step)
     resident = [b for b in _buckets(opt) if b.home.kind == "resident"]
     assert len(resident) >= 1 and sum(b.device_cost() for b in resident) <= last.device_cost()
-
-
-def test_auto_on_a_cpu_model_steps_everything_on_the_host():
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="auto")
-    _train(opt, model, 2)
-    assert all(h == "host" for h in chain.from_iterable(_homes(opt)))
