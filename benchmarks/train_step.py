@@ -83,6 +83,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_offload import OffloadOptimizer, functional  # noqa: E402
+from zero_offload.cost_model import measure_copy_rate  # noqa: E402
 from zero_offload.host_memory import available_host_bytes  # noqa: E402
 from zero_offload.options import STATE_DTYPES, dtypes_by_name  # noqa: E402
 from zero_offload.report import meta_params  # noqa: E402
@@ -590,7 +591,8 @@ def measure_interleaved(contenders: Dict[str, Contender], cfg: Config, batches, 
 
 def probes(numel: int, cuda: bool) -> Dict[str, float]:
     """The offload work's parts, each alone: the CPU kernel over ``numel`` fp32 elements (timed on at most 2**25
-    and scaled linearly), and pinned-memory copy bandwidth each way."""
+    and scaled linearly), and pinned-memory copy bandwidth each way (as ``placement="auto"`` measures it: the best
+    of three copies of 256 MiB)."""
     out: Dict[str, float] = {}
     n = min(numel, 2**25)
     gen = torch.Generator().manual_seed(0)
@@ -604,20 +606,8 @@ def probes(numel: int, cuda: bool) -> Dict[str, float]:
     out["cpu_adam_s"] = statistics.median(times[1:]) * numel / n
     del p, g, m, v
     if cuda:
-        size = 256 * 2**20
-        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(size, dtype=torch.uint8, device="cuda")
-        for name, (dst, src) in dict(d2h=(host, dev), h2d=(dev, host)).items():
-            ts = []
-            for _ in range(6):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst.copy_(src, non_blocking=True)
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3)
-            out[f"{name}_gbps"] = size / statistics.median(ts[1:]) / 1e9
-        del host, dev
+        for name, up in (("d2h", False), ("h2d", True)):
+            out[f"{name}_gbps"] = measure_copy_rate(torch.device("cuda"), 256 * 2**20, up=up) / 1e9
         free_memory(True)
     return out
 

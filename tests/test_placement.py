@@ -22,7 +22,7 @@ import cuda_standins
 from test_cuda_branches import CUDA_RECIPES
 from test_grad_stream import _run_recipe
 from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
-from test_twin_flow import BUCKET, _buckets, _with
+from test_twin_flow import BUCKET, _buckets, _with, check_an_inf_changes_nothing
 from zero_offload import Lion, OffloadOptimizer, offload
 
 MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
@@ -143,24 +143,8 @@ def test_a_nonfinite_gradient_leaves_every_home_as_it_was(cuda_branches, policy)
     model = TinyTransformer()
     opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX, nonfinite=policy)
     _train(opt, model, 3)
-    parked = next(b.params[0] for b in _buckets(opt) if b.home.kind == "parked")
-    before = ([p.detach().clone() for p in model.parameters()],
-              {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()})
-    opt.zero_grad()
-    loss_fn(model, 3, 0, "cpu").backward()
-    parked.grad.view(-1)[0] = float("inf")
-    if policy == "raise":
-        with pytest.raises(RuntimeError, match="non-finite gradient"):
-            opt.step()
-    else:
-        opt.step()
-        assert opt.skipped_steps == 1
-    for p, q in zip(model.parameters(), before[0]):
-        assert torch.equal(p.detach(), q)
-    opt.flush()  # (the host buffers hold the state once any write-back has landed)
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            assert torch.equal(v, before[1][id(p)][k]), k
+    check_an_inf_changes_nothing(opt, model, next(b.params[0] for b in _buckets(opt) if b.home.kind == "parked"),
+                                 policy)
     assert all(b.home.twins is None for b in _buckets(opt) if b.home.kind == "parked"), "device copies kept"
     _train(opt, model, 1, start=4)
 
