@@ -22,7 +22,8 @@ import cuda_standins
 from test_cuda_branches import CUDA_RECIPES
 from test_grad_stream import _run_recipe
 from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
-from test_twin_flow import BUCKET, _buckets, _with, check_an_inf_changes_nothing
+from test_twin_flow import (BUCKET, _buckets, _train, _with, check_an_inf_changes_nothing, check_refused,
+                            clipped_step_beside_adamw, fake_gpu_memory)
 from zero_offload import Lion, OffloadOptimizer, offload
 
 MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
@@ -35,15 +36,6 @@ def cuda_branches(monkeypatch):
 
 def _homes(opt):
     return [[b.home.kind for b in group] for group in opt._buckets]
-
-
-def _train(opt, model, steps, start=0, clip=None):
-    for step in range(start, start + steps):
-        opt.zero_grad()
-        loss_fn(model, step, 0, "cpu").backward()
-        if clip is not None:
-            opt.clip_grad_norm_(clip)
-        opt.step()
 
 
 # Every recipe of the CUDA branches (clipping in each norm, accumulation, GradScaler with overflow, schedulers,
@@ -241,20 +233,6 @@ def test_a_parked_bucket_holds_its_state_on_the_host_only(cuda_branches):
                                                      placement=MIX).total_bytes == mixed.estimate_host_memory().total_bytes
 
 
-def test_a_parked_buckets_gradients_are_let_go_with_the_step(cuda_branches):
-    import weakref
-
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    opt = OffloadOptimizer(model.parameters(), placement="parked")
-    for step in range(2):
-        loss_fn(model, step, 0, "cpu").backward()
-        grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
-        opt.step()
-        opt.zero_grad()
-        assert [g() is None for g in grads] == [True] * len(grads), "a gradient outlived the step"
-
-
 @pytest.mark.parametrize("kw,match", [
     (dict(placement="gpu"), "Invalid placement"),
     (dict(placement={"parked": 0.7, "resident": 0.4}), "Invalid placement"),
@@ -266,11 +244,7 @@ def test_a_parked_buckets_gradients_are_let_go_with_the_step(cuda_branches):
     (dict(placement="parked", speculate=True), "no host update to speculate"),
 ])
 def test_bad_placements_are_refused(kw, match):
-    model = TinyTransformer()
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=match):
-        OffloadOptimizer(model.parameters(), **kw)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    check_refused(kw, match)
 
 
 def test_a_rule_without_a_gpu_update_refuses_a_gpu_placement():
@@ -364,19 +338,9 @@ def test_auto_moves_each_bucket_to_its_cheapest_home_after_the_first_step(cuda_b
     assert set(chain.from_iterable(_homes(opt))) == {"host"}
     # Room for the largest bucket's state beyond the peak (1 MiB) and the margin; backward freed 1 MiB by step().
     free = 2**30 + 2**20 + last.device_cost()
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**20)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    fake_gpu_memory(monkeypatch, free, peak=2**20, allocated=0)
     for step in range(5):
-        for o, m in ((opt, model), (ref, ref_model)):
-            o.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-        opt.clip_grad_norm_(0.5)
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
-        opt.step()
-        ref.step()
-        assert_same(model, ref_model, opt, ref, f"auto, step {step}")
+        clipped_step_beside_adamw(opt, model, ref, ref_model, step)
         homes = set(chain.from_iterable(_homes(opt)))
         assert homes == ({"host"} if step == 0 else expect), (step, homes)  # (placed once, after the second step)
     resident = [b for b in _buckets(opt) if b.home.kind == "resident"]

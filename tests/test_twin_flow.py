@@ -143,13 +143,15 @@ def test_nonfinite_gradient_in_the_gpu_tier_updates_nothing(cuda_branches, polic
     check_an_inf_changes_nothing(opt, model, next(b.params[0] for b in _buckets(opt) if b.device_tier), policy)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_the_gpu_tiers_gradients_are_let_go_with_the_step(cuda_branches, fraction):
-    """The device tier reads its gradients in place: after step() and zero_grad() it holds none of them (else they
-    would stay allocated on the GPU through the next forward and backward, beside the new ones)."""
+@pytest.mark.parametrize("kw", [dict(gpu_fraction=0.5), dict(gpu_fraction=1.0), dict(placement="parked")],
+                         ids=["0.5", "1.0", "parked"])
+def test_the_gpu_tiers_gradients_are_let_go_with_the_step(cuda_branches, kw):
+    """The device tier (and the parked home) reads its gradients in place: after step() and zero_grad() it holds
+    none of them (else they would stay allocated on the GPU through the next forward and backward, beside the new
+    ones)."""
     torch.manual_seed(0)
     model = TinyTransformer()
-    opt = OffloadOptimizer(model.parameters(), lr=1e-3, gpu_fraction=fraction)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, **kw)
     for step in range(2):
         loss_fn(model, step, 0, "cpu").backward()
         grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
@@ -220,10 +222,27 @@ def test_bf16_model_on_both_tiers_tracks_fp32_run(cuda_branches):
     test_optimizer.test_bf16_model_tracks_fp32_run_better_than_bf16_adamw("cpu")
 
 
-def _fake_gpu_memory(monkeypatch, free, reserved=0, peak=0):
+def fake_gpu_memory(monkeypatch, free, reserved=0, peak=0, allocated=None):
+    """What the allocator reports: ``free`` bytes, ``reserved`` in its cache, the ``peak`` allocated (and, where
+    given, what is ``allocated`` now)."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
+    if allocated is not None:
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def clipped_step_beside_adamw(opt, model, ref, ref_model, step):
+    """One training step of ours and of AdamW (``ref``), both clipped to 0.5, and their parameters and state
+    compared."""
+    for o, m in ((opt, model), (ref, ref_model)):
+        o.zero_grad()
+        loss_fn(m, step, 0, "cpu").backward()
+    opt.clip_grad_norm_(0.5)
+    torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+    opt.step()
+    ref.step()
+    assert_same(model, ref_model, opt, ref, f"step {step}")
 
 
 def test_auto_moves_the_last_arriving_buckets_that_fit(cuda_branches):
@@ -246,17 +265,10 @@ def test_auto_moves_the_last_arriving_buckets_that_fit(cuda_branches):
 
     monkeypatch.setattr(opt._transport, "reset", reset)
     room = 9000
-    _fake_gpu_memory(monkeypatch, free=2**30 + room + 5000, reserved=3000, peak=8000)
+    fake_gpu_memory(monkeypatch, free=2**30 + room + 5000, reserved=3000, peak=8000)
     host_before = opt.estimate_host_memory().total_bytes
     for step in range(6):
-        for o, m in ((opt, model), (ref, ref_model)):
-            o.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-        opt.clip_grad_norm_(0.5)
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
-        opt.step()
-        ref.step()
-        assert_same(model, ref_model, opt, ref, f"auto, step {step}")
+        clipped_step_beside_adamw(opt, model, ref, ref_model, step)
         if step == 0:
             moved = [b for b in _buckets(opt) if b.device_tier]
             expected, used = [], 0
@@ -272,7 +284,7 @@ def test_auto_moves_the_last_arriving_buckets_that_fit(cuda_branches):
 
 
 def test_auto_without_room_keeps_everything_on_the_host(cuda_branches):
-    _fake_gpu_memory(cuda_branches, free=2**30, peak=0)  # exactly the margin
+    fake_gpu_memory(cuda_branches, free=2**30, peak=0)  # exactly the margin
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction="auto", gpu_margin_gib=1.0)
@@ -312,6 +324,11 @@ def test_gpu_fraction_places_each_groups_first_buckets(cuda_branches):
     (dict(gpu_fraction=0.5, overlap_step=True, nonfinite="ignore"), "not combined"),
 ])
 def test_bad_gpu_tier_options_are_refused(kw, match):
+    check_refused(kw, match)
+
+
+def check_refused(kw, match):
+    """Building the optimizer with ``kw`` raises a ValueError matching ``match`` and leaves the model as it was."""
     model = TinyTransformer()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=match):
@@ -466,7 +483,7 @@ def test_auto_stops_at_a_bucket_the_gpu_cannot_take(cuda_branches, caplog):
     from zero_offload.state import tiers
 
     monkeypatch = cuda_branches
-    _fake_gpu_memory(monkeypatch, free=10**9)
+    fake_gpu_memory(monkeypatch, free=10**9)
     calls = []
     real_zeros = tiers.DeviceTier.zeros
 
