@@ -12,7 +12,6 @@ are compared bit for bit.
 from __future__ import annotations
 
 import copy
-import io
 from itertools import chain
 
 import pytest
@@ -22,7 +21,7 @@ import cuda_standins
 from test_cuda_branches import CUDA_RECIPES
 from test_grad_stream import _run_recipe
 from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
-from test_twin_flow import (BUCKET, _buckets, _train, _with, check_an_inf_changes_nothing, check_refused,
+from test_twin_flow import (BUCKET, _buckets, _save, _train, _with, check_an_inf_changes_nothing, check_refused,
                             clipped_step_beside_adamw, fake_gpu_memory)
 from zero_offload import Lion, OffloadOptimizer, offload
 
@@ -103,6 +102,37 @@ def test_a_parked_buckets_state_comes_up_in_backward_and_goes_down_before_the_ne
         assert not [e for e in events + backward_end if e.what in ("d2h", "h2d")], "a gradient or parameter moved"
 
 
+@pytest.mark.parametrize("read", ["[]", "get", "items", "values"])
+def test_reading_opt_state_after_step_waits_for_the_write_backs(cuda_branches, read):
+    """A parked bucket's state goes back down after ``step()`` returns: the first read of ``opt.state`` after it
+    waits for those copies (every home settled), later reads wait for nothing; the values are AdamW's."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    settled = []
+    for bucket in _buckets(opt):
+        real = bucket.home.settle
+        cuda_branches.setattr(bucket.home, "settle", lambda real=real, b=bucket: (settled.append(b), real())[1])
+    first = next(iter(model.parameters()))
+    reads = {"[]": lambda: opt.state[first], "get": lambda: opt.state.get(first),
+             "items": lambda: list(opt.state.items()), "values": lambda: list(opt.state.values())}
+    for step in range(2):
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+        opt.step()
+        ref.step()
+        settled.clear()
+        reads[read]()
+        assert [id(b) for b in settled] == [id(b) for b in _buckets(opt)], "the first read waited for nothing"
+        settled.clear()
+        reads[read]()
+        assert not settled, "a later read waited again"
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
 def test_without_room_in_backward_the_state_comes_up_at_step(cuda_branches):
     """Where the GPU has no room for a bucket's state during backward (beyond ``gpu_margin_gib`` and the gradients
     still to come), or with ``uploads_in_backward=False``, it comes up at ``step()``: the same trajectory."""
@@ -155,13 +185,6 @@ def test_an_lr_set_after_backward_is_the_one_every_home_steps_with(cuda_branches
                 group["lr"] = 1e-3 * (step + 2)
             o.step()
         assert_same(model, ref_model, opt, ref, f"step {step}")
-
-
-def _save(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 @pytest.mark.parametrize("saved,loaded", [("parked", "host"), ("host", "parked"), (MIX, "parked"),
@@ -242,9 +265,27 @@ def test_a_parked_bucket_holds_its_state_on_the_host_only(cuda_branches):
     (dict(placement="parked", overlap_step=True, nonfinite="ignore"), "not combined"),
     (dict(placement="parked", delayed_update=True), "not combined"),
     (dict(placement="parked", speculate=True), "no host update to speculate"),
+    (dict(placement={"resident": 0.2, "parked": 0.2}, speculate=True), "no host update to speculate"),
+    (dict(placement="auto", speculate=True), "no host update to speculate"),
 ])
 def test_bad_placements_are_refused(kw, match):
     check_refused(kw, match)
+
+
+def test_the_resident_share_is_gpu_fractions_alias_with_what_gpu_fraction_takes(cuda_branches):
+    """``placement={"resident": f}`` places as ``gpu_fraction=f`` and takes what it takes (speculation, a process
+    group: its resident buckets are sharded), where a parked share is refused."""
+    import dataclasses
+
+    from zero_offload.options import Options
+
+    model = TinyTransformer()
+    alias = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement={"resident": 0.5}, speculate=True)
+    fraction = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction=0.5, speculate=True)
+    assert _homes(alias) == _homes(fraction) and "resident" in chain.from_iterable(_homes(alias))
+    dataclasses.replace(Options(placement={"resident": 0.5}), sharded=True).validate()
+    with pytest.raises(ValueError, match="not yet combined with a process_group"):
+        dataclasses.replace(Options(placement={"resident": 0.2, "parked": 0.2}), sharded=True).validate()
 
 
 def test_a_rule_without_a_gpu_update_refuses_a_gpu_placement():

@@ -367,6 +367,7 @@ SHARDED = {
     "twin_clip": dict(ours=dict(gpu_fraction=0.5), clip=0.3),
     "twin_stream_clip": dict(ours=dict(stream_grads=True, gpu_fraction=0.99), clip=0.3),
     "twin_keep_grads": dict(ours=dict(gpu_fraction=1.0), accumulate=2, set_to_none=False, clip=1.0),
+    "resident_share_clip": dict(ours=dict(placement={"resident": 0.5}), clip=0.3),  # (gpu_fraction's alias)
 }
 
 

@@ -124,7 +124,7 @@ def given(params: Any, options: Any) -> bool:
         tensors.extend(p[1] if isinstance(p, tuple) else p for p in group)
     if not any(is_dtensor(p) for p in tensors):
         return False
-    gpu = "gpu_fraction" if options.placement == "host" else "placement"
+    gpu = options.gpu_option
     refused = [name for name, on in (("process_group", options.sharded), (gpu, options.gpu_tier),
                                      ("delayed_update", bool(options.delayed_update)),
                                      ("overlap_step", options.overlap_step)) if on]

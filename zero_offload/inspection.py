@@ -41,8 +41,7 @@ class InspectionMethods:
     def host_buffers(self) -> List[Dict[str, torch.Tensor]]:
         """The flat buffers of every bucket (name -> tensor), for inspection and measurement (a device-tier
         bucket's, ``gpu_fraction``, are on its GPU; a parked bucket's host buffers, once its state has landed)."""
-        for bucket in chain.from_iterable(self._buckets):
-            bucket.home.settle()
+        self._settle_homes()
         return [bucket.buffers() for bucket in chain.from_iterable(self._buckets)]
 
     def gpu_state_bytes(self) -> Dict[str, int]:

@@ -219,6 +219,10 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
                 self._placer = placer.step_ends(self._topology, self._transport, self._streamer, self.state)
         finally:
             self._end_step(stepped=True)
+            if self.options.placement != "host" and type(self.state) is StateMap and any(
+                    b.home.kind == "parked" for b in chain.from_iterable(self._buckets)):
+                # (opt.state's next read waits for the write-backs this step issued)
+                self.state.landing = weakref.WeakMethod(self._settle_homes)
         return loss
 
     def _sync(self) -> None:
@@ -317,8 +321,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). A parked
         bucket's state still on its way back to the host has landed when it returns."""
         self._mode.flush(self.state)
-        for bucket in chain.from_iterable(self._buckets):
-            bucket.home.settle()
+        self._settle_homes()
 
     # ------------------------------------------------------------------------------------------- gradients --
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -390,10 +393,9 @@ def _check_rule(rule: Rule, options: Options) -> None:
         raise ValueError(f"state_dtype={options.state_dtype}: {rule.name}'s update keeps its state in "
                          f"{', '.join(map(str, rule.state_dtypes))} only")
     if options.gpu_tier and not rule.device_update:
-        given = ("gpu_fraction", options.gpu_fraction) if options.placement == "host" else ("placement",
-                                                                                             options.placement)
-        raise ValueError(f"{given[0]}={given[1]!r}: {rule.name} has no GPU update (the GPU part runs torch's fused "
-                         f"AdamW): leave {given[0]} at its default")
+        name = options.gpu_option
+        raise ValueError(f"{name}={getattr(options, name)!r}: {rule.name} has no GPU update (the GPU part runs "
+                         f"torch's fused AdamW): leave {name} at its default")
 
 
 def _make_mode(options: Options, transport: Transport, early_update: Callable[[Lane], None],

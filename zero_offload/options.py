@@ -334,7 +334,8 @@ class Options:
         gradients backward produces last, resident, the next ones parked, the rest on the host), or ``"auto"``
         (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
         whatever it says. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
-        ``overlap_step``, ``delayed_update``, ``speculate``, a ``process_group`` or FSDP2's parameters (yet).""",
+        ``overlap_step``, ``delayed_update`` or FSDP2's parameters (yet); with ``speculate`` or a ``process_group``,
+        a resident share only.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
@@ -345,7 +346,8 @@ class Options:
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at
         ``step()``; the buffers are given back at ``step()``. False: every upload from the host at ``step()``, no
         device memory beyond the parameters (for a run near its GPU memory limit, e.g. with activation
-        checkpointing, whose recomputation the room check does not foresee).""", _check_uploads_in_backward)
+        checkpointing, whose recomputation the room check does not foresee); a parked bucket's state then comes up
+        at ``step()`` too.""", _check_uploads_in_backward)
     speculation_memory: Optional[int] = _option(None, """the most bytes of host RAM speculation's buffers may
         hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that
         finds no room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to
@@ -390,6 +392,12 @@ class Options:
         return {p: 1.0} if p in ("resident", "parked") else {}
 
     @property
+    def gpu_option(self) -> str:
+        """The option that asks for state stepped on a GPU, for messages: ``placement``, or its alias
+        ``gpu_fraction``."""
+        return "gpu_fraction" if self.placement == "host" else "placement"
+
+    @property
     def speculates(self) -> bool:
         """Whether the speculating schedule runs: only when asked for (``speculate=True``; None, the default, is
         off until a GPU measurement shows it pays); it then acts on streamed buckets on a GPU only."""
@@ -416,19 +424,21 @@ class Options:
                              "alias for the resident share; pass one of them")
         if not self.gpu_tier:
             return
-        given = f"gpu_fraction={f!r}" if self.placement == "host" else f"placement={self.placement!r}"
+        given = f"{self.gpu_option}={getattr(self, self.gpu_option)!r}"
         if self.state_dtype != torch.float32:
             raise ValueError(f"{given} steps state on the GPU, updated by torch's fused AdamW, which holds fp32 state "
                              f"only; state_dtype={self.state_dtype} cannot be combined with it")
         if self.overlap_step or self.delayed_update:
             raise ValueError(f"{given} and {self._mode}=True are not combined: the GPU part is updated at step(), "
                              "after the checks of the whole step")
-        if self.placement != "host" and self.speculate:
-            raise ValueError(f"{given} and speculate=True are not combined: a bucket stepped on the GPU has no host "
-                             "update to speculate on")
-        if self.placement != "host" and self.sharded:
-            raise ValueError(f"{given} is not yet combined with a process_group: leave placement at 'host' (or use "
-                             "gpu_fraction, whose resident buckets are sharded)")
+        # (the resident share alone is gpu_fraction's, with what gpu_fraction takes)
+        parks = self.placement == "auto" or "parked" in self.shares()
+        if parks and self.speculate:
+            raise ValueError(f"{given} and speculate=True are not combined: a parked bucket has no host update to "
+                             "speculate on")
+        if parks and self.sharded:
+            raise ValueError(f"{given} is not yet combined with a process_group: parked buckets are not sharded yet "
+                             "(leave placement at 'host', or keep a resident share only: those buckets are sharded)")
 
     @property
     def _mode(self) -> str:

@@ -76,9 +76,9 @@ def _move(lanes: List[Lane], topology: Topology, transport: Transport, streamer:
             logger.warning("OffloadOptimizer: the GPU ran out of memory moving %s to its %s home (%s); it and the "
                            "buckets after it stay on the host", bucket.where, kind, exc)
             break
-        if kind == "resident":
-            streamer.drop(lane)  # (its gradients are read at step(): nothing for backward's hooks)
         transport.rehome(lane)
+        if not lane.route.hooks:
+            streamer.drop(lane)  # (its gradients are read at step(): nothing for backward's hooks)
         checkpoint.expose(state, bucket, [i for i, e in enumerate(bucket.exposed) if e])
         moved += 1
     return moved
@@ -116,9 +116,8 @@ class Placer:
                   state: MutableMapping) -> Optional["Placer"]:
         """Move the buckets where the options (and what the steps showed) say. Returns itself while it has more to
         measure, else None."""
-        margin = self.options.gpu_margin_gib
         if self.options.gpu_fraction == "auto":
-            place_on_device(topology, transport, streamer, state, margin)
+            place_on_device(topology, transport, streamer, state, self.options.gpu_margin_gib)
             return None
         lanes = [lane for lane in transport.lanes if not lane.bucket.on_cpu and lane.bucket.home.kind == "host"]
         if not lanes:
@@ -128,7 +127,7 @@ class Placer:
             return self
         sent = [lane.arrival.at for lane in lanes if lane.arrival.at is not None]
         forward = 0.0 if not sent else max(0.0, min(min(sent) - self.ended, self.begun - min(sent)))
-        homes = plan_auto(lanes, margin, self.allocated, forward)
+        homes = plan_auto(lanes, self.options, self.allocated, forward)
         moving = [(lane, home) for lane, home in zip(lanes, homes) if home != "host"]
         logger.info("OffloadOptimizer(placement='auto'): of %d GPU buckets, %d resident, %d parked, the rest stepped "
                     "on the host (forward taken as %.1f ms)", len(lanes), homes.count("resident"),
@@ -139,20 +138,21 @@ class Placer:
         return None
 
 
-def plan_auto(lanes: Sequence[Lane], margin_gib: float, allocated: Dict[Any, int], forward: float) -> List[str]:
+def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int], forward: float) -> List[str]:
     """The home of each of ``lanes`` (CUDA buckets stepped on the host so far) by the cost model, with the rates
-    measured now and the room the first steps left: resident, the memory their peak never used (less the margin);
-    parked, besides that, what backward had freed by ``step()`` (the peak less what was allocated then), given back
-    within ``forward`` seconds of the step."""
+    measured now and the room the first steps left: resident, the memory their peak never used (less
+    ``gpu_margin_gib``); parked, besides that, what backward had freed by ``step()`` (the peak less what was
+    allocated then), given back within ``forward`` seconds of the step. With ``uploads_in_backward=False`` a parked
+    bucket comes up at ``step()``: as if every bucket arrived at backward's end."""
     devices = {lane.bucket.device for lane in lanes}
     rates = cost_model.Rates(cost_model.measure_kernel_rate(),
                              min(cost_model.measure_copy_rate(d) for d in devices),
                              min(cost_model.measure_copy_rate(d, up=False) for d in devices))
-    resident = min(_device_room(d, margin_gib) for d in devices)
+    resident = min(_device_room(d, options.gpu_margin_gib) for d in devices)
     parked = min(torch.cuda.max_memory_allocated(d) - allocated.get(d, 0) for d in devices)
     # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master)
     costs = [cost_model.BucketCost(lane.bucket.layout.numel, lane.bucket.device_cost(), lane.bucket.device_cost(),
-                                   lane.arrival.at) for lane in lanes]
+                                   lane.arrival.at if options.uploads_in_backward else None) for lane in lanes]
     return cost_model.plan_homes(costs, rates, max(0, resident), max(0, parked), forward)
 
 

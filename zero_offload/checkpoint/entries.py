@@ -5,6 +5,7 @@ it for a parameter's first update)."""
 from __future__ import annotations
 
 import operator
+import weakref
 from collections import defaultdict
 from itertools import chain
 from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
@@ -109,11 +110,20 @@ class StateEntry(dict):
 
 
 class StateMap(defaultdict):
-    """``opt.state``: AdamW's ``defaultdict(dict)``, raising a flag when it or one of its entries is edited."""
+    """``opt.state``: AdamW's ``defaultdict(dict)``, raising a flag when it or one of its entries is edited. While
+    ``landing`` is set (a weak reference to what waits for state still on its way to the host: a parked bucket's
+    write-back after ``step()``), the first read through it (``[]``, ``get``, ``items``, ``values``) waits first."""
 
     def __init__(self, *args: Any) -> None:
         self.flag = _Flag()
+        self.landing: Optional[weakref.WeakMethod] = None
         super().__init__(*args)
+
+    def _landed(self) -> None:
+        landing, self.landing = self.landing, None
+        wait = None if landing is None else landing()
+        if wait is not None:
+            wait()
 
     def put(self, p: torch.Tensor, entry: Dict[str, Any]) -> None:
         """The optimizer's own write of an entry: not an edit."""
@@ -125,6 +135,21 @@ class StateMap(defaultdict):
 
 _noting(StateEntry, dict, _DICT_MUTATORS)
 _noting(StateMap, defaultdict, _DICT_MUTATORS)
+
+
+def _landing_first(cls: type, names: Sequence[str]) -> None:
+    """Give ``cls`` the reading methods ``names`` of ``defaultdict``, each waiting for ``landing`` first."""
+    for name in names:
+        def read(self, *args, __method=getattr(defaultdict, name)):
+            if self.landing is not None:
+                self._landed()
+            return __method(self, *args)
+
+        read.__name__ = name
+        setattr(cls, name, read)
+
+
+_landing_first(StateMap, ("__getitem__", "get", "items", "values"))
 
 
 def check_param_lists(groups: Sequence[Dict[str, Any]], buckets: Buckets) -> None:

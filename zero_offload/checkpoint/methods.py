@@ -11,6 +11,7 @@ from typing import Any, Dict
 import torch
 
 from zero_offload.checkpoint import dcp, full
+from zero_offload.checkpoint.entries import StateMap
 
 __all__ = ["StateDictMethods"]
 
@@ -82,7 +83,15 @@ class StateDictMethods:
         ``homes``, also for the state still on its way back to its home (a parked bucket's write-back), before the
         host reads it."""
         self._mode.settle()
-        for bucket in chain.from_iterable(self._buckets) if homes else ():
+        if homes:
+            self._settle_homes()
+
+    def _settle_homes(self) -> None:
+        """Every bucket's state in its home before the host reads or writes it: a parked bucket's write-back still
+        in flight has landed (and device copies brought up early are let go)."""
+        if type(self.state) is StateMap:
+            self.state.landing = None
+        for bucket in chain.from_iterable(self._buckets):
             bucket.home.settle()
 
     def _quiesce(self) -> None:
@@ -92,8 +101,7 @@ class StateDictMethods:
         already: the next ``step()`` updates the loaded state with them."""
         self._mode.drop()  # a pending (or speculative) update of the old trajectory
         self._transport.synchronize()
-        for bucket in chain.from_iterable(self._buckets):
-            bucket.home.settle()  # (a parked bucket's state brought up in backward is the old one)
+        self._settle_homes()  # (a parked bucket's state brought up in backward is the old one)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The optimizer state for ``torch.distributed.checkpoint`` (DCP), nothing gathered and no collective: a

@@ -178,9 +178,7 @@ class Masters:
         refresh instead of the masters (copies, on the parameters' device: the bucket left as it is, unless
         ``record``, default False there: the parameters' versions are recorded, as where the copies become the
         masters)."""
-        if not self.separate:
-            return
-        stale = [i for i in indices if fsdp2.version(self.watch[i]) != self.versions[i]]
+        stale = self.stale(indices)
         if not stale:
             return
         for i, value in zip(stale, self._values(stale)):
@@ -191,6 +189,13 @@ class Masters:
                 master.copy_(value)
             if into is None or record:
                 self.versions[i] = fsdp2.version(self.watch[i])
+
+    def stale(self, indices: Sequence[int]) -> List[int]:
+        """Those of ``indices`` whose separate master is out of date: their parameter changed since the optimizer
+        last wrote it (none where the parameters are their own masters)."""
+        if not self.separate:
+            return []
+        return [i for i in indices if fsdp2.version(self.watch[i]) != self.versions[i]]
 
     def _values(self, stale: Sequence[int]) -> List[Optional[torch.Tensor]]:
         """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""

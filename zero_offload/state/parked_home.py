@@ -6,7 +6,8 @@ into memory allocated on the compute stream, which backward has been freeing), o
 ``step()`` updates them there, after the same checks as every other bucket's; they go down again on the other copy
 stream while the next forward runs (:meth:`ParkedHome.put_back`), and the device copies' memory returns to the
 allocator once that copy has read it. No host wait on the way: the compute stream waits for the reload's event, the
-host only for a write-back still in flight when it reads the state (:meth:`ParkedHome.settle`). The bucket's
+host only for a write-back still in flight when it reads the state (:meth:`ParkedHome.settle`: a checkpoint, a
+load, ``flush()``, the first read of ``opt.state`` after ``step()``). The bucket's
 gradients and parameters never cross PCIe.
 """
 
@@ -102,8 +103,8 @@ class ParkedHome(Home):
             twin.record_stream(down)
 
     def release(self) -> None:
-        """A step that did not update the bucket (skipped, refused, no gradient): its device copies are let go (the
-        host buffers still hold the state)."""
+        """The step is over: device copies still held (a step that did not update the bucket: skipped, refused, no
+        gradient) are let go; the host buffers still hold the state."""
         self.twins = None
 
     def settle(self) -> None:
@@ -130,9 +131,10 @@ class ParkedHome(Home):
         """While stepped, a separate master taken from its changed parameter goes into its device copy (which the
         write-back then parks)."""
         if into is None and self.twins is not None and self.masters.separate:
-            flat = self.twins["master"]
-            views = [view_like(flat, o, p) for o, p in zip(self.masters.offsets, self.masters.params)]
-            self.masters.refresh(indices, into=views, record=True)
+            if self.masters.stale(indices):  # (the views only where a parameter changed: not every step)
+                flat = self.twins["master"]
+                views = [view_like(flat, o, p) for o, p in zip(self.masters.offsets, self.masters.params)]
+                self.masters.refresh(indices, into=views, record=True)
             return
         super().refresh(indices, into)
 
