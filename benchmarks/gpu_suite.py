@@ -50,17 +50,16 @@ GIB = 1 << 30
 # A lease, in seconds: at most 10 minutes a command; the plan keeps command 1 under 8 minutes and command 2 under
 # 4, so that both fit 15 minutes of device time with the machine's start.
 COMMAND_LIMIT_S = {"1": 8 * 60, "2": 4 * 60}
-# The step matrix on the GPU: the anchor, ours, the other offloader (reported as not installed when its package is
-# missing), then ours' other modes, speculation (off by default) last: a stage cut short by its limit loses the
-# last rows (the H200 lease of 2026-11-27 lost torchao's, then last). DeepSpeed's row is command 2's (its CPU Adam
-# compiles first).
+# The step matrix on the whole GPU: the anchor, ours, its homes, then ours' other modes, speculation (off by
+# default) last: a stage cut short by its limit loses the last rows. torchao's row is the capped stages' (the other
+# offloader is reported as not installed when its package is missing); DeepSpeed's runs on request (--rows).
 MATRIX = ("adamw", "ours", "ours-parked", "ours-auto", "ours-gpuauto", "ours-delayed", "ours-spec")
 # The homes at a GPU where AdamW does not fit: AdamW uncapped, the all-host placement uncapped (its peak sets the
 # cap: plus 1 GiB), then capped: every bucket parked, the cost model's placement, torchao (issue 52's rows).
 CAPPED_MATRIX = ("adamw", "ours-host", "ours-parked", "ours-auto", "torchao")
 TINY_MATRIX = ("adamw-ref", "ours")
-# Timed steps per row, after the warm-up: 7 rows, then 4 with clipping, fit command 1 at ~18 s a row (the first
-# lease: 130 s for 7 rows; the H200 lease: 123 s for the first 6, each 12-28 s).
+# Timed steps per row, after the warm-up: 5 capped rows, 5 with clipping, then 7 on the whole GPU fit command 1 at
+# ~18 s a row (the first lease: 130 s for 7 rows; the H200 lease: 123 s for the first 6, each 12-28 s).
 STEPS, WARMUP = 5, 2
 
 

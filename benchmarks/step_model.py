@@ -3,7 +3,7 @@ an :class:`~zero_offload.options.Options` (the default, ``speculate=True``, a nu
 ``gpu_fraction="auto"``), and what the model simulates is read from the code, not written here: whether the options
 speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the
 new parameters go up during backward (``zero_offload.speculation.SCHEDULE``, ``Options.uploads_in_backward``), which
-buckets ``gpu_fraction`` keeps on the GPU (``device_tier_plan``, or for ``"auto"`` the buckets that fit in the GPU
+buckets ``gpu_fraction`` keeps on the GPU (``home_plan``, or for ``"auto"`` the buckets that fit in the GPU
 memory the offloaded step leaves, as ``placement.place_on_device`` decides). Then ``delayed_update`` (one step
 stale, so not one of the exact rows), with its uploads during the next backward or not as
 ``Options.uploads_in_backward`` says, and with every upload at ``step()``: the schedule the first H100 run measured
@@ -48,7 +48,8 @@ def gpu_buckets(sim: types.ModuleType, fraction, room_bytes: float) -> int:
     """How many of the last-arriving buckets (0..m-1 in the model's numbering) keep their state on the GPU."""
     import torch
 
-    from zero_offload.buckets import device_tier_plan
+    from zero_offload.buckets import home_plan
+    from zero_offload.options import Options
     from zero_offload.state.layout import BucketLayout
 
     if fraction == "auto":  # as placement.place_on_device: the last to arrive first, while they fit
@@ -59,10 +60,10 @@ def gpu_buckets(sim: types.ModuleType, fraction, room_bytes: float) -> int:
                 break
             used, m = used + cost, m + 1
         return m
-    # device_tier_plan takes a group's buckets in construction order: the first ones (backward's last) go.
+    # home_plan takes a group's buckets in construction order: the first ones (backward's last) go.
     layouts = [BucketLayout((0,), (0,), (sim.SIZE[i],), sim.SIZE[i], torch.device("cuda"), torch.float32)
                for i in range(sim.NB)]
-    return sum(device_tier_plan(layouts, fraction))
+    return home_plan(layouts, Options(gpu_fraction=fraction)).count("resident")
 
 
 def step_ms(sim: types.ModuleType, options, gpu: int, schedule):

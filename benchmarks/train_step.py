@@ -591,8 +591,8 @@ def measure_interleaved(contenders: Dict[str, Contender], cfg: Config, batches, 
 
 def probes(numel: int, cuda: bool) -> Dict[str, float]:
     """The offload work's parts, each alone: the CPU kernel over ``numel`` fp32 elements (timed on at most 2**25
-    and scaled linearly), and pinned-memory copy bandwidth each way (as ``placement="auto"`` measures it: the best
-    of three copies of 256 MiB)."""
+    and scaled linearly), and pinned-memory copy bandwidth each way (as ``placement="auto"`` measures it, the best
+    of three copies; here of 256 MiB)."""
     out: Dict[str, float] = {}
     n = min(numel, 2**25)
     gen = torch.Generator().manual_seed(0)

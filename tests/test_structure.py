@@ -193,19 +193,22 @@ def _fields(cls: ast.ClassDef) -> Set[str]:
 
 def field_counts() -> Dict[str, int]:
     """Each class of the package (``module:Class``) and the fields it holds, with those of its bases defined in the
-    package (by name)."""
-    own: Dict[str, Tuple[str, Set[str], List[str]]] = {}
+    package (by name: the base of that name in the class's own module first, else the first defined)."""
+    own: Dict[Tuple[str, str], Tuple[Set[str], List[str]]] = {}
+    first: Dict[str, Tuple[str, str]] = {}
     for rel, path in _modules():
         for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
-            own.setdefault(cls.name, (rel, _fields(cls), [ast.unparse(b).split(".")[-1] for b in cls.bases]))
+            own.setdefault((rel, cls.name), (_fields(cls), [ast.unparse(b).split(".")[-1] for b in cls.bases]))
+            first.setdefault(cls.name, (rel, cls.name))
 
-    def every(name: str, seen: Tuple[str, ...] = ()) -> Set[str]:
-        if name not in own or name in seen:
+    def every(key: Tuple[str, str], seen: Tuple[Tuple[str, str], ...] = ()) -> Set[str]:
+        if key not in own or key in seen:
             return set()
-        _, names, bases = own[name]
-        return set(names).union(*(every(b, seen + (name,)) for b in bases))
+        names, bases = own[key]
+        found = [(key[0], b) if (key[0], b) in own else first.get(b) for b in bases]
+        return set(names).union(*(every(b, seen + (key,)) for b in found if b is not None))
 
-    return {f"{rel}:{name}": len(every(name)) for name, (rel, _, _) in own.items()}
+    return {f"{rel}:{name}": len(every((rel, name))) for rel, name in own}
 
 
 def too_many_fields() -> List[Tuple[str, int]]:

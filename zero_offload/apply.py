@@ -14,7 +14,7 @@ from zero_offload.rules.base import Run, Slots
 from zero_offload.state.codecs import Codec
 from zero_offload.state.home import Copies
 
-__all__ = ["Copies", "RunSpec", "copies_of", "is_whole", "run_rule", "touched"]
+__all__ = ["Copies", "RunSpec", "is_whole", "run_rule", "touched"]
 
 RunSpec = Tuple[int, int, int]  # (first, last, step count before the update): see FlatBucket.runs
 
@@ -29,11 +29,6 @@ def touched(bucket: FlatBucket, runs: Sequence[RunSpec]) -> Sequence[int]:
     if is_whole(bucket, runs):
         return range(len(bucket.params))
     return [i for first, last, _ in runs for i in range(first, last + 1)]
-
-
-def copies_of(bucket: FlatBucket) -> Copies:
-    """Copies of everything an update writes (see :meth:`~zero_offload.state.home.Home.copies`)."""
-    return bucket.home.copies()
 
 
 def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.Tensor],

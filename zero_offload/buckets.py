@@ -35,7 +35,7 @@ from zero_offload.state.store import state_bytes
 from zero_offload.state.tiers import HostTier, should_pin
 
 __all__ = ["ALIGN", "BucketLayout", "FlatBucket", "HOMES", "Placement", "ShardLayout", "allocate_group", "align_up",
-           "check_grads", "device_tier_plan", "estimate_layouts", "home_plan", "memory_order_flat", "plan_buckets",
+           "check_grads", "estimate_layouts", "home_plan", "memory_order_flat", "plan_buckets",
            "plan_local", "should_pin", "view_like"]
 
 logger = logging.getLogger("zero_offload")
@@ -133,48 +133,40 @@ class FlatBucket:
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
         self.home: Home = self._home(HOMES[home], rule.needed(rule.hyper(rule.defaults)) if buffers is None else buffers,
-                                     state_dtype, takeovers)
-        self.grads = self._grads(self.home, lazy=self.fsdp and on_cpu)
+                                     state_dtype, self.pin, self.shares_grad, takeovers)
+        self.grads = self._grads(self.home, self.resident, lazy=self.fsdp and on_cpu)
 
-    def _home(self, kind: type, buffers: Sequence[StateBuffer], state_dtype: torch.dtype,
-              takeovers: Optional[Sequence[Any]] = None) -> Home:
+    def _home(self, kind: type, buffers: Sequence[StateBuffer], state_dtype: torch.dtype, pin: bool,
+              shares_grad: bool, takeovers: Optional[Sequence[Any]] = None) -> Home:
         """A home of ``kind`` for this bucket's state (its slots cut as the bucket cuts them)."""
-        return kind(self.device, self.pin, rule=self.rule, buffers=buffers, state_dtype=state_dtype,
+        return kind(self.device, pin, rule=self.rule, buffers=buffers, state_dtype=state_dtype,
                     params=self.params, owners=self.owners, layout=self.layout, shard=self.shard, views=self._views,
-                    bind=not self.fsdp, shares_grad=self.shares_grad, placed=self.owners if self.fsdp else None,
+                    bind=not self.fsdp, shares_grad=shares_grad, placed=self.owners if self.fsdp else None,
                     takeovers=takeovers,
                     slots_tier=HostTier(True) if takeovers is not None and self.takeover_pinned else None)
 
-    def _grads(self, home: Home, lazy: bool = False) -> GradSlots:
-        """The gradient slots, in ``home``'s :attr:`~zero_offload.state.home.Home.grads_tier`."""
+    def _grads(self, home: Home, resident: bool, lazy: bool = False) -> GradSlots:
+        """The gradient slots, in ``home``'s :attr:`~zero_offload.state.home.Home.grads_tier` (``resident``: the
+        state lives with the parameters)."""
         return GradSlots(self.params, [p.shape for p in self.params], self.layout, self.full,
-                         None if self.shard is None else self.shard.pieces, self.shard is not None and self.resident,
+                         None if self.shard is None else self.shard.pieces, self.shard is not None and resident,
                          home.grads_tier, self.label, lazy=lazy)
 
     def rehome(self, kind: str) -> None:
         """Move the bucket's state into a home of ``kind`` (``"resident"`` or ``"parked"``: stepped on its GPU),
         between steps (``gpu_fraction="auto"``, ``placement="auto"``): the same masters, buffers, step counts and
         entries' flags, the parameters bound to their new slots (see :meth:`Home.take_over`). The caller has waited
-        for every copy in flight; it shows the new entries and stops streaming the bucket's gradients. An
-        allocation failure leaves the bucket as it was."""
-        resident, shares_grad, pin = self.resident, self.shares_grad, self.pin
-        # (what the new home is made with)
-        self.resident, self.shares_grad, self.pin = True, False, pin and kind != "resident"
-        try:
-            home = self._home(HOMES[kind], [self.home.declared[n] for n in self.home.names], self.state_dtype)
-            grads = self._grads(home)
-        except BaseException:
-            self.resident, self.shares_grad, self.pin = resident, shares_grad, pin
-            raise
+        for every copy in flight; it shows the new entries, and stops streaming the bucket's gradients where its new
+        route has no work for backward's hooks. An allocation failure leaves the bucket as it was."""
+        pin = self.pin and kind != "resident"
+        home = self._home(HOMES[kind], [self.home.declared[n] for n in self.home.names], self.state_dtype, pin, False)
+        grads = self._grads(home, True)
         home.take_over(self.home)
         self.home, self.grads = home, grads
-
-    def move_to_device(self) -> None:
-        """:meth:`rehome` into the device home (``gpu_fraction="auto"``)."""
-        self.rehome("resident")
+        self.resident, self.shares_grad, self.pin = True, False, pin
 
     def device_cost(self) -> int:
-        """Device bytes :meth:`move_to_device` would add (see :meth:`device_bytes`)."""
+        """Device bytes :meth:`rehome` into a GPU home would add (see :meth:`device_bytes`)."""
         n = self.layout.padded_numel
         cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision else 0)
         if self.shard is not None:
@@ -457,26 +449,6 @@ def home_plan(layouts: Sequence[BucketLayout], options: Options) -> List[str]:
             budget += shares[home] * total
         used += layout.numel
         out[i] = home
-    return out
-
-
-def device_tier_plan(layouts: Sequence[BucketLayout], fraction: Any) -> List[bool]:
-    """Which of a group's buckets keep their state on their GPU for a numeric ``gpu_fraction``: the group's first
-    buckets on CUDA (backward runs the model from its end, so it produces their gradients last, when nothing is
-    left to hide a host update behind), as many as fit in ``fraction`` of the group's CUDA elements. ``"auto"``
-    places none here: it moves buckets after the first step (``OffloadOptimizer``)."""
-    out = [False] * len(layouts)
-    if fraction == "auto" or not fraction:
-        return out
-    budget = fraction * sum(l.numel for l in layouts if l.device.type == "cuda")
-    used = 0
-    for i, layout in enumerate(layouts):
-        if layout.device.type != "cuda":
-            continue
-        if used + layout.numel > budget:
-            break
-        used += layout.numel
-        out[i] = True
     return out
 
 

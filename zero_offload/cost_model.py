@@ -35,6 +35,8 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
+from zero_offload.host_memory import empty_host
+
 __all__ = ["BucketCost", "Rates", "measure_copy_rate", "measure_kernel_rate", "plan_homes"]
 
 
@@ -65,7 +67,8 @@ def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float
     the next forward takes before it has claimed them back (0: at once)."""
     end = max((b.arrival for b in buckets if b.arrival is not None), default=0.0)  # backward's end
     arrival = [end if b.arrival is None else b.arrival for b in buckets]
-    order = sorted(range(len(buckets)), key=lambda i: arrival[i])  # (ties: construction order)
+    # (Ties, as buckets backward did not send: the last built first, as backward makes their gradients.)
+    order = sorted(range(len(buckets)), key=lambda i: (arrival[i], -i))
     homes = ["host"] * len(buckets)
     room = resident_room
     for i in reversed(order):  # the last to arrive first, while they fit
@@ -111,7 +114,7 @@ def measure_kernel_rate(numel: int = 1 << 22) -> float:
 def measure_copy_rate(device: torch.device, nbytes: int = 1 << 26, up: bool = True) -> float:
     """Bytes per second of a copy from pinned host memory to ``device`` (``up``) or back (the best of three, timed
     by CUDA events)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = empty_host(nbytes, torch.uint8, pin=True)  # (as the state's buffers are pinned, given back when freed)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst, src = (gpu, host) if up else (host, gpu)
     best = float("inf")

@@ -47,7 +47,7 @@ class Arrival:
         norms (Dict[int, Tensor]): each gradient's norm at its copy, by parameter, where an edit that moves no
             version counter may come (see :mod:`~zero_offload.transport.edits`).
         at (float, optional): when it was first sent (``time.perf_counter()``, the host's clock: on a GPU the hooks
-            run ahead of the device), what ``placement="auto"`` reads of the first step.
+            run ahead of the device), what ``placement="auto"`` reads of the second step.
     """
 
     __slots__ = ("sent", "launches", "sources", "norm", "norms", "at")
@@ -100,7 +100,7 @@ class Lane:
 class Intake:
     """What ``step()`` received for one bucket: made by the transport's ``receive``, replaced by a new one where a
     later stage learns more (``gather``: where the kernel reads the gradients; the sharded transports: which
-    parameters have a gradient on some rank; the squared norm read from the GPU), never edited.
+    parameters have a gradient on some rank; the edit watch: which gradients to read again), never edited.
 
     Attributes:
         lane (Lane): the bucket's lane.
@@ -110,7 +110,6 @@ class Intake:
         stale (bool): a gradient changed or went away after it was sent: the streamed norm is not this step's.
         in_place (List[Optional[Tensor]], optional): after ``gather``, the gradients where the kernel reads them
             in place (None: the flat buffer holds them).
-        sq (float, optional): the streamed squared norm as the host read it at ``step()``.
     """
 
     lane: Lane
@@ -118,7 +117,6 @@ class Intake:
     pending: Sequence[Optional[torch.Tensor]]
     stale: bool = False
     in_place: Optional[List[Optional[torch.Tensor]]] = None
-    sq: Optional[float] = None
 
     @property
     def bucket(self) -> "FlatBucket":

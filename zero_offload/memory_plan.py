@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.buckets import ALIGN, BucketLayout, align_up, device_tier_plan, estimate_layouts, plan_buckets
+from zero_offload.buckets import ALIGN, BucketLayout, align_up, estimate_layouts, home_plan, plan_buckets
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
@@ -182,7 +182,7 @@ def memory_plan(
     layouts = [dataclasses.replace(layout, device=torch.device(device))
                for layout in plan_buckets(params, options.bucket_numel)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
-    on_gpu = device_tier_plan(layouts, options.gpu_fraction)
+    on_gpu = [home == "resident" for home in home_plan(layouts, options)]
     host = estimate_layouts([l for l, g in zip(layouts, on_gpu) if not g], needed, options, world_size, _RULE)
     gpu_layouts = [l for l, g in zip(layouts, on_gpu) if g]
     gpu_tier, gpu_numel = _gpu_tier(gpu_layouts, needed, dtype, world_size), sum(l.numel for l in gpu_layouts)

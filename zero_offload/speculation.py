@@ -58,7 +58,7 @@ from zero_offload.lane import Intake, Lane, Plans
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 from zero_offload.undo import Lease, UndoPool
-from zero_offload.update import Immediate, State, _Worker, update_bucket
+from zero_offload.update import Immediate, State, _Worker, on_device_first, update_bucket
 
 __all__ = ["SCHEDULE", "SpeculationStats", "Speculative"]
 
@@ -345,9 +345,10 @@ class Speculative(Immediate):
                           state)
             done.add(lane)
 
-        for intake in received.values():  # stepped on a GPU first: launched there, which runs them meanwhile
-            if intake.bucket.home.on_device:
-                update(intake)
+        for _, intake in on_device_first(hypers, plans, self.transport.arrivals):  # launched there, run meanwhile
+            if not intake.bucket.home.on_device:
+                break
+            update(intake)
         for lane, spec in self._round.specs.items():  # commits first: their uploads overlap the updates left
             intake = received.get(lane)
             if spec.runs is None or intake is None or not intake.present:  # (not in this step's plan)

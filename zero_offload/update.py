@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 import torch
 
 from zero_offload import functional, gate
-from zero_offload.apply import copies_of, run_rule, touched
+from zero_offload.apply import run_rule, touched
 from zero_offload.buckets import FlatBucket
 from zero_offload.checkpoint import Ahead, expose
 from zero_offload.gate import Decision
@@ -24,7 +24,7 @@ from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 
-__all__ = ["Delayed", "Immediate", "Overlap", "device_tier_first", "ensure_buffers", "preview_bucket",
+__all__ = ["Delayed", "Immediate", "Overlap", "ensure_buffers", "on_device_first", "preview_bucket",
            "update_bucket"]
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
@@ -53,14 +53,14 @@ class _Seen:
         self.hypers: Optional[List[Any]] = None
 
 
-def device_tier_first(hypers: Sequence[Any], plans: Plans) -> List[Tuple[Any, Intake]]:
+def on_device_first(hypers: Sequence[Any], plans: Plans, arrivals: Sequence[Lane]) -> List[Tuple[Any, Intake]]:
     """Each intake of ``plans`` with its group's hyperparameters, those of the buckets stepped on a GPU first: their
-    updates are only launched there, and the GPU runs them while the host updates the others. Among those, the ones
-    backward sent earliest first: a parked bucket's state goes back down in that order, so the next backward's first
-    reloads find theirs landed."""
+    updates are only launched there, and the GPU runs them while the host updates the others. Among those, in the
+    order backward sent them (``arrivals``; the rest after): a parked bucket's state goes back down in that order, so
+    the next backward's first reloads find theirs landed."""
     pairs = [(h, intake) for h, intakes in zip(hypers, plans) for intake in intakes]
-    gpu = sorted((p for p in pairs if p[1].bucket.home.on_device),
-                 key=lambda p: (p[1].lane.arrival.at is None, p[1].lane.arrival.at or 0.0))
+    sent = {lane: k for k, lane in enumerate(arrivals)}
+    gpu = sorted((p for p in pairs if p[1].bucket.home.on_device), key=lambda p: sent.get(p[1].lane, len(sent)))
     return gpu + [p for p in pairs if not p[1].bucket.home.on_device]
 
 
@@ -104,7 +104,7 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multipli
     runs = bucket.runs(present)
     if not runs:
         return None
-    copies = copies_of(bucket)
+    copies = bucket.home.copies()
     flat = copies[0]
     indices = list(touched(bucket, runs))
     bucket.home.refresh(indices, into=[view_like(flat["master"], o, p)
@@ -182,7 +182,7 @@ class Immediate:
         # (Traced steps keep each kernel inside its own span.)
         queue = self.transport.timeline is None and not any(lane.route.upload_reads for lane in lanes)
         with functional.queued_updates() if queue else NOTHING:
-            for hyper, intake in device_tier_first(hypers, plans):
+            for hyper, intake in on_device_first(hypers, plans, self.transport.arrivals):
                 if not self.updated(intake.lane):
                     update_bucket(self.transport, intake.lane, intake.present, intake.in_place, hyper,
                                   decision.multiplier, state)

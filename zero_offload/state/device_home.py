@@ -1,8 +1,8 @@
-"""The device home (``gpu_fraction``, the twin flow's GPU part): a bucket's state in the memory of the GPU its
+"""The device home (``placement="resident"``, ``gpu_fraction``: the twin flow's GPU part): a bucket's state in the memory of the GPU its
 parameters are on, stepped there by the rule's device update (torch's fused AdamW for AdamW) after the same checks
 as the host's buckets; the parameters become their slots, as a CPU model's do, so nothing crosses PCIe. A bucket
-starts here (a numeric ``gpu_fraction``) or moves here from the host between steps (``"auto"``,
-:meth:`~zero_offload.state.home.Home.take_over`)."""
+starts here (its resident share of ``placement``, a numeric ``gpu_fraction``) or moves here from the host between
+steps (``"auto"``, :meth:`~zero_offload.state.home.Home.take_over`)."""
 
 from __future__ import annotations
 

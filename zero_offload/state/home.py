@@ -2,7 +2,7 @@
 entries ``opt.state`` shows) behind one interface, :class:`Home`, which says where the state is, brings it to where
 its update runs (and back), and hands out what the rest of the package asks of it: the buffers one update reads and
 writes, copies of them, the entries of ``opt.state`` and of a checkpoint. No module outside :mod:`zero_offload.state`
-(and the kernel's entry, :mod:`zero_offload.apply`, through :meth:`Home.run_buffers`) reads a flat buffer.
+(and the kernel's entry, :mod:`zero_offload.apply`, through :meth:`Home.run_buffers`) reads a state buffer.
 
 Where the state lives is a subclass, one file each: :class:`~zero_offload.state.host_home.HostHome` (host memory,
 stepped there by the CPU kernel), :class:`~zero_offload.state.device_home.DeviceHome` (the GPU's memory,
@@ -73,11 +73,6 @@ class Home:
         self.views = StateViews(rule, self.store, self.masters, layout, shard, params, placed)
 
     # -- where it is, and where it is stepped ----------------------------------------------------------------------
-    @property
-    def where(self) -> str:
-        """Where the state is now, for messages ("pinned host", "cuda:0")."""
-        return self.tier.name
-
     @property
     def grads_tier(self) -> Tier:
         """Where the bucket's gradient slots live (made there at first use unless on the host)."""
@@ -195,11 +190,6 @@ class Home:
         """The key of the step count in the entries (see :attr:`StateViews.step_key`)."""
         return self.views.step_key
 
-    @property
-    def exposed(self) -> List[bool]:
-        """Whether each parameter has an entry in ``opt.state``."""
-        return self.views.exposed
-
     def to_fp32(self, name: str, codes: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
         """A copy of buffer ``name``'s codes (``codes``, ``scales``: see :meth:`copies`) as float32."""
         return self.store.codecs[name].to_fp32(codes, scales)
@@ -213,11 +203,6 @@ class Home:
     def declared(self) -> Dict[str, StateBuffer]:
         """The rule's buffers by name, allocated or not."""
         return self.store.declared
-
-    @property
-    def steps(self) -> torch.Tensor:
-        """Per-parameter step counts (float32; ``state["step"]`` is a 0-dim view of an element)."""
-        return self.store.steps
 
     def nbytes(self) -> Dict[str, int]:
         """Bytes of the rule's buffers held (and their scales), by name."""

@@ -1,6 +1,6 @@
 """The host home: a bucket's state in host memory (page-locked where the bucket's parameters are on a GPU, whose
-copies read and write it), stepped there by the CPU kernel. The home of every bucket but those ``gpu_fraction``
-keeps on the GPU."""
+copies read and write it), stepped there by the CPU kernel. The home of every CPU bucket, and of the GPU buckets ``placement`` (or
+``gpu_fraction``) leaves on the host."""
 
 from __future__ import annotations
 

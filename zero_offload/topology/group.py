@@ -40,7 +40,7 @@ class Group(Topology):
         timeout = DEFAULT_TIMEOUT if options.timeout is None else options.timeout
         self.comm = Comm(self.process_group, timeout, options.grads_reduced,
                          compact_state=options.state_dtype != torch.float32)
-        return _with_margin(ShardedTransport(self, release=options.release_grads), options)
+        return _with_margin(ShardedTransport(self.comm, release=options.release_grads), options)
 
     def place(self, tensors: Sequence[torch.Tensor], index: int, layout: Tuple[Tuple[str, Any], ...]) -> Placement:
         """Every rank gives the same parameters and ``layout`` (checked on every rank at once: one collective), on

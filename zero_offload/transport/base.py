@@ -1,9 +1,11 @@
-"""Every byte that moves between the parameters and the host buffers, for one optimizer: the side streams and
-events that order the copies (the one owner of them), and the bucket kinds' routes behind one small interface.
+"""Every byte that moves between the parameters and the host buffers, for one optimizer: the side streams that
+order the copies (the events each bucket's copies record are its lane's channel's), and the bucket kinds' routes
+behind one small interface.
 
 **Routes.** A bucket's kind says how its bytes move, and each kind is a :class:`Route` (one file each): parameters
 on the host (:mod:`~zero_offload.transport.host`, nothing moves), one GPU with the state on the host or on the
-GPU's own tier (:mod:`~zero_offload.transport.device`), our ``process_group`` sharding
+GPU's own tier (:mod:`~zero_offload.transport.device`) or parked on the host between steps
+(:mod:`~zero_offload.transport.parked`), our ``process_group`` sharding
 (:mod:`~zero_offload.transport.sharded`), FSDP2's shards (:mod:`~zero_offload.transport.fsdp2`). A route sends a
 bucket's gradients (from backward, or at ``step()``), waits for them, gathers them where the kernel reads them,
 and sends the updated values back; what it keeps for the optimizer's life is the lane's channel
@@ -38,23 +40,14 @@ import torch
 from zero_offload import functional
 from zero_offload.buckets import FlatBucket
 from zero_offload.grads import check_grads
-from zero_offload.lane import Intake, Lane, Plans
+from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.timeline import NOTHING, Timeline
 from zero_offload.transport.channel import Channel, Streams
 from zero_offload.transport.edits import EditWatch
 from zero_offload.transport.measure import (Norm, every, first_nonfinite, host_norm, name_param, on_device_sq_norm,
                                             sq_norm_by_dtype, streamed_norms, two_norm)
 
-__all__ = ["GradStats", "Gathered", "Route", "Transport"]
-
-
-class GradStats(NamedTuple):
-    """A step's gradient statistics over every rank (the sharded transports': their last gather's): ``sq`` the sum
-    of squares of the (averaged) gradient over every bucket, ``nonfinite`` whether some rank's shard holds an inf or
-    nan."""
-
-    sq: float
-    nonfinite: bool
+__all__ = ["Gathered", "Route", "Transport"]
 
 
 class Gathered(NamedTuple):
@@ -168,7 +161,9 @@ class Transport:
         # The device memory (bytes) an upload during backward leaves free (gpu_margin_gib); None: no such uploads
         # (uploads_in_backward=False).
         self.staging_margin: Optional[int] = None
-        self.stats = GradStats(0.0, False)  # (a sharded transport's last gather's, over every rank)
+        # A sharded transport's last gather's statistics over every rank: the sum of squares of the (averaged)
+        # gradient over every bucket, and whether some rank's shard holds an inf or nan.
+        self.stats = SqNorm(0.0, False)
         self._routes: Dict[type, Route] = {}
 
     def route(self, kind: type) -> Route:
@@ -353,10 +348,9 @@ class Transport:
         intakes = every(plans)
         if norm_type == 2.0:
             # Streamed GPU buckets brought their squared norms along (one synchronisation for all of them).
-            norms = streamed_norms([i for i in intakes if not i.lane.route.resident], self.timeline)
+            norms = streamed_norms(intakes, self.timeline)  # (None where the route computed none: resident ones)
             self.wait_all(plans)
-            it = iter(norms)
-            sq, nonfinite = two_norm(intakes, [None if i.lane.route.resident else next(it) for i in intakes])
+            sq, nonfinite = two_norm(intakes, norms)
             return Norm(math.sqrt(sq), nonfinite)
         self.wait_all(plans)
         return Norm(host_norm(intakes, norm_type), False)

@@ -60,26 +60,26 @@ class EditWatch:
         unchecked, self._unchecked = self._unchecked, []
         found = [(intake, i, intake.bucket.params[i].grad, then) for intake, kept, thens in unchecked
                  for i, then in zip(kept, thens)]
-        edited: List[Tuple[Intake, int, torch.Tensor]] = []
+        edited: Dict[Intake, List[Tuple[int, torch.Tensor]]] = {}  # (by intake: each read again once)
         for device in {grad.device for _, _, grad, _ in found}:
             mine = [f for f in found if f[2].device == device]
             now = torch.stack(foreach_norm_fp32([grad for _, _, grad, _ in mine]))
             changed = (now != torch.stack([then for _, _, _, then in mine])).tolist()
-            edited.extend((intake, i, grad) for (intake, i, grad, _), c in zip(mine, changed) if c)
+            for (intake, i, grad, _), c in zip(mine, changed):
+                if c:
+                    edited.setdefault(intake, []).append((i, grad))
         if not edited:
             return plans
-        return [[_read_again(intake, edited) for intake in intakes] for intakes in plans]
+        return [[_read_again(intake, edited[intake]) if intake in edited else intake for intake in intakes]
+                for intakes in plans]
 
     def reset(self) -> None:
         self._unchecked = []
 
 
-def _read_again(intake: Intake, edited: Sequence[Tuple[Intake, int, torch.Tensor]]) -> Intake:
-    """``intake``, with its gradients among ``edited`` pending (and its streamed norm stale) where there are any."""
-    mine = [(i, grad) for other, i, grad in edited if other is intake]
-    if not mine:
-        return intake
+def _read_again(intake: Intake, edited: Sequence[Tuple[int, torch.Tensor]]) -> Intake:
+    """``intake``, with its gradients ``edited`` (by position) pending, and its streamed norm stale."""
     pending = list(intake.pending)
-    for i, grad in mine:
+    for i, grad in edited:
         pending[i] = grad
     return intake.but(pending=pending, stale=True)

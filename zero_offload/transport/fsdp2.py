@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from zero_offload.buckets import FlatBucket
-from zero_offload.lane import Lane, Plans
+from zero_offload.lane import Lane, Plans, SqNorm
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import differing, digest, digest_bytes, meeting_on_failure
-from zero_offload.transport.base import Gathered, GradStats, Route, Transport
+from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
 from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held
@@ -153,7 +153,7 @@ class FSDPTransport(Transport):
         if len({row.present for row in rows}) > 1:
             self._refuse_presence(plans, present, rows)
         sq = sum(row.sq for row in self.topology.replica(rows))  # (one replica's shards make each parameter once)
-        self.stats = GradStats(sq, any(row.bad > 0 for row in rows) or not math.isfinite(sq))
+        self.stats = SqNorm(sq, any(row.bad > 0 for row in rows) or not math.isfinite(sq))
         return Gathered(plans, check and self.stats.nonfinite)
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
@@ -235,7 +235,7 @@ class FSDPTransport(Transport):
 
     def describe_nonfinite(self, plans: Plans, names: Sequence[Optional[Sequence[str]]]) -> str:
         """As the transport's, but every rank names the same parameter, with its whole shape and the rank whose shard
-        holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses the
+        holds the inf/nan (:func:`~zero_offload.transport.measure.name_held`; a collective: every rank refuses the
         step alike)."""
         found = first_nonfinite(plans)
         rows = self.topology.exchange([-1.0, -1.0] if found is None else [float(found.group), float(found.index)])

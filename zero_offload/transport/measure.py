@@ -45,7 +45,7 @@ def streamed_norms(intakes: Sequence[Intake], timeline: Optional[Timeline]) -> L
 
 
 def device_sq_norm(grads: Sequence[torch.Tensor]) -> SqNorm:
-    """:func:`grad_sq_norm_segments` of gradients that stay on their device (the device tier's, ``gpu_fraction``):
+    """:func:`grad_sq_norm_segments` of gradients that stay on their device (the buckets stepped on their GPU):
     torch's norms there (each in float32, squared and summed in float64) and one synchronisation. The non-finite
     flag is exact: a sum that overflows is checked element by element (as the host kernel's flag, it is set only
     by an inf or nan)."""
@@ -88,7 +88,7 @@ def two_norm(intakes: Sequence[Intake], streamed: Sequence[Optional[float]]) -> 
     for intake, norm in zip(intakes, streamed):
         if intake.bucket.home.on_device:
             continue
-        if norm is not None and not intake.lane.route.resident:
+        if norm is not None:
             s, bad = norm, not math.isfinite(norm)
         elif intake.in_place is not None:
             read_in_place.extend(intake.host_grads())

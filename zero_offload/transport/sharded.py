@@ -35,11 +35,11 @@ from zero_offload._compat import increment_version
 from zero_offload.buckets import FlatBucket
 from zero_offload.distributed import Comm, _dist
 from zero_offload.host_memory import copy_many_, empty_host
-from zero_offload.lane import Intake, Lane, Plans
+from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
-from zero_offload.transport.base import Gathered, GradStats, Route, Transport
+from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.channel import Channel
 from zero_offload.transport.measure import Norm, device_sq_norm, every, first_nonfinite, name_held
 
@@ -236,19 +236,14 @@ class ShardedTransport(Transport):
     collectives over all buckets (the statistics' all-reduce, the agreement checks).
 
     Args:
-        topology (Group): the process group's topology (its ``comm`` runs the collectives).
+        comm (Comm): the process group's collectives (its topology's).
         release (bool): as for :class:`~zero_offload.transport.base.Transport`.
     """
 
-    def __init__(self, topology: Any, *, release: bool):
+    def __init__(self, comm: Comm, *, release: bool):
         super().__init__(release=release)
-        self.topology = topology
-        self.agreement = Agreement(topology.comm, self._stats_numel)
-
-    @property
-    def comm(self) -> Comm:
-        """The process group's collectives (its topology's)."""
-        return self.topology.comm
+        self.comm = comm
+        self.agreement = Agreement(comm, self._stats_numel)
 
     def route_for(self, bucket: FlatBucket) -> Route:
         return self.route(ShardedResidentRoute if bucket.resident else ShardedOffloadRoute)
@@ -309,7 +304,7 @@ class ShardedTransport(Transport):
         redo = [i for i, v in enumerate(vals[k:]) if v > 0]
         if redo:
             vals[:2] = self._reduce_again(intakes, local, redo, sqs, bads)
-        self.stats = GradStats(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
+        self.stats = SqNorm(vals[0], vals[1] > 0 or not math.isfinite(vals[0]))
         it = iter(agreed)
         return Gathered([[next(it) for _ in group] for group in plans], check and self.stats.nonfinite)
 
@@ -359,7 +354,7 @@ class ShardedTransport(Transport):
 
     def describe_nonfinite(self, plans: Plans, names: Sequence[Optional[Sequence[str]]]) -> str:
         """As the transport's, but every rank names the same parameter and the rank whose shard of its reduced
-        gradient holds the inf/nan (:func:`~zero_offload.transport.base.name_held`; a collective: every rank refuses
+        gradient holds the inf/nan (:func:`~zero_offload.transport.measure.name_held`; a collective: every rank refuses
         the step alike)."""
         found = first_nonfinite(plans)
         rows = torch.empty(2 * self.comm.world, dtype=torch.float64)
