@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -84,7 +85,7 @@ def _recipes(world: int):
     return list(h.RECIPES) if world == 2 else WORLD3_RECIPES
 
 
-def _jobs(world: int) -> Dict[str, object]:
+def _jobs(world: int, workdir: str) -> Dict[str, object]:
     import fsdp2_facts
 
     jobs: Dict[str, object] = {}
@@ -136,7 +137,8 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["estimate/before_building"] = h.Call(estimates_before_building)
         jobs["bf16/from_adamw"] = h.Call(bf16_from_adamw_checkpoint)
         jobs["refuse/compact_moments"] = h.Call(refuse_bad_compact_moments)
-        jobs["refuse/other_ranks_state_dict"] = h.Call(refuse_another_ranks_state_dict)
+        jobs["refuse/other_ranks_state_dict"] = h.Call(refuse_another_ranks_state_dict, (False, workdir))
+        jobs["refuse/other_ranks_even_rows"] = h.Call(refuse_another_ranks_state_dict, (True,))
         jobs["switch/lets_go"] = h.Call(switch_lets_go)
         jobs["switch/zero_grads/adamw"] = h.Call(switch_then_zero_grads, (ADAMW,))
         jobs["switch/zero_grads/ours"] = h.Call(switch_then_zero_grads, (OURS,))
@@ -155,6 +157,7 @@ def _jobs(world: int) -> Dict[str, object]:
         jobs["ours<-adamw-w2"] = h.Job(plain, OURS, start_from=("adamw-w2", SAVE_AT))
         jobs["adamw<-ours-w2"] = h.Job(plain, ADAMW, start_from=("ours-w2", SAVE_AT))
         jobs["facts"] = h.Call(_facts_world3)
+        jobs["refuse/another_world_size"] = h.Call(refuse_a_state_dict_of_another_world_size, (workdir,))
     return jobs
 
 
@@ -171,12 +174,12 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(workdir):
-    return h.run_jobs(2, _jobs(2), workdir, timeout=600)
+    return h.run_jobs(2, _jobs(2, workdir), workdir, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def world3(world2, workdir):
-    return h.run_jobs(3, _jobs(3), workdir, timeout=600)
+    return h.run_jobs(3, _jobs(3, workdir), workdir, timeout=600)
 
 
 def _outcomes(request, world: int) -> Dict[str, h.Outcome]:
@@ -668,21 +671,17 @@ def test_compact_state_refuses_a_bad_moment_naming_it(world2):
     assert nonfinite and "exp_avg holds a non-finite value (inf)" in nonfinite and unchanged, nonfinite
 
 
-def refuse_another_ranks_state_dict(rank, world):
-    """Each rank saves its own ``opt.state_dict()`` with ``torch.save`` and loads the next rank's (its DTensors
-    hold that rank's shards; the embedding's rows are uneven across the ranks): the error, and whether the state
-    and the parameters are as before."""
-    import io
-
+def _one_step(rank, world):
     model = h.build_model(world, h.RECIPES["plain"])
     opt = OffloadOptimizer(model.parameters(), lr=h.LR)
     h.loss_on(model, 0, 0, rank, world).backward()
     opt.step()
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    saved: List[bytes] = [b""] * world
-    dist.all_gather_object(saved, buf.getvalue())
-    other = torch.load(io.BytesIO(saved[(rank + 1) % world]), weights_only=False)
+    return model, opt
+
+
+def _load_outcome(model, opt, state_dict):
+    """``opt.load_state_dict(state_dict)``'s error (None if it loaded), and whether the state and the parameters
+    are as before."""
 
     def snapshot():
         state = [{k: v.to_local().clone() if hasattr(v, "to_local") else v.clone() for k, v in entry.items()}
@@ -691,7 +690,7 @@ def refuse_another_ranks_state_dict(rank, world):
 
     before = snapshot()
     try:
-        opt.load_state_dict(other)
+        opt.load_state_dict(state_dict)
         message = None
     except ValueError as exc:
         message = str(exc)
@@ -701,10 +700,66 @@ def refuse_another_ranks_state_dict(rank, world):
     return message, unchanged
 
 
+def _keep(state_dict, model, keep):
+    """``state_dict`` with the entries of the parameters ``keep(shape)`` selects only."""
+    kept = [i for i, p in enumerate(model.parameters()) if keep(p.shape) and i in state_dict["state"]]
+    assert kept
+    return {**state_dict, "state": {i: state_dict["state"][i] for i in kept}}
+
+
+def refuse_another_ranks_state_dict(rank, world, even_only=False, workdir=None):
+    """Each rank saves its own ``opt.state_dict()`` with ``torch.save`` (into ``workdir`` too, where given) and
+    loads the next rank's (its DTensors hold that rank's shards; the embedding's rows are uneven across the ranks;
+    ``even_only``: the loaded dict keeps only the parameters whose rows split evenly, so that each shard it holds
+    has this rank's shape, but other rows): the error, and whether the state and the parameters are as before."""
+    import io
+
+    model, opt = _one_step(rank, world)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    if workdir is not None:
+        with open(os.path.join(workdir, f"per-rank-w{world}-r{rank}.pt"), "wb") as f:
+            f.write(buf.getvalue())
+    saved: List[bytes] = [b""] * world
+    dist.all_gather_object(saved, buf.getvalue())
+    other = torch.load(io.BytesIO(saved[(rank + 1) % world]), weights_only=False)
+    if even_only:
+        other = _keep(other, model, lambda shape: shape[0] % world == 0)
+    return _load_outcome(model, opt, other)
+
+
+def refuse_a_state_dict_of_another_world_size(rank, world, workdir):
+    """At world 3, each rank loads the ``torch.save`` of world 2's rank 1, kept to the parameters of 5 rows (rows
+    3:5 there, 2 rows at world 2's rank 1 as at world 3's ranks 0 and 1, which hold rows 0:2 and 2:4)."""
+    model, opt = _one_step(rank, world)
+    saved = torch.load(os.path.join(workdir, "per-rank-w2-r1.pt"), weights_only=False)
+    return _load_outcome(model, opt, _keep(saved, model, lambda shape: shape[0] == 5))
+
+
 def test_another_ranks_state_dict_is_refused_naming_the_parameter_and_nothing_changes(world2):
     for rank, (message, unchanged) in world2["refuse/other_ranks_state_dict"].per_rank.items():
         # (the first uneven parameter: the embedding's or the head's 11 rows, 6 and 5 on the two ranks)
         assert message is not None and "(shape (11, 6)): this rank's shard" in message, (rank, message)
+        assert "torch.distributed.checkpoint" in message, message
+        assert unchanged, rank
+
+
+def test_a_state_dict_of_another_world_size_is_refused_naming_both_meshes(world3):
+    """The shards of world 3's ranks 0 and 1 have the shape of world 2's rank 1's: its mesh's shape says."""
+    for rank, (message, unchanged) in world3["refuse/another_world_size"].per_rank.items():
+        assert message is not None and "(shape (5, 6)): the state DTensor was saved on a mesh of shape (2,), the " \
+            "parameter is on one of shape (3,)" in message, (rank, message)
+        assert "torch.distributed.checkpoint" in message, message
+        assert unchanged, rank
+
+
+def test_another_ranks_shard_of_the_same_shape_is_refused_naming_its_rows(world2):
+    """A shard of this rank's shape holds other rows: the DTensor's mesh coordinate (the saver's) says so."""
+    for rank, (message, unchanged) in world2["refuse/other_ranks_even_rows"].per_rank.items():
+        # (the first even parameter: block 0's down projection, 6 rows, 3 on each rank)
+        mine, theirs = ("0:3", "3:6") if rank == 0 else ("3:6", "0:3")
+        assert message is not None and f"(shape (6, 5)): this rank's shard of the state DTensor holds rows {theirs}" \
+            in message and f"this rank holds rows {mine}" in message, (rank, message)
         assert "torch.distributed.checkpoint" in message, message
         assert unchanged, rank
 

@@ -163,10 +163,11 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Se
         if v.shape != p.shape:
             raise ValueError(f"{where}: {k} has shape {tuple(v.shape)}, the parameter has {tuple(p.shape)}: "
                              "is this state dict from another model?")
-    # Values only, as AdamW loads them: a tensor that requires grad must not pull a host buffer into autograd.
-    out = {k: v.detach() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
-    out["step"] = _entry_step(rule.step_key, entry, where)
-    return out
+    return {**entry, "step": _entry_step(rule.step_key, entry, where)}
+
+
+def _detached(v: Any) -> Any:
+    return v.detach() if isinstance(v, torch.Tensor) else v
 
 
 def check_format(state_dict: Any) -> None:
@@ -202,8 +203,10 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
-        try:  # (each rank loads its own part of the values)
-            entries[p] = {k: v if k == "step" else local_value(v, p) for k, v in entries[p].items()}
+        try:  # (each rank loads its own part of the values; before any op on a DTensor, which gives it this rank's
+            # mesh coordinate in place of the one it was saved at). Values only, as AdamW loads them: a tensor that
+            # requires grad must not pull a host buffer into autograd.
+            entries[p] = {k: v if k == "step" else _detached(local_value(v, p)) for k, v in entries[p].items()}
         except ValueError as exc:
             raise ValueError(f"{named}: {exc}") from None
         for buf in bucket.rule.buffers:

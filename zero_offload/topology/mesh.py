@@ -132,19 +132,31 @@ class Mesh(Topology):
         parameter), or, for a plain tensor of the parameter's full shape (a checkpoint of an unsharded model), the
         rows this rank holds (FSDP2 cuts dimension 0 as ``torch.chunk`` does). Anything else is returned as it is
         (and refused by the caller's checks). A DTensor whose local shard is not this rank's shape (one that another
-        rank saved with ``torch.save``, or a rank at another world size) is refused."""
+        rank saved with ``torch.save``, or a rank at another world size) is refused, and so is one that holds other
+        rows of the parameter than this rank's although its shape is the same: a DTensor unpickled from another
+        rank's ``torch.save`` keeps the mesh shape and the mesh coordinate of the rank that saved it."""
         if fsdp2.is_dtensor(value):
             if tuple(value.placements) != tuple(owner.placements) or value.shape != owner.shape:
                 raise ValueError(f"a state DTensor placed {tuple(value.placements)} with shape {tuple(value.shape)} "
                                  f"for a parameter placed {tuple(owner.placements)} with shape {tuple(owner.shape)}")
+            saved, here = value.device_mesh, owner.device_mesh
+            if tuple(saved.shape) != tuple(here.shape):
+                raise ValueError(f"the state DTensor was saved on a mesh of shape {tuple(saved.shape)}, the parameter "
+                                 f"is on one of shape {tuple(here.shape)}: a state dict saved at another world size "
+                                 f"and loaded with torch.load? {_USE_DCP}")
+            theirs, ours, cut = saved.get_coordinate(), here.get_coordinate(), here.ndim - 1
+            if theirs is not None and ours is not None and theirs[cut] != ours[cut]:
+                raise ValueError(
+                    f"this rank's shard of the state DTensor holds rows {_rows(owner, theirs)} of the parameter "
+                    f"(saved at mesh coordinate {tuple(theirs)}), this rank holds rows {_rows(owner, ours)} (mesh "
+                    f"coordinate {tuple(ours)}): a state dict saved by another rank and loaded with torch.load? "
+                    f"{_USE_DCP}")
             local, mine = value.to_local(), owner.to_local()
             if local.shape != mine.shape:
                 raise ValueError(
                     f"this rank's shard of the state DTensor has shape {tuple(local.shape)}, its shard of the "
                     f"parameter {tuple(mine.shape)}: a state dict saved by another rank (or at another world size) and "
-                    "loaded with torch.load? Save and load FSDP2 state with torch.distributed.checkpoint "
-                    "(dcp.save/dcp.load of get_optimizer_state_dict/set_optimizer_state_dict), which gives each "
-                    "rank its own shard")
+                    f"loaded with torch.load? {_USE_DCP}")
             return local
         if isinstance(value, torch.Tensor) and value.dim() and value.shape == owner.shape:
             mesh = owner.device_mesh
@@ -205,6 +217,20 @@ class Mesh(Topology):
     def where(self, rows: Sequence[Any]) -> str:
         """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""
         return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
+
+
+_USE_DCP = ("Save and load FSDP2 state with torch.distributed.checkpoint (dcp.save/dcp.load of "
+            "get_optimizer_state_dict/set_optimizer_state_dict), which gives each rank its own shard")
+
+
+def _rows(owner: torch.Tensor, coordinate: Sequence[int]) -> str:
+    """The rows ``a:b`` of ``owner`` that the rank at mesh ``coordinate`` holds (FSDP2 cuts dimension 0 as
+    ``torch.chunk`` does, over the mesh's last dimension)."""
+    mesh = owner.device_mesh
+    n, parts = owner.shape[0], mesh.size(mesh.ndim - 1)
+    chunk = -(-n // parts)
+    start = min(coordinate[-1] * chunk, n)
+    return f"{start}:{min(start + chunk, n)}"
 
 
 def _placement_error(p: torch.Tensor, what: str, advice: str = _OTHER_PLACEMENTS) -> TypeError:
