@@ -148,6 +148,7 @@ def _jobs(world: int, workdir: str) -> Dict[str, object]:
         jobs["refuse/tensor_parallel"] = h.Call(refuse_tensor_parallel)
         jobs["refuse/mixed_with_plain"] = h.Call(refuse_mixed_with_plain)
         jobs["refuse/process_group"] = h.Call(refuse_process_group)
+        jobs["refuse/flat_checkpoint"] = h.Call(refuse_flat_checkpoint)
         jobs["facts"] = h.Call(fsdp2_facts.all_facts)
         jobs["example/adamw"] = h.Call(run_example, ("adamw",))
         jobs["example/offload"] = h.Call(run_example, ("offload",))
@@ -1038,6 +1039,32 @@ def refuse_process_group(rank, world):
         except (TypeError, ValueError) as exc:
             out[name] = str(exc)
     return out, sum(_hooks_of(p) for p in model.parameters())
+
+
+def refuse_flat_checkpoint(rank, world):
+    """``sharded_state_dict()`` and ``load_sharded_state_dict()`` (the process_group route's flat format) after a
+    step: each one's error, and whether the state is as before."""
+    model, opt = _one_step(rank, world)
+    before = opt.state_dict()
+    out = {}
+    for method, args in (("sharded_state_dict", ()), ("load_sharded_state_dict", ({"state": {}},))):
+        try:
+            getattr(opt, method)(*args)
+            out[method] = None
+        except TypeError as exc:
+            out[method] = str(exc)
+    after = opt.state_dict()
+    unchanged = all(torch.equal(v.to_local(), after["state"][i][k].to_local()) for i, e in before["state"].items()
+                    for k, v in e.items() if k != "step")
+    return out, unchanged
+
+
+def test_the_flat_checkpoint_methods_are_refused_naming_the_fsdp2_route(world2):
+    for rank, (out, unchanged) in world2["refuse/flat_checkpoint"].per_rank.items():
+        for method, message in out.items():
+            assert message is not None and f"opt.{method}() is the flat checkpoint format" in message \
+                and "dcp.save(get_optimizer_state_dict(model, opt))" in message, (rank, method, message)
+        assert unchanged, rank
 
 
 def refuse_disagreeing_lr(rank, world, recipe: str = "plain"):

@@ -112,6 +112,7 @@ class StateDictMethods:
         untouched if it fails part way; while staged, the state it loads takes its memory once more); then call
         :meth:`load_sharded_state_dict`, which makes it the optimizer's. With ``delayed_update``, as
         :meth:`state_dict`, with ``param`` in every entry. See docs/multi-gpu.md."""
+        self._topology.check_flat_checkpoint("sharded_state_dict")
         self._settle(homes=True)
         self._sync()
         return dcp.sharded_state_dict(self.param_groups, self._buckets, self._mode.ahead(),
@@ -126,6 +127,7 @@ class StateDictMethods:
         Args:
             state_dict (dict): the dict returned by :meth:`sharded_state_dict` after ``dcp.load`` filled it.
         """
+        self._topology.check_flat_checkpoint("load_sharded_state_dict")
         self._mode.check_load()
         groups, steps, tensors = dcp.plan_sharded_load(self.param_groups, self._buckets, state_dict,
                                                        self._rule, self.options.delayed_update)

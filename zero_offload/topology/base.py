@@ -67,6 +67,10 @@ class Topology:
         """A loaded state value for the parameter ``owner``, as the part this rank holds (here: all of it)."""
         return value
 
+    def check_flat_checkpoint(self, method: str) -> None:
+        """Raise where ``method`` (``sharded_state_dict`` or ``load_sharded_state_dict``: the flat DCP format of
+        this class's buckets) does not apply to these parameters; here it does."""
+
     def fewest(self, count: int, what: str) -> int:
         """The least of ``count`` over the ranks (each rank's own), for a decision every rank must take alike."""
         return count

@@ -168,6 +168,13 @@ class Mesh(Topology):
             return value.narrow(0, 0, 0)
         return value
 
+    def check_flat_checkpoint(self, method: str) -> None:
+        raise TypeError(
+            f"opt.{method}() is the flat checkpoint format of a process_group's (or one process's) buckets; under "
+            "FSDP2 the optimizer's state_dict() is already sharded, as DTensors placed like the parameters: save it "
+            "with torch.distributed.checkpoint, dcp.save(get_optimizer_state_dict(model, opt)), and load it with "
+            "dcp.load then set_optimizer_state_dict(model, opt, ...) (see docs/multi-gpu.md)")
+
     # -- the mesh's collectives ------------------------------------------------------------------------------------
     @property
     def group(self) -> Any:
