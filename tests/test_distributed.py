@@ -1140,3 +1140,19 @@ def test_after_a_failure_the_refusal_says_what_still_works_for_every_state_dtype
     refusal, works = result
     assert "refused: an earlier collective failed" in refusal, refusal
     assert works and all(v is True for v in works.values()), (refusal, works)
+
+
+def test_gloo_sharding_on_a_torch_without_use_count_is_refused_naming_it(tmp_path, monkeypatch):
+    """torch 2.3 has no ``Tensor._use_count``, which a gloo collective's host tensors need to be let go of safely
+    (see distributed._Held): the constructor refuses, naming it, before any hook is placed (it raised
+    AttributeError at the first collective)."""
+    monkeypatch.setattr(zero_offload.distributed, "_use_count", None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = Net()
+        with pytest.raises(RuntimeError, match=r"process_group sharding over gloo needs Tensor\._use_count, which "
+                                               r"this torch \(.*\) lacks"):
+            OffloadOptimizer(model.parameters(), lr=1e-2, process_group=dist.group.WORLD)
+        assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -30,6 +30,8 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # How long a gloo worker may take to let go of a completed collective's tensors (microseconds, normally; see
 # _Held) before they are kept for good instead.
 _LET_GO_SECONDS = 10.0
+# The references to a tensor's TensorImpl (C++'s and Python's); torch 2.3 has no way to read them.
+_use_count: Optional[Callable[[torch.Tensor], int]] = getattr(torch.Tensor, "_use_count", None)
 
 
 def _dist():
@@ -77,7 +79,7 @@ class _Held:
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         self.tensors = list(tensors)
-        self.counts = [t._use_count() for t in self.tensors]
+        self.counts = [_use_count(t) for t in self.tensors]
         self.work: Any = None  # set once started
 
     def let_go(self, limit: float) -> bool:
@@ -86,7 +88,7 @@ class _Held:
         first: the tensors' references go with the work."""
         self.work = None
         deadline = time.monotonic() + limit
-        while any(t._use_count() > n for t, n in zip(self.tensors, self.counts)):
+        while any(_use_count(t) > n for t, n in zip(self.tensors, self.counts)):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0)  # the worker releases the work a few microseconds after completing it
@@ -188,6 +190,12 @@ class Comm:
         # Whether the group moves CPU tensors; if not (NCCL alone), small tensors and host state travel through
         # the current GPU.
         self.host_ok = moves_host_tensors(str(dist.get_backend(group)))
+        if self.host_ok and _use_count is None:
+            raise RuntimeError(
+                f"process_group sharding over {dist.get_backend(group)} needs Tensor._use_count, which this torch "
+                f"({torch.__version__}) lacks: without it the host tensors of a collective cannot be held until "
+                "gloo's worker lets go of them, and a rank can abort at exit (see _Held). Upgrade torch, or train "
+                "without process_group (or under FSDP2)")
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         # Set by the first collective that fails or times out (see _fail): which, and why. None while usable.
