@@ -194,7 +194,7 @@ class Comm:
             raise RuntimeError(
                 f"process_group sharding over {dist.get_backend(group)} needs Tensor._use_count, which this torch "
                 f"({torch.__version__}) lacks: without it the host tensors of a collective cannot be held until "
-                "gloo's worker lets go of them, and a rank can abort at exit (see _Held). Upgrade torch, or train "
+                "gloo's worker lets go of them, and a rank can abort at exit. Upgrade torch, or train "
                 "without process_group (or under FSDP2)")
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
