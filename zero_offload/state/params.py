@@ -138,23 +138,39 @@ class Masters:
                     "to the model.")
             return
         if self.resident:
-            moved = list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs
-        else:
-            moved = any(p.dtype != self.dtype or p.device != self.device for p in params)
-        if moved:
-            p = next(p for i, p in enumerate(params) if self._moved(i))
-            raise RuntimeError(
-                f"OffloadOptimizer: a parameter of shape {tuple(p.shape)} no longer lives where the optimizer put it "
-                f"(expected {self.dtype} on {self.device}; its storage, dtype or device was replaced, e.g. by "
-                "`p.data = ...`, `model.to(...)` or another optimizer). Move or cast the model first, then build the "
-                "optimizer."
-            )
+            if list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs:
+                self._rebind([i for i, p in enumerate(params) if p.data_ptr() != self.slot_ptrs[i]])
+        elif any(p.dtype != self.dtype or p.device != self.device for p in params):
+            self._refuse(next(p for p in params if p.dtype != self.dtype or p.device != self.device), None)
 
-    def _moved(self, i: int) -> bool:
-        p = self.params[i]
-        if self.resident:
-            return p.data_ptr() != self.slot_ptrs[i]
-        return p.dtype != self.dtype or p.device != self.device
+    def _rebind(self, indices: Sequence[int]) -> None:
+        """Parameters whose data was replaced (``p.data = ...``, ``model.to()`` onto the device they are on, which
+        copies): as AdamW follows the ``Parameter``, the new values are copied into the slots and the parameters
+        bound to them again, their state kept (a separate master is then checked against its parameter at its next
+        update, as a loaded one is). A move or a cast is refused, naming it, with nothing rebound."""
+        slots = self.param_slots
+        for i in indices:
+            p = self.params[i]
+            if p.dtype != self.dtype or p.device != self.device or p.shape != slots[i].shape:
+                self._refuse(p, slots[i].shape)
+        for i in indices:
+            p, slot = self.params[i], slots[i]
+            slot.copy_(p.detach())
+            p.data = slot
+            self.slot_ptrs[i] = slot.data_ptr()
+            self.loaded(i, True)
+
+    def _refuse(self, p: torch.Tensor, shape: Optional[torch.Size]) -> None:
+        """A parameter moved, cast or reshaped since the optimizer was built (``shape``: its shape then, where
+        known)."""
+        was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
+        if shape is not None and shape != p.shape:
+            was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
+        raise RuntimeError(
+            f"OffloadOptimizer: a parameter's data was moved, cast or reshaped after the optimizer was built: it was "
+            f"{was}, it is now {now} (`model.to(...)`, `p.data = ...`, ...). The optimizer's state lives with the "
+            "parameters where it was built: move or cast the model first, then build the optimizer (data replaced "
+            "on the parameter's own device, dtype and shape is followed, as AdamW follows it).")
 
     def loaded(self, i: int, loaded: bool) -> None:
         """A separate master was just written from a checkpoint, or not (``loaded=False``: taken from the parameter
