@@ -7,6 +7,7 @@ what changed, with nothing changed."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -107,3 +108,76 @@ def test_a_cast_or_reshaped_parameter_is_refused_naming_it_and_nothing_changes(c
     for k, entry in snap[1]["state"].items():
         for key, value in entry.items():
             assert torch.equal(now["state"][k][key], value), (k, key)
+
+
+# ------------------------------------------------------------------------------------------- an orphaned optimizer --
+def _gradless_warnings(record):
+    return [w for w in record if "has ever had a gradient" in str(w.message)]
+
+
+def test_an_optimizer_over_another_copy_of_the_model_warns_once_naming_the_likely_causes():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(2):
+            opt.zero_grad()
+            loss_fn(model, step, 0, "cpu").backward()
+            opt.step()
+        assert not _gradless_warnings(record)
+        for step in range(2, 6):
+            opt.zero_grad()
+            loss_fn(model, step, 0, "cpu").backward()
+            opt.step()
+    (warning,) = _gradless_warnings(record)
+    message = str(warning.message)
+    n = len(list(model.parameters()))
+    assert f"step() was called 3 times and none of its {n} parameters has ever had a gradient" in message, message
+    assert "built before fully_shard" in message and "another copy of the model" in message, message
+    assert warning.filename == __file__  # (it points at the caller's step())
+
+
+def test_steps_without_gradients_before_training_starts_do_not_warn():
+    """A loop that calls step() before its first backward (a scheduler warm-up, gradient accumulation's first
+    calls) and then trains: no warning, there or later."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.step()
+        opt.step()
+        for step in range(4):
+            opt.zero_grad()
+            loss_fn(model, step, 0, "cpu").backward()
+            opt.step()
+        for _ in range(4):
+            opt.zero_grad()
+            opt.step()
+    assert not _gradless_warnings(record)
+
+
+def test_an_optimizer_built_before_fully_shard_warns(tmp_path):
+    """FSDP2 (world 1, gloo) replaces the parameters of the modules it shards: an optimizer built before
+    ``fully_shard`` steps parameters that get no gradient."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        opt = OffloadOptimizer(param_groups(model))
+        fully_shard(model)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for step in range(3):
+                opt.zero_grad()
+                model.zero_grad()
+                loss_fn(model, step, 0, "cpu").backward()
+                opt.step()
+        (warning,) = _gradless_warnings(record)
+        assert "built before fully_shard" in str(warning.message)
+    finally:
+        dist.destroy_process_group()

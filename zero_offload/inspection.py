@@ -11,11 +11,42 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
+from zero_offload.lane import Plans
 from zero_offload.placement import device_bytes
 from zero_offload.planning import plan_host_memory
 from zero_offload.timeline import Timeline, TimelineEvent
 
-__all__ = ["InspectionMethods"]
+__all__ = ["GradlessSteps", "InspectionMethods"]
+
+
+class GradlessSteps:
+    """Counts the ``step()`` calls in which none of the optimizer's parameters had a gradient, while none ever had
+    one; at the :attr:`WARN_AFTER`-th, one warning names the likely causes: the optimizer is over parameters that
+    the model does not train (AdamW steps nothing, silently, too)."""
+
+    WARN_AFTER = 3
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0  # -1: a gradient was seen, or the warning given
+
+    def see(self, plans: Plans) -> None:
+        if self.count < 0:
+            return
+        if any(any(intake.present) for intakes in plans for intake in intakes):
+            self.count = -1
+            return
+        self.count += 1
+        if self.count == self.WARN_AFTER:
+            self.count = -1
+            n = sum(len(intake.present) for intakes in plans for intake in intakes)
+            warnings.warn(
+                f"OffloadOptimizer: step() was called {self.WARN_AFTER} times and none of its {n} parameters has "
+                "ever had a gradient: it is not over the parameters the model trains. Was it built before "
+                "fully_shard (FSDP2 replaces the model's parameters: build the optimizer after it), or over another "
+                "copy of the model (copy.deepcopy, a model re-created or loaded with assign=True after the optimizer "
+                "was built, a module conversion that makes new Parameter objects)? Or are all its parameters "
+                "frozen (requires_grad=False)?", UserWarning, stacklevel=6)
 
 
 def _held_host_memory(opt: Any) -> HostMemoryEstimate:

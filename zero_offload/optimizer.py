@@ -30,7 +30,7 @@ import torch
 from zero_offload import gate, placement, topology
 from zero_offload.checkpoint.entries import ParamList, StateMap, check_param_lists, sync_state
 from zero_offload.checkpoint.methods import StateDictMethods
-from zero_offload.inspection import InspectionMethods
+from zero_offload.inspection import GradlessSteps, InspectionMethods
 from zero_offload.buckets import FlatBucket, allocate_group
 from zero_offload.gate import NO_SCALER, Decision, PendingClip, ScalerSignal
 from zero_offload.grad_stream import GradStreamer
@@ -123,6 +123,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         self._streamer = GradStreamer(self._transport, self._mode)
         self._unhook = weakref.finalize(self, self._streamer.remove)
         self.skipped_steps = 0
+        self._gradless = GradlessSteps()
         self._buckets: List[List[FlatBucket]] = []  # set before the base constructor calls add_param_group
         self._lanes: List[List[Lane]] = []  # each bucket's lane, by group
         self._pending: Optional[PendingClip] = None
@@ -250,6 +251,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
             self._transport.edits.scaled = scaler.present
             plans = clip.plans if clip is not None else self._receive(fresh=scaler.unscaled)
+            self._gradless.see(plans)
             hypers = [self._rule.hyper(g) for g in self.param_groups]
             if scaler.present:
                 self._mode.check_scaler()
