@@ -347,6 +347,51 @@ def test_accelerate_fsdp2_preparation_hands_ours_the_shards(ours_kw):
     assert any(not torch.equal(reference[0][n], reference[-1][n]) for n in reference[0])  # it trained
 
 
+# ------------------------------------------------------------------------------------ accelerate on 2 CPUs --
+def _accelerate_ddp_worker(rank: int, world: int, optimizer: str):
+    """``Accelerator(cpu=True).prepare(model, opt)`` on 2 gloo ranks (DDP; ``prepare`` moves the model with
+    ``model.to(torch.device("cpu", 0))``, which copies its parameters), then four steps clipped with
+    ``accelerator.clip_grad_norm_``, each rank its half of the batch. Each step's parameters."""
+    import accelerate
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")  # (the group is up already: accelerate takes it as it is)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    make = adamw if optimizer == "adamw" else OffloadOptimizer
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, make(model.parameters(), lr=LR, weight_decay=WD))
+    steps = []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        half = slice(rank * 4, rank * 4 + 4)
+        loss = F.mse_loss(model(x[half]), y[half])
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        steps.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return steps
+
+
+def test_accelerate_prepare_on_two_cpu_processes_trains_as_adamw():
+    """accelerate's ``prepare(model, opt)`` copies the parameters onto ``cpu:0`` after the optimizer was built: the
+    optimizer follows them, as AdamW does, and the run equals AdamW's under the same preparation."""
+    pytest.importorskip("accelerate")
+    from test_distributed import launch
+
+    reference = launch(_accelerate_ddp_worker, 2, "adamw", timeout=180)
+    ours = launch(_accelerate_ddp_worker, 2, "ours", timeout=180)
+    for rank in range(2):
+        assert len(reference[rank]) == len(ours[rank]) == 4
+        for step, (a, b) in enumerate(zip(reference[rank], ours[rank])):
+            for name in a:
+                torch.testing.assert_close(b[name], a[name], msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+    first, last = reference[0][0], reference[0][-1]
+    assert any(not torch.equal(first[n], last[n]) for n in first)  # it trained
+
+
 # ------------------------------------------------------------------------------------------------ examples --
 @pytest.mark.parametrize("script, needs", [("hf_trainer.py", "transformers"), ("lightning_module.py", "lightning"),
                                            ("torch_compile.py", "torch._inductor")])
@@ -357,6 +402,20 @@ def test_example_runs(script, needs):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "same parameters as torch.optim.AdamW" in result.stdout, result.stdout[-2000:]
+
+
+def test_hf_trainer_example_on_two_cpu_processes():
+    """``examples/hf_trainer.py`` under ``torchrun`` with 2 processes (gloo DDP): the Trainer moves the model with
+    ``model.to(torch.device("cpu", 0))`` after the optimizer was built (a copy); each rank still ends with AdamW's
+    parameters."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(REPO / "examples" / "hf_trainer.py"), "--steps", "4"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.count("same parameters as torch.optim.AdamW") == 2, result.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------ report: a model from its HF config --
