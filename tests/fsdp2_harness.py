@@ -132,7 +132,9 @@ class Recipe:
             dicts gathered to rank 0 (``full_state_dict=True, cpu_offload=True``) and loaded with
             ``broadcast_from_rank0=True``; ``"torch_save"``: each rank's sharded ``model.state_dict()`` and
             ``opt.state_dict()`` as they are, ``torch.save``'d to a file of its own (and ``copy.deepcopy``'d, as a
-            loop keeping its best state in memory does) and loaded with ``load_state_dict``. Default: "dcp".
+            loop keeping its best state in memory does) and loaded with ``load_state_dict``; ``"dcp_async"``,
+            ``"dcp_async_staged"``: saved with ``dcp.async_save`` (see :func:`_async_save`), loaded as ``"dcp"``.
+            Default: "dcp".
         built_unsharded (bool): accelerate's FSDP2 preparation: the optimizer (and scheduler) built over the plain
             model, then ``fully_shard``, then each group's ``params`` switched to the DTensors, matched by name (as
             ``Accelerator.prepare(model, optimizer)`` does with its FSDP2 plugin). Default: False.
@@ -171,6 +173,8 @@ RECIPES: Dict[str, Recipe] = {
     "full_roundtrip": Recipe(scaler=True, resume_at=3, resume_how="full"),
     "saved_roundtrip": Recipe(groups=True, scheduler=True, clip=CLIP, clip_with="opt", resume_at=3,
                               resume_how="torch_save"),
+    "async_roundtrip": Recipe(groups=True, scheduler=True, clip=CLIP, resume_at=3, resume_how="dcp_async"),
+    "staged_roundtrip": Recipe(clip=CLIP, scaler=True, resume_at=3, resume_how="dcp_async_staged"),
     "accelerate_switch": Recipe(groups=True, scheduler=True, clip=CLIP, built_unsharded=True),
 }
 
@@ -442,12 +446,37 @@ def save_checkpoint(path: str, loop: Loop, rank: int, how: str = "dcp") -> Any:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only
         return dict(model=get_model_state_dict(loop.model, options=options),
                     optim=get_optimizer_state_dict(loop.model, loop.opt, options=options), extra=extra)
-    dcp.save({"model": get_model_state_dict(loop.model), "optim": get_optimizer_state_dict(loop.model, loop.opt)},
-             checkpoint_id=path)
+    sd = {"model": get_model_state_dict(loop.model), "optim": get_optimizer_state_dict(loop.model, loop.opt)}
+    if how == "dcp":
+        dcp.save(sd, checkpoint_id=path)
+    else:
+        _async_save(sd, path, how)
     if rank == 0:
         torch.save(extra, os.path.join(path, "extra.pt"))
     dist.barrier()
     return None
+
+
+def _async_save(sd: Dict[str, Any], path: str, how: str) -> None:
+    """``dcp.async_save`` (``"dcp_async"``; ``"dcp_async_staged"``: with torch's ``DefaultStager``, staging in the
+    background, into pinned memory where an accelerator can pin it), waited for as its documentation asks: the
+    staging before the state may change, then the upload."""
+    import torch.distributed.checkpoint as dcp
+
+    kw = {}
+    if how == "dcp_async_staged":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pin = torch.cuda.is_available()
+        kw["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=pin, use_shared_memory=False,
+                                                          use_async_staging=True, use_non_blocking_copy=pin))
+    elif how != "dcp_async":
+        raise ValueError(f"unknown resume_how {how!r}")
+    response = dcp.async_save(sd, checkpoint_id=path, **kw)
+    staged = getattr(response, "staging_completion", None)
+    if staged is not None:
+        staged.result()
+    getattr(response, "upload_completion", response).result()
 
 
 def load_checkpoint(path: str, loop: Loop, saved: Any = None, how: str = "dcp") -> None:
