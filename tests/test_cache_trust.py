@@ -94,44 +94,62 @@ for line in sys.stdin:
 """
 
 
-_SERVED = {}  # the module's server and the folder of the loads' output files, while its tests run
+_SERVED = {}  # the servers, by the tree of zero_offload they import, and the folder of the loads' output files
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _loader(tmp_path_factory):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("ZERO_OFFLOAD_SIMD", None)
-    server = subprocess.Popen([sys.executable, "-c", _SERVER, textwrap.dedent(_LOAD)], env=env, cwd="/",
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    _SERVED.update(server=server, outputs=tmp_path_factory.mktemp("loads"), count=itertools.count())
+    _SERVED.update(servers={}, outputs=tmp_path_factory.mktemp("loads"), count=itertools.count())
     try:
         yield
     finally:
+        for tree in list(_SERVED["servers"]):
+            _stop_server(tree)
         _SERVED.clear()
+
+
+def _server(tree):
+    """The server whose loads import zero_offload from ``tree``: started at its first load (and after one hung)."""
+    if tree not in _SERVED["servers"]:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        env.pop("ZERO_OFFLOAD_SIMD", None)
+        _SERVED["servers"][tree] = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, textwrap.dedent(_LOAD)], env=env, cwd="/", stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return _SERVED["servers"][tree]
+
+
+def _stop_server(tree, kill=False):
+    server = _SERVED["servers"].pop(tree)
+    if not kill:
         server.stdin.close()
         try:
             server.wait(timeout=60)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)  # (with a load that hung: its own session)
-            server.wait()
+            pass
+    os.killpg(server.pid, signal.SIGKILL)  # the server and a load that hung: its own session
+    server.wait()
 
 
-def _load(root, **env):
-    """Load the kernel in a fresh process whose cache is ``root`` (the compile a stand-in), with ``env`` on top of
-    this process's environment; what happened, as ``_LOAD`` prints it."""
-    server = _SERVED["server"]
-    full = dict(os.environ, PYTHONPATH=str(REPO), ZERO_OFFLOAD_CACHE_DIR=str(root), **env)
+def _load(root, tree=REPO, deadline=300, **env):
+    """Load the kernel in a fresh process whose cache is ``root`` (the compile a stand-in) and whose zero_offload is
+    ``tree``'s, with ``env`` on top of this process's environment; what happened, as ``_LOAD`` prints it, and its
+    stderr (``"stderr"``: the log's records). A load still running after ``deadline`` seconds fails the test."""
+    server = _server(tree)
+    full = dict(os.environ, PYTHONPATH=str(tree), ZERO_OFFLOAD_CACHE_DIR=str(root), **env)
     full.pop("ZERO_OFFLOAD_SIMD", None)
     out = str(_SERVED["outputs"] / f"load-{next(_SERVED['count'])}")
     server.stdin.write(json.dumps([full, out]) + "\n")
     server.stdin.flush()
-    ready, _, _ = select.select([server.stdout], [], [], 300)
+    ready, _, _ = select.select([server.stdout], [], [], deadline)
     if not ready:
-        os.killpg(server.pid, signal.SIGKILL)  # the server and the hung load: no later load waits behind it
-        pytest.fail("the load did not finish in 300 s")
+        _stop_server(tree, kill=True)  # no later load waits behind the hung one: the next starts a new server
+        pytest.fail(f"the load did not finish in {deadline} s: it hangs. Its stderr: "
+                    f"{Path(out + '.err').read_text()[-2000:]!r}")
     status = int(server.stdout.readline())
     assert status == 0, Path(out + ".err").read_text()
-    return json.loads(Path(out).read_text().strip().splitlines()[-1])
+    return dict(json.loads(Path(out).read_text().strip().splitlines()[-1]), stderr=Path(out + ".err").read_text())
 
 
 def _plant(root, marker=None):
