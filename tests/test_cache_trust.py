@@ -6,6 +6,7 @@ place must leave the marker absent, give one warning naming the path, its owner 
 must go on on a private build (the compile replaced by a stand-in, as in test_build.py: no real compile here).
 Ownership by another user needs root (`chown`); those cases skip elsewhere."""
 
+import fcntl
 import grp
 import itertools
 import json
@@ -272,6 +273,90 @@ def test_a_lock_planted_as_a_link_is_not_followed(tmp_path):
     out = _load(root)
     assert victim.read_text() == "keep me\n"
     _refused_privately(out, root, tmp_path / "no-marker", ["cannot be opened as the build lock"])
+
+
+# Issue 54: in a sticky root that all may write (which the docs allow), another account can put a FIFO where a
+# manifest or a lock is expected. Opening a FIFO to read waits for a writer, reading one waits for data: a load that
+# did either would hang for ever, holding the build lock. These loads have a deadline, so a hang fails the test.
+HANG_DEADLINE = 120  # seconds: a load with the stand-in compile takes under one
+
+
+def _owner_of_planted(owner):
+    """``(uid, gid, env)`` for a case's planted file: this user's, nobody's, or nobody's and trusted (``env`` names
+    nobody in ZERO_OFFLOAD_CACHE_TRUST); skips the cases that need root."""
+    if owner == "me":
+        return os.geteuid(), os.getegid(), {}
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give files to another user")
+    entry = pwd.getpwnam(NOBODY)
+    return entry.pw_uid, entry.pw_gid, ({"ZERO_OFFLOAD_CACHE_TRUST": NOBODY} if "trusted" in owner else {})
+
+
+@pytest.mark.parametrize("owner", ["me", "nobody", "nobody, trusted"])
+def test_a_fifo_for_another_builds_manifest_is_never_opened(tmp_path, owner):
+    """Our build is missing; another folder's manifest.json is a FIFO. The builder reads the other builds'
+    manifests to say why it builds: it must build without opening the FIFO and name what it did not read, and why
+    (a folder of another account's is not read at all; a trusted account's FIFO is seen to be one)."""
+    uid, gid, trust = _owner_of_planted(owner)
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o1777)
+    other = root / "0123456789abcdef"
+    other.mkdir()
+    os.mkfifo(other / _build.MANIFEST)
+    (other / _build.MANIFEST).chmod(0o644)
+    for path in (other, other / _build.MANIFEST):
+        os.chown(path, uid, gid)
+    out = _load(root, deadline=HANG_DEADLINE, **trust)
+    assert (out["state"], out["detail"], out["isas"], out["refused"]) == (
+        "jit-built", f"first use: no build in {root} yet", ["private"], None), out
+    assert out["file"] == str(root / _build.cache_key() / "fake_kernel.py"), out
+    if owner == "nobody":
+        says = f"{other} (owner nobody (uid 65534), mode drwxr-xr-x (0755)) is owned by an account other than you"
+    else:
+        whose = ME if owner == "me" else "nobody (uid 65534)"
+        says = f"{other / _build.MANIFEST} (owner {whose}, mode prw-r--r-- (0644)) is a FIFO, not a regular file"
+    assert f"1 folder(s) in {root} not read (looking for the closest earlier build): {says}" in out["stderr"], \
+        out["stderr"]
+
+
+@pytest.mark.parametrize("owner", ["me", "nobody"])
+def test_a_fifo_for_the_build_lock_is_neither_locked_nor_read(tmp_path, owner):
+    """No build yet, and the key's lock is a FIFO that its maker holds locked: a waiter would read it to name the
+    holder, and wait for ever. It is not used as the lock at all: the run builds privately, naming it."""
+    uid, gid, _ = _owner_of_planted(owner)
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o1777)
+    lock = root / f"{_build.cache_key()}.lock"
+    os.mkfifo(lock)
+    lock.chmod(0o666)
+    os.chown(lock, uid, gid)
+    held = os.open(lock, os.O_RDWR | os.O_NONBLOCK)  # (a FIFO opened read-write waits for nobody)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = _load(root, deadline=HANG_DEADLINE)
+    finally:
+        os.close(held)
+    whose = ME if owner == "me" else "nobody (uid 65534)"
+    says = f"{lock} (owner {whose}, mode prw-rw-rw- (0666)) is a FIFO, not a regular file"
+    # Where fs.protected_fifos is set, the kernel refuses the open (O_CREAT) of another account's FIFO in a sticky
+    # folder that all may write at once: the same refusal, said by the open.
+    protected = Path("/proc/sys/fs/protected_fifos")
+    if owner != "me" and protected.exists() and protected.read_text().strip() != "0":
+        says = f"{lock} (owner {whose}, mode prw-rw-rw- (0666)) cannot be opened as the build lock"
+    _refused_privately(out, root, tmp_path / "no-marker", [says, "ZERO_OFFLOAD_CACHE_DIR"])
+
+
+def test_a_manifest_past_the_read_limit_is_not_read(shared):
+    """Reads from the cache are bounded: a manifest of more than 1 MiB (ours are under 1 KiB) is not read, and so
+    its build is not loaded."""
+    root, folder, marker = shared
+    manifest = folder / _build.MANIFEST
+    manifest.write_text(" " * (1 << 20) + manifest.read_text())  # still valid JSON
+    out = _load(root)
+    _refused_privately(out, root, marker, [
+        f"{manifest} (owner {ME}, mode -rw-r--r-- (0644)) holds more than {1 << 20} bytes", f"remove {folder}"])
 
 
 def test_a_manifest_naming_a_file_outside_its_folder_is_refused(shared, tmp_path):
