@@ -15,16 +15,18 @@ import pwd
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
 
-from zero_offload import _build
+from zero_offload import _build, _cache_trust
 
 REPO = Path(__file__).resolve().parents[1]
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give files to another user")
@@ -357,6 +359,46 @@ def test_a_manifest_past_the_read_limit_is_not_read(shared):
     out = _load(root)
     _refused_privately(out, root, marker, [
         f"{manifest} (owner {ME}, mode -rw-r--r-- (0644)) holds more than {1 << 20} bytes", f"remove {folder}"])
+
+
+def test_a_read_only_root_of_ones_own_says_so(tmp_path):
+    """A root of this user's own with no build for it and that it cannot write: the message must not send the
+    user to the root's owner (that is them), but say what keeps them out and how to let them in. Not root: the
+    root's mode lacks u+w. Root (whom no mode keeps out): the root is immutable (``chattr +i``), where it can be."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o755)
+    if os.geteuid() != 0:
+        lock, unlock = ["chmod", "0555", str(root)], ["chmod", "0755", str(root)]
+        says = [f"{root} (owner {ME}, mode dr-xr-xr-x (0555)) has no build for this torch, compiler and Python and "
+                "you, its owner, cannot write to it (its mode has no write bit for you)", f"`chmod u+w {root}`"]
+    else:
+        lock, unlock = ["chattr", "+i", str(root)], ["chattr", "-i", str(root)]
+        says = [f"{root} (owner {ME}, mode drwxr-xr-x (0755)) has no build for this torch, compiler and Python and "
+                f"you, its owner, cannot write to it: it is immutable (`lsattr -d {root}` shows an 'i')",
+                f"`chattr -i {root}` as root"]
+        if shutil.which("chattr") is None:
+            pytest.skip("no chattr here")
+    try:
+        if subprocess.run(lock, capture_output=True).returncode != 0:
+            pytest.skip(f"`{' '.join(lock)}` failed here (no CAP_LINUX_IMMUTABLE, or a file system without the flag)")
+        out = _load(root)
+    finally:
+        subprocess.run(unlock, capture_output=True)
+    _refused_privately(out, root, tmp_path / "no-marker",
+                       says + ["point ZERO_OFFLOAD_CACHE_DIR at a folder you can write"])
+    assert "its owner can add the build" not in out["refused"] and list(root.iterdir()) == []
+
+
+def test_a_root_on_a_read_only_file_system_says_so(tmp_path, monkeypatch):
+    """The same on a read-only mount (which needs privileges to make: the file system's flag is stood in for)."""
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_flag=real(path).f_flag | os.ST_RDONLY))
+    assert str(_cache_trust.unwritable_root(tmp_path)) == (
+        f"{tmp_path} (owner {ME}, mode {stat.filemode(tmp_path.stat().st_mode)} "
+        f"({tmp_path.stat().st_mode & 0o7777:04o})) has no build for this torch, compiler and Python and is on a "
+        "read-only file system; to fix: build into it where it is mounted read-write, or point "
+        "ZERO_OFFLOAD_CACHE_DIR at a folder you can write")
 
 
 def test_a_manifest_naming_a_file_outside_its_folder_is_refused(shared, tmp_path):

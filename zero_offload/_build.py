@@ -497,10 +497,7 @@ def _build_in_cache(root: Path, key: str, final: Path, inputs: Dict[str, str]) -
         return refused
     # effective_ids: a process that switched to another user (seteuid) writes as that user.
     if not os.access(root, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
-        return _cache_trust.refusal(
-            root, "has no build for this torch, compiler and Python and you cannot write to it",
-            "its owner can add the build: run `python -m zero_offload.report` as that account, with the same "
-            "torch, compiler and Python")
+        return _cache_trust.unwritable_root(root)
     try:
         fd = _take_lock(root / f"{key}.lock", _build_wait(), finished)
     except OSError as exc:  # in a root shared with others (sticky): a lock file another user made, or a link

@@ -300,3 +300,29 @@ def read(root: Path, path: Path, limit: int = READ_LIMIT) -> bytes:
     finally:
         os.close(fd)
 
+
+def unwritable_root(root: Path) -> Refusal:
+    """Why a root that passed :func:`check` but has no build for this process cannot take one, with the fix that
+    fits: a read-only file system; a root of this user's own that is read-only (no write bit for its owner, or
+    immutable); else a root of another account's, which that account can build into."""
+    lacking = "has no build for this torch, compiler and Python and"
+    elsewhere = "point ZERO_OFFLOAD_CACHE_DIR at a folder you can write"
+    try:
+        st, read_only = os.stat(root), bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except OSError as exc:
+        return refusal(root, f"{lacking} cannot be looked at ({exc.strerror})", elsewhere)
+    if read_only:
+        return refusal(root, f"{lacking} is on a read-only file system",
+                       f"build into it where it is mounted read-write, or {elsewhere}")
+    me = os.geteuid()
+    if st.st_uid == me and me != 0 and not st.st_mode & stat.S_IWUSR:
+        return refusal(root, f"{lacking} you, its owner, cannot write to it (its mode has no write bit for you)",
+                       f"`chmod u+w {root}`, or {elsewhere}")
+    if st.st_uid == me or me == 0:  # root is kept out by neither owner nor mode: by an immutable flag
+        who = "you, its owner," if st.st_uid == me else "you (root)"
+        return refusal(root, f"{lacking} {who} cannot write to it: it is immutable (`lsattr -d {root}` shows an "
+                       "'i') or locked by a security module",
+                       f"`chattr -i {root}` as root, or {elsewhere}")
+    return refusal(root, f"{lacking} you cannot write to it",
+                   "its owner can add the build: run `python -m zero_offload.report` as that account, with the same "
+                   "torch, compiler and Python")
