@@ -424,25 +424,54 @@ def test_an_account_named_in_cache_trust_is_trusted(shared):
     assert "Invalid ZERO_OFFLOAD_CACHE_TRUST='no-such-user-here': no user 'no-such-user-here'" in out["warnings"][0]
 
 
+def _public_dir(prefix):
+    """A new folder, 0755, that every account can reach: in the temporary folder where every folder above it lets
+    others through (o+x), else in /tmp or /var/tmp; the test skips where none does."""
+    for base in (tempfile.gettempdir(), "/tmp", "/var/tmp"):
+        base = Path(base).resolve()
+        if base.is_dir() and all(os.stat(p).st_mode & stat.S_IXOTH for p in (base, *base.parents)):
+            folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+            folder.chmod(0o755)
+            return folder
+    pytest.skip("no temporary folder here that other accounts can reach")
+
+
+def _public_tree():
+    """What a load by another account reads of zero_offload (its Python modules and C++ sources), copied into a
+    folder every account can read: the checkout itself may lie where only its owner can (a private temporary
+    folder, a home folder of mode 0700)."""
+    tree = _public_dir("zero_offload-tree-")
+    leave_out = shutil.ignore_patterns("__pycache__", "*.so", "*.o")  # no prebuilt module: the JIT path is tested
+    for part in ("zero_offload", "csrc"):
+        shutil.copytree(REPO / part, tree / part, ignore=leave_out)
+    for path in tree.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return tree
+
+
 @AS_ROOT
 def test_a_root_owned_shared_cache_serves_another_user():
     """A root owned by root, 0755, readable by all: another user's process loads the build in it, and, where the
-    build it needs is missing, builds its own privately (it cannot write there) without touching the root."""
-    root = Path(tempfile.mkdtemp(prefix="zero_offload-shared-"))  # not under pytest's 0700 folder: nobody reads it
+    build it needs is missing, builds its own privately (it cannot write there) without touching the root. Both the
+    root and the zero_offload that process imports lie where that user can read them, wherever the checkout lies."""
+    tree, root = _public_tree(), _public_dir("zero_offload-shared-")  # not under pytest's 0700 folder
+    nobody = str(pwd.getpwnam(NOBODY).pw_uid)
     try:
-        root.chmod(0o755)
         folder = _plant(root)
-        out = _load(root, AS_UID=str(pwd.getpwnam(NOBODY).pw_uid))
+        out = _load(root, tree=tree, AS_UID=nobody)
         assert (out["state"], out["isas"], out["warnings"]) == ("jit-cached", ["planted"], []), out
         assert out["file"] == str(folder / "planted.py")
         shutil.rmtree(folder)
-        out = _load(root, AS_UID=str(pwd.getpwnam(NOBODY).pw_uid))
+        out = _load(root, tree=tree, AS_UID=nobody)
         _refused_privately(out, root, root / "no-marker", [
             f"{root} (owner root (uid 0), mode drwxr-xr-x (0755)) has no build for this torch, compiler and Python "
             "and you cannot write to it", "run `python -m zero_offload.report` as that account"])
         assert list(root.iterdir()) == []
     finally:
+        if tree in _SERVED["servers"]:
+            _stop_server(tree)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 def _private_group_by_the_files(gid, name):
