@@ -4,7 +4,9 @@ Each case plants a finished-looking build at the key this interpreter would load
 creates a marker file (a `.py` stands in for the `.so`: both are imported by the same `_load_built`). A refused
 place must leave the marker absent, give one warning naming the path, its owner and mode and the fix, and the run
 must go on on a private build (the compile replaced by a stand-in, as in test_build.py: no real compile here).
-Ownership by another user needs root (`chown`); those cases skip elsewhere."""
+Ownership by another user needs root (`chown`); those cases skip elsewhere. Issue 54 added what another account
+can plant besides a build (a FIFO where a manifest or the lock should be: never opened, never waited on; a
+manifest past the read limit) and the message for a read-only root of one's own."""
 
 import fcntl
 import grp
