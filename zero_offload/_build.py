@@ -38,7 +38,9 @@ it was written for, so two venvs sharing the folder rebuild it on every switch. 
   one is loaded or built into a root, :mod:`zero_offload._cache_trust` checks the way from the root down to the
   module (owner, write bits). Where that fails, or the root has no build and is not ours to write, this process
   builds its own copy in a new private folder (one warning naming the path, its owner and mode and the fix; the
-  status and ``report`` say it too) and removes the folder once the module is loaded.
+  status and ``report`` say it too) and removes the folder once the module is loaded. Nothing of the cache is
+  opened before it is looked at, nor waited on (a FIFO in a shared root would block a reader forever): manifests
+  and locks must be regular files, and reads are bounded.
 * **Said, not silent.** A build logs (logger ``zero_offload``, WARNING, so it shows when logging is left
   unconfigured) that it starts and why (first use, sources changed, another torch, compiler or Python), and
   how long it took; :func:`status` (and ``python -m zero_offload.report``) says whether this process loaded a
@@ -215,26 +217,28 @@ def _build_wait() -> float:
     return wait
 
 
-def lock_holder(lock_path: Path) -> str:
-    """Who holds (or last held) a build lock, from what its holder wrote into it: pid, host and for how long."""
+def lock_holder(fd: int) -> str:
+    """Who holds (or last held) the build lock open as ``fd``, from what its holder wrote into it (pid, host and
+    for how long): its first 256 bytes, read from this open file (checked as a regular file), not reopened."""
     try:
-        pid, host, since = lock_path.read_text().split()[:3]
+        pid, host, since = os.pread(fd, 256, 0).decode(errors="replace").split()[:3]
         return f"pid {pid} on {host}, held for {time.time() - float(since):.0f} s"
     except (OSError, ValueError):
-        try:
-            return f"holder unknown, file {time.time() - lock_path.stat().st_mtime:.0f} s old"
-        except OSError:
-            return "holder unknown"
+        return f"holder unknown, file {time.time() - os.fstat(fd).st_mtime:.0f} s old"
 
 
 def _take_lock(lock_path: Path, wait: float, done: Callable[[], bool]) -> Optional[int]:
     """The build lock's file descriptor, once held; None as soon as ``done()`` (another process finished the
-    build meanwhile). Raises :class:`BuildLockTimeout` after ``wait`` seconds."""
+    build meanwhile). Raises :class:`BuildLockTimeout` after ``wait`` seconds, OSError where the lock cannot be
+    opened, ``_cache_trust.Untrusted`` where it is no regular file of a trusted owner."""
     import fcntl
 
-    # O_NOFOLLOW: in a root others may write (a sticky one), a link planted at the lock's name would have this
-    # process create and truncate whatever file it points to.
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    from zero_offload import _cache_trust
+
+    # In a root others may write (a sticky one), a link planted at the lock's name would have this process truncate
+    # what it points to, a FIFO would block a reader forever: neither is used. (Its content only informs a message.)
+    fd = _cache_trust.open_file(lock_path, os.O_RDWR | os.O_CREAT, "use a cache root of your own "
+                                "(ZERO_OFFLOAD_CACHE_DIR)", modes=False, create_mode=0o666)
     start, told = time.monotonic(), False
     try:
         while True:
@@ -250,11 +254,11 @@ def _take_lock(lock_path: Path, wait: float, done: Callable[[], bool]) -> Option
             if not told:
                 logger.warning("zero_offload: another process is building the CPU-Adam kernel (lock %s: %s); "
                                "waiting up to %.0f s (ZERO_OFFLOAD_BUILD_WAIT) ...", lock_path,
-                               lock_holder(lock_path), wait)
+                               lock_holder(fd), wait)
                 told = True
             if time.monotonic() - start >= wait:
                 raise BuildLockTimeout(
-                    f"gave up after {wait:.0f} s waiting for the build lock {lock_path} ({lock_holder(lock_path)}); "
+                    f"gave up after {wait:.0f} s waiting for the build lock {lock_path} ({lock_holder(fd)}); "
                     "a lock whose holder has died is released by itself: this one's holder still runs. "
                     "Set ZERO_OFFLOAD_BUILD_WAIT to wait longer")
             time.sleep(min(0.5, max(wait / 4, 0.01)))
@@ -340,16 +344,24 @@ def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
     build for another torch is also cached)."""
     if final.exists():
         return f"{final} held an unfinished build, cleared first"
-    best = None
+    from zero_offload import _cache_trust
+
+    best, ignored = None, []
     for manifest in root.glob(f"*/{MANIFEST}"):
         try:
-            data = json.loads(manifest.read_text())
+            data = _read_manifest(root, manifest.parent)
             old, when = dict(data["inputs"]), float(data["built_at"])
+        except _cache_trust.Untrusted as exc:  # another account's, a FIFO, a link: never opened, never waited on
+            ignored.append(str(exc.refusal))
+            continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         changed = [k for k in inputs if old.get(k) != inputs[k]]
         if best is None or (len(changed), -when) < (len(best[0]), -best[2]):
             best = (changed, old, when)
+    if ignored:
+        logger.warning("zero_offload: %d folder(s) in %s not read (looking for the closest earlier build): %s%s",
+                       len(ignored), root, "; ".join(ignored[:3]), " ..." if len(ignored) > 3 else "")
     if best is None:
         # Folders with a build.ninja but no manifest: builds of an older zero_offload, whose layout had no manifest.
         older = [d for d in root.glob("[!.]*/build.ninja")]
@@ -362,18 +374,30 @@ def _why_build(root: Path, final: Path, inputs: Dict[str, str]) -> str:
     return "; ".join(words.get(k) or f"another {k} ({old.get(k, '?')} -> {inputs[k]})" for k in changed)
 
 
-def _module_file(folder: Path) -> Path:
-    """The module file that the manifest of the build in ``folder`` names: a plain name inside the folder."""
-    name = json.loads((folder / MANIFEST).read_text())["file"]
+def _finished(final: Path) -> bool:
+    """Whether ``final`` holds a finished build: its manifest is a regular file (looked at, not opened)."""
+    try:
+        return stat.S_ISREG(os.lstat(final / MANIFEST).st_mode)
+    except OSError:
+        return False
+
+
+def _read_manifest(root: Path, folder: Path) -> dict:
+    """The manifest of the build in ``folder`` (inside ``root``), as ``_cache_trust.read`` reads it (checked first,
+    never waited on, bounded), whose ``file`` is a plain name in ``folder``. Raises ``_cache_trust.Untrusted``
+    where it may not be read, ValueError where it names no such file."""
+    from zero_offload import _cache_trust
+
+    data = json.loads(_cache_trust.read(root, folder / MANIFEST))
+    name = data.get("file") if isinstance(data, dict) else None
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
         raise ValueError(f"{folder / MANIFEST} names {name!r} as the module: not a file name in {folder}")
-    return folder / name
+    return data
 
 
-def _load_built(folder: Path) -> ModuleType:
-    """Import the finished build in ``folder`` (the name and file its manifest records)."""
-    manifest = json.loads((folder / MANIFEST).read_text())
-    spec = importlib.util.spec_from_file_location(manifest["module"], _module_file(folder))
+def _load_built(folder: Path, manifest: dict) -> ModuleType:
+    """Import the finished build in ``folder`` (the name and file its ``manifest`` records)."""
+    spec = importlib.util.spec_from_file_location(manifest["module"], folder / manifest["file"])
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {folder / manifest['file']}")
     module = importlib.util.module_from_spec(spec)
@@ -381,8 +405,7 @@ def _load_built(folder: Path) -> ModuleType:
     return module
 
 
-def _cached_detail(folder: Path) -> str:
-    manifest = json.loads((folder / MANIFEST).read_text())
+def _cached_detail(manifest: dict) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(manifest["built_at"]))
     return f"built {when} in {manifest['seconds']:.1f} s by {manifest['built_by']}"
 
@@ -390,7 +413,7 @@ def _cached_detail(folder: Path) -> str:
 def _clear_leftovers(root: Path, key: str, final: Path) -> None:
     """With the key's lock held no other builder of it runs: what its temporary folders hold was left by killed
     builds, and a final folder without a manifest is not a finished build. Both go."""
-    if final.exists() and not (final / MANIFEST).is_file():
+    if final.exists() and not _finished(final):
         aside = Path(tempfile.mkdtemp(prefix=f".build-{key}-stale-", dir=root))
         os.replace(final, aside / "old")
     for leftover in root.glob(f".build-{key}-*"):
@@ -437,13 +460,17 @@ def _jit_build() -> ModuleType:
     start = time.perf_counter()
     refused = _build_in_cache(root, key, final, inputs)
     if refused is None:  # the manifest first: it names the module file
-        refused = _cache_trust.check(root, final / MANIFEST) or _cache_trust.check(root, _module_file(final))
+        try:
+            manifest = _read_manifest(root, final)
+            refused = _cache_trust.check(root, final / manifest["file"])
+        except _cache_trust.Untrusted as exc:
+            refused = exc.refusal
     if refused is not None:
         return _private_build(root, key, inputs, refused, start)
-    module = _load_built(final)
+    module = _load_built(final, manifest)
     _status.seconds = time.perf_counter() - start
     if _status.state != "jit-built":
-        _status.state, _status.detail = "jit-cached", _cached_detail(final)
+        _status.state, _status.detail = "jit-cached", _cached_detail(manifest)
     return module
 
 
@@ -453,7 +480,7 @@ def _build_in_cache(root: Path, key: str, final: Path, inputs: Dict[str, str]) -
     may not be used, or is not ours to write; else None."""
     from zero_offload import _cache_trust
 
-    finished = (final / MANIFEST).is_file
+    finished = functools.partial(_finished, final)
     if finished():
         return None
     if not root.is_dir():
@@ -470,15 +497,14 @@ def _build_in_cache(root: Path, key: str, final: Path, inputs: Dict[str, str]) -
         return refused
     # effective_ids: a process that switched to another user (seteuid) writes as that user.
     if not os.access(root, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
-        return _cache_trust.refusal(
-            root, "has no build for this torch, compiler and Python and you cannot write to it",
-            "its owner can add the build: run `python -m zero_offload.report` as that account, with the same "
-            "torch, compiler and Python")
+        return _cache_trust.unwritable_root(root)
     try:
         fd = _take_lock(root / f"{key}.lock", _build_wait(), finished)
     except OSError as exc:  # in a root shared with others (sticky): a lock file another user made, or a link
         return _cache_trust.refusal(root / f"{key}.lock", f"cannot be opened as the build lock ({exc.strerror})",
                                     "use a cache root of your own (ZERO_OFFLOAD_CACHE_DIR)")
+    except _cache_trust.Untrusted as exc:  # there, a FIFO or another account's file: not locked, not read
+        return exc.refusal
     if fd is not None:
         try:
             if not finished():
@@ -504,7 +530,7 @@ def _private_build(root: Path, key: str, inputs: Dict[str, str], refused: Refusa
         reason = f"private build: the cache {root} is not used"
         _status.cache_dir = str(private / key)
         _build_into(private, key, private / key, inputs, reason, later="in a private folder removed once loaded")
-        module = _load_built(private / key)
+        module = _load_built(private / key, _read_manifest(private, private / key))
     finally:
         shutil.rmtree(private, ignore_errors=True)
     _status.state, _status.detail, _status.seconds = "jit-built", reason, time.perf_counter() - start

@@ -15,6 +15,13 @@ another's folder, so the folders inside it are what counts, and they are checked
 symbolic link (the cache makes none, and a link can point anywhere). This is OpenSSH's ``StrictModes`` rule for
 key files, with Debian's private-group exception; pip likewise ignores a cache folder its user does not own.
 
+Nothing in the cache is opened before it has been looked at. In a root others may write (sticky), another account
+can put a FIFO where a manifest or a lock is expected: opening a FIFO to read waits for a writer, and reading it
+waits for data, forever. So a file is read (:func:`read`) only after :func:`check` passed it as a regular file;
+it is opened without following a link and without waiting (``O_NOFOLLOW | O_NONBLOCK``), what was opened is
+checked again (``fstat``: :func:`check_open`), and at most :data:`READ_LIMIT` bytes are read. The build lock is
+opened the same way (:func:`open_file`).
+
 Not checked: the folders above the root (whoever can rename one of them can swap the root between this check and
 the load), and the environment itself (who sets ``ZERO_OFFLOAD_CACHE_DIR`` could as well set ``LD_PRELOAD``).
 docs/security.md lists what is trusted and why.
@@ -31,6 +38,11 @@ from pathlib import Path
 from typing import FrozenSet, Optional
 
 TRUST_VARIABLE = "ZERO_OFFLOAD_CACHE_TRUST"
+# The most read from one file of the cache (a manifest holds under 1 KiB).
+READ_LIMIT = 1 << 20
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +67,14 @@ class Refusal:
         return f"{self.path} (owner {self.owner}, mode {self.mode}) {self.why}; to fix: {self.fix}"
 
 
+class Untrusted(Exception):
+    """A file of the cache that was not read, or not used as the build lock: ``refusal`` says which and why."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
 def _name(uid: int) -> str:
     import pwd
 
@@ -71,6 +91,19 @@ def _user(uid: int) -> str:
 
 def _mode(st: os.stat_result) -> str:
     return f"{stat.filemode(st.st_mode)} ({stat.S_IMODE(st.st_mode):04o})"
+
+
+def _kind(st: os.stat_result) -> str:
+    return next((name for test, name in _KINDS if test(st.st_mode)), "of an unknown kind")
+
+
+def _kind_problem(st: os.stat_result, want_file: bool) -> Optional[str]:
+    """What is wrong with the kind of a folder or file of the chain, as a phrase after its path; None if nothing."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (the cache makes none)"
+    if stat.S_ISREG(st.st_mode) if want_file else stat.S_ISDIR(st.st_mode):
+        return None
+    return f"is {_kind(st)}, not {'a regular file' if want_file else 'a folder'}"
 
 
 def refusal(path: Path, why: str, fix: str) -> Refusal:
@@ -173,21 +206,123 @@ def check(root: Path, target: Optional[Path] = None, file: bool = True) -> Optio
     for depth, part in enumerate(parts, 1):
         path = path / part
         last = depth == len(parts)
-        top = Path(root) / parts[0]
-        remove = f"remove {top} (what another account could change cannot be trusted; the next run builds it again)"
         try:
             st = os.lstat(path)
         except OSError as exc:
-            return refusal(path, f"cannot be read ({exc.strerror})", remove)
-        if stat.S_ISLNK(st.st_mode):
-            return Refusal(path, _user(st.st_uid), _mode(st), "is a symbolic link (the cache makes none)", remove)
-        want_file = last and file
-        if not (stat.S_ISREG(st.st_mode) if want_file else stat.S_ISDIR(st.st_mode)):
-            kind = "a regular file" if want_file else "a folder"
-            return Refusal(path, _user(st.st_uid), _mode(st), f"is not {kind}", remove)
-        problem = _problem(path, st, False, trusted)
+            return refusal(path, f"cannot be read ({exc.strerror})", _remove_fix(root, path))
+        problem = _kind_problem(st, last and file) or _problem(path, st, False, trusted)
         if problem is not None:
-            fix = (f"have {_name(st.st_uid)} or root remove {top}, or {_own_cache_fix(st.st_uid)}"
-                   if st.st_uid not in trusted else remove)
-            return Refusal(path, _user(st.st_uid), _mode(st), problem, fix)
+            return Refusal(path, _user(st.st_uid), _mode(st), problem, _below_root_fix(root, path, st, trusted))
     return None
+
+
+def _remove_fix(root: Path, path: Path) -> str:
+    top = Path(root) / Path(path).relative_to(root).parts[0]
+    return f"remove {top} (what another account could change cannot be trusted; the next run builds it again)"
+
+
+def _below_root_fix(root: Path, path: Path, st: os.stat_result, trusted: FrozenSet[int]) -> str:
+    if st.st_uid in trusted:
+        return _remove_fix(root, path)
+    top = Path(root) / Path(path).relative_to(root).parts[0]
+    return f"have {_name(st.st_uid)} or root remove {top}, or {_own_cache_fix(st.st_uid)}"
+
+
+def check_open(fd: int, path: Path, fix: str, modes: bool = True) -> Optional[Refusal]:
+    """What makes the file this process opened as ``fd`` (from ``path``) unsafe to read: it is not a regular file
+    (a FIFO, a device, a folder), or its owner is not trusted, or (with ``modes``) others may write it; None if
+    nothing. Asked of the opened file (``fstat``), it answers for what was opened, whatever ``path`` names now.
+
+    Raises:
+        ValueError: if ``ZERO_OFFLOAD_CACHE_TRUST`` names no user of this machine.
+    """
+    st = os.fstat(fd)
+    trusted = trusted_uids()
+    problem = _kind_problem(st, True)
+    if problem is None and st.st_uid not in trusted:
+        problem = f"is owned by an account other than you, root and those in {TRUST_VARIABLE}"
+    if problem is None and modes:
+        problem = _problem(path, st, False, trusted)
+    return None if problem is None else Refusal(Path(path), _user(st.st_uid), _mode(st), problem, fix)
+
+
+def open_file(path: Path, flags: int, fix: str, modes: bool = True, create_mode: int = 0o644) -> int:
+    """``path`` opened with ``flags`` (``os.O_*``; ``O_CREAT`` makes it with ``create_mode``), never following a
+    link nor waiting (``O_NOFOLLOW | O_NONBLOCK``: a FIFO would block an open for reading until someone writes
+    to it), and returned only once :func:`check_open` (with ``fix`` and ``modes``) passes what was opened.
+
+    Raises:
+        OSError: where it cannot be opened (a link at ``path``: ELOOP).
+        Untrusted: where what was opened fails :func:`check_open` (it is closed again).
+    """
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, create_mode)
+    try:
+        refused = check_open(fd, path, fix, modes)
+    except BaseException:
+        os.close(fd)
+        raise
+    if refused is not None:
+        os.close(fd)
+        raise Untrusted(refused)
+    return fd
+
+
+def read(root: Path, path: Path, limit: int = READ_LIMIT) -> bytes:
+    """The content of ``path``, a file inside ``root``, once :func:`check` has passed the way down to it: opened by
+    :func:`open_file` (not followed, not waited on, checked again as opened) and read only if it holds at most
+    ``limit`` bytes (int, default :data:`READ_LIMIT`).
+
+    Raises:
+        Untrusted: where the file or a folder on the way fails a check, cannot be opened, or is too large; its
+            ``refusal`` names the path and says why.
+        ValueError: if ``ZERO_OFFLOAD_CACHE_TRUST`` names no user of this machine.
+    """
+    refused = check(root, path)
+    if refused is not None:
+        raise Untrusted(refused)
+    fix = _remove_fix(root, path)
+    try:
+        fd = open_file(path, os.O_RDONLY, fix)
+    except OSError as exc:
+        raise Untrusted(refusal(path, f"cannot be opened ({exc.strerror})", fix)) from None
+    try:
+        chunks, size = [], 0
+        while size <= limit:  # one byte past the limit tells a file that grew past it since fstat
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise Untrusted(refusal(path, f"holds more than {limit} bytes (a file of the cache holds a few hundred)",
+                                    fix))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def unwritable_root(root: Path) -> Refusal:
+    """Why a root that passed :func:`check` but has no build for this process cannot take one, with the fix that
+    fits: a read-only file system; a root of this user's own that is read-only (no write bit for its owner, or
+    immutable); else a root of another account's, which that account can build into."""
+    lacking = "has no build for this torch, compiler and Python and"
+    elsewhere = "point ZERO_OFFLOAD_CACHE_DIR at a folder you can write"
+    try:
+        st, read_only = os.stat(root), bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except OSError as exc:
+        return refusal(root, f"{lacking} cannot be looked at ({exc.strerror})", elsewhere)
+    if read_only:
+        return refusal(root, f"{lacking} is on a read-only file system",
+                       f"build into it where it is mounted read-write, or {elsewhere}")
+    me = os.geteuid()
+    if st.st_uid == me and me != 0 and not st.st_mode & stat.S_IWUSR:
+        return refusal(root, f"{lacking} you, its owner, cannot write to it (its mode has no write bit for you)",
+                       f"`chmod u+w {root}`, or {elsewhere}")
+    if st.st_uid == me or me == 0:  # root is kept out by neither owner nor mode: by an immutable flag
+        who = "you, its owner," if st.st_uid == me else "you (root)"
+        return refusal(root, f"{lacking} {who} cannot write to it: it is immutable (`lsattr -d {root}` shows an "
+                       "'i') or locked by a security module",
+                       f"`chattr -i {root}` as root, or {elsewhere}")
+    return refusal(root, f"{lacking} you cannot write to it",
+                   "its owner can add the build: run `python -m zero_offload.report` as that account, with the same "
+                   "torch, compiler and Python")
