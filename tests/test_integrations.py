@@ -404,18 +404,23 @@ def test_example_runs(script, needs):
     assert "same parameters as torch.optim.AdamW" in result.stdout, result.stdout[-2000:]
 
 
-def test_hf_trainer_example_on_two_cpu_processes():
-    """``examples/hf_trainer.py`` under ``torchrun`` with 2 processes (gloo DDP): the Trainer moves the model with
-    ``model.to(torch.device("cpu", 0))`` after the optimizer was built (a copy); each rank still ends with AdamW's
-    parameters."""
-    pytest.importorskip("transformers")
+@pytest.mark.parametrize("script, needs, says", [
+    ("hf_trainer.py", "transformers", "same parameters as torch.optim.AdamW"),
+    ("torchtitan_optimizer.py", "torchtitan", "same parameters as torch.optim.AdamW after 4 steps, and after a DCP"),
+])
+def test_example_on_two_cpu_processes(script, needs, says):
+    """The examples under ``torchrun`` with 2 processes (gloo): ``hf_trainer.py``, where the Trainer (DDP) moves the
+    model with ``model.to(torch.device("cpu", 0))`` after the optimizer was built (a copy), and each rank still
+    ends with AdamW's parameters; ``torchtitan_optimizer.py``, torchtitan's optimizer container building ours over
+    FSDP2's parameters, equal to its AdamW, also across a DCP round trip of its state dict."""
+    pytest.importorskip(needs)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(REPO / "examples" / "hf_trainer.py"), "--steps", "4"], cwd=REPO, env=env,
+                             str(REPO / "examples" / script), "--steps", "4"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.stdout.count("same parameters as torch.optim.AdamW") == 2, result.stdout[-2000:]
+    assert says in result.stdout, result.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------ report: a model from its HF config --
