@@ -30,9 +30,8 @@ from zero_offload import _build, functional
 from zero_offload.host_memory import available_host_bytes, huge_pages
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
-                                      count_plan, fsdp_plan, gpu_capacity, memory_plan, meta_params, parse_count,
-                                      plan_dict,
-                                      plan_lines, verdict_lines, verdicts)
+                                      count_plan, fsdp_plan, memory_plan, meta_params, parse_count)
+from zero_offload.plan_text import gpu_capacity, plan_dict, plan_lines, verdict_lines, verdicts  # noqa: F401
 from zero_offload.options import DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, dtypes_by_name  # noqa: F401
 
 
