@@ -86,7 +86,8 @@ def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = DEFAULT_BUCK
 class MemoryPlan:
     """Bytes per rank that training a model costs with ``OffloadOptimizer`` and with ``torch.optim.AdamW``, by
     where they live. Parameters, gradients and optimizer state only: activations, the CUDA context and allocator
-    caches are the same for both and not counted.
+    caches are the same for both and not counted, nor are FSDP2's all-gathered units (their cost per parameter of a
+    unit: :meth:`gathered_unit_bytes`; the plan does not know the units).
 
     Attributes:
         numel (int): parameters of the model (all ranks hold all of them).
@@ -113,6 +114,11 @@ class MemoryPlan:
             rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
             AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
         model_numel (int): the whole model's parameters (``numel`` unless ``fsdp`` > 1).
+        param_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.param_dtype``: the dtype FSDP2
+            all-gathers the shards in and computes in; None: ``dtype``, the shards' storage dtype (the model's dtype
+            as built, which the optimizer steps and the gradient shards take).
+        reduce_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.reduce_dtype``: the dtype the
+            gradients are reduce-scattered in; None: ``param_dtype``'s.
     """
 
     numel: int
@@ -128,10 +134,48 @@ class MemoryPlan:
     gpu_tier_numel: int = 0
     fsdp: int = 1
     model_numel: int = 0
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
         return sum(getattr(self, which)[where].values())
+
+    def low_dtype(self) -> Optional[torch.dtype]:
+        """The low-precision dtype the model computes in (``param_dtype`` under FSDP2, else the model's), or None
+        for a model that is fp32 throughout."""
+        compute = self.param_dtype or self.dtype
+        return compute if compute != torch.float32 else (self.dtype if self.dtype != torch.float32 else None)
+
+    def adamw_recipes(self) -> Dict[str, int]:
+        """Bytes per rank of ``torch.optim.AdamW``'s two ways to train a low-precision model (none for a model fp32
+        throughout), where AdamW keeps them (the model's device), for the rank's ``numel`` parameters:
+
+        * ``"low"``: everything in the low dtype: parameters, gradients and moments (AdamW keeps its moments in the
+          parameters' dtype): (2 + moments) x 2 B per parameter, 8 B for bf16 with two moments.
+        * ``"fp32 master"``: the parameters (or FSDP2's shards) in fp32, the masters the optimizer steps, their
+          fp32 gradients and fp32 moments: (2 + moments) x 4 B, 16 B with two moments. That is an fp32 model under
+          ``torch.autocast``, or FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` over fp32 shards
+          (FSDP2 casts the reduced gradient back to the shard's dtype). The low-precision copies the computation
+          uses (autocast's casts of the weights, FSDP2's all-gathered units) come and go in forward and backward
+          and are not counted, as activations are not.
+        """
+        low = self.low_dtype()
+        if low is None:
+            return {}
+        where = "gpu" if self.device == "cuda" else "host"
+        moments = len(self.adamw[where]) - 2  # (params and gradients are the other two rows)
+        return {"low": (2 + moments) * low.itemsize * self.numel, "fp32 master": (2 + moments) * 4 * self.numel}
+
+    def gathered_unit_bytes(self) -> Tuple[int, int]:
+        """Under FSDP2, bytes per parameter of one all-gathered unit (a module given to ``fully_shard``) on the
+        GPU: (while gathered, at its backward). Gathered, the unit's parameters are whole in ``param_dtype``; in its
+        backward autograd's gradients of them (``param_dtype`` too) and the reduce-scatter's input (``reduce_dtype``,
+        which FSDP2 allocates and copies the gradients into) join them: 2 + 2 + 4 = 8 B with bf16 parameters and
+        fp32 reduction. (The reduce-scatter's output, 1/``fsdp`` of the input, is left out.)"""
+        param = self.param_dtype or self.dtype
+        reduce = self.reduce_dtype or param
+        return param.itemsize, 2 * param.itemsize + reduce.itemsize
 
 
 def memory_plan(
@@ -297,7 +341,8 @@ def fsdp_shards(params: Sequence[torch.Tensor], ranks: int) -> List[torch.Tensor
     return out
 
 
-def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int,
+def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int, *,
+              param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
               **kw) -> MemoryPlan:
     """The plan of one rank of an FSDP2 run over ``ranks`` ranks: what ``OffloadOptimizer`` and ``torch.optim.AdamW``
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
@@ -305,9 +350,18 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
     (``world_size`` and ``gpu_fraction`` are not combined with FSDP2). ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
-    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer."""
+    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer.
+
+    ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
+    ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
+    policy, since FSDP2 keeps the shards and casts their reduced gradients to that dtype; the all-gathered units
+    do (:meth:`MemoryPlan.gathered_unit_bytes`)."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and value not in _DTYPES.values():
+            raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
+                             f"{', '.join(map(str, _DTYPES.values()))}, or None)")
     if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
         raise ValueError("an FSDP2 plan takes no world_size or gpu_fraction: FSDP shards the parameters and each "
                          "rank's optimizer offloads the state of its own shards (the optimizer refuses both there)")
@@ -322,7 +376,7 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
         ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
         plan = dataclasses.replace(plan, host=host, ours=ours)
-    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole)
+    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:

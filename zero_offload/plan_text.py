@@ -13,30 +13,11 @@ from zero_offload.host_memory import format_bytes
 from zero_offload.memory_plan import _BUFFERS, _SUFFIXES, MemoryPlan
 from zero_offload.options import DTYPE_NAMES
 
-__all__ = ["gpu_capacity", "gpu_size", "plan_dict", "plan_lines", "verdict_lines", "verdicts"]
+__all__ = ["gpu_capacity", "gpu_size", "leaves_out_lines", "plan_dict", "plan_lines", "verdict_lines", "verdicts"]
 
 def plan_lines(plan: MemoryPlan) -> List[str]:
     """The memory plan as a table: bytes and bytes per parameter, per rank, ours beside AdamW's."""
-    name = DTYPE_NAMES[plan.dtype]
-    n = plan.numel
-    sharded = plan.world_size > 1
-    whole = plan.model_numel or n
-    out = [
-        f"memory plan      {whole:,} parameters{_short_count(whole)}, {name} model on {plan.device}"
-        + (f", {plan.world_size} data-parallel ranks" if sharded else "")
-        + (f", sharded by FSDP2 over {plan.fsdp} ranks" if plan.fsdp > 1 else ""),
-        "                 parameters, gradients and optimizer state per rank; activations not counted",
-        "                 nothing allocated: host buffers from OffloadOptimizer.estimate_host_memory over meta tensors",
-    ]
-    if plan.fsdp > 1:
-        out += [f"                 FSDP2: each rank holds {n:,} of them (rank 0's shards, the largest), which its "
-                "optimizer offloads;",
-                "                 B/param below is per parameter of those shards; FSDP2 + torch.optim.AdamW beside it; "
-                "the units'",
-                "                 parameters all-gathered for forward and backward (about two units) are not counted"]
-    if sharded:
-        out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
-                   f"{plan.world_size} ranks")
+    out = _header_lines(plan)
     state = "8-bit" if plan.state_dtype == torch.int8 else DTYPE_NAMES[plan.state_dtype]
     home = "master" if plan.dtype == torch.float32 else "staging"
     rows = _table_rows(plan, state, home)
@@ -46,9 +27,88 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     out += [f"{label:<{width}}{a}{b}".rstrip() if a else label for label, a, b in rows]
     if plan.dtype != torch.float32 or plan.state_dtype != torch.float32:
         out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are {state})")
+    out += _recipe_lines(plan)
     out += _state_lines(plan, state)
     out.append("")
     return out + _note_lines(plan, home)
+
+
+def _header_lines(plan: MemoryPlan) -> List[str]:
+    """What is planned: the model (under FSDP2 its whole count and the rank's, each labelled, and the mixed
+    precision policy), per rank, and what the GPU figure leaves out."""
+    name, n, whole = DTYPE_NAMES[plan.dtype], plan.numel, plan.model_numel or plan.numel
+    sharded = plan.world_size > 1
+    if plan.fsdp > 1:
+        param = plan.param_dtype or plan.dtype
+        reduce = DTYPE_NAMES[plan.reduce_dtype or param]
+        w = len(f"{whole:,}")
+        out = [f"memory plan      whole model: {whole:>{w},} parameters{_short_count(whole)}, {name} on {plan.device}, "
+               f"sharded by FSDP2 over {plan.fsdp} ranks",
+               f"                 per rank:    {n:>{w},} parameters{_short_count(n)}: rank 0's shards (the largest), "
+               "which its optimizer offloads",
+               f"                 FSDP2 MixedPrecisionPolicy(param_dtype={DTYPE_NAMES[param]}, reduce_dtype={reduce}) "
+               "(--param-dtype, --reduce-dtype;",
+               f"                 unset: the shards' dtype, param_dtype); --dtype {name} is the shards' storage dtype "
+               "(the model as",
+               "                 built), which the optimizer steps and the gradient shards keep (FSDP2 casts them to "
+               "it)",
+               "                 B/param below is per parameter of the rank's shards; FSDP2 + torch.optim.AdamW beside "
+               "ours"]
+    else:
+        out = [f"memory plan      {whole:,} parameters{_short_count(whole)}, {name} model on {plan.device}"
+               + (f", {plan.world_size} data-parallel ranks" if sharded else "")]
+    out += ["                 parameters, gradients and optimizer state per rank; nothing allocated: host buffers",
+            "                 from OffloadOptimizer.estimate_host_memory over meta tensors"]
+    if sharded:
+        out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
+                   f"{plan.world_size} ranks")
+    return out + leaves_out_lines(plan)
+
+
+def leaves_out_lines(plan: MemoryPlan) -> List[str]:
+    """What the plan's figures leave out: activations (and on a GPU its context and the allocator's cache), the same
+    with either optimizer; under FSDP2 the all-gathered units, whose cost per parameter of a unit the mixed
+    precision policy sets, and which the planner cannot size, not knowing the modules given to ``fully_shard``."""
+    where = "the CUDA context and the allocator's cache" if plan.device == "cuda" else "allocator caches"
+    out = [f"leaves out       activations, {where} (the same with either optimizer)"]
+    if plan.fsdp > 1:
+        gathered, backward = plan.gathered_unit_bytes()
+        param = DTYPE_NAMES[plan.param_dtype or plan.dtype]
+        reduce = DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype]
+        out += ["                 and FSDP2's all-gathered units, which the planner cannot size: it does not know "
+                "the modules",
+                f"                 you give fully_shard. A unit of U parameters takes U x {gathered} B while gathered "
+                f"({param}, param_dtype)",
+                f"                 and U x {backward} B at its backward (with its {param} gradients and the {reduce} "
+                "reduce-scatter input);",
+                "                 FSDP2 prefetches the next unit, so about two units are gathered at once"]
+    return out
+
+
+def _recipe_lines(plan: MemoryPlan) -> List[str]:
+    """torch.optim.AdamW's two ways to train a low-precision model, each with its bytes per parameter: all in the
+    low dtype (the column when the model is stored so), and with fp32 masters (see
+    :meth:`MemoryPlan.adamw_recipes`)."""
+    recipes = plan.adamw_recipes()
+    if not recipes:
+        return []
+    low, n = DTYPE_NAMES[plan.low_dtype()], plan.numel
+    moments = len(plan.adamw["gpu" if plan.device == "cuda" else "host"]) - 2
+    column = "low" if plan.dtype != torch.float32 else "fp32 master"
+    how = (f"fp32 shards under MixedPrecisionPolicy(param_dtype={low})" if plan.fsdp > 1
+           else f"an fp32 model under torch.autocast(dtype={low}) (its {low} casts not counted)")
+    said = {"low": [f"{low} parameters, gradients and {moments} moments"],
+            "fp32 master": [f"fp32 parameters (the masters), gradients and {moments} moments:", how]}
+    out = [f"AdamW recipes    torch.optim.AdamW {'on the GPU' if plan.device == 'cuda' else 'on the host'}, per rank,"
+           f" two ways to train in {low}:"]
+    for key, b in recipes.items():
+        first, *more = said[key]
+        if key == column:
+            first = first.rstrip(":") + " (the column above)" + (":" if more else "")
+        label = f"all {low}" if key == "low" else key
+        out.append(f"  {label:<14}{format_bytes(b):>11}{b / n:7.2f} B/param  {first}")
+        out += [" " * 44 + line for line in more]
+    return out
 
 
 _ROW_ORDER = ("params", "gradients", "master", *_BUFFERS, *(name + "_scale" for name in _BUFFERS), "grad buffer",
@@ -184,18 +244,22 @@ def verdicts(plan: MemoryPlan, nproc_per_node: int = 1, gpu_bytes: Optional[int]
         host_bytes (int, optional): host RAM available on the node; None: unknown. Default: None.
 
     Returns:
-        dict: ``host_per_node`` (bytes), ``host_fits``, ``gpu_fits`` and ``adamw_gpu_fits`` (bool, or None when
-        the capacity is unknown), ``gpu_left`` (bytes a GPU keeps for activations, the CUDA context and the
-        allocator with ours, or None).
+        dict: ``host_per_node`` (bytes), ``host_fits``, ``gpu_fits``, ``adamw_gpu_fits`` and, for a low-precision
+        model, ``adamw_low_gpu_fits`` and ``adamw_fp32_master_gpu_fits`` (AdamW's two recipes:
+        :meth:`MemoryPlan.adamw_recipes`) (bool, or None when the capacity is unknown), ``gpu_left`` (bytes a GPU keeps for activations, FSDP2's gathered
+        units, the CUDA context and the allocator with ours, or None).
     """
     host_node = plan.total("ours", "host") * nproc_per_node
     ours_gpu, adamw_gpu = plan.total("ours", "gpu"), plan.total("adamw", "gpu")
     known_gpu = gpu_bytes is not None and plan.device == "cuda"
+    recipes = plan.adamw_recipes()
     return {
         "host_per_node": host_node,
         "host_fits": None if host_bytes is None else host_node <= host_bytes,
         "gpu_fits": ours_gpu <= gpu_bytes if known_gpu else None,
         "adamw_gpu_fits": adamw_gpu <= gpu_bytes if known_gpu else None,
+        **{f"adamw_{key.replace(' ', '_')}_gpu_fits": b <= gpu_bytes if known_gpu else None
+           for key, b in recipes.items()},
         "gpu_left": gpu_bytes - ours_gpu if known_gpu else None,
     }
 
@@ -223,10 +287,20 @@ def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_no
         return out
     out.append(f"GPU verdict      {gpu_size(gpu_bytes)} per GPU: OffloadOptimizer {yes[v['gpu_fits']]}, "
                f"torch.optim.AdamW {yes[v['adamw_gpu_fits']]}")
+    recipes = plan.adamw_recipes()
+    if recipes:
+        said = {"low": f"all {DTYPE_NAMES[plan.low_dtype()]}", "fp32 master": "with fp32 masters"}
+        column = "low" if plan.dtype != torch.float32 else "fp32 master"
+        other = "fp32 master" if column == "low" else "low"
+        out[-1] += f" ({said[column]}, {recipes[column] / plan.numel:.4g} B/param);"
+        out.append(f"                 torch.optim.AdamW {said[other]} ({recipes[other] / plan.numel:.4g} B/param) "
+                   f"{yes[v['adamw_' + other.replace(' ', '_') + '_gpu_fits']]}")
     left = v["gpu_left"]
     if left is not None and left > 0:
-        out.append(f"                 with OffloadOptimizer {format_bytes(left)} per GPU remain for activations, the "
-                   "CUDA context and the allocator")
+        out.append(f"                 with OffloadOptimizer {format_bytes(left)} per GPU remain for activations, "
+                   + ("FSDP2's gathered units," if plan.fsdp > 1 else "the CUDA context and the allocator"))
+        if plan.fsdp > 1:
+            out.append("                 the CUDA context and the allocator")
     return out
 
 
@@ -243,6 +317,14 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
         "totals_per_rank": {which: {where: plan.total(key, where) for where in ("gpu", "host")}
                             for which, key in (("OffloadOptimizer", "ours"), ("torch.optim.AdamW", "adamw"))},
         "pinned_per_rank": plan.pinned,
+        "param_dtype": DTYPE_NAMES[plan.param_dtype or plan.dtype] if plan.fsdp > 1 else None,
+        "reduce_dtype": DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype] if plan.fsdp > 1 else None,
+        "adamw_recipes_per_rank": {key: {"dtype": "fp32" if key == "fp32 master" else DTYPE_NAMES[plan.low_dtype()],
+                                         "bytes": b, "bytes_per_param": b / plan.numel}
+                                   for key, b in plan.adamw_recipes().items()},
+        "gathered_unit_bytes_per_param": (dict(zip(("gathered", "backward"), plan.gathered_unit_bytes()))
+                                          if plan.fsdp > 1 else None),
+        "not_counted": " ".join(line.strip() for line in leaves_out_lines(plan))[len("leaves out"):].strip(),
         "capacity": {"gpu_bytes": gpu_bytes, "host_available_bytes": host_bytes},
         "verdict": v,
     }
