@@ -96,9 +96,9 @@ def _recipe_lines(plan: MemoryPlan) -> List[str]:
     moments = len(plan.adamw["gpu" if plan.device == "cuda" else "host"]) - 2
     column = "low" if plan.dtype != torch.float32 else "fp32 master"
     how = (f"fp32 shards under MixedPrecisionPolicy(param_dtype={low})" if plan.fsdp > 1
-           else f"an fp32 model under torch.autocast(dtype={low}) (its {low} casts not counted)")
-    said = {"low": [f"{low} parameters, gradients and {moments} moments"],
-            "fp32 master": [f"fp32 parameters (the masters), gradients and {moments} moments:", how]}
+           else f"an fp32 model under torch.autocast ({low} copies uncounted)")
+    said = {"low": [f"{low} parameters, gradients, {moments} moments"],
+            "fp32 master": [f"fp32 parameters (masters), gradients, {moments} moments:", how]}
     out = [f"AdamW recipes    torch.optim.AdamW {'on the GPU' if plan.device == 'cuda' else 'on the host'}, per rank,"
            f" two ways to train in {low}:"]
     for key, b in recipes.items():
