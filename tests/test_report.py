@@ -545,27 +545,30 @@ def test_fsdp_header_names_the_whole_model_and_the_ranks_shards(fake_transformer
     assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 8 * 842_301_952
 
 
-@pytest.mark.parametrize("flags, gathered, backward", [
-    ([], 4, 12),                                                  # fp32 shards, no policy: 4 + 4 + 4
-    (["--param-dtype", "bf16"], 2, 6),                            # reduce_dtype defaults to param_dtype: 2 + 2 + 2
-    (["--param-dtype", "bf16", "--reduce-dtype", "fp32"], 2, 8),  # 2 + 2 + 4
-    (["--param-dtype", "fp16", "--reduce-dtype", "fp16"], 2, 6),
-    (["--reduce-dtype", "bf16"], 4, 10),                          # fp32 compute, bf16 reduction: 4 + 4 + 2
+@pytest.mark.parametrize("flags, gathered, grads, reduce", [
+    ([], 4, 4, 4),                                                   # fp32 shards, no policy
+    (["--param-dtype", "bf16"], 2, 2, 2),                            # reduce_dtype defaults to param_dtype
+    (["--param-dtype", "bf16", "--reduce-dtype", "fp32"], 2, 2, 4),
+    (["--param-dtype", "fp16", "--reduce-dtype", "fp16"], 2, 2, 2),
+    (["--reduce-dtype", "bf16"], 4, 4, 2),                           # fp32 compute, bf16 reduction
 ])
-def test_mixed_precision_flags_set_the_gathered_units_bytes(flags, gathered, backward, capsys):
-    """--param-dtype and --reduce-dtype are MixedPrecisionPolicy's: a gathered unit is whole in param_dtype, and at
-    its backward its param_dtype gradients and the reduce_dtype reduce-scatter input join it. The rows of the table
-    stay those of the fp32 shards (--dtype): FSDP2 keeps the shards and casts their reduced gradients to it."""
+def test_mixed_precision_flags_set_the_gathered_units_bytes(flags, gathered, grads, reduce, capsys):
+    """--param-dtype and --reduce-dtype are MixedPrecisionPolicy's: a gathered unit is whole in param_dtype, at its
+    backward autograd's gradients of it are in param_dtype too, and FSDP2 copies them into a reduce-scatter input in
+    reduce_dtype. The rows of the table stay those of the fp32 shards (--dtype): FSDP2 keeps the shards and casts
+    their reduced gradients to it."""
     n = 875_000_000  # 7B over 8 ranks
     main(["--params", "7B", "--fsdp", "8", *flags, "--json"])
     data = json.loads(capsys.readouterr().out)
-    assert data["gathered_unit_bytes_per_param"] == {"gathered": gathered, "backward": backward}
+    assert data["gathered_unit_bytes_per_param"] == {"gathered": gathered, "gradients": grads,
+                                                     "reduce_scatter_input": reduce}
     assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 16 * n  # fp32 shard, gradient, two moments
     assert data["totals_per_rank"]["OffloadOptimizer"]["gpu"] == 8 * n    # fp32 shard and gradient
     main(["--params", "7B", "--fsdp", "8", *flags])
     out = capsys.readouterr().out
-    assert f"A unit of U parameters takes U x {gathered} B while gathered" in out, out
-    assert f"and U x {backward} B at its backward" in out, out
+    assert f"A unit of U parameters holds U x {gathered} B while gathered" in out, out
+    assert f"at its backward U x {grads} B more for its" in out, out
+    assert f"then go into a U x {reduce} B" in out, out
 
 
 def test_mixed_precision_flags_are_named_in_the_plan_and_dtype_is_the_shards_storage(capsys):

@@ -167,16 +167,17 @@ class MemoryPlan:
         moments = len(self.adamw[where]) - 2  # (params and gradients are the other two rows)
         return {"low": (2 + moments) * low.itemsize * self.numel, "fp32 master": (2 + moments) * 4 * self.numel}
 
-    def gathered_unit_bytes(self) -> Tuple[int, int]:
+    def gathered_unit_bytes(self) -> Dict[str, int]:
         """Under FSDP2, bytes per parameter of one all-gathered unit (a module given to ``fully_shard``) on the
-        GPU: (while gathered, at its backward). Gathered, the unit's parameters are whole in ``param_dtype``; in its
-        backward autograd's gradients of them (``param_dtype`` too) and the reduce-scatter's input (``reduce_dtype``,
-        which FSDP2 allocates and copies the gradients into) join them: 2 + 2 + 4 = 8 B with bf16 parameters and
-        fp32 reduction. (The reduce-scatter's output, 1/``fsdp`` of the input, is left out.)"""
+        GPU, by stage: ``"gathered"``, its parameters whole in ``param_dtype`` (forward, and again at its backward);
+        ``"gradients"``, autograd's gradients of them at its backward, in ``param_dtype`` too; then
+        ``"reduce_scatter_input"``, the buffer in ``reduce_dtype`` FSDP2 copies those gradients into (after freeing
+        the gathered parameters: ``FSDPParamGroup.post_backward`` reshards before it reduces), kept until the
+        reduce-scatter is done. With bf16 parameters and fp32 reduction: 2, 2 and 4 B. (The reduce-scatter's
+        output, 1/``fsdp`` of its input, is left out.)"""
         param = self.param_dtype or self.dtype
         reduce = self.reduce_dtype or param
-        return param.itemsize, 2 * param.itemsize + reduce.itemsize
-
+        return {"gathered": param.itemsize, "gradients": param.itemsize, "reduce_scatter_input": reduce.itemsize}
 
 def memory_plan(
     params: Sequence[torch.Tensor],

@@ -72,16 +72,18 @@ def leaves_out_lines(plan: MemoryPlan) -> List[str]:
     where = "the CUDA context and the allocator's cache" if plan.device == "cuda" else "allocator caches"
     out = [f"leaves out       activations, {where} (the same with either optimizer)"]
     if plan.fsdp > 1:
-        gathered, backward = plan.gathered_unit_bytes()
+        unit = plan.gathered_unit_bytes()
         param = DTYPE_NAMES[plan.param_dtype or plan.dtype]
         reduce = DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype]
         out += ["                 and FSDP2's all-gathered units, which the planner cannot size: it does not know "
                 "the modules",
-                f"                 you give fully_shard. A unit of U parameters takes U x {gathered} B while gathered "
-                f"({param}, param_dtype)",
-                f"                 and U x {backward} B at its backward (with its {param} gradients and the {reduce} "
-                "reduce-scatter input);",
-                "                 FSDP2 prefetches the next unit, so about two units are gathered at once"]
+                f"                 you give fully_shard. A unit of U parameters holds U x {unit['gathered']} B while "
+                f"gathered ({param}, param_dtype);",
+                f"                 at its backward U x {unit['gradients']} B more for its {param} gradients, which "
+                f"then go into a U x {unit['reduce_scatter_input']} B",
+                f"                 {reduce} reduce-scatter input (reduce_dtype; the gathered parameters freed first); "
+                "FSDP2",
+                "                 prefetches the next unit, so about two units are gathered at once"]
     return out
 
 
@@ -322,8 +324,7 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
         "adamw_recipes_per_rank": {key: {"dtype": "fp32" if key == "fp32 master" else DTYPE_NAMES[plan.low_dtype()],
                                          "bytes": b, "bytes_per_param": b / plan.numel}
                                    for key, b in plan.adamw_recipes().items()},
-        "gathered_unit_bytes_per_param": (dict(zip(("gathered", "backward"), plan.gathered_unit_bytes()))
-                                          if plan.fsdp > 1 else None),
+        "gathered_unit_bytes_per_param": plan.gathered_unit_bytes() if plan.fsdp > 1 else None,
         "not_counted": " ".join(line.strip() for line in leaves_out_lines(plan))[len("leaves out"):].strip(),
         "capacity": {"gpu_bytes": gpu_bytes, "host_available_bytes": host_bytes},
         "verdict": v,
