@@ -116,7 +116,7 @@ class MemoryPlan:
         model_numel (int): the whole model's parameters (``numel`` unless ``fsdp`` > 1).
         param_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.param_dtype``: the dtype FSDP2
             all-gathers the shards in and computes in; None: ``dtype``, the shards' storage dtype (the model's dtype
-            as built, which the optimizer steps and the gradient shards take).
+            as built, which the optimizer updates and the gradient shards take).
         reduce_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.reduce_dtype``: the dtype the
             gradients are reduce-scattered in; None: ``param_dtype``'s.
     """

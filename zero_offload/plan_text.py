@@ -50,7 +50,7 @@ def _header_lines(plan: MemoryPlan) -> List[str]:
                "(--param-dtype, --reduce-dtype;",
                f"                 unset: the shards' dtype, param_dtype); --dtype {name} is the shards' storage dtype "
                "(the model as",
-               "                 built), which the optimizer steps and the gradient shards keep (FSDP2 casts them to "
+               "                 built), which the optimizer updates and the gradient shards keep (FSDP2 casts them to "
                "it)",
                "                 B/param below is per parameter of the rank's shards; FSDP2 + torch.optim.AdamW beside "
                "ours"]

@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
                          "machine report")
     ap.add_argument("--dtype", choices=sorted(_DTYPES),
                     help="the model's parameter dtype as built (default: fp32); with --fsdp, the dtype FSDP2 stores "
-                         "the shards in, which the optimizer steps (the compute dtype is --param-dtype)")
+                         "the shards in, which the optimizer updates (the compute dtype is --param-dtype)")
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     help="where the model trains (default: cuda)")
     ap.add_argument("--state-dtype", choices=list(_STATE_DTYPES),
@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--param-dtype", choices=sorted(_DTYPES),
                     help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=...), the dtype the shards are "
                          "all-gathered and computed in (default: --dtype, as with no policy); --dtype is then the "
-                         "shards' storage dtype, the model's as built, which the optimizer steps")
+                         "shards' storage dtype, the model's as built, which the optimizer updates")
     ap.add_argument("--reduce-dtype", choices=sorted(_DTYPES),
                     help="with --fsdp: FSDP2's MixedPrecisionPolicy(reduce_dtype=...), the dtype gradients are "
                          "reduce-scattered in (default: --param-dtype); FSDP2 keeps the gradient shards in --dtype")
