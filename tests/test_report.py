@@ -449,7 +449,7 @@ def test_fsdp_plan_is_one_rank_of_the_sharded_model(capsys):
     assert data["verdict"]["host_per_node"] == 8 * 14 * 8_750_000_000
     main(["--params", "70B", "--fsdp", "8"])
     out = capsys.readouterr().out
-    assert "sharded by FSDP2 over 8 ranks" in out and "each rank holds 8,750,000,000 of them" in out
+    assert "sharded by FSDP2 over 8 ranks" in out and "per rank:     8,750,000,000 parameters (8.75B)" in out
 
 
 def test_fsdp_plan_on_the_host_has_the_shards_as_masters_and_no_grad_buffer(capsys):
@@ -483,3 +483,169 @@ def test_fsdp_plan_refuses_what_the_optimizer_refuses(capsys, argv, match):
     with pytest.raises(SystemExit):
         main(["--params", "7B", *argv])
     assert match in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ issue 53 item 5: the planner's FSDP2 --
+def _llama_7b_shapes() -> nn.Module:
+    """Llama-2-7B's parameters (a stand-in for transformers' LlamaForCausalLM, which is not installed here):
+    embeddings and head 32000 x 4096, 32 blocks of four 4096 x 4096 attention projections, three 4096 x 11008 MLP
+    matrices and two 4096 norms, and a final 4096 norm."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.ModuleList(nn.Linear(4096, 4096, bias=False) for _ in range(4))
+            self.mlp = nn.ModuleList([nn.Linear(4096, 11008, bias=False), nn.Linear(4096, 11008, bias=False),
+                                      nn.Linear(11008, 4096, bias=False)])
+            self.norms = nn.ModuleList([nn.LayerNorm(4096, bias=False), nn.LayerNorm(4096, bias=False)])
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32000, 4096)
+            self.layers = nn.ModuleList(Block() for _ in range(32))
+            self.norm = nn.LayerNorm(4096, bias=False)
+            self.lm_head = nn.Linear(4096, 32000, bias=False)
+
+    return LlamaForCausalLM()
+
+
+@pytest.fixture
+def fake_transformers(monkeypatch):
+    """``--model`` reads a config through transformers' Auto classes: these give the Llama-7B-shaped stand-in."""
+    import types
+
+    module = types.ModuleType("transformers")
+    module.AutoConfig = types.SimpleNamespace(from_pretrained=lambda name: name)
+    module.AutoModelForCausalLM = types.SimpleNamespace(from_config=lambda config: _llama_7b_shapes())
+    monkeypatch.setitem(sys.modules, "transformers", module)
+
+
+# Llama-2-7B: 2 x 32000 x 4096 (embeddings, head) + 32 x (4 x 4096**2 + 3 x 4096 x 11008 + 2 x 4096) + 4096
+LLAMA_7B = 262_144_000 + 32 * (67_108_864 + 135_266_304 + 8_192) + 4_096
+# Every first dimension (32000, 4096, 11008) divides by 8: each rank holds an eighth.
+LLAMA_7B_RANK = LLAMA_7B // 8
+
+
+def test_fsdp_header_names_the_whole_model_and_the_ranks_shards(fake_transformers, capsys):
+    """--model cfg --fsdp 8 gave rank 0's 842,301,952 parameters as the model's size; the whole count and the
+    rank's are each named and labelled."""
+    assert LLAMA_7B == 6_738_415_616 and LLAMA_7B_RANK == 842_301_952
+    main(["--model", "llama-7b/config.json", "--fsdp", "8", "--dtype", "bf16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("model            llama-7b/config.json: LlamaForCausalLM, 6,738,415,616 parameters "
+                        "(meta-device init)"), lines[0]
+    assert lines[1].startswith("memory plan      whole model: 6,738,415,616 parameters (6.74B), bf16 on cuda, "
+                               "sharded by FSDP2 over 8 ranks"), lines[1]
+    assert lines[2].startswith("                 per rank:      842,301,952 parameters (842M): rank 0's shards"), \
+        lines[2]
+    main(["--model", "llama-7b/config.json", "--fsdp", "8", "--dtype", "bf16", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == 6_738_415_616 and data["params_per_rank"] == 842_301_952
+    # bf16 shards: FSDP2 + AdamW keep 2 + 2 + 2 + 2 B per parameter of the rank's shards on its GPU.
+    assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 8 * 842_301_952
+
+
+@pytest.mark.parametrize("flags, gathered, grads, reduce", [
+    ([], 4, 4, 4),                                                   # fp32 shards, no policy
+    (["--param-dtype", "bf16"], 2, 2, 2),                            # reduce_dtype defaults to param_dtype
+    (["--param-dtype", "bf16", "--reduce-dtype", "fp32"], 2, 2, 4),
+    (["--param-dtype", "fp16", "--reduce-dtype", "fp16"], 2, 2, 2),
+    (["--reduce-dtype", "bf16"], 4, 4, 2),                           # fp32 compute, bf16 reduction
+])
+def test_mixed_precision_flags_set_the_gathered_units_bytes(flags, gathered, grads, reduce, capsys):
+    """--param-dtype and --reduce-dtype are MixedPrecisionPolicy's: a gathered unit is whole in param_dtype, at its
+    backward autograd's gradients of it are in param_dtype too, and FSDP2 copies them into a reduce-scatter input in
+    reduce_dtype. The rows of the table stay those of the fp32 shards (--dtype): FSDP2 keeps the shards and casts
+    their reduced gradients to it."""
+    n = 875_000_000  # 7B over 8 ranks
+    main(["--params", "7B", "--fsdp", "8", *flags, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["gathered_unit_bytes_per_param"] == {"gathered": gathered, "gradients": grads,
+                                                     "reduce_scatter_input": reduce}
+    assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 16 * n  # fp32 shard, gradient, two moments
+    assert data["totals_per_rank"]["OffloadOptimizer"]["gpu"] == 8 * n    # fp32 shard and gradient
+    main(["--params", "7B", "--fsdp", "8", *flags])
+    out = capsys.readouterr().out
+    assert f"A unit of U parameters holds U x {gathered} B while gathered" in out, out
+    assert f"at its backward U x {grads} B more for its" in out, out
+    assert f"then go into a U x {reduce} B" in out, out
+
+
+def test_mixed_precision_flags_are_named_in_the_plan_and_dtype_is_the_shards_storage(capsys):
+    main(["--params", "7B", "--fsdp", "8", "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert (data["dtype"], data["param_dtype"], data["reduce_dtype"]) == ("fp32", "bf16", "fp32")
+    main(["--params", "7B", "--fsdp", "8", "--param-dtype", "bf16"])
+    out = capsys.readouterr().out
+    assert "FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)" in out
+    assert "--dtype fp32 is the shards' storage dtype (the model as" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--params", "7B", "--fsdp", "8", "--param-dtype", "fp8"], "argument --param-dtype: invalid choice: 'fp8'"),
+    (["--params", "7B", "--fsdp", "8", "--reduce-dtype", "int8"], "argument --reduce-dtype: invalid choice: 'int8'"),
+    (["--params", "7B", "--param-dtype", "bf16"], "--param-dtype set FSDP2's MixedPrecisionPolicy: give --fsdp N"),
+    (["--params", "7B", "--reduce-dtype", "fp32", "--fsdp", "1"], "--reduce-dtype set FSDP2's MixedPrecisionPolicy"),
+    (["--param-dtype", "bf16"], "only apply to a memory plan"),
+])
+def test_mixed_precision_flags_refuse_bad_input_naming_it(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_fsdp_plan_refuses_an_unknown_policy_dtype_naming_it():
+    with pytest.raises(ValueError, match=r"Invalid param_dtype: torch\.int8"):
+        fsdp_plan(None, 1000, torch.float32, 2, param_dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"Invalid reduce_dtype: 'bf16'"):
+        fsdp_plan(None, 1000, torch.float32, 2, reduce_dtype="bf16")
+
+
+@pytest.mark.parametrize("argv, n, low, master, column", [
+    # A bf16 model: AdamW's column is all bf16 (2 + 2 + 2 + 2 B); the fp32-master recipe keeps fp32 parameters,
+    # gradients and moments (4 + 4 + 4 + 4 B): an fp32 model under autocast.
+    (["--params", "7B", "--dtype", "bf16"], 7 * 10**9, 8, 16, "low"),
+    (["--params", "7B", "--dtype", "bf16", "--amsgrad"], 7 * 10**9, 10, 20, "low"),  # a third moment
+    # FSDP2 with fp32 shards computing in bf16: the column is the fp32-master recipe.
+    (["--params", "7B", "--fsdp", "8", "--param-dtype", "bf16"], 875_000_000, 8, 16, "fp32 master"),
+    (["--params", "7B", "--fsdp", "8", "--dtype", "fp16"], 875_000_000, 8, 16, "low"),
+])
+def test_adamw_recipes_beside_ours_each_with_its_bytes_per_parameter(argv, n, low, master, column, capsys):
+    main([*argv, "--json"])
+    recipes = json.loads(capsys.readouterr().out)["adamw_recipes_per_rank"]
+    assert recipes["low"]["bytes"] == low * n and recipes["low"]["bytes_per_param"] == low
+    assert recipes["fp32 master"]["bytes"] == master * n and recipes["fp32 master"]["bytes_per_param"] == master
+    main(argv)
+    out = capsys.readouterr().out.splitlines()
+    row = {key: next(line for line in out if line.startswith(f"  {key}")) for key in ("all ", "fp32 master")}
+    assert f"{low:.2f} B/param" in row["all "] and f"{master:.2f} B/param" in row["fp32 master"], row
+    assert "(the column above)" in row["all " if column == "low" else "fp32 master"], row
+
+
+def test_adamw_recipes_judged_on_the_gpu(capsys):
+    """7B bf16 on an 80 GB GPU: all-bf16 AdamW's 56 GB fits, the fp32-master recipe's 112 GB does not."""
+    main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "80GB", "--json"])
+    verdict = json.loads(capsys.readouterr().out)["verdict"]
+    assert verdict["adamw_low_gpu_fits"] is True and verdict["adamw_fp32_master_gpu_fits"] is False
+    main(["--params", "7B", "--dtype", "bf16", "--gpu-memory", "80GB"])
+    out = capsys.readouterr().out
+    assert "torch.optim.AdamW fits (all bf16, 8 B/param);" in out
+    assert "torch.optim.AdamW with fp32 masters (16 B/param) does NOT fit" in out
+    main(["--params", "7B", "--json"])  # fp32 throughout: AdamW's column is the one recipe
+    assert json.loads(capsys.readouterr().out)["adamw_recipes_per_rank"] == {}
+
+
+@pytest.mark.parametrize("argv", [["--params", "7B"], ["--params", "7B", "--fsdp", "8"]])
+def test_the_plan_says_what_its_gpu_figure_leaves_out(argv, capsys):
+    main([*argv, "--gpu-memory", "80GB"])
+    out = capsys.readouterr().out
+    leaves = [line for line in out.splitlines() if line.startswith("leaves out ")]
+    assert leaves == ["leaves out       activations, the CUDA context and the allocator's cache (the same with "
+                      "either optimizer)"], out
+    fsdp = "--fsdp" in argv
+    assert ("and FSDP2's all-gathered units, which the planner cannot size: it does not know the modules" in out) \
+        == fsdp
+    assert ("remain for activations, FSDP2's gathered units," in out) == fsdp
+    main([*argv, "--json"])
+    assert json.loads(capsys.readouterr().out)["not_counted"].startswith("activations, the CUDA context")

@@ -16,15 +16,11 @@ from zero_offload.buckets import ALIGN, BucketLayout, align_up, estimate_layouts
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
-from zero_offload.host_memory import HostMemoryEstimate, format_bytes
-from zero_offload.options import (DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, STATE_DTYPES, SUPPORTED_DTYPES, Options,
-                                  dtypes_by_name)
+from zero_offload.host_memory import HostMemoryEstimate
+from zero_offload.options import DEFAULT_BUCKET_NUMEL, STATE_DTYPES, SUPPORTED_DTYPES, Options, dtypes_by_name
 
-
-
-__all__ = ["MemoryPlan", "count_plan", "fsdp_plan", "fsdp_shards", "gpu_capacity", "memory_plan", "meta_params",
-           "parse_count", "plan_dict",
-           "plan_lines", "verdict_lines", "verdicts"]
+# (The plan's table, notes and verdicts are zero_offload.plan_text's.)
+__all__ = ["MemoryPlan", "count_plan", "fsdp_plan", "fsdp_shards", "memory_plan", "meta_params", "parse_count"]
 
 
 _DTYPES = dtypes_by_name(SUPPORTED_DTYPES)
@@ -90,7 +86,8 @@ def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = DEFAULT_BUCK
 class MemoryPlan:
     """Bytes per rank that training a model costs with ``OffloadOptimizer`` and with ``torch.optim.AdamW``, by
     where they live. Parameters, gradients and optimizer state only: activations, the CUDA context and allocator
-    caches are the same for both and not counted.
+    caches are the same for both and not counted, nor are FSDP2's all-gathered units (their cost per parameter of a
+    unit: :meth:`gathered_unit_bytes`; the plan does not know the units).
 
     Attributes:
         numel (int): parameters of the model (all ranks hold all of them).
@@ -117,6 +114,11 @@ class MemoryPlan:
             rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
             AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
         model_numel (int): the whole model's parameters (``numel`` unless ``fsdp`` > 1).
+        param_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.param_dtype``: the dtype FSDP2
+            all-gathers the shards in and computes in; None: ``dtype``, the shards' storage dtype (the model's dtype
+            as built, which the optimizer updates and the gradient shards take).
+        reduce_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.reduce_dtype``: the dtype the
+            gradients are reduce-scattered in; None: ``param_dtype``'s.
     """
 
     numel: int
@@ -132,11 +134,50 @@ class MemoryPlan:
     gpu_tier_numel: int = 0
     fsdp: int = 1
     model_numel: int = 0
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
         return sum(getattr(self, which)[where].values())
 
+    def low_dtype(self) -> Optional[torch.dtype]:
+        """The low-precision dtype the model computes in (``param_dtype`` under FSDP2, else the model's), or None
+        for a model that is fp32 throughout."""
+        compute = self.param_dtype or self.dtype
+        return compute if compute != torch.float32 else (self.dtype if self.dtype != torch.float32 else None)
+
+    def adamw_recipes(self) -> Dict[str, int]:
+        """Bytes per rank of ``torch.optim.AdamW``'s two ways to train a low-precision model (none for a model fp32
+        throughout), where AdamW keeps them (the model's device), for the rank's ``numel`` parameters:
+
+        * ``"low"``: everything in the low dtype: parameters, gradients and moments (AdamW keeps its moments in the
+          parameters' dtype): (2 + moments) x 2 B per parameter, 8 B for bf16 with two moments.
+        * ``"fp32 master"``: the parameters (or FSDP2's shards) in fp32, the masters the optimizer steps, their
+          fp32 gradients and fp32 moments: (2 + moments) x 4 B, 16 B with two moments. That is an fp32 model under
+          ``torch.autocast``, or FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` over fp32 shards
+          (FSDP2 casts the reduced gradient back to the shard's dtype). The low-precision copies the computation
+          uses (autocast's casts of the weights, FSDP2's all-gathered units) come and go in forward and backward
+          and are not counted, as activations are not.
+        """
+        low = self.low_dtype()
+        if low is None:
+            return {}
+        where = "gpu" if self.device == "cuda" else "host"
+        moments = len(self.adamw[where]) - 2  # (params and gradients are the other two rows)
+        return {"low": (2 + moments) * low.itemsize * self.numel, "fp32 master": (2 + moments) * 4 * self.numel}
+
+    def gathered_unit_bytes(self) -> Dict[str, int]:
+        """Under FSDP2, bytes per parameter of one all-gathered unit (a module given to ``fully_shard``) on the
+        GPU, by stage: ``"gathered"``, its parameters whole in ``param_dtype`` (forward, and again at its backward);
+        ``"gradients"``, autograd's gradients of them at its backward, in ``param_dtype`` too; then
+        ``"reduce_scatter_input"``, the buffer in ``reduce_dtype`` FSDP2 copies those gradients into (after freeing
+        the gathered parameters: ``FSDPParamGroup.post_backward`` reshards before it reduces), kept until the
+        reduce-scatter is done. With bf16 parameters and fp32 reduction: 2, 2 and 4 B. (The reduce-scatter's
+        output, 1/``fsdp`` of its input, is left out.)"""
+        param = self.param_dtype or self.dtype
+        reduce = self.reduce_dtype or param
+        return {"gathered": param.itemsize, "gradients": param.itemsize, "reduce_scatter_input": reduce.itemsize}
 
 def memory_plan(
     params: Sequence[torch.Tensor],
@@ -301,7 +342,8 @@ def fsdp_shards(params: Sequence[torch.Tensor], ranks: int) -> List[torch.Tensor
     return out
 
 
-def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int,
+def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int, *,
+              param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
               **kw) -> MemoryPlan:
     """The plan of one rank of an FSDP2 run over ``ranks`` ranks: what ``OffloadOptimizer`` and ``torch.optim.AdamW``
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
@@ -309,9 +351,18 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
     (``world_size`` and ``gpu_fraction`` are not combined with FSDP2). ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
-    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer."""
+    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer.
+
+    ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
+    ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
+    policy, since FSDP2 keeps the shards and casts their reduced gradients to that dtype; the all-gathered units
+    do (:meth:`MemoryPlan.gathered_unit_bytes`)."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and value not in _DTYPES.values():
+            raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
+                             f"{', '.join(map(str, _DTYPES.values()))}, or None)")
     if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
         raise ValueError("an FSDP2 plan takes no world_size or gpu_fraction: FSDP shards the parameters and each "
                          "rank's optimizer offloads the state of its own shards (the optimizer refuses both there)")
@@ -326,7 +377,7 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
         ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
         plan = dataclasses.replace(plan, host=host, ours=ours)
-    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole)
+    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:
@@ -347,238 +398,3 @@ def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> Memor
     adamw = {where: add(a.adamw[where], b.adamw[where]) for where in a.adamw}
     return dataclasses.replace(a, numel=a.numel + k * b.numel, host=host, ours=ours, adamw=adamw,
                                pinned=a.pinned + k * b.pinned, gpu_tier_numel=a.gpu_tier_numel + k * b.gpu_tier_numel)
-
-
-def plan_lines(plan: MemoryPlan) -> List[str]:
-    """The memory plan as a table: bytes and bytes per parameter, per rank, ours beside AdamW's."""
-    name = DTYPE_NAMES[plan.dtype]
-    n = plan.numel
-    sharded = plan.world_size > 1
-    whole = plan.model_numel or n
-    out = [
-        f"memory plan      {whole:,} parameters{_short_count(whole)}, {name} model on {plan.device}"
-        + (f", {plan.world_size} data-parallel ranks" if sharded else "")
-        + (f", sharded by FSDP2 over {plan.fsdp} ranks" if plan.fsdp > 1 else ""),
-        "                 parameters, gradients and optimizer state per rank; activations not counted",
-        "                 nothing allocated: host buffers from OffloadOptimizer.estimate_host_memory over meta tensors",
-    ]
-    if plan.fsdp > 1:
-        out += [f"                 FSDP2: each rank holds {n:,} of them (rank 0's shards, the largest), which its "
-                "optimizer offloads;",
-                "                 B/param below is per parameter of those shards; FSDP2 + torch.optim.AdamW beside it; "
-                "the units'",
-                "                 parameters all-gathered for forward and backward (about two units) are not counted"]
-    if sharded:
-        out.append(f"                 host buffers: one rank's shard under OffloadOptimizer(process_group=...) of "
-                   f"{plan.world_size} ranks")
-    state = "8-bit" if plan.state_dtype == torch.int8 else DTYPE_NAMES[plan.state_dtype]
-    home = "master" if plan.dtype == torch.float32 else "staging"
-    rows = _table_rows(plan, state, home)
-    width = max(26, *(len(label) + 1 for label, _, _ in rows))
-    out += ["", f"{'':{width}}{'OffloadOptimizer':>26}{'torch.optim.AdamW':>26}",
-            f"{'':{width}}{'bytes':>16}{'B/param':>10}{'bytes':>16}{'B/param':>10}"]
-    out += [f"{label:<{width}}{a}{b}".rstrip() if a else label for label, a, b in rows]
-    if plan.dtype != torch.float32 or plan.state_dtype != torch.float32:
-        out.append(f"  (AdamW keeps its moments in the parameters' dtype and no fp32 master; ours are {state})")
-    out += _state_lines(plan, state)
-    out.append("")
-    return out + _note_lines(plan, home)
-
-
-_ROW_ORDER = ("params", "gradients", "master", *_BUFFERS, *(name + "_scale" for name in _BUFFERS), "grad buffer",
-              "staging", "grad_prev", "flat_grad")
-
-
-def _table_rows(plan: MemoryPlan, state: str, home: str) -> List[Tuple[str, str, str]]:
-    """The table's rows: (label, ours' cells, AdamW's cells); a label without cells is a heading."""
-    n, name = plan.numel, DTYPE_NAMES[plan.dtype]
-
-    def cell(b: Optional[int]) -> str:
-        return f"{'-':>16}{'':>10}" if b is None else f"{format_bytes(b):>16}{b / n:>10.2f}"
-
-    rows: List[Tuple[str, str, str]] = []
-    for where in ("gpu", "host"):
-        ours, adamw = plan.ours[where], plan.adamw[where]
-        if not ours and not adamw:
-            continue
-        rows.append((f"{'GPU' if where == 'gpu' else 'host'} (per rank)", "", ""))
-        for item in (i for i in _ROW_ORDER if i in ours or i in adamw):
-            ours_cell = cell(ours.get(item))
-            if item == "params" and item not in ours and plan.device == "cpu":
-                ours_cell = f"{'in ' + home:>16}{'':>10}"
-            rows.append((f"  {item} ({_row_dtype(item, name, state, item in ours, item in adamw)})", ours_cell,
-                         cell(adamw.get(item))))
-        rows.append(("  total", cell(plan.total("ours", where)), cell(plan.total("adamw", where))))
-    return rows
-
-
-def _row_dtype(item: str, name: str, state: str, in_ours: bool, in_adamw: bool) -> str:
-    """A row's dtype: the model's for parameters and gradients, fp32 for masters and scales; AdamW keeps its
-    moments in the parameters' dtype, ours in the state dtype."""
-    if item in ("params", "gradients", "grad buffer", "staging"):
-        return name
-    if item not in _BUFFERS:
-        return "fp32"
-    ours = ("int8" if _BUFFERS[item].signed else "uint8") if state == "8-bit" else state
-    if not in_ours:
-        return name
-    return f"{ours}; AdamW {name}" if in_adamw and ours != name else ours
-
-
-def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
-    """Where the host buffers and the gradients live, under the plan's table."""
-    sharded = plan.world_size > 1
-    out: List[str] = []
-    pinned_note = "page-locked" if plan.pinned else "pageable (pinning buys nothing without GPU copies)"
-    out.append(f"host memory      {format_bytes(plan.pinned or plan.total('ours', 'host'))} {pinned_note}")
-    if plan.device == "cpu" and sharded:
-        out.append(f"                 the parameters are views of one flat buffer (params and this rank's {home}); "
-                   "after")
-        out.append("                 zero_grad(set_to_none=False) the .grad tensors are views of flat_grad, which "
-                   "saves the gradients row")
-    elif plan.device == "cpu" and plan.fsdp > 1:
-        out.append(f"                 the shards FSDP2 keeps on the host (CPUOffloadPolicy, or a CPU mesh) are views "
-                   f"of {home};")
-        out.append("                 their gradients are FSDP's, read where FSDP leaves them (no grad buffer)")
-    elif plan.device == "cpu":
-        out.append(f"                 the parameters are views of {home}; after zero_grad(set_to_none=False) the "
-                   ".grad tensors")
-        out.append("                 are views of the grad buffer, which saves the gradients row")
-    if plan.gpu_tier_numel:
-        out.append(f"GPU state        gpu_fraction: {plan.gpu_tier_numel:,} parameters "
-                   f"({plan.gpu_tier_numel / plan.numel:.0%}, the first buckets) keep their state on the GPU, updated")
-        out.append("                 there by torch's fused AdamW; the GPU rows above include it")
-    if plan.device == "cuda" and plan.release_grads:
-        out.append("gradients        release_grads=True: each .grad is dropped once its bucket is copied, so the GPU "
-                   "holds at most")
-        out.append("                 two buckets' gradients (clip with opt.clip_grad_norm_; no GradScaler)")
-    elif plan.device == "cuda":
-        out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors "
-                   "stay on")
-        out.append("                 the GPU as with AdamW, unless release_grads=True (then only buckets in flight)")
-        if plan.dtype != torch.float32 and not sharded:
-            out.append(f"                 the grad buffer also carries the updated {DTYPE_NAMES[plan.dtype]} parameters "
-                       "back (no staging copy)")
-    if plan.device == "cuda" and not sharded:
-        out += _speculation_lines(plan)
-        copy = plan.host.padded_numel * plan.dtype.itemsize
-        out += [f"uploads          with speculate=True or delayed_update: up to {format_bytes(copy)} more on the GPU "
-                "during backward", "                 (the new parameters, copied up early, only where the GPU has "
-                "room beyond gpu_margin_gib;", "                 given back at step(); none with "
-                "uploads_in_backward=False; not in the verdict below)"]
-    return out
-
-
-def _speculation_lines(plan: MemoryPlan) -> List[str]:
-    """Speculation's pool of spare buffers, on top of the table (``speculate=True``, a model on GPUs): its worst
-    case."""
-    outputs = plan.host.padded_numel * plan.dtype.itemsize if plan.dtype != torch.float32 else 0
-    worst = plan.host.state_bytes + outputs
-    return [f"speculation      with speculate=True (off by default): a pool on top of the table, at most "
-            f"{format_bytes(worst)} ({worst / plan.numel:.3g} B/param:",
-            "                 every bucket speculated at once); it holds what the worker reaches during backward "
-            "(learned),", "                 or at most speculation_memory bytes (not in the verdict below)"]
-
-
-def _short_count(n: int) -> str:
-    """`` (1.3B)``-style count of parameters, or nothing below a thousand."""
-    for suffix in "tbmk":  # (parse_count's suffixes, which read it back)
-        if n >= _SUFFIXES[suffix]:
-            return f" ({n / _SUFFIXES[suffix]:.3g}{suffix.upper()})"
-    return ""
-
-
-def _state_lines(plan: MemoryPlan, state: str) -> List[str]:
-    """The byte arithmetic of the moments for the plan's ``state_dtype``, per parameter and per rank."""
-    moments = [m for m in _BUFFERS if plan.host.buffers.get(m)]
-    per = {"fp32": "4 B", "bf16": "2 B", "8-bit": "1 B code + 4 B scale / 64 = 1.0625 B"}[state]
-    share = sum(plan.host.buffers.get(m, 0) + plan.host.buffers.get(m + "_scale", 0) for m in moments)
-    elements = len(moments) * plan.host.padded_numel / plan.world_size / plan.numel  # (moment elements per param)
-    return [f"state_dtype      {state}: {len(moments)} moments x {per} per element = {share / plan.numel:.4g} B/param "
-            f"per rank with padding", f"                 (fp32 state: {4 * elements:.4g} B/param; state_dtype="
-            f"torch.bfloat16 or torch.int8 saves {2 * elements:.4g} or {(4 - 1.0625) * elements:.4g} B/param)"]
-
-
-# ------------------------------------------------------------------------------------------ verdicts, JSON, HF --
-def gpu_capacity() -> Optional[int]:
-    """Total memory of CUDA device 0 in bytes, or None without one (never initialises CUDA when there is none)."""
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.get_device_properties(0).total_memory)
-
-
-def verdicts(plan: MemoryPlan, nproc_per_node: int = 1, gpu_bytes: Optional[int] = None,
-             host_bytes: Optional[int] = None) -> Dict[str, Optional[object]]:
-    """Whether the plan fits: host RAM for all ranks of one node together, and one GPU for one rank.
-
-    Args:
-        plan (MemoryPlan): from :func:`memory_plan`.
-        nproc_per_node (int): ranks (GPUs) per node: their host buffers add up on the node. Default: 1.
-        gpu_bytes (int, optional): memory of one GPU; None: unknown (no verdict). Default: None.
-        host_bytes (int, optional): host RAM available on the node; None: unknown. Default: None.
-
-    Returns:
-        dict: ``host_per_node`` (bytes), ``host_fits``, ``gpu_fits`` and ``adamw_gpu_fits`` (bool, or None when
-        the capacity is unknown), ``gpu_left`` (bytes a GPU keeps for activations, the CUDA context and the
-        allocator with ours, or None).
-    """
-    host_node = plan.total("ours", "host") * nproc_per_node
-    ours_gpu, adamw_gpu = plan.total("ours", "gpu"), plan.total("adamw", "gpu")
-    known_gpu = gpu_bytes is not None and plan.device == "cuda"
-    return {
-        "host_per_node": host_node,
-        "host_fits": None if host_bytes is None else host_node <= host_bytes,
-        "gpu_fits": ours_gpu <= gpu_bytes if known_gpu else None,
-        "adamw_gpu_fits": adamw_gpu <= gpu_bytes if known_gpu else None,
-        "gpu_left": gpu_bytes - ours_gpu if known_gpu else None,
-    }
-
-
-def gpu_size(n: int) -> str:
-    """A GPU's memory in both units, ``80.0 GB (74.5 GiB)``: GPUs are sold in GB (10**9 bytes), the rest of the
-    report counts in GiB (2**30), and ``80GB`` and ``80GiB`` are different cards' worth."""
-    return f"{n / 1e9:.1f} GB ({format_bytes(n)})"
-
-
-def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int,
-                  gpu_bytes: Optional[int], host_bytes: Optional[int]) -> List[str]:
-    """The verdicts of :func:`verdicts` as report lines."""
-    yes = {True: "fits", False: "does NOT fit", None: "unknown"}
-    node = f"{nproc_per_node} ranks on one node: " if nproc_per_node > 1 else ""
-    need = format_bytes(v["host_per_node"])
-    if host_bytes is None:
-        out = [f"host verdict     {node}{need} of host RAM needed (available RAM unknown)"]
-    else:
-        out = [f"host verdict     {node}{need} needed, {format_bytes(host_bytes)} available now: {yes[v['host_fits']]}"]
-    if plan.device != "cuda":
-        return out
-    if gpu_bytes is None:
-        out.append("GPU verdict      no GPU here: give --gpu-memory (e.g. 80GB) for a verdict")
-        return out
-    out.append(f"GPU verdict      {gpu_size(gpu_bytes)} per GPU: OffloadOptimizer {yes[v['gpu_fits']]}, "
-               f"torch.optim.AdamW {yes[v['adamw_gpu_fits']]}")
-    left = v["gpu_left"]
-    if left is not None and left > 0:
-        out.append(f"                 with OffloadOptimizer {format_bytes(left)} per GPU remain for activations, the "
-                   "CUDA context and the allocator")
-    return out
-
-
-def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int, gpu_bytes: Optional[int],
-              host_bytes: Optional[int]) -> Dict[str, object]:
-    """The plan and its verdicts as plain JSON-ready data (bytes as integers)."""
-    name = DTYPE_NAMES[plan.dtype]
-    return {
-        "params": plan.model_numel or plan.numel, "params_per_rank": plan.numel, "fsdp": plan.fsdp,
-        "dtype": name, "device": plan.device, "world_size": plan.world_size,
-        "nproc_per_node": nproc_per_node, "release_grads": plan.release_grads,
-        "state_dtype": DTYPE_NAMES[plan.state_dtype], "gpu_tier_params": plan.gpu_tier_numel,
-        "per_rank": {"OffloadOptimizer": plan.ours, "torch.optim.AdamW": plan.adamw},
-        "totals_per_rank": {which: {where: plan.total(key, where) for where in ("gpu", "host")}
-                            for which, key in (("OffloadOptimizer", "ours"), ("torch.optim.AdamW", "adamw"))},
-        "pinned_per_rank": plan.pinned,
-        "capacity": {"gpu_bytes": gpu_bytes, "host_available_bytes": host_bytes},
-        "verdict": v,
-    }
-
-

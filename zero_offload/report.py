@@ -8,8 +8,12 @@ With ``--params`` (``7B``, ``350M``, ``1.3e9``...) it prints a memory plan and a
 buffers come from :meth:`OffloadOptimizer.estimate_host_memory` run over meta tensors (shape and dtype, no
 storage), so they are the bytes the optimizer's own bucket layout would allocate; the GPU side and the
 ``torch.optim.AdamW`` column are the parameters, gradients and state those optimizers keep there. Activations,
-the CUDA context and allocator caches are not counted. Options: ``--dtype``, ``--state-dtype``, ``--amsgrad``,
-``--device``, ``--world-size``, ``--bucket-numel``; ``--help`` lists them.
+the CUDA context and allocator caches are not counted, nor, with ``--fsdp N``, FSDP2's all-gathered units (the
+plan says what a unit costs per parameter under ``--param-dtype`` and ``--reduce-dtype``, FSDP2's
+``MixedPrecisionPolicy``; ``--dtype`` is then the shards' storage dtype). Beside AdamW's column, a low-precision
+model gets AdamW's two recipes: all in the low dtype, and with fp32 masters. Options: ``--dtype``,
+``--state-dtype``, ``--amsgrad``, ``--device``, ``--world-size``, ``--fsdp``, ``--param-dtype``,
+``--reduce-dtype``, ``--bucket-numel``; ``--help`` lists them.
 """
 
 from __future__ import annotations
@@ -30,9 +34,8 @@ from zero_offload import _build, functional
 from zero_offload.host_memory import available_host_bytes, huge_pages
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
-                                      count_plan, fsdp_plan, gpu_capacity, memory_plan, meta_params, parse_count,
-                                      plan_dict,
-                                      plan_lines, verdict_lines, verdicts)
+                                      count_plan, fsdp_plan, memory_plan, meta_params, parse_count)
+from zero_offload.plan_text import gpu_capacity, plan_dict, plan_lines, verdict_lines, verdicts  # noqa: F401
 from zero_offload.options import DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, dtypes_by_name  # noqa: F401
 
 
@@ -150,7 +153,7 @@ def _count_arg(text: str) -> int:
 # --model is noticed and refused instead of silently ignored).
 _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
                   "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1, "fsdp": 1,
-                  "gpu_memory": None, "gpu_fraction": 0.0}
+                  "gpu_memory": None, "gpu_fraction": 0.0, "param_dtype": None, "reduce_dtype": None}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="print the memory plan for a model of N parameters (7B, 350M, 1.3e9...) instead of the "
                          "machine report")
     ap.add_argument("--dtype", choices=sorted(_DTYPES),
-                    help="the model's parameter dtype (default: fp32)")
+                    help="the model's parameter dtype as built (default: fp32); with --fsdp, the dtype FSDP2 stores "
+                         "the shards in, which the optimizer updates (the compute dtype is --param-dtype)")
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     help="where the model trains (default: cuda)")
     ap.add_argument("--state-dtype", choices=list(_STATE_DTYPES),
@@ -175,6 +179,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan one rank of an FSDP2 run (fully_shard) over N ranks: the parameters sharded by FSDP2, "
                          "each rank's optimizer offloading the state of its own shards (default: no FSDP2; not with "
                          "--world-size or --gpu-fraction; --nproc-per-node defaults to N)")
+    ap.add_argument("--param-dtype", choices=sorted(_DTYPES),
+                    help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=...), the dtype the shards are "
+                         "all-gathered and computed in (default: --dtype, as with no policy); --dtype is then the "
+                         "shards' storage dtype, the model's as built, which the optimizer updates")
+    ap.add_argument("--reduce-dtype", choices=sorted(_DTYPES),
+                    help="with --fsdp: FSDP2's MixedPrecisionPolicy(reduce_dtype=...), the dtype gradients are "
+                         "reduce-scattered in (default: --param-dtype); FSDP2 keeps the gradient shards in --dtype")
     ap.add_argument("--bucket-numel", type=int, metavar="N",
                     help="elements per bucket, as for the optimizer (default: 2**25)")
     ap.add_argument("--model", metavar="CONFIG_OR_ID",
@@ -206,6 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     given = [f"--{name.replace('_', '-')}" for name in _PLAN_DEFAULTS if getattr(args, name) is not None]
     if args.params is None and args.model is None and given:
         ap.error(f"{', '.join(given)} only apply to a memory plan: give --params N or --model CONFIG_OR_ID too")
+    policy = [f"--{name.replace('_', '-')}" for name in ("param_dtype", "reduce_dtype") if getattr(args, name)]
+    if policy and (args.fsdp or 1) < 2 and (args.params is not None or args.model is not None):
+        ap.error(f"{', '.join(policy)} set FSDP2's MixedPrecisionPolicy: give --fsdp N (N > 1) too")
     if args.fsdp is not None and args.nproc_per_node is None:
         args.nproc_per_node = args.fsdp  # (FSDP2's ranks, on one node unless said)
     for name, default in _PLAN_DEFAULTS.items():  # None above: given or not
@@ -244,7 +258,8 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error(str(exc))
     if args.fsdp > 1:
         try:
-            plan = fsdp_plan(params, args.params or 0, dtype, args.fsdp, **kw)
+            plan = fsdp_plan(params, args.params or 0, dtype, args.fsdp, param_dtype=_DTYPES.get(args.param_dtype),
+                             reduce_dtype=_DTYPES.get(args.reduce_dtype), **kw)
         except ValueError as exc:
             ap.error(f"--fsdp: {exc}")
     else:
@@ -258,7 +273,8 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         return
     out = plan_lines(plan)
     if model_name is not None:
-        out.insert(0, f"model            {args.model}: {model_name}, {plan.numel:,} parameters (meta-device init)")
+        out.insert(0, f"model            {args.model}: {model_name}, {plan.model_numel or plan.numel:,} parameters "
+                      "(meta-device init)")
     print("\n".join(out + verdict_lines(plan, v, args.nproc_per_node, gpu, host)))
 
 
@@ -294,12 +310,15 @@ With --params N or --model CONFIG_OR_ID: what OffloadOptimizer would keep on the
 beside torch.optim.AdamW, and whether that fits: host RAM for all --nproc-per-node ranks of a node together,
 GPU memory per rank (this machine's GPU 0, or --gpu-memory). Nothing is allocated: the host buffers come from
 the optimizer's own estimate over meta tensors. Activations, the CUDA context and allocator caches are not
-counted.
+counted, nor, with --fsdp, FSDP2's all-gathered units (the plan says what one costs per parameter). A bf16 or
+fp16 model is also compared with AdamW keeping fp32 masters (fp32 parameters, gradients and moments: autocast,
+or FSDP2's MixedPrecisionPolicy over fp32 shards).
 
 examples:
   python -m zero_offload.report --params 7B --dtype bf16 --gpu-memory 80GB
   python -m zero_offload.report --params 7B --dtype bf16 --world-size 8 --nproc-per-node 8 --release-grads
   python -m zero_offload.report --model path/to/config.json --dtype bf16 --json
+  python -m zero_offload.report --model path/to/config.json --fsdp 8 --param-dtype bf16 --reduce-dtype fp32
 """
 
 
