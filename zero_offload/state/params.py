@@ -142,7 +142,7 @@ class Masters:
         else:
             moved = any(p.dtype != self.dtype or p.device != self.device for p in params)
         if moved:
-            p = next(p for i, p in enumerate(params) if self._moved(i))
+            p = next(self.watch[i] for i in range(len(params)) if self._moved(i))  # (FSDP2: the whole shape)
             raise RuntimeError(
                 f"OffloadOptimizer: a parameter of shape {tuple(p.shape)} no longer lives where the optimizer put it "
                 f"(expected {self.dtype} on {self.device}; its storage, dtype or device was replaced, e.g. by "

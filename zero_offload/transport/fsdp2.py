@@ -111,10 +111,19 @@ class FSDPTransport(Transport):
 
     @staticmethod
     def _take_grads(lane: Lane) -> None:
-        """Hand the owners' gradients (DTensors) to the local shards the route reads."""
-        for p, owner in zip(lane.bucket.params, lane.bucket.owners):
+        """Hand the owners' gradients (DTensors) to the local shards the route reads. A gradient whose local part
+        is not shaped like the local shard (a DTensor gradient built by hand) is refused, naming the parameter with
+        its whole shape (torch's own error would name the shard's alone)."""
+        bucket = lane.bucket
+        for i, (p, owner) in enumerate(zip(bucket.params, bucket.owners)):
             g = owner.grad
-            p.grad = None if g is None else g.to_local()
+            local = None if g is None else g.to_local()
+            if local is not None and local.shape != p.shape:
+                raise RuntimeError(
+                    f"OffloadOptimizer: {bucket.shaped_label(i)} has a gradient whose part on this rank has shape "
+                    f"{tuple(local.shape)} (a DTensor gradient of shape {tuple(g.shape)}, placed "
+                    f"{tuple(g.placements)}); nothing was updated")
+            p.grad = local
 
     def send_grads(self, lane: Lane) -> None:
         self._take_grads(lane)

@@ -1,0 +1,83 @@
+"""Ranks of an FSDP2 mesh that part ways (issue 54), on CPU with gloo at world 2, each against FSDP2 +
+``torch.optim.AdamW(foreach=False)`` on the same mesh, or a refusal raised on every rank that names what differs and
+leaves every local shard as it was:
+
+* a rank failing at ``step()`` names the parameter's whole shape (not its local shard's);
+* ranks that put a parameter in different param groups, or (HSDP) replicas built with different ``state_dtype``;
+* HSDP with a GradScaler where only one replica finds an inf: every rank skips and backs its scale off;
+* a rank running ``torch.optim.AdamW`` where the others run ``OffloadOptimizer``.
+
+The jobs run in one spawn (tests/fsdp2_harness.py ``run_jobs``), apart from tests/test_fsdp2.py's: its fixture runs
+every recipe, these need a few calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp2_harness as h
+from zero_offload import OffloadOptimizer
+
+try:
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since torch 2.6)
+except ImportError:
+    fully_shard = None
+
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.skipif(fully_shard is None, reason="FSDP2 needs torch >= 2.6")]
+
+ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
+
+
+def _step_raising(model, call) -> Tuple[Optional[str], Optional[str], bool]:
+    """``call()``: the type and message of what it raised, and whether every local shard is as it was."""
+    before = [p.to_local().clone() for p in model.parameters()]
+    kind = message = None
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+        kind, message = type(exc).__name__, str(exc)
+    return kind, message, all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+
+
+# ------------------------------------------------------------------------------- a rank failing at step() --
+def refuse_misshapen_grad(rank, world):
+    """Rank 1's gradient of the first block's up-projection replaced by a DTensor whose local part has one row (its
+    shard has 2): rank 1 raises naming the parameter with its whole shape, rank 0 that rank 1 raised; nothing is
+    updated."""
+    from torch.distributed.tensor import DTensor
+
+    model = h.build_model(world, h.RECIPES["plain"])
+    opt = OffloadOptimizer(model.named_parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    h.loss_on(model, 0, 0, rank, world).backward()
+    p = model.blocks[0].up.weight
+    if rank == 1:
+        p.grad = DTensor.from_local(torch.zeros(1, p.shape[1]), p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride(), run_check=False)
+    return _step_raising(model, opt.step), tuple(p.shape), tuple(p.to_local().shape)
+
+
+JOBS = {
+    "misshapen_grad": h.Call(refuse_misshapen_grad),
+}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return h.run_jobs(2, JOBS, timeout=300)
+
+
+def test_a_rank_failing_at_step_names_the_whole_shape(world2):
+    out = world2["misshapen_grad"].per_rank
+    (kind1, message1, unchanged1), shape, local1 = out[1]
+    (kind0, message0, unchanged0), _, _ = out[0]
+    assert kind1 == "RuntimeError", message1
+    assert f"'blocks.0.up.weight') of shape {shape} (this rank's shard: {local1})" in message1, message1
+    assert "has shape (1, 6)" in message1, message1
+    assert kind0 == "RuntimeError" and "rank 1 raised at step()" in message0, message0
+    assert unchanged0 and unchanged1
