@@ -62,8 +62,59 @@ def refuse_misshapen_grad(rank, world):
     return _step_raising(model, opt.step), tuple(p.shape), tuple(p.to_local().shape)
 
 
+# -------------------------------------------------------------------------- what each parameter steps with --
+def _groups(model, extra_decayed: Tuple[str, ...] = ()):
+    """Matrices (and the vectors named in ``extra_decayed``) with weight decay; the other vectors without."""
+    named = list(model.named_parameters())
+    decayed = [p for n, p in named if p.ndim >= 2 or n in extra_decayed]
+    rest = [p for n, p in named if not (p.ndim >= 2 or n in extra_decayed)]
+    return [{"params": decayed}, {"params": rest, "weight_decay": 0.0}]
+
+
+def refuse_param_in_other_group(rank, world, one_group: bool = False):
+    """Rank 1 puts ``blocks.0.up.bias`` in the decayed group (rank 0 in the other one; with ``one_group``, rank 1
+    has one group of every parameter, decayed): every rank raises naming that parameter (the first in FSDP's order
+    whose group differs) and weight_decay, where it trained on; nothing is updated. Then every rank with rank 0's
+    groups: the same step as AdamW's (params of every local shard)."""
+    out = []
+    for make in (OffloadOptimizer, ADAMW):
+        model = h.build_model(world, h.RECIPES["plain"])
+        if rank == 1 and make is OffloadOptimizer:
+            groups = ([{"params": list(model.parameters())}] if one_group
+                      else _groups(model, ("blocks.0.up.bias",)))
+        else:
+            groups = _groups(model)
+        opt = make(groups, lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+        h.loss_on(model, 1, 0, rank, world).backward()  # (step 1's: every parameter has a gradient)
+        out.append((model, opt))
+    (ours, opt), (ref, ref_opt) = out
+    refused = _step_raising(ours, opt.step)
+    ours = h.build_model(world, h.RECIPES["plain"])
+    opt = OffloadOptimizer(_groups(ours), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    for model, o in ((ours, opt), (ref, ref_opt)):
+        o.zero_grad()
+        h.loss_on(model, 0, 0, rank, world).backward()
+        o.step()
+    pairs = [(a.to_local(), b.to_local()) for a, b in zip(ours.parameters(), ref.parameters())]
+    return refused, pairs
+
+
+def refuse_state_dtype_on_one_replica(rank, world):
+    """HSDP (two replicas of one shard): rank 1 built with ``state_dtype=torch.bfloat16``: every rank raises naming
+    state_dtype; nothing is updated."""
+    recipe = h.RECIPES["hsdp_replicate"]
+    model = h.build_model(world, recipe)
+    kw = {"state_dtype": torch.bfloat16} if rank == 1 else {}
+    opt = OffloadOptimizer(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY, **kw)
+    h.loss_on(model, 0, 0, rank, world).backward()
+    return _step_raising(model, opt.step)
+
+
 JOBS = {
     "misshapen_grad": h.Call(refuse_misshapen_grad),
+    "other_group": h.Call(refuse_param_in_other_group),
+    "other_group_count": h.Call(refuse_param_in_other_group, (True,)),
+    "state_dtype_hsdp": h.Call(refuse_state_dtype_on_one_replica),
 }
 
 
@@ -81,3 +132,21 @@ def test_a_rank_failing_at_step_names_the_whole_shape(world2):
     assert "has shape (1, 6)" in message1, message1
     assert kind0 == "RuntimeError" and "rank 1 raised at step()" in message0, message0
     assert unchanged0 and unchanged1
+
+
+@pytest.mark.parametrize("job", ["other_group", "other_group_count"])
+def test_a_parameter_in_another_group_on_one_rank_is_refused_naming_it(world2, job):
+    for rank, ((kind, message, unchanged), pairs) in world2[job].per_rank.items():
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert "the ranks step 'blocks.0.up.bias' of shape (5,)" in message, (rank, message)
+        assert "weight_decay: 0.0 on rank 0, 0.1 on rank 1" in message, (rank, message)
+        assert unchanged, rank
+        for ours, adamw in pairs:
+            torch.testing.assert_close(ours, adamw)
+
+
+def test_replicas_with_different_state_dtype_are_refused_naming_it(world2):
+    for rank, (kind, message, unchanged) in world2["state_dtype_hsdp"].per_rank.items():
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert "state_dtype" in message and "0.0 on rank 0, 1.0 on rank 1" in message, (rank, message)
+        assert unchanged, rank

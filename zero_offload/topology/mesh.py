@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import fsdp2
-from zero_offload.options import Options, check_params
+from zero_offload.options import Options, agreed_settings, check_params
+from zero_offload.topology.members import Members
 from zero_offload.topology.base import Placement, Topology, _with_margin
 
 if TYPE_CHECKING:  # (annotations only)
@@ -45,11 +46,12 @@ class Mesh(Topology):
 
     alone = False
 
-    def __init__(self, managed: Optional[Dict[int, Tuple[int, Any]]] = None):
+    def __init__(self, managed: Optional[Dict[int, Tuple[int, Any, int]]] = None):
         self.managed = managed
         self.mesh: Any = None
         self.shard_dim = 0
         self.exchanges = 0  # exchanges with the other ranks so far (see FSDPTransport._failing)
+        self.members = Members()
 
     def options(self, options: Options) -> Options:
         # FSDP runs the hooks after each unit's reduce-scatter: the gradients are final there.
@@ -63,7 +65,18 @@ class Mesh(Topology):
     def place(self, tensors: Sequence[torch.Tensor], index: int, layout: Tuple[Tuple[str, Any], ...]) -> Placement:
         """Each rank's buckets hold its local shards, cut at FSDP's units (FSDP does every collective)."""
         check_params(tensors, fsdp=True)
-        return self.plan(tensors)
+        placed = self.plan(tensors)
+        managed = fsdp2.registry() if self.managed is None else self.managed
+        self.members.add(index, tensors, [managed[id(p)][2] for p in tensors], dict(layout))
+        return placed
+
+    def settings(self, hypers: Sequence[Any], nonfinite: str,
+                 clip: Optional[Tuple[float, float]] = None) -> List[Tuple[str, float]]:
+        """As every topology's, and what else changes the arithmetic of a parameter's update on a rank: the
+        options that do (``state_dtype``) and, per parameter in FSDP's order, its group's hyperparameters (a
+        parameter in another param group on some ranks: each group's alike, the parameter's update not);
+        :meth:`Members.name_difference` names what differs."""
+        return [*agreed_settings(hypers, nonfinite, clip), *self.members.settings(hypers)]
 
     def plan(self, params: Sequence[torch.Tensor]) -> Placement:
         """Check that ``params`` are FSDP2's, all on this topology's mesh and cut alike; their local shards, each
@@ -91,7 +104,7 @@ class Mesh(Topology):
                          takeovers=[fsdp2.takeover(p, managed[id(p)][1]) for p in params])
 
     @staticmethod
-    def _shard_dim(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]]) -> int:
+    def _shard_dim(p: torch.Tensor, managed: Dict[int, Tuple[int, Any, int]]) -> int:
         """The mesh dimension ``p``'s shards are cut along, for a placement this topology takes (else the error)."""
         from torch.distributed.tensor import Replicate, Shard
 

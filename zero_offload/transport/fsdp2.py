@@ -42,7 +42,7 @@ import torch
 from zero_offload.buckets import FlatBucket
 from zero_offload.lane import Lane, Plans, SqNorm
 from zero_offload.timeline import NOTHING
-from zero_offload.transport.agreement import differing, digest, digest_bytes, meeting_on_failure
+from zero_offload.transport.agreement import PER_PARAMETER, differing, digest, digest_bytes, meeting_on_failure
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
@@ -205,16 +205,26 @@ class FSDPTransport(Transport):
         return rows
 
     def _name_settings(self, settings: Sequence[Tuple[str, float]], where: str) -> None:
-        """The ranks' settings differ (their digests did): exchange them and raise, naming those that differ."""
-        rows = self._exchange_listed([float(v) for _, v in settings], where,
-                                     "settings (a param group added on some ranks only?)")
-        listed = differing(settings, rows, [_rank(row) for row in rows])
-        if not listed:
-            return
-        raise RuntimeError(
-            f"{where}: the ranks step with different hyperparameters: {listed}. Each rank would update its shards "
-            "with its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
-            "stepped on one rank only?). Nothing was updated.")
+        """The ranks' settings differ (their digests did): exchange them and raise, naming those that differ; where
+        only the per-parameter digest differs, or the ranks have different numbers of settings (of param groups),
+        the first parameter whose group's hyperparameters differ is named
+        (:meth:`~zero_offload.topology.members.Members.name_difference`)."""
+        rows = self._exchange_listed([float(v) for _, v in settings], where, None)
+        if rows is not None:
+            per = [j for j, (name, _) in enumerate(settings) if name == PER_PARAMETER]
+            rows = [[0.0 if j in per else x for j, x in enumerate(row)] for row in rows]  # (named below instead)
+            listed = differing(settings, rows, [_rank(row) for row in rows])
+            if listed:
+                raise RuntimeError(
+                    f"{where}: the ranks step with different hyperparameters or options: {listed}. Each rank would "
+                    "update its shards with its own, and FSDP's all-gather would join them: every rank must use the "
+                    "same (an LR scheduler stepped on one rank only?). Nothing was updated.")
+        if any(name == PER_PARAMETER for name, _ in settings):
+            self.topology.members.name_difference(lambda values, what: self._exchange_listed(values, where, what),
+                                                  where)
+        if rows is None:
+            self._exchange_listed([float(v) for _, v in settings], where, "settings (a param group added on some "
+                                  "ranks only?)")
 
     def _refuse_presence(self, plans: Plans, present: bytes, rows: List[Row]) -> None:
         """The ranks' gradients are on different parameters (their digests in ``rows`` differed): exchange which,
@@ -232,12 +242,14 @@ class FSDPTransport(Transport):
             "and FSDP's all-gather would join a parameter updated on some ranks only: every rank must step the same "
             "parameters. Nothing was updated.")
 
-    def _exchange_listed(self, values: List[float], where: str, what: str) -> List[List[float]]:
+    def _exchange_listed(self, values: List[float], where: str, what: Optional[str]) -> Optional[List[List[float]]]:
         """:meth:`Mesh.exchange` of lists whose lengths may differ between the ranks (the values of what their
         digests found different): the lengths first, and a ``RuntimeError`` on every rank naming ``what`` where
-        they differ."""
+        they differ (``what`` None: None is returned then)."""
         lengths = [int(row[0]) for row in self.topology.exchange([float(len(values))])]
         if len(set(lengths)) > 1:
+            if what is None:
+                return None
             raise RuntimeError(f"{where}: the ranks step with different numbers of {what} ({lengths}, by rank). "
                                "Nothing was updated.")
         return self.topology.exchange(values)
