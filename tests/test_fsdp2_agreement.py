@@ -110,17 +110,61 @@ def refuse_state_dtype_on_one_replica(rank, world):
     return _step_raising(model, opt.step)
 
 
+# ------------------------------------------------------------------------- HSDP with a GradScaler --
+def scaler_inf_on_replicas(rank, world, make_opt, ranks: Tuple[int, ...], unscale: str = ""):
+    """HSDP (two replicas of one shard) with a GradScaler for four steps; at step 1 an inf is put into the first
+    block's up-projection's gradient on ``ranks`` after backward (after FSDP's all-reduce: the replicas' verdicts
+    differ where ``ranks`` is one of them). ``unscale``: "torch" (``scaler.unscale_`` then torch's clip) or "opt"
+    (``scaler.unscale_`` then ``opt.clip_grad_norm_``, torch's for AdamW); else ``scaler.step`` alone. Returns, per step, the
+    scale after ``update()`` and whether the step left every local shard as it was; and the final local shards."""
+    import dataclasses
+
+    recipe = dataclasses.replace(h.RECIPES["hsdp_replicate"], clip=None, scaler=True)
+    loop = h.make_loop(world, recipe, make_opt)
+    model, opt, scaler = loop.model, loop.opt, loop.scaler
+    steps = []
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(h.loss_on(model, step, 0, rank, world)).backward()
+        if step == 1 and rank in ranks:
+            model.blocks[0].up.weight.grad.to_local()[0, 0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        if unscale:
+            scaler.unscale_(opt)
+            if unscale == "opt" and hasattr(opt, "clip_grad_norm_"):
+                opt.clip_grad_norm_(h.CLIP)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), h.CLIP)
+        scaler.step(opt)
+        scaler.update()
+        steps.append((scaler.get_scale(), all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(),
+                                                                                             before))))
+    return steps, [p.to_local().clone() for p in model.parameters()]
+
+
 JOBS = {
     "misshapen_grad": h.Call(refuse_misshapen_grad),
     "other_group": h.Call(refuse_param_in_other_group),
     "other_group_count": h.Call(refuse_param_in_other_group, (True,)),
     "state_dtype_hsdp": h.Call(refuse_state_dtype_on_one_replica),
 }
+# In a spawn of their own (a rank left waiting for a peer until gloo's timeout fails the rest of its spawn).
+SCALER_JOBS = {
+    # The reference: AdamW with the inf on every replica (each skips and backs off, as ours does mesh-wide).
+    **{f"scaler/{how or 'step'}/{name}": h.Call(scaler_inf_on_replicas, (make, ranks, how))
+       for how in ("", "torch", "opt")
+       for name, make, ranks in (("adamw", ADAMW, (0, 1)), ("ours", OffloadOptimizer, (1,)))},
+}
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return h.run_jobs(2, JOBS, timeout=300)
+    return h.run_jobs(2, JOBS, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def scaler_runs():
+    return h.run_jobs(2, SCALER_JOBS, timeout=240)
 
 
 def test_a_rank_failing_at_step_names_the_whole_shape(world2):
@@ -150,3 +194,17 @@ def test_replicas_with_different_state_dtype_are_refused_naming_it(world2):
         assert kind == "RuntimeError", (rank, kind, message)
         assert "state_dtype" in message and "0.0 on rank 0, 1.0 on rank 1" in message, (rank, message)
         assert unchanged, rank
+
+
+@pytest.mark.parametrize("how", ["step", "torch", "opt"])
+def test_hsdp_scaler_inf_on_one_replica_skips_and_backs_off_on_every_rank(scaler_runs, how):
+    """Ours with the inf on one replica against AdamW with it on both: every rank skips step 1 and halves its scale
+    (AdamW alone would step the other replica and keep its scale: the replicas would part), then trains on alike."""
+    ours, ref = scaler_runs[f"scaler/{how}/ours"].per_rank, scaler_runs[f"scaler/{how}/adamw"].per_rank
+    for rank in ours:
+        (steps, params), (ref_steps, ref_params) = ours[rank], ref[rank]
+        assert [s for s, _ in steps] == [s for s, _ in ref_steps], (rank, steps, ref_steps)
+        assert [skipped for _, skipped in steps] == [False, True, False, False], (rank, steps)
+        assert steps[1][0] == steps[0][0] / 2, (rank, steps)
+        for a, b in zip(params, ref_params):
+            torch.testing.assert_close(a, b)

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload.buckets import FlatBucket
 from zero_offload.lane import Lane, Plans, SqNorm
-from zero_offload.timeline import NOTHING
 from zero_offload.transport.agreement import PER_PARAMETER, differing, digest, digest_bytes, meeting_on_failure
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import OffloadRoute
@@ -103,6 +102,7 @@ class FSDPTransport(Transport):
     def __init__(self, topology: "Mesh", *, release: bool):
         super().__init__(release=release)
         self.topology = topology
+        self.overflowed = False  # whether the step's exchange met a rank marked bad (see measure)
 
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.resident:  # the shards' storage taken over: the kernel writes what FSDP's all-gather reads
@@ -155,11 +155,14 @@ class FSDPTransport(Transport):
         updated."""
         phase = CLIP if clipping else STEP
         with self._failing(phase):
-            plans, bad = super().gather(plans, check=check)
+            plans, bad = super().gather(plans, check=check)[:2]
             sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
         present = bytes(bytearray(has for intake in every(plans) for has in intake.present))
         rows = self._meet(phase, settings, sq, local_bad, digest_bytes(present))
-        if len({row.present for row in rows}) > 1:
+        # (A rank marked bad skips the step with every rank: its GradScaler's overflow, see measure, gives no
+        # presence; an inf/nan the intake found refuses or skips the step.)
+        self.overflowed = any(row.bad > 0 for row in rows)
+        if not self.overflowed and len({row.present for row in rows}) > 1:
             self._refuse_presence(plans, present, rows)
         sq = sum(row.sq for row in self.topology.replica(rows))  # (one replica's shards make each parameter once)
         self.stats = SqNorm(sq, any(row.bad > 0 for row in rows) or not math.isfinite(sq))
@@ -167,11 +170,26 @@ class FSDPTransport(Transport):
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
-        self._meet(AFTER_CLIP, settings)
+        self.overflowed = any(row.bad > 0 for row in self._meet(AFTER_CLIP, settings))
+
+    def measure(self, plans: Plans, settings: Sequence[Tuple[str, float]], check: bool,
+                clip: Optional[Any] = None, overflow: bool = False) -> Gathered:
+        """As the transport's, and a GradScaler's verdict made the mesh's: torch's own check of DTensor gradients
+        (``_amp_foreach_non_finite_check_and_unscale_``) takes the max of ``found_inf`` over the dimension the
+        shards are cut along only, so under HSDP a replica whose gradients hold an inf/nan (one edited after
+        FSDP's all-reduce) finds one where the others do not. A rank that found one meets the others' exchange
+        anyway, marked ``bad`` (the others find no inf of their own there: their scaler checked, the intake did
+        not), and every rank skips: the others are told so by ``overflow``."""
+        if overflow:
+            self._meet(AFTER_CLIP if clip is not None else STEP, settings, bad=True)
+            return Gathered(plans, False, True)
+        self.overflowed = False
+        gathered = super().measure(plans, settings, check, clip)
+        return gathered._replace(overflow=self.overflowed)
 
     def together(self, skipped: bool = False) -> contextlib.AbstractContextManager:
-        # (A GradScaler's inf/nan is the mesh's under FSDP2: every rank skips the step, and meets nobody.)
-        return NOTHING if skipped else self._failing(STEP)
+        # (A rank whose GradScaler found an inf/nan, ``skipped``, meets the others too: see measure.)
+        return self._failing(STEP)
 
     def _failing(self, phase: float) -> contextlib.AbstractContextManager:
         """:func:`~zero_offload.transport.agreement.meeting_on_failure` before the exchange of ``phase``."""
