@@ -142,6 +142,25 @@ def scaler_inf_on_replicas(rank, world, make_opt, ranks: Tuple[int, ...], unscal
     return steps, [p.to_local().clone() for p in model.parameters()]
 
 
+# ---------------------------------------------------------------------------------- a mismatched peer --
+def mismatched_peer(rank, world):
+    """Rank 0 builds OffloadOptimizer, rank 1 ``torch.optim.AdamW`` (a config typo on one host), and both train:
+    what each raised (type and message) at which step, and whether rank 0's shards were left as they were. No rank
+    may abort the process (gloo's ``EnforceNotMet``, a collective paired with one of another size)."""
+    model = h.build_model(world, h.RECIPES["plain"])
+    opt = (OffloadOptimizer if rank == 0 else ADAMW)(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+    for step in range(3):
+        before = [p.to_local().clone() for p in model.parameters()]
+        try:
+            opt.zero_grad()
+            h.loss_on(model, step, 0, rank, world).backward()
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 (the test reads what was raised)
+            unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+            return step, type(exc).__name__, str(exc), unchanged
+    return None
+
+
 JOBS = {
     "misshapen_grad": h.Call(refuse_misshapen_grad),
     "other_group": h.Call(refuse_param_in_other_group),
@@ -208,3 +227,18 @@ def test_hsdp_scaler_inf_on_one_replica_skips_and_backs_off_on_every_rank(scaler
         assert steps[1][0] == steps[0][0] / 2, (rank, steps)
         for a, b in zip(params, ref_params):
             torch.testing.assert_close(a, b)
+
+
+def test_a_peer_running_adamw_is_named_and_no_rank_aborts():
+    """Rank 0's exchange runs on a group of its own, so it never pairs with the next forward's all-gather of rank 1
+    (running AdamW): rank 0 raises, naming a peer that is not at its exchange, with nothing updated; rank 1's
+    all-gather waits for rank 0 and times out with a Python exception; neither process aborts."""
+    from test_distributed import launch
+
+    out = launch(mismatched_peer, 2, timeout=240, expect_errors=True)
+    assert all(status == "ok" for status, _ in out.values()), out  # (an abort: "exited with code -6")
+    (_, ours), (_, theirs) = out[0], out[1]
+    assert ours is not None and ours[0] == 0 and ours[1] == "RuntimeError", ours
+    assert "a peer is not at this exchange" in ours[2] and "not be running OffloadOptimizer" in ours[2], ours
+    assert ours[3], "rank 0 updated its shards"
+    assert theirs is not None and theirs[0] == 1 and theirs[1] == "RuntimeError", theirs

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import fsdp2
+from zero_offload.distributed import _keep_forever
 from zero_offload.options import Options, agreed_settings, check_params
 from zero_offload.topology.members import Members
 from zero_offload.topology.base import Placement, Topology, _with_margin
@@ -182,19 +183,39 @@ class Mesh(Topology):
 
     def exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
-        the whole mesh: one all-gather over the dimension the shards are cut along (on the mesh's device: NCCL
-        moves device tensors only) and under HSDP one more, of those rows, over the replicas: replica by replica,
-        each replica's rows in shard order (:meth:`replica`). Gloo runs a small all-gather faster than an
-        all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2 ranks of a 2-core VM), and the step waits
-        for it."""
+        the whole mesh, replica by replica, each replica's rows in shard order (:meth:`replica`): one all-gather of
+        host tensors over a gloo group of the mesh's ranks that carries nothing else (:func:`exchange_group`).
+
+        Not over the mesh's own groups: there, a rank that is elsewhere (one running ``torch.optim.AdamW`` by a
+        config typo, already in the next forward's all-gather) would pair this all-gather with FSDP's collective,
+        and gloo aborts the process whose buffer is the smaller (``terminate called ... gloo::EnforceNotMet``), or
+        both go on with each other's bytes. On its own group the exchange meets only other optimizers' exchanges,
+        and waits for them at most the mesh's timeout, then raises naming why (the rank that is elsewhere is not
+        touched: its next collective waits for this rank, and times out, with a Python exception)."""
         dist = torch.distributed
         self.exchanges += 1
-        mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64, device=self.mesh.device_type)
-        for group in [self.group] + ([self.replicas] if self.replicas is not None else []):
-            rows = mine.new_empty(dist.get_world_size(group) * mine.numel())
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine, group=group)
-            mine = rows
-        return mine.view(-1, len(values) + 1).tolist()
+        ranks = tuple(int(r) for r in self.mesh.mesh.flatten().tolist())  # (global ranks, replica by replica)
+        mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64)
+        rows = mine.new_empty(len(ranks) * mine.numel())
+        timeout = _timeout(self.group, self.mesh.device_type)
+        work = None
+        try:
+            group = exchange_group(ranks, timeout)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = gather(rows, mine, group=group, async_op=True)
+            work.wait(timeout)
+        except RuntimeError as exc:
+            _GROUPS.pop(ranks, None)  # (a group whose collective failed is not used again)
+            if work is not None:  # (gloo's worker may still hold them: never destroyed, see distributed._Held)
+                _keep_forever((work, rows, mine))
+            raise RuntimeError(
+                f"zero_offload: rank {dist.get_rank()} ({len(ranks)} ranks in the FSDP2 mesh): the step's exchange "
+                f"with the other ranks of the mesh failed or did not complete within {timeout}: a peer is not at "
+                "this exchange. It may not be running OffloadOptimizer (torch.optim.AdamW on one host, a config "
+                "typo?), or it is in another collective (a forward's all-gather, a checkpoint), or it died. Nothing "
+                f"was updated on this rank. ({type(exc).__name__}: {exc})") from exc
+        order = {r: i for i, r in enumerate(ranks)}
+        return sorted(rows.view(-1, len(values) + 1).tolist(), key=lambda row: order[int(row[-1])])
 
     def replica(self, rows: Sequence[Any]) -> List[Any]:
         """Of an :meth:`exchange`'s rows, those of this rank's replica (all of them without HSDP): the ranks whose
@@ -218,6 +239,33 @@ class Mesh(Topology):
     def where(self, rows: Sequence[Any]) -> str:
         """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""
         return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
+
+
+# The exchange's gloo group of each set of ranks (global, in mesh order), with the default group it was made in:
+# made once per process group at the first step of an optimizer over those ranks (every rank makes it at the same
+# point: its first step) and shared by the optimizers over them; one whose collective failed is dropped (see
+# Mesh.exchange), one of an earlier default group (destroyed, and initialised again) is made anew.
+_GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+
+
+def exchange_group(ranks: Tuple[int, ...], timeout: Any) -> Any:
+    """The gloo group of :meth:`Mesh.exchange` over ``ranks`` (made by the ranks alone, not the whole world:
+    ``use_local_synchronization``); host tensors on any backend (the exchange's values are host floats)."""
+    world = torch.distributed.group.WORLD
+    made, group = _GROUPS.get(ranks, (None, None))
+    if made is not world:
+        group = torch.distributed.new_group(list(ranks), timeout=timeout, backend="gloo",
+                                            use_local_synchronization=True)
+        _GROUPS[ranks] = (world, group)
+    return group
+
+
+def _timeout(group: Any, device_type: str) -> Any:
+    """The mesh's own timeout (its process group's), torch's default where it cannot be read."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except Exception:  # noqa: BLE001 (a backend without options: the default)
+        return torch.distributed.default_pg_timeout
 
 
 def _placement_error(p: torch.Tensor, what: str, advice: str = _OTHER_PLACEMENTS) -> TypeError:

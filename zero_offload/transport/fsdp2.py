@@ -6,7 +6,8 @@ collective (all-gather, reduce-scatter). What is left to this transport:
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
   decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: one small all-gather
-  per step over the dimension the shards are cut along, and under HSDP one more over the replicas; it also carries
+  per step over the whole mesh, replicas included, on a gloo group of its own that no FSDP collective can pair
+  with: a peer elsewhere, not running this optimizer, is named after the mesh's timeout; it also carries
   every rank's hyperparameters: ranks that differ raise on every rank, replicas included): every rank decides
   alike; the norm is the sum over one replica's shards (FSDP has already reduced the gradients over the
   replicas); and which parameters have a
