@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import fsdp2
-from zero_offload.distributed import _keep_forever
+from zero_offload.distributed import _LET_GO_SECONDS, _Held, _keep_forever
 from zero_offload.options import Options, agreed_settings, check_params
 from zero_offload.topology.members import Members
 from zero_offload.topology.base import Placement, Topology, _with_margin
@@ -198,22 +198,25 @@ class Mesh(Topology):
         mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64)
         rows = mine.new_empty(len(ranks) * mine.numel())
         timeout = _timeout(self.group, self.mesh.device_type)
-        work = None
+        # (Held until gloo's worker has let go of them, or kept for good: see zero_offload.distributed._Held.)
+        held = _Held([rows, mine])
         try:
             group = exchange_group(ranks, timeout)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            work = gather(rows, mine, group=group, async_op=True)
-            work.wait(timeout)
+            held.work = gather(rows, mine, group=group, async_op=True)
+            held.work.wait(timeout)
         except RuntimeError as exc:
             _GROUPS.pop(ranks, None)  # (a group whose collective failed is not used again)
-            if work is not None:  # (gloo's worker may still hold them: never destroyed, see distributed._Held)
-                _keep_forever((work, rows, mine))
+            if held.work is not None:
+                _keep_forever(held)
             raise RuntimeError(
                 f"zero_offload: rank {dist.get_rank()} ({len(ranks)} ranks in the FSDP2 mesh): the step's exchange "
                 f"with the other ranks of the mesh failed or did not complete within {timeout}: a peer is not at "
                 "this exchange. It may not be running OffloadOptimizer (torch.optim.AdamW on one host, a config "
                 "typo?), or it is in another collective (a forward's all-gather, a checkpoint), or it died. Nothing "
                 f"was updated on this rank. ({type(exc).__name__}: {exc})") from exc
+        if not held.let_go(_LET_GO_SECONDS):
+            _keep_forever(held)
         order = {r: i for i, r in enumerate(ranks)}
         return sorted(rows.view(-1, len(values) + 1).tolist(), key=lambda row: order[int(row[-1])])
 
