@@ -115,8 +115,9 @@ def scaler_inf_on_replicas(rank, world, make_opt, ranks: Tuple[int, ...], unscal
     """HSDP (two replicas of one shard) with a GradScaler for four steps; at step 1 an inf is put into the first
     block's up-projection's gradient on ``ranks`` after backward (after FSDP's all-reduce: the replicas' verdicts
     differ where ``ranks`` is one of them). ``unscale``: "torch" (``scaler.unscale_`` then torch's clip) or "opt"
-    (``scaler.unscale_`` then ``opt.clip_grad_norm_``, torch's for AdamW); else ``scaler.step`` alone. Returns, per step, the
-    scale after ``update()`` and whether the step left every local shard as it was; and the final local shards."""
+    (``scaler.unscale_`` then ``opt.clip_grad_norm_``, torch's for AdamW); else ``scaler.step`` alone. Returns, per
+    step, the scale after ``update()`` and whether the step left every local shard as it was; and the final local
+    shards."""
     import dataclasses
 
     recipe = dataclasses.replace(h.RECIPES["hsdp_replicate"], clip=None, scaler=True)

@@ -191,9 +191,15 @@ class Mesh(Topology):
         and gloo aborts the process whose buffer is the smaller (``terminate called ... gloo::EnforceNotMet``), or
         both go on with each other's bytes. On its own group the exchange meets only other optimizers' exchanges,
         and waits for them at most the mesh's timeout, then raises naming why (the rank that is elsewhere is not
-        touched: its next collective waits for this rank, and times out, with a Python exception)."""
+        touched: its next collective waits for this rank, and times out, with a Python exception).
+
+        On a GPU mesh (NCCL, which checks no sizes: no abort, but no error either) the exchange stays on the mesh's
+        own groups, on the device: one all-gather over the dimension the shards are cut along and under HSDP one
+        more over the replicas (a gloo group there would put a TCP ring on every step, unmeasured on GPUs)."""
         dist = torch.distributed
         self.exchanges += 1
+        if self.mesh.device_type != "cpu":
+            return self._exchange_on_device(values)
         ranks = tuple(int(r) for r in self.mesh.mesh.flatten().tolist())  # (global ranks, replica by replica)
         mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64)
         rows = mine.new_empty(len(ranks) * mine.numel())
@@ -219,6 +225,16 @@ class Mesh(Topology):
             _keep_forever(held)
         order = {r: i for i, r in enumerate(ranks)}
         return sorted(rows.view(-1, len(values) + 1).tolist(), key=lambda row: order[int(row[-1])])
+
+    def _exchange_on_device(self, values: List[float]) -> List[List[float]]:
+        """:meth:`exchange` over the mesh's own groups, on its device (NCCL moves device tensors only)."""
+        dist = torch.distributed
+        mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64, device=self.mesh.device_type)
+        for group in [self.group] + ([self.replicas] if self.replicas is not None else []):
+            rows = mine.new_empty(dist.get_world_size(group) * mine.numel())
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine, group=group)
+            mine = rows
+        return mine.view(-1, len(values) + 1).tolist()
 
     def replica(self, rows: Sequence[Any]) -> List[Any]:
         """Of an :meth:`exchange`'s rows, those of this rank's replica (all of them without HSDP): the ranks whose

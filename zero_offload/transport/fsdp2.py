@@ -5,14 +5,14 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: one small all-gather
-  per step over the whole mesh, replicas included, on a gloo group of its own that no FSDP collective can pair
-  with: a peer elsewhere, not running this optimizer, is named after the mesh's timeout; it also carries
-  every rank's hyperparameters: ranks that differ raise on every rank, replicas included): every rank decides
-  alike; the norm is the sum over one replica's shards (FSDP has already reduced the gradients over the
-  replicas); and which parameters have a
-  gradient: ranks that differ (a ``.grad`` set to None on some ranks only) raise on every rank, naming the first
-  such parameter, where AdamW would step each rank's shards of it or not, silently;
+  decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: every rank's small
+  row gathered over the whole mesh once a step, replicas included; on a CPU mesh on a gloo group of its own that no
+  FSDP collective can pair with, so a peer elsewhere, not running this optimizer, is named after the mesh's
+  timeout; it also carries every rank's hyperparameters: ranks that differ raise on every rank, replicas
+  included): every rank decides alike; the norm is the sum over one replica's shards (FSDP has already reduced the
+  gradients over the replicas); and which parameters have a gradient: ranks that differ (a ``.grad`` set to None
+  on some ranks only) raise on every rank, naming the first such parameter, where AdamW would step each rank's
+  shards of it or not, silently;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
