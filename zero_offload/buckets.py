@@ -150,7 +150,7 @@ class FlatBucket:
         state lives with the parameters)."""
         return GradSlots(self.params, [p.shape for p in self.params], self.layout, self.full,
                          None if self.shard is None else self.shard.pieces, self.shard is not None and resident,
-                         home.grads_tier, self.label, lazy=lazy)
+                         home.grads_tier, self.shaped_label, lazy=lazy)
 
     def rehome(self, kind: str) -> None:
         """Move the bucket's state into a home of ``kind`` (``"resident"`` or ``"parked"``: stepped on its GPU),
@@ -229,6 +229,13 @@ class FlatBucket:
         """Parameter ``i`` as error messages name it: its group, index in the group and name (where given)."""
         name = f" ({self.names[i]!r})" if self.names else ""
         return f"param group {self.group}, parameter {self.layout.indices[i]}{name}"
+
+    def shaped_label(self, i: int) -> str:
+        """:meth:`label` with the parameter's whole shape (an FSDP2 parameter's, as every rank's errors give it),
+        and this rank's local shard's besides."""
+        whole, local = tuple(self.owners[i].shape), tuple(self.params[i].shape)
+        shard = f" (this rank's shard: {local})" if self.fsdp else ""
+        return f"{self.label(i)} of shape {whole}{shard}"
 
     def collect_grads(self) -> List[Optional[torch.Tensor]]:
         """Each parameter's ``.grad``, checked (see :meth:`GradSlots.collect`), once the parameters are checked

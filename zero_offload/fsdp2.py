@@ -143,11 +143,13 @@ _FSDP_STATE_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_state",
                        "torch.distributed._composable.fsdp._fsdp_state")
 
 
-def registry() -> Dict[int, Tuple[int, Any]]:
+def registry() -> Dict[int, Tuple[int, Any, int]]:
     """``id`` of every parameter FSDP2 manages in this process -> its FSDP unit (an index, per FSDP state and param
-    group) and FSDP's record of it (its ``FSDPParam``). Private (see the module docstring): FSDP's composable-state
-    registry and its param groups."""
-    found: Dict[int, Tuple[int, Any]] = {}
+    group), FSDP's record of it (its ``FSDPParam``) and its place in FSDP's order (of its states as ``fully_shard``
+    made them, then of each unit's parameters: a model's parameters come in the same order on every rank, whatever
+    other models the process holds). Private (see the module docstring): FSDP's composable-state registry and its
+    param groups."""
+    found: Dict[int, Tuple[int, Any, int]] = {}
     classes = [getattr(sys.modules.get(name), "FSDPState", None) for name in _FSDP_STATE_MODULES]
     FSDPState = next((cls for cls in classes if cls is not None), None)
     if FSDPState is None:
@@ -166,7 +168,7 @@ def registry() -> Dict[int, Tuple[int, Any]]:
             groups = [] if group is None else [group]
         for group in groups:
             for fsdp_param in group.fsdp_params:
-                found.setdefault(id(fsdp_param.sharded_param), (unit, fsdp_param))
+                found.setdefault(id(fsdp_param.sharded_param), (unit, fsdp_param, len(found)))
             unit += 1
     return found
 

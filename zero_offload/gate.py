@@ -8,7 +8,9 @@ message about a refused step is here too.
 
 **GradScaler.** ``torch.amp.GradScaler.step`` drives an optimizer that sets ``_step_supports_amp_scaling`` by
 setting ``grad_scale`` (the scale, or None once ``unscale_`` ran) and ``found_inf`` on it before calling
-``step()``, and deleting them after: read here as a :class:`ScalerSignal`.
+``step()``, and deleting them after: read here as a :class:`ScalerSignal`. Where the ranks of an FSDP2 mesh
+disagree (HSDP: torch's check of DTensor gradients reduces ``found_inf`` over the shards, not over the replicas),
+every rank skips, and the scalers that found nothing are told (:func:`overflow_elsewhere`).
 
 **Clipping.** ``clip_grad_norm_`` measures the total norm at once (intake) and leaves a :class:`PendingClip`; the
 next ``step()`` multiplies the gradients by its coefficient inside the kernel.
@@ -17,7 +19,9 @@ next ``step()`` multiplies the gradients by its coefficient inside the kernel.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import sys
 from typing import Any, Optional
 
 import torch
@@ -25,7 +29,9 @@ import torch
 from zero_offload.lane import Plans
 
 __all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
-           "refuse_clipping", "refuse_released_scaler"]
+           "overflow_elsewhere", "refuse_clipping", "refuse_released_scaler"]
+
+logger = logging.getLogger("zero_offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,32 @@ class ScalerSignal:
         if self.grad_scale is None:
             return 1.0
         return float(torch.as_tensor(self.grad_scale).double().reciprocal().float())
+
+
+def overflow_elsewhere(opt: Any, scaler: ScalerSignal) -> ScalerSignal:
+    """``scaler`` as if this rank's GradScaler had found the inf/nan another rank's found (every rank of the mesh
+    skips the step, see ``FSDPTransport.measure``), and the GradScaler driving this ``step()`` told so: its
+    ``found_inf_per_device`` for ``opt`` (what its ``update()`` reads) set, so that it backs its scale off with the
+    others' (a scale kept on some ranks only would scale the replicas' next gradients differently before FSDP
+    averages them). The scaler gives the optimizer no handle on those (``opt.found_inf`` is a sum, a new tensor):
+    they are read from ``GradScaler.step``'s frame up the stack (private: its local ``optimizer_state``)."""
+    from torch.amp import GradScaler
+
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code is GradScaler.step.__code__ and frame.f_locals.get("optimizer")
+                                     is opt):
+        frame = frame.f_back
+    state = frame.f_locals.get("optimizer_state") if frame is not None else None
+    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if found:
+        for t in found.values():
+            t.fill_(1.0)
+    else:
+        logger.warning("OffloadOptimizer: another rank's GradScaler found an inf/nan gradient, so this step is skipped "
+                       "on every rank, but the GradScaler of this rank could not be told (its step() is not up the "
+                       "stack): its scale is not backed off as the others' are")
+    del frame
+    return dataclasses.replace(scaler, overflow=True)
 
 
 # The signal of a step no GradScaler drives, by ``nonfinite`` policy (the step looks it up without a call when the

@@ -206,18 +206,19 @@ def check_grads(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                 shapes: Optional[Sequence[torch.Size]] = None, label: Optional[Callable[[int], str]] = None) -> None:
     """Refuse gradients the kernel cannot take for their parameters: sparse ones, and any shaped unlike the
     parameter (a broadcastable one would be silently expanded by a copy, a smaller one partly applied). C-level
-    loops on the hot path. ``label(k)`` names parameter ``k`` in the error (else its shape alone does)."""
+    loops on the hot path. ``label(k)`` names parameter ``k`` in the error, with its shape (else its shape alone
+    does: the bucket's label gives an FSDP2 parameter's whole shape, and its local shard's besides)."""
     # (``shapes``: the parameters' own, read once: a Parameter's attributes are slow to read.)
     if set(map(_get_layout, grads)) <= {torch.strided} and list(map(_get_shape, grads)) == list(
             shapes if shapes is not None else map(_get_shape, params)):
         return
     for k, (g, p) in enumerate(zip(grads, params)):
-        what = "a parameter" if label is None else label(k)
+        what = f"a parameter of shape {tuple(p.shape)}" if label is None else label(k)
         if g.layout != torch.strided:
             raise RuntimeError(
-                f"OffloadOptimizer does not support sparse gradients ({what} of shape {tuple(p.shape)} has a "
-                f"{g.layout} gradient); consider torch.optim.SparseAdam"
+                f"OffloadOptimizer does not support sparse gradients ({what} has a {g.layout} gradient); consider "
+                "torch.optim.SparseAdam"
             )
         if g.shape != p.shape:
-            raise RuntimeError(f"OffloadOptimizer: {what} of shape {tuple(p.shape)} has a gradient of shape "
-                               f"{tuple(g.shape)}; nothing was updated")
+            raise RuntimeError(f"OffloadOptimizer: {what} has a gradient of shape {tuple(g.shape)}; nothing was "
+                               "updated")

@@ -256,10 +256,11 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             if scaler.present:
                 self._mode.check_scaler()
                 gate.refuse_released_scaler(plans, self._transport.release)
-        found = False
-        if not scaler.overflow:
-            settings = self._topology.settings(hypers, self.options.nonfinite)
-            plans, found = self._transport.measure(plans, settings, scaler.check_nonfinite, clip)
+        settings = self._topology.settings(hypers, self.options.nonfinite)
+        plans, found, overflow = self._transport.measure(plans, settings, scaler.check_nonfinite, clip, scaler.overflow)
+        if overflow and scaler.present and not scaler.overflow:  # (another rank's GradScaler found an inf/nan)
+            self._transport.wait_all(plans)
+            scaler = gate.overflow_elsewhere(self, scaler)
         # Decide.
         decision = gate.decide(scaler, clip, found, self.options.nonfinite)
         if decision.skip is not None:

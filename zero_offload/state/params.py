@@ -141,7 +141,8 @@ class Masters:
             if list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs:
                 self._rebind([i for i, p in enumerate(params) if p.data_ptr() != self.slot_ptrs[i]])
         elif any(p.dtype != self.dtype or p.device != self.device for p in params):
-            self._refuse(next(p for p in params if p.dtype != self.dtype or p.device != self.device), None)
+            self._refuse(next(i for i, p in enumerate(params) if p.dtype != self.dtype or p.device != self.device),
+                         None)
 
     def _rebind(self, indices: Sequence[int]) -> None:
         """Parameters whose data was replaced (``p.data = ...``, ``model.to()`` onto the device they are on, which
@@ -152,7 +153,7 @@ class Masters:
         for i in indices:
             p = self.params[i]
             if p.dtype != self.dtype or p.device != self.device or p.shape != slots[i].shape:
-                self._refuse(p, slots[i].shape)
+                self._refuse(i, slots[i].shape)
         for i in indices:
             p, slot = self.params[i], slots[i]
             slot.copy_(p.detach())
@@ -160,15 +161,17 @@ class Masters:
             self.slot_ptrs[i] = slot.data_ptr()
             self.loaded(i, True)
 
-    def _refuse(self, p: torch.Tensor, shape: Optional[torch.Size]) -> None:
-        """A parameter moved, cast or reshaped since the optimizer was built (``shape``: its shape then, where
-        known)."""
+    def _refuse(self, i: int, shape: Optional[torch.Size]) -> None:
+        """Parameter ``i`` moved, cast or reshaped since the optimizer was built (``shape``: its shape then, where
+        known); named by its whole shape (FSDP2: the DTensor's, not the shard's)."""
+        p = self.params[i]
         was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
         if shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
         raise RuntimeError(
             f"OffloadOptimizer: a parameter's data was moved, cast or reshaped after the optimizer was built: it was "
-            f"{was}, it is now {now} (`model.to(...)`, `p.data = ...`, ...). The optimizer's state lives with the "
+            f"{was}, it is now {now} (a parameter of shape {tuple(self.watch[i].shape)}; `model.to(...)`, "
+            "`p.data = ...`, ...). The optimizer's state lives with the "
             "parameters where it was built: move or cast the model first, then build the optimizer (data replaced "
             "on the parameter's own device, dtype and shape is followed, as AdamW follows it).")
 

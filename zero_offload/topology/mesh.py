@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import fsdp2
-from zero_offload.options import Options, check_params
+from zero_offload import distributed
+from zero_offload.distributed import _LET_GO_SECONDS, _Held, _keep_forever
+from zero_offload.options import Options, agreed_settings, check_params
+from zero_offload.topology.members import Members
 from zero_offload.topology.base import Placement, Topology, _with_margin
 
 if TYPE_CHECKING:  # (annotations only)
@@ -45,11 +48,12 @@ class Mesh(Topology):
 
     alone = False
 
-    def __init__(self, managed: Optional[Dict[int, Tuple[int, Any]]] = None):
+    def __init__(self, managed: Optional[Dict[int, Tuple[int, Any, int]]] = None):
         self.managed = managed
         self.mesh: Any = None
         self.shard_dim = 0
         self.exchanges = 0  # exchanges with the other ranks so far (see FSDPTransport._failing)
+        self.members = Members()
 
     def options(self, options: Options) -> Options:
         # FSDP runs the hooks after each unit's reduce-scatter: the gradients are final there.
@@ -63,7 +67,18 @@ class Mesh(Topology):
     def place(self, tensors: Sequence[torch.Tensor], index: int, layout: Tuple[Tuple[str, Any], ...]) -> Placement:
         """Each rank's buckets hold its local shards, cut at FSDP's units (FSDP does every collective)."""
         check_params(tensors, fsdp=True)
-        return self.plan(tensors)
+        placed = self.plan(tensors)
+        managed = fsdp2.registry() if self.managed is None else self.managed
+        self.members.add(index, tensors, [managed[id(p)][2] for p in tensors], dict(layout))
+        return placed
+
+    def settings(self, hypers: Sequence[Any], nonfinite: str,
+                 clip: Optional[Tuple[float, float]] = None) -> List[Tuple[str, float]]:
+        """As every topology's, and what else changes the arithmetic of a parameter's update on a rank: the
+        options that do (``state_dtype``) and, per parameter in FSDP's order, its group's hyperparameters (a
+        parameter in another param group on some ranks: each group's alike, the parameter's update not);
+        :meth:`Members.name_difference` names what differs."""
+        return [*agreed_settings(hypers, nonfinite, clip), *self.members.settings(hypers)]
 
     def plan(self, params: Sequence[torch.Tensor]) -> Placement:
         """Check that ``params`` are FSDP2's, all on this topology's mesh and cut alike; their local shards, each
@@ -91,7 +106,7 @@ class Mesh(Topology):
                          takeovers=[fsdp2.takeover(p, managed[id(p)][1]) for p in params])
 
     @staticmethod
-    def _shard_dim(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]]) -> int:
+    def _shard_dim(p: torch.Tensor, managed: Dict[int, Tuple[int, Any, int]]) -> int:
         """The mesh dimension ``p``'s shards are cut along, for a placement this topology takes (else the error)."""
         from torch.distributed.tensor import Replicate, Shard
 
@@ -188,13 +203,54 @@ class Mesh(Topology):
 
     def exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
-        the whole mesh: one all-gather over the dimension the shards are cut along (on the mesh's device: NCCL
-        moves device tensors only) and under HSDP one more, of those rows, over the replicas: replica by replica,
-        each replica's rows in shard order (:meth:`replica`). Gloo runs a small all-gather faster than an
-        all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2 ranks of a 2-core VM), and the step waits
-        for it."""
+        the whole mesh, replica by replica, each replica's rows in shard order (:meth:`replica`): one all-gather of
+        host tensors over a gloo group of the mesh's ranks that carries nothing else (:func:`exchange_group`).
+
+        Not over the mesh's own groups: there, a rank that is elsewhere (one running ``torch.optim.AdamW`` by a
+        config typo, already in the next forward's all-gather) would pair this all-gather with FSDP's collective,
+        and gloo aborts the process whose buffer is the smaller (``terminate called ... gloo::EnforceNotMet``), or
+        both go on with each other's bytes. On its own group the exchange meets only other optimizers' exchanges,
+        and waits for them at most the mesh's timeout, then raises naming why (the rank that is elsewhere is not
+        touched: its next collective waits for this rank, and times out, with a Python exception).
+
+        On a GPU mesh (NCCL, which checks no sizes: no abort, but no error either) the exchange stays on the mesh's
+        own groups, on the device: one all-gather over the dimension the shards are cut along and under HSDP one
+        more over the replicas (a gloo group there would put a TCP ring on every step, unmeasured on GPUs); so it
+        does on a torch without ``Tensor._use_count`` (2.3), which cannot hold the host tensors safely (see
+        :class:`zero_offload.distributed._Held`)."""
         dist = torch.distributed
         self.exchanges += 1
+        if self.mesh.device_type != "cpu" or distributed._use_count is None:
+            return self._exchange_on_device(values)
+        ranks = tuple(int(r) for r in self.mesh.mesh.flatten().tolist())  # (global ranks, replica by replica)
+        mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64)
+        rows = mine.new_empty(len(ranks) * mine.numel())
+        timeout = _timeout(self.group, self.mesh.device_type)
+        # (Held until gloo's worker has let go of them, or kept for good: see zero_offload.distributed._Held.)
+        held = _Held([rows, mine])
+        try:
+            group = exchange_group(ranks, timeout)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            held.work = gather(rows, mine, group=group, async_op=True)
+            held.work.wait(timeout)
+        except RuntimeError as exc:
+            _GROUPS.pop(ranks, None)  # (a group whose collective failed is not used again)
+            if held.work is not None:
+                _keep_forever(held)
+            raise RuntimeError(
+                f"zero_offload: rank {dist.get_rank()} ({len(ranks)} ranks in the FSDP2 mesh): the step's exchange "
+                f"with the other ranks of the mesh failed or did not complete within {timeout}: a peer is not at "
+                "this exchange. It may not be running OffloadOptimizer (torch.optim.AdamW on one host, a config "
+                "typo?), or it is in another collective (a forward's all-gather, a checkpoint), or it died. Nothing "
+                f"was updated on this rank. ({type(exc).__name__}: {exc})") from exc
+        if not held.let_go(_LET_GO_SECONDS):
+            _keep_forever(held)
+        order = {r: i for i, r in enumerate(ranks)}
+        return sorted(rows.view(-1, len(values) + 1).tolist(), key=lambda row: order[int(row[-1])])
+
+    def _exchange_on_device(self, values: List[float]) -> List[List[float]]:
+        """:meth:`exchange` over the mesh's own groups, on its device (NCCL moves device tensors only)."""
+        dist = torch.distributed
         mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64, device=self.mesh.device_type)
         for group in [self.group] + ([self.replicas] if self.replicas is not None else []):
             rows = mine.new_empty(dist.get_world_size(group) * mine.numel())
@@ -238,6 +294,33 @@ def _rows(owner: torch.Tensor, coordinate: Sequence[int]) -> str:
     chunk = -(-n // parts)
     start = min(coordinate[-1] * chunk, n)
     return f"{start}:{min(start + chunk, n)}"
+
+
+# The exchange's gloo group of each set of ranks (global, in mesh order), with the default group it was made in:
+# made once per process group at the first step of an optimizer over those ranks (every rank makes it at the same
+# point: its first step) and shared by the optimizers over them; one whose collective failed is dropped (see
+# Mesh.exchange), one of an earlier default group (destroyed, and initialised again) is made anew.
+_GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+
+
+def exchange_group(ranks: Tuple[int, ...], timeout: Any) -> Any:
+    """The gloo group of :meth:`Mesh.exchange` over ``ranks`` (made by the ranks alone, not the whole world:
+    ``use_local_synchronization``); host tensors on any backend (the exchange's values are host floats)."""
+    world = torch.distributed.group.WORLD
+    made, group = _GROUPS.get(ranks, (None, None))
+    if made is not world:
+        group = torch.distributed.new_group(list(ranks), timeout=timeout, backend="gloo",
+                                            use_local_synchronization=True)
+        _GROUPS[ranks] = (world, group)
+    return group
+
+
+def _timeout(group: Any, device_type: str) -> Any:
+    """The mesh's own timeout (its process group's), torch's default where it cannot be read."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except Exception:  # noqa: BLE001 (a backend without options: the default)
+        return torch.distributed.default_pg_timeout
 
 
 def _placement_error(p: torch.Tensor, what: str, advice: str = _OTHER_PLACEMENTS) -> TypeError:

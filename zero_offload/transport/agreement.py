@@ -13,8 +13,12 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from zero_offload.distributed import Comm, _dist
 
-__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "STATE_DICT", "STATS", "STEP_REDUCE", "differing",
-           "digest", "digest_bytes", "meeting_on_failure"]
+__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "PER_PARAMETER", "STATE_DICT", "STATS", "STEP_REDUCE",
+           "differing", "digest", "digest_bytes", "meeting_on_failure"]
+
+# The settings' entry (FSDP2) that carries a digest of each parameter's group's hyperparameters (see
+# zero_offload.topology.members): named per parameter where it differs, not as a value.
+PER_PARAMETER = "the hyperparameters of each parameter's param group, in FSDP's order"
 
 # Where a rank is when it runs a collective of the statistics' size.
 BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0

@@ -52,10 +52,12 @@ __all__ = ["Gathered", "Route", "Transport"]
 
 class Gathered(NamedTuple):
     """What :meth:`Transport.gather` returns: the step's intakes with every gradient where the kernel reads it, and
-    whether one is inf/nan (where checked)."""
+    whether one is inf/nan (where checked); what :meth:`Transport.measure` returns also says whether a GradScaler
+    found an inf/nan on any rank the step's exchange met (``overflow``: then every rank skips the step)."""
 
     plans: Plans
     nonfinite: bool
+    overflow: bool = False
 
 
 class Route:
@@ -270,11 +272,14 @@ class Transport:
         return self.edits.read_edited([[self.receive(lane, fresh=fresh) for lane in group] for group in lanes])
 
     def measure(self, plans: Plans, settings: Sequence[Tuple[str, float]], check: bool,
-                clip: Optional[Any] = None) -> Gathered:
+                clip: Optional[Any] = None, overflow: bool = False) -> Gathered:
         """The step's intake, measured: every gradient gathered where the kernel reads it and, with ``check``,
         whether one is inf/nan (after ``clip_grad_norm_``, whose :class:`~zero_offload.gate.PendingClip` is
         ``clip``, what it gathered and found; the ranks then agree on the step's ``settings`` alone). Then the
-        uploads to come wait for what the compute stream has queued so far."""
+        uploads to come wait for what the compute stream has queued so far. ``overflow``: this rank's GradScaler
+        found an inf/nan: nothing is gathered (the step is skipped; FSDP2's transport meets the others first)."""
+        if overflow:
+            return Gathered(plans, False, True)
         if clip is None:
             gathered = self.gather(plans, check=check, settings=settings)
         else:

@@ -5,13 +5,14 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: one small all-gather
-  per step over the dimension the shards are cut along, and under HSDP one more over the replicas; it also carries
-  every rank's hyperparameters: ranks that differ raise on every rank, replicas included): every rank decides
-  alike; the norm is the sum over one replica's shards (FSDP has already reduced the gradients over the
-  replicas); and which parameters have a
-  gradient: ranks that differ (a ``.grad`` set to None on some ranks only) raise on every rank, naming the first
-  such parameter, where AdamW would step each rank's shards of it or not, silently;
+  decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: every rank's small
+  row gathered over the whole mesh once a step, replicas included; on a CPU mesh on a gloo group of its own that no
+  FSDP collective can pair with, so a peer elsewhere, not running this optimizer, is named after the mesh's
+  timeout; it also carries every rank's hyperparameters: ranks that differ raise on every rank, replicas
+  included): every rank decides alike; the norm is the sum over one replica's shards (FSDP has already reduced the
+  gradients over the replicas); and which parameters have a gradient: ranks that differ (a ``.grad`` set to None
+  on some ranks only) raise on every rank, naming the first such parameter, where AdamW would step each rank's
+  shards of it or not, silently;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
@@ -35,14 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload.buckets import FlatBucket
 from zero_offload.lane import Lane, Plans, SqNorm
-from zero_offload.timeline import NOTHING
-from zero_offload.transport.agreement import differing, digest, digest_bytes, meeting_on_failure
+from zero_offload.transport.agreement import PER_PARAMETER, differing, digest, digest_bytes, meeting_on_failure
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
@@ -103,6 +103,7 @@ class FSDPTransport(Transport):
     def __init__(self, topology: "Mesh", *, release: bool):
         super().__init__(release=release)
         self.topology = topology
+        self.overflowed = False  # whether the step's exchange met a rank marked bad (see measure)
 
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.resident:  # the shards' storage taken over: the kernel writes what FSDP's all-gather reads
@@ -111,10 +112,19 @@ class FSDPTransport(Transport):
 
     @staticmethod
     def _take_grads(lane: Lane) -> None:
-        """Hand the owners' gradients (DTensors) to the local shards the route reads."""
-        for p, owner in zip(lane.bucket.params, lane.bucket.owners):
+        """Hand the owners' gradients (DTensors) to the local shards the route reads. A gradient whose local part
+        is not shaped like the local shard (a DTensor gradient built by hand) is refused, naming the parameter with
+        its whole shape (torch's own error would name the shard's alone)."""
+        bucket = lane.bucket
+        for i, (p, owner) in enumerate(zip(bucket.params, bucket.owners)):
             g = owner.grad
-            p.grad = None if g is None else g.to_local()
+            local = None if g is None else g.to_local()
+            if local is not None and local.shape != p.shape:
+                raise RuntimeError(
+                    f"OffloadOptimizer: {bucket.shaped_label(i)} has a gradient whose part on this rank has shape "
+                    f"{tuple(local.shape)} (a DTensor gradient of shape {tuple(g.shape)}, placed "
+                    f"{tuple(g.placements)}); nothing was updated")
+            p.grad = local
 
     def send_grads(self, lane: Lane) -> None:
         self._take_grads(lane)
@@ -146,11 +156,14 @@ class FSDPTransport(Transport):
         updated."""
         phase = CLIP if clipping else STEP
         with self._failing(phase):
-            plans, bad = super().gather(plans, check=check)
+            plans, bad = super().gather(plans, check=check)[:2]
             sq, local_bad = self._local_sq(plans) if clipping else (0.0, bad)
         present = bytes(bytearray(has for intake in every(plans) for has in intake.present))
         rows = self._meet(phase, settings, sq, local_bad, digest_bytes(present))
-        if len({row.present for row in rows}) > 1:
+        # (A rank marked bad skips the step with every rank: its GradScaler's overflow, see measure, gives no
+        # presence; an inf/nan the intake found refuses or skips the step.)
+        self.overflowed = any(row.bad > 0 for row in rows)
+        if not self.overflowed and len({row.present for row in rows}) > 1:
             self._refuse_presence(plans, present, rows)
         sq = sum(row.sq for row in self.topology.replica(rows))  # (one replica's shards make each parameter once)
         self.stats = SqNorm(sq, any(row.bad > 0 for row in rows) or not math.isfinite(sq))
@@ -158,11 +171,26 @@ class FSDPTransport(Transport):
 
     def agree(self, settings: Sequence[Tuple[str, float]]) -> None:
         """``step()`` after ``clip_grad_norm_`` (which gathered the statistics): the settings alone."""
-        self._meet(AFTER_CLIP, settings)
+        self.overflowed = any(row.bad > 0 for row in self._meet(AFTER_CLIP, settings))
+
+    def measure(self, plans: Plans, settings: Sequence[Tuple[str, float]], check: bool,
+                clip: Optional[Any] = None, overflow: bool = False) -> Gathered:
+        """As the transport's, and a GradScaler's verdict made the mesh's: torch's own check of DTensor gradients
+        (``_amp_foreach_non_finite_check_and_unscale_``) takes the max of ``found_inf`` over the dimension the
+        shards are cut along only, so under HSDP a replica whose gradients hold an inf/nan (one edited after
+        FSDP's all-reduce) finds one where the others do not. A rank that found one meets the others' exchange
+        anyway, marked ``bad`` (the others find no inf of their own there: their scaler checked, the intake did
+        not), and every rank skips: the others are told so by ``overflow``."""
+        if overflow:
+            self._meet(AFTER_CLIP if clip is not None else STEP, settings, bad=True)
+            return Gathered(plans, False, True)
+        self.overflowed = False
+        gathered = super().measure(plans, settings, check, clip)
+        return gathered._replace(overflow=self.overflowed)
 
     def together(self, skipped: bool = False) -> contextlib.AbstractContextManager:
-        # (A GradScaler's inf/nan is the mesh's under FSDP2: every rank skips the step, and meets nobody.)
-        return NOTHING if skipped else self._failing(STEP)
+        # (A rank whose GradScaler found an inf/nan, ``skipped``, meets the others too: see measure.)
+        return self._failing(STEP)
 
     def _failing(self, phase: float) -> contextlib.AbstractContextManager:
         """:func:`~zero_offload.transport.agreement.meeting_on_failure` before the exchange of ``phase``."""
@@ -196,16 +224,26 @@ class FSDPTransport(Transport):
         return rows
 
     def _name_settings(self, settings: Sequence[Tuple[str, float]], where: str) -> None:
-        """The ranks' settings differ (their digests did): exchange them and raise, naming those that differ."""
-        rows = self._exchange_listed([float(v) for _, v in settings], where,
-                                     "settings (a param group added on some ranks only?)")
-        listed = differing(settings, rows, [_rank(row) for row in rows])
-        if not listed:
-            return
-        raise RuntimeError(
-            f"{where}: the ranks step with different hyperparameters: {listed}. Each rank would update its shards "
-            "with its own, and FSDP's all-gather would join them: every rank must use the same (an LR scheduler "
-            "stepped on one rank only?). Nothing was updated.")
+        """The ranks' settings differ (their digests did): exchange them and raise, naming those that differ; where
+        only the per-parameter digest differs, or the ranks have different numbers of settings (of param groups),
+        the first parameter whose group's hyperparameters differ is named
+        (:meth:`~zero_offload.topology.members.Members.name_difference`)."""
+        rows = self._exchange_listed([float(v) for _, v in settings], where, None)
+        if rows is not None:
+            per = [j for j, (name, _) in enumerate(settings) if name == PER_PARAMETER]
+            rows = [[0.0 if j in per else x for j, x in enumerate(row)] for row in rows]  # (named below instead)
+            listed = differing(settings, rows, [_rank(row) for row in rows])
+            if listed:
+                raise RuntimeError(
+                    f"{where}: the ranks step with different hyperparameters or options: {listed}. Each rank would "
+                    "update its shards with its own, and FSDP's all-gather would join them: every rank must use the "
+                    "same (an LR scheduler stepped on one rank only?). Nothing was updated.")
+        if any(name == PER_PARAMETER for name, _ in settings):
+            self.topology.members.name_difference(lambda values, what: self._exchange_listed(values, where, what),
+                                                  where)
+        if rows is None:
+            self._exchange_listed([float(v) for _, v in settings], where, "settings (a param group added on some "
+                                  "ranks only?)")
 
     def _refuse_presence(self, plans: Plans, present: bytes, rows: List[Row]) -> None:
         """The ranks' gradients are on different parameters (their digests in ``rows`` differed): exchange which,
@@ -223,12 +261,14 @@ class FSDPTransport(Transport):
             "and FSDP's all-gather would join a parameter updated on some ranks only: every rank must step the same "
             "parameters. Nothing was updated.")
 
-    def _exchange_listed(self, values: List[float], where: str, what: str) -> List[List[float]]:
+    def _exchange_listed(self, values: List[float], where: str, what: Optional[str]) -> Optional[List[List[float]]]:
         """:meth:`Mesh.exchange` of lists whose lengths may differ between the ranks (the values of what their
         digests found different): the lengths first, and a ``RuntimeError`` on every rank naming ``what`` where
-        they differ."""
+        they differ (``what`` None: None is returned then)."""
         lengths = [int(row[0]) for row in self.topology.exchange([float(len(values))])]
         if len(set(lengths)) > 1:
+            if what is None:
+                return None
             raise RuntimeError(f"{where}: the ranks step with different numbers of {what} ({lengths}, by rank). "
                                "Nothing was updated.")
         return self.topology.exchange(values)
