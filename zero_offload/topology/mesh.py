@@ -1,12 +1,23 @@
-"""The topology of FSDP2's sharded parameters (:class:`Mesh`): each parameter a ``DTensor`` on one device mesh,
-``Shard(0)`` on a 1-D mesh (FSDP) or ``(Replicate(), Shard(0))`` on a 2-D mesh (HSDP: the shards replicated over
-the first dimension, every replica updating its shard alike). What the mesh means is said here and nowhere else:
-which placements are taken, this rank's part of a parameter (its local shard) and of a loaded value, the mesh's
-collectives the step makes (an exchange of every rank's small row over the whole mesh, and a reduction over the
-dimension the shards are cut along, which counts each element once), and the total norm as a ``DTensor``
-replicated over the mesh. FSDP2's own records (which parameters it manages, the storage it keeps for a shard) are
-:mod:`zero_offload.fsdp2`'s; the step's protocol over these collectives is the FSDP2 transport's
-(:mod:`zero_offload.transport.fsdp2`).
+"""The topology of FSDP2's sharded parameters (:class:`Mesh`): each parameter a ``DTensor`` on one device mesh of any
+shape FSDP2 and tensor parallelism make: ``Shard(0)`` on a 1-D mesh (FSDP), ``(Replicate(), Shard(0))`` on a 2-D
+mesh (HSDP), ``(Shard(0) or _StridedShard(0), Shard(k) or Replicate())`` on a 2-D (dp, tp) mesh (FSDP + TP:
+``parallelize_module`` then ``fully_shard``), and HSDP + TP on a 3-D one. The update is elementwise, so each rank
+steps the local tensor it holds whatever the placements; what the mesh means is said here and nowhere else:
+
+* which parameters are taken: those FSDP2 manages (FSDP's own registry, as placements alone cannot tell a
+  tensor-parallel parameter FSDP2 never saw), sharded by FSDP along dimension 0, with placements ``Shard``,
+  ``_StridedShard`` or ``Replicate`` on each mesh dimension;
+* which rank counts a piece in the total norm: a piece replicated over some mesh dimensions (HSDP's replicas, a
+  tensor-parallel ``Replicate()``: a LayerNorm's weight under ``SequenceParallel``) is held alike by several ranks,
+  and only the one at coordinate 0 along each of those dimensions counts it (:attr:`Mesh.counted`), so that a sum
+  over every rank counts each element once;
+* this rank's part of a loaded value (the box of the full tensor its placements give it);
+* the mesh's collectives the step makes: an exchange of every rank's small row over the whole mesh (one all-gather
+  per mesh dimension) and a reduction over the whole mesh (one all-reduce per dimension);
+* the total norm as a ``DTensor`` replicated over the mesh.
+
+FSDP2's own records (which parameters it manages, the storage it keeps for a shard) are :mod:`zero_offload.fsdp2`'s;
+the step's protocol over these collectives is the FSDP2 transport's (:mod:`zero_offload.transport.fsdp2`).
 
 ``torch.distributed`` is imported only once a ``DTensor`` parameter is given: ``import zero_offload`` stays cheap.
 """
@@ -27,8 +38,8 @@ if TYPE_CHECKING:  # (annotations only)
 
 __all__ = ["Mesh"]
 
-_OTHER_PLACEMENTS = ("Tensor parallelism and other placements are not supported: shard the model with fully_shard "
-                     "alone (or keep torch.optim.AdamW for it)")
+_TAKEN = ("FSDP2's sharded parameters (fully_shard, alone or over parallelize_module's tensor-parallel ones: Shard, "
+          "_StridedShard or Replicate on each mesh dimension, FSDP's own along dimension 0)")
 
 
 class Mesh(Topology):
@@ -39,8 +50,10 @@ class Mesh(Topology):
             None: read when a group is placed.
 
     Attributes:
-        mesh (DeviceMesh): the parameters' mesh, and ``shard_dim`` the dimension their shards are cut along (1
-            under HSDP, whose dimension 0 replicates); set by the first group placed.
+        mesh (DeviceMesh): the parameters' mesh; set by the first group placed.
+        counted (dict): per param group (by index), per parameter: whether this rank counts its local piece in
+            the total norm (it holds a piece no rank before it along a ``Replicate()`` dimension counts); and
+            ``counts_all`` whether it counts every one.
     """
 
     alone = False
@@ -48,7 +61,8 @@ class Mesh(Topology):
     def __init__(self, managed: Optional[Dict[int, Tuple[int, Any]]] = None):
         self.managed = managed
         self.mesh: Any = None
-        self.shard_dim = 0
+        self.counted: Dict[int, List[bool]] = {}
+        self.counts_all = True  # (no parameter's piece is another rank's to count: the step measures as without)
         self.exchanges = 0  # exchanges with the other ranks so far (see FSDPTransport._failing)
 
     def options(self, options: Options) -> Options:
@@ -61,14 +75,17 @@ class Mesh(Topology):
         return _with_margin(FSDPTransport(self, release=options.release_grads), options)
 
     def place(self, tensors: Sequence[torch.Tensor], index: int, layout: Tuple[Tuple[str, Any], ...]) -> Placement:
-        """Each rank's buckets hold its local shards, cut at FSDP's units (FSDP does every collective)."""
+        """Each rank's buckets hold its local tensors, cut at FSDP's units (FSDP does every collective)."""
         check_params(tensors, fsdp=True)
-        return self.plan(tensors)
+        placed = self.plan(tensors)
+        self.counted[index] = [self._counts(p) for p in tensors]
+        self.counts_all = all(all(counted) for counted in self.counted.values())
+        return placed
 
     def plan(self, params: Sequence[torch.Tensor]) -> Placement:
-        """Check that ``params`` are FSDP2's, all on this topology's mesh and cut alike; their local shards, each
-        one's FSDP unit and :func:`~zero_offload.fsdp2.takeover`. Raises ``TypeError`` naming what cannot be taken
-        (a plain parameter among them, another placement, a DTensor FSDP does not manage)."""
+        """Check that ``params`` are FSDP2's, all on this topology's mesh; their local tensors, each one's FSDP unit
+        and :func:`~zero_offload.fsdp2.takeover`. Raises ``TypeError`` naming what cannot be taken (a plain
+        parameter among them, a DTensor FSDP does not manage or shards along another dimension, another mesh)."""
         plain = [p for p in params if not fsdp2.is_dtensor(p)]
         if plain:
             mixed = "a param group mixes" if len(plain) < len(params) else "the param groups mix"
@@ -77,38 +94,29 @@ class Mesh(Topology):
                 f"{tuple(plain[0].shape)}): every parameter of the model must be sharded with fully_shard (wrap the "
                 "root module too: fully_shard(model)), or none")
         managed = fsdp2.registry() if self.managed is None else self.managed
-        units, mesh, shard_dim = [], self.mesh, self.shard_dim
+        units, mesh = [], self.mesh
         for p in params:
-            dim = self._shard_dim(p, managed)
+            _check_placements(p, managed)
             if mesh is None:
-                mesh, shard_dim = p.device_mesh, dim
-            elif mesh != p.device_mesh or shard_dim != dim:
-                raise TypeError("OffloadOptimizer: the FSDP2 parameters are on different device meshes (or cut along "
-                                "different dimensions); build one optimizer per mesh")
+                mesh = p.device_mesh
+            elif mesh != p.device_mesh:
+                raise TypeError(
+                    f"OffloadOptimizer: the FSDP2 parameters are on different device meshes ({_named(mesh)} and "
+                    f"{_named(p.device_mesh)}, for a parameter of shape {tuple(p.shape)} placed {tuple(p.placements)})"
+                    ": the total norm and the ranks' agreement are taken over one mesh. Give every parameter the "
+                    "same mesh (parallelize every module of the model over the tensor-parallel dimension, as "
+                    "torchtitan does: SequenceParallel for its norms), or build one optimizer per mesh")
             units.append(managed[id(p)][0])
-        self.mesh, self.shard_dim = mesh, shard_dim  # (only once every parameter was taken)
+        self.mesh = mesh  # (only once every parameter was taken)
         return Placement(data=[fsdp2.local_shard(p) for p in params], units=units,
                          takeovers=[fsdp2.takeover(p, managed[id(p)][1]) for p in params])
 
     @staticmethod
-    def _shard_dim(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]]) -> int:
-        """The mesh dimension ``p``'s shards are cut along, for a placement this topology takes (else the error)."""
-        from torch.distributed.tensor import Replicate, Shard
-
-        placements, ndim = tuple(p.placements), p.device_mesh.ndim
-        if ndim == 1 and placements == (Shard(0),):
-            shard_dim = 0
-        elif ndim == 2 and placements == (Replicate(), Shard(0)):
-            shard_dim = 1
-        elif id(p) in managed and (ndim == 1 or placements[0] == Replicate()):  # (shard_placement_fn)
-            raise _placement_error(p, "FSDP2 shards it along another dimension (shard_placement_fn)",
-                                   "Shard it along dimension 0 (shard_placement_fn returning None for it), or keep "
-                                   "torch.optim.AdamW for this model")
-        else:
-            raise _placement_error(p, "not a placement FSDP2 gives")
-        if id(p) not in managed:
-            raise _placement_error(p, "FSDP2 does not manage it (tensor parallelism gives the same placements)")
-        return shard_dim
+    def _counts(p: torch.Tensor) -> bool:
+        """Whether this rank counts ``p``'s local piece in the total norm: it is at coordinate 0 along every mesh
+        dimension that replicates ``p`` (the other ranks there hold the same piece)."""
+        mesh = p.device_mesh
+        return all(mesh.get_local_rank(d) == 0 for d, pl in enumerate(p.placements) if pl.is_replicate())
 
     def built(self) -> None:
         self.managed = None  # (FSDP2's registry: every FSDP model of the process, collected or not)
@@ -128,11 +136,11 @@ class Mesh(Topology):
         return DTensor.from_local(norm.to(owner.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     def local_value(self, value: Any, owner: torch.Tensor) -> Any:
-        """A loaded state value for the parameter ``owner``, as its local shard: a DTensor's own (placed like the
+        """A loaded state value for the parameter ``owner``, as its local tensor: a DTensor's own (placed like the
         parameter), or, for a plain tensor of the parameter's full shape (a checkpoint of an unsharded model), the
-        rows this rank holds (FSDP2 cuts dimension 0 as ``torch.chunk`` does). Anything else is returned as it is
-        (and refused by the caller's checks). A DTensor whose local shard is not this rank's shape (one that another
-        rank saved with ``torch.save``, or a rank at another world size) is refused."""
+        piece this rank holds under the parameter's placements. Anything else is returned as it is (and refused by
+        the caller's checks). A DTensor whose local tensor is not this rank's shape (one that another rank saved
+        with ``torch.save``, or a rank at another mesh shape) is refused."""
         if fsdp2.is_dtensor(value):
             if tuple(value.placements) != tuple(owner.placements) or value.shape != owner.shape:
                 raise ValueError(f"a state DTensor placed {tuple(value.placements)} with shape {tuple(value.shape)} "
@@ -147,56 +155,32 @@ class Mesh(Topology):
                     "rank its own shard")
             return local
         if isinstance(value, torch.Tensor) and value.dim() and value.shape == owner.shape:
-            mesh = owner.device_mesh
-            shard_dim = mesh.ndim - 1
-            rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
-            chunks = torch.chunk(value, world, dim=0)
-            if rank < len(chunks):
-                return chunks[rank]
-            return value.narrow(0, 0, 0)
+            return _piece(value, owner)
         return value
 
     # -- the mesh's collectives ------------------------------------------------------------------------------------
-    @property
-    def group(self) -> Any:
-        """The process group of the dimension the shards are cut along: a sum over it counts each element once."""
-        return self.mesh.get_group(mesh_dim=self.shard_dim)
-
-    @property
-    def replicas(self) -> Optional[Any]:
-        """Under HSDP, the process group of this rank's replicas (mesh dimension 0); else None."""
-        return self.mesh.get_group(mesh_dim=0) if self.mesh.ndim == 2 else None
-
     def exchange(self, values: List[float]) -> List[List[float]]:
         """Every rank's ``values`` (of one length on every rank) and its global rank (the last of each row), over
-        the whole mesh: one all-gather over the dimension the shards are cut along (on the mesh's device: NCCL
-        moves device tensors only) and under HSDP one more, of those rows, over the replicas: replica by replica,
-        each replica's rows in shard order (:meth:`replica`). Gloo runs a small all-gather faster than an
-        all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2 ranks of a 2-core VM), and the step waits
-        for it."""
+        the whole mesh, in the mesh's order (row-major over its coordinates): one all-gather per mesh dimension,
+        the last first, each of the rows gathered so far (on the mesh's device: NCCL moves device tensors only).
+        Gloo runs a small all-gather faster than an all-reduce of the same size (0.3-0.4 against 0.45-1.0 ms on 2
+        ranks of a 2-core VM), and the step waits for it."""
         dist = torch.distributed
         self.exchanges += 1
         mine = torch.tensor([*values, float(dist.get_rank())], dtype=torch.float64, device=self.mesh.device_type)
-        for group in [self.group] + ([self.replicas] if self.replicas is not None else []):
+        for d in reversed(range(self.mesh.ndim)):
+            group = self.mesh.get_group(mesh_dim=d)
             rows = mine.new_empty(dist.get_world_size(group) * mine.numel())
             (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, mine, group=group)
             mine = rows
         return mine.view(-1, len(values) + 1).tolist()
 
-    def replica(self, rows: Sequence[Any]) -> List[Any]:
-        """Of an :meth:`exchange`'s rows, those of this rank's replica (all of them without HSDP): the ranks whose
-        shards make each parameter once."""
-        replicas = self.replicas
-        if replicas is None:
-            return list(rows)
-        n = torch.distributed.get_world_size(self.group)
-        at = torch.distributed.get_rank(replicas) * n
-        return list(rows[at : at + n])
-
     def reduce(self, values: List[float], op: Any) -> List[float]:
-        """A small all-reduce over the dimension the shards are cut along (on the mesh's device)."""
+        """A small all-reduce over the whole mesh (one per mesh dimension, on the mesh's device): each rank gives
+        what it counts (:attr:`counted`), so a sum counts each element once."""
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device_type)
-        torch.distributed.all_reduce(t, op=op, group=self.group)
+        for d in range(self.mesh.ndim):
+            torch.distributed.all_reduce(t, op=op, group=self.mesh.get_group(mesh_dim=d))
         return t.tolist()
 
     def fewest(self, count: int, what: str) -> int:
@@ -207,8 +191,55 @@ class Mesh(Topology):
         return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
 
 
-def _placement_error(p: torch.Tensor, what: str, advice: str = _OTHER_PLACEMENTS) -> TypeError:
+def _check_placements(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]]) -> None:
+    """Raise ``TypeError`` naming why ``p`` cannot be taken: FSDP2 does not manage it (tensor parallelism alone),
+    shards it along another dimension than 0 (``shard_placement_fn``), or a placement is neither a shard nor a
+    replica (``Partial``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    record = managed.get(id(p))
+    if record is None:
+        raise _placement_error(p, "FSDP2 does not manage it (tensor parallelism without fully_shard gives such "
+                               "placements)", "Shard the model with fully_shard too (over the data-parallel mesh "
+                               "dimension, after parallelize_module), or keep torch.optim.AdamW for it")
+    fsdp_placement = getattr(record[1], "fsdp_placement", None)  # (FSDPParam's: its own dimension-0 shard)
+    if fsdp_placement is not None and fsdp_placement != Shard(0):
+        raise _placement_error(p, f"FSDP2 shards it along another dimension ({fsdp_placement}, shard_placement_fn)",
+                               "Shard it along dimension 0 (shard_placement_fn returning None for it), or keep "
+                               "torch.optim.AdamW for this model")
+    strided = _strided_shard()
+    odd = [pl for pl in p.placements
+           if not isinstance(pl, (Shard, Replicate) + ((strided,) if strided is not None else ()))]
+    if odd:
+        raise _placement_error(p, f"{odd[0]} is neither a shard nor a replica")
+
+
+def _strided_shard() -> Any:
+    """``_StridedShard`` (private: FSDP2's placement over a tensor-parallel ``Shard`` of the same dimension), or
+    None in a torch without it."""
+    from torch.distributed.tensor import placement_types
+
+    return getattr(placement_types, "_StridedShard", None)
+
+
+def _piece(value: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """The box of ``value`` (a full tensor of ``owner``'s shape) that this rank's local tensor of ``owner`` holds.
+    Private: ``compute_local_shape_and_global_offset``, what DCP plans every DTensor's chunk with (``_StridedShard``
+    included), there being no public way to ask where a rank's piece sits."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(owner.shape, owner.device_mesh, owner.placements)
+    for dim, (start, size) in enumerate(zip(offset, shape)):
+        value = value.narrow(dim, min(start, value.size(dim)), size)
+    return value
+
+
+def _named(mesh: Any) -> str:
+    names = getattr(mesh, "mesh_dim_names", None)
+    return f"{tuple(mesh.shape)}" + (f" {names}" if names else "")
+
+
+def _placement_error(p: torch.Tensor, what: str, advice: str = "Keep torch.optim.AdamW for this model") -> TypeError:
     return TypeError(
-        f"OffloadOptimizer takes FSDP2's sharded parameters (Shard(0) on a 1-D mesh, or (Replicate(), Shard(0)) on a "
-        f"2-D mesh for HSDP), but a parameter of shape {tuple(p.shape)} is a DTensor with placements "
+        f"OffloadOptimizer takes {_TAKEN}, but a parameter of shape {tuple(p.shape)} is a DTensor with placements "
         f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: {what}. {advice}")
