@@ -1,0 +1,377 @@
+"""OffloadOptimizer under FSDP2 + tensor parallelism (``parallelize_module`` over the ``tp`` dimension of a device
+mesh, then ``fully_shard`` over its ``dp`` dimension), on CPU with gloo at world 4, against ``torch.optim.AdamW(
+foreach=False)`` on the same DTensor model: parameters and both moments (gathered through DCP's
+``get_optimizer_state_dict``), the clip's norm, every step for 20 steps, with clipping and two accumulated
+micro-batches, at default fp32 ``assert_close`` tolerance.
+
+Each TP style has a model of its own (:data:`STYLES`): ``colwise`` (two ``ColwiseParallel`` linears: every parameter
+sharded over both dimensions, ``_StridedShard`` over ``dp``), ``rowwise`` (two ``RowwiseParallel`` linears: their
+biases replicated over ``tp``) and ``sequence`` (torchtitan's: a ``SequenceParallel`` LayerNorm, replicated over
+``tp``, then colwise and rowwise linears). Ours clips with ``opt.clip_grad_norm_`` and, in another run, with
+``torch.nn.utils.clip_grad_norm_``. A DCP checkpoint saved on the (2 x 2) mesh is resumed on (4 x 1) and (1 x 4)
+by each optimizer (and by ours from AdamW's), the continuations compared; HSDP + TP runs on a (2 x 1 x 2) mesh.
+
+All jobs run in one spawn of 4 ranks (the ``world4`` fixture); the tests read their outcomes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp2_harness as h
+from zero_offload import OffloadOptimizer
+
+try:
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since torch 2.6)
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401
+except ImportError:
+    fully_shard = None
+
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.skipif(fully_shard is None, reason="FSDP2 + TP needs torch >= 2.6")]
+
+WORLD = 4
+DIM, FFN = 6, 12  # 6 rows: 3 + 3 over dp 2, 2 + 2 + 2 + 0 over dp 4 (an empty local tensor)
+BATCH, SEQ = 4, 4  # divisible by every dp and tp size used
+STEPS, SAVE_AT = 20, 10
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.05  # well below the gradient norm: every step is clipped
+ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
+OURS = OffloadOptimizer
+
+
+class Net(nn.Module):
+    """``norm`` (a LayerNorm, the ``sequence`` style's only), ``up`` (DIM -> FFN) and ``down`` (FFN -> DIM)."""
+
+    def __init__(self, norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM) if norm else None
+        self.up = nn.Linear(DIM, FFN)
+        self.down = nn.Linear(FFN, DIM)
+
+    def forward(self, x):
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.down(F.gelu(self.up(x)))
+
+
+def _plan(style: str) -> Dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if style == "colwise":
+        return {"up": ColwiseParallel(output_layouts=Replicate()), "down": ColwiseParallel(output_layouts=Replicate())}
+    if style == "rowwise":
+        return {"up": RowwiseParallel(input_layouts=Replicate()), "down": RowwiseParallel(input_layouts=Replicate())}
+    return {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel()}
+
+
+STYLES = ("colwise", "rowwise", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One training loop: the TP ``style``, the mesh's ``shape`` ((dp, tp), or (replicate, shard, tp): HSDP + TP),
+    the optimizer, and how ours clips (``"opt"``: ``opt.clip_grad_norm_``; ``"torch"``: torch's)."""
+
+    style: str
+    make_opt: Any
+    shape: Tuple[int, ...] = (2, 2)
+    clip_with: str = "opt"
+
+
+def build(setup: Setup, seed: int = 0) -> h.Loop:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    names = ("dp", "tp") if len(setup.shape) == 2 else ("replicate", "shard", "tp")
+    mesh = init_device_mesh("cpu", setup.shape, mesh_dim_names=names)
+    torch.manual_seed(seed)
+    model = Net(norm=setup.style == "sequence")
+    parallelize_module(model, mesh["tp"], _plan(setup.style))
+    fully_shard(model, mesh=mesh[names[:-1]])
+    return h.Loop(model, setup.make_opt(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+
+
+def _coords(setup: Setup) -> Tuple[int, int, int]:
+    """This rank's data-parallel index, the number of data-parallel ranks, and its tensor-parallel index."""
+    tp = setup.shape[-1]
+    dp = WORLD // tp
+    return dist.get_rank() // tp, dp, dist.get_rank() % tp
+
+
+def train_step(loop: h.Loop, setup: Setup, step: int) -> float:
+    """Two accumulated micro-batches, the clip, the step; returns the total norm the clip measured."""
+    model, opt = loop.model, loop.opt
+    d, dp, t = _coords(setup)
+    tp = setup.shape[-1]
+    opt.zero_grad(set_to_none=True)
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        g = torch.Generator().manual_seed(1000 * step + micro)
+        x, target = torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
+        rows = slice(d * BATCH // dp, (d + 1) * BATCH // dp)
+        x, target = x[rows], target[rows]
+        if setup.style == "sequence":  # SequenceParallel takes each tp rank's piece of the sequence
+            x = x[:, t * SEQ // tp : (t + 1) * SEQ // tp]
+        (F.mse_loss(model(x), target) / 2).backward()
+    if setup.clip_with == "opt" and hasattr(opt, "clip_grad_norm_"):
+        norm = opt.clip_grad_norm_(CLIP)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    return float(h._full(norm))
+
+
+def save(path: str, loop: h.Loop) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(loop.model), "optim": get_optimizer_state_dict(loop.model, loop.opt)},
+             checkpoint_id=path)
+    dist.barrier()
+
+
+def load(path: str, loop: h.Loop) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    sd = {"model": get_model_state_dict(loop.model), "optim": get_optimizer_state_dict(loop.model, loop.opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(loop.model, sd["model"])
+    set_optimizer_state_dict(loop.model, loop.opt, sd["optim"])
+
+
+def train(rank: int, world: int, setup: Setup, workdir: str, save_as: Optional[str] = None,
+          start_from: Optional[str] = None, first: int = 0) -> List[Optional[h.Snapshot]]:
+    """``setup`` trained from step ``first`` (loading checkpoint ``start_from`` into a model built from another
+    seed) to :data:`STEPS`, saving checkpoint ``save_as`` before step :data:`SAVE_AT`; a snapshot per step."""
+    loop = build(setup, seed=0 if start_from is None else 1)
+    if start_from is not None:
+        load(os.path.join(workdir, start_from), loop)
+    snaps: List[Optional[h.Snapshot]] = [None] * first
+    for step in range(first, STEPS):
+        if step == SAVE_AT and save_as:
+            save(os.path.join(workdir, save_as), loop)
+        norm = train_step(loop, setup, step)
+        snaps.append(h.snapshot(loop, norm, rank, last=step == STEPS - 1))
+    return snaps
+
+
+def placements(rank: int, world: int, style: str) -> Dict[str, str]:
+    """Each parameter's placements under ``style`` on the (2 x 2) mesh."""
+    loop = build(Setup(style, ADAMW))
+    return {n: str(tuple(p.placements)) for n, p in loop.model.named_parameters()}
+
+
+def load_full_tensors(rank: int, world: int, style: str) -> List[str]:
+    """A state dict of plain full tensors (an unsharded model's) loaded into ours: each rank keeps the piece its
+    placements give it (checked against DTensor's own redistribution of the full tensor). Returns the problems."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    loop = build(Setup(style, OURS))
+    opt, problems = loop.opt, []
+    params = list(loop.model.parameters())
+    full = {i: torch.arange(p.numel(), dtype=torch.float32).view(p.shape) * (i + 1) for i, p in enumerate(params)}
+    sd = opt.state_dict()
+    sd["state"] = {i: {"step": torch.tensor(3.0), "exp_avg": f, "exp_avg_sq": f.abs() + 1} for i, f in full.items()}
+    opt.load_state_dict(sd)
+    for i, p in enumerate(params):
+        mesh = p.device_mesh
+        whole = DTensor.from_local(full[i], mesh, [Replicate()] * mesh.ndim, run_check=False)
+        want = whole.redistribute(mesh, p.placements).to_local()
+        got = opt.state[p]["exp_avg"]
+        if not isinstance(got, DTensor) or tuple(got.placements) != tuple(p.placements):
+            problems.append(f"{i}: {type(got).__name__} {getattr(got, 'placements', None)}")
+        elif not torch.equal(got.to_local(), want):
+            problems.append(f"{i} {tuple(p.placements)}: {got.to_local().tolist()} != {want.tolist()}")
+    return problems
+
+
+def refuse_mixed_meshes(rank: int, world: int) -> Optional[str]:
+    """A model whose ``down`` is not tensor-parallel: its parameters are on the dp mesh alone, the others on the
+    2-D one; refused, naming both meshes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(output_layouts=_replicate())})
+    fully_shard(model, mesh=mesh["dp"])
+    try:
+        OURS(model.parameters(), lr=LR)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def _backward(loop: h.Loop, setup: Setup) -> None:
+    d, dp, t = _coords(setup)
+    tp = setup.shape[-1]
+    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(7))
+    x = x[d * BATCH // dp : (d + 1) * BATCH // dp]
+    if setup.style == "sequence":
+        x = x[:, t * SEQ // tp : (t + 1) * SEQ // tp]
+    loop.model(x).square().mean().backward()
+
+
+def norm_types(rank: int, world: int, style: str) -> Dict[str, Tuple[float, float]]:
+    """``opt.clip_grad_norm_``'s total norm of each type beside torch's on the same gradients (a max_norm far
+    above it: nothing is scaled)."""
+    out = {}
+    for norm_type in (2.0, 1.0, 3.0, float("inf")):
+        loop = build(Setup(style, OURS))
+        _backward(loop, Setup(style, OURS))
+        expected = h._full(torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 1e9, norm_type=norm_type))
+        got = h._full(loop.opt.clip_grad_norm_(1e9, norm_type=norm_type))
+        out[str(norm_type)] = (float(got), float(expected))
+    return out
+
+
+def refuse_disagreement_between_tp_peers(rank: int, world: int) -> Dict[str, Any]:
+    """Rank 3 (rank 2's tensor-parallel peer, rank 1's data-parallel one) steps with another lr; then drops the
+    gradient of ``up.weight``; then holds an inf in its piece of ``down.weight``: each time every rank raises,
+    naming it, and nothing is updated."""
+    setup = Setup("sequence", OURS)
+    loop = build(setup)
+    params = list(loop.model.parameters())
+    out: Dict[str, Any] = {}
+    for case in ("lr", "grad", "inf"):
+        loop.opt.zero_grad()
+        _backward(loop, setup)
+        if rank == 3:
+            if case == "lr":
+                loop.opt.param_groups[0]["lr"] *= 2
+            elif case == "grad":
+                loop.model.up.weight.grad = None
+            else:
+                loop.model.down.weight.grad.to_local()[0, 0] = float("inf")
+        before = [p.to_local().clone() for p in params]
+        try:
+            loop.opt.step()
+            message = None
+        except RuntimeError as exc:
+            message = str(exc)
+        loop.opt.param_groups[0]["lr"] = LR
+        out[case] = (message, all(torch.equal(p.to_local(), b) for p, b in zip(params, before)))
+    return out
+
+
+def _replicate():
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()
+
+
+def _jobs(workdir: str) -> Dict[str, Any]:
+    jobs: Dict[str, Any] = {}
+    for style in STYLES:
+        jobs[f"placements/{style}"] = h.Call(placements, (style,))
+        jobs[f"adamw/{style}"] = h.Call(train, (Setup(style, ADAMW, clip_with="torch"), workdir,
+                                                f"adamw-{style}" if style == "sequence" else None))
+        jobs[f"ours/{style}"] = h.Call(train, (Setup(style, OURS), workdir,
+                                               f"ours-{style}" if style == "sequence" else None))
+        jobs[f"ours-torch-clip/{style}"] = h.Call(train, (Setup(style, OURS, clip_with="torch"), workdir))
+        jobs[f"full-tensors/{style}"] = h.Call(load_full_tensors, (style,))
+    for shape in ((4, 1), (1, 4)):
+        for name, make_opt, saved in (("adamw", ADAMW, "adamw"), ("ours", OURS, "ours"), ("ours<-adamw", OURS,
+                                                                                             "adamw")):
+            setup = Setup("sequence", make_opt, shape, clip_with="torch" if make_opt is ADAMW else "opt")
+            jobs[f"resume{shape}/{name}"] = h.Call(train, (setup, workdir, None, f"{saved}-sequence", SAVE_AT))
+    hsdp = (2, 1, 2)
+    jobs["hsdp-tp/adamw"] = h.Call(train, (Setup("sequence", ADAMW, hsdp, "torch"), workdir, "hsdp-adamw"))
+    jobs["hsdp-tp/ours"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, "hsdp-ours"))
+    jobs["hsdp-tp/ours-resumed"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, None, "hsdp-ours",
+                                                  SAVE_AT))
+    jobs["refuse/mixed_meshes"] = h.Call(refuse_mixed_meshes)
+    jobs["refuse/tp_peers"] = h.Call(refuse_disagreement_between_tp_peers)
+    for style in STYLES:
+        jobs[f"norm_types/{style}"] = h.Call(norm_types, (style,))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("fsdp2-tp-checkpoints"))
+    return h.run_jobs(WORLD, _jobs(workdir), workdir, timeout=900)
+
+
+# ----------------------------------------------------------------------------------------------------- tests --
+def test_each_style_makes_the_placements_it_is_meant_to(world4):
+    """The models meet what the tests are about: _StridedShard over dp, Shard(1) over tp, Replicate over tp."""
+    colwise, rowwise, sequence = (world4[f"placements/{s}"].get() for s in STYLES)
+    assert "_StridedShard" in colwise["up.weight"] and "Shard(dim=0)" in colwise["up.weight"], colwise
+    assert rowwise["up.weight"] == "(Shard(dim=0), Shard(dim=1))", rowwise
+    assert rowwise["up.bias"] == "(Shard(dim=0), Replicate())", rowwise
+    assert sequence["norm.weight"] == "(Shard(dim=0), Replicate())", sequence
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_reference_trains_and_clips_every_step(world4, style):
+    snaps = world4[f"adamw/{style}"].per_rank[0]
+    h.assert_moved(snaps, style)
+    assert all(s.norm > CLIP for s in snaps), [s.norm for s in snaps]
+
+
+@pytest.mark.parametrize("clip_with", ["opt", "torch"])
+@pytest.mark.parametrize("style", STYLES)
+def test_tp_with_fsdp_matches_adamw_every_step(world4, style, clip_with):
+    """Parameters, exp_avg and exp_avg_sq, the clip's norm: every step of 20, clipped, two micro-batches."""
+    ours = world4[f"ours/{style}" if clip_with == "opt" else f"ours-torch-clip/{style}"].per_rank[0]
+    h.assert_same(world4[f"adamw/{style}"].per_rank[0], ours, f"{style} ({clip_with} clip)")
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_full_plain_tensor_loads_as_each_ranks_piece(world4, style):
+    for rank, problems in world4[f"full-tensors/{style}"].per_rank.items():
+        assert problems == [], (rank, problems)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_a_dcp_checkpoint_of_the_2x2_mesh_resumes_on_another_mesh(world4, shape):
+    """Saved on (2 x 2) before step 10, resumed on ``shape``: ours from its own checkpoint and from AdamW's, each
+    continuing as AdamW does from its own."""
+    expected = world4[f"resume{shape}/adamw"].per_rank[0]
+    h.assert_moved(expected, str(shape))
+    for name in ("ours", "ours<-adamw"):
+        h.assert_same(expected, world4[f"resume{shape}/{name}"].per_rank[0], f"{shape} {name}", first=SAVE_AT)
+
+
+def test_hsdp_with_tp_steps_and_checkpoints(world4):
+    """On a (2 x 1 x 2) mesh (replicate, shard, tp): ours matches AdamW, and resumes from its DCP checkpoint."""
+    expected = world4["hsdp-tp/adamw"].per_rank[0]
+    h.assert_same(expected, world4["hsdp-tp/ours"].per_rank[0], "HSDP + TP")
+    h.assert_same(expected, world4["hsdp-tp/ours-resumed"].per_rank[0], "HSDP + TP resumed", first=SAVE_AT)
+
+
+def test_parameters_on_different_meshes_are_refused_naming_them(world4):
+    for rank, message in world4["refuse/mixed_meshes"].per_rank.items():
+        assert message is not None and "different device meshes" in message and "(2, 2)" in message, (rank, message)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_every_norm_type_is_the_whole_meshs(world4, style):
+    """2, 1, 3 and inf: as torch's clip_grad_norm_ measures the same DTensor gradients (replicated pieces once)."""
+    for rank, norms in world4[f"norm_types/{style}"].per_rank.items():
+        for norm_type, (got, expected) in norms.items():
+            assert got == pytest.approx(expected, rel=1e-6), (rank, style, norm_type, got, expected)
+
+
+def test_tp_peers_that_disagree_raise_on_every_rank(world4):
+    """The agreement, presence and inf/nan checks span the tensor-parallel dimension too."""
+    for rank, cases in world4["refuse/tp_peers"].per_rank.items():
+        (lr, lr_kept), (grad, grad_kept), (inf, inf_kept) = cases["lr"], cases["grad"], cases["inf"]
+        assert lr is not None and "lr of param group 0" in lr and "on rank 3" in lr, (rank, lr)
+        assert grad is not None and "different parameters" in grad and "[3]" in grad, (rank, grad)
+        assert inf is not None and "non-finite" in inf and "rank 3's shard" in inf, (rank, inf)
+        assert lr_kept and grad_kept and inf_kept, (rank, cases)
