@@ -9,7 +9,9 @@ sharded over both dimensions, ``_StridedShard`` over ``dp``), ``rowwise`` (two `
 biases replicated over ``tp``) and ``sequence`` (torchtitan's: a ``SequenceParallel`` LayerNorm, replicated over
 ``tp``, then colwise and rowwise linears). Ours clips with ``opt.clip_grad_norm_`` and, in another run, with
 ``torch.nn.utils.clip_grad_norm_``. A DCP checkpoint saved on the (2 x 2) mesh is resumed on (4 x 1) and (1 x 4)
-by each optimizer (and by ours from AdamW's), the continuations compared; HSDP + TP runs on a (2 x 1 x 2) mesh.
+by each optimizer (and by ours from AdamW's), the continuations compared; HSDP + TP runs on a (2 x 1 x 2) mesh. A
+model whose ``down`` is left out of tensor parallelism (``mixed``: its parameters on the dp sub-mesh alone) is
+compared with AdamW clipped by torch's arithmetic on full tensors (torch's own clip refuses two meshes).
 
 All jobs run in one spawn of 4 ranks (the ``world4`` fixture); the tests read their outcomes.
 """
@@ -69,6 +71,8 @@ def _plan(style: str) -> Dict[str, Any]:
 
     if style == "colwise":
         return {"up": ColwiseParallel(output_layouts=Replicate()), "down": ColwiseParallel(output_layouts=Replicate())}
+    if style == "mixed":  # ``down`` left out: its parameters on the dp mesh alone, a sub-mesh of the others'
+        return {"up": ColwiseParallel(output_layouts=Replicate())}
     if style == "rowwise":
         return {"up": RowwiseParallel(input_layouts=Replicate()), "down": RowwiseParallel(input_layouts=Replicate())}
     return {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel()}
@@ -80,7 +84,8 @@ STYLES = ("colwise", "rowwise", "sequence")
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """One training loop: the TP ``style``, the mesh's ``shape`` ((dp, tp), or (replicate, shard, tp): HSDP + TP),
-    the optimizer, and how ours clips (``"opt"``: ``opt.clip_grad_norm_``; ``"torch"``: torch's)."""
+    the optimizer, and how it clips (``"opt"``: ``opt.clip_grad_norm_``; ``"torch"``: torch's; ``"full"``: torch's
+    arithmetic on each gradient's full tensor, where torch's own fails: parameters on two meshes)."""
 
     style: str
     make_opt: Any
@@ -125,10 +130,24 @@ def train_step(loop: h.Loop, setup: Setup, step: int) -> float:
         (F.mse_loss(model(x), target) / 2).backward()
     if setup.clip_with == "opt" and hasattr(opt, "clip_grad_norm_"):
         norm = opt.clip_grad_norm_(CLIP)
+    elif setup.clip_with == "full":
+        norm = clip_by_full_tensors(list(model.parameters()), CLIP)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     return float(h._full(norm))
+
+
+def clip_by_full_tensors(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s arithmetic (each gradient's norm in its dtype, the norm of those, the
+    coefficient clamped to 1) on each gradient's full tensor: for parameters on several meshes, where torch's
+    ``stack`` of DTensor norms refuses."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.full_tensor()) for g in grads]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.to_local().mul_(coef)
+    return total
 
 
 def save(path: str, loop: h.Loop) -> None:
@@ -197,19 +216,17 @@ def load_full_tensors(rank: int, world: int, style: str) -> List[str]:
     return problems
 
 
-def refuse_mixed_meshes(rank: int, world: int) -> Optional[str]:
-    """A model whose ``down`` is not tensor-parallel: its parameters are on the dp mesh alone, the others on the
-    2-D one; refused, naming both meshes."""
+def refuse_unrelated_meshes(rank: int, world: int) -> Optional[str]:
+    """Two models, one on a 1-D mesh of 4 ranks, one on a (2 x 2) mesh made apart: neither mesh is a sub-mesh of
+    the other; refused, naming both."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    model = Net(norm=False)
-    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(output_layouts=_replicate())})
-    fully_shard(model, mesh=mesh["dp"])
+    alone = Net(norm=False)
+    fully_shard(alone, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("a",)))
+    both = build(Setup("colwise", ADAMW)).model
     try:
-        OURS(model.parameters(), lr=LR)
+        OURS(list(alone.parameters()) + list(both.parameters()), lr=LR)
     except TypeError as exc:
         return str(exc)
     return None
@@ -293,7 +310,10 @@ def _jobs(workdir: str) -> Dict[str, Any]:
     jobs["hsdp-tp/ours"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, "hsdp-ours"))
     jobs["hsdp-tp/ours-resumed"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, None, "hsdp-ours",
                                                   SAVE_AT))
-    jobs["refuse/mixed_meshes"] = h.Call(refuse_mixed_meshes)
+    jobs["adamw/mixed"] = h.Call(train, (Setup("mixed", ADAMW, clip_with="full"), workdir))
+    jobs["ours/mixed"] = h.Call(train, (Setup("mixed", OURS), workdir))
+    jobs["placements/mixed"] = h.Call(placements, ("mixed",))
+    jobs["refuse/unrelated_meshes"] = h.Call(refuse_unrelated_meshes)
     jobs["refuse/tp_peers"] = h.Call(refuse_disagreement_between_tp_peers)
     for style in STYLES:
         jobs[f"norm_types/{style}"] = h.Call(norm_types, (style,))
@@ -354,8 +374,16 @@ def test_hsdp_with_tp_steps_and_checkpoints(world4):
     h.assert_same(expected, world4["hsdp-tp/ours-resumed"].per_rank[0], "HSDP + TP resumed", first=SAVE_AT)
 
 
-def test_parameters_on_different_meshes_are_refused_naming_them(world4):
-    for rank, message in world4["refuse/mixed_meshes"].per_rank.items():
+def test_parameters_on_a_sub_mesh_of_the_others_match_adamw(world4):
+    """``down`` left out of tensor parallelism (on the dp mesh alone, beside ``up`` on (dp, tp)): its piece is
+    counted once in the norm; every step matches AdamW clipped with torch's arithmetic on full tensors."""
+    placed = world4["placements/mixed"].get()
+    assert placed["down.weight"] == "(Shard(dim=0),)" and "_StridedShard" in placed["up.weight"], placed
+    h.assert_same(world4["adamw/mixed"].per_rank[0], world4["ours/mixed"].per_rank[0], "mixed meshes")
+
+
+def test_parameters_on_unrelated_meshes_are_refused_naming_them(world4):
+    for rank, message in world4["refuse/unrelated_meshes"].per_rank.items():
         assert message is not None and "different device meshes" in message and "(2, 2)" in message, (rank, message)
 
 

@@ -1,16 +1,18 @@
-"""The topology of FSDP2's sharded parameters (:class:`Mesh`): each parameter a ``DTensor`` on one device mesh of any
+"""The topology of FSDP2's sharded parameters (:class:`Mesh`): each parameter a ``DTensor`` on a device mesh of any
 shape FSDP2 and tensor parallelism make: ``Shard(0)`` on a 1-D mesh (FSDP), ``(Replicate(), Shard(0))`` on a 2-D
 mesh (HSDP), ``(Shard(0) or _StridedShard(0), Shard(k) or Replicate())`` on a 2-D (dp, tp) mesh (FSDP + TP:
-``parallelize_module`` then ``fully_shard``), and HSDP + TP on a 3-D one. The update is elementwise, so each rank
-steps the local tensor it holds whatever the placements; what the mesh means is said here and nowhere else:
+``parallelize_module`` then ``fully_shard``), and HSDP + TP on a 3-D one; some parameters may be on a sub-mesh of
+the others' (a module left out of tensor parallelism: on the data-parallel dimensions alone). The update is
+elementwise, so each rank steps the local tensor it holds whatever the placements; what the mesh means is said
+here and nowhere else:
 
 * which parameters are taken: those FSDP2 manages (FSDP's own registry, as placements alone cannot tell a
   tensor-parallel parameter FSDP2 never saw), sharded by FSDP along dimension 0, with placements ``Shard``,
   ``_StridedShard`` or ``Replicate`` on each mesh dimension;
 * which rank counts a piece in the total norm: a piece replicated over some mesh dimensions (HSDP's replicas, a
   tensor-parallel ``Replicate()``: a LayerNorm's weight under ``SequenceParallel``) is held alike by several ranks,
-  and only the one at coordinate 0 along each of those dimensions counts it (:attr:`Mesh.counted`), so that a sum
-  over every rank counts each element once;
+  and only the one at coordinate 0 along each of those dimensions counts it (:attr:`Mesh.counted`; a dimension a
+  parameter's sub-mesh leaves out replicates it too), so that a sum over every rank counts each element once;
 * this rank's part of a loaded value (the box of the full tensor its placements give it);
 * the mesh's collectives the step makes: an exchange of every rank's small row over the whole mesh (one all-gather
   per mesh dimension) and a reduction over the whole mesh (one all-reduce per dimension);
@@ -50,7 +52,9 @@ class Mesh(Topology):
             None: read when a group is placed.
 
     Attributes:
-        mesh (DeviceMesh): the parameters' mesh; set by the first group placed.
+        mesh (DeviceMesh): the parameters' mesh, the widest where some are on a sub-mesh of it (a module left out
+            of tensor parallelism has its parameters on the data-parallel dimensions alone); set by the groups
+            placed.
         counted (dict): per param group (by index), per parameter: whether this rank counts its local piece in
             the total norm (it holds a piece no rank before it along a ``Replicate()`` dimension counts); and
             ``counts_all`` whether it counts every one.
@@ -62,6 +66,7 @@ class Mesh(Topology):
         self.managed = managed
         self.mesh: Any = None
         self.counted: Dict[int, List[bool]] = {}
+        self._placed: Dict[int, List[Tuple[Any, Tuple[Any, ...]]]] = {}  # per group: each parameter's mesh, placements
         self.counts_all = True  # (no parameter's piece is another rank's to count: the step measures as without)
         self.exchanges = 0  # exchanges with the other ranks so far (see FSDPTransport._failing)
 
@@ -78,14 +83,17 @@ class Mesh(Topology):
         """Each rank's buckets hold its local tensors, cut at FSDP's units (FSDP does every collective)."""
         check_params(tensors, fsdp=True)
         placed = self.plan(tensors)
-        self.counted[index] = [self._counts(p) for p in tensors]
+        self._placed[index] = [(p.device_mesh, tuple(p.placements)) for p in tensors]
+        # (all groups again: a group on a wider mesh than the earlier ones' widens what they are counted over)
+        self.counted = {gi: [self._counts(*where) for where in group] for gi, group in self._placed.items()}
         self.counts_all = all(all(counted) for counted in self.counted.values())
         return placed
 
     def plan(self, params: Sequence[torch.Tensor]) -> Placement:
-        """Check that ``params`` are FSDP2's, all on this topology's mesh; their local tensors, each one's FSDP unit
-        and :func:`~zero_offload.fsdp2.takeover`. Raises ``TypeError`` naming what cannot be taken (a plain
-        parameter among them, a DTensor FSDP does not manage or shards along another dimension, another mesh)."""
+        """Check that ``params`` are FSDP2's, on this topology's mesh or one of its sub-meshes; their local tensors,
+        each one's FSDP unit and :func:`~zero_offload.fsdp2.takeover`. Raises ``TypeError`` naming what cannot be
+        taken (a plain parameter among them, a DTensor FSDP does not manage or shards along another dimension, a
+        mesh that is not one of the others' sub-meshes, nor they of it)."""
         plain = [p for p in params if not fsdp2.is_dtensor(p)]
         if plain:
             mixed = "a param group mixes" if len(plain) < len(params) else "the param groups mix"
@@ -97,26 +105,22 @@ class Mesh(Topology):
         units, mesh = [], self.mesh
         for p in params:
             _check_placements(p, managed)
-            if mesh is None:
-                mesh = p.device_mesh
-            elif mesh != p.device_mesh:
-                raise TypeError(
-                    f"OffloadOptimizer: the FSDP2 parameters are on different device meshes ({_named(mesh)} and "
-                    f"{_named(p.device_mesh)}, for a parameter of shape {tuple(p.shape)} placed {tuple(p.placements)})"
-                    ": the total norm and the ranks' agreement are taken over one mesh. Give every parameter the "
-                    "same mesh (parallelize every module of the model over the tensor-parallel dimension, as "
-                    "torchtitan does: SequenceParallel for its norms), or build one optimizer per mesh")
+            mesh = _spanning(mesh, p)
             units.append(managed[id(p)][0])
         self.mesh = mesh  # (only once every parameter was taken)
         return Placement(data=[fsdp2.local_shard(p) for p in params], units=units,
                          takeovers=[fsdp2.takeover(p, managed[id(p)][1]) for p in params])
 
-    @staticmethod
-    def _counts(p: torch.Tensor) -> bool:
-        """Whether this rank counts ``p``'s local piece in the total norm: it is at coordinate 0 along every mesh
-        dimension that replicates ``p`` (the other ranks there hold the same piece)."""
-        mesh = p.device_mesh
-        return all(mesh.get_local_rank(d) == 0 for d, pl in enumerate(p.placements) if pl.is_replicate())
+    def _counts(self, mesh: Any, placements: Tuple[Any, ...]) -> bool:
+        """Whether this rank counts the local piece of a parameter on ``mesh`` placed ``placements`` in the total
+        norm: it is at coordinate 0 along every dimension of this topology's mesh that replicates the parameter
+        (its ``Replicate()`` dimensions, and those its sub-mesh leaves out: the other ranks there hold the same
+        piece)."""
+        if mesh == self.mesh:
+            return all(mesh.get_local_rank(d) == 0 for d, pl in enumerate(placements) if pl.is_replicate())
+        names = mesh.mesh_dim_names
+        return all(self.mesh.get_local_rank(name) == 0 for name in self.mesh.mesh_dim_names
+                   if name not in names or placements[names.index(name)].is_replicate())
 
     def built(self) -> None:
         self.managed = None  # (FSDP2's registry: every FSDP model of the process, collected or not)
@@ -126,13 +130,13 @@ class Mesh(Topology):
 
     # -- what a rank holds -----------------------------------------------------------------------------------------
     def norm_value(self, norm: torch.Tensor, param_groups: Sequence[Dict[str, Any]]) -> torch.Tensor:
-        """``norm`` (the same on every rank) as a DTensor replicated over the mesh, on the device of the first
+        """``norm`` (the same on every rank) as a DTensor replicated over the (widest) mesh, on the device of the first
         parameter: what ``torch.nn.utils.clip_grad_norm_`` returns for FSDP2's gradients, so ``.full_tensor()``,
         ``.to_local()`` and ``.item()`` read the total norm either way."""
         from torch.distributed.tensor import DTensor, Replicate
 
         owner = next(p for g in param_groups for p in g["params"] if fsdp2.is_dtensor(p))
-        mesh = owner.device_mesh
+        mesh = self.mesh
         return DTensor.from_local(norm.to(owner.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     def local_value(self, value: Any, owner: torch.Tensor) -> Any:
@@ -189,6 +193,24 @@ class Mesh(Topology):
     def where(self, rows: Sequence[Any]) -> str:
         """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""
         return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"
+
+
+def _spanning(mesh: Any, p: torch.Tensor) -> Any:
+    """Of ``mesh`` (None: none yet) and ``p``'s, the one the other is a sub-mesh of (named dimensions of the same
+    root mesh: ``mesh["dp"]`` of ``mesh``), else the ``TypeError``."""
+    other = p.device_mesh
+    if mesh is None or mesh == other:
+        return other
+    wide, narrow = (mesh, other) if mesh.ndim >= other.ndim else (other, mesh)
+    names, within = narrow.mesh_dim_names, wide.mesh_dim_names
+    if names and within and set(names) <= set(within) and wide[tuple(names)] == narrow:
+        return wide
+    raise TypeError(
+        f"OffloadOptimizer: the FSDP2 parameters are on different device meshes ({_named(mesh)} and "
+        f"{_named(other)}, for a parameter of shape {tuple(p.shape)} placed {tuple(p.placements)}), neither a "
+        "sub-mesh of the other: the total norm and the ranks' agreement are taken over one mesh. Slice every "
+        "mesh from one (init_device_mesh with named dimensions, mesh['dp'] for fully_shard and mesh['tp'] for "
+        "parallelize_module), or build one optimizer per mesh")
 
 
 def _check_placements(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]]) -> None:
