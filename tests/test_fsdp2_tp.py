@@ -48,6 +48,7 @@ STEPS, SAVE_AT = 20, 10
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.05  # well below the gradient norm: every step is clipped
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
 OURS = OffloadOptimizer
+OURS_SPECULATING = functools.partial(OffloadOptimizer, speculate=True)
 
 
 class Net(nn.Module):
@@ -91,6 +92,7 @@ class Setup:
     make_opt: Any
     shape: Tuple[int, ...] = (2, 2)
     clip_with: str = "opt"
+    standins: bool = False  # the GPU route on CPU tensors (tests/cuda_standins.py): gradients streamed in backward
 
 
 def build(setup: Setup, seed: int = 0) -> h.Loop:
@@ -174,6 +176,14 @@ def train(rank: int, world: int, setup: Setup, workdir: str, save_as: Optional[s
           start_from: Optional[str] = None, first: int = 0) -> List[Optional[h.Snapshot]]:
     """``setup`` trained from step ``first`` (loading checkpoint ``start_from`` into a model built from another
     seed) to :data:`STEPS`, saving checkpoint ``save_as`` before step :data:`SAVE_AT`; a snapshot per step."""
+    if setup.standins:
+        import cuda_standins
+
+        with cuda_standins.installed() as planned:
+            snaps = train(rank, world, dataclasses.replace(setup, standins=False), workdir, save_as, start_from, first)
+        if not planned:
+            raise AssertionError("no optimizer was built on the stand-in device")
+        return snaps
     loop = build(setup, seed=0 if start_from is None else 1)
     if start_from is not None:
         load(os.path.join(workdir, start_from), loop)
@@ -310,6 +320,10 @@ def _jobs(workdir: str) -> Dict[str, Any]:
     jobs["hsdp-tp/ours"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, "hsdp-ours"))
     jobs["hsdp-tp/ours-resumed"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, None, "hsdp-ours",
                                                   SAVE_AT))
+    for style in STYLES + ("mixed",):
+        jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS_SPECULATING, standins=True), workdir))
+    jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS_SPECULATING, clip_with="torch",
+                                                                standins=True), workdir))
     jobs["adamw/mixed"] = h.Call(train, (Setup("mixed", ADAMW, clip_with="full"), workdir))
     jobs["ours/mixed"] = h.Call(train, (Setup("mixed", OURS), workdir))
     jobs["placements/mixed"] = h.Call(placements, ("mixed",))
@@ -349,6 +363,14 @@ def test_tp_with_fsdp_matches_adamw_every_step(world4, style, clip_with):
     """Parameters, exp_avg and exp_avg_sq, the clip's norm: every step of 20, clipped, two micro-batches."""
     ours = world4[f"ours/{style}" if clip_with == "opt" else f"ours-torch-clip/{style}"].per_rank[0]
     h.assert_same(world4[f"adamw/{style}"].per_rank[0], ours, f"{style} ({clip_with} clip)")
+
+
+@pytest.mark.parametrize("job", [f"standins/{s}" for s in STYLES + ("mixed",)] + ["standins-torch-clip/sequence"])
+def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world4, job):
+    """Buckets told they are on a GPU (tests/cuda_standins.py): gradients copied in FSDP's hooks with their norms
+    (a bucket holding a piece this rank does not count is measured again, parameter by parameter), speculate=True."""
+    style = job.split("/")[1]
+    h.assert_same(world4[f"adamw/{style}"].per_rank[0], world4[job].per_rank[0], job)
 
 
 @pytest.mark.parametrize("style", STYLES)
