@@ -172,15 +172,36 @@ def load(path: str, loop: h.Loop) -> None:
     set_optimizer_state_dict(loop.model, loop.opt, sd["optim"])
 
 
+def full_roundtrip(loop: h.Loop, setup: Setup) -> h.Loop:
+    """Full state dicts gathered to rank 0 (``full_state_dict=True, cpu_offload=True``), loaded into a new model and
+    optimizer (built from another seed) with ``broadcast_from_rank0=True``."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(loop.model, options=options)
+    optim_sd = get_optimizer_state_dict(loop.model, loop.opt, options=options)
+    del loop
+    new = build(setup, seed=1)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(new.model, model_sd, options=options)
+    set_optimizer_state_dict(new.model, new.opt, optim_sd, options=options)
+    return new
+
+
 def train(rank: int, world: int, setup: Setup, workdir: str, save_as: Optional[str] = None,
-          start_from: Optional[str] = None, first: int = 0) -> List[Optional[h.Snapshot]]:
+          start_from: Optional[str] = None, first: int = 0, full_at: Optional[int] = None
+          ) -> List[Optional[h.Snapshot]]:
     """``setup`` trained from step ``first`` (loading checkpoint ``start_from`` into a model built from another
-    seed) to :data:`STEPS`, saving checkpoint ``save_as`` before step :data:`SAVE_AT`; a snapshot per step."""
+    seed) to :data:`STEPS`, saving checkpoint ``save_as`` before step :data:`SAVE_AT` (and before step ``full_at``
+    going through full state dicts: :func:`full_roundtrip`); a snapshot per step."""
     if setup.standins:
         import cuda_standins
 
         with cuda_standins.installed() as planned:
-            snaps = train(rank, world, dataclasses.replace(setup, standins=False), workdir, save_as, start_from, first)
+            snaps = train(rank, world, dataclasses.replace(setup, standins=False), workdir, save_as, start_from, first,
+                          full_at)
         if not planned:
             raise AssertionError("no optimizer was built on the stand-in device")
         return snaps
@@ -191,6 +212,8 @@ def train(rank: int, world: int, setup: Setup, workdir: str, save_as: Optional[s
     for step in range(first, STEPS):
         if step == SAVE_AT and save_as:
             save(os.path.join(workdir, save_as), loop)
+        if step == full_at:
+            loop = full_roundtrip(loop, setup)
         norm = train_step(loop, setup, step)
         snaps.append(h.snapshot(loop, norm, rank, last=step == STEPS - 1))
     return snaps
@@ -324,6 +347,9 @@ def _jobs(workdir: str) -> Dict[str, Any]:
         jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS_SPECULATING, standins=True), workdir))
     jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS_SPECULATING, clip_with="torch",
                                                                 standins=True), workdir))
+    for name, make_opt in (("adamw", ADAMW), ("ours", OURS)):
+        setup = Setup("sequence", make_opt, clip_with="torch" if make_opt is ADAMW else "opt")
+        jobs[f"full-roundtrip/{name}"] = h.Call(train, (setup, workdir, None, None, 0, SAVE_AT))
     jobs["adamw/mixed"] = h.Call(train, (Setup("mixed", ADAMW, clip_with="full"), workdir))
     jobs["ours/mixed"] = h.Call(train, (Setup("mixed", OURS), workdir))
     jobs["placements/mixed"] = h.Call(placements, ("mixed",))
@@ -387,6 +413,13 @@ def test_a_dcp_checkpoint_of_the_2x2_mesh_resumes_on_another_mesh(world4, shape)
     h.assert_moved(expected, str(shape))
     for name in ("ours", "ours<-adamw"):
         h.assert_same(expected, world4[f"resume{shape}/{name}"].per_rank[0], f"{shape} {name}", first=SAVE_AT)
+
+
+def test_full_state_dicts_round_trip(world4):
+    """Gathered to rank 0 and broadcast into a new model and optimizer before step 10: AdamW's run is its
+    uninterrupted one, and ours matches it every step."""
+    h.assert_same(world4["adamw/sequence"].per_rank[0], world4["full-roundtrip/adamw"].per_rank[0], "AdamW full")
+    h.assert_same(world4["adamw/sequence"].per_rank[0], world4["full-roundtrip/ours"].per_rank[0], "ours full")
 
 
 def test_hsdp_with_tp_steps_and_checkpoints(world4):
