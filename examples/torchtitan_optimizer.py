@@ -7,7 +7,8 @@ where ``OptimizersContainer.Config`` (or ``default_adamw(...)``) was::
 
 The parameters it is given are FSDP2's (torchtitan applies ``fully_shard`` before it builds the optimizers), and
 its state dict is torchtitan's flat, FQN-keyed one, so torchtitan's checkpointer saves and loads it as AdamW's.
-torchtitan's tensor-parallel recipes (a 2-D mesh) are not taken yet: see docs/multi-gpu.md.
+The meshes of torchtitan's tensor-parallel recipes are taken as well (docs/multi-gpu.md); this example runs FSDP
+alone.
 
 Run here (2 CPU processes, gloo; torchtitan installed): an FSDP2 model trained by torchtitan's container with
 AdamW and with OffloadOptimizer, clipped, checked equal, then a DCP round trip of the container's state dict.

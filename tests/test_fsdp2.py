@@ -758,9 +758,9 @@ def test_another_ranks_shard_of_the_same_shape_is_refused_naming_its_rows(world2
     """A shard of this rank's shape holds other rows: the DTensor's mesh coordinate (the saver's) says so."""
     for rank, (message, unchanged) in world2["refuse/other_ranks_even_rows"].per_rank.items():
         # (the first even parameter: block 0's down projection, 6 rows, 3 on each rank)
-        mine, theirs = ("0:3", "3:6") if rank == 0 else ("3:6", "0:3")
-        assert message is not None and f"(shape (6, 5)): this rank's shard of the state DTensor holds rows {theirs}" \
-            in message and f"this rank holds rows {mine}" in message, (rank, message)
+        mine, theirs = ("[0:3, 0:5]", "[3:6, 0:5]") if rank == 0 else ("[3:6, 0:5]", "[0:3, 0:5]")
+        assert message is not None and f"(shape (6, 5)): this rank's shard of the state DTensor holds {theirs}" \
+            in message and f"this rank holds {mine}" in message, (rank, message)
         assert "torch.distributed.checkpoint" in message, message
         assert unchanged, rank
 
@@ -979,7 +979,8 @@ def _hooks_of(p) -> int:
 
 
 def refuse_tensor_parallel(rank, world):
-    """FSDP2 parameters are taken; tensor-parallel ones (and FSDP + TP) are refused, naming the placement."""
+    """FSDP2 parameters are taken; tensor-parallel ones FSDP2 does not manage are refused, naming the placement
+    (FSDP + TP is taken: tests/test_fsdp2_tp.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -989,13 +990,6 @@ def refuse_tensor_parallel(rank, world):
     block = h.Block()
     parallelize_module(block, init_device_mesh("cpu", (world,)), {"up": ColwiseParallel(), "down": RowwiseParallel()})
     cases = {"TP " + n: block.get_parameter(n) for n in ("down.weight", "down.bias")}
-    if world % 2 == 0:
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        torch.manual_seed(0)
-        both = h.Block()
-        parallelize_module(both, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(both, mesh=mesh["dp"])
-        cases["FSDP+TP down.weight"] = both.down.weight
     from torch.distributed.tensor import Shard
 
     columns = nn.Linear(4, 4 * world)

@@ -4,8 +4,8 @@ checks a group passes to be laid out), whether the ranks must agree on a step's 
 caller of ``clip_grad_norm_`` receives it, a loaded value's part for this rank, the state dict's layout, and the
 transport whose collectives the step makes. :class:`Local` is one process's (no collective); the others are
 :class:`~zero_offload.topology.group.Group` (``process_group`` sharding) and
-:class:`~zero_offload.topology.mesh.Mesh` (FSDP2's DTensor parameters, 1-D or HSDP). A new kind of mesh (tensor
-parallelism) is a new topology.
+:class:`~zero_offload.topology.mesh.Mesh` (FSDP2's DTensor parameters on any mesh FSDP2 and tensor parallelism
+make: 1-D, HSDP, FSDP + TP, HSDP + TP).
 """
 
 from __future__ import annotations

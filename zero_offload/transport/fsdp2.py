@@ -5,14 +5,15 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 * the gradients: each ``p.grad`` is a DTensor; its local shard is what the bucket's route reads (the owners'
   gradients are handed to the local shards before anything reads them, and released with them);
 * the measurements: a norm or an inf/nan anywhere is a fact of the whole mesh, so the gradient statistics the step
-  decides on are exchanged over the mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: every rank's small
-  row gathered over the whole mesh once a step, replicas included; on a CPU mesh on a gloo group of its own that no
-  FSDP collective can pair with, so a peer elsewhere, not running this optimizer, is named after the mesh's
-  timeout; it also carries every rank's hyperparameters: ranks that differ raise on every rank, replicas
-  included): every rank decides alike; the norm is the sum over one replica's shards (FSDP has already reduced the
-  gradients over the replicas); and which parameters have a gradient: ranks that differ (a ``.grad`` set to None
-  on some ranks only) raise on every rank, naming the first such parameter, where AdamW would step each rank's
-  shards of it or not, silently;
+  decides on are exchanged over the whole mesh (:meth:`~zero_offload.topology.mesh.Mesh.exchange`: every rank's
+  small row gathered over the whole mesh once a step, replicas and tensor-parallel peers included; on a CPU mesh on
+  a gloo group of its own that no FSDP collective can pair with, so a peer elsewhere, not running this optimizer, is
+  named after the mesh's timeout; it also carries every rank's hyperparameters: ranks that differ raise on every
+  rank): every rank decides alike; the norm is the sum of every rank's counted pieces (a piece replicated over some
+  mesh dimensions, HSDP's replicas or a tensor-parallel ``Replicate()``, is counted by one of the ranks holding it:
+  :attr:`~zero_offload.topology.mesh.Mesh.counted`); and which parameters have a gradient: ranks that differ (a
+  ``.grad`` set to None on some ranks only) raise on every rank, naming the first such parameter, where AdamW would
+  step each rank's shards of it or not, silently;
 * edits after a gradient was streamed: a ``foreach`` op on DTensor gradients bumps no version counter (neither the
   DTensor's nor its local tensor's; ``torch.nn.utils.clip_grad_norm_`` scales them with ``_foreach_mul_``), so the
   version check that finds such an edit on plain tensors sees nothing here. Each streamed gradient's norm is kept
@@ -41,12 +42,12 @@ from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Tup
 import torch
 
 from zero_offload.buckets import FlatBucket
-from zero_offload.lane import Lane, Plans, SqNorm
+from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.transport.agreement import PER_PARAMETER, differing, digest, digest_bytes, meeting_on_failure
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import OffloadRoute
 from zero_offload.transport.host import HostRoute
-from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held
+from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held, sq_norm_by_dtype
 
 if TYPE_CHECKING:  # (annotations only)
     from zero_offload.topology.mesh import Mesh
@@ -165,7 +166,7 @@ class FSDPTransport(Transport):
         self.overflowed = any(row.bad > 0 for row in rows)
         if not self.overflowed and len({row.present for row in rows}) > 1:
             self._refuse_presence(plans, present, rows)
-        sq = sum(row.sq for row in self.topology.replica(rows))  # (one replica's shards make each parameter once)
+        sq = sum(row.sq for row in rows)  # (each piece counted by one rank: see _local_sq)
         self.stats = SqNorm(sq, any(row.bad > 0 for row in rows) or not math.isfinite(sq))
         return Gathered(plans, check and self.stats.nonfinite)
 
@@ -282,21 +283,59 @@ class FSDPTransport(Transport):
         return name_held([(int(row[0]), int(row[1]), _rank(row)) for row in rows if row[0] >= 0], plans, names)
 
     def _local_sq(self, plans: Plans) -> Tuple[float, bool]:
-        norm, bad = super().total_norm(plans, 2.0)
-        return norm * norm, bad
+        """This rank's part of the total squared 2-norm, and whether one of its gradients is inf/nan: the pieces it
+        counts (:attr:`~zero_offload.topology.mesh.Mesh.counted`: a piece replicated over some mesh dimensions is
+        counted by one of the ranks holding it), so that the sum over the mesh counts each element once. A bucket
+        whose parameters are all counted here is measured as any (its norm streamed from the GPU where it was); the
+        others are read on the host, parameter by parameter, the uncounted ones checked for inf/nan only."""
+        if self.topology.counts_all:
+            norm, bad = super().total_norm(plans, 2.0)
+            return norm * norm, bad
+        whole, split = [], []
+        for intake in every(plans):
+            (split if not all(self._counted(intake)) else whole).append(intake)
+        norm, bad = super().total_norm([whole], 2.0)
+        sq = norm * norm
+        if split:
+            self.wait_all([split])
+            counted, other = self._views(split)
+            s, b = sq_norm_by_dtype(counted)
+            sq, bad = sq + s, bad or b or sq_norm_by_dtype(other).nonfinite
+        return sq, bad
+
+    def _counted(self, intake: Intake) -> List[bool]:
+        """Whether this rank counts each parameter of ``intake``'s bucket in the total norm."""
+        counted = self.topology.counted[intake.bucket.group]
+        return [counted[j] for j in intake.bucket.layout.indices]
+
+    def _views(self, intakes: Sequence[Intake]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The gathered gradients of ``intakes`` this rank counts in the total norm, and the others (non-empty,
+        present ones only)."""
+        counted: List[torch.Tensor] = []
+        other: List[torch.Tensor] = []
+        for intake in intakes:
+            grads = intake.bucket.grads
+            if intake.in_place is None and not grads.allocated:
+                continue  # (no gradient this step: see Intake.host_grads)
+            views = grads.grad_views if intake.in_place is None else intake.in_place
+            for has, mine, g in zip(intake.present, self._counted(intake), views):
+                if has and g is not None and g.numel():
+                    (counted if mine else other).append(g)
+        return counted, other
 
     def total_norm(self, plans: Plans, norm_type: float) -> Norm:
         """``clip_grad_norm_``'s total norm over the mesh: the 2-norm from the last :meth:`gather`, other norms
-        with one more all-reduce (an empty shard adds nothing: torch's own clip fails there for the inf-norm)."""
+        with one more all-reduce (an empty shard adds nothing: torch's own clip fails there for the inf-norm; a
+        p-norm's sum takes the pieces this rank counts, as :meth:`_local_sq`)."""
         if norm_type == 2.0:
             return Norm(math.sqrt(self.stats.sq), self.stats.nonfinite)
         self.wait_all(plans)
-        host: List[torch.Tensor] = [t for intake in every(plans) for t in intake.host_grads() if t.numel()]
+        counted, other = self._views(every(plans))
         if norm_type == math.inf:
-            local = max((float(t.abs().max()) for t in host), default=0.0)
+            local = max((float(t.abs().max()) for t in counted + other), default=0.0)
             value = self.topology.reduce([local], torch.distributed.ReduceOp.MAX)[0]
         else:
-            local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in host)
+            local = sum(float(torch.linalg.vector_norm(t.double(), norm_type)) ** norm_type for t in counted)
             value = self.topology.reduce([local], torch.distributed.ReduceOp.SUM)[0] ** (1.0 / norm_type)
         return Norm(value, self.stats.nonfinite or not math.isfinite(value))
 
