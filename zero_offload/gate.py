@@ -24,8 +24,8 @@ import torch
 
 from zero_offload.lane import Plans
 
-__all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
-           "refuse_clipping", "refuse_released_scaler"]
+__all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_max_norm", "check_norm_type", "decide",
+           "nonfinite_error", "refuse_clipping", "refuse_released_scaler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +76,12 @@ class PendingClip:
     fresh: bool  # every gradient still on a parameter was read again (see OffloadOptimizer.clip_grad_norm_)
 
     def coefficient(self, unscale: float = 1.0) -> float:
-        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it (1 where that is not finite), with the
-        norm multiplied by ``unscale`` first."""
+        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it, with the norm multiplied by ``unscale``
+        first. NaN where the norm is (a NaN gradient, or an inf one with ``max_norm=inf``): torch's clip then makes
+        every gradient NaN, and so does this multiplier (under ``nonfinite="ignore"``; the other policies skip or
+        refuse such a step before it is used)."""
         total = torch.tensor(self.total_norm * unscale, dtype=torch.float32)
-        coef = float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
-        return coef if math.isfinite(coef) else 1.0
+        return float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,17 @@ def nonfinite_error(where: str) -> RuntimeError:
     return RuntimeError(f"OffloadOptimizer.step: non-finite gradient (inf or nan) in {where}; nothing was updated. "
                         "Pass nonfinite='skip' to skip such steps, or nonfinite='ignore' to apply them as "
                         "torch.optim.AdamW would.")
+
+
+def check_max_norm(max_norm: Any) -> float:
+    """``clip_grad_norm_``'s ``max_norm`` as a float: a number >= 0, or ``inf`` (no clipping, as torch's). NaN is
+    refused (torch's clip would make every gradient NaN), and so is a negative one (torch's would flip every
+    gradient's sign)."""
+    value = float(max_norm)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"Invalid max_norm: {value} (expected a number >= 0, or inf for no clipping); nothing was "
+                         "changed")
+    return value
 
 
 def check_norm_type(norm_type: Any) -> float:

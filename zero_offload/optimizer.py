@@ -352,17 +352,20 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         from the one at their copy are read again; a scaler that first appears later makes ``step()`` clip again.
 
         Args:
-            max_norm (float): max norm of the gradients.
+            max_norm (float): max norm of the gradients: >= 0, or ``inf`` (no clipping); NaN and negative values,
+                which torch's clip would turn into NaN or sign-flipped gradients, raise ``ValueError``.
             norm_type (float): type of the p-norm: 2, ``inf``, or any finite p > 0. Default: 2.0.
             error_if_nonfinite (bool): raise ``RuntimeError`` if the total norm is nan or inf. Default: False.
-                Otherwise a non-finite norm is left to the ``nonfinite`` policy at ``step()``.
+                Otherwise a non-finite norm is left to the ``nonfinite`` policy at ``step()``: under ``"ignore"``
+                the step then does what AdamW does after torch's clip (a NaN norm makes every gradient NaN; an
+                inf one, every gradient zero but the inf ones, NaN).
 
         Returns:
             Tensor: the total norm of the gradients (viewed as a single vector), float32, on the device of the
             first parameter with a gradient; for FSDP2's parameters, a DTensor replicated over their mesh (as torch's).
         """
         norm_type = gate.check_norm_type(norm_type)
-        max_norm = float(max_norm)
+        max_norm = gate.check_max_norm(max_norm)
         if self.options.overlap_step:
             raise gate.refuse_clipping()
         self._topology.adopt_switched(self)

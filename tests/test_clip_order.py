@@ -1,0 +1,140 @@
+"""``opt.clip_grad_norm_`` where the loop's order, or its arguments, are not the usual ones (issue 54), against
+``torch.optim.AdamW(foreach=False)`` with ``torch.nn.utils.clip_grad_norm_`` called in the same order: parameters
+and both moments every step, default tolerance. Where the fused clip cannot do what torch's order gives, the step
+is refused with an error naming the order needed, and the parameters, the state and the gradients are left as they
+were (then the loop goes on in that order, and must follow the reference).
+
+Each body runs with the gradients read at ``step()`` and streamed from backward hooks, with and without
+``release_grads``; test_cuda_branches.py runs them through the GPU routes' code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from test_optimizer import TinyTransformer, assert_same, assert_unchanged, loss_fn, param_groups, snapshot
+from zero_offload import OffloadOptimizer
+
+# How the gradients reach the optimizer: read at step(), streamed in backward, streamed and released.
+FEEDS = [dict(stream_grads=False), dict(stream_grads=True), dict(stream_grads=True, release_grads=True)]
+FEED_IDS = ["read_at_step", "streamed", "streamed_released"]
+
+
+def _pair(ours_kw=None, ref_kw=None):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **(ours_kw or {}))
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False, **(ref_kw or {}))
+    return model, ours, ref_model, ref
+
+
+def _torch_clip(model, max_norm, norm_type=2.0):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, foreach=False)
+
+
+def _grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same_grads(before, model):
+    for i, (g, p) in enumerate(zip(before, model.parameters())):
+        assert (g is None) == (p.grad is None), i
+        if g is not None:
+            assert torch.equal(g, p.grad), i
+
+
+def _assert_same_nan(model, ref_model, ours, ref, where):
+    """:func:`assert_same` where NaN equals NaN (torch's clip of a NaN norm makes every gradient NaN)."""
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, equal_nan=True, msg=lambda m: f"{where}, {name}: {m}")
+        for key, value in ref.state.get(q, {}).items():
+            torch.testing.assert_close(ours.state[p][key], value, equal_nan=True,
+                                       msg=lambda m: f"{where}, {name}, {key}: {m}")
+
+
+# ------------------------------------------------------------------- a non-finite norm under "ignore" --
+def nonfinite_clip_under_ignore_matches_torch(ours_kw, max_norm, bad, steps=4):
+    """``nonfinite="ignore"`` applies inf/NaN gradients as AdamW does: after torch's clip of a NaN total norm
+    (a NaN gradient, or an inf one with ``max_norm=inf``) every gradient is NaN, and so are the parameters and
+    moments AdamW then updates; an inf gradient with a finite ``max_norm`` gives a coefficient of 0 (inf * 0 =
+    NaN where it was)."""
+    model, ours, ref_model, ref = _pair(dict(nonfinite="ignore", **ours_kw))
+    for step in range(steps):
+        for m, o in ((model, ours), (ref_model, ref)):
+            o.zero_grad()
+            loss = loss_fn(m, step, 0, "cpu")
+            if step == 1:  # one element's gradient is `bad` (the loss too, which nothing reads)
+                loss = loss + m.ff1.weight[0, 0] * bad
+            loss.backward()
+        ours.clip_grad_norm_(max_norm)
+        _torch_clip(ref_model, max_norm)
+        ours.step()
+        ref.step()
+        _assert_same_nan(model, ref_model, ours, ref, f"step {step}")
+    assert math.isnan(float(model.head.weight.detach()[0, 0]))
+
+
+@pytest.mark.parametrize("ours_kw", FEEDS, ids=FEED_IDS)
+@pytest.mark.parametrize("max_norm,bad", [(0.5, math.nan), (0.5, math.inf), (math.inf, math.inf)],
+                         ids=["nan_grad", "inf_grad", "inf_grad_inf_max_norm"])
+def test_nonfinite_gradient_clipped_under_ignore_matches_torch(ours_kw, max_norm, bad):
+    nonfinite_clip_under_ignore_matches_torch(ours_kw, max_norm, bad)
+
+
+# -------------------------------------------------------------------------------- max_norm, norm_type --
+@pytest.mark.parametrize("max_norm", [math.nan, -1.0, -math.inf, torch.tensor(math.nan)],
+                         ids=["nan", "negative", "-inf", "nan_tensor"])
+def test_invalid_max_norm_is_refused_and_changes_nothing(max_norm):
+    """torch's clip turns every gradient NaN for ``max_norm=nan`` and flips their signs for a negative one;
+    ours refuses both with a ValueError naming max_norm. The clip pending from before is kept, and the step
+    follows AdamW with torch's clip of that ``max_norm``."""
+    model, ours, ref_model, ref = _pair()
+    loss_fn(model, 0, 0, "cpu").backward()
+    loss_fn(ref_model, 0, 0, "cpu").backward()
+    ours.clip_grad_norm_(0.5)
+    before, grads = snapshot(model, ours), _grads(model)
+    with pytest.raises(ValueError, match="Invalid max_norm"):
+        ours.clip_grad_norm_(max_norm)
+    assert_unchanged(before, model, ours)
+    _assert_same_grads(grads, model)
+    _torch_clip(ref_model, 0.5)
+    ours.step()
+    ref.step()
+    assert_same(model, ref_model, ours, ref, "after the refused clip")
+
+
+@pytest.mark.parametrize("norm_type", [0.0, -1.0, -math.inf, math.nan])
+def test_norm_types_torch_computes_but_we_do_not_are_refused(norm_type):
+    """torch's clip takes any ``vector_norm`` order (0: the count of non-zeros, negative ones); ours takes 2,
+    inf and finite p > 0 and refuses the rest naming norm_type, changing nothing."""
+    model, ours, _, _ = _pair()
+    loss_fn(model, 0, 0, "cpu").backward()
+    before = snapshot(model, ours)
+    with pytest.raises(ValueError, match="Invalid norm_type"):
+        ours.clip_grad_norm_(1.0, norm_type)
+    assert_unchanged(before, model, ours)
+    ours.step()  # no clip pending
+
+
+@pytest.mark.parametrize("ours_kw", FEEDS, ids=FEED_IDS)
+@pytest.mark.parametrize("max_norm,norm_type", [(math.inf, 2.0), (0.0, 2.0), (math.inf, math.inf), (0.05, "inf"),
+                                                (0.2, 1.0), (0.3, 2.5)])
+def test_max_norm_and_norm_type_edges_match_torch(ours_kw, max_norm, norm_type):
+    """``max_norm=inf`` clips nothing, 0 zeroes every gradient (AdamW still decays and counts the step), and the
+    norm types torch and ours share agree, returned norm included."""
+    model, ours, ref_model, ref = _pair(ours_kw)
+    for step in range(4):
+        ours.zero_grad()
+        ref.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        norm = ours.clip_grad_norm_(max_norm, norm_type)
+        torch.testing.assert_close(norm, _torch_clip(ref_model, max_norm, norm_type))
+        ours.step()
+        ref.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
