@@ -57,6 +57,54 @@ def _assert_same_nan(model, ref_model, ours, ref, where):
                                        msg=lambda m: f"{where}, {name}, {key}: {m}")
 
 
+# ------------------------------------------------------------------------------- a backward after the clip --
+def backward_after_clip_is_refused(ours_kw, steps=5):
+    """A second micro-batch's backward after ``opt.clip_grad_norm_``: torch's clip would have scaled the first
+    micro-batch's gradients and added the second's unclipped; the fused coefficient cannot, so ``step()`` refuses,
+    naming the order, and changes nothing. The loop then clips after the last backward, as the error says, and
+    follows AdamW with torch's clip in that order (the released gradients were kept on the host)."""
+    model, ours, ref_model, ref = _pair(ours_kw)
+    for step in range(steps):
+        ours.zero_grad()
+        ref.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        ours.clip_grad_norm_(0.5)
+        loss_fn(model, step, 1, "cpu").backward()
+        loss_fn(ref_model, step, 1, "cpu").backward()
+        before, grads = snapshot(model, ours), _grads(model)
+        with pytest.raises(RuntimeError, match=r"gradients changed after opt\.clip_grad_norm_.*after the last "
+                                               r"backward of the step, right before step\(\)"):
+            ours.step()
+        assert_unchanged(before, model, ours)
+        _assert_same_grads(grads, model)
+        with pytest.raises(RuntimeError, match="gradients changed after"):  # (the clip is still pending)
+            ours.step()
+        norm = ours.clip_grad_norm_(0.5)
+        ref_norm = _torch_clip(ref_model, 0.5)
+        torch.testing.assert_close(norm, ref_norm)
+        ours.step()
+        ref.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+@pytest.mark.parametrize("ours_kw", FEEDS, ids=FEED_IDS)
+def test_backward_after_clip_is_refused_and_changes_nothing(ours_kw):
+    backward_after_clip_is_refused(ours_kw)
+
+
+def test_gradient_edited_after_clip_is_refused():
+    """An edit of ``.grad`` after the clip (here torch's own clip on top of ours) is refused alike."""
+    model, ours, _, _ = _pair()
+    loss_fn(model, 0, 0, "cpu").backward()
+    ours.clip_grad_norm_(0.5)
+    _torch_clip(model, 0.1)
+    before = snapshot(model, ours)
+    with pytest.raises(RuntimeError, match="gradients changed after"):
+        ours.step()
+    assert_unchanged(before, model, ours)
+
+
 # ------------------------------------------------------------------- a non-finite norm under "ignore" --
 def nonfinite_clip_under_ignore_matches_torch(ours_kw, max_norm, bad, steps=4):
     """``nonfinite="ignore"`` applies inf/NaN gradients as AdamW does: after torch's clip of a NaN total norm
@@ -138,3 +186,4 @@ def test_max_norm_and_norm_type_edges_match_torch(ours_kw, max_norm, norm_type):
         ours.step()
         ref.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
+

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 
 import pytest
 import torch
 
 import cuda_standins
+import test_clip_order
 from test_grad_stream import LateAdamW, _run_recipe
 import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
@@ -295,6 +297,16 @@ def test_cuda_branches_bf16_model_tracks_fp32_run(cuda_branches):
 
 def test_cuda_branches_reinitialise_a_master_changed_outside(cuda_branches):
     test_optimizer.test_parameter_changed_outside_the_optimizer_reinitialises_its_master()
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_cuda_branches_backward_after_clip_is_refused(cuda_branches, release):
+    test_clip_order.backward_after_clip_is_refused(dict(release_grads=release), steps=3)
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_cuda_branches_nan_norm_clipped_under_ignore_matches_torch(cuda_branches, release):
+    test_clip_order.nonfinite_clip_under_ignore_matches_torch(dict(release_grads=release), 0.5, math.nan)
 
 
 def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cuda_branches, monkeypatch, caplog):

@@ -11,18 +11,21 @@ setting ``grad_scale`` (the scale, or None once ``unscale_`` ran) and ``found_in
 ``step()``, and deleting them after: read here as a :class:`ScalerSignal`.
 
 **Clipping.** ``clip_grad_norm_`` measures the total norm at once (intake) and leaves a :class:`PendingClip`; the
-next ``step()`` multiplies the gradients by its coefficient inside the kernel.
+next ``step()`` multiplies the gradients by its coefficient inside the kernel, and refuses gradients a backward or
+an edit changed since (:class:`GradsSeen`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Optional
+import operator
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.lane import Plans
+from zero_offload.lane import Arrival, Lane, Plans
 
 __all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_max_norm", "check_norm_type", "decide",
            "nonfinite_error", "refuse_clipping", "refuse_released_scaler"]
@@ -74,6 +77,7 @@ class PendingClip:
     total_norm: float
     nonfinite: bool
     fresh: bool  # every gradient still on a parameter was read again (see OffloadOptimizer.clip_grad_norm_)
+    seen: "GradsSeen"
 
     def coefficient(self, unscale: float = 1.0) -> float:
         """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it, with the norm multiplied by ``unscale``
@@ -82,6 +86,51 @@ class PendingClip:
         refuse such a step before it is used)."""
         total = torch.tensor(self.total_norm * unscale, dtype=torch.float32)
         return float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
+
+
+_get_grad = operator.attrgetter("grad")
+_get_version = operator.attrgetter("_version")
+_not_none = functools.partial(operator.is_not, None)
+
+
+class GradsSeen:
+    """The gradients as ``clip_grad_norm_`` saw them: per bucket, what backward had sent (its record and how many
+    times), each parameter's ``.grad`` and their version counters. The clip's coefficient is of those gradients:
+    torch's clip scales them in place, so a backward after it adds unclipped gradients to clipped ones. ``step()``
+    refuses to apply the coefficient to gradients that changed since (:meth:`check`). C-level loops: about as much
+    per parameter as the step's own collection of its gradients."""
+
+    __slots__ = ("_lanes",)
+
+    def __init__(self, lanes: Sequence[Lane]):
+        self._lanes: List[Tuple[Lane, Arrival, int, List[Any], List[int]]] = []
+        for lane in lanes:
+            grads = list(map(_get_grad, lane.bucket.owners))
+            self._lanes.append((lane, lane.arrival, lane.arrival.launches, grads,
+                                list(map(_get_version, filter(_not_none, grads)))))
+
+    def changed(self) -> bool:
+        """Whether a gradient was sent again by a backward, assigned, or edited in place (but for the edits that
+        move no version counter, ``GradScaler.unscale_``) since."""
+        for lane, arrival, launches, grads, versions in self._lanes:
+            # (a load_state_dict in between may have begun the lane's record afresh)
+            if lane.arrival.launches > (launches if lane.arrival is arrival else 0):
+                return True
+            now = list(map(_get_grad, lane.bucket.owners))
+            if not all(map(operator.is_, now, grads)) or list(map(_get_version, filter(_not_none, now))) != versions:
+                return True
+        return False
+
+    def check(self) -> None:
+        if self.changed():
+            raise RuntimeError(
+                "OffloadOptimizer.step: the gradients changed after opt.clip_grad_norm_ (a backward or an edit ran "
+                "between them), so its coefficient, measured on the gradients it saw, cannot apply to them. Call "
+                "opt.clip_grad_norm_ after the last backward of the step, right before step() (torch's clip "
+                "would have scaled the gradients it saw in place and left later ones unclipped: to clip each "
+                "micro-batch, use torch.nn.utils.clip_grad_norm_). Nothing was updated and the gradients are as "
+                "they were; call opt.clip_grad_norm_ again, or zero_grad(), before step()."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

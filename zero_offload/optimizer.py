@@ -207,6 +207,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._pending is not None:
+            self._pending.seen.check()  # (before anything, the streamed gradients included, is let go)
         placer = self._placer
         try:
             if placer is not None:
@@ -346,10 +348,12 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         ``torch.nn.utils.clip_grad_norm_`` over them, fused into the next ``step()``: ``min(max_norm / (total_norm +
         1e-6), 1)`` multiplies the gradient inside the kernel instead of rewriting ``.grad`` (left as it was).
 
-        It brings the gradients to the host now (``step()`` reuses them): call it right before ``step()`` (or
-        ``scaler.step``); ``zero_grad()`` cancels it. While a ``GradScaler`` may have unscaled the streamed
-        gradients in place (a step it drove, or the first), which moves no version counter, those whose norm differs
-        from the one at their copy are read again; a scaler that first appears later makes ``step()`` clip again.
+        It brings the gradients to the host now (``step()`` reuses them): call it after the last backward, right
+        before ``step()`` (or ``scaler.step``); ``zero_grad()`` cancels it. A backward or an edit of ``.grad`` in
+        between (torch's clip would have scaled only the gradients it saw) makes ``step()`` raise, changing
+        nothing. While a ``GradScaler`` may have unscaled the streamed gradients in place (a step it drove, or the
+        first), which moves no version counter, those whose norm differs from the one at their copy are read again;
+        a scaler that first appears later makes ``step()`` clip again.
 
         Args:
             max_norm (float): max norm of the gradients: >= 0, or ``inf`` (no clipping); NaN and negative values,
@@ -379,7 +383,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         nonfinite = nonfinite or not math.isfinite(total)
         if error_if_nonfinite and nonfinite:
             raise gate.nonfinite_norm_error(norm_type)
-        self._pending = PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh)
+        self._pending = PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh,
+                                    gate.GradsSeen(list(chain.from_iterable(self._lanes))))
         norm = torch.tensor(total, dtype=torch.float32, device=first.device if first is not None else "cpu")
         return self._topology.norm_value(norm, self.param_groups)
 
