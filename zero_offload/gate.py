@@ -121,15 +121,16 @@ class GradsSeen:
                 return True
         return False
 
-    def check(self) -> None:
+    def check(self, where: str) -> None:
+        """Refuse (in ``where``, ``step()`` or a new ``clip_grad_norm_``) gradients changed since."""
         if self.changed():
             raise RuntimeError(
-                "OffloadOptimizer.step: the gradients changed after opt.clip_grad_norm_ (a backward or an edit ran "
-                "between them), so its coefficient, measured on the gradients it saw, cannot apply to them. Call "
-                "opt.clip_grad_norm_ after the last backward of the step, right before step() (torch's clip "
-                "would have scaled the gradients it saw in place and left later ones unclipped: to clip each "
-                "micro-batch, use torch.nn.utils.clip_grad_norm_). Nothing was updated and the gradients are as "
-                "they were; call opt.clip_grad_norm_ again, or zero_grad(), before step()."
+                f"OffloadOptimizer.{where}: the gradients changed after opt.clip_grad_norm_ (a backward or an edit "
+                "of .grad came between them). torch's clip would have scaled the gradients it saw in place and left "
+                "the later ones unclipped, which the coefficient applied inside step() cannot do. Call "
+                "opt.clip_grad_norm_ after the last backward of the step, right before step() (to clip each "
+                "micro-batch, use torch.nn.utils.clip_grad_norm_). Nothing was changed: zero_grad() and run the "
+                "step's backwards again in that order."
             )
 
 

@@ -208,7 +208,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             with torch.enable_grad():
                 loss = closure()
         if self._pending is not None:
-            self._pending.seen.check()  # (before anything, the streamed gradients included, is let go)
+            self._pending.seen.check("step")  # (before anything, the streamed gradients included, is let go)
         placer = self._placer
         try:
             if placer is not None:
@@ -350,10 +350,10 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
 
         It brings the gradients to the host now (``step()`` reuses them): call it after the last backward, right
         before ``step()`` (or ``scaler.step``); ``zero_grad()`` cancels it. A backward or an edit of ``.grad`` in
-        between (torch's clip would have scaled only the gradients it saw) makes ``step()`` raise, changing
-        nothing. While a ``GradScaler`` may have unscaled the streamed gradients in place (a step it drove, or the
-        first), which moves no version counter, those whose norm differs from the one at their copy are read again;
-        a scaler that first appears later makes ``step()`` clip again.
+        between (torch's clip would have scaled only the gradients it saw) makes ``step()``, and another clip,
+        raise, changing nothing. While a ``GradScaler`` may have unscaled the streamed gradients in place (a step
+        it drove, or the first), which moves no version counter, those whose norm differs from the one at their
+        copy are read again; a scaler that first appears later makes ``step()`` clip again.
 
         Args:
             max_norm (float): max norm of the gradients: >= 0, or ``inf`` (no clipping); NaN and negative values,
@@ -372,6 +372,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         max_norm = gate.check_max_norm(max_norm)
         if self.options.overlap_step:
             raise gate.refuse_clipping()
+        if self._pending is not None:
+            self._pending.seen.check("clip_grad_norm_")  # (the first clip would have scaled what it saw)
         self._topology.adopt_switched(self)
         fresh = self._transport.edits.scaled is not False
         plans = self._receive(fresh=fresh)
