@@ -189,3 +189,36 @@ def test_max_norm_and_norm_type_edges_match_torch(ours_kw, max_norm, norm_type):
         ref.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
 
+
+# ---------------------------------------------------------------------------------- the GradScaler's order --
+def scaler_order_matches_torch(ours_kw, order, steps=8):
+    """``opt.clip_grad_norm_`` before or after ``scaler.unscale_(opt)``, or with no ``unscale_`` (the scaler's
+    step unscales): torch's clip of still-scaled gradients takes the scaled norm's coefficient, and ours does the
+    same, whichever unscales them after it; an inf at one step is skipped by both."""
+    model, ours, ref_model, ref = _pair(ours_kw)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3) for _ in range(2)]
+    for step in range(steps):
+        norms = []
+        for m, o, sc in ((model, ours, scalers[0]), (ref_model, ref, scalers[1])):
+            o.zero_grad()
+            loss = loss_fn(m, step, 0, "cpu")
+            if step == 5:
+                loss = loss + m.ff1.weight[0, 0] * math.inf
+            sc.scale(loss).backward()
+            if order == "unscale_clip":
+                sc.unscale_(o)
+            norms.append(o.clip_grad_norm_(0.5) if o is ours else _torch_clip(m, 0.5))
+            if order == "clip_unscale":
+                sc.unscale_(o)
+            sc.step(o)
+            sc.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale(), step
+        if step != 5:
+            torch.testing.assert_close(norms[0], norms[1], msg=lambda m: f"step {step}: {m}")
+        assert_same(model, ref_model, ours, ref, f"{order} step {step}")
+
+
+@pytest.mark.parametrize("ours_kw", FEEDS[:2], ids=FEED_IDS[:2])  # (a GradScaler needs the gradients kept)
+@pytest.mark.parametrize("order", ["clip_unscale", "clip_no_unscale", "unscale_clip"])
+def test_clip_before_or_after_unscale_matches_torch(ours_kw, order):
+    scaler_order_matches_torch(ours_kw, order)

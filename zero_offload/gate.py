@@ -11,8 +11,9 @@ setting ``grad_scale`` (the scale, or None once ``unscale_`` ran) and ``found_in
 ``step()``, and deleting them after: read here as a :class:`ScalerSignal`.
 
 **Clipping.** ``clip_grad_norm_`` measures the total norm at once (intake) and leaves a :class:`PendingClip`; the
-next ``step()`` multiplies the gradients by its coefficient inside the kernel, and refuses gradients a backward or
-an edit changed since (:class:`GradsSeen`).
+next ``step()`` multiplies the gradients by its coefficient inside the kernel, torch's coefficient of the gradients
+the clip saw (scaled ones where it came before the scaler's ``unscale_``), and refuses gradients a backward or an
+edit changed since (:class:`GradsSeen`).
 """
 
 from __future__ import annotations
@@ -79,12 +80,12 @@ class PendingClip:
     fresh: bool  # every gradient still on a parameter was read again (see OffloadOptimizer.clip_grad_norm_)
     seen: "GradsSeen"
 
-    def coefficient(self, unscale: float = 1.0) -> float:
-        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it, with the norm multiplied by ``unscale``
-        first. NaN where the norm is (a NaN gradient, or an inf one with ``max_norm=inf``): torch's clip then makes
-        every gradient NaN, and so does this multiplier (under ``nonfinite="ignore"``; the other policies skip or
-        refuse such a step before it is used)."""
-        total = torch.tensor(self.total_norm * unscale, dtype=torch.float32)
+    def coefficient(self) -> float:
+        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it, of the norm it measured (a scaled one
+        where it came before the scaler's ``unscale_``). NaN where the norm is (a NaN gradient, or an inf one with
+        ``max_norm=inf``): torch's clip then makes every gradient NaN, and so does this multiplier (under
+        ``nonfinite="ignore"``; the other policies skip or refuse such a step before it is used)."""
+        total = torch.tensor(self.total_norm, dtype=torch.float32)
         return float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
 
 
@@ -155,8 +156,9 @@ def decide(scaler: ScalerSignal, clip: Optional[PendingClip], nonfinite_found: b
     if nonfinite_found:
         return Decision(skip="nonfinite", raise_=policy == "raise")
     inv_scale = scaler.inv_scale
-    # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
-    coef = 1.0 if clip is None else clip.coefficient(inv_scale if scaler.grad_scale is not None else 1.0)
+    # As torch's clip: the coefficient of the norm it measured, of the gradients as they were then (scaled ones
+    # where it came before the scaler's unscale_, whichever unscales them).
+    coef = 1.0 if clip is None else clip.coefficient()
     return Decision(multiplier=inv_scale * coef, inv_scale=inv_scale, clip=clip)
 
 

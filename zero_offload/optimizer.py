@@ -248,10 +248,10 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks else NO_SCALER[policy]
         with self._transport.together(skipped=scaler.overflow):
             self._sync()
-            clip = self._take_clip(scaler.unscaled)
+            clip, reread = self._take_clip(scaler.unscaled)
         with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
             self._transport.edits.scaled = scaler.present
-            plans = clip.plans if clip is not None else self._receive(fresh=scaler.unscaled)
+            plans = clip.plans if clip is not None and not reread else self._receive(fresh=scaler.unscaled)
             hypers = [self._rule.hyper(g) for g in self.param_groups]
             if scaler.present:
                 self._mode.check_scaler()
@@ -259,7 +259,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         found = False
         if not scaler.overflow:
             settings = self._topology.settings(hypers, self.options.nonfinite)
-            plans, found = self._transport.measure(plans, settings, scaler.check_nonfinite, clip)
+            plans, found = self._transport.measure(plans, settings, scaler.check_nonfinite, None if reread else clip)
         # Decide.
         decision = gate.decide(scaler, clip, found, self.options.nonfinite)
         if decision.skip is not None:
@@ -277,18 +277,20 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             raise gate.nonfinite_error(self._transport.describe_nonfinite(plans, names))
         self.skipped_steps += 1
 
-    def _take_clip(self, unscaled: bool) -> Optional[PendingClip]:
-        """The pending ``clip_grad_norm_``, redone if a GradScaler unscaled the gradients in place after it
-        trusted the copies streamed in backward (the last step having had no scaler)."""
+    def _take_clip(self, unscaled: bool) -> Tuple[Optional[PendingClip], bool]:
+        """The pending clip, and whether to read its gradients again: a GradScaler's ``unscale_`` (no version bump)
+        may have come after it, and its coefficient multiplies them as they are now. Redone on the unscaled ones
+        where it trusted copies streamed in backward (the last step had no scaler), taking ``unscale_`` as first."""
         pending, self._pending = self._pending, None
-        if unscaled and pending is not None and not pending.fresh:
-            logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
-                           "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
-                           "step was of the scaled ones)")
-            self._transport.edits.scaled = True
-            self.clip_grad_norm_(pending.max_norm, pending.norm_type)
-            pending, self._pending = self._pending, None
-        return pending
+        if not unscaled or pending is None or pending.fresh:
+            return pending, pending is not None and unscaled
+        logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
+                       "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
+                       "step was of the scaled ones)")
+        self._transport.edits.scaled = True
+        self.clip_grad_norm_(pending.max_norm, pending.norm_type)
+        pending, self._pending = self._pending, None
+        return pending, False
 
     def _end_step(self, stepped: bool = False) -> None:
         """Forget what backward streamed for this step (after ``step()``, whatever its exit, or ``zero_grad``)."""
@@ -353,7 +355,9 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         between (torch's clip would have scaled only the gradients it saw) makes ``step()``, and another clip,
         raise, changing nothing. While a ``GradScaler`` may have unscaled the streamed gradients in place (a step
         it drove, or the first), which moves no version counter, those whose norm differs from the one at their
-        copy are read again; a scaler that first appears later makes ``step()`` clip again.
+        copy are read again; a scaler that first appears later makes ``step()`` clip again. Before
+        ``scaler.unscale_(opt)`` (or with no ``unscale_``) it clips the still-scaled gradients by their scaled
+        norm, as torch's clip does there.
 
         Args:
             max_norm (float): max norm of the gradients: >= 0, or ``inf`` (no clipping); NaN and negative values,
