@@ -222,3 +222,30 @@ def scaler_order_matches_torch(ours_kw, order, steps=8):
 @pytest.mark.parametrize("order", ["clip_unscale", "clip_no_unscale", "unscale_clip"])
 def test_clip_before_or_after_unscale_matches_torch(ours_kw, order):
     scaler_order_matches_torch(ours_kw, order)
+
+
+def test_backward_after_clip_under_a_scaler_is_refused_and_the_retry_matches_torch():
+    """The refusal inside ``scaler.step``: ``GradScaler`` deletes the ``grad_scale`` and ``found_inf`` it set on
+    the optimizer only when ``step()`` returns, and its next ``step`` would multiply its scale by one left there;
+    they go with the refusal, so the step run again in the right order follows AdamW with torch's clip."""
+    model, ours, ref_model, ref = _pair(dict(stream_grads=True))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3) for _ in range(2)]
+    for step in range(4):
+        ours.zero_grad()
+        scalers[0].scale(loss_fn(model, step, 0, "cpu")).backward()
+        ours.clip_grad_norm_(0.5)
+        scalers[0].scale(loss_fn(model, step, 1, "cpu")).backward()
+        before = snapshot(model, ours)
+        with pytest.raises(RuntimeError, match="the gradients changed after opt.clip_grad_norm_"):
+            scalers[0].step(ours)
+        assert_unchanged(before, model, ours)
+        assert not hasattr(ours, "grad_scale") and not hasattr(ours, "found_inf")
+        for m, o, sc in ((model, ours, scalers[0]), (ref_model, ref, scalers[1])):
+            o.zero_grad()
+            sc.scale(loss_fn(m, step, 0, "cpu")).backward()
+            sc.scale(loss_fn(m, step, 1, "cpu")).backward()
+            sc.unscale_(o)
+            o.clip_grad_norm_(0.5) if o is ours else _torch_clip(m, 0.5)
+            sc.step(o)
+            sc.update()
+        assert_same(model, ref_model, ours, ref, f"step {step}")

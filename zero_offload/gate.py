@@ -122,9 +122,13 @@ class GradsSeen:
                 return True
         return False
 
-    def check(self, where: str) -> None:
-        """Refuse (in ``where``, ``step()`` or a new ``clip_grad_norm_``) gradients changed since."""
+    def check(self, where: str, marks: Optional[dict] = None) -> None:
+        """Refuse (in ``where``, ``step()`` or a new ``clip_grad_norm_``) gradients changed since. ``marks``: the
+        optimizer's ``__dict__``, where ``GradScaler.step`` set ``grad_scale`` and ``found_inf``: it deletes them
+        only when ``step()`` returns, and would multiply its next scale by one left there, so they go."""
         if self.changed():
+            for name in ("grad_scale", "found_inf"):
+                (marks or {}).pop(name, None)
             raise RuntimeError(
                 f"OffloadOptimizer.{where}: the gradients changed after opt.clip_grad_norm_ (a backward or an edit "
                 "of .grad came between them). torch's clip would have scaled the gradients it saw in place and left "

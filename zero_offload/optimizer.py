@@ -208,7 +208,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             with torch.enable_grad():
                 loss = closure()
         if self._pending is not None:
-            self._pending.seen.check("step")  # (before anything, the streamed gradients included, is let go)
+            self._pending.seen.check("step", self.__dict__)  # (before anything, streamed gradients too, is let go)
         placer = self._placer
         try:
             if placer is not None:
