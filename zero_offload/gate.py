@@ -18,11 +18,12 @@ edit changed since (:class:`GradsSeen`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import operator
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -122,13 +123,20 @@ class GradsSeen:
                 return True
         return False
 
-    def check(self, where: str, marks: Optional[dict] = None) -> None:
+    def check(self, where: str, marks: Optional[dict] = None,
+              together: Optional[Callable[..., contextlib.AbstractContextManager]] = None) -> None:
         """Refuse (in ``where``, ``step()`` or a new ``clip_grad_norm_``) gradients changed since. ``marks``: the
         optimizer's ``__dict__``, where ``GradScaler.step`` set ``grad_scale`` and ``found_inf``: it deletes them
-        only when ``step()`` returns, and would multiply its next scale by one left there, so they go."""
-        if self.changed():
-            for name in ("grad_scale", "found_inf"):
-                (marks or {}).pop(name, None)
+        only when ``step()`` returns, and would multiply its next scale by one left there, so they go.
+        ``together``: the transport's (see :meth:`~zero_offload.transport.base.Transport.together`): a rank that
+        refuses still meets the others, so that they raise too, but where a GradScaler's inf/nan skips the step."""
+        if not self.changed():
+            return
+        found = (marks or {}).get("found_inf")
+        for name in ("grad_scale", "found_inf"):
+            (marks or {}).pop(name, None)
+        skipped = found is not None and float(found) != 0.0
+        with contextlib.nullcontext() if together is None else together(skipped=skipped):
             raise RuntimeError(
                 f"OffloadOptimizer.{where}: the gradients changed after opt.clip_grad_norm_ (a backward or an edit "
                 "of .grad came between them). torch's clip would have scaled the gradients it saw in place and left "

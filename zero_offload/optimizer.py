@@ -207,8 +207,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._pending is not None:
-            self._pending.seen.check("step", self.__dict__)  # (before anything, streamed gradients too, is let go)
+        if self._pending is not None:  # (before anything, streamed gradients too, is let go)
+            self._pending.seen.check("step", self.__dict__, self._transport.together)
         placer = self._placer
         try:
             if placer is not None:
