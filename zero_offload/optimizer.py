@@ -278,16 +278,15 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         self.skipped_steps += 1
 
     def _take_clip(self, unscaled: bool) -> Tuple[Optional[PendingClip], bool]:
-        """The pending clip, and whether to read its gradients again: a GradScaler's ``unscale_`` (no version bump)
-        may have come after it, and its coefficient multiplies them as they are now. Redone on the unscaled ones
-        where it trusted copies streamed in backward (the last step had no scaler), taking ``unscale_`` as first."""
+        """The pending clip, and whether to read its gradients again (a GradScaler's ``unscale_`` may have come
+        after it: its coefficient multiplies them as they are); redone if it trusted streamed copies (see below)."""
         pending, self._pending = self._pending, None
         if not unscaled or pending is None or pending.fresh:
             return pending, pending is not None and unscaled
         logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
                        "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
                        "step was of the scaled ones)")
-        self._transport.edits.scaled = True
+        self._transport.edits.scaled = True  # (the clip trusted copies streamed in backward: no scaler last step)
         self.clip_grad_norm_(pending.max_norm, pending.norm_type)
         pending, self._pending = self._pending, None
         return pending, False
