@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 
 import pytest
 import torch
 
 import cuda_standins
+import test_clip_order
 from test_grad_stream import LateAdamW, _run_recipe
 import test_optimizer
 from test_optimizer import RECIPES, Recipe, TinyTransformer, assert_same, loss_fn, make_runs
@@ -295,6 +297,48 @@ def test_cuda_branches_bf16_model_tracks_fp32_run(cuda_branches):
 
 def test_cuda_branches_reinitialise_a_master_changed_outside(cuda_branches):
     test_optimizer.test_parameter_changed_outside_the_optimizer_reinitialises_its_master()
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_cuda_branches_backward_after_clip_is_refused(cuda_branches, release):
+    test_clip_order.backward_after_clip_is_refused(dict(release_grads=release), steps=3)
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_cuda_branches_nan_norm_clipped_under_ignore_matches_torch(cuda_branches, release):
+    test_clip_order.nonfinite_clip_under_ignore_matches_torch(dict(release_grads=release), 0.5, math.nan)
+
+
+@pytest.mark.parametrize("order", ["clip_unscale", "clip_no_unscale", "unscale_clip"])
+def test_cuda_branches_clip_before_or_after_unscale_matches_torch(cuda_branches, order):
+    test_clip_order.scaler_order_matches_torch({}, order)
+
+
+def test_cuda_branches_unscale_then_clip_copies_nothing_again_at_step(cuda_branches, monkeypatch):
+    """The usual order (``unscale_``, clip, ``scaler.step``): ``step()`` looks again for an ``unscale_`` after the
+    clip by the norms the clip kept, and finding none copies no gradient again."""
+    gathers = []
+    real = Route._slot_copies
+
+    def slot_copies(bg):
+        dsts, srcs = real(bg)
+        gathers.extend(srcs)
+        return dsts, srcs
+
+    monkeypatch.setattr(Route, "_slot_copies", staticmethod(slot_copies))
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(test_optimizer.param_groups(model))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(loss_fn(model, step, 0, "cpu")).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(0.5)
+        gathers.clear()
+        scaler.step(opt)
+        scaler.update()
+        assert not gathers, f"step {step}: {len(gathers)} gradients copied again"
 
 
 def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cuda_branches, monkeypatch, caplog):

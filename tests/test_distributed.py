@@ -987,6 +987,41 @@ def test_a_rank_refusing_its_hyperparameters_makes_the_others_raise_not_wait(str
     torch.testing.assert_close(params0, params1, rtol=0, atol=0)
 
 
+def _edited_after_clip_on_one_rank_worker(rank, world, stream):
+    """Rank 1 edits a gradient after ``opt.clip_grad_norm_``, which its ``step()`` refuses (torch's clip would have
+    scaled it before the edit) before its first collective: rank 0 raises too, naming rank 1, instead of waiting for
+    it until the group's timeout; nothing changes on either, and after ``zero_grad()`` the ranks go on together."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           stream_grads=stream, timeout=20)
+    _step(model, opt, 0, rank, world, clip=1.0)
+    before = _snapshot(model, opt)
+    error = None
+    opt.zero_grad()
+    loss_on(model, 1, 0, rows_of(rank, world)).backward()
+    opt.clip_grad_norm_(1.0)
+    if rank == 1:
+        next(model.parameters()).grad.mul_(2.0)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        error = str(exc)
+    unchanged = _unchanged(model, opt, before)
+    _step(model, opt, 2, rank, world, clip=1.0)
+    return error, unchanged, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
+def test_a_gradient_edited_after_clip_on_one_rank_makes_the_others_raise_not_wait(stream):
+    out = launch(_edited_after_clip_on_one_rank_worker, 2, stream, timeout=120)
+    (message0, unchanged0, params0), (message1, unchanged1, params1) = out[0], out[1]
+    assert message1 is not None and "the gradients changed after opt.clip_grad_norm_" in message1, message1
+    assert message0 is not None and "rank 1 is raised at step() before its first collective" in message0, message0
+    assert unchanged0 and unchanged1
+    torch.testing.assert_close(params0, params1, rtol=0, atol=0)
+
+
 def _invalid_after_a_redone_clip_worker(rank, world, stream):
     """Clipping every step, then a GradScaler's mark appearing (``found_inf``, its unscale done) makes step() redo
     clip_grad_norm_ (collectives on every rank) before it reads the hyperparameters; rank 1 then refuses its LR:

@@ -124,7 +124,8 @@ class Recipe:
     clip: Optional[float] = None
     norm_type: float = 2.0
     scaler: Optional[str] = None  # "step": scaler.step only; "unscale": scaler.unscale_ before clipping (both);
-    # "fused": ours clips the still-scaled gradients with no unscale_ (the reference unscale_s first)
+    # "fused": both clip the still-scaled gradients with no unscale_ (torch's order: the scaled norm's coefficient,
+    # then scaler.step unscales)
     accumulate: int = 1
     scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None
     closure: bool = False
@@ -198,12 +199,10 @@ class Run:
             if r.inf_at == step:
                 model.ff1.weight.grad[0, 0] = float("inf")
             if r.clip is not None:
-                if scaler is not None and (r.scaler == "unscale" or not self.ours):
+                if scaler is not None and r.scaler == "unscale":
                     scaler.unscale_(opt)
                 if self.ours and not r.torch_clip:
                     norm = opt.clip_grad_norm_(r.clip, r.norm_type)
-                    if r.scaler == "fused":
-                        norm = norm * (1.0 / scaler.get_scale())
                 else:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), r.clip, r.norm_type, foreach=False)
                 self.norms.append(norm.cpu())

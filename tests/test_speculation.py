@@ -167,9 +167,10 @@ def test_clipping_inactive_commits(eager):
 
 
 def test_gradscaler_with_the_fused_clip_keeps_speculating(eager):
-    """GradScaler and opt.clip_grad_norm_ with no unscale_ (the README's fused recipe): the clip finds the gradients
-    as they were streamed (their norms unchanged since their copy), so the speculations stand; only a step whose
-    scale changed (growth every 3 steps) rolls back, for its multiplier."""
+    """GradScaler and opt.clip_grad_norm_ with no unscale_ (clipping the still-scaled gradients, as torch's clip in
+    that order): the clip finds the gradients as they were streamed (their norms unchanged since their copy), so
+    the speculations stand; only a step whose scale changed (growth every 3 steps) rolls back, for its
+    multiplier."""
     pairs = _pair()
     _drive(pairs, 7, between=lambda step, m, opt: opt.clip_grad_norm_(1e6), scaler=True)
     stats = pairs[0][1].speculation_stats

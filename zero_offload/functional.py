@@ -360,7 +360,7 @@ def adam_own_(param: torch.Tensor, grads: Union[torch.Tensor, Sequence[torch.Ten
     ``q8_kw`` and the destinations ``out`` are not checked again, nor ``hyper`` (step, lr, beta1, beta2, eps,
     weight_decay, decoupled, maximize, grad_scale; the group's are validated when read); gradients where the user
     left them, and their segments, are. Spares every bucket of every step the Python checks of its buffers."""
-    if not math.isfinite(hyper[-1]):
+    if math.isinf(hyper[-1]):  # (NaN passes: a clip coefficient of a NaN norm makes every gradient NaN, as torch's)
         raise ValueError(f"Invalid grad_scale: {hyper[-1]} (must be finite)")
     if offsets is None:
         path, native = _resolve(state[0].dtype)

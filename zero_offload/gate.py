@@ -13,23 +13,28 @@ disagree (HSDP: torch's check of DTensor gradients reduces ``found_inf`` over th
 every rank skips, and the scalers that found nothing are told (:func:`overflow_elsewhere`).
 
 **Clipping.** ``clip_grad_norm_`` measures the total norm at once (intake) and leaves a :class:`PendingClip`; the
-next ``step()`` multiplies the gradients by its coefficient inside the kernel.
+next ``step()`` multiplies the gradients by its coefficient inside the kernel, torch's coefficient of the gradients
+the clip saw (scaled ones where it came before the scaler's ``unscale_``), and refuses gradients a backward or an
+edit changed since (:class:`GradsSeen`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import operator
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.lane import Plans
+from zero_offload.lane import Arrival, Lane, Plans
 
-__all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_norm_type", "decide", "nonfinite_error",
-           "overflow_elsewhere", "refuse_clipping", "refuse_released_scaler"]
+__all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_max_norm", "check_norm_type", "decide",
+           "nonfinite_error", "overflow_elsewhere", "refuse_clipping", "refuse_released_scaler"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -106,13 +111,72 @@ class PendingClip:
     total_norm: float
     nonfinite: bool
     fresh: bool  # every gradient still on a parameter was read again (see OffloadOptimizer.clip_grad_norm_)
+    seen: "GradsSeen"
 
-    def coefficient(self, unscale: float = 1.0) -> float:
-        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it (1 where that is not finite), with the
-        norm multiplied by ``unscale`` first."""
-        total = torch.tensor(self.total_norm * unscale, dtype=torch.float32)
-        coef = float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
-        return coef if math.isfinite(coef) else 1.0
+    def coefficient(self) -> float:
+        """``min(max_norm / (norm + 1e-6), 1)`` as torch's clip computes it, of the norm it measured (a scaled one
+        where it came before the scaler's ``unscale_``). NaN where the norm is (a NaN gradient, or an inf one with
+        ``max_norm=inf``): torch's clip then makes every gradient NaN, and so does this multiplier (under
+        ``nonfinite="ignore"``; the other policies skip or refuse such a step before it is used)."""
+        total = torch.tensor(self.total_norm, dtype=torch.float32)
+        return float(torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
+
+
+_get_grad = operator.attrgetter("grad")
+_get_version = operator.attrgetter("_version")
+_not_none = functools.partial(operator.is_not, None)
+
+
+class GradsSeen:
+    """The gradients as ``clip_grad_norm_`` saw them: per bucket, what backward had sent (its record and how many
+    times), each parameter's ``.grad`` and their version counters. The clip's coefficient is of those gradients:
+    torch's clip scales them in place, so a backward after it adds unclipped gradients to clipped ones. ``step()``
+    refuses to apply the coefficient to gradients that changed since (:meth:`check`). C-level loops: about as much
+    per parameter as the step's own collection of its gradients."""
+
+    __slots__ = ("_lanes",)
+
+    def __init__(self, lanes: Sequence[Lane]):
+        self._lanes: List[Tuple[Lane, Arrival, int, List[Any], List[int]]] = []
+        for lane in lanes:
+            grads = list(map(_get_grad, lane.bucket.owners))
+            self._lanes.append((lane, lane.arrival, lane.arrival.launches, grads,
+                                list(map(_get_version, filter(_not_none, grads)))))
+
+    def changed(self) -> bool:
+        """Whether a gradient was sent again by a backward, assigned, or edited in place (but for the edits that
+        move no version counter, ``GradScaler.unscale_``) since."""
+        for lane, arrival, launches, grads, versions in self._lanes:
+            # (a load_state_dict in between may have begun the lane's record afresh)
+            if lane.arrival.launches > (launches if lane.arrival is arrival else 0):
+                return True
+            now = list(map(_get_grad, lane.bucket.owners))
+            if not all(map(operator.is_, now, grads)) or list(map(_get_version, filter(_not_none, now))) != versions:
+                return True
+        return False
+
+    def check(self, where: str, marks: Optional[dict] = None,
+              together: Optional[Callable[..., contextlib.AbstractContextManager]] = None) -> None:
+        """Refuse (in ``where``, ``step()`` or a new ``clip_grad_norm_``) gradients changed since. ``marks``: the
+        optimizer's ``__dict__``, where ``GradScaler.step`` set ``grad_scale`` and ``found_inf``: it deletes them
+        only when ``step()`` returns, and would multiply its next scale by one left there, so they go.
+        ``together``: the transport's (see :meth:`~zero_offload.transport.base.Transport.together`): a rank that
+        refuses still meets the others, so that they raise too, but where a GradScaler's inf/nan skips the step."""
+        if not self.changed():
+            return
+        found = (marks or {}).get("found_inf")
+        for name in ("grad_scale", "found_inf"):
+            (marks or {}).pop(name, None)
+        skipped = found is not None and float(found) != 0.0
+        with contextlib.nullcontext() if together is None else together(skipped=skipped):
+            raise RuntimeError(
+                f"OffloadOptimizer.{where}: the gradients changed after opt.clip_grad_norm_ (a backward or an edit "
+                "of .grad came between them). torch's clip would have scaled the gradients it saw in place and left "
+                "the later ones unclipped, which the coefficient applied inside step() cannot do. Call "
+                "opt.clip_grad_norm_ after the last backward of the step, right before step() (to clip each "
+                "micro-batch, use torch.nn.utils.clip_grad_norm_). Nothing was changed: zero_grad() and run the "
+                "step's backwards again in that order."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +200,9 @@ def decide(scaler: ScalerSignal, clip: Optional[PendingClip], nonfinite_found: b
     if nonfinite_found:
         return Decision(skip="nonfinite", raise_=policy == "raise")
     inv_scale = scaler.inv_scale
-    # A norm taken before the scaler's unscale is of scaled gradients; clip with the unscaled one.
-    coef = 1.0 if clip is None else clip.coefficient(inv_scale if scaler.grad_scale is not None else 1.0)
+    # As torch's clip: the coefficient of the norm it measured, of the gradients as they were then (scaled ones
+    # where it came before the scaler's unscale_, whichever unscales them).
+    coef = 1.0 if clip is None else clip.coefficient()
     return Decision(multiplier=inv_scale * coef, inv_scale=inv_scale, clip=clip)
 
 
@@ -145,6 +210,17 @@ def nonfinite_error(where: str) -> RuntimeError:
     return RuntimeError(f"OffloadOptimizer.step: non-finite gradient (inf or nan) in {where}; nothing was updated. "
                         "Pass nonfinite='skip' to skip such steps, or nonfinite='ignore' to apply them as "
                         "torch.optim.AdamW would.")
+
+
+def check_max_norm(max_norm: Any) -> float:
+    """``clip_grad_norm_``'s ``max_norm`` as a float: a number >= 0, or ``inf`` (no clipping, as torch's). NaN is
+    refused (torch's clip would make every gradient NaN), and so is a negative one (torch's would flip every
+    gradient's sign)."""
+    value = float(max_norm)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"Invalid max_norm: {value} (expected a number >= 0, or inf for no clipping); nothing was "
+                         "changed")
+    return value
 
 
 def check_norm_type(norm_type: Any) -> float:

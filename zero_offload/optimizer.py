@@ -208,6 +208,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._pending is not None:  # (before anything, streamed gradients too, is let go)
+            self._pending.seen.check("step", self.__dict__, self._transport.together)
         placer = self._placer
         try:
             if placer is not None:
@@ -247,17 +249,18 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         scaler = ScalerSignal.of(self, policy) if "grad_scale" in marks or "found_inf" in marks else NO_SCALER[policy]
         with self._transport.together(skipped=scaler.overflow):
             self._sync()
-            clip = self._take_clip(scaler.unscaled)
+            clip, reread = self._take_clip(scaler.unscaled)
         with self._transport.together(skipped=scaler.overflow):  # (anew: a failure after a redone clip still meets)
             self._transport.edits.scaled = scaler.present
-            plans = clip.plans if clip is not None else self._receive(fresh=scaler.unscaled)
+            plans = clip.plans if clip is not None and not reread else self._receive(fresh=scaler.unscaled)
             self._gradless.see(plans)
             hypers = [self._rule.hyper(g) for g in self.param_groups]
             if scaler.present:
                 self._mode.check_scaler()
                 gate.refuse_released_scaler(plans, self._transport.release)
         settings = self._topology.settings(hypers, self.options.nonfinite)
-        plans, found, overflow = self._transport.measure(plans, settings, scaler.check_nonfinite, clip, scaler.overflow)
+        plans, found, overflow = self._transport.measure(plans, settings, scaler.check_nonfinite,
+                                                         None if reread else clip, scaler.overflow)
         if overflow and scaler.present and not scaler.overflow:  # (another rank's GradScaler found an inf/nan)
             self._transport.wait_all(plans)
             scaler = gate.overflow_elsewhere(self, scaler)
@@ -278,18 +281,19 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             raise gate.nonfinite_error(self._transport.describe_nonfinite(plans, names))
         self.skipped_steps += 1
 
-    def _take_clip(self, unscaled: bool) -> Optional[PendingClip]:
-        """The pending ``clip_grad_norm_``, redone if a GradScaler unscaled the gradients in place after it
-        trusted the copies streamed in backward (the last step having had no scaler)."""
+    def _take_clip(self, unscaled: bool) -> Tuple[Optional[PendingClip], bool]:
+        """The pending clip, and whether to read its gradients again (a GradScaler's ``unscale_`` may have come
+        after it: its coefficient multiplies them as they are); redone if it trusted streamed copies (see below)."""
         pending, self._pending = self._pending, None
-        if unscaled and pending is not None and not pending.fresh:
-            logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
-                           "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
-                           "step was of the scaled ones)")
-            self._transport.edits.scaled = True
-            self.clip_grad_norm_(pending.max_norm, pending.norm_type)
-            pending, self._pending = self._pending, None
-        return pending
+        if not unscaled or pending is None or pending.fresh:
+            return pending, pending is not None and unscaled
+        logger.warning("OffloadOptimizer: a GradScaler drove this step for the first time since a step without "
+                       "one; clip_grad_norm_ was redone on the unscaled gradients (the norm it returned this "
+                       "step was of the scaled ones)")
+        self._transport.edits.scaled = True  # (the clip trusted copies streamed in backward: no scaler last step)
+        self.clip_grad_norm_(pending.max_norm, pending.norm_type)
+        pending, self._pending = self._pending, None
+        return pending, False
 
     def _end_step(self, stepped: bool = False) -> None:
         """Forget what backward streamed for this step (after ``step()``, whatever its exit, or ``zero_grad``)."""
@@ -349,25 +353,32 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         ``torch.nn.utils.clip_grad_norm_`` over them, fused into the next ``step()``: ``min(max_norm / (total_norm +
         1e-6), 1)`` multiplies the gradient inside the kernel instead of rewriting ``.grad`` (left as it was).
 
-        It brings the gradients to the host now (``step()`` reuses them): call it right before ``step()`` (or
-        ``scaler.step``); ``zero_grad()`` cancels it. While a ``GradScaler`` may have unscaled the streamed
-        gradients in place (a step it drove, or the first), which moves no version counter, those whose norm differs
-        from the one at their copy are read again; a scaler that first appears later makes ``step()`` clip again.
+        It brings the gradients to the host now (``step()`` reuses them): call it after the last backward, right
+        before ``step()`` (or ``scaler.step``); ``zero_grad()`` cancels it. A backward or an edit of ``.grad`` in
+        between makes ``step()`` (and another clip) raise, changing nothing. Streamed gradients a ``GradScaler``
+        may have unscaled in place (moving no version counter) are read again where their norm changed; a scaler
+        that first appears later makes ``step()`` clip again. Before ``scaler.unscale_(opt)`` it clips the scaled
+        gradients by their scaled norm, as torch's clip does.
 
         Args:
-            max_norm (float): max norm of the gradients.
+            max_norm (float): max norm of the gradients: >= 0, or ``inf`` (no clipping); NaN and negative values,
+                which torch's clip would turn into NaN or sign-flipped gradients, raise ``ValueError``.
             norm_type (float): type of the p-norm: 2, ``inf``, or any finite p > 0. Default: 2.0.
             error_if_nonfinite (bool): raise ``RuntimeError`` if the total norm is nan or inf. Default: False.
-                Otherwise a non-finite norm is left to the ``nonfinite`` policy at ``step()``.
+                Otherwise a non-finite norm is left to the ``nonfinite`` policy at ``step()``: under ``"ignore"``
+                the step then does what AdamW does after torch's clip (a NaN norm makes every gradient NaN; an
+                inf one, every gradient zero but the inf ones, NaN).
 
         Returns:
             Tensor: the total norm of the gradients (viewed as a single vector), float32, on the device of the
             first parameter with a gradient; for FSDP2's parameters, a DTensor replicated over their mesh (as torch's).
         """
         norm_type = gate.check_norm_type(norm_type)
-        max_norm = float(max_norm)
+        max_norm = gate.check_max_norm(max_norm)
         if self.options.overlap_step:
             raise gate.refuse_clipping()
+        if self._pending is not None:
+            self._pending.seen.check("clip_grad_norm_")  # (the first clip would have scaled what it saw)
         self._topology.adopt_switched(self)
         fresh = self._transport.edits.scaled is not False
         plans = self._receive(fresh=fresh)
@@ -379,7 +390,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         nonfinite = nonfinite or not math.isfinite(total)
         if error_if_nonfinite and nonfinite:
             raise gate.nonfinite_norm_error(norm_type)
-        self._pending = PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh)
+        self._pending = PendingClip(plans, max_norm, norm_type, total, nonfinite, fresh,
+                                    gate.GradsSeen(list(chain.from_iterable(self._lanes))))
         norm = torch.tensor(total, dtype=torch.float32, device=first.device if first is not None else "cpu")
         return self._topology.norm_value(norm, self.param_groups)
 

@@ -56,16 +56,19 @@ class EditWatch:
 
     def read_edited(self, plans: Plans) -> Plans:
         """After every lane's receive: ``plans`` where each deferred gradient whose norm differs from the one at its
-        copy is pending, to be read again, and its bucket's streamed norm stale."""
+        copy is pending, to be read again, and its bucket's streamed norm stale. Each compared gradient's norm now
+        is kept in its lane's arrival, for a later receive in the same step (``step()`` after ``clip_grad_norm_``
+        under a ``GradScaler`` whose ``unscale_`` may have come between them)."""
         unchecked, self._unchecked = self._unchecked, []
         found = [(intake, i, intake.bucket.params[i].grad, then) for intake, kept, thens in unchecked
                  for i, then in zip(kept, thens)]
         edited: Dict[Intake, List[Tuple[int, torch.Tensor]]] = {}  # (by intake: each read again once)
         for device in {grad.device for _, _, grad, _ in found}:
             mine = [f for f in found if f[2].device == device]
-            now = torch.stack(foreach_norm_fp32([grad for _, _, grad, _ in mine]))
-            changed = (now != torch.stack([then for _, _, _, then in mine])).tolist()
-            for (intake, i, grad, _), c in zip(mine, changed):
+            nows = foreach_norm_fp32([grad for _, _, grad, _ in mine])
+            changed = (torch.stack(nows) != torch.stack([then for _, _, _, then in mine])).tolist()
+            for (intake, i, grad, _), c, now in zip(mine, changed, nows):
+                intake.lane.arrival.norms[i] = now
                 if c:
                     edited.setdefault(intake, []).append((i, grad))
         if not edited:
