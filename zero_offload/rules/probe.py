@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
+import random
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -123,6 +126,29 @@ def updates_close(new: torch.Tensor, ref_new: torch.Tensor, prev: Optional[torch
     if err > UPDATE_RTOL * size + 4 * torch.finfo(torch.float32).eps * float(prev.abs().max()):
         return f"its update differs by {err / max(size, 1e-30):.3g} of the update's size"
     return None
+
+
+def _rng_states() -> Tuple[bytes, ...]:
+    """The states of the random number generators a class may draw from: torch's default CPU generator, Python's
+    and (when imported) NumPy's global one."""
+    states = [torch.get_rng_state().numpy().tobytes(), pickle.dumps(random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states.append(pickle.dumps(numpy.random.get_state()))
+    return tuple(states)
+
+
+def _refuse_replay(name: str, drew: bool, what: str) -> None:
+    """Refuse a class that steps differently on a replay with identical inputs, naming why as far as the probe
+    saw it: ``drew``, a random number generator moved during the runs."""
+    if drew:
+        raise Refused(f"{name} cannot be offloaded faithfully: {what} (it draws random numbers: a random number "
+                      "generator moved while it stepped), so no offloaded run can be checked against it")
+    raise Refused(f"{name} cannot be offloaded faithfully: {what}: a replay with identical inputs (a new instance, "
+                  "the same parameters and gradients) steps differently from the first run, without drawing random "
+                  "numbers (torch's, Python's and NumPy's generators did not move). Its step depends on state "
+                  "outside the optimizer (a class attribute, a module global, a count kept outside its instance, "
+                  "its param groups and its state), which an offloaded run, one instance per bucket, cannot carry")
 
 
 def _state_kinds(name: str, state: Dict[str, Any], shape: torch.Size) -> Tuple[List[str], Optional[str], bool]:
@@ -230,10 +256,13 @@ def _split_steps_alike(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], p
     perm = torch.randperm(n, generator=gen)
     cut = [_SPLIT, n - _SPLIT]
     wholes = [torch.nn.Parameter(start.clone()) for _ in range(2 if twice else 1)]
-    refs = [_run(cls, ctor, group, [w], [[g] for g in grads], f"a {shape} parameter") for w in wholes]
+    refs, drew = [], False
+    for w in wholes:
+        rng = _rng_states()
+        refs.append(_run(cls, ctor, group, [w], [[g] for g in grads], f"a {shape} parameter"))
+        drew = drew or _rng_states() != rng
     if twice and not same(wholes[0].detach(), wholes[1].detach()):
-        raise Refused(f"{name} cannot be offloaded faithfully: two runs of it on the same parameter and gradients "
-                      "step differently (it draws random numbers), so no offloaded run can be checked against it")
+        _refuse_replay(name, drew, "two runs of it on the same parameter and gradients step differently")
     parts = [torch.nn.Parameter(t.clone()) for t in start.reshape(-1)[perm].split(cut)]
     why = (f"{name} is not elementwise: its update of an element depends on other elements of the parameter, on "
            f"its shape or on its size (a {shape} parameter and the same elements shuffled and split into two "
