@@ -2,6 +2,7 @@
 against the class itself (every step, parameters and state), or refused naming the real reason with nothing
 changed:
 
+* a sum over all its parameters (D-Adaptation's ``d``): refused, as its update of one parameter depends on others;
 * state outside the optimizer (a class attribute counting steps): refused as such, not as random draws.
 """
 
@@ -12,6 +13,51 @@ import torch
 
 from zero_offload import offload
 from zero_offload.rules.torch_class import Refused
+
+
+# ---------------------------------------------------------------------------------- a sum over all parameters --
+class DAdaptLike(torch.optim.Optimizer):
+    """D-Adaptation-style momentum SGD: a step size ``d`` (kept in the first param group) that grows, by at most
+    ``growth_rate`` a step, with sums over every parameter of every group, and scales every parameter's update. At
+    its defaults ``d`` stays near ``d0`` for many steps, so an offloaded run (one ``d`` per bucket) stays within
+    float32's tolerance of the class for a while; it is still not the class's update."""
+
+    def __init__(self, params, lr=1.0, d0=1e-6, growth_rate=1.001, momentum=0.9):
+        super().__init__(params, dict(lr=lr, d0=d0, growth_rate=growth_rate, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        first = self.param_groups[0]
+        d = first.setdefault("d", first["d0"])
+        numerator, denominator = 0.0, 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["s"], state["buf"] = torch.zeros_like(p), torch.zeros_like(p)
+                numerator += float(torch.dot(p.grad.flatten(), state["s"].flatten()))
+                state["s"].add_(p.grad, alpha=d * group["lr"])
+                denominator += float(state["s"].abs().sum())
+        if denominator > 0:
+            first["d"] = d = min(d * first["growth_rate"], max(d, d + d * numerator / denominator))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p]["buf"]
+                    buf.mul_(group["momentum"]).add_(p.grad)
+                    p.add_(buf, alpha=-d * group["lr"])
+
+
+def test_a_class_that_sums_over_all_its_parameters_is_refused_naming_it():
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(Refused, match=r"DAdaptLike cannot be offloaded faithfully: its update of one parameter "
+                                      r"depends on other parameters \(a sum over all parameters"):
+        offload(DAdaptLike, model.parameters())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- state outside the optimizer --

@@ -35,7 +35,8 @@ from zero_offload.rules.base import Run, Slots
 from zero_offload.rules.settings import FAILURES, Refused, build
 from zero_offload.state.layout import align_up
 
-__all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "check_scheme", "updates_close", "same"]
+__all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "independent", "check_scheme", "updates_close",
+           "same"]
 
 KIND_STEPS = 24  # a key of its group may start to move late (schedule-free RAdam's weight_sum)
 ELEMENTWISE_STEPS = 8
@@ -281,6 +282,55 @@ def _split_steps_alike(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], p
         if any(p is None for p in pieces) or not torch.allclose(
                 full.reshape(-1)[perm], torch.cat([p.reshape(-1) for p in pieces]), rtol=1e-5, atol=1e-6):
             raise NotElementwise(why)
+
+
+# The cross-parameter pass: two param groups (with the same settings), the first with two parameters.
+_CROSS = ((_WHOLE, (_SPLIT,)), ((5,),))
+
+
+def _trace(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], starts: List[List[torch.Tensor]],
+           grads: List[List[List[torch.Tensor]]]) -> List[List[Tuple[torch.Tensor, Dict[str, Any]]]]:
+    """The class over parameters starting at ``starts`` (one list per param group), stepped with clones of
+    ``grads``: after each step, each parameter and its state, copied."""
+    params = [[torch.nn.Parameter(t.clone()) for t in ts] for ts in starts]
+    try:
+        opt = build(cls, [(ps, group) for ps in params], ctor)
+        out = []
+        for step_grads in grads:
+            for ps, gs in zip(params, step_grads):
+                for p, g in zip(ps, gs):
+                    p.grad = g.clone()
+            opt.step()
+            out.append([(p.detach().clone(), copy.deepcopy(dict(opt.state[p]))) for ps in params for p in ps])
+    except FAILURES as e:
+        raise Refused(f"{cls.__name__} could not be probed: stepping parameters of several shapes in two param "
+                      f"groups raised {type(e).__name__}: {e}") from e
+    return out
+
+
+def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
+    """The cross-parameter pass: the class steps three parameters in two param groups, and again with the first
+    parameter's gradients replaced; the other two must step bitwise as before, parameters and state (else its update
+    of one parameter depends on others: a sum over all of them, as D-Adaptation's ``d``, however small its effect).
+    Raises :class:`Refused`."""
+    name = cls.__name__
+    gen = torch.Generator().manual_seed(4)
+    starts = [[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS]
+    grads = [[[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS] for _ in range(SCHEME_STEPS)]
+    plain = _trace(cls, ctor, group, starts, grads)
+    changed = [[[g.mul(3).roll(1) if (gi, i) == (0, 0) else g for i, g in enumerate(gs)] for gi, gs in enumerate(step)]
+               for step in grads]
+    other = _trace(cls, ctor, group, starts, changed)
+    where = ["another parameter of its param group", "a parameter of another param group"]
+    for t, (a, b) in enumerate(zip(plain, other)):
+        for j, what in zip((1, 2), where):
+            if not same(a[j], b[j]):
+                raise Refused(
+                    f"{name} cannot be offloaded faithfully: its update of one parameter depends on other parameters "
+                    f"(a sum over all parameters, or another statistic over all the parameters of its param groups, "
+                    f"as D-Adaptation's and Prodigy's step size d): changing the gradients of a {_WHOLE} parameter "
+                    f"changed the update of {what} (shape {tuple(a[j][0].shape)}) at step {t + 1}; zero_offload "
+                    "updates the parameters bucket by bucket, each bucket's instance of the class seeing its own")
 
 
 @dataclasses.dataclass(eq=False)  # (hashed by identity: the rule keeps the class's instance per bucket)

@@ -26,7 +26,7 @@ import torch
 
 from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
 from zero_offload.rules.instances import Bound, GroupRecord
-from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, kinds, same
+from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, independent, kinds, same
 from zero_offload.rules.settings import NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
@@ -79,6 +79,7 @@ def probe_group(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probe
     def compute() -> Probed:
         found = kinds(cls, ctor, group)
         elementwise(cls, ctor, group, found)
+        independent(cls, ctor, group)
         return found
 
     return _cached(("group",) + _key(cls, ctor, [group]), compute)
