@@ -2,6 +2,8 @@
 against the class itself (every step, parameters and state), or refused naming the real reason with nothing
 changed:
 
+* keys its constructor adds to each param group (Lookahead's ``k``, ``alpha``, ``counter``): in our
+  ``param_groups`` and ``state_dict()``, loading both ways;
 * a sum over all its parameters (D-Adaptation's ``d``): refused, as its update of one parameter depends on others;
 * state outside the optimizer (a class attribute counting steps): refused as such, not as random draws.
 """
@@ -11,8 +13,62 @@ from __future__ import annotations
 import pytest
 import torch
 
+from class_runs import check_class
 from zero_offload import offload
 from zero_offload.rules.torch_class import Refused
+
+
+# -------------------------------------------------------------------------- keys its constructor adds to groups --
+class LookaheadSGD(torch.optim.Optimizer):
+    """Momentum SGD with Lookahead's slow weights; its constructor adds ``k``, ``alpha`` and ``counter`` to each
+    param group, and its step counts ``counter`` there."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9, k=3, alpha=0.5):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+        for group in self.param_groups:
+            group.setdefault("k", k)
+            group.setdefault("alpha", alpha)
+            group["counter"] = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["counter"] += 1
+            sync = group["counter"] % group["k"] == 0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"], state["slow"] = torch.zeros_like(p), p.detach().clone()
+                state["buf"].mul_(group["momentum"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+                if sync:
+                    state["slow"].lerp_(p, group["alpha"])
+                    p.copy_(state["slow"])
+
+
+def test_keys_the_constructor_adds_to_param_groups_are_ours_and_load_both_ways():
+    outcome = check_class(LookaheadSGD)  # 30 steps, then checkpoints both ways
+    assert outcome.status == "equal", outcome
+    outcome = check_class(LookaheadSGD, k=4, alpha=0.25)
+    assert outcome.status == "equal", outcome
+
+
+def test_a_checkpoint_of_ours_before_any_step_loads_into_the_class():
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))]
+    ours = offload(LookaheadSGD, [{"params": params[:1]}, {"params": params[1:], "k": 2}])
+    ref = LookaheadSGD([{"params": [torch.nn.Parameter(p.detach().clone())]} for p in params])
+    assert [(g["k"], g["alpha"], g["counter"]) for g in ours.param_groups] == [(3, 0.5, 0), (2, 0.5, 0)]
+    ref.load_state_dict(ours.state_dict())
+    for p, q in zip(params, [g["params"][0] for g in ref.param_groups]):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    ours.step()
+    ref.step()
+    for p, q in zip(params, [g["params"][0] for g in ref.param_groups]):
+        torch.testing.assert_close(p, q)
+    assert [g["counter"] for g in ours.state_dict()["param_groups"]] == [1, 1]
 
 
 # ---------------------------------------------------------------------------------- a sum over all parameters --

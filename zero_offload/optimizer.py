@@ -156,7 +156,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
-        self._rule.check({**self.defaults, **param_group})
+        added = self._rule.group_keys({**self.defaults, **param_group})  # (the wrapped class's constructor's)
+        self._rule.check({**self.defaults, **param_group, **added})
         raw = param_group["params"]
         raw = [raw] if isinstance(raw, torch.Tensor) else raw
         if isinstance(raw, set):
@@ -170,6 +171,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
                          self.defaults[b.switch]))) for b in self._rule.buffers if b.switch)
         placed = self._topology.place(tensors, n_groups, (*self.options.collective_layout(), *switches))
         param_group["params"] = raw
+        param_group.update(added)
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             buckets = allocate_group(self.param_groups[-1], n_groups, self.options, placed, self._rule)

@@ -156,6 +156,11 @@ class Rule:
                 raise
             raise ValueError(f"{where}: {exc}") from None
 
+    def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """Keys the optimizer's constructor adds to a param group with ``group``'s settings beyond its defaults, with
+        their values (Lookahead's ``k``, ``alpha``, ``counter``): what a group added to the optimizer holds too."""
+        return {}
+
     def update(self, run: Run, hyper: Any) -> None:
         """Update one run: ``master``, ``state`` (and ``scales``) in place, or into ``run.out``; and
         ``param_out``."""

@@ -10,6 +10,9 @@ themselves. A state tensor the class updates in place lands in our buffer; one i
 ``momentum_buffer``, a clone of the gradient) is copied back. The padding between slots sees a zero gradient, and
 no parameter's view shows it.
 
+Keys the class's constructor adds to its param groups (Lookahead's ``k``) are added to the optimizer's groups too
+(:meth:`TorchClassRule.group_keys`), so that a checkpoint loads both ways.
+
 The class is accepted only after the probe (:mod:`zero_offload.rules.probe`) has seen its state, checked that its
 update is elementwise, and run this very rule against the class for many steps on parameters of several shapes in
 several groups and buckets; otherwise it is refused, naming why.
@@ -27,7 +30,7 @@ import torch
 from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
 from zero_offload.rules.instances import Bound, GroupRecord
 from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, independent, kinds, same
-from zero_offload.rules.settings import NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
+from zero_offload.rules.settings import FAILURES, NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
 
@@ -156,6 +159,7 @@ class TorchClassRule(Rule):
         # instances show more).
         self._state_keys = set(() if probed is None else probed.group_state)
         groups = [{**self.defaults, **g} for g in (groups or ({},))]
+        groups = [{**g, **self.group_keys(g)} for g in groups]
         if probed is None:  # (those keys first, so that the whole probe runs on the settings hyper() will read)
             self._state_keys.update(k for g in groups for k in probe_group(
                 optimizer_class, self.ctor, self._settings(g)).group_state)
@@ -194,6 +198,18 @@ class TorchClassRule(Rule):
             raise ValueError(f"{self.name}: these settings keep state {missing} that the optimizer was not built "
                              "with; set them when building it")
         return h
+
+    def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """As :meth:`Rule.group_keys`: the keys the class's constructor, building it over a stand-in parameter in a
+        group with ``group``'s settings, leaves in that group beyond its defaults and the settings given (or sets
+        there over the given value), with their values."""
+        given = {k: v for k, v in group.items() if k not in NOT_SETTINGS}
+        try:
+            built = build(self.optimizer_class, [([torch.nn.Parameter(torch.zeros(1))], given)], self.ctor)
+        except FAILURES:  # (the class refuses these settings: its own error comes from check())
+            return {}
+        return {k: v for k, v in built.param_groups[0].items() if k not in NOT_SETTINGS and k not in self.defaults
+                and (k not in given or not same(given[k], v))}
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:
         """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
