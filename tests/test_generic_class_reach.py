@@ -2,6 +2,8 @@
 against the class itself (every step, parameters and state), or refused naming the real reason with nothing
 changed:
 
+* the loss its ``step(closure)`` gets from the closure (a step size scaled by the loss): the class's own code is
+  fed the loss the closure returned; a class that calls the closure more than once a step is refused;
 * keys its constructor adds to each param group (Lookahead's ``k``, ``alpha``, ``counter``): in our
   ``param_groups`` and ``state_dict()``, loading both ways;
 * a sum over all its parameters (D-Adaptation's ``d``): refused, as its update of one parameter depends on others;
@@ -10,12 +12,99 @@ changed:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from class_runs import check_class
 from zero_offload import offload
 from zero_offload.rules.torch_class import Refused
+
+
+# ------------------------------------------------------------------------------------------ the closure's loss --
+class LossScaledSGD(torch.optim.Optimizer):
+    """Momentum SGD whose step size is scaled by the loss its closure returns (1 without a closure)."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = 1.0 if loss is None else float(loss)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"] * scale)
+        return loss
+
+
+class TwiceClosure(torch.optim.SGD):
+    """SGD that evaluates its closure twice a step (as a line search or SAM re-evaluates the model)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+                closure()
+        return super().step()
+
+
+def _models(seed=0):
+    torch.manual_seed(seed)
+    ours = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    return ours, copy.deepcopy(ours)
+
+
+def _closure(model, opt, x, y):
+    def closure():
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+    return closure
+
+
+def test_a_class_that_uses_its_closures_loss_steps_as_the_class_every_step():
+    model, ref_model = _models()
+    ours = offload(LossScaledSGD, [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.02}],
+                   bucket_numel=16)
+    ref = LossScaledSGD([{"params": ref_model[0].parameters()}, {"params": ref_model[2].parameters(), "lr": 0.02}])
+    for step in range(12):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        if step % 4 == 3:  # without a closure too: the class's own step() without one
+            for m, opt in ((model, ours), (ref_model, ref)):
+                _closure(m, opt, x, y)()
+            assert ours.step() is None and ref.step() is None
+        else:
+            mine, theirs = ours.step(_closure(model, ours, x, y)), ref.step(_closure(ref_model, ref, x, y))
+            torch.testing.assert_close(mine, theirs)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(ours.state[p]["buf"], ref.state[q]["buf"])
+
+
+def test_a_class_using_its_closures_loss_is_refused_where_the_update_runs_before_the_loss_is_known():
+    model, _ = _models()
+    with pytest.raises(ValueError, match="LossScaledSGD.*uses the loss its closure returns.*delayed_update"):
+        offload(LossScaledSGD, model.parameters(), delayed_update=True)
+
+
+def test_a_class_that_calls_its_closure_twice_a_step_is_refused_naming_it():
+    model, _ = _models()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(Refused, match="TwiceClosure cannot be offloaded: its step\\(\\) calls its closure 2 times"):
+        offload(TwiceClosure, model.parameters(), lr=0.1)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
 # -------------------------------------------------------------------------- keys its constructor adds to groups --

@@ -200,7 +200,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         an error leaves parameters and state unchanged.
 
         Args:
-            closure (Callable, optional): re-evaluates the model and returns the loss (run with grad enabled).
+            closure (Callable, optional): re-evaluates the model and returns the loss (run with grad enabled, once,
+                before the update; a wrapped class whose update uses the loss is handed it).
 
         Returns:
             the closure's return value, or None.
@@ -209,7 +210,9 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        placer = self._placer
+        placer, rule = self._placer, self._rule
+        if rule.uses_loss:  # (a wrapped class whose update uses the closure's loss: its code is handed it)
+            rule.set_loss(None if closure is None else (loss,))
         try:
             if placer is not None:
                 placer.step_begins(self._transport)
@@ -220,6 +223,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
                 self._placer = None
                 self._placer = placer.step_ends(self._topology, self._transport, self._streamer, self.state)
         finally:
+            if rule.uses_loss:
+                rule.set_loss(None)
             self._end_step(stepped=True)
             if self.options.placement != "host" and type(self.state) is StateMap and any(
                     b.home.kind == "parked" for b in chain.from_iterable(self._buckets)):
@@ -390,10 +395,16 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
 
 def _check_rule(rule: Rule, options: Options) -> None:
     """Refuse the options the update rule cannot run: a ``state_dtype`` the options take that its update does not
-    keep, a ``gpu_fraction`` for a rule without a GPU update."""
+    keep, a ``gpu_fraction`` for a rule without a GPU update, an update before ``step()`` (``overlap_step``,
+    ``delayed_update``) for a rule that reads the closure's loss."""
     if options.state_dtype not in rule.state_dtypes:
         raise ValueError(f"state_dtype={options.state_dtype}: {rule.name}'s update keeps its state in "
                          f"{', '.join(map(str, rule.state_dtypes))} only")
+    late = [n for n in ("overlap_step", "delayed_update") if getattr(options, n)]
+    if rule.uses_loss and late:
+        raise ValueError(f"{late[0]}={getattr(options, late[0])!r}: {rule.name} uses the loss its closure returns "
+                         "(its update reads it), known only once step() has called the closure, and "
+                         f"{late[0]} updates before that: leave {late[0]} off")
     if options.gpu_tier and not rule.device_update:
         name = options.gpu_option
         raise ValueError(f"{name}={getattr(options, name)!r}: {rule.name} has no GPU update (the GPU part runs "

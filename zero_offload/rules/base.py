@@ -121,6 +121,9 @@ class Rule:
             keys (an older checkpoint), rather than the value this optimizer was built with.
         cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
         writes_out (bool): :meth:`update` can write into :attr:`Run.out` (else it raises on a run with one).
+        uses_loss (bool): :meth:`update` reads the loss that the closure given to ``step()`` returned (see
+            :meth:`set_loss`): its updates run in ``step()``, after the closure (no ``overlap_step``, no
+            ``delayed_update``).
     """
 
     name: str = ""
@@ -132,6 +135,7 @@ class Rule:
     loaded_defaults: Dict[str, Any] = {}
     cleared_flags: Tuple[str, ...] = ()
     writes_out: bool = False
+    uses_loss: bool = False
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
@@ -160,6 +164,10 @@ class Rule:
         """Keys the optimizer's constructor adds to a param group with ``group``'s settings beyond its defaults, with
         their values (Lookahead's ``k``, ``alpha``, ``counter``): what a group added to the optimizer holds too."""
         return {}
+
+    def set_loss(self, loss: Optional[Tuple[Any]]) -> None:
+        """For a rule that :attr:`uses_loss`: ``(loss,)``, what the closure given to the ``step()`` in progress
+        returned, or None (no closure, or the step is over)."""
 
     def update(self, run: Run, hyper: Any) -> None:
         """Update one run: ``master``, ``state`` (and ``scales``) in place, or into ``run.out``; and

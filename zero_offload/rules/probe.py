@@ -1,6 +1,6 @@
 """The generic rule's probe: what an optimizer class keeps, and whether zero_offload can run it faithfully.
 
-Three passes, each on fresh parameters with cloned gradients (a class may edit ``p.grad`` in place, so no two runs
+Five passes, each on fresh parameters with cloned gradients (a class may edit ``p.grad`` in place, so no two runs
 share a gradient tensor):
 
 * **kinds**: the class steps parameters of two shapes; its per-parameter state must be tensors shaped like the
@@ -10,14 +10,21 @@ share a gradient tensor):
 * **elementwise**: the class steps a 2-D parameter, and separately the same elements shuffled and split into two
   1-D parameters; they must agree (else an element's update depends on others of its tensor, or on its shape:
   LAMB, LARS, Muon, Shampoo, gradient centralisation), at 24 elements and at 133,120 (else it changes with the
-  tensor's size, which the offloaded runs change). Its result must also not change from one run to the next
-  (random draws);
+  tensor's size, which the offloaded runs change). Its result must also not change from one run to the next: if
+  it does, it draws random numbers (a generator moved) or its step depends on state outside the optimizer (a class
+  attribute counting steps), and the refusal says which;
+* **independent** (:func:`independent`): the class steps three parameters in two param groups, and again with one
+  parameter's gradients changed; the others must step bitwise as before (else its update of one parameter depends
+  on other parameters: D-Adaptation's ``d``, a sum over all of them, however small its effect at first);
+* **closure** (:func:`loss_use`): whether the class steps differently given a closure, or closures returning
+  different losses (a step size scaled by the loss): the rule then hands the class's own ``step()`` the loss of the
+  closure ``step()`` called. A class that calls its closure more than once a step is refused;
 * **scheme** (:func:`check_scheme`): the rule itself, over flat buffers laid out as zero_offload lays them (two
   param groups, two buckets each, padding between the slots, a parameter without a gradient at one step), against
   the class stepping the same parameters, for :data:`SCHEME_STEPS` steps: parameters and state every step, the
-  updates judged relative to their size. A class that keeps a statistic over its whole group (D-Adaptation's
-  ``d``), or state anywhere the rule does not carry, fails here, and is refused naming the step and the size of
-  the difference.
+  updates judged relative to their size (with closures returning a loss, for a class that uses it). A class that
+  keeps state anywhere the rule does not carry fails here, and is refused naming the step and the size of the
+  difference.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ from zero_offload.rules.base import Run, Slots
 from zero_offload.rules.settings import FAILURES, Refused, build
 from zero_offload.state.layout import align_up
 
-__all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "independent", "check_scheme", "updates_close",
-           "same"]
+__all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "independent", "loss_use", "check_scheme",
+           "updates_close", "same"]
 
 KIND_STEPS = 24  # a key of its group may start to move late (schedule-free RAdam's weight_sum)
 ELEMENTWISE_STEPS = 8
@@ -72,6 +79,8 @@ class Probed:
         global_state (Tuple[str, ...]): keys of its ``state`` that are no parameter's.
         attributes (Tuple[str, ...]): instance attributes its ``step()`` changes.
         eager (bool): its constructor creates a parameter's state (torch's Adagrad).
+        uses_loss (bool): its ``step(closure)`` steps differently with a closure, or with the loss the closure
+            returns (see :func:`loss_use`).
     """
 
     buffers: Tuple[str, ...]
@@ -81,6 +90,7 @@ class Probed:
     global_state: Tuple[str, ...] = ()
     attributes: Tuple[str, ...] = ()
     eager: bool = False
+    uses_loss: bool = False
 
 
 def same(a: Any, b: Any) -> bool:
@@ -333,6 +343,37 @@ def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
                     "updates the parameters bucket by bucket, each bucket's instance of the class seeing its own")
 
 
+def loss_use(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> bool:
+    """The closure pass: whether the class steps differently given a closure, or given closures returning
+    different losses (a step size scaled by the loss). Raises :class:`Refused` for a class that calls its closure
+    more than once a step; a class that cannot step with a closure is taken not to use one."""
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(_WHOLE, generator=gen)
+    grads = [torch.randn(_WHOLE, generator=gen) for _ in range(ELEMENTWISE_STEPS)]
+    seen = []
+    for loss in (None, 0.5, 2.0):
+        calls = [0]
+
+        def closure(loss=loss):
+            calls[0] += 1
+            return torch.tensor(loss)
+
+        param = torch.nn.Parameter(start.clone())
+        try:
+            opt = build(cls, [([param], group)], ctor)
+            for g in grads:
+                param.grad = g.clone()
+                opt.step() if loss is None else opt.step(closure)
+        except FAILURES:
+            return False
+        if calls[0] > len(grads):
+            raise Refused(f"{cls.__name__} cannot be offloaded: its step() calls its closure {calls[0] / len(grads):g} "
+                          "times a step (it evaluates the model again: a line search, a sharpness-aware step), and "
+                          "zero_offload's step() calls the closure once, then updates")
+        seen.append((param.detach(), copy.deepcopy(dict(opt.state[param]))))
+    return not (same(seen[0], seen[1]) and same(seen[1], seen[2]))
+
+
 @dataclasses.dataclass(eq=False)  # (hashed by identity: the rule keeps the class's instance per bucket)
 class _Bucket:
     """One bucket of the scheme pass, laid out as the state home lays one: aligned slots, zero padding."""
@@ -392,6 +433,7 @@ def _scheme_diff(make_rule: Callable[[], Any], cls: type, ctor: Dict[str, Any], 
     they first differ. ``merged``: one bucket per group, without padding (a statistic over the group's elements
     then sees what the class sees)."""
     rule = make_rule()
+    uses_loss = rule.uses_loss
     gen = torch.Generator().manual_seed(2)
     layout = [[[s for b in buckets for s in b]] if merged else list(buckets) for buckets in _SCHEME]
     values = [[[torch.randn(s, generator=gen) for s in b] for b in buckets] for buckets in layout]
@@ -409,10 +451,13 @@ def _scheme_diff(make_rule: Callable[[], Any], cls: type, ctor: Dict[str, Any], 
         for ps, gs in zip(params, grads):
             for p, g in zip(ps, [g for b in gs for g in b]):
                 p.grad = None if g is None else g.clone()
+        loss = torch.tensor(1.0 + 0.25 * (t % 5))  # (a closure's loss, for a class that uses it)
         try:
-            ref.step()
+            ref.step(lambda: loss) if uses_loss else ref.step()
         except Exception as e:
             raise _ClassRaised(f"{type(e).__name__}: {e}") from e
+        if uses_loss:
+            rule.set_loss((loss,))
         try:
             for gi, (buckets, h) in enumerate(zip(ours, hypers)):
                 for bucket, gs in zip(buckets, grads[gi]):

@@ -10,8 +10,10 @@ themselves. A state tensor the class updates in place lands in our buffer; one i
 ``momentum_buffer``, a clone of the gradient) is copied back. The padding between slots sees a zero gradient, and
 no parameter's view shows it.
 
-Keys the class's constructor adds to its param groups (Lookahead's ``k``) are added to the optimizer's groups too
-(:meth:`TorchClassRule.group_keys`), so that a checkpoint loads both ways.
+Where the probe saw the class's ``step(closure)`` use the closure (a step size scaled by the loss), the instance
+steps with a closure that returns the loss of the one ``step()`` called (see :meth:`TorchClassRule.set_loss`), or
+without one when ``step()`` had none. Keys the class's constructor adds to its param groups (Lookahead's ``k``)
+are added to the optimizer's groups too (:meth:`TorchClassRule.group_keys`), so that a checkpoint loads both ways.
 
 The class is accepted only after the probe (:mod:`zero_offload.rules.probe`) has seen its state, checked that its
 update is elementwise, and run this very rule against the class for many steps on parameters of several shapes in
@@ -20,6 +22,7 @@ several groups and buckets; otherwise it is refused, naming why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -29,7 +32,8 @@ import torch
 
 from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
 from zero_offload.rules.instances import Bound, GroupRecord
-from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, independent, kinds, same
+from zero_offload.rules.probe import (NotElementwise, Probed, check_scheme, elementwise, independent, kinds,
+                                     loss_use, same)
 from zero_offload.rules.settings import FAILURES, NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
@@ -83,7 +87,7 @@ def probe_group(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probe
         found = kinds(cls, ctor, group)
         elementwise(cls, ctor, group, found)
         independent(cls, ctor, group)
-        return found
+        return dataclasses.replace(found, uses_loss=loss_use(cls, ctor, group))
 
     return _cached(("group",) + _key(cls, ctor, [group]), compute)
 
@@ -100,7 +104,7 @@ def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> 
                         tuple(dict.fromkeys(k for p in found for k in p.group_state)),
                         tuple(dict.fromkeys(k for p in found for k in p.global_state)),
                         tuple(dict.fromkeys(k for p in found for k in p.attributes)),
-                        any(p.eager for p in found))
+                        any(p.eager for p in found), any(p.uses_loss for p in found))
         check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=merged), cls, ctor, groups)
         return merged
 
@@ -171,6 +175,8 @@ class TorchClassRule(Rule):
         self.buffers = tuple(StateBuffer(k, compactable=False, needed=functools.partial(self._needs, k))
                              for k in self._probed.buffers)
         self.step_key, self._step_is_tensor = self._probed.step_key, self._probed.step_is_tensor
+        self.uses_loss = self._probed.uses_loss
+        self._loss: Optional[Tuple[Any]] = None  # (the closure's loss, while step() runs: see set_loss)
         self._lock = threading.Lock()
         self._bounds: "weakref.WeakKeyDictionary[Any, Bound]" = weakref.WeakKeyDictionary()
         self._unowned: Optional[Bound] = None  # the instance of runs driven without a bucket
@@ -197,6 +203,9 @@ class TorchClassRule(Rule):
         if missing:
             raise ValueError(f"{self.name}: these settings keep state {missing} that the optimizer was not built "
                              "with; set them when building it")
+        if probed.uses_loss and not self.uses_loss:
+            raise ValueError(f"{self.name}: with these settings its step() uses the loss its closure returns, which "
+                             "the optimizer was not built to hand it; set them when building it")
         return h
 
     def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
@@ -210,6 +219,9 @@ class TorchClassRule(Rule):
             return {}
         return {k: v for k, v in built.param_groups[0].items() if k not in NOT_SETTINGS and k not in self.defaults
                 and (k not in given or not same(given[k], v))}
+
+    def set_loss(self, loss: Optional[Tuple[Any]]) -> None:
+        self._loss = loss
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:
         """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
@@ -316,8 +328,12 @@ class TorchClassRule(Rule):
             opt.state[param] = self._entry(run, param, names, settings)
             params.append(param)
         group["params"] = params
+        loss = self._loss if self.uses_loss else None
         try:
-            opt.step()
+            if loss is None:
+                opt.step()
+            else:  # (the class's own code gets the loss of the closure that step() called, as the class would)
+                opt.step(lambda: loss[0])
             for run, param in zip(runs, params):
                 self._collect(run, opt.state[param], names)
         finally:
