@@ -14,8 +14,9 @@ share a gradient tensor):
   it does, it draws random numbers (a generator moved) or its step depends on state outside the optimizer (a class
   attribute counting steps), and the refusal says which;
 * **independent** (:func:`independent`): the class steps three parameters in two param groups, and again with one
-  parameter's gradients changed; the others must step bitwise as before (else its update of one parameter depends
-  on other parameters: D-Adaptation's ``d``, a sum over all of them, however small its effect at first);
+  parameter's gradients replaced by a steady one; the others must step bitwise as before (else its update of one
+  parameter depends on other parameters: D-Adaptation's ``d``, a sum over all of them, however small its effect at
+  first);
 * **closure** (:func:`loss_use`): whether the class steps differently given a closure, or closures returning
   different losses (a step size scaled by the loss): the rule then hands the class's own ``step()`` the loss of the
   closure ``step()`` called. A class that calls its closure more than once a step is refused;
@@ -311,24 +312,34 @@ def _trace(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], starts: List[
                 for p, g in zip(ps, gs):
                     p.grad = g.clone()
             opt.step()
-            out.append([(p.detach().clone(), copy.deepcopy(dict(opt.state[p]))) for ps in params for p in ps])
+            out.append([(_bits(p), {k: _bits(v) for k, v in opt.state[p].items()}) for ps in params for p in ps])
     except FAILURES as e:
         raise Refused(f"{cls.__name__} could not be probed: stepping parameters of several shapes in two param "
                       f"groups raised {type(e).__name__}: {e}") from e
     return out
 
 
+def _bits(value: Any) -> Any:
+    """A copy of a tensor's bytes (compared bitwise, NaNs included), or of any other value."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+    return copy.deepcopy(value)
+
+
 def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
     """The cross-parameter pass: the class steps three parameters in two param groups, and again with the first
-    parameter's gradients replaced; the other two must step bitwise as before, parameters and state (else its update
-    of one parameter depends on others: a sum over all of them, as D-Adaptation's ``d``, however small its effect).
+    parameter's gradients replaced by one gradient, three times larger, at every step; the other two must step
+    bitwise as before, parameters and state (else its update of one parameter depends on others: a sum over all of
+    them, as D-Adaptation's ``d``, however small its effect). A gradient that keeps its direction is what moves
+    D-Adaptation's ``d`` off ``d0`` (random ones, uncorrelated from step to step, leave it there for many steps).
     Raises :class:`Refused`."""
     name = cls.__name__
     gen = torch.Generator().manual_seed(4)
     starts = [[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS]
     grads = [[[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS] for _ in range(SCHEME_STEPS)]
     plain = _trace(cls, ctor, group, starts, grads)
-    changed = [[[g.mul(3).roll(1) if (gi, i) == (0, 0) else g for i, g in enumerate(gs)] for gi, gs in enumerate(step)]
+    steady = torch.randn(_WHOLE, generator=gen).mul_(3)
+    changed = [[[steady if (gi, i) == (0, 0) else g for i, g in enumerate(gs)] for gi, gs in enumerate(step)]
                for step in grads]
     other = _trace(cls, ctor, group, starts, changed)
     where = ["another parameter of its param group", "a parameter of another param group"]
@@ -339,7 +350,7 @@ def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
                     f"{name} cannot be offloaded faithfully: its update of one parameter depends on other parameters "
                     f"(a sum over all parameters, or another statistic over all the parameters of its param groups, "
                     f"as D-Adaptation's and Prodigy's step size d): changing the gradients of a {_WHOLE} parameter "
-                    f"changed the update of {what} (shape {tuple(a[j][0].shape)}) at step {t + 1}; zero_offload "
+                    f"changed the update of {what} (shape {_CROSS[j // 2][j % 2]}) at step {t + 1}; zero_offload "
                     "updates the parameters bucket by bucket, each bucket's instance of the class seeing its own")
 
 
