@@ -107,6 +107,52 @@ def test_a_class_that_calls_its_closure_twice_a_step_is_refused_naming_it():
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
+class PerGroupLossTrend(torch.optim.Optimizer):
+    """Momentum SGD whose step size follows the trend of the loss: an average of it in ``opt.state`` (no
+    parameter's), moved once per param group (as pytorch_optimizer's EmoNavi does), so a second group sees it moved
+    twice a step. Offloaded, each bucket's instance has one group: with a closure it cannot match the class."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = float(closure())
+        for group in self.param_groups:
+            scale = 1.0
+            if loss is not None:
+                avg = self.state["avg"] = 0.5 * self.state.get("avg", loss) + 0.5 * loss
+                scale = min(2.0, loss / avg)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"] * scale)
+        return loss
+
+
+def test_a_class_whose_closure_run_cannot_match_is_accepted_and_its_step_with_a_closure_refused():
+    outcome = check_class(PerGroupLossTrend)  # (without a closure: equal, checkpoints both ways)
+    assert outcome.status == "equal", outcome
+    model, _ = _models()
+    opt = offload(PerGroupLossTrend, [{"params": model[0].parameters()}, {"params": model[2].parameters()}])
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    _closure(model, opt, x, y)()
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    called = []
+    with pytest.raises(ValueError, match=r"PerGroupLossTrend: step\(closure\) is refused: its update uses the loss "
+                                         r"its closure returns, and, run with closures, .* does not match"):
+        opt.step(lambda: called.append(1))
+    assert not called and all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    opt.step()  # and it goes on without one
+
+
 # -------------------------------------------------------------------------- keys its constructor adds to groups --
 class LookaheadSGD(torch.optim.Optimizer):
     """Momentum SGD with Lookahead's slow weights; its constructor adds ``k``, ``alpha`` and ``counter`` to each

@@ -207,6 +207,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             the closure's return value, or None.
         """
         loss = None
+        if closure is not None and self._rule.closure_refusal:
+            raise ValueError(self._rule.closure_refusal)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

@@ -124,6 +124,7 @@ class Rule:
         uses_loss (bool): :meth:`update` reads the loss that the closure given to ``step()`` returned (see
             :meth:`set_loss`): its updates run in ``step()``, after the closure (no ``overlap_step``, no
             ``delayed_update``).
+        closure_refusal (str): why ``step(closure)`` is refused, before the closure is called ("": it is not).
     """
 
     name: str = ""
@@ -136,6 +137,7 @@ class Rule:
     cleared_flags: Tuple[str, ...] = ()
     writes_out: bool = False
     uses_loss: bool = False
+    closure_refusal: str = ""
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""

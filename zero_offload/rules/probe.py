@@ -18,8 +18,10 @@ share a gradient tensor):
   parameter depends on other parameters: D-Adaptation's ``d``, a sum over all of them, however small its effect at
   first);
 * **closure** (:func:`loss_use`): whether the class steps differently given a closure, or closures returning
-  different losses (a step size scaled by the loss): the rule then hands the class's own ``step()`` the loss of the
-  closure ``step()`` called. A class that calls its closure more than once a step is refused;
+  different losses (a step size scaled by the loss, or by its trend: a falling and a rising loss): the rule then
+  hands the class's own ``step()`` the loss of the closure ``step()`` called, and the scheme pass runs with such
+  closures (where only a run without them matches, ``step(closure)`` is refused). A class that calls its closure
+  more than once a step is refused;
 * **scheme** (:func:`check_scheme`): the rule itself, over flat buffers laid out as zero_offload lays them (two
   param groups, two buckets each, padding between the slots, a parameter without a gradient at one step), against
   the class stepping the same parameters, for :data:`SCHEME_STEPS` steps: parameters and state every step, the
@@ -82,6 +84,8 @@ class Probed:
         eager (bool): its constructor creates a parameter's state (torch's Adagrad).
         uses_loss (bool): its ``step(closure)`` steps differently with a closure, or with the loss the closure
             returns (see :func:`loss_use`).
+        closure_refusal (str): why ``step(closure)`` is refused ("": it is not), for a class whose update uses the
+            loss and matches the class only without a closure.
     """
 
     buffers: Tuple[str, ...]
@@ -92,6 +96,7 @@ class Probed:
     attributes: Tuple[str, ...] = ()
     eager: bool = False
     uses_loss: bool = False
+    closure_refusal: str = ""
 
 
 def same(a: Any, b: Any) -> bool:
@@ -356,18 +361,19 @@ def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
 
 def loss_use(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> bool:
     """The closure pass: whether the class steps differently given a closure, or given closures returning
-    different losses (a step size scaled by the loss). Raises :class:`Refused` for a class that calls its closure
-    more than once a step; a class that cannot step with a closure is taken not to use one."""
+    different losses (a step size scaled by the loss, or by its trend: a falling loss and a rising one). Raises
+    :class:`Refused` for a class that calls its closure more than once a step; a class that cannot step with a
+    closure is taken not to use one."""
     gen = torch.Generator().manual_seed(5)
     start = torch.randn(_WHOLE, generator=gen)
-    grads = [torch.randn(_WHOLE, generator=gen) for _ in range(ELEMENTWISE_STEPS)]
+    grads = [torch.randn(_WHOLE, generator=gen) for _ in range(KIND_STEPS)]
     seen = []
-    for loss in (None, 0.5, 2.0):
+    for loss in (None, (2.0, 0.8), (0.5, 1.25)):  # (none; the first loss and its ratio from step to step)
         calls = [0]
 
         def closure(loss=loss):
             calls[0] += 1
-            return torch.tensor(loss)
+            return torch.tensor(loss[0] * loss[1] ** (calls[0] - 1))
 
         param = torch.nn.Parameter(start.clone())
         try:

@@ -94,7 +94,9 @@ def probe_group(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probe
 
 def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> Probed:
     """What ``cls`` keeps, built with ``ctor`` and stepped in param groups with the settings ``groups``, after all
-    three passes of :mod:`zero_offload.rules.probe` (:class:`Refused` otherwise; cached as :func:`probe_group`)."""
+    the passes of :mod:`zero_offload.rules.probe` (:class:`Refused` otherwise; cached as :func:`probe_group`). A class
+    whose update uses its closure's loss and matches the class only without closures is accepted with
+    ``closure_refusal`` set: ``step(closure)`` is refused, naming why."""
 
     def compute() -> Probed:
         found = [probe_group(cls, ctor, g) for g in groups]
@@ -105,7 +107,17 @@ def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> 
                         tuple(dict.fromkeys(k for p in found for k in p.global_state)),
                         tuple(dict.fromkeys(k for p in found for k in p.attributes)),
                         any(p.eager for p in found), any(p.uses_loss for p in found))
-        check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=merged), cls, ctor, groups)
+        try:
+            check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=merged), cls, ctor, groups)
+        except Refused as e:
+            if not merged.uses_loss:
+                raise
+            plain = dataclasses.replace(merged, uses_loss=False)
+            check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=plain), cls, ctor, groups)
+            return dataclasses.replace(plain, closure_refusal=(
+                f"{cls.__name__}: step(closure) is refused: its update uses the loss its closure returns, and, run "
+                f"with closures, the offloaded update does not match the class's ({e}); step() without a closure "
+                "matches it"))
         return merged
 
     return _cached(("scheme",) + _key(cls, ctor, groups), compute)
@@ -175,7 +187,7 @@ class TorchClassRule(Rule):
         self.buffers = tuple(StateBuffer(k, compactable=False, needed=functools.partial(self._needs, k))
                              for k in self._probed.buffers)
         self.step_key, self._step_is_tensor = self._probed.step_key, self._probed.step_is_tensor
-        self.uses_loss = self._probed.uses_loss
+        self.uses_loss, self.closure_refusal = self._probed.uses_loss, self._probed.closure_refusal
         self._loss: Optional[Tuple[Any]] = None  # (the closure's loss, while step() runs: see set_loss)
         self._lock = threading.Lock()
         self._bounds: "weakref.WeakKeyDictionary[Any, Bound]" = weakref.WeakKeyDictionary()
@@ -203,7 +215,7 @@ class TorchClassRule(Rule):
         if missing:
             raise ValueError(f"{self.name}: these settings keep state {missing} that the optimizer was not built "
                              "with; set them when building it")
-        if probed.uses_loss and not self.uses_loss:
+        if probed.uses_loss and not self.uses_loss and self._full and not self.closure_refusal:
             raise ValueError(f"{self.name}: with these settings its step() uses the loss its closure returns, which "
                              "the optimizer was not built to hand it; set them when building it")
         return h
