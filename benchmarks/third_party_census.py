@@ -5,11 +5,13 @@ class itself, and why it refuses the others: ``python benchmarks/third_party_cen
 Each class runs through tests/class_runs.py's ``check_class`` (two param groups, several buckets, 30 steps, then
 checkpoints both ways), once with its defaults and once with ``maximize=True`` where its constructor takes it. A
 class counts as "equal" only if every run it was given is; "differs" is a bug of ours. Refusals are grouped by the
-kind of reason (the first words the refusal's message gives after the class's name).
+kind of reason (the first words the refusal's message gives after the class's name). ``--steps N`` runs N steps
+before the checkpoints instead of 30.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
@@ -28,8 +30,10 @@ KINDS = [  # (kind, pattern in the refusal's message), the first that matches
      r"needs an argument|cannot be offloaded: zero_offload runs it over plain|building it over plain"),
     ("not elementwise (per-tensor norm, matrix, factored or shaped state)", r"not elementwise"),
     ("per-parameter scalar state", r"per-parameter scalar"),
-    ("random draws", r"random"),
+    ("random draws", r"it draws random numbers"),
+    ("state outside the optimizer (steps differently on a replay)", r"state outside the optimizer"),
     ("needs a closure / second-order (backward through the gradient)", r"closure|grad_fn|create_graph|hessian"),
+    ("its update of one parameter depends on others (a sum over all parameters)", r"depends on other parameters"),
     ("a statistic over the whole param group", r"statistic over all the parameters"),
     ("could not be probed (its step raised)", r"could not be probed"),
     ("steps differently (state zero_offload does not carry)", r"does not carry"),
@@ -72,6 +76,9 @@ def markdown(rows) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=class_runs.STEPS, help="steps before the checkpoints")
+    class_runs.STEPS = parser.parse_args().steps
     warnings.filterwarnings("ignore")
     rows = []
     start = time.perf_counter()
@@ -88,7 +95,8 @@ def main() -> None:
         worst = next((o for o in outcomes if o.status != "equal"), outcomes[0])
         rows.append((source, cls.__name__, worst.status, worst.reason))
         print(f"{source}.{cls.__name__}: {worst.status}{': ' + worst.reason[:300] if worst.reason else ''}")
-    print(f"\n{len(rows)} classes in {time.perf_counter() - start:.0f} s (torch {torch.__version__})")
+    print(f"\n{len(rows)} classes, {class_runs.STEPS} + {class_runs.RESUMED_STEPS} steps each, in "
+          f"{time.perf_counter() - start:.0f} s (torch {torch.__version__})")
     counts = collections.Counter((source, status) for source, _, status, _ in rows)
     for (source, status), n in sorted(counts.items()):
         print(f"{source}: {status}: {n}")

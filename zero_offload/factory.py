@@ -51,8 +51,14 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
             given). Refused with a ``ValueError`` naming why: ``LBFGS`` (a closure and a line search over all
             parameters), ``SparseAdam`` (sparse gradients), ``Adafactor`` (factored state), ``NAdam`` and ``ASGD``
             (per-parameter scalar state besides the step count), classes whose update of an element depends on
-            other elements (LAMB, LARS, Muon, Shampoo: found by probing), ``differentiable=True``,
-            ``capturable=True``.
+            other elements (LAMB, LARS, Muon, Shampoo: found by probing), classes whose update of one parameter
+            depends on other parameters (D-Adaptation's ``d``, a sum over all of them), classes that step
+            differently on a replay with identical inputs (random draws, or state outside the optimizer such as a
+            class attribute), classes whose ``step(closure)`` calls the closure more than once,
+            ``differentiable=True``, ``capturable=True``. Keys the class's constructor adds to its param groups
+            (Lookahead's ``k``) are in ours too; a class whose update uses the loss its closure returns gets, in
+            ``step(closure)``, the loss of the closure ``step()`` called (not with ``overlap_step`` or
+            ``delayed_update``; where only a run without a closure matches the class, ``step(closure)`` is refused).
         params (iterable): parameters or parameter groups, as for ``optimizer_class``.
         **kwargs: the class's hyperparameters and the offload options.
 

@@ -157,7 +157,8 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
-        self._rule.check({**self.defaults, **param_group})
+        added = self._rule.group_keys({**self.defaults, **param_group})  # (the wrapped class's constructor's)
+        self._rule.check({**self.defaults, **param_group, **added})
         raw = param_group["params"]
         raw = [raw] if isinstance(raw, torch.Tensor) else raw
         if isinstance(raw, set):
@@ -171,6 +172,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
                          self.defaults[b.switch]))) for b in self._rule.buffers if b.switch)
         placed = self._topology.place(tensors, n_groups, (*self.options.collective_layout(), *switches))
         param_group["params"] = raw
+        param_group.update(added)
         super().add_param_group(param_group)  # names, defaults, and the parameter-in-two-groups check
         try:
             buckets = allocate_group(self.param_groups[-1], n_groups, self.options, placed, self._rule)
@@ -195,19 +197,16 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
         """One AdamW update of every parameter that has a gradient.
 
-        Every check (hyperparameters, gradients, non-finite policy) runs before the first parameter is written:
-        an error leaves parameters and state unchanged.
+        Every check (hyperparameters, gradients, non-finite policy) runs before the first parameter is written.
 
         Args:
-            closure (Callable, optional): re-evaluates the model and returns the loss (run with grad enabled).
+            closure (Callable, optional): re-evaluates the model and returns the loss (run with grad enabled, once,
+                before the update; a wrapped class whose update uses the loss is handed it).
 
         Returns:
             the closure's return value, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._rule.run_closure(closure)
         if self._pending is not None:  # (before anything, streamed gradients too, is let go)
             self._pending.seen.check("step", self.__dict__, self._transport.together)
         placer = self._placer
@@ -221,6 +220,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
                 self._placer = None
                 self._placer = placer.step_ends(self._topology, self._transport, self._streamer, self.state)
         finally:
+            self._rule.set_loss(None)
             self._end_step(stepped=True)
             if self.options.placement != "host" and type(self.state) is StateMap and any(
                     b.home.kind == "parked" for b in chain.from_iterable(self._buckets)):
@@ -403,10 +403,16 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
 
 def _check_rule(rule: Rule, options: Options) -> None:
     """Refuse the options the update rule cannot run: a ``state_dtype`` the options take that its update does not
-    keep, a ``gpu_fraction`` for a rule without a GPU update."""
+    keep, a ``gpu_fraction`` for a rule without a GPU update, an update before ``step()`` (``overlap_step``,
+    ``delayed_update``) for a rule that reads the closure's loss."""
     if options.state_dtype not in rule.state_dtypes:
         raise ValueError(f"state_dtype={options.state_dtype}: {rule.name}'s update keeps its state in "
                          f"{', '.join(map(str, rule.state_dtypes))} only")
+    late = [n for n in ("overlap_step", "delayed_update") if getattr(options, n)]
+    if rule.uses_loss and late:
+        raise ValueError(f"{late[0]}={getattr(options, late[0])!r}: {rule.name} uses the loss its closure returns "
+                         "(its update reads it), known only once step() has called the closure, and "
+                         f"{late[0]} updates before that: leave {late[0]} off")
     if options.gpu_tier and not rule.device_update:
         name = options.gpu_option
         raise ValueError(f"{name}={getattr(options, name)!r}: {rule.name} has no GPU update (the GPU part runs "

@@ -121,6 +121,10 @@ class Rule:
             keys (an older checkpoint), rather than the value this optimizer was built with.
         cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
         writes_out (bool): :meth:`update` can write into :attr:`Run.out` (else it raises on a run with one).
+        uses_loss (bool): :meth:`update` reads the loss that the closure given to ``step()`` returned (see
+            :meth:`set_loss`): its updates run in ``step()``, after the closure (no ``overlap_step``, no
+            ``delayed_update``).
+        closure_refusal (str): why ``step(closure)`` is refused, before the closure is called ("": it is not).
     """
 
     name: str = ""
@@ -132,6 +136,8 @@ class Rule:
     loaded_defaults: Dict[str, Any] = {}
     cleared_flags: Tuple[str, ...] = ()
     writes_out: bool = False
+    uses_loss: bool = False
+    closure_refusal: str = ""
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
@@ -155,6 +161,29 @@ class Rule:
             if not where:
                 raise
             raise ValueError(f"{where}: {exc}") from None
+
+    def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """Keys the optimizer's constructor adds to a param group with ``group``'s settings beyond its defaults, with
+        their values (Lookahead's ``k``, ``alpha``, ``counter``): what a group added to the optimizer holds too."""
+        return {}
+
+    def set_loss(self, loss: Optional[Tuple[Any]]) -> None:
+        """For a rule that :attr:`uses_loss`: ``(loss,)``, what the closure given to the ``step()`` in progress
+        returned, or None (no closure, or the step is over)."""
+
+    def run_closure(self, closure: Optional[Callable[[], Any]]) -> Any:
+        """``step(closure)``'s closure, run once with grad enabled (None without one), or refused before it runs
+        where :attr:`closure_refusal` says why; its loss is handed to a rule that :attr:`uses_loss`
+        (:meth:`set_loss`)."""
+        if closure is None:
+            self.set_loss(None)
+            return None
+        if self.closure_refusal:
+            raise ValueError(self.closure_refusal)
+        with torch.enable_grad():
+            loss = closure()
+        self.set_loss((loss,))
+        return loss
 
     def update(self, run: Run, hyper: Any) -> None:
         """Update one run: ``master``, ``state`` (and ``scales``) in place, or into ``run.out``; and

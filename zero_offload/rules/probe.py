@@ -1,6 +1,6 @@
 """The generic rule's probe: what an optimizer class keeps, and whether zero_offload can run it faithfully.
 
-Three passes, each on fresh parameters with cloned gradients (a class may edit ``p.grad`` in place, so no two runs
+Five passes, each on fresh parameters with cloned gradients (a class may edit ``p.grad`` in place, so no two runs
 share a gradient tensor):
 
 * **kinds**: the class steps parameters of two shapes; its per-parameter state must be tensors shaped like the
@@ -10,20 +10,33 @@ share a gradient tensor):
 * **elementwise**: the class steps a 2-D parameter, and separately the same elements shuffled and split into two
   1-D parameters; they must agree (else an element's update depends on others of its tensor, or on its shape:
   LAMB, LARS, Muon, Shampoo, gradient centralisation), at 24 elements and at 133,120 (else it changes with the
-  tensor's size, which the offloaded runs change). Its result must also not change from one run to the next
-  (random draws);
+  tensor's size, which the offloaded runs change). Its result must also not change from one run to the next: if
+  it does, it draws random numbers (a generator moved) or its step depends on state outside the optimizer (a class
+  attribute counting steps), and the refusal says which;
+* **independent** (:func:`independent`): the class steps three parameters in two param groups, and again with one
+  parameter's gradients replaced by a steady one; the others must step bitwise as before (else its update of one
+  parameter depends on other parameters: D-Adaptation's ``d``, a sum over all of them, however small its effect at
+  first);
+* **closure** (:func:`loss_use`): whether the class steps differently given a closure, or closures returning
+  different losses (a step size scaled by the loss, or by its trend: a falling and a rising loss): the rule then
+  hands the class's own ``step()`` the loss of the closure ``step()`` called, and the scheme pass runs with such
+  closures (where only a run without them matches, ``step(closure)`` is refused). A class that calls its closure
+  more than once a step is refused;
 * **scheme** (:func:`check_scheme`): the rule itself, over flat buffers laid out as zero_offload lays them (two
   param groups, two buckets each, padding between the slots, a parameter without a gradient at one step), against
   the class stepping the same parameters, for :data:`SCHEME_STEPS` steps: parameters and state every step, the
-  updates judged relative to their size. A class that keeps a statistic over its whole group (D-Adaptation's
-  ``d``), or state anywhere the rule does not carry, fails here, and is refused naming the step and the size of
-  the difference.
+  updates judged relative to their size (with closures returning a loss, for a class that uses it). A class that
+  keeps state anywhere the rule does not carry fails here, and is refused naming the step and the size of the
+  difference.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
+import random
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -32,7 +45,8 @@ from zero_offload.rules.base import Run, Slots
 from zero_offload.rules.settings import FAILURES, Refused, build
 from zero_offload.state.layout import align_up
 
-__all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "check_scheme", "updates_close", "same"]
+__all__ = ["NotElementwise", "Probed", "kinds", "elementwise", "independent", "loss_use", "check_scheme",
+           "updates_close", "same"]
 
 KIND_STEPS = 24  # a key of its group may start to move late (schedule-free RAdam's weight_sum)
 ELEMENTWISE_STEPS = 8
@@ -68,6 +82,10 @@ class Probed:
         global_state (Tuple[str, ...]): keys of its ``state`` that are no parameter's.
         attributes (Tuple[str, ...]): instance attributes its ``step()`` changes.
         eager (bool): its constructor creates a parameter's state (torch's Adagrad).
+        uses_loss (bool): its ``step(closure)`` steps differently with a closure, or with the loss the closure
+            returns (see :func:`loss_use`).
+        closure_refusal (str): why ``step(closure)`` is refused ("": it is not), for a class whose update uses the
+            loss and matches the class only without a closure.
     """
 
     buffers: Tuple[str, ...]
@@ -77,6 +95,8 @@ class Probed:
     global_state: Tuple[str, ...] = ()
     attributes: Tuple[str, ...] = ()
     eager: bool = False
+    uses_loss: bool = False
+    closure_refusal: str = ""
 
 
 def same(a: Any, b: Any) -> bool:
@@ -123,6 +143,29 @@ def updates_close(new: torch.Tensor, ref_new: torch.Tensor, prev: Optional[torch
     if err > UPDATE_RTOL * size + 4 * torch.finfo(torch.float32).eps * float(prev.abs().max()):
         return f"its update differs by {err / max(size, 1e-30):.3g} of the update's size"
     return None
+
+
+def _rng_states() -> Tuple[bytes, ...]:
+    """The states of the random number generators a class may draw from: torch's default CPU generator, Python's
+    and (when imported) NumPy's global one."""
+    states = [torch.get_rng_state().numpy().tobytes(), pickle.dumps(random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states.append(pickle.dumps(numpy.random.get_state()))
+    return tuple(states)
+
+
+def _refuse_replay(name: str, drew: bool, what: str) -> None:
+    """Refuse a class that steps differently on a replay with identical inputs, naming why as far as the probe
+    saw it: ``drew``, a random number generator moved during the runs."""
+    if drew:
+        raise Refused(f"{name} cannot be offloaded faithfully: {what} (it draws random numbers: a random number "
+                      "generator moved while it stepped), so no offloaded run can be checked against it")
+    raise Refused(f"{name} cannot be offloaded faithfully: {what}: a replay with identical inputs (a new instance, "
+                  "the same parameters and gradients) steps differently from the first run, without drawing random "
+                  "numbers (torch's, Python's and NumPy's generators did not move). Its step depends on state "
+                  "outside the optimizer (a class attribute, a module global, a count kept outside its instance, "
+                  "its param groups and its state), which an offloaded run, one instance per bucket, cannot carry")
 
 
 def _state_kinds(name: str, state: Dict[str, Any], shape: torch.Size) -> Tuple[List[str], Optional[str], bool]:
@@ -230,10 +273,13 @@ def _split_steps_alike(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], p
     perm = torch.randperm(n, generator=gen)
     cut = [_SPLIT, n - _SPLIT]
     wholes = [torch.nn.Parameter(start.clone()) for _ in range(2 if twice else 1)]
-    refs = [_run(cls, ctor, group, [w], [[g] for g in grads], f"a {shape} parameter") for w in wholes]
+    refs, drew = [], False
+    for w in wholes:
+        rng = _rng_states()
+        refs.append(_run(cls, ctor, group, [w], [[g] for g in grads], f"a {shape} parameter"))
+        drew = drew or _rng_states() != rng
     if twice and not same(wholes[0].detach(), wholes[1].detach()):
-        raise Refused(f"{name} cannot be offloaded faithfully: two runs of it on the same parameter and gradients "
-                      "step differently (it draws random numbers), so no offloaded run can be checked against it")
+        _refuse_replay(name, drew, "two runs of it on the same parameter and gradients step differently")
     parts = [torch.nn.Parameter(t.clone()) for t in start.reshape(-1)[perm].split(cut)]
     why = (f"{name} is not elementwise: its update of an element depends on other elements of the parameter, on "
            f"its shape or on its size (a {shape} parameter and the same elements shuffled and split into two "
@@ -252,6 +298,97 @@ def _split_steps_alike(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], p
         if any(p is None for p in pieces) or not torch.allclose(
                 full.reshape(-1)[perm], torch.cat([p.reshape(-1) for p in pieces]), rtol=1e-5, atol=1e-6):
             raise NotElementwise(why)
+
+
+# The cross-parameter pass: two param groups (with the same settings), the first with two parameters.
+_CROSS = ((_WHOLE, (_SPLIT,)), ((5,),))
+
+
+def _trace(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], starts: List[List[torch.Tensor]],
+           grads: List[List[List[torch.Tensor]]]) -> List[List[Tuple[torch.Tensor, Dict[str, Any]]]]:
+    """The class over parameters starting at ``starts`` (one list per param group), stepped with clones of
+    ``grads``: after each step, each parameter and its state, copied."""
+    params = [[torch.nn.Parameter(t.clone()) for t in ts] for ts in starts]
+    try:
+        opt = build(cls, [(ps, group) for ps in params], ctor)
+        out = []
+        for step_grads in grads:
+            for ps, gs in zip(params, step_grads):
+                for p, g in zip(ps, gs):
+                    p.grad = g.clone()
+            opt.step()
+            out.append([(_bits(p), {k: _bits(v) for k, v in opt.state[p].items()}) for ps in params for p in ps])
+    except FAILURES as e:
+        raise Refused(f"{cls.__name__} could not be probed: stepping parameters of several shapes in two param "
+                      f"groups raised {type(e).__name__}: {e}") from e
+    return out
+
+
+def _bits(value: Any) -> Any:
+    """A copy of a tensor's bytes (compared bitwise, NaNs included), or of any other value."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+    return copy.deepcopy(value)
+
+
+def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
+    """The cross-parameter pass: the class steps three parameters in two param groups, and again with the first
+    parameter's gradients replaced by one gradient, three times larger, at every step; the other two must step
+    bitwise as before, parameters and state (else its update of one parameter depends on others: a sum over all of
+    them, as D-Adaptation's ``d``, however small its effect). A gradient that keeps its direction is what moves
+    D-Adaptation's ``d`` off ``d0`` (random ones, uncorrelated from step to step, leave it there for many steps).
+    Raises :class:`Refused`."""
+    name = cls.__name__
+    gen = torch.Generator().manual_seed(4)
+    starts = [[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS]
+    grads = [[[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS] for _ in range(SCHEME_STEPS)]
+    plain = _trace(cls, ctor, group, starts, grads)
+    steady = torch.randn(_WHOLE, generator=gen).mul_(3)
+    changed = [[[steady if (gi, i) == (0, 0) else g for i, g in enumerate(gs)] for gi, gs in enumerate(step)]
+               for step in grads]
+    other = _trace(cls, ctor, group, starts, changed)
+    where = ["another parameter of its param group", "a parameter of another param group"]
+    for t, (a, b) in enumerate(zip(plain, other)):
+        for j, what in zip((1, 2), where):
+            if not same(a[j], b[j]):
+                raise Refused(
+                    f"{name} cannot be offloaded faithfully: its update of one parameter depends on other parameters "
+                    f"(a sum over all parameters, or another statistic over all the parameters of its param groups, "
+                    f"as D-Adaptation's and Prodigy's step size d): changing the gradients of a {_WHOLE} parameter "
+                    f"changed the update of {what} (shape {_CROSS[j // 2][j % 2]}) at step {t + 1}; zero_offload "
+                    "updates the parameters bucket by bucket, each bucket's instance of the class seeing its own")
+
+
+def loss_use(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> bool:
+    """The closure pass: whether the class steps differently given a closure, or given closures returning
+    different losses (a step size scaled by the loss, or by its trend: a falling loss and a rising one). Raises
+    :class:`Refused` for a class that calls its closure more than once a step; a class that cannot step with a
+    closure is taken not to use one."""
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(_WHOLE, generator=gen)
+    grads = [torch.randn(_WHOLE, generator=gen) for _ in range(KIND_STEPS)]
+    seen = []
+    for loss in (None, (2.0, 0.8), (0.5, 1.25)):  # (none; the first loss and its ratio from step to step)
+        calls = [0]
+
+        def closure(loss=loss):
+            calls[0] += 1
+            return torch.tensor(loss[0] * loss[1] ** (calls[0] - 1))
+
+        param = torch.nn.Parameter(start.clone())
+        try:
+            opt = build(cls, [([param], group)], ctor)
+            for g in grads:
+                param.grad = g.clone()
+                opt.step() if loss is None else opt.step(closure)
+        except FAILURES:
+            return False
+        if calls[0] > len(grads):
+            raise Refused(f"{cls.__name__} cannot be offloaded: its step() calls its closure {calls[0] / len(grads):g} "
+                          "times a step (it evaluates the model again: a line search, a sharpness-aware step), and "
+                          "zero_offload's step() calls the closure once, then updates")
+        seen.append((param.detach(), copy.deepcopy(dict(opt.state[param]))))
+    return not (same(seen[0], seen[1]) and same(seen[1], seen[2]))
 
 
 @dataclasses.dataclass(eq=False)  # (hashed by identity: the rule keeps the class's instance per bucket)
@@ -313,6 +450,7 @@ def _scheme_diff(make_rule: Callable[[], Any], cls: type, ctor: Dict[str, Any], 
     they first differ. ``merged``: one bucket per group, without padding (a statistic over the group's elements
     then sees what the class sees)."""
     rule = make_rule()
+    uses_loss = rule.uses_loss
     gen = torch.Generator().manual_seed(2)
     layout = [[[s for b in buckets for s in b]] if merged else list(buckets) for buckets in _SCHEME]
     values = [[[torch.randn(s, generator=gen) for s in b] for b in buckets] for buckets in layout]
@@ -330,10 +468,13 @@ def _scheme_diff(make_rule: Callable[[], Any], cls: type, ctor: Dict[str, Any], 
         for ps, gs in zip(params, grads):
             for p, g in zip(ps, [g for b in gs for g in b]):
                 p.grad = None if g is None else g.clone()
+        loss = torch.tensor(1.0 + 0.25 * (t % 5))  # (a closure's loss, for a class that uses it)
         try:
-            ref.step()
+            ref.step(lambda: loss) if uses_loss else ref.step()
         except Exception as e:
             raise _ClassRaised(f"{type(e).__name__}: {e}") from e
+        if uses_loss:
+            rule.set_loss((loss,))
         try:
             for gi, (buckets, h) in enumerate(zip(ours, hypers)):
                 for bucket, gs in zip(buckets, grads[gi]):

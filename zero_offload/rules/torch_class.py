@@ -10,6 +10,11 @@ themselves. A state tensor the class updates in place lands in our buffer; one i
 ``momentum_buffer``, a clone of the gradient) is copied back. The padding between slots sees a zero gradient, and
 no parameter's view shows it.
 
+Where the probe saw the class's ``step(closure)`` use the closure (a step size scaled by the loss), the instance
+steps with a closure that returns the loss of the one ``step()`` called (see :meth:`TorchClassRule.set_loss`), or
+without one when ``step()`` had none. Keys the class's constructor adds to its param groups (Lookahead's ``k``)
+are added to the optimizer's groups too (:meth:`TorchClassRule.group_keys`), so that a checkpoint loads both ways.
+
 The class is accepted only after the probe (:mod:`zero_offload.rules.probe`) has seen its state, checked that its
 update is elementwise, and run this very rule against the class for many steps on parameters of several shapes in
 several groups and buckets; otherwise it is refused, naming why.
@@ -17,6 +22,7 @@ several groups and buckets; otherwise it is refused, naming why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -26,8 +32,9 @@ import torch
 
 from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
 from zero_offload.rules.instances import Bound, GroupRecord
-from zero_offload.rules.probe import NotElementwise, Probed, check_scheme, elementwise, kinds, same
-from zero_offload.rules.settings import NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
+from zero_offload.rules.probe import (NotElementwise, Probed, check_scheme, elementwise, independent, kinds,
+                                     loss_use, same)
+from zero_offload.rules.settings import FAILURES, NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
 
@@ -79,14 +86,17 @@ def probe_group(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probe
     def compute() -> Probed:
         found = kinds(cls, ctor, group)
         elementwise(cls, ctor, group, found)
-        return found
+        independent(cls, ctor, group)
+        return dataclasses.replace(found, uses_loss=loss_use(cls, ctor, group))
 
     return _cached(("group",) + _key(cls, ctor, [group]), compute)
 
 
 def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> Probed:
     """What ``cls`` keeps, built with ``ctor`` and stepped in param groups with the settings ``groups``, after all
-    three passes of :mod:`zero_offload.rules.probe` (:class:`Refused` otherwise; cached as :func:`probe_group`)."""
+    the passes of :mod:`zero_offload.rules.probe` (:class:`Refused` otherwise; cached as :func:`probe_group`). A class
+    whose update uses its closure's loss and matches the class only without closures is accepted with
+    ``closure_refusal`` set: ``step(closure)`` is refused, naming why."""
 
     def compute() -> Probed:
         found = [probe_group(cls, ctor, g) for g in groups]
@@ -96,8 +106,18 @@ def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> 
                         tuple(dict.fromkeys(k for p in found for k in p.group_state)),
                         tuple(dict.fromkeys(k for p in found for k in p.global_state)),
                         tuple(dict.fromkeys(k for p in found for k in p.attributes)),
-                        any(p.eager for p in found))
-        check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=merged), cls, ctor, groups)
+                        any(p.eager for p in found), any(p.uses_loss for p in found))
+        try:
+            check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=merged), cls, ctor, groups)
+        except Refused as e:
+            if not merged.uses_loss:
+                raise
+            plain = dataclasses.replace(merged, uses_loss=False)
+            check_scheme(lambda: TorchClassRule(cls, groups, ctor, probed=plain), cls, ctor, groups)
+            return dataclasses.replace(plain, closure_refusal=(
+                f"{cls.__name__}: step(closure) is refused: its update uses the loss its closure returns, and, run "
+                f"with closures, the offloaded update does not match the class's ({e}); step() without a closure "
+                "matches it"))
         return merged
 
     return _cached(("scheme",) + _key(cls, ctor, groups), compute)
@@ -155,6 +175,7 @@ class TorchClassRule(Rule):
         # instances show more).
         self._state_keys = set(() if probed is None else probed.group_state)
         groups = [{**self.defaults, **g} for g in (groups or ({},))]
+        groups = [{**g, **self.group_keys(g)} for g in groups]
         if probed is None:  # (those keys first, so that the whole probe runs on the settings hyper() will read)
             self._state_keys.update(k for g in groups for k in probe_group(
                 optimizer_class, self.ctor, self._settings(g)).group_state)
@@ -166,6 +187,8 @@ class TorchClassRule(Rule):
         self.buffers = tuple(StateBuffer(k, compactable=False, needed=functools.partial(self._needs, k))
                              for k in self._probed.buffers)
         self.step_key, self._step_is_tensor = self._probed.step_key, self._probed.step_is_tensor
+        self.uses_loss, self.closure_refusal = self._probed.uses_loss, self._probed.closure_refusal
+        self._loss: Optional[Tuple[Any]] = None  # (the closure's loss, while step() runs: see set_loss)
         self._lock = threading.Lock()
         self._bounds: "weakref.WeakKeyDictionary[Any, Bound]" = weakref.WeakKeyDictionary()
         self._unowned: Optional[Bound] = None  # the instance of runs driven without a bucket
@@ -192,7 +215,25 @@ class TorchClassRule(Rule):
         if missing:
             raise ValueError(f"{self.name}: these settings keep state {missing} that the optimizer was not built "
                              "with; set them when building it")
+        if probed.uses_loss and not self.uses_loss and self._full and not self.closure_refusal:
+            raise ValueError(f"{self.name}: with these settings its step() uses the loss its closure returns, which "
+                             "the optimizer was not built to hand it; set them when building it")
         return h
+
+    def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """As :meth:`Rule.group_keys`: the keys the class's constructor, building it over a stand-in parameter in a
+        group with ``group``'s settings, leaves in that group beyond its defaults and the settings given (or sets
+        there over the given value), with their values."""
+        given = {k: v for k, v in group.items() if k not in NOT_SETTINGS}
+        try:
+            built = build(self.optimizer_class, [([torch.nn.Parameter(torch.zeros(1))], given)], self.ctor)
+        except FAILURES:  # (the class refuses these settings: its own error comes from check())
+            return {}
+        return {k: v for k, v in built.param_groups[0].items() if k not in NOT_SETTINGS and k not in self.defaults
+                and (k not in given or not same(given[k], v))}
+
+    def set_loss(self, loss: Optional[Tuple[Any]]) -> None:
+        self._loss = loss
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:
         """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
@@ -299,8 +340,12 @@ class TorchClassRule(Rule):
             opt.state[param] = self._entry(run, param, names, settings)
             params.append(param)
         group["params"] = params
+        loss = self._loss if self.uses_loss else None
         try:
-            opt.step()
+            if loss is None:
+                opt.step()
+            else:  # (the class's own code gets the loss of the closure that step() called, as the class would)
+                opt.step(lambda: loss[0])
             for run, param in zip(runs, params):
                 self._collect(run, opt.state[param], names)
         finally:
