@@ -197,7 +197,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:
         """One AdamW update of every parameter that has a gradient.
 
-        Every check (hyperparameters, gradients, non-finite policy) runs before the first parameter is written.
+        Every check (hyperparameters, gradients, non-finite policy) runs before any write: an error changes nothing.
 
         Args:
             closure (Callable, optional): re-evaluates the model and returns the loss (run with grad enabled, once,
