@@ -314,18 +314,25 @@ def test_cuda_branches_clip_before_or_after_unscale_matches_torch(cuda_branches,
     test_clip_order.scaler_order_matches_torch({}, order)
 
 
-def test_cuda_branches_unscale_then_clip_copies_nothing_again_at_step(cuda_branches, monkeypatch):
-    """The usual order (``unscale_``, clip, ``scaler.step``): ``step()`` looks again for an ``unscale_`` after the
-    clip by the norms the clip kept, and finding none copies no gradient again."""
-    gathers = []
+@pytest.fixture
+def gathers(monkeypatch):
+    """The gradients copied into the host slots from here on (at clip_grad_norm_ or step(), not the ones streamed
+    in backward)."""
+    copied = []
     real = Route._slot_copies
 
     def slot_copies(bg):
         dsts, srcs = real(bg)
-        gathers.extend(srcs)
+        copied.extend(srcs)
         return dsts, srcs
 
     monkeypatch.setattr(Route, "_slot_copies", staticmethod(slot_copies))
+    return copied
+
+
+def test_cuda_branches_unscale_then_clip_copies_nothing_again_at_step(cuda_branches, gathers):
+    """The usual order (``unscale_``, clip, ``scaler.step``): ``step()`` looks again for an ``unscale_`` after the
+    clip by the norms the clip kept, and finding none copies no gradient again."""
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = OffloadOptimizer(test_optimizer.param_groups(model))
@@ -341,19 +348,10 @@ def test_cuda_branches_unscale_then_clip_copies_nothing_again_at_step(cuda_branc
         assert not gathers, f"step {step}: {len(gathers)} gradients copied again"
 
 
-def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cuda_branches, monkeypatch, caplog):
+def test_cuda_branches_clip_reuses_streamed_copies_and_notices_a_late_scaler(cuda_branches, gathers, caplog):
     """Without release_grads, clip_grad_norm_ re-reads the gradients only until a step has run without a
     GradScaler (whose unscale_ is the one in-place edit version counters miss). A scaler that appears later is
     noticed at step(), which clips again from the unscaled gradients: the trajectory stays AdamW's."""
-    gathers = []  # gradients copied again at clip_grad_norm_ or step() (not the ones streamed already)
-    real = Route._slot_copies
-
-    def slot_copies(bg):
-        dsts, srcs = real(bg)
-        gathers.extend(srcs)
-        return dsts, srcs
-
-    monkeypatch.setattr(Route, "_slot_copies", staticmethod(slot_copies))
     ours, ref = make_runs(Recipe("late_scaler", scaler="unscale", clip=0.5), "cpu")
     scalers = ours.scaler, ref.scaler
     ours.scaler = ref.scaler = None
