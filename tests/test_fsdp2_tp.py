@@ -34,9 +34,9 @@ from zero_offload import OffloadOptimizer
 
 try:
     from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since torch 2.6)
-    from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401
+    from torch.distributed.tensor.parallel import parallelize_module
 except ImportError:
-    fully_shard = None
+    fully_shard = parallelize_module = None
 
 pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
               pytest.mark.skipif(fully_shard is None, reason="FSDP2 + TP needs torch >= 2.6")]
@@ -97,7 +97,6 @@ class Setup:
 
 def build(setup: Setup, seed: int = 0) -> h.Loop:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     names = ("dp", "tp") if len(setup.shape) == 2 else ("replicate", "shard", "tp")
     mesh = init_device_mesh("cpu", setup.shape, mesh_dim_names=names)
