@@ -31,19 +31,28 @@ class LossScaledSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        scale = 1.0 if loss is None else float(loss)
+        loss = _closure_loss(closure)
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                p.add_(buf, alpha=-group["lr"] * scale)
+            _momentum_step(self, group, 1.0 if loss is None else float(loss))
         return loss
+
+
+def _closure_loss(closure):
+    """The closure's loss, run as torch's optimizers run it (None without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _momentum_step(opt, group, scale):
+    """Momentum SGD on ``group``'s parameters, the step size times ``scale``."""
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        buf = opt.state[p].setdefault("buf", torch.zeros_like(p))
+        buf.mul_(group["momentum"]).add_(p.grad)
+        p.add_(buf, alpha=-group["lr"] * scale)
 
 
 class TwiceClosure(torch.optim.SGD):
@@ -117,21 +126,14 @@ class PerGroupLossTrend(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = float(closure())
+        loss = _closure_loss(closure)
+        loss = None if loss is None else float(loss)
         for group in self.param_groups:
             scale = 1.0
             if loss is not None:
                 avg = self.state["avg"] = 0.5 * self.state.get("avg", loss) + 0.5 * loss
                 scale = min(2.0, loss / avg)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                p.add_(buf, alpha=-group["lr"] * scale)
+            _momentum_step(self, group, scale)
         return loss
 
 
