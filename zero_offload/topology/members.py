@@ -23,6 +23,8 @@ from zero_offload.transport.agreement import PER_PARAMETER, differing, digest_by
 __all__ = ["Members"]
 
 Exchange = Callable[[List[float], str], List[List[float]]]
+# The setting's name: the code of each state dtype it may take.
+_STATE_DTYPE = "state_dtype ({})".format(", ".join(f"{i}: {d}" for i, d in enumerate(STATE_DTYPES)))
 
 
 def _fields(hyper: Any) -> List[Tuple[str, float]]:
@@ -68,8 +70,7 @@ class Members:
         """The entries :meth:`~zero_offload.topology.mesh.Mesh.settings` adds: ``state_dtype`` and (where
         ``hypers``, each group's hyperparameters, are given) the per-parameter digest: computed again only when
         the hyperparameters change (an LR scheduler's step), not at every step."""
-        codes = ", ".join(f"{i}: {d}" for i, d in enumerate(STATE_DTYPES))
-        out = [(f"state_dtype ({codes})", float(STATE_DTYPES.index(self.state_dtype)))]
+        out = [(_STATE_DTYPE, float(STATE_DTYPES.index(self.state_dtype)))]
         if hypers:
             self.hypers = hypers
             key = tuple(hypers)
