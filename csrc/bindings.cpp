@@ -38,4 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_sq_norm_segments", &zo::grad_sq_norm_segments, py::call_guard<py::gil_scoped_release>(),
         "(sum of squares as float64, whether any element is inf/nan) over a list of contiguous CPU gradients.",
         py::arg("isa"), py::arg("grads"));
+  m.def("pin_team", &zo::pin_team, py::call_guard<py::gil_scoped_release>(),
+        "Bind the calling thread's intra-op team threads 1.. to the given CPUs, one each; returns each team "
+        "thread's CPU (-1: the caller, left as it is).",
+        py::arg("cpus"));
 }

@@ -6,11 +6,15 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 
 #include "kernel_args.h"
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__aarch64__)
 #include <asm/hwcap.h>
 #include <sys/auxv.h>
@@ -455,6 +459,51 @@ std::tuple<double, bool> grad_sq_norm_segments(const std::string& isa, const std
     nonfinite = nonfinite || p.nonfinite;
   }
   return {total, nonfinite};
+}
+
+std::vector<int64_t> pin_team(const std::vector<int64_t>& cpus) {
+#if defined(__linux__)
+  TORCH_CHECK(!cpus.empty(), "zero_offload: pin_team needs at least one CPU");
+  for (int64_t c : cpus) {
+    TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "zero_offload: pin_team: no CPU ", c);
+  }
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> bound(n, -1);
+  std::vector<int> errors(n, 0);
+  // One index per team thread: with the range equal to the team's size and a grain of 1, at::parallel_for gives
+  // thread t exactly index t (at::get_thread_num()), so each thread binds itself (pid 0: the calling thread).
+  at::parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t t = at::get_thread_num();
+    if (t <= 0 || t >= n || b1 - b0 != 1) {
+      return;
+    }
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpus[(t - 1) % cpus.size()]), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+      errors[t] = errno;
+      return;
+    }
+    cpu_set_t now;
+    if (sched_getaffinity(0, sizeof(now), &now) == 0 && CPU_COUNT(&now) == 1) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &now)) {
+          bound[t] = c;
+          break;
+        }
+      }
+    }
+  });
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(errors[t] == 0, "zero_offload: could not bind kernel thread ", t, " to CPU ",
+                cpus[(t - 1) % cpus.size()], " (errno ", errors[t], ")");
+  }
+  return bound;
+#else
+  (void)cpus;
+  TORCH_CHECK(false, "zero_offload: binding the kernel's threads to CPUs is only implemented on Linux");
+  return {};
+#endif
 }
 
 }  // namespace zo

@@ -47,4 +47,10 @@ std::tuple<double, bool> grad_sq_norm(const std::string& isa, const at::Tensor& 
 // grad_sq_norm over several tensors at once, as if they were one buffer.
 std::tuple<double, bool> grad_sq_norm_segments(const std::string& isa, const std::vector<at::Tensor>& grads);
 
+// Binds the threads of the calling thread's intra-op team (the one at::parallel_for runs the kernel on, of
+// at::get_num_threads() threads) to one CPU each: team thread t >= 1 to cpus[(t - 1) % cpus.size()]; thread 0, the
+// caller, is left as it is. Returns, per team thread, the CPU it is now bound to (-1: the caller, or a thread whose
+// mask is not one CPU). Linux only.
+std::vector<int64_t> pin_team(const std::vector<int64_t>& cpus);
+
 }  // namespace zo

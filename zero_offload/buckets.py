@@ -18,7 +18,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload import fsdp2
+from zero_offload import affinity, fsdp2
 from zero_offload.grads import GradSlots, check_grads
 from zero_offload.host_memory import (HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes,
                                       huge_pages_on)
@@ -392,6 +392,7 @@ class _Room:
         turns the error into a warning (swap, or memory about to be freed elsewhere)."""
         allow = allow_overcommit()  # (read first: a bad value is an error whether or not the buckets fit)
         huge_pages_on()  # (the same for ZERO_OFFLOAD_HUGE_PAGES, whether or not a buffer is large enough)
+        affinity.requested()  # (and ZERO_OFFLOAD_PIN_THREADS, before the first step reads it)
         avail = available_host_bytes()
         if avail is None or self.estimate().total_bytes <= avail:
             return

@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
-from zero_offload import _build, _reference, _torch_fused
+from zero_offload import _build, _reference, _torch_fused, affinity
 from zero_offload._checks import (GRAD_DTYPES, buffers_of, check_buffer, check_grads, check_hparams, check_hyper,
                                   check_out, check_out_vs_grad, check_segments, check_state, overlap)
 from zero_offload.quantize import Q8_BLOCK, dequantize_state, q8_scale_numel, quantize_state_
@@ -240,6 +240,7 @@ def _adam_dispatch(path: str, native, tensors: tuple, q8_kw: dict, step: int, lr
             grad_scale=scale, param_out=param_out, **q8_kw,
         )  # fmt: skip
     else:
+        affinity.ensure(native)
         _native_call(
             native.adam_step, path, param, grad, exp_avg, exp_avg_sq, vmax, param_out, step, lr, beta1, beta2, eps,
             wd, decoupled, maximize, scale, **q8_kw, out=out,
@@ -309,6 +310,7 @@ def grad_sq_norm(grad: torch.Tensor) -> Tuple[float, bool]:
         return 0.0, False
     if path in _TORCH_PATHS:
         return _reference.grad_sq_norm(grad)
+    affinity.ensure(native)
     total, nonfinite = native.grad_sq_norm(path, grad)
     return float(total), bool(nonfinite)
 
@@ -382,6 +384,7 @@ def _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper, ou
                        "grad_scale"), hyper))
         _torch_segments(path, param, grads, offsets, state, param_out, q8_kw, kw, out)
     else:
+        affinity.ensure(native)
         _native_call(native.adam_step_segments, path, param, list(grads), offsets, *state, param_out, *hyper,
                      **q8_kw, out=out)
 
@@ -432,5 +435,6 @@ def grad_sq_norm_segments(grads: Sequence[torch.Tensor]) -> Tuple[float, bool]:
         return total, nonfinite
     if not grads:
         return 0.0, False
+    affinity.ensure(native)
     total, nonfinite = native.grad_sq_norm_segments(path, list(grads))
     return float(total), bool(nonfinite)

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 import zero_offload
-from zero_offload import _build, functional
+from zero_offload import _build, affinity, functional
 from zero_offload.host_memory import available_host_bytes, huge_pages
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
@@ -69,6 +69,7 @@ def items() -> List[Tuple[str, str]]:
         ("cpu", f"{model}, {os.cpu_count()} logical cores"),
         ("cpu features", " ".join(flags) or "none detected"),
         ("threads", f"{torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)"),
+        ("kernel threads", affinity.status()),
     ]
     _build.load_native()
     st = _build.status()
