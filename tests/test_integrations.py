@@ -407,12 +407,15 @@ def test_example_runs(script, needs):
 @pytest.mark.parametrize("script, needs, says", [
     ("hf_trainer.py", "transformers", "same parameters as torch.optim.AdamW"),
     ("torchtitan_optimizer.py", "torchtitan", "same parameters as torch.optim.AdamW after 4 steps, and after a DCP"),
+    ("accelerate_fsdp2.py", "accelerate", "FSDP2 plugin on 2 x cpu: same parameters as torch.optim.AdamW and the same"),
 ])
 def test_example_on_two_cpu_processes(script, needs, says):
     """The examples under ``torchrun`` with 2 processes (gloo): ``hf_trainer.py``, where the Trainer (DDP) moves the
     model with ``model.to(torch.device("cpu", 0))`` after the optimizer was built (a copy), and each rank still
     ends with AdamW's parameters; ``torchtitan_optimizer.py``, torchtitan's optimizer container building ours over
-    FSDP2's parameters, equal to its AdamW, also across a DCP round trip of its state dict."""
+    FSDP2's parameters, equal to its AdamW, also across a DCP round trip of its state dict; ``accelerate_fsdp2.py``,
+    accelerate's FSDP2 plugin sharding the model and switching ours to the shards in ``prepare``, then accelerate's
+    loop (accumulation, clipping, a schedule), equal to AdamW's parameters and moments at each step."""
     pytest.importorskip(needs)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
