@@ -149,7 +149,8 @@ def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int]
     Over a ``topology`` of several ranks every rank must place its buckets alike (their shards' collectives and
     layouts must match): each measure is taken as the least over the ranks (one collective) before the plan, so
     every rank plans from the same numbers: the slowest kernel and copies, the smallest room, the shortest forward,
-    and each bucket's latest arrival (its time before backward's end on the rank where that is shortest)."""
+    each bucket's latest arrival (its time before backward's end on the rank where that is shortest) and its largest
+    shard."""
     devices = {lane.bucket.device for lane in lanes}
     rates = [cost_model.measure_kernel_rate(), min(cost_model.measure_copy_rate(d) for d in devices),
              min(cost_model.measure_copy_rate(d, up=False) for d in devices)]
@@ -158,12 +159,15 @@ def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int]
     sent = [lane.arrival.at if options.uploads_in_backward else None for lane in lanes]
     end = max((at for at in sent if at is not None), default=0.0)
     before = [0.0 if at is None else end - at for at in sent]  # (not sent in backward: at its end)
+    # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master; a rank's
+    # shard may hold fewer elements than another's, so sizes go in negated: the least is the largest)
+    sizes = [-float(x) for lane in lanes for x in (lane.bucket.layout.numel, lane.bucket.device_cost())]
     if topology is not None:
-        agreed = topology.least([*rates, resident, parked, forward, *before], "placement='auto''s measures")
-        rates, (resident, parked, forward), before = agreed[:3], agreed[3:6], agreed[6:]
-    # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master)
-    costs = [cost_model.BucketCost(lane.bucket.layout.numel, lane.bucket.device_cost(), lane.bucket.device_cost(),
-                                   -b) for lane, b in zip(lanes, before)]
+        agreed = topology.least([*rates, resident, parked, forward, *before, *sizes], "placement='auto''s measures")
+        rates, (resident, parked, forward) = agreed[:3], agreed[3:6]
+        before, sizes = agreed[6 : 6 + len(lanes)], agreed[6 + len(lanes) :]
+    costs = [cost_model.BucketCost(int(-sizes[2 * k]), int(-sizes[2 * k + 1]), int(-sizes[2 * k + 1]), -b)
+             for k, b in enumerate(before)]
     return cost_model.plan_homes(costs, cost_model.Rates(*rates), max(0, resident), max(0, parked), forward)
 
 
