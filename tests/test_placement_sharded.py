@@ -192,44 +192,61 @@ def test_an_lr_set_after_backward_is_the_one_every_home_steps_with_sharded():
 
 
 # -- checkpoints across placements ---------------------------------------------------------------------------------
-LOADS = [("parked", "host"), ("host", "parked"), ("mix", "resident"), ("resident", "mix"), ("parked", "adamw"),
-         ("adamw", "parked")]
+LOADS = [("parked", "host", "full"), ("host", "parked", "full"), ("mix", "resident", "full"),
+         ("resident", "mix", "full"), ("parked", "adamw", "full"), ("adamw", "parked", "full"),
+         ("parked", "mix", "dcp"), ("mix", "parked", "dcp")]
 
 
 def _placement(name):
     return MIX if name == "mix" else name
 
 
-def _load_worker(rank, world, pairs):
+def _save_load(model, opt, resumed_model, resumed, how, path):
+    """``opt``'s state (and ``model``'s parameters) into ``resumed`` (and ``resumed_model``): ``state_dict()``
+    through bytes, or ``sharded_state_dict()`` through DCP in ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict() if how == "full" else None}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed_model.load_state_dict(ckpt["model"])
+    if how == "full":
+        resumed.load_state_dict(ckpt["opt"])
+        return
+    dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+    sd = {"optim": resumed.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    resumed.load_sharded_state_dict(sd["optim"])
+
+
+def _load_worker(rank, world, cases, path):
     """Saved mid-run under one placement (or by AdamW on the whole batch), loaded under another (or into AdamW),
     the resumed run goes on with the uninterrupted one, parameters and state every step."""
+    import os
+
     _on_standins()
-    for saved, loaded in pairs:
+    for k, (saved, loaded, how) in enumerate(cases):
         model, opt, ref_model = _make(rank, _placement(saved))
         for step in range(3):
             if saved == "adamw":
                 td._ref_step(model, opt, step, clip=0.3)
             else:
                 td._step(model, opt, step, rank, world, clip=0.3)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-        buf.seek(0)
-        ckpt = torch.load(buf, weights_only=True)
         resumed_model, resumed, _ = _make(rank, _placement(loaded))
-        resumed_model.load_state_dict(ckpt["model"])
-        resumed.load_state_dict(ckpt["opt"])
+        _save_load(model, opt, resumed_model, resumed, how, os.path.join(path, str(k)))
         for step in range(3, 6):
             for m, o, name in ((model, opt, saved), (resumed_model, resumed, loaded)):
                 if name == "adamw":
                     td._ref_step(m, o, step, clip=0.3)
                 else:
                     td._step(m, o, step, rank, world, clip=0.3)
-            _same(resumed_model, model, resumed, opt, f"{saved} -> {loaded}, step {step}")
+            _same(resumed_model, model, resumed, opt, f"{saved} -> {loaded} ({how}), step {step}")
     return True
 
 
-def test_a_state_dict_loads_under_any_placement_sharded():
-    td.launch(_load_worker, 2, LOADS)
+def test_a_state_dict_loads_under_any_placement_sharded(tmp_path):
+    td.launch(_load_worker, 2, LOADS, str(tmp_path))
 
 
 # -- placement="auto": every rank places alike -----------------------------------------------------------------------
