@@ -94,6 +94,8 @@ PLACEMENTS = {
     "parked_no_room": dict(placement="parked", uploads_in_backward=False),
     "resident": dict(placement="resident"),
     "mix": dict(placement=MIX),
+    # (two micro-batches, each reduce-scattered in backward, their shards summed beside the gradient's)
+    "parked_release_accumulate": dict(placement="parked", release_grads=True, accumulate=2),
 }
 
 
@@ -102,12 +104,12 @@ def _placements_worker(rank, world):
     homes = {}
     for name, kw in PLACEMENTS.items():
         kw = dict(kw)
-        placement = kw.pop("placement")
+        placement, accumulate = kw.pop("placement"), kw.pop("accumulate", 1)
         model, opt, ref_model = _make(rank, placement, **kw)
         ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
         opt.record_timeline()
         for step in range(STEPS):
-            _both_step(model, opt, ref_model, ref, step, rank, world, clip=0.3)
+            _both_step(model, opt, ref_model, ref, step, rank, world, clip=0.3, accumulate=accumulate)
             _same(model, ref_model, opt, ref, f"{name}, step {step}")
         homes[name] = (_homes(opt), sorted({e.what for e in opt.timeline()} & {"reload", "write-back"}))
     return homes
@@ -119,7 +121,7 @@ def test_each_placement_matches_adamw_every_step_sharded():
     homes = results[0]
     assert homes["host"] == ([["host"] * 3, ["host"] * 2], [])
     assert homes["resident"] == ([["resident"] * 3, ["resident"] * 2], [])
-    for name in ("parked", "parked_at_step", "parked_no_room"):
+    for name in ("parked", "parked_at_step", "parked_no_room", "parked_release_accumulate"):
         assert homes[name] == ([["parked"] * 3, ["parked"] * 2], ["reload", "write-back"]), name
     assert homes["mix"][0][0] == ["resident", "parked", "host"], homes["mix"]
 

@@ -38,7 +38,7 @@ from zero_offload import functional
 from zero_offload._compat import increment_version
 from zero_offload.buckets import FlatBucket
 from zero_offload.distributed import Comm, _dist
-from zero_offload.host_memory import copy_many_, empty_host
+from zero_offload.host_memory import copy_many_
 from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
@@ -100,8 +100,8 @@ class _ShardedRoute(Route):
         reduce-scatter runs while the caller goes on, and :meth:`wait` finishes it."""
         self.wait(lane)  # the previous reduce-scatter may still read flat_grad or write grad
         bucket, channel = lane.bucket, lane.channel
-        if add and channel.shard_in is None:
-            channel.shard_in = empty_host(bucket.shard.numel, bucket.dtype, pin=bucket.pin)
+        if add and channel.shard_in is None:  # (beside the shard's gradient: on the GPU for a resident or parked one)
+            channel.shard_in = bucket.home.grads_tier.zeros(bucket.shard.numel, bucket.dtype)
         self._scatter(lane, grads, channel.shard_in if add else bucket.grad)
         channel.adding = add
         channel.sent()
