@@ -273,8 +273,8 @@ def test_bad_placements_are_refused(kw, match):
 
 
 def test_the_resident_share_is_gpu_fractions_alias_with_what_gpu_fraction_takes(cuda_branches):
-    """``placement={"resident": f}`` places as ``gpu_fraction=f`` and takes what it takes (speculation, a process
-    group: its resident buckets are sharded), where a parked share is refused."""
+    """``placement={"resident": f}`` places as ``gpu_fraction=f`` and takes what it takes (speculation, where a
+    parked share is refused; a process group, as every placement now: tests/test_placement_sharded.py)."""
     import dataclasses
 
     from zero_offload.options import Options
@@ -283,9 +283,8 @@ def test_the_resident_share_is_gpu_fractions_alias_with_what_gpu_fraction_takes(
     alias = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement={"resident": 0.5}, speculate=True)
     fraction = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction=0.5, speculate=True)
     assert _homes(alias) == _homes(fraction) and "resident" in chain.from_iterable(_homes(alias))
-    dataclasses.replace(Options(placement={"resident": 0.5}), sharded=True).validate()
-    with pytest.raises(ValueError, match="not yet combined with a process_group"):
-        dataclasses.replace(Options(placement={"resident": 0.2, "parked": 0.2}), sharded=True).validate()
+    for placement in ({"resident": 0.5}, {"resident": 0.2, "parked": 0.2}, "parked", "auto"):
+        dataclasses.replace(Options(placement=placement), sharded=True).validate()
 
 
 def test_a_rule_without_a_gpu_update_refuses_a_gpu_placement():

@@ -334,8 +334,9 @@ class Options:
         gradients backward produces last, resident, the next ones parked, the rest on the host), or ``"auto"``
         (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
         whatever it says. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
-        ``overlap_step``, ``delayed_update`` or FSDP2's parameters (yet); with ``speculate`` or a ``process_group``,
-        a resident share only.""",
+        ``overlap_step``, ``delayed_update`` or FSDP2's parameters (yet); with ``speculate``, a resident share only.
+        With a ``process_group`` each rank parks (or keeps) the state of its shard of a bucket, and ``"auto"`` places
+        every rank's buckets alike.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
@@ -436,9 +437,6 @@ class Options:
         if parks and self.speculate:
             raise ValueError(f"{given} and speculate=True are not combined: a parked bucket has no host update to "
                              "speculate on")
-        if parks and self.sharded:
-            raise ValueError(f"{given} is not yet combined with a process_group: parked buckets are not sharded yet "
-                             "(leave placement at 'host', or keep a resident share only: those buckets are sharded)")
 
     @property
     def _mode(self) -> str:

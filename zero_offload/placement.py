@@ -3,7 +3,7 @@ the last-arriving CUDA buckets move to the device home, as many as fit in the GP
 neither the allocator's peak of the step nor ``gpu_margin_gib`` takes; sharded, every rank moves the same buckets,
 the fewest any rank has room for); with ``placement="auto"`` each CUDA bucket goes where the cost model says its step
 is cheapest (:mod:`zero_offload.cost_model`), from the second step's arrival times, the GPU's room over the steps, the
-forward between them and the rates measured then."""
+forward between them and the rates measured then (sharded, each the least over the ranks: every rank places alike)."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ class Placer:
             return self
         sent = [lane.arrival.at for lane in lanes if lane.arrival.at is not None]
         forward = 0.0 if not sent else max(0.0, min(min(sent) - self.ended, self.begun - min(sent)))
-        homes = plan_auto(lanes, self.options, self.allocated, forward)
+        homes = plan_auto(lanes, self.options, self.allocated, forward, topology)
         moving = [(lane, home) for lane, home in zip(lanes, homes) if home != "host"]
         logger.info("OffloadOptimizer(placement='auto'): of %d GPU buckets, %d resident, %d parked, the rest stepped "
                     "on the host (forward taken as %.1f ms)", len(lanes), homes.count("resident"),
@@ -138,22 +138,37 @@ class Placer:
         return None
 
 
-def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int], forward: float) -> List[str]:
+def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int], forward: float,
+              topology: Optional[Topology] = None) -> List[str]:
     """The home of each of ``lanes`` (CUDA buckets stepped on the host so far) by the cost model, with the rates
     measured now and the room the first steps left: resident, the memory their peak never used (less
     ``gpu_margin_gib``); parked, besides that, what backward had freed by ``step()`` (the peak less what was
     allocated then), given back within ``forward`` seconds of the step. With ``uploads_in_backward=False`` a parked
-    bucket comes up at ``step()``: as if every bucket arrived at backward's end."""
+    bucket comes up at ``step()``: as if every bucket arrived at backward's end.
+
+    Over a ``topology`` of several ranks every rank must place its buckets alike (their shards' collectives and
+    layouts must match): each measure is taken as the least over the ranks (one collective) before the plan, so
+    every rank plans from the same numbers: the slowest kernel and copies, the smallest room, the shortest forward,
+    each bucket's latest arrival (its time before backward's end on the rank where that is shortest) and its largest
+    shard."""
     devices = {lane.bucket.device for lane in lanes}
-    rates = cost_model.Rates(cost_model.measure_kernel_rate(),
-                             min(cost_model.measure_copy_rate(d) for d in devices),
-                             min(cost_model.measure_copy_rate(d, up=False) for d in devices))
+    rates = [cost_model.measure_kernel_rate(), min(cost_model.measure_copy_rate(d) for d in devices),
+             min(cost_model.measure_copy_rate(d, up=False) for d in devices)]
     resident = min(_device_room(d, options.gpu_margin_gib) for d in devices)
     parked = min(torch.cuda.max_memory_allocated(d) - allocated.get(d, 0) for d in devices)
-    # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master)
-    costs = [cost_model.BucketCost(lane.bucket.layout.numel, lane.bucket.device_cost(), lane.bucket.device_cost(),
-                                   lane.arrival.at if options.uploads_in_backward else None) for lane in lanes]
-    return cost_model.plan_homes(costs, rates, max(0, resident), max(0, parked), forward)
+    sent = [lane.arrival.at if options.uploads_in_backward else None for lane in lanes]
+    end = max((at for at in sent if at is not None), default=0.0)
+    before = [0.0 if at is None else end - at for at in sent]  # (not sent in backward: at its end)
+    # (the state a parked bucket brings up is what a resident one keeps: moments, and a separate master; a rank's
+    # shard may hold fewer elements than another's, so sizes go in negated: the least is the largest)
+    sizes = [-float(x) for lane in lanes for x in (lane.bucket.layout.numel, lane.bucket.device_cost())]
+    if topology is not None:
+        agreed = topology.least([*rates, resident, parked, forward, *before, *sizes], "placement='auto''s measures")
+        rates, (resident, parked, forward) = agreed[:3], agreed[3:6]
+        before, sizes = agreed[6 : 6 + len(lanes)], agreed[6 + len(lanes) :]
+    costs = [cost_model.BucketCost(int(-sizes[2 * k]), int(-sizes[2 * k + 1]), int(-sizes[2 * k + 1]), -b)
+             for k, b in enumerate(before)]
+    return cost_model.plan_homes(costs, cost_model.Rates(*rates), max(0, resident), max(0, parked), forward)
 
 
 def device_bytes(lanes: Sequence[Lane]) -> Dict[str, int]:

@@ -76,7 +76,7 @@ class Masters:
         self.flat_param: Optional[torch.Tensor] = None
         own = None
         if shard is not None and self.resident:
-            self.flat_param = tier.zeros(shard.full.padded_numel, self.dtype)
+            self.flat_param = slots.zeros(shard.full.padded_numel, self.dtype)  # (a parked home's: on its GPU)
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
         self.slots_pinned = slots.pinned

@@ -19,7 +19,6 @@ import torch
 
 from zero_offload.rules.base import Rule, Run, StateBuffer
 from zero_offload.state.home import Copies, Home
-from zero_offload.state.layout import view_like
 from zero_offload.state.tiers import DeviceTier, HostTier, Tier
 from zero_offload.timeline import NOTHING, Timeline
 
@@ -41,6 +40,7 @@ class ParkedHome(Home):
     def __init__(self, device: torch.device, pin: bool, **parts: Any):
         self.device = torch.device(device) if isinstance(device, str) else device
         parts["slots_tier"] = DeviceTier(self.device)  # (the parameters are bound to slots on their GPU)
+        self._cut = parts["views"]  # a flat buffer's per-parameter views (their pieces when sharded)
         super().__init__(HostTier(pin), **parts)
         self.twins: Optional[Dict[str, torch.Tensor]] = None
         self._reloaded: Optional[Any] = None  # the event after the reload's copies
@@ -132,9 +132,7 @@ class ParkedHome(Home):
         write-back then parks)."""
         if into is None and self.twins is not None and self.masters.separate:
             if self.masters.stale(indices):  # (the views only where a parameter changed: not every step)
-                flat = self.twins["master"]
-                views = [view_like(flat, o, p) for o, p in zip(self.masters.offsets, self.masters.params)]
-                self.masters.refresh(indices, into=views, record=True)
+                self.masters.refresh(indices, into=self._cut(self.twins["master"]), record=True)
             return
         super().refresh(indices, into)
 

@@ -75,6 +75,11 @@ class Topology:
         """The least of ``count`` over the ranks (each rank's own), for a decision every rank must take alike."""
         return count
 
+    def least(self, values: Sequence[float], what: str) -> List[float]:
+        """Each of ``values`` (this rank's own) as the least over the ranks, for a decision every rank must take
+        alike from its own measures (``what`` names them in a collective's error)."""
+        return list(values)
+
     def adopt_switched(self, opt: Any) -> None:
         """Lay ``opt`` out again over FSDP2's parameters where its groups' ``params`` were switched to them before
         its first step (see :func:`zero_offload.fsdp2.adopt_switched`): an optimizer not over them yet."""

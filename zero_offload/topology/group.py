@@ -6,7 +6,7 @@ the sharded transport's (:mod:`~zero_offload.transport.sharded`), over the group
 from __future__ import annotations
 
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,9 @@ class Group(Topology):
 
     def fewest(self, count: int, what: str) -> int:
         return int(self.comm.all_reduce_host([count], torch.distributed.ReduceOp.MIN, what)[0])
+
+    def least(self, values: Sequence[float], what: str) -> List[float]:
+        return self.comm.all_reduce_host(list(values), torch.distributed.ReduceOp.MIN, what)
 
     def state_entries(self, packed: Dict[Any, Any], groups: Sequence[Dict[str, Any]], buckets: Sequence[Any],
                       state: Dict[Any, Any], transport: "Transport") -> Dict[Any, Any]:

@@ -264,6 +264,9 @@ class Mesh(Topology):
     def fewest(self, count: int, what: str) -> int:
         return int(min(row[0] for row in self.exchange([float(count)])))
 
+    def least(self, values: Sequence[float], what: str) -> List[float]:
+        return self.reduce([float(v) for v in values], torch.distributed.ReduceOp.MIN)
+
     def where(self, rows: Sequence[Any]) -> str:
         """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""
         return f"zero_offload: rank {torch.distributed.get_rank()} ({len(rows)} ranks in the FSDP2 mesh)"

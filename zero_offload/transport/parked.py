@@ -2,11 +2,13 @@
 :mod:`zero_offload.state.parked_home`): no gradient and no parameter crosses PCIe, only the state. Backward's hooks
 bring the state up as the bucket's gradients become final, where the GPU has room for it then (memory backward has
 freed, beyond ``gpu_margin_gib`` and the gradients still to come; else at ``step()``); ``step()`` reads the gradients
-where autograd left them, steps the bucket on the GPU, and sends the state back down during the next forward."""
+where autograd left them, steps the bucket on the GPU, and sends the state back down during the next forward. Sharded
+over a ``process_group``, the bucket is on :class:`~zero_offload.transport.sharded.ShardedParkedRoute`: the same
+home, holding this rank's shard of the state."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -14,7 +16,7 @@ from zero_offload.lane import Lane
 from zero_offload.transport.device import room_in_backward
 from zero_offload.transport.host import HostRoute
 
-__all__ = ["ParkedRoute"]
+__all__ = ["ParkedRoute", "reload_if_room"]
 
 
 class ParkedRoute(HostRoute):
@@ -25,10 +27,17 @@ class ParkedRoute(HostRoute):
 
     def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> Optional[torch.Tensor]:
         """The bucket's gradients are final: its state comes up now, where there is room (once a step)."""
-        t, home = self.transport, lane.bucket.home
-        if home.twins is None and room_in_backward(t, lane.bucket.device, home.nbytes_parked(), t.lanes):
-            home.reload(t.streams, t.timeline, lane.position)
+        reload_if_room(self.transport, lane)
         return None
 
     def end(self, lane: Lane) -> None:
         lane.bucket.home.release()
+
+
+def reload_if_room(transport: Any, lane: Lane) -> None:
+    """Bring a parked bucket's state up now (backward has made its gradients final), where the GPU has room for it
+    beyond the margin and the gradients still to come, and it is not up already (once a step); else ``step()``
+    does. Its route's, sharded or not (:class:`~zero_offload.transport.sharded.ShardedParkedRoute`)."""
+    home = lane.bucket.home
+    if home.twins is None and room_in_backward(transport, lane.bucket.device, home.nbytes_parked(), transport.lanes):
+        home.reload(transport.streams, transport.timeline, lane.position)

@@ -17,6 +17,10 @@ the full parameters while the next bucket is updated. The collectives themselves
   the owned shard on the device and only that shard is copied to pinned host memory; the updated shard goes up on
   the upload stream and is all-gathered into a transient device buffer copied into the parameters
   (:class:`ShardedOffloadRoute`).
+* On CUDA with the shard's state parked on the host between steps (``placement="parked"``), the bucket goes the
+  resident way (the parameters views of a device ``flat_param``, the gradients' shard left on the GPU, the update
+  by the rule's device update, the all-gather in place) and its shard's state comes up in backward and goes back
+  down after the update (:class:`ShardedParkedRoute`).
 
 Every rank must issue the collectives in the same order: which parameters have a gradient is agreed over the group
 in :meth:`ShardedTransport.gather`, so every rank then updates (and all-gathers) the same buckets.
@@ -34,7 +38,7 @@ from zero_offload import functional
 from zero_offload._compat import increment_version
 from zero_offload.buckets import FlatBucket
 from zero_offload.distributed import Comm, _dist
-from zero_offload.host_memory import copy_many_, empty_host
+from zero_offload.host_memory import copy_many_
 from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
@@ -42,8 +46,9 @@ from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_R
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.channel import Channel
 from zero_offload.transport.measure import Norm, device_sq_norm, every, first_nonfinite, name_held
+from zero_offload.transport.parked import reload_if_room
 
-__all__ = ["ShardedChannel", "ShardedOffloadRoute", "ShardedResidentRoute", "ShardedTransport"]
+__all__ = ["ShardedChannel", "ShardedOffloadRoute", "ShardedParkedRoute", "ShardedResidentRoute", "ShardedTransport"]
 
 
 class ShardedChannel(Channel):
@@ -95,8 +100,8 @@ class _ShardedRoute(Route):
         reduce-scatter runs while the caller goes on, and :meth:`wait` finishes it."""
         self.wait(lane)  # the previous reduce-scatter may still read flat_grad or write grad
         bucket, channel = lane.bucket, lane.channel
-        if add and channel.shard_in is None:
-            channel.shard_in = empty_host(bucket.shard.numel, bucket.dtype, pin=bucket.pin)
+        if add and channel.shard_in is None:  # (beside the shard's gradient: on the GPU for a resident or parked one)
+            channel.shard_in = bucket.home.grads_tier.zeros(bucket.shard.numel, bucket.dtype)
         self._scatter(lane, grads, channel.shard_in if add else bucket.grad)
         channel.adding = add
         channel.sent()
@@ -173,6 +178,20 @@ class ShardedResidentRoute(_ShardedRoute):
         increment_version([bucket.params[i] for i in indices])
 
 
+class ShardedParkedRoute(ShardedResidentRoute):
+    """A sharded GPU bucket whose shard of the state is parked on the host between steps
+    (:class:`~zero_offload.state.parked_home.ParkedHome`): the resident route's reduce-scatter (its gradients' shard
+    stays on the GPU), update and all-gather, with the shard's state brought up once the reduce-scatter has started
+    in backward, where the GPU has room (else at ``step()``), and let go with the step."""
+
+    def send(self, lane: Lane, idx: List[int], grads: List[torch.Tensor], add: List[bool]) -> None:
+        super().send(lane, idx, grads, add)
+        reload_if_room(self.transport, lane)
+
+    def end(self, lane: Lane) -> None:
+        lane.bucket.home.release()
+
+
 class ShardedOffloadRoute(_ShardedRoute):
     """A sharded GPU bucket whose shard of the state lives on the host."""
 
@@ -246,6 +265,8 @@ class ShardedTransport(Transport):
         self.agreement = Agreement(comm, self._stats_numel)
 
     def route_for(self, bucket: FlatBucket) -> Route:
+        if bucket.home.kind == "parked":
+            return self.route(ShardedParkedRoute)
         return self.route(ShardedResidentRoute if bucket.resident else ShardedOffloadRoute)
 
     def count_backward(self, lane: Lane) -> None:

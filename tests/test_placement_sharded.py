@@ -1,0 +1,339 @@
+"""``placement`` under ``process_group`` sharding (ZeRO): each rank keeps its shard of a bucket's state on the host
+(stepped there), resident on the GPU, or parked on the host between steps and stepped on the GPU; a mix of the three
+in one param group; ``"auto"`` placing every rank's buckets alike. gloo, world 2, the ranks forked as
+test_distributed's are (:func:`test_distributed.launch`), the GPU the stand-in of tests/cuda_standins.py (torch's
+fused CPU kernel standing in for its CUDA one; each collective waited for as it starts, as test_distributed's CUDA
+branches are).
+
+Every rank against single-process ``torch.optim.AdamW(foreach=False)`` on the whole batch: the parameters and the
+gathered state (``state_dict()``) every step. Tolerance: default fp32 (the reduced gradient sums each rank's rows
+then the ranks, the reference the whole batch at once; the host kernel and torch's fused one round alike within
+it). A step refused or skipped for an inf/nan is compared bit for bit with what was there before it.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import test_distributed as td
+from zero_offload import OffloadOptimizer, _torch_fused
+
+STEPS = 4
+BUCKET = 128
+MIX = {"resident": 0.3, "parked": 0.4}  # the first group's buckets: (c, b) resident, (aux, w2) parked, (w1) host
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.skipif(not _torch_fused.AVAILABLE, reason="torch < 2.4 has no fused AdamW for CPU tensors "
+                                 "to stand in for the GPU's")]
+
+
+def groups(model):
+    """Two groups; the first of three buckets of 24, 68 and 119 elements (the MIX places one in each home)."""
+    return [{"params": [model.c, model.b, model.aux, model.w2, model.w1], "weight_decay": 0.1},
+            {"params": [model.big, model.a], "lr": 2e-2, "weight_decay": 0.0}]
+
+
+def _on_standins():
+    """This rank's CUDA branches on CPU tensors, each collective waited for as it starts (see the module
+    docstring)."""
+    import cuda_standins
+    import zero_offload.distributed
+
+    cuda_standins.install(setattr)
+    start = zero_offload.distributed.Comm.start
+
+    def start_and_wait(comm, *args, **kwargs):
+        pending = start(comm, *args, **kwargs)
+        pending.wait()
+        return pending
+
+    zero_offload.distributed.Comm.start = start_and_wait
+
+
+def _make(rank, placement, **kw):
+    if placement == "adamw":  # (rank 0's values on every rank, as ours has after its broadcast)
+        model, ref_model = td._make(rank)
+        return model, torch.optim.AdamW(groups(model), lr=1e-2, foreach=False), ref_model
+    model, ref_model = td._make(rank, seed_ours=rank)  # (ours broadcasts rank 0's values)
+    opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET, process_group=dist.group.WORLD,
+                           placement=placement, timeout=30, **kw)
+    return model, opt, ref_model
+
+
+def _homes(opt):
+    return [[b.home.kind for b in group] for group in opt._buckets]
+
+
+def _same(model, ref_model, opt, ref, where):
+    """Parameters and the whole (gathered) state equal the reference's."""
+    td._compare(model, ref_model, where)
+    sd, rsd = opt.state_dict(), ref.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys(), where
+    for k, expected in rsd["state"].items():
+        assert sd["state"][k].keys() == expected.keys(), (where, k)
+        for name, value in expected.items():
+            torch.testing.assert_close(sd["state"][k][name], value, msg=lambda m: f"{where}, state {k} {name}: {m}")
+
+
+def _both_step(model, opt, ref_model, ref, step, rank, world, **kw):
+    norm = td._step(model, opt, step, rank, world, **kw)
+    ref_norm = td._ref_step(ref_model, ref, step, **kw)
+    if norm is not None:
+        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"step {step} norm: {m}")
+
+
+# -- each placement against AdamW, every step ---------------------------------------------------------------------
+PLACEMENTS = {
+    "host": dict(placement="host"),
+    "parked": dict(placement="parked"),  # (streamed: each shard's state comes up in backward)
+    "parked_at_step": dict(placement="parked", stream_grads=False),  # (reduce-scattered and brought up at step())
+    "parked_no_room": dict(placement="parked", uploads_in_backward=False),
+    "resident": dict(placement="resident"),
+    "mix": dict(placement=MIX),
+    # (two micro-batches, each reduce-scattered in backward, their shards summed beside the gradient's)
+    "parked_release_accumulate": dict(placement="parked", release_grads=True, accumulate=2),
+}
+
+
+def _placements_worker(rank, world):
+    _on_standins()
+    homes = {}
+    for name, kw in PLACEMENTS.items():
+        kw = dict(kw)
+        placement, accumulate = kw.pop("placement"), kw.pop("accumulate", 1)
+        model, opt, ref_model = _make(rank, placement, **kw)
+        ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+        opt.record_timeline()
+        for step in range(STEPS):
+            _both_step(model, opt, ref_model, ref, step, rank, world, clip=0.3, accumulate=accumulate)
+            _same(model, ref_model, opt, ref, f"{name}, step {step}")
+        homes[name] = (_homes(opt), sorted({e.what for e in opt.timeline()} & {"reload", "write-back"}))
+    return homes
+
+
+def test_each_placement_matches_adamw_every_step_sharded():
+    results = td.launch(_placements_worker, 2)
+    assert results[0] == results[1]
+    homes = results[0]
+    assert homes["host"] == ([["host"] * 3, ["host"] * 2], [])
+    assert homes["resident"] == ([["resident"] * 3, ["resident"] * 2], [])
+    for name in ("parked", "parked_at_step", "parked_no_room", "parked_release_accumulate"):
+        assert homes[name] == ([["parked"] * 3, ["parked"] * 2], ["reload", "write-back"]), name
+    assert homes["mix"][0][0] == ["resident", "parked", "host"], homes["mix"]
+
+
+# -- a nonfinite gradient on one rank; an LR set after backward ----------------------------------------------------
+def _snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()["state"])
+
+
+def _nonfinite_worker(rank, world, policy):
+    """Three steps, then an inf in rank 1's gradient of a parked bucket's parameter only: every rank raises or skips
+    (as ``policy`` says) with nothing changed in any home, lets go of the state brought up for the step, and the
+    next step goes on as AdamW's (which never saw the bad step)."""
+    _on_standins()
+    model, opt, ref_model = _make(rank, MIX, nonfinite=policy)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    for step in range(3):
+        _both_step(model, opt, ref_model, ref, step, rank, world)
+    parked = next(b for b in opt._buckets[0] if b.home.kind == "parked")
+    before = _snapshot(model, opt)
+    opt.zero_grad()
+    td.loss_on(model, 3, 0, td.rows_of(rank, world)).backward()
+    if rank == 1:
+        parked.params[0].grad.view(-1)[0] = float("inf")
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match="non-finite gradient"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.skipped_steps == 1
+    assert parked.home.twins is None, "the state brought up for the step was kept"
+    after = _snapshot(model, opt)
+    assert all(torch.equal(p, q) for p, q in zip(before[0], after[0])), "a parameter changed"
+    for k, entry in before[1].items():
+        for name, value in entry.items():
+            assert torch.equal(after[1][k][name], value), (k, name)
+    for step in range(4, 6):
+        _both_step(model, opt, ref_model, ref, step, rank, world, clip=0.3)
+        _same(model, ref_model, opt, ref, f"{policy}, step {step}")
+    return True
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_nonfinite_gradient_on_one_rank_leaves_every_home_as_it_was(policy):
+    td.launch(_nonfinite_worker, 2, policy)
+
+
+def _lr_worker(rank, world):
+    """An LR set after backward, once each parked shard's state came up (with its reduce-scatter, in backward), is
+    the one every home steps with."""
+    _on_standins()
+    model, opt, ref_model = _make(rank, MIX)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    parked = [b for b in opt._buckets[0] if b.home.kind == "parked"]
+    assert parked
+    for step in range(STEPS):
+        for o, m, rows in ((opt, model, td.rows_of(rank, world)), (ref, ref_model, slice(None))):
+            o.zero_grad()
+            td.loss_on(m, step, 0, rows).backward()
+            assert o is ref or all(b.home.twins is not None for b in parked), "not brought up in backward"
+            for group in o.param_groups:  # (after the parked shards came up in backward)
+                group["lr"] = 1e-3 * (step + 2)
+            o.step()
+        _same(model, ref_model, opt, ref, f"step {step}")
+    return True
+
+
+def test_an_lr_set_after_backward_is_the_one_every_home_steps_with_sharded():
+    td.launch(_lr_worker, 2)
+
+
+# -- checkpoints across placements ---------------------------------------------------------------------------------
+LOADS = [("parked", "host", "full"), ("host", "parked", "full"), ("mix", "resident", "full"),
+         ("resident", "mix", "full"), ("parked", "adamw", "full"), ("adamw", "parked", "full"),
+         ("parked", "mix", "dcp"), ("mix", "parked", "dcp")]
+
+
+def _placement(name):
+    return MIX if name == "mix" else name
+
+
+def _save_load(model, opt, resumed_model, resumed, how, path):
+    """``opt``'s state (and ``model``'s parameters) into ``resumed`` (and ``resumed_model``): ``state_dict()``
+    through bytes, or ``sharded_state_dict()`` through DCP in ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict() if how == "full" else None}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed_model.load_state_dict(ckpt["model"])
+    if how == "full":
+        resumed.load_state_dict(ckpt["opt"])
+        return
+    dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+    sd = {"optim": resumed.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    resumed.load_sharded_state_dict(sd["optim"])
+
+
+def _load_worker(rank, world, cases, path):
+    """Saved mid-run under one placement (or by AdamW on the whole batch), loaded under another (or into AdamW),
+    the resumed run goes on with the uninterrupted one, parameters and state every step."""
+    import os
+
+    _on_standins()
+    for k, (saved, loaded, how) in enumerate(cases):
+        model, opt, ref_model = _make(rank, _placement(saved))
+        for step in range(3):
+            if saved == "adamw":
+                td._ref_step(model, opt, step, clip=0.3)
+            else:
+                td._step(model, opt, step, rank, world, clip=0.3)
+        resumed_model, resumed, _ = _make(rank, _placement(loaded))
+        _save_load(model, opt, resumed_model, resumed, how, os.path.join(path, str(k)))
+        for step in range(3, 6):
+            for m, o, name in ((model, opt, saved), (resumed_model, resumed, loaded)):
+                if name == "adamw":
+                    td._ref_step(m, o, step, clip=0.3)
+                else:
+                    td._step(m, o, step, rank, world, clip=0.3)
+            _same(resumed_model, model, resumed, opt, f"{saved} -> {loaded} ({how}), step {step}")
+    return True
+
+
+def test_a_state_dict_loads_under_any_placement_sharded(tmp_path):
+    td.launch(_load_worker, 2, LOADS, str(tmp_path))
+
+
+# -- placement="auto": every rank places alike -----------------------------------------------------------------------
+def _auto_worker(rank, world):
+    """The ranks measure different rates and rooms: rank 0 a host kernel so fast that nothing is worth parking and
+    room for every bucket's state, rank 1 a slow kernel and room for the largest bucket's state only. Both place
+    from the least of each (one collective): rank 1's room, rank 1's kernel, and so the same homes, parking some."""
+    import zero_offload.cost_model as cost_model
+
+    _on_standins()
+    cost_model.measure_copy_rate = lambda device, nbytes=0, up=True: 1e15
+    cost_model.measure_kernel_rate = lambda numel=0: {0: 1e15, 1: 1e3}[rank]
+    model, opt, ref_model = _make(rank, "auto", gpu_margin_gib=1.0, stream_grads=True)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    largest = max(b.device_cost() for g in opt._buckets for b in g)
+    # Beyond the peak (1 MiB) and the margin: room for every bucket on rank 0, for the largest on rank 1.
+    room = {0: 10**9, 1: largest}[rank]
+    torch.cuda.mem_get_info = lambda device=None: (2**30 + 2**20 + room, 80 * 2**30)
+    torch.cuda.memory_reserved = lambda device=None: 0
+    torch.cuda.max_memory_allocated = lambda device=None: 2**20  # (backward freed 1 MiB by step())
+    torch.cuda.memory_allocated = lambda device=None: 0
+    placed = []
+    for step in range(5):
+        _both_step(model, opt, ref_model, ref, step, rank, world, clip=0.3)
+        _same(model, ref_model, opt, ref, f"auto, step {step}")
+        placed.append(_homes(opt))
+    costs = [b.device_cost() for g in opt._buckets for b in g]
+    return placed, costs
+
+
+def test_auto_places_alike_on_ranks_that_measured_differently():
+    results = td.launch(_auto_worker, 2)
+    (placed0, costs), (placed1, _) = results[0], results[1]
+    assert placed0 == placed1, (placed0, placed1)
+    assert all(h == "host" for g in placed0[0] for h in g)  # (placed after the second step)
+    homes = [h for g in placed0[-1] for h in g]
+    # Rank 0 alone would park nothing (its kernel leaves no tail to shorten) and keep every bucket resident.
+    assert "parked" in homes, homes
+    assert sum(c for c, h in zip(costs, homes) if h == "resident") <= max(costs), homes
+
+
+# -- on a real GPU (skipped without one; in the runbook's `pytest -m cuda`) ----------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("placement", ["parked", "mix"])
+def test_parked_shards_on_a_gpu_match_adamw(placement, dtype, tmp_path):
+    """NCCL, one rank on one GPU: the parked shard's state in pinned host memory between steps (a bf16 model's
+    fp32 master too), its parameters bound to a device ``flat_param``, stepped there by torch's fused CUDA kernel;
+    against AdamW on the GPU (fp32) or on fp32 copies fed the same bf16 gradients, every step, clipped."""
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = td.Net().to(dtype).cuda()
+        ref_model = td.Net().cuda()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                q.copy_(p)
+        opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET, process_group=dist.group.WORLD,
+                               placement=_placement(placement))
+        ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+        parked = [b for g in opt._buckets for b in g if b.home.kind == "parked"]
+        assert parked and all(b.flat_param.is_cuda for b in parked)
+        assert all(not t.is_cuda and t.is_pinned() for b in parked for t in b.home.parked().values())
+        for step in range(STEPS):
+            opt.zero_grad()
+            td.loss_on(model, step, 0, slice(None), dtype).backward()
+            norm = opt.clip_grad_norm_(0.5)
+            opt.step()
+            ref.zero_grad()
+            if dtype == torch.float32:
+                td.loss_on(ref_model, step, 0, slice(None)).backward()
+            else:
+                for p, q in zip(model.parameters(), ref_model.parameters()):
+                    q.grad = None if p.grad is None else p.grad.float()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+            ref.step()
+            torch.testing.assert_close(norm, ref_norm)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q.to(dtype), msg=lambda m: f"step {step}: {m}")
+            sd = opt.state_dict()
+            for k, v in ref.state_dict()["state"].items():
+                for name in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(sd["state"][k][name], v[name].cpu(), msg=lambda m: f"{k} {name}: {m}")
+    finally:
+        dist.destroy_process_group()
