@@ -75,6 +75,12 @@ class Topology:
         """The least of ``count`` over the ranks (each rank's own), for a decision every rank must take alike."""
         return count
 
+    def same_homes(self, homes: List[str]) -> List[str]:
+        """Each bucket's home as every rank takes it (``homes``: this rank's choice for its GPU buckets still on the
+        host, by index, from ``placement="auto"``'s measurements of its own machine): here its own (one process;
+        with a ``process_group``, ``"auto"`` is refused)."""
+        return homes
+
     def adopt_switched(self, opt: Any) -> None:
         """Lay ``opt`` out again over FSDP2's parameters where its groups' ``params`` were switched to them before
         its first step (see :func:`zero_offload.fsdp2.adopt_switched`): an optimizer not over them yet."""
