@@ -52,8 +52,8 @@ from zero_offload.transport.agreement import PER_PARAMETER, differing, digest, d
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.device import DeviceTierRoute, OffloadRoute
 from zero_offload.transport.host import HostRoute
-from zero_offload.transport.parked import ParkedRoute
 from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held, sq_norm_by_dtype
+from zero_offload.transport.parked import ParkedRoute
 
 if TYPE_CHECKING:  # (annotations only)
     from zero_offload.topology.mesh import Mesh
