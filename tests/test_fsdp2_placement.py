@@ -42,8 +42,8 @@ RECIPES = {  # every step clipped (the model's norm is 2.6 to 4.4), two micro-ba
     "clip_opt": h.Recipe(clip=h.CLIP, clip_with="opt", accumulate=2),
     "clip_torch": h.Recipe(clip=h.CLIP, clip_with="torch", accumulate=2),
 }
-# Every home in one group under HSDP (world 2: two replicas of whole parameters, each piece counted once in the
-# norm) and under MixedPrecisionPolicy (bf16 all-gathers, fp32 shards and reduced gradients).
+# The mix under HSDP (world 2: two replicas of whole parameters, each piece counted once in the norm) and under
+# MixedPrecisionPolicy (bf16 all-gathers, fp32 shards and reduced gradients).
 MIX_RECIPES = {
     "hsdp": h.Recipe(mesh=(2, -1), clip=h.CLIP, clip_with="opt", accumulate=2),
     "mixed_precision": h.Recipe(mixed_precision=True, clip=h.CLIP, clip_with="opt"),
