@@ -1025,8 +1025,7 @@ def refuse_process_group(rank, world):
     OffloadOptimizer(h.build_model(world, h.RECIPES["plain"]).parameters(), lr=h.LR)
     model = h.build_model(world, h.RECIPES["plain"])
     out = {}
-    for name, value in (("process_group", dist.group.WORLD), ("gpu_fraction", 0.5), ("placement", "parked"),
-                        ("delayed_update", True), ("overlap_step", True)):
+    for name, value in (("process_group", dist.group.WORLD), ("delayed_update", True), ("overlap_step", True)):
         try:
             OffloadOptimizer(model.parameters(), lr=h.LR, **{name: value})
             out[name] = None

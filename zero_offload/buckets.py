@@ -168,7 +168,10 @@ class FlatBucket:
     def device_cost(self) -> int:
         """Device bytes :meth:`rehome` into a GPU home would add (see :meth:`device_bytes`)."""
         n = self.layout.padded_numel
-        cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision else 0)
+        # (FSDP2's shards stay in FSDP's storage: an fp32 master of their own, a low-precision one's staging copy)
+        cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision or self.fsdp else 0)
+        if self.fsdp and self.low_precision:
+            cost += n * self.dtype.itemsize
         if self.shard is not None:
             cost += self.full.padded_numel * self.dtype.itemsize  # the full gradient the reduce-scatter reads
         return cost
@@ -306,13 +309,16 @@ class FlatBucket:
 
     def device_bytes(self) -> Dict[str, int]:
         """Device memory the device tier adds to the parameters', by buffer (empty for a host bucket): the rule's
-        state, a separate fp32 master (low-precision parameters), gradient buffers made. The parameters' own
-        storage becomes the master (fp32) or staging slots and is not counted."""
+        state, a separate fp32 master (low-precision parameters, FSDP2's shards), gradient buffers made. The
+        parameters' own storage becomes the master (fp32) or staging slots and is not counted (FSDP2's shards stay
+        in FSDP's storage: their staging copy is counted)."""
         if self.home.tier.host:
             return {}
         held = dict(self.home.tensors())
         if self.separate_master:
             held["master"] = self.master
+        if self.fsdp and self.staging is not None:  # (the shard is FSDP's storage, not a slot)
+            held["staging"] = self.staging
         if self.grads.allocated:
             held["grad"] = self.grad
         if self.flat_grad is not None:

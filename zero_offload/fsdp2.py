@@ -124,8 +124,7 @@ def given(params: Any, options: Any) -> bool:
         tensors.extend(p[1] if isinstance(p, tuple) else p for p in group)
     if not any(is_dtensor(p) for p in tensors):
         return False
-    gpu = options.gpu_option
-    refused = [name for name, on in (("process_group", options.sharded), (gpu, options.gpu_tier),
+    refused = [name for name, on in (("process_group", options.sharded),
                                      ("delayed_update", bool(options.delayed_update)),
                                      ("overlap_step", options.overlap_step)) if on]
     if refused and refused[0] == "process_group":
@@ -133,7 +132,7 @@ def given(params: Any, options: Any) -> bool:
                          "the collectives and each rank keeps the state of its own shards (leave it out)")
     if refused:
         raise ValueError(f"OffloadOptimizer over FSDP2's sharded parameters does not take {refused[0]} yet: "
-                         f"{gpu}, delayed_update and overlap_step are not combined with FSDP2 (leave it out)")
+                         "delayed_update and overlap_step are not combined with FSDP2 (leave it out)")
     return True
 
 

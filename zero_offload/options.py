@@ -333,10 +333,11 @@ class Options:
         each param group's CUDA elements (``{"resident": 0.1, "parked": 0.5}``: the group's first buckets, whose
         gradients backward produces last, resident, the next ones parked, the rest on the host), or ``"auto"``
         (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
-        whatever it says. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
-        ``overlap_step``, ``delayed_update`` or FSDP2's parameters (yet); with ``speculate``, a resident share only.
-        With a ``process_group`` each rank parks (or keeps) the state of its shard of a bucket, and ``"auto"`` places
-        every rank's buckets alike.""",
+        whatever it says. With a ``process_group`` each rank parks (or keeps) the state of its shard of a bucket, and
+        ``"auto"`` places every rank's buckets alike; under FSDP2, each rank's local shards, in the home their bucket
+        is given (``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). Not with ``gpu_fraction`` (its
+        alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``; with
+        ``speculate``, a resident share only.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of

@@ -120,14 +120,15 @@ class Placer:
             place_on_device(topology, transport, streamer, state, self.options.gpu_margin_gib)
             return None
         lanes = [lane for lane in transport.lanes if not lane.bucket.on_cpu and lane.bucket.home.kind == "host"]
-        if not lanes:
+        if not lanes and topology.alone:  # (with other ranks, agree anyway: they meet at the exchange)
             return None
         if self.ended is None:
             self.ended = time.perf_counter()
             return self
         sent = [lane.arrival.at for lane in lanes if lane.arrival.at is not None]
         forward = 0.0 if not sent else max(0.0, min(min(sent) - self.ended, self.begun - min(sent)))
-        homes = plan_auto(lanes, self.options, self.allocated, forward, topology)
+        homes = plan_auto(lanes, self.options, self.allocated, forward, topology) if lanes else []
+        homes = topology.same_homes(homes)  # (where each rank planned from its own measures: see Topology.same_homes)
         moving = [(lane, home) for lane, home in zip(lanes, homes) if home != "host"]
         logger.info("OffloadOptimizer(placement='auto'): of %d GPU buckets, %d resident, %d parked, the rest stepped "
                     "on the host (forward taken as %.1f ms)", len(lanes), homes.count("resident"),

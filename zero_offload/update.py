@@ -88,12 +88,12 @@ def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
     # (An update stepped on a GPU is only launched here: the span is the host's part; the GPU runs it later.)
     with NOTHING if tl is None else tl.span("kernel", "gpu launch" if home.on_device else "step", lane.position):
         run_rule(bucket, runs, grad, in_place, h, multiplier)
-    home.put_back(transport.streams, tl, lane.position)
     bucket.count_steps(runs)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
-    if scatter:
+    if scatter:  # (before the state goes back: a parameter not bound to its slot may read the master's device copy)
         transport.send_params(lane, indices)
+    home.put_back(transport.streams, tl, lane.position)
     return list(indices)
 
 

@@ -98,6 +98,13 @@ class Home:
         """Run ``rule`` over one run of this home's slots, where this home's state is stepped."""
         rule.update(run, hyper)
 
+    def results(self) -> List[torch.Tensor]:
+        """Per parameter, where its last update left the new value, in the parameter's dtype and shape: the master's
+        slot, or the staging copy's of a low-precision parameter (for parameters that are not their slots: FSDP2's
+        shards on a GPU, which take it from there)."""
+        masters = self.masters
+        return masters.staging_views if masters.low_precision else masters.master_views
+
     # -- what one update reads and writes (the kernel's entry) ---------------------------------------------------
     def run_buffers(self, a: int, b: int, copies: Optional[Copies] = None
                     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:

@@ -8,6 +8,9 @@ Where a parameter lives:
 * bf16/fp16 on CPU: the parameter is its staging slot, which the update writes; the fp32 master is separate.
 * on CUDA: the parameter stays where it is; the transport copies the master (fp32) or the staging copy back.
 * on CUDA with the state on the device tier (``gpu_fraction``): as on CPU, in device memory ("resident").
+* FSDP2's shards on a GPU stepped there (a resident or parked home): the parameter stays in FSDP's storage, the
+  fp32 master is separate (in the home's tier: the GPU's memory, or parked on the host), and the update is copied
+  into the shard on the GPU (the transport's FSDP2 device routes).
 * sharded on CPU (or resident): the parameters are views of one full flat buffer ``flat_param``, whose rank's
   slice *is* the master (fp32) or the staging copy.
 * FSDP2's shards on the host (a CPU mesh, or ``CPUOffloadPolicy``): as on CPU, the storage FSDP keeps for each
@@ -69,7 +72,9 @@ class Masters:
         slots = slots_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
         # The state lives with the parameters (a CPU model, FSDP2's host shards taken over, or a GPU bucket stepped
         # on its GPU): the parameters are bound to the slots the update writes, and nothing is transferred.
-        self.resident = (layout.device.type == "cpu" and (bind or takeovers is not None)) or not slots.host
+        # (Not FSDP2's shards on a GPU, ``bind`` False: they stay in FSDP's storage, which its all-gather reads.)
+        self.resident = (layout.device.type == "cpu" and (bind or takeovers is not None)) or (not slots.host and bind)
+        self.on_device = not slots.host  # (the update runs on the GPU: parameters read there, not on the host)
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
@@ -81,7 +86,7 @@ class Masters:
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
         self.slots_pinned = slots.pinned
         self.master = (own if (own is not None and not self.low_precision)
-                       else (tier if self.low_precision else slots).zeros(n, torch.float32))
+                       else (tier if self.low_precision or not self.resident else slots).zeros(n, torch.float32))
         self.staging: Optional[torch.Tensor] = None
         if self.low_precision and not shares_grad:
             self.staging = own if own is not None else slots.zeros(n, self.dtype)
@@ -220,7 +225,8 @@ class Masters:
         """The host values of the parameters ``stale`` (their pieces when sharded; None for an empty piece)."""
         if self.shard is not None:
             return [self._piece_value(i) for i in stale]
-        if self.resident or self.device.type == "cpu":  # (host parameters not bound to their slots: FSDP2's)
+        # (host parameters not bound to their slots, FSDP2's; or read where a GPU-stepped home updates them)
+        if self.resident or self.device.type == "cpu" or self.on_device:
             return [self.params[i].detach() for i in stale]
         # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
         # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a

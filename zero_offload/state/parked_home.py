@@ -127,6 +127,13 @@ class ParkedHome(Home):
         master = twins["master"] if self.masters.separate else self.masters.master
         return master[a:b], {name: twins[name][a:b] for name in self.store.flat}, {}
 
+    def results(self) -> List[torch.Tensor]:
+        """While stepped, a separate fp32 master's new values are in its device copy (until the write-back)."""
+        masters = self.masters
+        if self.twins is None or masters.low_precision or not masters.separate:
+            return super().results()
+        return [view_like(self.twins["master"], o, p) for o, p in zip(masters.offsets, masters.params)]
+
     def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """While stepped, a separate master taken from its changed parameter goes into its device copy (which the
         write-back then parks)."""

@@ -77,8 +77,16 @@ class Topology:
 
     def least(self, values: Sequence[float], what: str) -> List[float]:
         """Each of ``values`` (this rank's own) as the least over the ranks, for a decision every rank must take
-        alike from its own measures (``what`` names them in a collective's error)."""
+        alike from its own measures (``what`` names them in a collective's error). Here, and over an FSDP2 mesh
+        (whose ranks may hold different numbers of buckets: they agree on the outcome instead, :meth:`same_homes`),
+        this rank's own."""
         return list(values)
+
+    def same_homes(self, homes: List[str]) -> List[str]:
+        """Each bucket's home as every rank takes it (``homes``: this rank's choice for its GPU buckets still on the
+        host, by index, from ``placement="auto"``'s measurements of its own machine): here its own (one process,
+        or ranks that planned from the same measures: :meth:`least`)."""
+        return homes
 
     def adopt_switched(self, opt: Any) -> None:
         """Lay ``opt`` out again over FSDP2's parameters where its groups' ``params`` were switched to them before

@@ -264,8 +264,22 @@ class Mesh(Topology):
     def fewest(self, count: int, what: str) -> int:
         return int(min(row[0] for row in self.exchange([float(count)])))
 
-    def least(self, values: Sequence[float], what: str) -> List[float]:
-        return self.reduce([float(v) for v in values], torch.distributed.ReduceOp.MIN)
+    def same_homes(self, homes: List[str]) -> List[str]:
+        """Of every rank's choice for each bucket index, the one that needs the least GPU memory: host, then parked,
+        then resident (two exchanges over the mesh: the ranks' bucket counts, which uneven shards may make differ,
+        then their choices). Nothing collective depends on a bucket's home (FSDP does every collective; the step's
+        exchange has the same row whatever the homes), but a piece held by several ranks (HSDP's replicas, a
+        tensor-parallel ``Replicate()``) must be stepped with the same arithmetic on each of them: the CPU kernel
+        and torch's fused one agree only within float rounding, and replicas stepped by each would drift apart.
+        The least demanding choice fits wherever a more demanding one was chosen: a parked bucket holds, while it is
+        stepped, the memory a resident one would hold always; a host one none."""
+        order = ("host", "parked", "resident")
+        counts = [int(row[0]) for row in self.exchange([float(len(homes))])]
+        most = max(counts)
+        if not most:
+            return homes
+        rows = self.exchange([float(order.index(h)) for h in homes] + [float(len(order))] * (most - len(homes)))
+        return [order[int(min(row[i] for row in rows))] for i in range(len(homes))]
 
     def where(self, rows: Sequence[Any]) -> str:
         """How a refusal names this rank (``rows``: an exchange's, one per rank of the mesh)."""

@@ -22,7 +22,12 @@ collective (all-gather, reduce-scatter). What is left to this transport:
   ``foreach`` op, is not seen.)
 
 Routes: on a GPU, :class:`~zero_offload.transport.device.OffloadRoute` itself (gradients down from FSDP's hooks, in
-the reduce-scatter stream's context, the updated shard up into ``p.to_local()``); on the host (a CPU mesh, or
+the reduce-scatter stream's context, the updated shard up into ``p.to_local()``), or, for a bucket stepped on its GPU
+(``placement`` ``"resident"`` or ``"parked"``), :class:`FSDPDeviceRoute` and :class:`FSDPParkedRoute`: the local
+gradients read where FSDP left them, the state updated on the GPU (a parked bucket's brought up from FSDP's hooks,
+once its unit's reduce-scatter made its gradients final) and the new values copied into ``p.to_local()`` there,
+device to device (FSDP's all-gather reads its own storage, which the optimizer does not take over on a GPU); on the
+host (a CPU mesh, or
 ``CPUOffloadPolicy``), :class:`~zero_offload.transport.host.HostRoute`: the storage FSDP keeps for each shard is
 moved into its slot (:func:`zero_offload.fsdp2.bind_shard`), gradients are read where FSDP left them, and the kernel
 writes the shard itself: no second host copy of the parameters, no copy after the update. Where FSDP keeps a host
@@ -45,14 +50,15 @@ from zero_offload.buckets import FlatBucket
 from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.transport.agreement import PER_PARAMETER, differing, digest, digest_bytes, meeting_on_failure
 from zero_offload.transport.base import Gathered, Route, Transport
-from zero_offload.transport.device import OffloadRoute
+from zero_offload.transport.device import DeviceTierRoute, OffloadRoute
 from zero_offload.transport.host import HostRoute
 from zero_offload.transport.measure import Norm, every, first_nonfinite, name_held, sq_norm_by_dtype
+from zero_offload.transport.parked import ParkedRoute
 
 if TYPE_CHECKING:  # (annotations only)
     from zero_offload.topology.mesh import Mesh
 
-__all__ = ["FSDPHostRoute", "FSDPTransport", "Row"]
+__all__ = ["FSDPDeviceRoute", "FSDPHostRoute", "FSDPParkedRoute", "FSDPTransport", "Row"]
 
 # Where a rank is when it meets the others (a slot of every exchange's row).
 STEP, CLIP, AFTER_CLIP = 1.0, 2.0, 3.0
@@ -91,6 +97,25 @@ class FSDPHostRoute(HostRoute):
             torch._foreach_copy_([bucket.params[i] for i in indices], [srcs[i] for i in indices])
 
 
+class _IntoShards:
+    """Local shards on a GPU stepped there, in FSDP's storage: the update's results (the master's slots, or the
+    staging copy's, on the GPU) copied into them on the compute stream, after the update."""
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        bucket = lane.bucket
+        srcs = bucket.home.results() if srcs is None else srcs
+        with torch.no_grad():
+            torch._foreach_copy_([bucket.params[i] for i in indices], [srcs[i] for i in indices])
+
+
+class FSDPDeviceRoute(_IntoShards, DeviceTierRoute):
+    """Local shards on a GPU, their state resident there (``placement="resident"``, ``gpu_fraction``)."""
+
+
+class FSDPParkedRoute(_IntoShards, ParkedRoute):
+    """Local shards on a GPU, their state parked on the host and brought up from FSDP's hooks."""
+
+
 class FSDPTransport(Transport):
     """The transport of FSDP2's local shards (see the module docstring).
 
@@ -107,9 +132,9 @@ class FSDPTransport(Transport):
         self.overflowed = False  # whether the step's exchange met a rank marked bad (see measure)
 
     def route_for(self, bucket: FlatBucket) -> Route:
-        if bucket.resident:  # the shards' storage taken over: the kernel writes what FSDP's all-gather reads
-            return self.route(HostRoute)
-        return self.route(FSDPHostRoute if bucket.on_cpu else OffloadRoute)
+        if bucket.on_cpu:  # (resident: the shards' storage taken over, the kernel writes what FSDP's all-gather reads)
+            return self.route(HostRoute if bucket.resident else FSDPHostRoute)
+        return self.route({"resident": FSDPDeviceRoute, "parked": FSDPParkedRoute}.get(bucket.home.kind, OffloadRoute))
 
     @staticmethod
     def _take_grads(lane: Lane) -> None:
@@ -130,7 +155,7 @@ class FSDPTransport(Transport):
     def send_grads(self, lane: Lane) -> None:
         self._take_grads(lane)
         super().send_grads(lane)
-        if self.release:
+        if self.release and not lane.route.reads_in_place:  # (a parked bucket's are read at step(), where they are)
             for owner in lane.bucket.owners:
                 owner.grad = None
 
