@@ -132,7 +132,7 @@ class ParkedHome(Home):
         masters = self.masters
         if self.twins is None or masters.low_precision or not masters.separate:
             return super().results()
-        return [view_like(self.twins["master"], o, p) for o, p in zip(masters.offsets, masters.params)]
+        return self._cut(self.twins["master"])
 
     def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """While stepped, a separate master taken from its changed parameter goes into its device copy (which the
