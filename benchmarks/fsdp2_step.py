@@ -40,7 +40,10 @@ backward, ``--clip`` if given, step, zero_grad) and ``step()`` alone (with ``--c
   cpuoffload-fused     + ``CPUOffloadPolicy``, AdamW(fused=True) on the CPU;
   ours                 fp32 shards on the GPU, ``OffloadOptimizer`` (state on the host, gradients streamed from FSDP's
                        hooks per unit);
-  ours-cpuoffload      + ``CPUOffloadPolicy``, ``OffloadOptimizer`` on the host shards.
+  ours-cpuoffload      + ``CPUOffloadPolicy``, ``OffloadOptimizer`` on the host shards;
+  ours-auto            fp32 shards on the GPU, ``OffloadOptimizer(placement="auto")`` (each bucket's home chosen
+                       after the second step; while the optimizer takes only ``"host"`` under FSDP2, the row reports
+                       its refusal).
 
 With ``--clip`` under CPUOffloadPolicy, torch's clip meets CPU gradients on a CUDA mesh (issue 33 cites clipping
 failures reported there): a row that fails says so with the error. Run once on one H100 (world 1, without
@@ -108,6 +111,7 @@ GPU_ROWS = {
     "cpuoffload-fused": ("offload", _adamw(fused=True)),
     "ours": ("gpu", _ours()),
     "ours-cpuoffload": ("offload", _ours()),
+    "ours-auto": ("gpu", _ours(placement="auto")),
 }
 
 

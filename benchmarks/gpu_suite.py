@@ -3,13 +3,16 @@ minutes) included, at most 10 minutes a command. Two commands, each a list of st
 
     command 1 (under 8 min): the kernel's build, the machine, the 1.3B step where AdamW does not fit (AdamW and
               the all-host placement on the whole GPU, then the GPU capped at that placement's peak plus 1 GiB for
-              every bucket parked, placement='auto' and torchao; without clipping, then with), and the step on the
+              every bucket parked, placement='auto' and torchao; without clipping, then with), the step on the
               whole GPU (AdamW, ours default, parked, 'auto', gpu_fraction='auto', delayed, speculation; ours' rows
-              with their own timeline);
+              with their own timeline), then the all-host row at 350M twice, the CPU kernel's threads unpinned and
+              pinned (``ZERO_OFFLOAD_PIN_THREADS=0`` and ``=1`` in the child's environment);
     command 2 (under 4 min, on the same warm machine: the build is cached): the rest (``pytest -m cuda``
-              bounded, the pinned-memory probe and the latency of the device-room check, the FSDP2 rows and the
-              largest model on a 12 GiB GPU). DeepSpeed's step row (measured on the first leases, docs/benchmarks.md)
-              runs on request: ``--rows adamw,deepspeed --stages steps``.
+              bounded, the pinned-memory probe and the latency of the device-room check, the FSDP2 rows at world 1:
+              fused AdamW on the GPU, CPUOffloadPolicy, ours with ``placement='auto'``; and the largest model on a
+              12 GiB GPU: AdamW, ours with ``release_grads``, ours under FSDP2's CPUOffloadPolicy at world 1,
+              torchao). Every step row reports its peak GPU memory. DeepSpeed's step row (measured on the first
+              leases, docs/benchmarks.md) runs on request: ``--rows adamw,deepspeed --stages steps``.
 
 Each stage is a subprocess with its own time limit; a stage that fails or runs out of time is recorded and the
 suite goes on. Every stage writes ``<out>/<stage>.json`` and its log as it ends (the step stages also after each
@@ -72,14 +75,16 @@ class Stage:
     needs_gpu: bool = True
     command: str = "1"  # which command of the lease runs it
     timeline: bool = False  # train_step.py records ours' own timeline: per row, its spans by kind, and a trace
+    env: Optional[Dict[str, str]] = None  # set in the child's environment (beside this process's)
 
 
-def _step_argv(tiny: bool, keys: List[str], extra: List[str]) -> List[str]:
+def _step_argv(tiny: bool, keys: List[str], extra: List[str], preset: str = "1.3b", steps: int = STEPS,
+               warmup: int = WARMUP) -> List[str]:
     if tiny:
         return [sys.executable, TRAIN_STEP, "--cpu", "--preset", "tiny", "--layers", "1", "--steps", "2",
                 "--warmup", "1", "--only", ",".join(TINY_MATRIX)] + extra
-    return [sys.executable, TRAIN_STEP, "--preset", "1.3b", "--batch", "16", "--seq", "1024", "--steps", str(STEPS),
-            "--warmup", str(WARMUP), "--only", ",".join(keys)] + extra
+    return [sys.executable, TRAIN_STEP, "--preset", preset, "--batch", "16", "--seq", "1024", "--steps", str(steps),
+            "--warmup", str(warmup), "--only", ",".join(keys)] + extra
 
 
 def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List[Stage]:
@@ -90,6 +95,9 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
     model = "tiny GPT on the CPU (plumbing only)" if tiny else "1.3B GPT, batch 16, seq 1024"
     cap = ["--cap-after", "ours-host+1"]
     py = sys.executable
+    # The CPU kernel's threads unpinned, then pinned: the all-host row at 350M (a 70 ms kernel; 3 steps, in the
+    # limit with the process's start), the two runs alike but for the child's environment.
+    threads = _step_argv(tiny, ["ours-host"], [], preset="350m", steps=3, warmup=1)
     return [
         # The build first: the machine report loads the kernel (the first run's report compiled it, and ran
         # out of its limit).
@@ -106,28 +114,36 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
                               "peak + 1 GiB (AdamW's row uncapped; ours' timeline)",
               _step_argv(tiny, capped, cap), 110, needs_gpu=not tiny, timeline=True),
         Stage("steps-capped-clip", "the same with clip_grad_norm 1.0",
-              _step_argv(tiny, capped, cap + ["--clip", "1.0"]), 110, needs_gpu=not tiny),
+              _step_argv(tiny, capped, cap + ["--clip", "1.0"]), 105, needs_gpu=not tiny),
         Stage("steps", f"whole training step, {model}, no clipping, the whole GPU (ours' timeline)",
-              _step_argv(tiny, keys, []), 130, needs_gpu=not tiny, timeline=True),
+              _step_argv(tiny, keys, []), 125, needs_gpu=not tiny, timeline=True),
+        Stage("threads-unpinned", "the all-host row (350M), the CPU kernel's threads not pinned "
+                                  "(ZERO_OFFLOAD_PIN_THREADS=0)",
+              threads, 15, needs_gpu=not tiny, env={"ZERO_OFFLOAD_PIN_THREADS": "0"}),
+        Stage("threads-pinned", "the same, the kernel's threads pinned to cores (ZERO_OFFLOAD_PIN_THREADS=1)",
+              threads, 15, needs_gpu=not tiny, env={"ZERO_OFFLOAD_PIN_THREADS": "1"}),
         Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
-              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 80, command="2"),
+              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 45, command="2"),
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
                         "(the three CUDA tests that failed on torch 2.11); the device-room check's latency; "
                         "pinned buffers on huge pages against ours (copy rates, the kernel's time)",
               [py, str(Path(__file__).resolve()), "--probe-pinned"], 35, command="2"),
-        Stage("fsdp2", "FSDP2 (fully_shard) on every GPU: fused AdamW on the GPU, CPUOffloadPolicy with torch's "
-                       "AdamW and with ours, ours with the shards on the GPU",
-              [py, FSDP2_STEP, "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5", "--warmup", "2"], 30,
-              command="2"),
-        Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing",
+        Stage("fsdp2", "FSDP2 (fully_shard) at world 1: fused AdamW on the GPU, CPUOffloadPolicy with torch's "
+                       "AdamW and with ours, ours with the shards on the GPU, and with placement='auto' "
+                       "(peak GPU memory per row)",
+              [py, FSDP2_STEP, "--world", "1", "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5",
+               "--warmup", "2"], 35, command="2"),
+        Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing; ours also "
+                                "under FSDP2's CPUOffloadPolicy at world 1",
               [py, TRAIN_STEP, "--find-max", "--checkpoint", "--gpu-cap-gib", "12",
-               "--only", "adamw,ours-release,torchao"], 90, command="2"),
+               "--only", "adamw,ours-release,ours-fsdp2-offload,torchao"], 125, command="2"),
     ]
 
 
 # ------------------------------------------------------------------------------------------------ running --
 def run_stage(stage: Stage, out: Path, cuda: bool) -> Dict[str, Any]:
-    rec: Dict[str, Any] = dict(stage=stage.name, what=stage.what, argv=stage.argv, timeout_s=stage.timeout_s)
+    rec: Dict[str, Any] = dict(stage=stage.name, what=stage.what, argv=stage.argv, timeout_s=stage.timeout_s,
+                               env=stage.env)
     if stage.needs_gpu and not cuda:
         rec.update(status="skipped", reason="no CUDA GPU on this machine")
         return rec
@@ -141,7 +157,8 @@ def run_stage(stage: Stage, out: Path, cuda: bool) -> Dict[str, Any]:
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=stage.timeout_s)
+            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=stage.timeout_s,
+                                  env=None if stage.env is None else {**os.environ, **stage.env})
             rec.update(status="ok" if proc.returncode == 0 else "failed", returncode=proc.returncode)
         except subprocess.TimeoutExpired:
             rec.update(status="timed out", returncode=None)
@@ -392,7 +409,7 @@ def write_report(out: Path) -> Path:
     for name in ("pinned",):
         if recs.get(name, {}).get("result"):
             lines += ["", "## Pinned memory", "", "```", json.dumps(recs[name]["result"], indent=1), "```"]
-    for name in ("steps-capped", "steps-capped-clip", "steps"):
+    for name in ("steps-capped", "steps-capped-clip", "steps", "threads-unpinned", "threads-pinned"):
         if recs.get(name, {}).get("result"):
             lines += ["", f"## {recs[name]['what']}", ""] + _steps_table(recs[name])
     for name in ("find-max-int8", "find-max-cap12"):
@@ -445,7 +462,7 @@ def print_plan(stages: List[Stage]) -> None:
               f"(limit {total / 60:.1f} min of its {budget / 60:.0f})")
         for s in mine:
             print(f"  [{s.name}] {s.what} (limit {s.timeout_s} s{', GPU only' if s.needs_gpu else ''})\n      "
-                  + " ".join(s.argv))
+                  + " ".join([f"{k}={v}" for k, v in (s.env or {}).items()] + s.argv))
     print(f"total limit: {sum(s.timeout_s for s in stages) / 60:.1f} min")
 
 

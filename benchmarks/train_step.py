@@ -325,6 +325,41 @@ def _deepspeed_engine(model: nn.Module, cfg: Config):
     return engine
 
 
+def _world_of_one() -> None:
+    """A process group of this one process (NCCL), once: FSDP2's ``fully_shard`` needs one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if not os.environ.get("MASTER_PORT"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+
+
+def _ours_fsdp2_offload(model, cfg, amp):
+    """Ours under FSDP2 at world 1 with ``CPUOffloadPolicy``: each block its own unit, the rest the root's; the
+    shards on the host (pinned), gathered to the GPU unit by unit, stepped by ours where FSDP keeps them. The model
+    comes on the meta device (its ``build``): materialised as host shards and zeroed (the values do not matter to
+    what fits, and a CPU init of billions of parameters would take minutes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    _world_of_one()
+    mesh = init_device_mesh("cuda", (1,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+    return Runner(model, OffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD, **_state_kw()), amp)
+
+
 @dataclasses.dataclass
 class Contender:
     key: str
@@ -338,6 +373,7 @@ class Contender:
     host_bytes: int = 16
     requires: Optional[str] = None  # the package it needs: without it the contender is reported, not tried
     dtype: torch.dtype = torch.float32  # the model is built in this dtype
+    build: Optional[str] = None  # the device the model is built on, if not the run's ("meta": its make places it)
 
 
 def _ours(**kw):
@@ -410,6 +446,9 @@ CONTENDERS = [
     Contender("ours-delayed", "OffloadOptimizer release+delayed_update",
               _ours(release_grads=True, delayed_update=True), ("gpu",), host_bytes=20),
     Contender("torchao", "torchao CPUOffloadOptimizer", _torchao, ("gpu",), host_bytes=24, requires="torchao"),
+    # FSDP2 at world 1 with CPUOffloadPolicy: the parameters' shards on the host, ours stepping them there.
+    Contender("ours-fsdp2-offload", "OffloadOptimizer under FSDP2 CPUOffloadPolicy (world 1)", _ours_fsdp2_offload,
+              ("gpu",), build="meta"),
     # Built in bf16 directly: an fp32 model that DeepSpeed then casts would cost it 6 bytes per parameter of GPU
     # memory more at construction than in training, which bounds --find-max.
     Contender("deepspeed", "DeepSpeed ZeRO-2 offload (bf16 model)",
@@ -523,7 +562,7 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
     torch.cuda.reset_peak_memory_stats()
     runner = None
     try:
-        runner = con.make(build_model(cfg, device, args.seed, _model_dtype(con)), cfg, True)
+        runner = con.make(build_model(cfg, con.build or device, args.seed, _model_dtype(con)), cfg, True)
         for i in range(args.warmup):
             _iteration(runner, batches[i % len(batches)], True, [])
         phases: List[List[float]] = []
@@ -679,7 +718,7 @@ def find_max(con: Contender, base: Config, args, device: torch.device) -> Dict[s
             return "host RAM"
         runner = None
         try:
-            runner = con.make(build_model(cfg, device, args.seed, _model_dtype(con)), cfg, True)
+            runner = con.make(build_model(cfg, con.build or device, args.seed, _model_dtype(con)), cfg, True)
             x, y = make_batches(cfg, 1, device, args.seed)[0]
             runner.backward(runner.forward(x, y))
             runner.step()

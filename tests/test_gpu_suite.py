@@ -28,7 +28,7 @@ def test_plan_matches_train_step_and_fits_one_lease():
     assert set(by_command) == {s.command for s in stages}
     steps = {s.name: s for s in stages}
     assert [s.name for s in stages if s.command == "1"] == ["build", "machine", "steps-capped", "steps-capped-clip",
-                                                            "steps"]
+                                                            "steps", "threads-unpinned", "threads-pinned"]
     assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
     only = steps["steps"].argv[steps["steps"].argv.index("--only") + 1].split(",")
     assert {"adamw", "ours", "ours-parked", "ours-auto", "ours-spec", "ours-gpuauto", "ours-delayed"} <= set(only)
@@ -41,9 +41,37 @@ def test_plan_matches_train_step_and_fits_one_lease():
         assert argv[argv.index("--cap-after") + 1] == "ours-host+1"
     assert steps["steps-capped-clip"].argv[-2:] == ["--clip", "1.0"]
     assert steps["find-max-cap12"].argv[steps["find-max-cap12"].argv.index("--gpu-cap-gib") + 1] == "12"
+    # Issue 52's lease rows: ours under FSDP2's CPUOffloadPolicy at world 1 in find-max (a contender train_step.py
+    # has); the FSDP2 stage at world 1, with placement='auto' beside fused AdamW on the GPU; the all-host row twice,
+    # the kernel's threads unpinned then pinned, the runs alike but for the child's environment.
+    find_max = steps["find-max-cap12"].argv
+    assert "ours-fsdp2-offload" in find_max[find_max.index("--only") + 1].split(",")
+    assert find_max[find_max.index("--only") + 1].split(",")[0] == "adamw"
+    fsdp = steps["fsdp2"].argv
+    assert fsdp[fsdp.index("--world") + 1] == "1"
+    import fsdp2_step
+
+    assert fsdp2_step.GPU_ROWS["ours-auto"][0] == "gpu" and "gpu-adamw-fused" in fsdp2_step.GPU_ROWS
+    unpinned, pinned = steps["threads-unpinned"], steps["threads-pinned"]
+    assert unpinned.argv == pinned.argv and unpinned.argv[unpinned.argv.index("--only") + 1] == "ours-host"
+    assert (unpinned.env, pinned.env) == ({"ZERO_OFFLOAD_PIN_THREADS": "0"}, {"ZERO_OFFLOAD_PIN_THREADS": "1"})
     assert "-m" in steps["cuda-tests"].argv and "cuda" in steps["cuda-tests"].argv
     rows = gpu_suite.plan(False, known, ["adamw", "ours"])
     assert {s.name: s for s in rows}["steps"].argv[-1] == "adamw,ours"
+
+
+def test_a_stage_runs_with_its_environment(tmp_path, monkeypatch):
+    """A stage's ``env`` reaches its child, beside this process's environment (which it overrides)."""
+    monkeypatch.setenv("ZERO_OFFLOAD_PIN_THREADS", "0")
+    monkeypatch.setenv("GPU_SUITE_KEPT", "yes")
+    show = "import os; print(os.environ['ZERO_OFFLOAD_PIN_THREADS'], os.environ['GPU_SUITE_KEPT'])"
+    stage = gpu_suite.Stage("probe", "env", [sys.executable, "-c", show], 60, needs_gpu=False,
+                            env={"ZERO_OFFLOAD_PIN_THREADS": "1"})
+    rec = gpu_suite.run_stage(stage, tmp_path, cuda=False)
+    assert rec["status"] == "ok" and rec["tail"].split() == ["1", "yes"] and rec["env"] == stage.env
+    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert "ZERO_OFFLOAD_PIN_THREADS=1 " + sys.executable in proc.stdout
 
 
 def test_dry_run_shows_the_two_commands_and_runs_nothing(tmp_path):

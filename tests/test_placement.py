@@ -102,6 +102,50 @@ def test_a_parked_buckets_state_comes_up_in_backward_and_goes_down_before_the_ne
         assert not [e for e in events + backward_end if e.what in ("d2h", "h2d")], "a gradient or parameter moved"
 
 
+def test_the_timeline_has_each_gpu_buckets_reload_gpu_step_and_write_back_in_order(cuda_branches):
+    """Per step, each parked bucket's spans: "reload" issued in backward (before ``step()`` begins), then its GPU
+    step ("gpu launch") and its "write-back" inside ``step()``, in that order, each once; a resident bucket's GPU
+    step has its span too, a host bucket's kernel its "step". Every write-back is issued before the next backward's
+    first hook (the forward runs between them). From the second step: the first one's ``step()`` turns ``opt.state``
+    into the optimizer's own map, which settles every home first (the state brought up in backward is let go and
+    brought up again)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX)
+    homes = [b.home.kind for b in _buckets(opt)]
+    _train(opt, model, 1)
+    opt.record_timeline()
+    last_write_back = None
+    for step in range(1, 4):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        backward = opt.timeline()
+        stepped = [any(p.grad is not None for p in b.params) for b in _buckets(opt)]
+        assert sum(stepped) > 5
+        if last_write_back is not None:
+            assert backward and min(e.start for e in backward) >= last_write_back, f"step {step}: a write-back late"
+        opt.step()
+        stepping = opt.timeline()
+        (step_span,) = [e for e in stepping if e.kind == "step"]
+        for i, home in enumerate(homes):
+            spans = {what: [e for e in backward + stepping if e.bucket == i and e.what == what]
+                     for what in ("reload", "gpu launch", "write-back", "step")}
+            counts = {what: len(found) for what, found in spans.items()}
+            if not stepped[i]:  # (no gradient this step: nothing to do)
+                assert not any(counts.values()), (step, i, counts)
+            elif home == "parked":
+                assert counts == {"reload": 1, "gpu launch": 1, "write-back": 1, "step": 0}, (step, i, counts)
+                (reload,), (launch,), (written,) = spans["reload"], spans["gpu launch"], spans["write-back"]
+                assert reload.end <= step_span.start, (step, i, "the reload was not issued in backward")
+                assert reload.end <= launch.start and launch.end <= written.start <= written.end <= step_span.end
+            elif home == "resident":
+                assert counts == {"reload": 0, "gpu launch": 1, "write-back": 0, "step": 0}, (step, i, counts)
+                assert step_span.start <= spans["gpu launch"][0].start
+            else:
+                assert counts == {"reload": 0, "gpu launch": 0, "write-back": 0, "step": 1}, (step, i, counts)
+        last_write_back = max(e.end for e in stepping if e.what == "write-back")
+
+
 @pytest.mark.parametrize("read", ["[]", "get", "items", "values"])
 def test_reading_opt_state_after_step_waits_for_the_write_backs(cuda_branches, read):
     """A parked bucket's state goes back down after ``step()`` returns: the first read of ``opt.state`` after it

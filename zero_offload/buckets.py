@@ -20,6 +20,7 @@ import torch
 
 from zero_offload import affinity, fsdp2
 from zero_offload.grads import GradSlots, check_grads
+from zero_offload.home_costs import bucket_cost
 from zero_offload.host_memory import (HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes,
                                       huge_pages_on)
 from zero_offload.options import Options
@@ -56,19 +57,21 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
     resident one holds no host bytes, a parked one its state only."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout, home in zip(layouts, homes or ["host"] * len(layouts)):
-        if home == "resident":  # (no host bytes: its state is in the GPU's memory)
-            total = total + HostMemoryEstimate(layout.numel, 0, {}, 0, 0)
-            continue
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         state = state_bytes(buffers, options.state_dtype, padded // world_size, rule.buffers)
         on_cpu = layout.device.type == "cpu"
-        bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
-                                 pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
-                                 delayed_update=bool(options.delayed_update),
-                                 grad_buffer=takeovers is None or not on_cpu, parked=home == "parked")
-        if _pins_takeover(bucket_takeovers(layout, takeovers)):
-            bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
-        total = total + bucket
+        if home == "resident":  # (no host bytes: its state is in the GPU's memory)
+            bucket = HostMemoryEstimate(layout.numel, 0, {}, 0, 0)
+        else:
+            bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
+                                     pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
+                                     delayed_update=bool(options.delayed_update),
+                                     grad_buffer=takeovers is None or not on_cpu, parked=home == "parked")
+            if _pins_takeover(bucket_takeovers(layout, takeovers)):
+                bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
+        cost = bucket_cost(home, layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
+                           world_size=world_size, host_bytes=bucket.total_bytes)
+        total = total + dataclasses.replace(bucket, homes={home: cost})
     return total
 
 
@@ -326,14 +329,19 @@ class FlatBucket:
         return {name: t.numel() * t.element_size() for name, t in held.items()}
 
     def estimate(self) -> HostMemoryEstimate:
+        """The host RAM this bucket holds, and what its home costs (:class:`~zero_offload.home_costs.HomeCost`)."""
+        world = 1 if self.shard is None else self.shard.world
         if not self.home.tier.host:  # (no host buffers: see device_bytes)
-            return HostMemoryEstimate(self.full.numel, 0, {}, 0, 0)
-        held = estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                               state=self.home.nbytes(), pin=self.pin,
-                               world_size=1 if self.shard is None else self.shard.world,
-                               delayed_update=self.grad_prev is not None,
-                               grad_buffer=self.grads.allocated, parked=self.home.kind == "parked")
-        return _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
+            held = HostMemoryEstimate(self.full.numel, 0, {}, 0, 0)
+        else:
+            held = estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
+                                   state=self.home.nbytes(), pin=self.pin, world_size=world,
+                                   delayed_update=self.grad_prev is not None,
+                                   grad_buffer=self.grads.allocated, parked=self.home.kind == "parked")
+            held = _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
+        cost = bucket_cost(self.home.kind, self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
+                           state=self.home.nbytes(), world_size=world, host_bytes=held.total_bytes)
+        return dataclasses.replace(held, homes={self.home.kind: cost})
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, **self.home.tensors()}

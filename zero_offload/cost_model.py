@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload.host_memory import empty_host
 
-__all__ = ["BucketCost", "Rates", "measure_copy_rate", "measure_kernel_rate", "plan_homes"]
+__all__ = ["ASSUMED_FROM", "ASSUMED_RATES", "BucketCost", "Rates", "measure_copy_rate", "measure_kernel_rate",
+           "plan_homes", "rates_here"]
 
 
 class Rates(NamedTuple):
@@ -47,6 +48,25 @@ class Rates(NamedTuple):
     kernel: float
     upload: float
     download: float
+
+
+# The rates a prediction assumes where it cannot measure them (no GPU here): the H100 host of the first lease, as the
+# event model of benchmarks/step_model.py is calibrated to it (../shared/gpu/model/sim.py, its r0 and up_alone).
+ASSUMED_RATES = Rates(kernel=4.91e9, upload=50.6e9, download=50.6e9)
+ASSUMED_FROM = ("the H100 host of the first lease, a 16-core Xeon with AVX-512, where our kernel took 258-275 ms over "
+                "1.31B elements and a pinned copy alone ran at 50.6 GB/s (docs/placement.md)")
+
+
+def rates_here(measure: bool = True) -> Tuple[Rates, str]:
+    """The rates of this machine and where they come from: with a GPU (and ``measure``), measured now (the CPU
+    kernel with its threads as set, pinned copies to and from GPU 0: a second or two, and the kernel's build if it
+    is not cached); else :data:`ASSUMED_RATES`, said so (:data:`ASSUMED_FROM`)."""
+    if not measure or not torch.cuda.is_available():
+        return ASSUMED_RATES, f"assumed ({'no GPU here' if measure else 'not measured'}): {ASSUMED_FROM}"
+    device = torch.device("cuda", 0)
+    rates = Rates(measure_kernel_rate(), measure_copy_rate(device), measure_copy_rate(device, up=False))
+    return rates, (f"measured here: our kernel at {torch.get_num_threads()} threads, pinned copies to and from "
+                   f"{torch.cuda.get_device_name(device)}")
 
 
 class BucketCost(NamedTuple):

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload.home_costs import HomeCost
 
 __all__ = ["empty_host", "huge_pages", "huge_pages_on", "huge_page_bytes", "env_flag", "is_registered",
            "HostMemoryEstimate", "estimate_bucket", "available_host_bytes", "address_space_room", "format_bytes",
@@ -332,6 +333,10 @@ class HostMemoryEstimate:
         replaces_param_bytes (int): bytes of CPU parameter storage that become views of these buffers (fp32 CPU
             params live in ``master``, low-precision CPU params in ``staging``), so the process grows by
             ``total_bytes - replaces_param_bytes``.
+        homes (Dict[str, HomeCost]): the buckets by home (``"host"``, ``"parked"``, ``"resident"``: see
+            ``placement``), each home's host RAM and GPU memory, the bytes it copies each way per step and the
+            elements the CPU kernel steps (:class:`~zero_offload.home_costs.HomeCost`; its ``seconds(rates)`` the
+            predicted times); empty for rows that are no bucket's (speculation's pool).
     """
 
     numel: int
@@ -339,6 +344,7 @@ class HostMemoryEstimate:
     buffers: Dict[str, int]
     pinned_bytes: int
     replaces_param_bytes: int
+    homes: Dict[str, HomeCost] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -361,6 +367,8 @@ class HostMemoryEstimate:
             buffers={k: self.buffers.get(k, 0) + other.buffers.get(k, 0) for k in keys},
             pinned_bytes=self.pinned_bytes + other.pinned_bytes,
             replaces_param_bytes=self.replaces_param_bytes + other.replaces_param_bytes,
+            homes={k: self.homes.get(k, HomeCost()) + other.homes.get(k, HomeCost())
+                   for k in dict.fromkeys([*self.homes, *other.homes])},
         )
 
     def describe(self) -> str:

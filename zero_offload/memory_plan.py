@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -16,6 +16,7 @@ from zero_offload.buckets import ALIGN, BucketLayout, align_up, estimate_layouts
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
+from zero_offload.home_costs import HomeCost
 from zero_offload.host_memory import HostMemoryEstimate
 from zero_offload.options import DEFAULT_BUCKET_NUMEL, STATE_DTYPES, SUPPORTED_DTYPES, Options, dtypes_by_name
 
@@ -107,9 +108,9 @@ class MemoryPlan:
         state_dtype (torch.dtype): the optimizer's ``state_dtype``.
         release_grads (bool): planned for ``release_grads=True``: on the GPU, ours counts only the gradients of the
             buckets not yet sent (two buckets' worth at most) instead of all of them.
-        gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``): their moments (and a
-            low-precision model's fp32 master; sharded, the full gradient buffer the reduce-scatter reads) are in
-            ours' GPU rows, not its host rows.
+        gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``, or ``placement``'s
+            resident share): their moments (and a low-precision model's fp32 master; sharded, the full gradient
+            buffer the reduce-scatter reads) are in ours' GPU rows, not its host rows.
         fsdp (int): FSDP2 ranks the parameters are sharded over (``fully_shard``; 1: none). Then ``numel`` is one
             rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
             AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
@@ -119,6 +120,12 @@ class MemoryPlan:
             as built, which the optimizer updates and the gradient shards take).
         reduce_dtype (torch.dtype, optional): under FSDP2, ``MixedPrecisionPolicy.reduce_dtype``: the dtype the
             gradients are reduce-scattered in; None: ``param_dtype``'s.
+        placement (str or dict): the optimizer's ``placement`` planned for. Each home's buckets, host RAM, GPU
+            memory, bytes copied each way and kernel elements per step are ``host.homes``
+            (:class:`~zero_offload.home_costs.HomeCost`); a parked bucket's state is on the GPU from its reload to
+            its write-back only, so it is there and not in the GPU rows. ``"auto"`` (placed after the second step,
+            from what it measures) is planned as every bucket on the host: its host RAM and kernel time are upper
+            bounds.
     """
 
     numel: int
@@ -136,6 +143,7 @@ class MemoryPlan:
     model_numel: int = 0
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    placement: Union[str, Dict[str, float]] = "host"
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -179,17 +187,10 @@ class MemoryPlan:
         reduce = self.reduce_dtype or param
         return {"gathered": param.itemsize, "gradients": param.itemsize, "reduce_scatter_input": reduce.itemsize}
 
-def memory_plan(
-    params: Sequence[torch.Tensor],
-    *,
-    device: str = "cuda",
-    amsgrad: bool = False,
-    world_size: int = 1,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    state_dtype: torch.dtype = torch.float32,
-    release_grads: bool = False,
-    gpu_fraction: float = 0.0,
-) -> MemoryPlan:
+def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
+                bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
+                release_grads: bool = False, gpu_fraction: float = 0.0,
+                placement: Union[str, Dict[str, float]] = "host") -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -211,21 +212,23 @@ def memory_plan(
         gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
             the GPU. (``"auto"`` depends on the free GPU memory at run time, which a plan does not know.)
             Default: 0.
+        placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
+            (:attr:`MemoryPlan.placement`). Default: ``"host"``.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
     """
     params = list(params)
-    dtype = _check_plan_args(params, device, world_size, gpu_fraction, state_dtype)
+    dtype = _check_plan_args(params, device, world_size, gpu_fraction, state_dtype, placement)
     options = Options(bucket_numel=bucket_numel, pin_memory=device == "cuda", state_dtype=state_dtype,
-                      release_grads=release_grads, gpu_fraction=gpu_fraction)
+                      release_grads=release_grads, gpu_fraction=gpu_fraction, placement=placement)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
                for layout in plan_buckets(params, options.bucket_numel)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
-    on_gpu = [home == "resident" for home in home_plan(layouts, options)]
-    host = estimate_layouts([l for l, g in zip(layouts, on_gpu) if not g], needed, options, world_size, _RULE)
-    gpu_layouts = [l for l, g in zip(layouts, on_gpu) if g]
+    homes = home_plan(layouts, options)
+    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes)
+    gpu_layouts = [l for l, h in zip(layouts, homes) if h == "resident"]
     gpu_tier, gpu_numel = _gpu_tier(gpu_layouts, needed, dtype, world_size), sum(l.numel for l in gpu_layouts)
     numel, param_bytes = sum(layout.numel for layout in layouts), sum(p.nbytes for p in params)
     if device == "cpu":
@@ -233,12 +236,13 @@ def memory_plan(
         # real CPU tensors, not for meta stand-ins).
         host = dataclasses.replace(host, replaces_param_bytes=param_bytes)
     buffers = {("grad buffer" if k == "grad" else k): v for k, v in host.buffers.items() if v}
-    # release_grads drops the gradients of streamed buckets only: the device tier's stay on the GPU.
-    kept = gpu_numel * dtype.itemsize
+    # release_grads drops the gradients of streamed buckets only: those stepped on the GPU stay there.
+    kept = sum(l.numel for l, h in zip(layouts, homes) if h != "host") * dtype.itemsize
     in_flight = kept + min(param_bytes - kept, 2 * bucket_numel * dtype.itemsize) if release_grads else param_bytes
     ours, adamw = _sides(device, param_bytes, in_flight, {**buffers}, gpu_tier, [b.name for b in needed])
     return MemoryPlan(numel, dtype, device, world_size, dataclasses.replace(host, numel=numel), ours, adamw,
-                      host.pinned_bytes, state_dtype, release_grads and device == "cuda", gpu_numel)
+                      host.pinned_bytes, state_dtype, release_grads and device == "cuda", gpu_numel,
+                      placement=placement)
 
 
 def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int], gpu_tier: Dict[str, int],
@@ -271,25 +275,28 @@ def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dt
     return out
 
 
-def _check_gpu_fraction(gpu_fraction: float, device: str, state_dtype: torch.dtype) -> None:
-    """The optimizer's checks of ``gpu_fraction``, less ``"auto"`` (it depends on the free GPU memory at run time,
-    which a plan does not know), for a CUDA model."""
+def _check_gpu_fraction(gpu_fraction: float, device: str, state_dtype: torch.dtype,
+                        placement: Union[str, Dict[str, float]] = "host", world_size: int = 1) -> None:
+    """The optimizer's checks of ``gpu_fraction`` and ``placement``, less ``gpu_fraction="auto"`` (it depends on the
+    free GPU memory at run time, which a plan does not know), for a CUDA model."""
     if gpu_fraction == "auto":
         raise ValueError("Invalid gpu_fraction: 'auto' for a plan (it depends on the free GPU memory at run time, "
                          "which a plan does not know): give a number from 0 to 1")
-    Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction)._check_gpu_tier()
-    if gpu_fraction and device != "cuda":
-        raise ValueError("gpu_fraction applies to a CUDA model (its state stays on the GPU)")
+    options = Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)
+    dataclasses.replace(options, sharded=world_size > 1)._check_gpu_tier()
+    if options.gpu_tier and device != "cuda":
+        raise ValueError(f"{options.gpu_option} applies to a CUDA model (its state is stepped on the GPU)")
 
 
 def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: int, gpu_fraction: float = 0.0,
-                     state_dtype: torch.dtype = torch.float32) -> torch.dtype:
+                     state_dtype: torch.dtype = torch.float32,
+                     placement: Union[str, Dict[str, float]] = "host") -> torch.dtype:
     """:func:`memory_plan`'s checks of its arguments; returns the parameters' one dtype."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
-    _check_gpu_fraction(gpu_fraction, device, state_dtype)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
+    _check_gpu_fraction(gpu_fraction, device, state_dtype, placement, world_size)
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
@@ -309,26 +316,53 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
         **kw: the other arguments of :func:`memory_plan`.
     """
     full, rest = divmod(int(numel), int(bucket_numel))
-    fraction = kw.pop("gpu_fraction", 0.0)
-    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32))
-    if 0 < fraction < 1:
-        # The first full buckets that fit in the fraction (the remainder, last, only with all) keep their state on
-        # the GPU: planned apart, added up.
-        on_gpu = min(full, int(fraction * numel // bucket_numel)) * bucket_numel
-        if not on_gpu:
-            fraction = 0.0
-        else:
-            gpu = count_plan(on_gpu, dtype, bucket_numel=bucket_numel, gpu_fraction=1.0, **kw)
-            return _sum_plans(gpu, count_plan(numel - on_gpu, dtype, bucket_numel=bucket_numel, **kw), 1,
-                              bucket_numel)
+    fraction, placement = kw.pop("gpu_fraction", 0.0), kw.pop("placement", "host")
+    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement,
+                        kw.get("world_size", 1))
+    runs = _home_runs(full, rest, bucket_numel, Options(gpu_fraction=fraction, placement=placement))
+    if len(runs) > 1:
+        # Each home's run of buckets (the first resident, the next parked, the rest on the host, as home_plan
+        # places them) planned apart, added up.
+        plans = [count_plan(n, dtype, bucket_numel=bucket_numel, placement=home, **kw) for home, n in runs]
+        total = plans[0]
+        for other in plans[1:]:
+            total = _sum_plans(total, other, 1, bucket_numel)
+        return dataclasses.replace(total, placement=placement)
+    kw.update(gpu_fraction=fraction, placement=placement)
     if full <= 2:
-        return memory_plan(meta_params(numel, dtype, bucket_numel), bucket_numel=bucket_numel, gpu_fraction=fraction,
-                           **kw)
-    head = memory_plan(meta_params(2 * bucket_numel + rest, dtype, bucket_numel), bucket_numel=bucket_numel,
-                       gpu_fraction=fraction, **kw)
-    one = memory_plan(meta_params(bucket_numel, dtype, bucket_numel), bucket_numel=bucket_numel,
-                      gpu_fraction=fraction, **kw)
+        return memory_plan(meta_params(numel, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
+    head = memory_plan(meta_params(2 * bucket_numel + rest, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
+    one = memory_plan(meta_params(bucket_numel, dtype, bucket_numel), bucket_numel=bucket_numel, **kw)
     return _sum_plans(head, one, full - 2, bucket_numel)
+
+
+def _home_runs(full: int, rest: int, bucket_numel: int, options: Options) -> List[Tuple[str, int]]:
+    """(home, elements) of each run of buckets of one home, in order, for ``full`` buckets of ``bucket_numel``
+    elements and a remainder of ``rest`` on a GPU: :func:`~zero_offload.buckets.home_plan`'s rule (each home in turn
+    takes the next buckets while they fit in the shares so far; a bucket that does not fit moves on to the next home,
+    none left: the rest on the host), counted per home rather than per bucket (a count may be of 10**18 buckets)."""
+    shares, total = options.shares(), full * bucket_numel + rest
+    runs: List[Tuple[str, int]] = []
+    used, budget, placed = 0, 0.0, 0  # elements placed, the shares so far (as home_plan: a float), full buckets
+    for home in (h for h in ("resident", "parked") if h in shares):
+        budget += shares[home] * total
+        k = max(0, min(full - placed, int((budget - used) // bucket_numel)))
+        while k < full - placed and used + (k + 1) * bucket_numel <= budget:  # (the float guess, made exact)
+            k += 1
+        while k > 0 and used + k * bucket_numel > budget:
+            k -= 1
+        took = k * bucket_numel
+        placed += k
+        if placed == full and rest and used + took + rest <= budget:  # (the remainder, last, fits too)
+            took += rest
+        used += took
+        if took:
+            runs.append((home, took))
+        if used == total:
+            break
+    if used < total:
+        runs.append(("host", total - used))
+    return runs
 
 
 def fsdp_shards(params: Sequence[torch.Tensor], ranks: int) -> List[torch.Tensor]:
@@ -363,6 +397,9 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         if value is not None and value not in _DTYPES.values():
             raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
                              f"{', '.join(map(str, _DTYPES.values()))}, or None)")
+    if kw.get("placement", "host") != "host":
+        raise ValueError(f"an FSDP2 plan takes placement='host' only (the planner does not yet plan the GPU homes of "
+                         f"FSDP2's shards, which the optimizer takes), got placement={kw['placement']!r}")
     if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
         raise ValueError("an FSDP2 plan takes no world_size or gpu_fraction: FSDP shards the parameters and each "
                          "rank's optimizer offloads the state of its own shards (the optimizer refuses both there)")
@@ -387,12 +424,15 @@ def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> Memor
         return {key: x.get(key, 0) + k * y.get(key, 0) for key in dict.fromkeys([*x, *y])}
 
     h, o = a.host, b.host
+    homes = {key: h.homes.get(key, HomeCost()) + o.homes.get(key, HomeCost()).times(k)
+             for key in dict.fromkeys([*h.homes, *o.homes])}
     host = HostMemoryEstimate(h.numel + k * o.numel, h.padded_numel + k * o.padded_numel, add(h.buffers, o.buffers),
-                              h.pinned_bytes + k * o.pinned_bytes, h.replaces_param_bytes + k * o.replaces_param_bytes)
+                              h.pinned_bytes + k * o.pinned_bytes, h.replaces_param_bytes + k * o.replaces_param_bytes,
+                              homes)
     ours = {where: add(a.ours[where], b.ours[where]) for where in a.ours}
     if a.release_grads:
         size = a.dtype.itemsize
-        kept = (a.gpu_tier_numel + k * b.gpu_tier_numel) * size
+        kept = sum(homes[key].numel for key in ("resident", "parked") if key in homes) * size
         streamed = ours["gpu"]["gradients"] - kept
         ours["gpu"]["gradients"] = kept + min(streamed, 2 * bucket_numel * size)
     adamw = {where: add(a.adamw[where], b.adamw[where]) for where in a.adamw}

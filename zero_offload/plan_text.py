@@ -5,18 +5,28 @@ only words them."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import dataclasses
+import textwrap
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from zero_offload.cost_model import ASSUMED_FROM, ASSUMED_RATES, Rates
+from zero_offload.home_costs import HOMES, HomeCost
 from zero_offload.host_memory import format_bytes
 from zero_offload.memory_plan import _BUFFERS, _SUFFIXES, MemoryPlan
 from zero_offload.options import DTYPE_NAMES
 
-__all__ = ["gpu_capacity", "gpu_size", "leaves_out_lines", "plan_dict", "plan_lines", "verdict_lines", "verdicts"]
+__all__ = ["gpu_capacity", "gpu_size", "home_lines", "home_section", "leaves_out_lines", "plan_dict", "plan_lines", "verdict_lines",
+           "verdicts"]
 
-def plan_lines(plan: MemoryPlan) -> List[str]:
-    """The memory plan as a table: bytes and bytes per parameter, per rank, ours beside AdamW's."""
+# A plan's rates where none are given: the cost model's assumed ones, said so.
+_ASSUMED = (ASSUMED_RATES, f"assumed (not measured): {ASSUMED_FROM}")
+
+
+def plan_lines(plan: MemoryPlan, rates: Tuple[Rates, str] = _ASSUMED) -> List[str]:
+    """The memory plan as a table: bytes and bytes per parameter, per rank, ours beside AdamW's; then each home's
+    bytes, traffic and predicted kernel time per step by ``rates`` (the rates and where they come from)."""
     out = _header_lines(plan)
     state = "8-bit" if plan.state_dtype == torch.int8 else DTYPE_NAMES[plan.state_dtype]
     home = "master" if plan.dtype == torch.float32 else "staging"
@@ -30,7 +40,22 @@ def plan_lines(plan: MemoryPlan) -> List[str]:
     out += _recipe_lines(plan)
     out += _state_lines(plan, state)
     out.append("")
-    return out + _note_lines(plan, home)
+    return out + _note_lines(plan, home) + home_section(plan, *rates)
+
+
+def home_section(plan: MemoryPlan, rates: Rates, source: str) -> List[str]:
+    """Each home's buckets, host RAM, GPU memory, bytes copied each way and the CPU kernel's and copies' predicted
+    time per step, per rank (:mod:`zero_offload.home_costs`), under the plan's ``placement``."""
+    placement = plan.placement
+    out = [f"homes            placement={placement!r}, per rank and per step: each home's buckets, the memory "
+           "they hold,", "                 the bytes they copy each way, the predicted time of the CPU kernel and "
+           "of the copies (each alone)"]
+    out += home_lines(plan.host.homes, rates, source, indent=" " * 17)
+    if placement == "auto":
+        out += ["                 'auto' places after the second step, from the rates it measures then and the "
+                "GPU memory", "                 the steps left: planned here as every bucket on the host (upper "
+                "bounds on host RAM and the kernel's time)"]
+    return out
 
 
 def _header_lines(plan: MemoryPlan) -> List[str]:
@@ -173,9 +198,17 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
                    ".grad tensors")
         out.append("                 are views of the grad buffer, which saves the gradients row")
     if plan.gpu_tier_numel:
-        out.append(f"GPU state        gpu_fraction: {plan.gpu_tier_numel:,} parameters "
+        option = "gpu_fraction" if plan.placement == "host" else "placement"
+        out.append(f"GPU state        {option}: {plan.gpu_tier_numel:,} parameters "
                    f"({plan.gpu_tier_numel / plan.numel:.0%}, the first buckets) keep their state on the GPU, updated")
         out.append("                 there by torch's fused AdamW; the GPU rows above include it")
+    parked = plan.host.homes.get("parked", HomeCost())
+    if parked.buckets:
+        out.append(f"parked state     {parked.numel:,} parameters ({parked.numel / plan.numel:.0%}) parked on the host "
+                   f"between steps, stepped on the GPU: their state")
+        out.append(f"                 ({format_bytes(parked.gpu_bytes)} in all) is on the GPU from its reload in "
+                   "backward to its write-back, in memory")
+        out.append("                 backward freed: not in the GPU rows above nor in the verdict below")
     if plan.device == "cuda" and plan.release_grads:
         out.append("gradients        release_grads=True: each .grad is dropped once its bucket is copied, so the GPU "
                    "holds at most")
@@ -225,6 +258,28 @@ def _state_lines(plan: MemoryPlan, state: str) -> List[str]:
     return [f"state_dtype      {state}: {len(moments)} moments x {per} per element = {share / plan.numel:.4g} B/param "
             f"per rank with padding", f"                 (fp32 state: {4 * elements:.4g} B/param; state_dtype="
             f"torch.bfloat16 or torch.int8 saves {2 * elements:.4g} or {(4 - 1.0625) * elements:.4g} B/param)"]
+
+
+def home_lines(homes: Mapping[str, HomeCost], rates: Any, source: str, indent: str = "") -> List[str]:
+    """``homes`` as a table: per home its buckets, parameters, host RAM, GPU memory, bytes each way per step and the
+    predicted time of the CPU kernel and of the copies by ``rates`` (``source``: where they come from, said under
+    it)."""
+    out = [f"{indent}{'home':<9}{'buckets':>8}{'params':>16}{'host RAM':>11}{'GPU':>11}{'up/step':>11}"
+           f"{'down/step':>11}{'kernel ms':>11}{'up ms':>8}{'down ms':>9}"]
+    for name in HOMES:
+        c = homes.get(name)
+        if c is None or not c.buckets:
+            continue
+        s = c.seconds(rates)
+        gpu = format_bytes(c.gpu_bytes) + ("*" if name == "parked" and c.gpu_bytes else "")
+        out.append(f"{indent}{name:<9}{c.buckets:>8}{c.numel:>16,}{format_bytes(c.host_bytes):>11}{gpu:>11}"
+                   f"{format_bytes(c.up_bytes):>11}{format_bytes(c.down_bytes):>11}{s['kernel'] * 1e3:>11.1f}"
+                   f"{s['up'] * 1e3:>8.1f}{s['down'] * 1e3:>9.1f}")
+    if homes.get("parked") and homes["parked"].gpu_bytes:
+        out.append(f"{indent}* parked: GPU memory from its reload in backward to its write-back after step() only")
+    said = (f"rates: CPU kernel {rates.kernel / 1e9:.2f}G elements/s, pinned copies {rates.upload / 1e9:.1f} GB/s "
+            f"up, {rates.download / 1e9:.1f} GB/s down; {source}")
+    return out + textwrap.wrap(said, 120, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
 # ------------------------------------------------------------------------------------------ verdicts, JSON, HF --
@@ -307,9 +362,11 @@ def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_no
 
 
 def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: int, gpu_bytes: Optional[int],
-              host_bytes: Optional[int]) -> Dict[str, object]:
-    """The plan and its verdicts as plain JSON-ready data (bytes as integers)."""
+              host_bytes: Optional[int], rates: Tuple[Rates, str] = _ASSUMED) -> Dict[str, object]:
+    """The plan and its verdicts as plain JSON-ready data (bytes as integers); ``homes`` with each home's predicted
+    seconds per step by ``rates`` (the rates and where they come from)."""
     name = DTYPE_NAMES[plan.dtype]
+    speed, source = rates
     return {
         "params": plan.model_numel or plan.numel, "params_per_rank": plan.numel, "fsdp": plan.fsdp,
         "dtype": name, "device": plan.device, "world_size": plan.world_size,
@@ -328,6 +385,11 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
         "not_counted": " ".join(line.strip() for line in leaves_out_lines(plan))[len("leaves out"):].strip(),
         "capacity": {"gpu_bytes": gpu_bytes, "host_available_bytes": host_bytes},
         "verdict": v,
+        "placement": plan.placement,
+        "homes_per_rank": {home: {**dataclasses.asdict(c), "seconds_per_step": c.seconds(speed)}
+                           for home, c in plan.host.homes.items()},
+        "rates": {"kernel_elements_per_s": speed.kernel, "upload_bytes_per_s": speed.upload,
+                  "download_bytes_per_s": speed.download, "source": source},
     }
 
 

@@ -56,7 +56,10 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
             ``delayed_update``, where speculation is off. Default: None.
 
     Returns:
-        HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``.
+        HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``; ``homes``:
+        per home (``"host"``, ``"parked"``, ``"resident"``) its host RAM, GPU memory, bytes copied each way and
+        kernel elements per step (:class:`~zero_offload.home_costs.HomeCost`, whose ``seconds(rates)`` predicts
+        their time).
 
     Raises:
         ValueError: a ``state_dtype`` or ``speculation_memory`` the constructor refuses (its very error);

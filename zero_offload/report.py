@@ -13,7 +13,10 @@ plan says what a unit costs per parameter under ``--param-dtype`` and ``--reduce
 ``MixedPrecisionPolicy``; ``--dtype`` is then the shards' storage dtype). Beside AdamW's column, a low-precision
 model gets AdamW's two recipes: all in the low dtype, and with fp32 masters. Options: ``--dtype``,
 ``--state-dtype``, ``--amsgrad``, ``--device``, ``--world-size``, ``--fsdp``, ``--param-dtype``,
-``--reduce-dtype``, ``--bucket-numel``; ``--help`` lists them.
+``--reduce-dtype``, ``--bucket-numel``, ``--placement``; ``--help`` lists them. Under the table, each home's
+(``--placement``: host, parked, resident) buckets, host RAM, GPU memory, bytes copied each way per step and the
+predicted time of the CPU kernel and of the copies: from rates measured here where there is a GPU, else from the
+cost model's assumed ones (the plan says which, and where they come from).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 import zero_offload
 from zero_offload import _build, affinity, functional
+from zero_offload.cost_model import rates_here
 from zero_offload.host_memory import available_host_bytes, huge_pages
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
@@ -154,7 +158,31 @@ def _count_arg(text: str) -> int:
 # --model is noticed and refused instead of silently ignored).
 _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
                   "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1, "fsdp": 1,
-                  "gpu_memory": None, "gpu_fraction": 0.0, "param_dtype": None, "reduce_dtype": None}
+                  "gpu_memory": None, "gpu_fraction": 0.0, "param_dtype": None, "reduce_dtype": None,
+                  "placement": "host"}
+
+
+def _placement_arg(text: str):
+    """``--placement``: a home (``host``, ``parked``, ``resident``), ``auto``, or shares such as
+    ``resident=0.1,parked=0.5`` (the optimizer's dict); the optimizer's own check of the value."""
+    from zero_offload.options import _check_placement
+
+    value = text.strip()
+    if "=" in value:
+        shares = {}
+        for part in value.split(","):
+            home, _, share = part.partition("=")
+            try:
+                shares[home.strip()] = float(share)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"Invalid placement: {text!r} (a share is a number from 0 to 1, "
+                                                 "e.g. resident=0.1,parked=0.5)") from None
+        value = shares
+    try:
+        _check_placement(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,6 +225,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-fraction", type=float, metavar="F",
                     help="plan for gpu_fraction=F (0 to 1): the first buckets keep their state on the GPU "
                          "(default: 0)")
+    ap.add_argument("--placement", type=_placement_arg, metavar="HOME",
+                    help="plan for placement=HOME: host (default), parked, resident, auto (planned as every bucket "
+                         "on the host: upper bounds), or shares of the GPU buckets such as resident=0.1,parked=0.5; "
+                         "the homes' table under the plan shows each one's memory, traffic and kernel time per step")
     ap.add_argument("--nproc-per-node", type=int, metavar="N",
                     help="ranks per node: their host buffers add up in the node's RAM (default: 1)")
     ap.add_argument("--gpu-memory", type=_bytes_arg, metavar="SIZE",
@@ -252,9 +284,10 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         params = None
     kw = dict(device=args.device, amsgrad=args.amsgrad, world_size=args.world_size, bucket_numel=args.bucket_numel,
               state_dtype=_STATE_DTYPES[args.state_dtype], release_grads=args.release_grads,
-              gpu_fraction=args.gpu_fraction)
+              gpu_fraction=args.gpu_fraction, placement=args.placement)
     try:
-        _check_gpu_fraction(args.gpu_fraction, args.device, kw["state_dtype"])
+        _check_gpu_fraction(args.gpu_fraction, args.device, kw["state_dtype"], args.placement,
+                            args.world_size)
     except ValueError as exc:
         ap.error(str(exc))
     if args.fsdp > 1:
@@ -268,11 +301,12 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     gpu = args.gpu_memory if args.gpu_memory is not None else (gpu_capacity() if args.device == "cuda" else None)
     host = available_host_bytes()
     v = verdicts(plan, args.nproc_per_node, gpu, host)
+    rates = rates_here()  # (measured where there is a GPU, else assumed: the plan says which)
     if args.json:
-        data = plan_dict(plan, v, args.nproc_per_node, gpu, host)
+        data = plan_dict(plan, v, args.nproc_per_node, gpu, host, rates)
         print(json.dumps({"model": model_name or args.model, **data}, indent=2))
         return
-    out = plan_lines(plan)
+    out = plan_lines(plan, rates)
     if model_name is not None:
         out.insert(0, f"model            {args.model}: {model_name}, {plan.model_numel or plan.numel:,} parameters "
                       "(meta-device init)")
@@ -318,6 +352,7 @@ or FSDP2's MixedPrecisionPolicy over fp32 shards).
 examples:
   python -m zero_offload.report --params 7B --dtype bf16 --gpu-memory 80GB
   python -m zero_offload.report --params 7B --dtype bf16 --world-size 8 --nproc-per-node 8 --release-grads
+  python -m zero_offload.report --params 1.3B --placement resident=0.1,parked=0.5 --gpu-memory 80GB
   python -m zero_offload.report --model path/to/config.json --dtype bf16 --json
   python -m zero_offload.report --model path/to/config.json --fsdp 8 --param-dtype bf16 --reduce-dtype fp32
 """

@@ -1,0 +1,159 @@
+"""Each home's figures (zero_offload/home_costs.py): the host RAM and GPU memory its buckets hold, the bytes they copy
+each way per step and the elements the CPU kernel steps, in ``opt.estimate_host_memory()``, in the plan before the
+optimizer is built, and in the planner (``python -m zero_offload --params N --placement ...``). Every figure is
+checked against arithmetic written here from docs/placement.md's bytes per parameter:
+
+* host home (a GPU bucket): host RAM 4 B master + 8 B moments + the gradient buffer (4 B fp32; 2 B bf16, whose
+  kernel writes the new parameter into it: no staging); gradients down and parameters up, 4 + 4 B (2 + 2 for bf16);
+  the kernel steps every parameter; no GPU memory;
+* parked: its state on the host, 8 B (12 B with the fp32 master of bf16 parameters); as much on the GPU while it is
+  stepped, and up and down each step; no kernel;
+* resident: no host RAM; the state on the GPU, 8 B (12 B for bf16); nothing crosses.
+
+State buffers are allocated padded (``padded_numel``), gradients and parameters cross by their elements.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import chain
+
+import pytest
+import torch
+
+import cuda_standins
+from test_optimizer import TinyTransformer, param_groups
+from test_twin_flow import BUCKET
+from zero_offload import OffloadOptimizer
+from zero_offload.cost_model import ASSUMED_RATES
+from zero_offload.home_costs import HomeCost
+from zero_offload.report import count_plan, main, memory_plan, meta_params
+
+MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    yield from cuda_standins.fixture_body(monkeypatch)
+
+
+def _expected(home: str, numel: int, padded: int, buckets: int, dtype: torch.dtype) -> HomeCost:
+    """docs/placement.md's bytes per parameter (module docstring), for ``buckets`` buckets of ``numel`` parameters
+    in ``padded`` elements."""
+    size = 4 if dtype == torch.float32 else 2
+    state = 8 if dtype == torch.float32 else 12  # moments, and the separate fp32 master of bf16 parameters
+    if home == "host":
+        return HomeCost(buckets, numel, (4 + 8 + size) * padded, 0, size * numel, size * numel, numel)
+    if home == "parked":
+        return HomeCost(buckets, numel, state * padded, state * padded, state * padded, state * padded, 0)
+    return HomeCost(buckets, numel, 0, state * padded, 0, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_estimate_shows_each_homes_bytes_and_traffic_per_step(cuda_branches, dtype):
+    torch.manual_seed(0)
+    model = TinyTransformer().to(dtype)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX)
+    buckets = list(chain.from_iterable(opt._buckets))
+    held = opt.estimate_host_memory()
+    assert set(held.homes) == {"host", "parked", "resident"}
+    for home in ("host", "parked", "resident"):
+        mine = [b for b in buckets if b.home.kind == home]
+        expected = _expected(home, sum(b.layout.numel for b in mine), sum(b.layout.padded_numel for b in mine),
+                             len(mine), dtype)
+        assert held.homes[home] == expected, home
+    # The homes' host RAM is the estimate's; the plan before building says the same.
+    assert sum(c.host_bytes for c in held.homes.values()) == held.total_bytes
+    planned = OffloadOptimizer.estimate_host_memory(param_groups(model), bucket_numel=BUCKET, placement=MIX)
+    assert planned.homes == held.homes
+    # The predicted times: the bytes and elements at the rates given.
+    host = held.homes["host"]
+    assert host.seconds(ASSUMED_RATES) == pytest.approx(
+        {"kernel": host.kernel_numel / 4.91e9, "up": host.up_bytes / 50.6e9, "down": host.down_bytes / 50.6e9})
+
+
+def test_a_cpu_models_buckets_cross_nothing():
+    """CPU parameters are stepped on the host whatever the placement: the kernel steps them all, nothing crosses."""
+    model = TinyTransformer()
+    est = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX).estimate_host_memory()
+    numel = sum(p.numel() for p in model.parameters())
+    assert set(est.homes) == {"host"}
+    host = est.homes["host"]
+    assert (host.numel, host.kernel_numel, host.up_bytes, host.down_bytes, host.gpu_bytes) == (numel, numel, 0, 0, 0)
+    assert host.host_bytes == est.total_bytes
+
+
+B = 1024  # elements per bucket (a multiple of the alignment: no padding), 10 buckets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("placement, counts", [
+    ("host", {"host": 10}), ("parked", {"parked": 10}), ("resident", {"resident": 10}),
+    ({"resident": 0.2, "parked": 0.3}, {"resident": 2, "parked": 3, "host": 5}),
+    ("auto", {"host": 10}),  # (placed after the second step: planned as all on the host)
+])
+def test_the_plan_shows_each_homes_figures(dtype, placement, counts):
+    plan = count_plan(10 * B, dtype, bucket_numel=B, placement=placement)
+    assert plan.host.homes == {h: _expected(h, n * B, n * B, n, dtype) for h, n in counts.items()}
+    assert plan == memory_plan(meta_params(10 * B, dtype, B), bucket_numel=B, placement=placement)
+    # The table's rows follow: the resident state in ours' GPU rows, the parked state in neither (on the GPU only
+    # while stepped), the host rows the host and parked buckets' buffers.
+    state = 8 if dtype == torch.float32 else 12
+    gpu_state = sum(v for k, v in plan.ours["gpu"].items() if k not in ("params", "gradients"))
+    assert gpu_state == state * B * counts.get("resident", 0)
+    assert plan.total("ours", "host") == sum(c.host_bytes for c in plan.host.homes.values())
+
+
+def test_the_plan_of_many_buckets_is_the_plan_of_its_stand_ins():
+    """count_plan adds up each home's run of buckets arithmetically: the same figures as planning them all."""
+    for numel in (37 * B + 320, 40 * B):
+        for placement in ({"resident": 0.1, "parked": 0.55}, {"parked": 0.5}, {"resident": 1.0}):
+            assert count_plan(numel, torch.bfloat16, bucket_numel=B, placement=placement) == memory_plan(
+                meta_params(numel, torch.bfloat16, B), bucket_numel=B, placement=placement), (numel, placement)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_planner_takes_placement_and_predicts_each_homes_time(capsys, dtype):
+    main(["--params", str(10 * B), "--bucket-numel", str(B), "--dtype", dtype, "--placement",
+          "resident=0.2,parked=0.3", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    assert out["placement"] == {"resident": 0.2, "parked": 0.3}
+    rates = out["rates"]
+    for home, n in (("resident", 2), ("parked", 3), ("host", 5)):
+        expected = _expected(home, n * B, n * B, n, torch_dtype)
+        row = out["homes_per_rank"][home]
+        assert {k: v for k, v in row.items() if k != "seconds_per_step"} == vars(expected)
+        assert row["seconds_per_step"] == pytest.approx({
+            "kernel": expected.kernel_numel / rates["kernel_elements_per_s"],
+            "up": expected.up_bytes / rates["upload_bytes_per_s"],
+            "down": expected.down_bytes / rates["download_bytes_per_s"]})
+    if not torch.cuda.is_available():  # (with a GPU the rates are measured, and said so)
+        assert rates["kernel_elements_per_s"] == 4.91e9 and rates["upload_bytes_per_s"] == 50.6e9
+        assert rates["source"].startswith("assumed (no GPU here): the H100 host of the first lease")
+    # The text names the homes, their figures and where the rates come from.
+    main(["--params", str(10 * B), "--bucket-numel", str(B), "--dtype", dtype, "--placement", "parked"])
+    text = capsys.readouterr().out
+    assert "homes            placement='parked'" in text and "* parked: GPU memory from its reload" in text
+    assert ("assumed (no GPU here)" in text) != torch.cuda.is_available()
+    # The flags it had still work, and their plan is the host placement's.
+    main(["--params", str(10 * B), "--bucket-numel", str(B), "--dtype", dtype, "--gpu-fraction", "0.2", "--json"])
+    fraction = json.loads(capsys.readouterr().out)
+    assert fraction["homes_per_rank"]["resident"]["buckets"] == 2 and fraction["placement"] == "host"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--placement", "gpu"], "Invalid placement: 'gpu'"),
+    (["--placement", "resident=0.7,parked=0.5"], "Invalid placement"),
+    (["--placement", "resident=lots"], "a share is a number from 0 to 1"),
+    (["--placement", "parked", "--gpu-fraction", "0.5"], "alias"),
+    (["--placement", "parked", "--world-size", "2"], "not yet combined with a process_group"),
+    (["--placement", "parked", "--device", "cpu"], "placement applies to a CUDA model"),
+    (["--placement", "parked", "--state-dtype", "bf16"], "fp32 state only"),
+    (["--placement", "parked", "--fsdp", "2"], "placement='host' only"),
+])
+def test_the_planner_refuses_a_placement_the_optimizer_refuses_naming_it(capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        main(["--params", "1B"] + argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
