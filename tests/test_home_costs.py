@@ -142,12 +142,21 @@ def test_the_planner_takes_placement_and_predicts_each_homes_time(capsys, dtype)
     assert fraction["homes_per_rank"]["resident"]["buckets"] == 2 and fraction["placement"] == "host"
 
 
+def test_sharded_the_planner_gives_each_ranks_share_of_a_parked_home(capsys):
+    """Over a process_group each rank parks its shard of every bucket: half the elements, state and copies of one
+    rank's plan at world 2 (fp32 parameters: 8 B of moments per parameter, each way)."""
+    main(["--params", str(10 * B), "--bucket-numel", str(B), "--placement", "parked", "--world-size", "2", "--json"])
+    row = json.loads(capsys.readouterr().out)["homes_per_rank"]["parked"]
+    assert row["buckets"] == 10 and row["numel"] == 5 * B
+    assert row["up_bytes"] == row["down_bytes"] == row["gpu_bytes"] == 8 * 5 * B
+    assert row["kernel_numel"] == 0
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--placement", "gpu"], "Invalid placement: 'gpu'"),
     (["--placement", "resident=0.7,parked=0.5"], "Invalid placement"),
     (["--placement", "resident=lots"], "a share is a number from 0 to 1"),
     (["--placement", "parked", "--gpu-fraction", "0.5"], "alias"),
-    (["--placement", "parked", "--world-size", "2"], "not yet combined with a process_group"),
     (["--placement", "parked", "--device", "cpu"], "placement applies to a CUDA model"),
     (["--placement", "parked", "--state-dtype", "bf16"], "fp32 state only"),
     (["--placement", "parked", "--fsdp", "2"], "placement='host' only"),

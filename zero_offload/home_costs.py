@@ -80,12 +80,12 @@ def bucket_cost(home: str, numel: int, padded_numel: int, dtype: torch.dtype, *,
     moved = numel if world_size == 1 else shard  # (elements of gradients and parameters that cross, per rank)
     if home == "host":
         crossing = 0 if on_cpu else moved * dtype.itemsize
-        return HomeCost(1, numel, host_bytes, 0, crossing, crossing, moved)
+        return HomeCost(1, moved, host_bytes, 0, crossing, crossing, moved)
     held = sum(state.values()) + (4 * shard if dtype != torch.float32 else 0)  # (a separate fp32 master)
     if home == "parked":
-        return HomeCost(1, numel, host_bytes, held, held, held, 0)
+        return HomeCost(1, moved, host_bytes, held, held, held, 0)
     if home != "resident":
         raise ValueError(f"Invalid home: {home!r} (one of {', '.join(HOMES)})")
     if world_size > 1:
         held += padded_numel * dtype.itemsize  # the full gradient the reduce-scatter reads
-    return HomeCost(1, numel, 0, held, 0, 0, 0)
+    return HomeCost(1, moved, 0, held, 0, 0, 0)
