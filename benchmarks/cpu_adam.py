@@ -26,11 +26,10 @@ disturbed by other load) is reported as invalid, with the reason, instead of as 
     python benchmarks/cpu_adam.py --sizes 1e8 --threads 2
     python benchmarks/cpu_adam.py --sizes 2e7 --threads 1,2 --no-anchors --stat min   # state dtypes only
 
---out-of-place adds, per state dtype of ours, the two ways speculation can keep an update undoable: "oop" runs
-cpu_adam_ with out= (read one set of master and moments, write another, swapping sets every call: the ping-pong,
-same single pass and logical traffic as in place), "+copy" copies master, moments (and 8-bit scales) into an undo
-buffer with torch's copy_ and then updates in place (what speculation does without the out-of-place kernel: the
-copy adds the state's bytes read and written again, counted in its B/el). Compare their ns/el with the in-place
+--out-of-place adds, per state dtype of ours, two ways to keep an update undoable: "oop" runs cpu_adam_ with out=
+(read one set of master and moments, write another, swapping sets every call: the ping-pong, same single pass and
+logical traffic as in place), "+copy" copies master, moments (and 8-bit scales) into an undo buffer with torch's
+copy_ and then updates in place (the copy adds the state's bytes read and written again, counted in its B/el). Compare their ns/el with the in-place
 line of the same state dtype.
 
     python benchmarks/cpu_adam.py --sizes 1e7 --threads 2 --paths fp32 --no-anchors --state-dtype fp32,int8 \
@@ -332,7 +331,7 @@ def main():
     ap.add_argument("--no-anchors", action="store_true", help="ours only (torch and DeepSpeed skipped)")
     ap.add_argument("--out-of-place", action="store_true",
                     help="also ours out of place (out=, two buffer sets in turn) and ours with an undo copy of the "
-                         "state before an in-place update (speculation's two ways), per state dtype")
+                         "state before an in-place update, per state dtype")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1e5 and 1e6 elements, 3 rounds")
     args = ap.parse_args()
     if args.quick:

@@ -4,7 +4,7 @@ minutes) included, at most 10 minutes a command. Two commands, each a list of st
     command 1 (under 8 min): the kernel's build, the machine, the 1.3B step where AdamW does not fit (AdamW and
               the all-host placement on the whole GPU, then the GPU capped at that placement's peak plus 1 GiB for
               every bucket parked, placement='auto' and torchao; without clipping, then with), the step on the
-              whole GPU (AdamW, ours default, parked, 'auto', gpu_fraction='auto', delayed, speculation; ours' rows
+              whole GPU (AdamW, ours default, parked, 'auto', gpu_fraction='auto', delayed; ours' rows
               with their own timeline), then the all-host row at 350M twice, the CPU kernel's threads unpinned and
               pinned (``ZERO_OFFLOAD_PIN_THREADS=0`` and ``=1`` in the child's environment);
     command 2 (under 4 min, on the same warm machine: the build is cached): the rest (``pytest -m cuda``
@@ -53,15 +53,15 @@ GIB = 1 << 30
 # A lease, in seconds: at most 10 minutes a command; the plan keeps command 1 under 8 minutes and command 2 under
 # 4, so that both fit 15 minutes of device time with the machine's start.
 COMMAND_LIMIT_S = {"1": 8 * 60, "2": 4 * 60}
-# The step matrix on the whole GPU: the anchor, ours, its homes, then ours' other modes, speculation (off by
-# default) last: a stage cut short by its limit loses the last rows. torchao's row is the capped stages' (the other
+# The step matrix on the whole GPU: the anchor, ours, its homes, then ours' other modes last: a stage cut short by
+# its limit loses the last rows. torchao's row is the capped stages' (the other
 # offloader is reported as not installed when its package is missing); DeepSpeed's runs on request (--rows).
-MATRIX = ("adamw", "ours", "ours-parked", "ours-auto", "ours-gpuauto", "ours-delayed", "ours-spec")
+MATRIX = ("adamw", "ours", "ours-parked", "ours-auto", "ours-gpuauto", "ours-delayed")
 # The homes at a GPU where AdamW does not fit: AdamW uncapped, the all-host placement uncapped (its peak sets the
 # cap: plus 1 GiB), then capped: every bucket parked, the cost model's placement, torchao (issue 52's rows).
 CAPPED_MATRIX = ("adamw", "ours-host", "ours-parked", "ours-auto", "torchao")
 TINY_MATRIX = ("adamw-ref", "ours")
-# Timed steps per row, after the warm-up: 5 capped rows, 5 with clipping, then 7 on the whole GPU fit command 1 at
+# Timed steps per row, after the warm-up: 5 capped rows, 5 with clipping, then 6 on the whole GPU fit command 1 at
 # ~18 s a row (the first lease: 130 s for 7 rows; the H200 lease: 123 s for the first 6, each 12-28 s).
 STEPS, WARMUP = 5, 2
 
@@ -214,10 +214,10 @@ def probe_pinned() -> Dict[str, Any]:
 
 
 def probe_room() -> Dict[str, Any]:
-    """How long the device-room check of a speculative or delayed upload takes (``device_room``: the driver's free
+    """How long the device-room check of an upload in backward (``delayed_update``) or a parked reload takes (``device_room``: the driver's free
     memory and the caching allocator's counts, once per bucket and step, from the worker or backward's hooks),
     with the GPU idle and while it runs a long kernel: a driver call that waits for the GPU would stall the
-    worker (speculation measured twice its modelled step on the third lease, unexplained)."""
+    worker or backward."""
     import torch
 
     from zero_offload.transport.device import device_room
@@ -366,9 +366,6 @@ def _steps_table(rec: Dict[str, Any]) -> List[str]:
         status = r.get("status", "?") if ok else f"{r.get('status')}: {str(r.get('error', ''))[:80]}"
         lines.append(f"| {key} | {status} | {ms[0]} | {_fmt(ratio, '.2f')} | {ms[1]} | {ms[2]} | {ms[3]} | "
                      f"{gib[0]} | {gib[1]} | {_fmt(r.get('loss') if ok else None, '.4f')} |")
-    for key, r in rows.items():
-        if r.get("speculation"):
-            lines.append(f"\n{key}: speculation {r['speculation']}")
     argv = rec.get("argv") or []
     asked = argv[argv.index("--only") + 1].split(",") if "--only" in argv else []
     missing = [k for k in asked if k not in rows and res.get("mode") == "gpu"]

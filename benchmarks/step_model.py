@@ -1,10 +1,8 @@
 """The event model's predictions for the GPU step of the 1.3B GPT preset, for the schedules this tree runs: each row is
-an :class:`~zero_offload.options.Options` (the default, ``speculate=True``, a numeric ``gpu_fraction``,
-``gpu_fraction="auto"``), and what the model simulates is read from the code, not written here: whether the options
-speculate (``Options.speculates``), what a speculative kernel moves beyond the update's own bytes and whether the
-new parameters go up during backward (``zero_offload.speculation.SCHEDULE``, ``Options.uploads_in_backward``), which
-buckets ``gpu_fraction`` keeps on the GPU (``home_plan``, or for ``"auto"`` the buckets that fit in the GPU
-memory the offloaded step leaves, as ``placement.place_on_device`` decides). Then ``delayed_update`` (one step
+an :class:`~zero_offload.options.Options` (the default, a numeric ``gpu_fraction``, ``gpu_fraction="auto"``), and
+what the model simulates is read from the code, not written here: which buckets ``gpu_fraction`` keeps on the GPU
+(``home_plan``, or for ``"auto"`` the buckets that fit in the GPU memory the offloaded step leaves, as
+``placement.place_on_device`` decides). Then ``delayed_update`` (one step
 stale, so not one of the exact rows), with its uploads during the next backward or not as
 ``Options.uploads_in_backward`` says, and with every upload at ``step()``: the schedule the first H100 run measured
 (417 ms; the model gives 391, so read its delayed rows as lower bounds).
@@ -25,22 +23,14 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_BYTES = 28  # per element: the update's own memory traffic (fp32 state, fp32 gradient read, master written)
-D2D_BYTES_PER_MS = 1.3e9  # a device-to-device copy on an H100 (the commit of a speculative upload)
+D2D_BYTES_PER_MS = 1.3e9  # a device-to-device copy on an H100 (delayed_update's uploads in backward, into place)
 
 
 def load_model(model_dir: Path) -> types.ModuleType:
-    """``sim.py`` with a cost factor for kernels that start before a given time (``SPEC = [factor, time]``)."""
-    source = (model_dir / "sim.py").read_text()
-    start = "queue.pop(0); cur = i; left = SIZE[i]; ovh = g"
-    if start not in source:
-        raise SystemExit(f"{model_dir / 'sim.py'} is not the model this script knows (no {start!r})")
-    source = source.replace(start, "queue.pop(0); cur = i; left = SIZE[i] * (SPEC[0] if t < SPEC[1] else 1.0); "
-                                   "ovh = g")
+    """``sim.py``, loaded from ``model_dir``."""
     sim = types.ModuleType("sim")
     sim.__file__ = str(model_dir / "sim.py")
-    sim.SPEC = [1.0, 0.0]
-    exec(compile(source, sim.__file__, "exec"), sim.__dict__)
+    exec(compile((model_dir / "sim.py").read_text(), sim.__file__, "exec"), sim.__dict__)
     return sim
 
 
@@ -66,21 +56,13 @@ def gpu_buckets(sim: types.ModuleType, fraction, room_bytes: float) -> int:
     return home_plan(layouts, Options(gpu_fraction=fraction)).count("resident")
 
 
-def step_ms(sim: types.ModuleType, options, gpu: int, schedule):
+def step_ms(sim: types.ModuleType, gpu: int):
     """The step (ms) under the model's three kernel/DMA contention fits: (central, low, high)."""
     arrival_order = list(range(sim.NB - 1, -1, -1))
     validated = sim.B + 0.5  # the checks, right after the last gradient copy
-    speculate = options.speculates
-    factor = (KERNEL_BYTES + schedule["kernel_extra_bytes"]) / KERNEL_BYTES
-    at_once = speculate and schedule["uploads_in_backward"] and options.uploads_in_backward
-    commit = (4.0 * sum(sim.SIZE[i] for i in range(gpu, sim.NB)) / D2D_BYTES_PER_MS) if at_once else 0.0
-    out = []
-    for extra in (dict(), dict(c=0.0), dict(linear_W=140e6)):
-        sim.SPEC[:] = [factor, validated] if speculate else [1.0, 0.0]
-        out.append(commit + sim.simulate(
-            order=arrival_order, gate_kernel=(lambda i: 0) if speculate else (lambda i: validated),
-            gate_upload=(lambda i: 0) if at_once else (lambda i: validated), g=0.1,
-            gpu=frozenset(range(gpu)), v_gpu=validated, **extra)["T"])
+    out = [sim.simulate(order=arrival_order, gate_kernel=lambda i: validated, gate_upload=lambda i: validated, g=0.1,
+                        gpu=frozenset(range(gpu)), v_gpu=validated, **extra)["T"]
+           for extra in (dict(), dict(c=0.0), dict(linear_W=140e6))]
     return out[0], min(out[1:]), max(out[1:])
 
 
@@ -190,7 +172,6 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from zero_offload.options import Options
-    from zero_offload.speculation import SCHEDULE
 
     sim = load_model(args.model_dir)
     kw = {}
@@ -199,19 +180,17 @@ def main() -> None:
         simulate = sim.simulate
         sim.simulate = lambda **k: simulate(**{**kw, **k})
     room = (args.gpu_gib - args.peak_gib - Options().gpu_margin_gib) * 2**30
-    rows = [("default", {}), ("speculate=True", {"speculate": True}),
-            ("gpu_fraction=0.28", {"gpu_fraction": 0.28}),
-            ("speculate, gpu 0.28", {"speculate": True, "gpu_fraction": 0.28}),
+    rows = [("default", {}), ("gpu_fraction=0.28", {"gpu_fraction": 0.28}),
             ('gpu_fraction="auto"', {"gpu_fraction": "auto"})]
     print(f"1.3B GPT preset, fused AdamW {sim.T_ADAMW:.0f} ms; kernel {sim.N / kw.get('r0', 4.91e6):.0f} ms over "
-          f"{sim.N:,} elements; schedule as built: {SCHEDULE}")
-    print(f"{'options':26s} {'speculates':>10s} {'GPU tier':>18s} {'step ms':>8s} {'x AdamW':>8s} {'range':>12s}")
+          f"{sim.N:,} elements")
+    print(f"{'options':26s} {'GPU tier':>18s} {'step ms':>8s} {'x AdamW':>8s} {'range':>12s}")
     for name, options_kw in rows:
         options = Options(**options_kw)
         m = gpu_buckets(sim, options.gpu_fraction, room) if options.gpu_tier else 0
-        t, lo, hi = step_ms(sim, options, m, SCHEDULE)
+        t, lo, hi = step_ms(sim, m)
         tier = "none" if not m else f"{m} of {sim.NB} buckets"
-        print(f"{name:26s} {str(options.speculates):>10s} {tier:>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x "
+        print(f"{name:26s} {tier:>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x "
               f"{lo / sim.T_ADAMW:5.2f}-{hi / sim.T_ADAMW:.2f}x")
     # delayed_update (not exact: one step stale): as built, and with every upload at step() (what the first H100 run
     # measured, 417 ms, to check the model against).
@@ -219,7 +198,7 @@ def main() -> None:
     for name, in_backward in (("delayed_update=True", Options(delayed_update=True).uploads_in_backward),
                               ("delayed, no early uploads", False)):
         t = delayed_ms(sim, in_backward, r0)
-        print(f"{name:26s} {'no':>10s} {'none':>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x")
+        print(f"{name:26s} {'none':>18s} {t:8.1f} {t / sim.T_ADAMW:7.2f}x")
     placement_rows(sim, r0, args.gpu_gib, args.peak_gib, args.freed_gib, Options().gpu_margin_gib)
 
 

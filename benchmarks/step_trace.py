@@ -1,12 +1,11 @@
 """One bucket's trip through a step, traced: how many calls the package makes and how often control passes from one
 of its files to another, for one training iteration (backward with its hooks, ``step()``, ``zero_grad()``) of a
-one-bucket model on the GPU code path (the CUDA stand-ins of the tests, on the CPU), with speculation committing.
+one-bucket model on the GPU code path (the CUDA stand-ins of the tests, on the CPU), with the default options.
 
     python benchmarks/step_trace.py                 # this tree
     python benchmarks/step_trace.py --root OTHER    # another checkout (e.g. a worktree of an older commit)
 
-Counted with ``sys.setprofile`` on every thread the step uses (the backward's and speculation's worker), package
-functions only, comprehensions left out (Python 3.12 inlines them; 3.11 does not):
+Counted with ``sys.setprofile`` on the thread that runs backward and the step, package functions only, comprehensions left out (Python 3.12 inlines them; 3.11 does not):
 
 * calls: package functions entered;
 * transitions: consecutive calls in different files, in the order they happen (``--calls`` lists them);
@@ -29,7 +28,6 @@ def main() -> None:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="the checkout to trace")
     ap.add_argument("--calls", action="store_true", help="list the calls, marking each change of file")
     ap.add_argument("--edges", action="store_true", help="list the cross-file calls (caller -> callee), counted")
-    ap.add_argument("--no-speculation", action="store_true", help="trace the step with speculate=False")
     args = ap.parse_args()
     sys.path[:0] = [args.root, os.path.join(args.root, "tests")]
     import torch
@@ -43,14 +41,10 @@ def main() -> None:
     cuda_standins.install(setattr)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    # (speculate=True: off by default in later trees, on by default in earlier ones, where it is accepted too)
-    opt = zero_offload.OffloadOptimizer(model.parameters(), lr=1e-3, speculate=not args.no_speculation)
-    worker = getattr(opt._mode, "_worker", None)
+    opt = zero_offload.OffloadOptimizer(model.parameters(), lr=1e-3)
 
     def iteration():
         model(torch.randn(4, 64)).sum().backward()
-        if worker is not None:
-            worker.submit(lambda: None).result()  # the speculation has run: step() commits it
         opt.step()
         opt.zero_grad()
 
@@ -75,15 +69,11 @@ def main() -> None:
                 edges.append(f"{os.path.relpath(caller.f_code.co_filename, pkg)}:{caller.f_code.co_name} -> "
                              f"{os.path.relpath(f, pkg)}:{frame.f_code.co_name}")
 
-    if worker is not None:
-        worker.submit(sys.setprofile, prof).result()  # (the worker thread exists already: it profiles itself)
     sys.setprofile(prof)
     try:
         iteration()
     finally:
         sys.setprofile(None)
-        if worker is not None:
-            worker.submit(sys.setprofile, None).result()
     files = [f for f, _ in calls]
     seq = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
     bounces = sum(1 for a, _, c in zip(seq, seq[1:], seq[2:]) if a == c)
@@ -93,10 +83,8 @@ def main() -> None:
     if args.edges:
         for edge, n in collections.Counter(edges).most_common():
             print(f"{n:3d} {edge}")
-    stats = opt.speculation_stats
     print(f"{args.root}: {len(calls)} calls over {len(set(files))} files; {len(seq) - 1} transitions, "
-          f"{cross[0]} cross-file calls, {bounces} bounces"
-          + ("" if stats is None else f" (speculation: {stats.commits} committed of {stats.speculated})"))
+          f"{cross[0]} cross-file calls, {bounces} bounces")
     print("calls by file:", ", ".join(f"{f} {n}" for f, n in collections.Counter(files).most_common()))
 
 

@@ -428,8 +428,6 @@ CONTENDERS = [
     Contender("ours", "OffloadOptimizer", _ours(), ("gpu", "cpu")),
     Contender("ours-stream", "OffloadOptimizer stream_grads", _ours(stream_grads=True), ("cpu",)),
     Contender("ours-release", "OffloadOptimizer release_grads", _ours(release_grads=True), ("gpu",)),
-    Contender("ours-nospec", "OffloadOptimizer speculate=False", _ours(speculate=False), ("gpu",)),
-    Contender("ours-spec", "OffloadOptimizer speculate=True", _ours(speculate=True), ("gpu",)),
     # The first quarter of the model (the last gradients backward produces) keeps its state on the GPU.
     Contender("ours-gpu25", "OffloadOptimizer gpu_fraction=0.25", _ours(gpu_fraction=0.25), ("gpu",), host_bytes=12),
     Contender("ours-gpuauto", "OffloadOptimizer gpu_fraction='auto'", _ours(gpu_fraction="auto"), ("gpu",)),
@@ -534,9 +532,6 @@ def _timeline_result(runner: Runner, key: str, steps: int, args) -> Optional[Dic
     print(f"timeline of {key} (per step, host clock; trace in {args.timeline}/{key}.json):")
     for k, v in table.items():
         print(f"  {k:24s} {v['per_step']:7.1f} x {v['ms_per_step']:9.3f} ms")
-    stats = runner.opt.speculation_stats
-    if stats is not None:
-        print(f"  speculation: {stats}")
     return table
 
 
@@ -581,10 +576,6 @@ def measure(con: Contender, cfg: Config, batches, args, device: torch.device) ->
         torch.cuda.synchronize()
         result = _summary(phases, step_s, loss)
         result["timeline"] = _timeline_result(runner, con.key, args.steps, args)
-        stats = getattr(runner.opt, "speculation_stats", None)
-        if stats is not None:  # what speculation did over the run (kept, dropped and why, not started and why)
-            result["speculation"] = dict(speculated=stats.speculated, commits=stats.commits,
-                                         rollbacks=dict(stats.reasons), not_started=dict(stats.not_started))
         result.update(peak_bytes=torch.cuda.max_memory_allocated(), rest_bytes=torch.cuda.memory_allocated(),
                       reserved_bytes=torch.cuda.max_memory_reserved())
         return result
@@ -917,8 +908,6 @@ def main():
                 status = (f"step {r['step_s'] * 1e3:.1f} ms, peak {r['peak_bytes'] / GIB:.2f} GiB allocated "
                           f"({r['reserved_bytes'] / GIB:.2f} reserved), {r['rest_bytes'] / GIB:.2f} GiB after"
                           if r["status"] == "ok" else f"{r['status']}: {r['error']}")
-                if r.get("speculation"):
-                    status += f"; speculation {r['speculation']}"
                 print(f"  ran {con.label}: {status} ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save()
         else:

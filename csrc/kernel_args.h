@@ -17,7 +17,7 @@ enum class DType : int32_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kQ8 = 4 }
 constexpr int64_t kQBlock = 64;
 
 // Every state buffer comes as a source (`*_in`, read) and a destination (written). In place, the dispatcher passes
-// the same pointer for both; out of place (speculation's ping-pong: read set A, write set B, A left as it was), a
+// the same pointer for both; out of place (a ping-pong: read set A, write set B, A left as it was), a
 // destination shares no byte with any source, so a vector loop may read ahead of what it writes. Either way it is
 // one memory pass: each element's sources are read once, before its destinations are written.
 struct AdamArgs {

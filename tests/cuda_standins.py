@@ -101,7 +101,7 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
     setattr_(torch.cuda, "Event", Event)
     setattr_(torch.cuda, "current_stream", lambda device=None: current)
     setattr_(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    # A device with room to spare (speculative uploads ask).
+    # A device with room to spare (uploads in backward and parked reloads ask).
     setattr_(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
     setattr_(torch.cuda, "memory_reserved", lambda device=None: 0)
     setattr_(torch.cuda, "memory_allocated", lambda device=None: 0)

@@ -44,7 +44,6 @@ FUSED = functools.partial(torch.optim.AdamW, fused=True)
 OURS = functools.partial(OffloadOptimizer)
 OURS_SMALL_BUCKETS = functools.partial(OffloadOptimizer, bucket_numel=16)  # several buckets per FSDP unit
 OURS_RELEASE = functools.partial(OffloadOptimizer, release_grads=True)
-OURS_SPECULATING = functools.partial(OffloadOptimizer, speculate=True)
 
 
 def ours_copying(params, **kw):
@@ -68,7 +67,7 @@ WORLD3_RECIPES = ["plain", "clip_opt", "scaler", "accumulate", "mixed_precision"
 WITNESS_RECIPES = ["plain", "clip", "scaler_clip", "accumulate", "mixed_precision", "dcp_roundtrip"]
 SMALL_BUCKET_RECIPES = ["plain", "clip_opt", "accumulate"]
 COPYING_RECIPES = ["plain", "cpu_offload", "scaler_clip", "dcp_roundtrip", "saved_roundtrip"]
-# The GPU route on CPU tensors (tests/cuda_standins.py): gradients streamed from FSDP's hooks, speculation on.
+# The GPU route on CPU tensors (tests/cuda_standins.py): gradients streamed from FSDP's hooks.
 STANDIN_RECIPES = ["plain", "clip", "clip_opt", "scaler_clip", "accumulate", "groups_scheduler", "mixed_precision",
                    "no_reshard", "dcp_roundtrip", "full_roundtrip", "saved_roundtrip"]
 # With release_grads (no GradScaler, and clipping by opt.clip_grad_norm_: torch's clip finds no gradient left).
@@ -105,10 +104,9 @@ def _jobs(world: int, workdir: str) -> Dict[str, object]:
         for name in COPYING_RECIPES:
             jobs[f"ours_copying/{name}"] = h.Job(h.RECIPES[name], ours_copying)
         for name in STANDIN_RECIPES:
-            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS_SPECULATING, standins=True)
+            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS, standins=True)
         for name in STANDIN_RELEASE_RECIPES:
             jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
-        jobs["speculation/standins"] = h.Call(speculation_stats)
         jobs["refuse/disagreeing_lr"] = h.Call(refuse_disagreeing_lr)
         jobs["refuse/disagreeing_lr_hsdp"] = h.Call(refuse_disagreeing_lr, ("hsdp_replicate",))
         jobs["refuse/nonfinite_named"] = h.Call(refuse_nonfinite_naming_it)
@@ -371,7 +369,7 @@ def test_host_shards_fsdp_keeps_to_itself_are_updated_through_a_copy_as_adamw(wo
 @pytest.mark.parametrize("name", STANDIN_RECIPES)
 def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world2, name):
     """Buckets told they are on a GPU (streams and events stand-ins, tests/cuda_standins.py): gradients copied in
-    FSDP's hooks as each unit's reduce-scatter ends, speculate=True, the update written back into the local shards.
+    FSDP's hooks as each unit's reduce-scatter ends, the update written back into the local shards.
     ``clip`` and ``mixed_precision`` clip with torch's ``clip_grad_norm_`` after the gradients were streamed: its
     ``_foreach_mul_`` on DTensors bumps no version counter, and the step must still see it."""
     h.assert_same(world2[f"adamw/{name}"].get(), world2[f"ours_standins/{name}"].get(), f"stand-ins {name}")
@@ -393,33 +391,6 @@ def test_compact_state_trains_and_checkpoints_close_to_adamw(world2, name):
     in test_state_dtypes.py."""
     h.assert_same(world2["adamw/dcp_roundtrip"].get(), world2[f"ours_{name}/dcp_roundtrip"].get(), name,
                   atol=2e-3, rtol=0.0)
-
-
-def speculation_stats(rank, world):
-    """Four steps of the plain recipe and four with torch's clip, on the stand-ins: what speculation did."""
-    import cuda_standins
-
-    out = {}
-    for name in ("plain", "clip"):
-        recipe = h.RECIPES[name]
-        with cuda_standins.installed():
-            loop = h.make_loop(world, recipe, OURS_SPECULATING)
-            for step in range(4):
-                h.train_step(loop, recipe, step, rank, world)
-        stats = loop.opt.speculation_stats
-        out[name] = (stats.speculated, stats.commits, dict(stats.reasons))
-    return out
-
-
-def test_speculation_commits_under_fsdp_and_rolls_back_after_torchs_clip(world2):
-    """speculate=True applies to FSDP2 parameters on a GPU: updates run as each unit's gradients arrive and commit
-    at step(); after torch's clip (a coefficient below 1: the multiplier or the gradients changed) they roll
-    back."""
-    stats = world2["speculation/standins"].get()
-    speculated, commits, reasons = stats["plain"]
-    assert speculated > 0 and commits == speculated and not reasons, stats
-    speculated, commits, reasons = stats["clip"]
-    assert speculated > 0 and commits < speculated and reasons, stats
 
 
 @pytest.mark.parametrize("cls,name", [(c, n) for c, names in TORCH_CLASS_RECIPES.items() for n in names])

@@ -48,7 +48,6 @@ STEPS, SAVE_AT = 20, 10
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.05  # well below the gradient norm: every step is clipped
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
 OURS = OffloadOptimizer
-OURS_SPECULATING = functools.partial(OffloadOptimizer, speculate=True)
 
 
 class Net(nn.Module):
@@ -343,9 +342,9 @@ def _jobs(workdir: str) -> Dict[str, Any]:
     jobs["hsdp-tp/ours-resumed"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, None, "hsdp-ours",
                                                   SAVE_AT))
     for style in STYLES + ("mixed",):
-        jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS_SPECULATING, standins=True), workdir))
-    jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS_SPECULATING, clip_with="torch",
-                                                                standins=True), workdir))
+        jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS, standins=True), workdir))
+    jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS, clip_with="torch", standins=True),
+                                                          workdir))
     for name, make_opt in (("adamw", ADAMW), ("ours", OURS)):
         setup = Setup("sequence", make_opt, clip_with="torch" if make_opt is ADAMW else "opt")
         jobs[f"full-roundtrip/{name}"] = h.Call(train, (setup, workdir, None, None, 0, SAVE_AT))
@@ -393,7 +392,7 @@ def test_tp_with_fsdp_matches_adamw_every_step(world4, style, clip_with):
 @pytest.mark.parametrize("job", [f"standins/{s}" for s in STYLES + ("mixed",)] + ["standins-torch-clip/sequence"])
 def test_the_gpu_route_streaming_from_fsdp_hooks_matches_adamw(world4, job):
     """Buckets told they are on a GPU (tests/cuda_standins.py): gradients copied in FSDP's hooks with their norms
-    (a bucket holding a piece this rank does not count is measured again, parameter by parameter), speculate=True."""
+    (a bucket holding a piece this rank does not count is measured again, parameter by parameter)."""
     style = job.split("/")[1]
     h.assert_same(world4[f"adamw/{style}"].per_rank[0], world4[job].per_rank[0], job)
 

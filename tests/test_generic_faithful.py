@@ -413,52 +413,6 @@ def test_sharded_string_settings_and_group_state_match_the_class():
     assert td.launch(_sharded_worker, 2, timeout=180) == {0: [True, True], 1: [True, True]}
 
 
-# ----------------------------------------------------------------- speculation's rollbacks (CUDA stand-ins) --
-def test_speculation_leaves_a_class_that_updates_in_place_to_step(monkeypatch):
-    """Speculation writes its update out of place, into spare buffers; a class's own step() updates in place, so
-    its buckets are not speculated (``not_started["rule updates in place"]``) and run at step(). With an lr changed
-    between backward and step(), a state_dict() there and a zero_grad() after backward, the class's param-group
-    count stays where a run without speculation has it: bitwise against ``speculate=False`` every step, and against
-    the class itself."""
-    import concurrent.futures
-
-    import cuda_standins
-    from zero_offload import speculation
-
-    assert cuda_standins.install(monkeypatch.setattr) is not None
-    real = speculation._Worker.submit
-    monkeypatch.setattr(speculation._Worker, "submit",
-                        lambda self, fn, *a: concurrent.futures.wait([job := real(self, fn, *a)]) and job)
-    torch.manual_seed(0)
-    models = [torch.nn.Sequential(*[torch.nn.Linear(9, 9) for _ in range(3)]) for _ in range(3)]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    spec = offload(GroupStepAdam, models[0].parameters(), bucket_numel=100, speculate=True)
-    plain = offload(GroupStepAdam, models[1].parameters(), bucket_numel=100, speculate=False)
-    ref = GroupStepAdam(models[2].parameters())
-    for step in range(8):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(4, 9, generator=gen), torch.randn(4, 9, generator=gen)
-        for m, opt in zip(models, (spec, plain, ref)):
-            opt.zero_grad()
-            (m(x) - y).pow(2).mean().backward()
-            if step == 3 and opt is not ref:
-                opt.zero_grad()  # the step never comes: rolled back
-                (m(x) - y).pow(2).mean().backward()
-            if step % 3 == 1:
-                for g in opt.param_groups:
-                    g["lr"] *= 0.5
-            if step == 4 and opt is not ref:
-                opt.state_dict()
-            opt.step()
-        assert spec.param_groups[0]["step"] == plain.param_groups[0]["step"] == ref.param_groups[0]["step"]
-        for p, q, r in zip(*(m.parameters() for m in models)):
-            torch.testing.assert_close(p, q, rtol=0, atol=0)
-            torch.testing.assert_close(q, r)
-    stats = spec.speculation_stats
-    assert stats.speculated == 0 and stats.not_started["rule updates in place"] > 0, stats
-
-
 @pytest.mark.parametrize("cls", [GroupStepAdam, GlobalCountSGD, CountingSGD])
 def test_delayed_update_previews_for_saving_change_nothing(cls):
     """delayed_update: step t applies the gradients of step t-1; a state_dict() in between computes the pending

@@ -31,7 +31,7 @@ def test_plan_matches_train_step_and_fits_one_lease():
                                                             "steps", "threads-unpinned", "threads-pinned"]
     assert steps["steps"].argv[steps["steps"].argv.index("--preset") + 1] == "1.3b"
     only = steps["steps"].argv[steps["steps"].argv.index("--only") + 1].split(",")
-    assert {"adamw", "ours", "ours-parked", "ours-auto", "ours-spec", "ours-gpuauto", "ours-delayed"} <= set(only)
+    assert {"adamw", "ours", "ours-parked", "ours-auto", "ours-gpuauto", "ours-delayed"} <= set(only)
     # Issue 52's rows: AdamW and the all-host placement uncapped, then parked, 'auto' and torchao capped at the
     # all-host peak plus 1 GiB, without and with clipping.
     for name in ("steps-capped", "steps-capped-clip"):

@@ -1,5 +1,5 @@
 """Host buffers on huge pages (``zero_offload.host_memory``): large unpinned buffers start on a 2 MiB boundary and
-are advised as huge-page memory, are still exact-size whole storages (speculation trades their memory), and an
+are advised as huge-page memory, are still exact-size whole storages (a checkpoint load trades their memory), and an
 optimizer on them matches ``torch.optim.AdamW``; ``ZERO_OFFLOAD_HUGE_PAGES`` turns it off, and a value that is no
 boolean is refused."""
 
@@ -71,7 +71,7 @@ def test_a_huge_pages_setting_that_is_no_boolean_is_refused_naming_it(monkeypatc
 
 
 def test_memory_is_traded_between_huge_and_ordinary_buffers_and_freed_with_the_last_view(monkeypatch):
-    """Speculation commits by trading memory between two buffers of one size (every view follows): a buffer on
+    """A staged checkpoint load commits by trading memory between two buffers of one size (every view follows): a buffer on
     huge pages trades with another, or with one from torch's allocator, and its map lives as long as a view."""
     monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
     a = host_memory.empty_host(LARGE, torch.float32).fill_(1.0)

@@ -4,7 +4,7 @@ AdamW keeps ``.grad`` over a load: the next ``step()`` updates the loaded state 
 computed (and a clip already applied to them). Ours keeps what backward already sent to the host (with
 ``release_grads`` the host buffer holds the only copy) and a pending ``clip_grad_norm_``. Before the fix the load
 ended the step: ``release_grads`` then stepped 0 of 12 parameters, or only the second micro-batch, and a pending
-clip was dropped. Each scenario runs with the model on the CPU and on the CUDA stand-ins (speculation on), every
+clip was dropped. Each scenario runs with the model on the CPU and on the CUDA stand-ins, every
 step compared with AdamW at default tolerance.
 """
 

@@ -1,4 +1,4 @@
-"""The out-of-place CPU-Adam update (``out=``, speculation's ping-pong) on every path this host runs: bit-identical
+"""The out-of-place CPU-Adam update (``out=``, a ping-pong between two buffer sets) on every path this host runs: bit-identical
 to the in-place update for every dtype combination and mode, the inputs left untouched bit for bit, the segments
 entry too, a ping-pong over many steps against torch.optim.AdamW, and a bad out-set refused with nothing written."""
 

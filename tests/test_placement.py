@@ -308,24 +308,21 @@ def test_a_parked_bucket_holds_its_state_on_the_host_only(cuda_branches):
     (dict(placement="parked", state_dtype=torch.bfloat16), "fp32 state only"),
     (dict(placement="parked", overlap_step=True, nonfinite="ignore"), "not combined"),
     (dict(placement="parked", delayed_update=True), "not combined"),
-    (dict(placement="parked", speculate=True), "no host update to speculate"),
-    (dict(placement={"resident": 0.2, "parked": 0.2}, speculate=True), "no host update to speculate"),
-    (dict(placement="auto", speculate=True), "no host update to speculate"),
 ])
 def test_bad_placements_are_refused(kw, match):
     check_refused(kw, match)
 
 
 def test_the_resident_share_is_gpu_fractions_alias_with_what_gpu_fraction_takes(cuda_branches):
-    """``placement={"resident": f}`` places as ``gpu_fraction=f`` and takes what it takes (speculation, where a
-    parked share is refused; a process group, as every placement now: tests/test_placement_sharded.py)."""
+    """``placement={"resident": f}`` places as ``gpu_fraction=f`` and takes what it takes (a process group, as every
+    placement now: tests/test_placement_sharded.py)."""
     import dataclasses
 
     from zero_offload.options import Options
 
     model = TinyTransformer()
-    alias = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement={"resident": 0.5}, speculate=True)
-    fraction = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction=0.5, speculate=True)
+    alias = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement={"resident": 0.5})
+    fraction = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, gpu_fraction=0.5)
     assert _homes(alias) == _homes(fraction) and "resident" in chain.from_iterable(_homes(alias))
     for placement in ({"resident": 0.5}, {"resident": 0.2, "parked": 0.2}, "parked", "auto"):
         dataclasses.replace(Options(placement=placement), sharded=True).validate()

@@ -401,25 +401,6 @@ def test_cgroup_room_is_the_limit_less_what_cannot_be_reclaimed(tmp_path, versio
     assert cgroup_room(str(tmp_path / "absent")) is None
 
 
-@pytest.mark.parametrize("dtype, state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.int8)])
-def test_cuda_plan_names_speculations_undo_pool_at_its_worst(dtype, state_dtype, capsys):
-    """A model on one GPU may speculate (speculate=True): the plan says what its pool takes at most, the bound that
-    ``OffloadOptimizer.estimate_host_memory(..., speculation_memory=...)`` plans given a cap above it."""
-    from zero_offload.host_memory import format_bytes
-    from zero_offload.report import DTYPE_NAMES
-
-    metas = meta_params(3000, dtype, 1000)
-    worst = OffloadOptimizer.estimate_host_memory(metas, bucket_numel=1000, state_dtype=state_dtype,
-                                                  speculation_memory=2**40).buffers["undo"]
-    assert worst > 0
-    main(["--params", "3000", "--dtype", DTYPE_NAMES[dtype], "--state-dtype", DTYPE_NAMES[state_dtype],
-          "--bucket-numel", "1000"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speculation ")]
-    assert len(lines) == 1 and f"at most {format_bytes(worst)} " in lines[0], lines
-    main(["--params", "3000", "--bucket-numel", "1000", "--world-size", "2"])  # (sharded: no speculation)
-    assert "speculation " not in capsys.readouterr().out
-
-
 def test_machine_report_json_has_one_key_per_text_line(capsys):
     """Two-word labels were cut at their first space (issue 36): "cpu features" overwrote "cpu", "native ISAs" the
     native kernel's line, "build cache" ... 9 keys for 11 lines. Each line's value is under its own key."""

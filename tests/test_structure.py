@@ -24,7 +24,7 @@ CLASS_LIMITS = {"optimizer.py:OffloadOptimizer": 350}
 # it, are small and named by phase.
 MAX_FIELDS, MAX_RECORD_FIELDS = 20, 12
 FIELD_LIMITS = {"options.py:Options": None, "optimizer.py:OffloadOptimizer": None}
-STEP_MODULES = ("lane.py", "grad_stream.py", "gate.py", "update.py", "speculation.py", "transport/")
+STEP_MODULES = ("lane.py", "grad_stream.py", "gate.py", "update.py", "transport/")
 # Where a bucket's flat state buffers may be read: its home (state/), the rules it runs, and the bucket itself.
 BUFFER_READERS = ("state/", "rules/", "buckets.py")
 _BUFFERS = re.compile(r"store\.flat\b|\.master\b")

@@ -188,8 +188,7 @@ class FlatBucket:
 
     def slot_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter's slot of ``flat``, a buffer in this bucket's layout, as :func:`view_like` cuts it: one
-        ``as_strided`` each, from the slots' shapes, strides and offsets, read once (speculation's commit makes
-        them every step)."""
+        ``as_strided`` each, from the slots' shapes, strides and offsets, read once."""
         base = flat.storage_offset()
         return [flat.as_strided(shape, stride, base + o) for shape, stride, o in self._slot_geometry]
 

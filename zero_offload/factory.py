@@ -20,6 +20,7 @@ import torch
 
 from zero_offload.lion import Lion
 from zero_offload.optimizer import OFFLOAD_OPTIONS, OffloadOptimizer
+from zero_offload.options import check_removed
 
 __all__ = ["offload"]
 
@@ -38,8 +39,8 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
     ``kwargs`` are the class's own hyperparameters (its defaults apply, it validates them with its own messages)
     and any offload option of :class:`~zero_offload.OffloadOptimizer` (``nonfinite``, ``bucket_numel``,
     ``pin_memory``, ``stream_grads``, ``release_grads``, ``overlap_step``, ``delayed_update``, ``process_group``,
-    ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``, ``speculation_memory``, ``gpu_margin_gib``,
-    ``uploads_in_backward``; ``gpu_fraction`` for Adam(W) only, whose update also runs on the GPU). The result is an
+    ``grads_reduced``, ``timeout``, ``state_dtype``, ``gpu_margin_gib``, ``uploads_in_backward``; ``gpu_fraction``
+    for Adam(W) only, whose update also runs on the GPU). The result is an
     ``OffloadOptimizer``: the same ``step``, ``clip_grad_norm_``, GradScaler support and sharding, with
     ``defaults``, ``param_groups`` and ``state_dict()`` in the format of ``optimizer_class`` (so LR schedulers work
     and a checkpoint of the plain torch optimizer loads, and the other way round).
@@ -66,6 +67,7 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
     """
     if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"offload() takes a torch.optim.Optimizer subclass, not {optimizer_class!r}")
+    check_removed(kwargs, "offload")  # (not passed on to the class, whose error would not say what replaced it)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OFFLOAD_OPTIONS}
     if optimizer_class in (torch.optim.AdamW, torch.optim.Adam, Lion):
         # The class checks its own arguments (its TypeError for an unknown one, its ValueErrors), gives its defaults.

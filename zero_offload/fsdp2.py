@@ -241,7 +241,7 @@ def wrap(view: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         return out
     # torch (2.13 here) gave it the view's storage offset, with which it could be neither pickled nor deep-copied
     # (see zero_offload._compat.own_storage); the same DTensor at offset 0, still over the view (which follows the
-    # buffer when speculation or a load trades its memory).
+    # buffer when a load trades its memory).
     fixed = torch.Tensor._make_wrapper_subclass(DTensor, out.shape, strides=out.stride(), storage_offset=0,
                                                 dtype=out.dtype, device=out.device, layout=out.layout,
                                                 requires_grad=out.requires_grad)

@@ -196,7 +196,7 @@ def cpu_adam_(
         max_exp_avg_sq_scale (Tensor, optional): the same for ``max_exp_avg_sq``; 8-bit state with amsgrad only.
             Default: None.
         out (Dict[str, Tensor], optional): write the update here, bit-identical, the arguments left as they were
-            (speculation's ping-pong): for each buffer the call updates, by keyword (:data:`OUT_KEYS`, no other),
+            (a ping-pong between two buffer sets): for each buffer the call updates, by keyword (:data:`OUT_KEYS`, no other),
             one of its dtype and size, contiguous, that very buffer or sharing no memory with any other. Native:
             the same single pass; torch paths: a copy into ``out``, then in place there. Default: None (in place).
     """

@@ -3,8 +3,7 @@
 ``step()`` reads in three phases: *intake* (the transport receives every bucket's gradients and measures them: the
 norm, inf/nan), *decide* (here: one :class:`Decision` from what a ``GradScaler`` left on the optimizer, the pending
 ``clip_grad_norm_``, the ``nonfinite`` policy and the measurement), *run* (the schedule updates the buckets with
-the decision's multiplier; speculation keeps an update made during backward only if it used the same one). Every
-message about a refused step is here too.
+the decision's multiplier). Every message about a refused step is here too.
 
 **GradScaler.** ``torch.amp.GradScaler.step`` drives an optimizer that sets ``_step_supports_amp_scaling`` by
 setting ``grad_scale`` (the scale, or None once ``unscale_`` ran) and ``found_inf`` on it before calling

@@ -9,10 +9,10 @@ or, pinned, an anonymous memory map of its size rounded up to whole pages, page-
 ``cudaHostRegister`` and unregistered just before the map is released.
 
 Every buffer is a whole storage that starts at its first element (no offset, no neighbour): two buffers of the
-same size and pinning can trade their memory with :func:`~zero_offload._compat.swap_storage`, and every view of
-either follows (speculation commits its result so, see :mod:`zero_offload.speculation`). A pinned buffer's
-registration belongs to its memory, not to a tensor: it is undone when the memory is released, whichever storage
-holds it then.
+same size and pinning can trade their memory with :func:`~zero_offload._compat.take_memory`, and every view of
+either follows (a checkpoint load commits its staged state so, see :mod:`zero_offload.checkpoint.staging`). A
+pinned buffer's registration belongs to its memory, not to a tensor: it is undone when the memory is released,
+whichever storage holds it then.
 
 Large unpinned buffers (from 8 MiB and four huge pages) start on a huge-page boundary (2 MiB on x86-64) and are
 advised to the kernel as huge-page memory (``madvise(MADV_HUGEPAGE)``, which takes effect where the system's
@@ -309,8 +309,8 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
     return None
 
 
-# Buffers that are not optimizer state: gradients, parameter copies or storage, and speculation's undo pool.
-_NOT_STATE = ("grad", "staging", "flat_grad", "params", "undo")
+# Buffers that are not optimizer state: gradients, parameter copies or storage.
+_NOT_STATE = ("grad", "staging", "flat_grad", "params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,12 +323,11 @@ class HostMemoryEstimate:
         padded_numel (int): elements per flat buffer summed over buckets, alignment padding included.
         buffers (Dict[str, int]): bytes per buffer kind: ``master``, the update rule's state buffers by name (in
             the state dtype; with 8-bit state also each one's float32 ``*_scale``), ``grad``
-            (host gradient buffers), ``staging`` (low-precision parameter copies on the CPU or sharded) and ``grad_prev`` (``delayed_update``'s second gradient buffer);
+            (host gradient buffers), ``staging`` (low-precision parameter copies on the CPU or sharded) and
+            ``grad_prev`` (``delayed_update``'s second gradient buffer);
             sharded over a process group (``world_size > 1``) these hold the rank's shard only, and a CPU bucket
             adds ``flat_grad`` (the full flat gradient buffer the reduce-scatter reads) and ``params`` (the rest of
-            the full flat parameter buffer the parameters are views of, outside the rank's own slice). ``undo``:
-            speculation's undo pool (saved state and low-precision outputs, see ``speculation_memory``): what it
-            holds now (an optimizer's estimate), or the bound its cap sets (a plan given ``speculation_memory``).
+            the full flat parameter buffer the parameters are views of, outside the rank's own slice).
         pinned_bytes (int): the part of the total that is page-locked.
         replaces_param_bytes (int): bytes of CPU parameter storage that become views of these buffers (fp32 CPU
             params live in ``master``, low-precision CPU params in ``staging``), so the process grows by
@@ -336,7 +335,7 @@ class HostMemoryEstimate:
         homes (Dict[str, HomeCost]): the buckets by home (``"host"``, ``"parked"``, ``"resident"``: see
             ``placement``), each home's host RAM and GPU memory, the bytes it copies each way per step and the
             elements the CPU kernel steps (:class:`~zero_offload.home_costs.HomeCost`; its ``seconds(rates)`` the
-            predicted times); empty for rows that are no bucket's (speculation's pool).
+            predicted times)).
     """
 
     numel: int

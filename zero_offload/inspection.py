@@ -1,17 +1,19 @@
 """What an :class:`~zero_offload.OffloadOptimizer` tells about itself, beyond ``torch.optim``'s conventions, as a base
 class of it: the host RAM it holds or would take (``estimate_host_memory``), its buffers, the GPU memory of its
-device tier, speculation's counts, and a timeline of its steps."""
+device tier, and a timeline of its steps."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from itertools import chain
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from zero_offload.host_memory import HostMemoryEstimate, PlanOrMeasure
 from zero_offload.lane import Plans
+from zero_offload.options import check_removed
 from zero_offload.placement import device_bytes
 from zero_offload.planning import plan_host_memory
 from zero_offload.timeline import Timeline, TimelineEvent
@@ -49,19 +51,22 @@ class GradlessSteps:
                 "frozen (requires_grad=False)?", UserWarning, stacklevel=6)
 
 
+@functools.wraps(plan_host_memory)
+def _plan(params: Any, **options: Any) -> HostMemoryEstimate:
+    """:func:`~zero_offload.planning.plan_host_memory`, after the constructor's check for removed options."""
+    check_removed(options, "OffloadOptimizer.estimate_host_memory")
+    return plan_host_memory(params, **options)
+
+
 def _held_host_memory(opt: Any) -> HostMemoryEstimate:
-    """The host RAM ``opt`` holds: its buckets', and speculation's undo pool once it holds any."""
-    total = sum((b.estimate() for b in chain.from_iterable(opt._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
-    pool = getattr(opt._mode, "pool", None)
-    if pool is not None and pool.held_bytes:  # (a row once it holds any)
-        total = total + pool.estimate()
-    return total
+    """The host RAM ``opt`` holds: its buckets'."""
+    return sum((b.estimate() for b in chain.from_iterable(opt._buckets)), HostMemoryEstimate(0, 0, {}, 0, 0))
 
 
 class InspectionMethods:
     """The inspection methods of an :class:`~zero_offload.OffloadOptimizer` (see the module docstring)."""
 
-    estimate_host_memory = PlanOrMeasure(plan_host_memory, _held_host_memory)
+    estimate_host_memory = PlanOrMeasure(_plan, _held_host_memory)
 
     def host_memory_estimate(self) -> HostMemoryEstimate:
         """Deprecated: ``opt.estimate_host_memory()`` (the same result, under the one documented name)."""
@@ -80,15 +85,9 @@ class InspectionMethods:
         parameters' own (summed over its buckets; empty without a device tier)."""
         return device_bytes(self._transport.lanes)
 
-    @property
-    def speculation_stats(self) -> Optional[Any]:
-        """With speculation (``speculate``): a :class:`~zero_offload.speculation.SpeculationStats` counting the
-        buckets speculated, committed and rolled back (with the reasons); None without."""
-        return getattr(self._mode, "stats", None)
-
     def record_timeline(self, enabled: bool = True) -> None:
         """Start (or with ``enabled=False`` stop) recording a :class:`~zero_offload.timeline.Timeline` of the
-        steps: host waits, kernels, copies issued, speculation's commits and rollbacks, by the host clock. Costs a
+        steps: host waits, kernels and copies issued, by the host clock. Costs a
         few microseconds per bucket per step while on; nothing while off. See :meth:`timeline`."""
         t = self._transport
         t.timeline = (t.timeline if t.timeline is not None else Timeline()) if enabled else None

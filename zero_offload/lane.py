@@ -1,8 +1,8 @@
 """A bucket's step, told in records by phase: what lives as long as the optimizer (:class:`Lane`: the bucket, its
 route and the route's channel), what backward sent in this step (:class:`Arrival`, begun afresh when the step ends)
 and what ``step()`` received (:class:`Intake`, immutable: returned by the transport's ``receive`` and ``gather``,
-passed down the step and dropped with it). Each schedule keeps its own records (speculation's updates,
-``overlap_step``'s jobs) and the backward hooks theirs (:mod:`zero_offload.grad_stream`).
+passed down the step and dropped with it). Each schedule keeps its own records (``overlap_step``'s jobs,
+``delayed_update``'s pending updates) and the backward hooks theirs (:mod:`zero_offload.grad_stream`).
 
 A bucket moves down its lane: backward's hooks find its gradients final, the transport sends them and notes what it
 sent in the :class:`Arrival` (its route the copy's event and landing buffers in the channel); ``step()`` receives

@@ -6,8 +6,7 @@ step, hooks, ``state_dict``) and drives the stages in the order the data meets t
 :mod:`~zero_offload.buckets` (where bytes live, each bucket's state in its home, :mod:`~zero_offload.state.home`),
 :mod:`~zero_offload.grad_stream` (when gradients may leave), :mod:`~zero_offload.transport` (moving them, each
 bucket's step told in the records of :mod:`~zero_offload.lane`), :mod:`~zero_offload.gate` (whether the step
-applies, and with what multiplier), :mod:`~zero_offload.update` and :mod:`~zero_offload.speculation` (the kernel
-and its schedule) and :mod:`~zero_offload.checkpoint` (the state as users see it).
+applies, and with what multiplier), :mod:`~zero_offload.update` (the kernel and its schedule) and :mod:`~zero_offload.checkpoint` (the state as users see it).
 
 ``step()`` reads in three phases: intake (the transport receives each bucket's gradients as an intake and measures
 them), decide (the gate's :class:`~zero_offload.gate.Decision`), run (the schedule), then finish (every lane's
@@ -36,10 +35,9 @@ from zero_offload.gate import NO_SCALER, Decision, PendingClip, ScalerSignal
 from zero_offload.grad_stream import GradStreamer
 from zero_offload.host_memory import HostMemoryEstimate
 from zero_offload.lane import Lane, Plans
-from zero_offload.options import OFFLOAD_OPTIONS, Options, check_speculation_memory, option_docs
+from zero_offload.options import OFFLOAD_OPTIONS, Options, check_option_names, option_docs
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule
-from zero_offload.speculation import Speculative
 from zero_offload.timeline import NOTHING
 from zero_offload.transport import Transport
 from zero_offload.update import Delayed, Immediate, Overlap, ensure_buffers, update_bucket
@@ -106,10 +104,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         return opt
 
     def _start(self, params: Iterable[Any], rule: Rule, defaults: Dict[str, Any], options: Dict[str, Any]) -> None:
-        unknown = sorted(set(options) - set(OFFLOAD_OPTIONS))
-        if unknown:
-            raise TypeError(f"OffloadOptimizer got an unexpected keyword argument {unknown[0]!r}; its options are "
-                            f"AdamW's and {', '.join(OFFLOAD_OPTIONS)}")
+        check_option_names(options)  # (a removed option's error says what replaced it)
         rule.check(defaults)
         opts = Options.of(options)
         self._topology, params = topology.of(params, opts)
@@ -118,8 +113,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         self._placer = placement.Placer.of(self.options)  # (where buckets go once the first steps are measured)
         self._rule, self._given = rule, dict(options)
         self._transport = self._topology.transport(self.options)
-        self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update),
-                                weak_method(self._speculation_inputs))
+        self._mode = _make_mode(self.options, self._transport, weak_method(self._early_update))
         self._streamer = GradStreamer(self._transport, self._mode)
         self._unhook = weakref.finalize(self, self._streamer.remove)
         self.skipped_steps = 0
@@ -319,11 +313,6 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         ensure_buffers(self.state, lane.bucket, hyper)
         update_bucket(self._transport, lane, list(lane.arrival.sent), None, hyper, 1.0, self.state)
 
-    def _speculation_inputs(self, group: int) -> Tuple[Any, str]:
-        """What a speculative update reads (in a backward hook): the group's hyperparameters as ``step()`` would
-        read them now, and the ``nonfinite`` policy."""
-        return self._rule.hyper(self.param_groups[group]), self.options.nonfinite
-
     def flush(self) -> None:
         """With ``delayed_update``: apply the last ``step()``'s pending update now (saving does not). A parked
         bucket's state still on its way back to the host has landed when it returns."""
@@ -419,16 +408,12 @@ def _check_rule(rule: Rule, options: Options) -> None:
                          f"torch's fused AdamW): leave {name} at its default")
 
 
-def _make_mode(options: Options, transport: Transport, early_update: Callable[[Lane], None],
-               inputs: Callable[[int], Tuple[Any, str]]) -> Immediate:
-    """The schedule ``options`` ask for (``inputs``: what speculation reads of a group, see
-    :class:`~zero_offload.speculation.Speculative`)."""
+def _make_mode(options: Options, transport: Transport, early_update: Callable[[Lane], None]) -> Immediate:
+    """The schedule ``options`` ask for."""
     if options.overlap_step:
         return Overlap(transport, early_update)
     if options.delayed_update:
         return Delayed(transport, options.delayed_exact_steps)
-    if options.speculates:
-        return Speculative(transport, inputs, check_speculation_memory(options.speculation_memory))
     return Immediate(transport)
 
 

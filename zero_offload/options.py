@@ -13,16 +13,16 @@ import datetime
 import math
 import sys
 from numbers import Real
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zero_offload.functional import check_hparams
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD_OPTIONS", "STATE_DTYPES",
-           "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group", "check_impl_flags", "check_params",
-           "check_speculation_memory", "check_state_dtype", "check_step", "delayed_setting", "dtypes_by_name",
-           "world_without_group"]
+           "REMOVED_OPTIONS", "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group",
+           "check_impl_flags", "check_option_names", "check_params", "check_removed", "check_state_dtype", "check_step",
+           "delayed_setting", "dtypes_by_name", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -84,18 +84,6 @@ def check_impl_flags(group: Dict[str, Any]) -> None:
         # RuntimeError; the non-leaf tensors it can differentiate through are refused here anyway.)
         raise RuntimeError("OffloadOptimizer does not support differentiable=True: the update runs in a host kernel "
                            "outside autograd")
-
-
-def check_speculation_memory(value: Any) -> Optional[int]:
-    """``speculation_memory`` as the constructor and ``estimate_host_memory`` take it: None (the undo pool sized to
-    what speculation uses) or a whole number of bytes >= 0 (a float such as ``8e9`` is taken whole); returns it as
-    an int (``ValueError`` otherwise)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, Real) or not (0 <= value < math.inf) or value != int(value):
-        raise ValueError(f"Invalid speculation_memory: {value!r} (a whole number of bytes >= 0, or None to size "
-                         "the undo pool to what speculation uses)")
-    return int(value)
 
 
 def check_state_dtype(state_dtype: Any) -> None:
@@ -216,11 +204,6 @@ def _check_pin_memory(pin: Any) -> None:
         raise ValueError("pin_memory=True needs CUDA, which is not available")
 
 
-def _check_speculate(value: Any) -> None:
-    if value not in (None, True, False):
-        raise ValueError(f"Invalid speculate: {value!r} (True, False or None)")
-
-
 def _check_uploads_in_backward(value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"Invalid uploads_in_backward: {value!r} (True or False)")
@@ -287,8 +270,7 @@ class Options:
         (then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``).""")
     overlap_step: bool = _option(False, """update each streamed bucket in a worker thread during backward, as its
         gradients arrive, with the hyperparameters as they are then (needs ``nonfinite="ignore"``; no clipping or
-        ``GradScaler``; 1.35x fused AdamW on an H100 with ``release_grads``, docs/benchmarks.md). ``speculate=True``
-        does the same exactly, with clipping and a ``GradScaler``, but measured slower (docs/speculation.md).""")
+        ``GradScaler``; 1.35x fused AdamW on an H100 with ``release_grads``, docs/benchmarks.md).""")
     delayed_update: Union[bool, int] = _option(False, """apply each step's update one step late, overlapped with
         the next forward and backward (parameters one step stale). An int N >= 1: the first N steps are exact
         (AdamW's), the later ones delayed; docs/accuracy.md measures what the stale step costs. On a GPU the new
@@ -306,16 +288,6 @@ class Options:
     state_dtype: torch.dtype = _option(torch.float32, """the moments' storage: ``torch.float32`` (exactly AdamW),
         ``torch.bfloat16`` (4 B/param less) or ``torch.int8``: 8-bit block-wise moments (5.875 B/param less). See
         docs/accuracy.md for what that costs in loss; the state dict stays fp32.""", check_state_dtype)
-    speculate: Optional[bool] = _option(None, """update each streamed GPU bucket in a worker thread as soon as
-        backward has sent its gradients, and keep the update at ``step()`` only if it is bit-exactly what
-        ``step()`` computes (same clip coefficient and loss scale, same hyperparameters, step not skipped,
-        gradients, parameters and state unchanged); otherwise drop it and update the bucket at ``step()``. The
-        result is always the non-speculative one, bit for bit; the CPU work moves into backward. Costs host memory
-        for the buckets speculated in a step (see ``speculation_memory``) and, until ``step()``, GPU memory for their
-        new parameters (``uploads_in_backward``). None (the default): off, as False: on an H100 it measured slower
-        than the step without it (2.61x fused AdamW against 1.99x, 1.3B GPT; docs/benchmarks.md). True: on wherever
-        it applies (refused with ``overlap_step``, ``delayed_update`` or a ``process_group``); CPU parameters are
-        updated at ``step()`` either way. See docs/speculation.md.""", _check_speculate)
     gpu_fraction: Union[float, str] = _option(0.0, """the share of each param group's CUDA elements whose master
         and moments stay on the GPU ("twin flow"): the group's first buckets, whose gradients backward produces
         last, are updated there by torch's fused AdamW after the same checks as the rest (finite gradients, the
@@ -336,28 +308,19 @@ class Options:
         whatever it says. With a ``process_group`` each rank parks (or keeps) the state of its shard of a bucket, and
         ``"auto"`` places every rank's buckets alike; under FSDP2, each rank's local shards, in the home their bucket
         is given (``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). Not with ``gpu_fraction`` (its
-        alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``; with
-        ``speculate``, a resident share only.""",
+        alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
         ``uploads_in_backward``, a parked bucket's reload: made only where that much and the gradients still to
         come fit; else at ``step()``).""", _check_gpu_margin)
-    uploads_in_backward: bool = _option(True, """with ``speculate`` or ``delayed_update`` on a GPU: copy each
+    uploads_in_backward: bool = _option(True, """with ``delayed_update`` on a GPU: copy each
         bucket's new parameters up during backward, once its update has run, into a device buffer of the bucket's
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at
         ``step()``; the buffers are given back at ``step()``. False: every upload from the host at ``step()``, no
         device memory beyond the parameters (for a run near its GPU memory limit, e.g. with activation
         checkpointing, whose recomputation the room check does not foresee); a parked bucket's state then comes up
         at ``step()`` too.""", _check_uploads_in_backward)
-    speculation_memory: Optional[int] = _option(None, """the most bytes of host RAM speculation's buffers may
-        hold: they come from one pool shared by the buckets of a step and reused by the next, and a bucket that
-        finds no room is updated at ``step()`` (``speculation_stats.not_started["undo pool full"]``). None: sized to
-        what the worker reaches during backward, learned step by step (the most it used in the last 10 steps, plus
-        one bucket; the first step that speculates measures it, later growth is made between steps on a thread of its
-        own), never more than the host can spare twice over. 0
-        turns speculation off; unused where speculation is off. ``opt.estimate_host_memory()`` shows what the pool
-        holds (``undo``).""", check_speculation_memory)
     sharded: bool = _context(False)
     outside_world: int = _context(1)
 
@@ -399,12 +362,6 @@ class Options:
         ``gpu_fraction``."""
         return "gpu_fraction" if self.placement == "host" else "placement"
 
-    @property
-    def speculates(self) -> bool:
-        """Whether the speculating schedule runs: only when asked for (``speculate=True``; None, the default, is
-        off until a GPU measurement shows it pays); it then acts on streamed buckets on a GPU only."""
-        return bool(self.speculate)
-
     def validate(self) -> "Options":
         """Raise ``ValueError`` naming the first option (or combination) that cannot work; returns ``self``."""
         for f in dataclasses.fields(self):
@@ -435,9 +392,6 @@ class Options:
                              "after the checks of the whole step")
         # (the resident share alone is gpu_fraction's, with what gpu_fraction takes)
         parks = self.placement == "auto" or "parked" in self.shares()
-        if parks and self.speculate:
-            raise ValueError(f"{given} and speculate=True are not combined: a parked bucket has no host update to "
-                             "speculate on")
 
     @property
     def _mode(self) -> str:
@@ -449,17 +403,6 @@ class Options:
         if (self.overlap_step or self.delayed_update) and self.stream_grads is False:
             raise ValueError(f"{self._mode}=True needs the gradients streamed in backward: leave stream_grads at "
                              "None or True")
-        _check_speculate(self.speculate)
-        check_speculation_memory(self.speculation_memory)
-        if self.speculate and self.speculation_memory == 0:
-            raise ValueError("speculate=True with speculation_memory=0 leaves no room to save a bucket's state "
-                             "before its speculative update: pass speculate=False (or None) to turn it off")
-        if self.speculate and (self.overlap_step or self.delayed_update):
-            raise ValueError(f"speculate=True and {self._mode}=True are alternatives: speculate does what "
-                             "overlap_step does, exactly; delayed_update applies each update a step late")
-        if self.speculate and self.stream_grads is False:
-            raise ValueError("speculate=True needs the gradients streamed in backward: leave stream_grads at None "
-                             "or True")
         if self.overlap_step and self.nonfinite != "ignore":
             raise ValueError(
                 "overlap_step=True updates each bucket as soon as its gradients are complete, before later buckets' "
@@ -470,9 +413,6 @@ class Options:
     def _check_distributed(self) -> None:
         if not self.sharded and (self.grads_reduced or self.timeout is not None):
             raise ValueError("grads_reduced and timeout only apply with a process_group, and none was given")
-        if self.sharded and self.speculate:
-            raise ValueError("speculate=True is not yet combined with a process_group (its validation needs the "
-                             "norm all-reduced at step()): leave speculate at None or False")
         if self.sharded and (self.overlap_step or self.delayed_update):
             raise ValueError("overlap_step and delayed_update are not yet combined with a process_group: a sharded "
                              "bucket is updated at step(), after the gradient statistics are agreed over the group")
@@ -516,6 +456,35 @@ class Options:
 # (what zero_offload.offload takes besides the wrapped class's own hyperparameters).
 OFFLOAD_OPTIONS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Options)
                                    if not f.metadata.get("context")}
+
+# Options that existed and were removed, with why and what to use instead: passing one is a TypeError that says so
+# (rather than Python's bare "unexpected keyword argument"), and nothing is built.
+_SPECULATION_REMOVED = (
+    "was removed with speculation (a bucket's update run in a worker thread during backward and kept at step() "
+    "only if exact): it measured slower than the plain step on every GPU run (1.3B GPT on an H100: 2.61x fused "
+    "AdamW's step time with speculation against 1.99x without; docs/benchmarks.md), and placement='auto' keeps "
+    "the state on the GPU where it fits (1.01x there). Drop it; to take the update off the critical path use "
+    "placement='auto' or 'parked' (the state stepped on the GPU), or overlap_step=True (the host update run during "
+    "backward; no clipping or GradScaler)")
+REMOVED_OPTIONS: Dict[str, str] = {"speculate": _SPECULATION_REMOVED, "speculation_memory": _SPECULATION_REMOVED}
+
+
+def check_removed(given: Iterable[str], where: str) -> None:
+    """Raise ``TypeError`` for the first name of ``given`` that is a removed option (:data:`REMOVED_OPTIONS`),
+    saying why it went and what to use instead; ``where`` names the call (``"OffloadOptimizer"``...)."""
+    gone = [name for name in given if name in REMOVED_OPTIONS]
+    if gone:
+        raise TypeError(f"{where}: the option {gone[0]!r} {REMOVED_OPTIONS[gone[0]]}")
+
+
+def check_option_names(given: Iterable[str]) -> None:
+    """The constructor's keyword check: a removed option (:func:`check_removed`), then any other name that is not
+    an offload option, as Python's ``TypeError`` for an unexpected keyword argument."""
+    check_removed(given, "OffloadOptimizer")
+    unknown = sorted(set(given) - set(OFFLOAD_OPTIONS))
+    if unknown:
+        raise TypeError(f"OffloadOptimizer got an unexpected keyword argument {unknown[0]!r}; its options are "
+                        f"AdamW's and {', '.join(OFFLOAD_OPTIONS)}")
 
 
 def option_docs(indent: str = "        ") -> str:

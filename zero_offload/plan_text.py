@@ -221,24 +221,12 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
             out.append(f"                 the grad buffer also carries the updated {DTYPE_NAMES[plan.dtype]} parameters "
                        "back (no staging copy)")
     if plan.device == "cuda" and not sharded:
-        out += _speculation_lines(plan)
         copy = plan.host.padded_numel * plan.dtype.itemsize
-        out += [f"uploads          with speculate=True or delayed_update: up to {format_bytes(copy)} more on the GPU "
+        out += [f"uploads          with delayed_update: up to {format_bytes(copy)} more on the GPU "
                 "during backward", "                 (the new parameters, copied up early, only where the GPU has "
                 "room beyond gpu_margin_gib;", "                 given back at step(); none with "
                 "uploads_in_backward=False; not in the verdict below)"]
     return out
-
-
-def _speculation_lines(plan: MemoryPlan) -> List[str]:
-    """Speculation's pool of spare buffers, on top of the table (``speculate=True``, a model on GPUs): its worst
-    case."""
-    outputs = plan.host.padded_numel * plan.dtype.itemsize if plan.dtype != torch.float32 else 0
-    worst = plan.host.state_bytes + outputs
-    return [f"speculation      with speculate=True (off by default): a pool on top of the table, at most "
-            f"{format_bytes(worst)} ({worst / plan.numel:.3g} B/param:",
-            "                 every bucket speculated at once); it holds what the worker reaches during backward "
-            "(learned),", "                 or at most speculation_memory bytes (not in the verdict below)"]
 
 
 def _short_count(n: int) -> str:

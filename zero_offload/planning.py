@@ -4,24 +4,23 @@ taken once, as :class:`~zero_offload.options.Options`."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
 from zero_offload import buckets, fsdp2
 from zero_offload.host_memory import HostMemoryEstimate
-from zero_offload.options import DEFAULT_BUCKET_NUMEL, Options, check_speculation_memory, check_state_dtype
+from zero_offload.options import DEFAULT_BUCKET_NUMEL, Options, check_state_dtype
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule
 
-__all__ = ["estimate_params", "plan_host_memory", "plan_undo"]
+__all__ = ["estimate_params", "plan_host_memory"]
 
 
 def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                      pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
                      state_dtype: torch.dtype = torch.float32, gpu_fraction: Union[float, str] = 0.0,
-                     speculation_memory: Optional[int] = None, placement: Union[str, Dict[str, float]] = "host"
-                     ) -> HostMemoryEstimate:
+                     placement: Union[str, Dict[str, float]] = "host") -> HostMemoryEstimate:
     """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
 
     Two ways to ask, one name:
@@ -47,13 +46,6 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
             Default: ``"host"``.
         gpu_fraction (float or str): the buckets a number keeps on the GPU are not counted; ``"auto"`` (decided
             after the first step) counts every bucket: an upper bound. Default: 0.
-        speculation_memory (int, optional): given, the plan has an ``undo`` row: the bytes speculation's undo pool
-            may hold, the cap or, where less, every GPU bucket speculated at once (master, state and, for bf16/fp16
-            parameters, their output: about 12 B/param with fp32 state, 14 B with bf16 parameters, 8 B with bf16
-            state). None (the constructor's default): no row; the pool is then sized to what speculation uses
-            during backward, learned in the first steps (on the 1.3B GPT preset about a third of that worst case),
-            and ``opt.estimate_host_memory()`` shows what it holds. Not with ``world_size > 1`` or
-            ``delayed_update``, where speculation is off. Default: None.
 
     Returns:
         HostMemoryEstimate: bytes by buffer, ``total_bytes``, ``bytes_per_param``, ``pinned_bytes``; ``homes``:
@@ -62,21 +54,17 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         their time).
 
     Raises:
-        ValueError: a ``state_dtype`` or ``speculation_memory`` the constructor refuses (its very error);
+        ValueError: a ``state_dtype`` the constructor refuses (its very error);
             ``world_size`` with FSDP2's parameters.
-        TypeError: FSDP2's parameters mixed with plain ones, or placed otherwise (the constructor's error).
+        TypeError: FSDP2's parameters mixed with plain ones, or placed otherwise (the constructor's error); a removed
+            option such as ``speculation_memory`` (the constructor's error).
     """
     check_state_dtype(state_dtype)
     # (the constructor's checks)
     Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)._check_gpu_tier()
     options = Options(bucket_numel=bucket_numel, pin_memory=pin_memory, delayed_update=delayed_update,
                       state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)
-    memory = check_speculation_memory(speculation_memory)
-    params = list(params)
-    estimate = estimate_params(params, options, world_size, defaults={"amsgrad": amsgrad})
-    if memory and world_size == 1 and not delayed_update:
-        estimate = estimate + plan_undo(params, memory, options, defaults={"amsgrad": amsgrad})
-    return estimate
+    return estimate_params(list(params), options, world_size, defaults={"amsgrad": amsgrad})
 
 
 def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1, *,
@@ -113,29 +101,3 @@ def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1
         total = total + buckets.estimate_layouts(layouts, rule.buffers_for(settings), options, world_size, rule,
                                                  takeovers, buckets.home_plan(layouts, options))
     return total
-
-
-def plan_undo(params: Sequence[Any], limit: int, options: Options, *,
-              defaults: Optional[Dict[str, Any]] = None) -> HostMemoryEstimate:
-    """The ``undo`` row of a plan (``OffloadOptimizer.estimate_host_memory(params, speculation_memory=limit)``):
-    the cap, or, where less, every bucket off the CPU speculated at once (its master, state and scales, and the
-    low-precision output of bf16/fp16 parameters, each page-locked like the bucket's own)."""
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-
-    def only(keep: Callable[[torch.Tensor], bool]) -> List[Dict[str, Any]]:
-        out = []
-        for group in groups:
-            ps = group["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            out.append({**group, "params": [p for p in ps if keep(p[1] if isinstance(p, tuple) else p)]})
-        return out
-
-    fp32 = estimate_params(only(lambda p: p.device.type != "cpu" and p.dtype == torch.float32), options,
-                           defaults=defaults)
-    low = estimate_params(only(lambda p: p.device.type != "cpu" and p.dtype != torch.float32), options,
-                          defaults=defaults)
-    outputs = low.buffers.get("grad", 0)  # (the gradient buffer's size: one low-precision element per slot)
-    worst = fp32.state_bytes + low.state_bytes + outputs
-    held = min(limit, worst)
-    pinned = held if (fp32.pinned_bytes or low.pinned_bytes) else 0
-    return HostMemoryEstimate(0, 0, {"undo": held}, pinned, 0)

@@ -1,6 +1,6 @@
 """An opt-in record of what one optimizer's step did and when, by the host clock: every host wait (what for, how
-long), each bucket's kernel (start, end, thread; speculative or at ``step()``), each copy issued (gradients down,
-parameters up, speculation's saves and restores), speculation's commits and rollbacks, and ``step()`` itself.
+long), each bucket's kernel (start, end, thread), each copy issued (gradients down, parameters up, a parked
+bucket's state up and back), and ``step()`` itself.
 
 ``OffloadOptimizer.record_timeline()`` starts it, ``OffloadOptimizer.timeline()`` returns the events so far (and
 clears them). Off (the default), each recording point costs one ``None`` check. On a GPU the copies are recorded
@@ -24,14 +24,11 @@ class TimelineEvent:
     """One thing that happened.
 
     Attributes:
-        kind (str): ``"wait"`` (the host blocked), ``"kernel"``, ``"copy"``, ``"commit"``, ``"rollback"``,
-            ``"step"``.
+        kind (str): ``"wait"`` (the host blocked), ``"kernel"``, ``"copy"``, ``"step"``.
         what (str): for a wait, what it waited for (``"d2h"``: a bucket's gradient copy; ``"h2d"``: its last
-            upload; ``"norms"``: the GPU norms; ``"streams"``); for a kernel, ``"speculative"``, ``"step"`` or
-            ``"gpu launch"`` (the update of a bucket stepped on the GPU, launched: the GPU runs it after the span);
-            for a copy, ``"d2h"``, ``"h2d"``, ``"h2d speculative"`` or ``"h2d delayed"`` (new parameters copied up
-            to a device buffer during backward), ``"reload"`` and ``"write-back"`` (a parked bucket's state up to the
-            GPU and back), ``"save"`` or ``"restore"``; for a rollback, its reason.
+            upload; ``"norms"``: the GPU norms; ``"streams"``); for a kernel, ``"step"`` or ``"gpu launch"`` (the
+            update of a bucket stepped on the GPU, launched: the GPU runs it after the span); for a copy, ``"d2h"``, ``"h2d"`` or ``"h2d delayed"`` (new parameters copied up to a device buffer
+            during backward), ``"reload"`` and ``"write-back"`` (a parked bucket's state up to the GPU and back).
         bucket (int, optional): the bucket's position in the optimizer (groups in order, then buckets).
         thread (str): the thread's name.
         start (float), end (float): ``time.perf_counter()`` seconds (equal for an instant).

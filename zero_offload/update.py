@@ -1,8 +1,7 @@
 """The schedules of the CPU step: one bucket's journey at ``step()`` (:func:`update_bucket`: wait for its
 gradients, run its rule (:mod:`zero_offload.apply`), show new state entries, send it back), and when each bucket's
 update runs (:class:`Immediate`, the default; :class:`Overlap`, during backward; :class:`Delayed`, during the next
-forward and backward; :class:`~zero_offload.speculation.Speculative` builds on these). The optimizer picks one at
-construction.
+forward and backward). The optimizer picks one at construction.
 """
 
 from __future__ import annotations
@@ -290,7 +289,7 @@ class Delayed(Immediate):
     masters there). Hyperparameters, clipping and loss scaling of a step apply to its own gradients.
 
     On a GPU the new parameters go up during that backward, not at ``step()``: once a bucket's kernel has run *and*
-    backward has sent the bucket's gradients (so the memory backward frees makes room, as for speculative uploads),
+    backward has sent the bucket's gradients (so the memory backward frees makes room),
     they are copied into a device buffer of the bucket's (:meth:`~zero_offload.transport.base.Route.stage`, where
     the device has room for it), and ``step()`` copies them into the parameters device to device. The parameters
     themselves change only at ``step()``, so a second micro-batch, or code between backward and ``step()``, still

@@ -12,7 +12,7 @@
 // oracle run in float64 from the state the unit started that step with (so a rounding that went the other way at one
 // step is judged there, not compounded), and the first step is also checked against the scalar unit. The first step
 // runs in place, the second and third out of place (master, moments and scales read from one set of buffers and
-// written to another, then the sets swap: speculation's ping-pong), each checked to leave the set it read untouched.
+// written to another, then the sets swap: a ping-pong), each checked to leave the set it read untouched.
 //
 // What "equal" means (the tests in tests/test_state_dtypes.py hold the torch-side paths to the same):
 // - param_out is exactly the unit's own master rounded to nearest-even; a bf16 NaN is the canonical 0x7FC0;

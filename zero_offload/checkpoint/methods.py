@@ -99,7 +99,7 @@ class StateDictMethods:
         gradients stay in their lanes (AdamW keeps ``.grad`` over a load; with ``release_grads`` the host buffers
         hold the only copy), and so does a pending clip, whose coefficient AdamW would have applied to ``.grad``
         already: the next ``step()`` updates the loaded state with them."""
-        self._mode.drop()  # a pending (or speculative) update of the old trajectory
+        self._mode.drop()  # a pending update of the old trajectory
         self._transport.synchronize()
         self._settle_homes()  # (a parked bucket's state brought up in backward is the old one)
 

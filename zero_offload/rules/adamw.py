@@ -80,7 +80,7 @@ class AdamW(Rule):
     writes_out = True
 
     def hyper(self, group: Dict[str, Any]) -> Hyper:
-        # Read twice a step (speculation's and step()'s) for every group: plain numbers are looked up, already
+        # Read at every step for every group: plain numbers are looked up, already
         # validated (a hit costs no Python call); a tensor hyperparameter, which may change in place, is read anew.
         betas = group["betas"]
         key = (group["lr"], *betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"],

@@ -84,7 +84,7 @@ class Run:
         grad_scale (float): multiplies the gradient first (loss-scale inverse x clip coefficient x 1/world).
         param_out (Tensor, optional): receives the updated parameter rounded to its low-precision dtype.
         out (Dict[str, Tensor], optional): where the update writes instead of in place, so that ``master``,
-            ``state`` and ``scales`` are only read (speculation's ping-pong: a rollback is a choice of buffer set):
+            ``state`` and ``scales`` are only read (a ping-pong between two buffer sets):
             ``"master"``'s destination under ``"param"``, each state buffer's under its name, each scale's under
             its name plus ``"_scale"``, covering the run like the buffers they replace. None: in place. A rule
             whose :attr:`Rule.writes_out` is False refuses a run with one. Default: None.
@@ -149,7 +149,7 @@ class Rule:
 
     def hyper(self, group: Dict[str, Any]) -> Hashable:
         """The group's hyperparameters read and validated once per step, as a frozen dataclass of plain
-        floats/bools (compared for equality by speculation, agreed across ranks field by field)."""
+        floats/bools (compared for equality, agreed across ranks field by field)."""
         raise NotImplementedError
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:

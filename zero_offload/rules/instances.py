@@ -8,8 +8,8 @@
   taken back at ``load_state_dict()`` through the hooks :func:`zero_offload.offload` registers;
 * attributes its ``step()`` changes: kept in memory, as the class keeps them (its state dict has none).
 
-An update that did not count (a preview of a pending one on copies of the buffers, a speculative one rolled back)
-is undone here too: a bucket's next update with the same step counts starts from what its instance held before.
+An update that did not count (a preview of a pending one on copies of the buffers) is undone here
+too: a bucket's next update with the same step counts starts from what its instance held before.
 """
 
 from __future__ import annotations

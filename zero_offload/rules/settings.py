@@ -1,8 +1,8 @@
 """What the generic rule reads of an optimizer class: its constructor's keyword arguments, kept whole (a flag the
 class keeps on itself rather than in ``defaults``, ``maximize`` in many third-party classes or lucidrains' Lion's
 ``decoupled_weight_decay``, reaches every instance the rule builds), its ``defaults`` (what a param group holds),
-and a group's settings as one frozen, hashable value that speculation compares and the ranks of a process group
-agree on field by field (a string, a dict or None included: see :class:`Opaque`).
+and a group's settings as one frozen, hashable value that the ranks of a process group agree on field by field (a
+string, a dict or None included: see :class:`Opaque`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zero_offload import fsdp2
-from zero_offload._compat import take_memory
 from zero_offload.rules.base import Rule, Run, StateBuffer
 from zero_offload.state.layout import BucketLayout, ShardLayout
 from zero_offload.state.params import Masters
@@ -124,27 +123,6 @@ class Home:
     def holds(self, names: Sequence[str]) -> bool:
         """Whether every buffer of ``names`` is allocated (amsgrad's, once switched on)."""
         return all(name in self.store.flat for name in names)
-
-    def written(self, names: Sequence[str]) -> List[Tuple[str, torch.Tensor]]:
-        """(name, flat buffer) of everything an update with the buffers ``names`` writes in the state: the master,
-        those buffers and their 8-bit scales (as ``<name>_scale``). For an update written elsewhere and then traded
-        in (:meth:`trade`): what to lease, and the version counters an edit of ``opt.state`` moves."""
-        store = self.store
-        found = [("master", self.masters.master)]
-        for name in names:
-            found.append((name, store.flat[name]))
-            if name in store.scales:
-                found.append((name + "_scale", store.scales[name]))
-        return found
-
-    def trade(self, names: Sequence[str], out: Dict[str, torch.Tensor]) -> None:
-        """Make the buffers of :meth:`written` (and the staging copy, from ``out["param"]``) hold what ``out`` holds,
-        trading memory with it (no byte copied: every view of the state, ``opt.state``'s and a checkpoint's
-        included, reads the new values; ``out`` holds the old ones)."""
-        for name, buf in self.written(names):
-            take_memory(buf, out[name])
-        if self.masters.staging is not None:
-            take_memory(self.masters.staging, out["param"])
 
     # -- what users see: opt.state entries and checkpoints -------------------------------------------------------
     def entry(self, i: int) -> Dict[str, torch.Tensor]:

@@ -66,8 +66,6 @@ class Route:
 
     Attributes:
         resident (bool): the state lives with the parameters (no copies between them).
-        speculates (bool): its updates may run speculatively during backward (its gradients reach the host in
-            backward and its parameters are updated only by uploads that wait for a commit).
         upload_reads (bool): :meth:`upload` reads what the update wrote (a copy from the master); False where the
             kernel wrote the parameters' storage itself, so a step may queue its kernels
             (:func:`~zero_offload.functional.queued_updates`).
@@ -78,7 +76,6 @@ class Route:
     """
 
     resident = False
-    speculates = False
     upload_reads = True
     hooks = True
     reads_in_place = False
@@ -377,7 +374,7 @@ class Transport:
 
     def send_params(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Make the updated values visible in the parameters ``indices`` (``srcs``: per parameter, where to upload
-        from instead of :attr:`FlatBucket.upload_views`: a speculative update's own low-precision output)."""
+        from instead of :attr:`FlatBucket.upload_views`: a delayed update's copy already on the device)."""
         lane.route.upload(lane, indices, srcs)
         lane.bucket.home.record_versions(indices)
 

@@ -66,8 +66,6 @@ class DeviceTierRoute(HostRoute):
 class OffloadRoute(Route):
     """A GPU bucket whose state lives on the host (see the module docstring)."""
 
-    speculates = True
-
     def channel(self) -> CopyChannel:
         return CopyChannel()
 
@@ -86,9 +84,8 @@ class OffloadRoute(Route):
             launched = set(idx)
             if grads and not any(add) and all(i in launched for i, has in enumerate(lane.arrival.sent) if has):
                 # The bucket's squared norm, on the GPU, and to the host before the gradients themselves: step()'s
-                # checks (and speculation's early stops) read it without waiting for any gradient copy. Only when
-                # this launch carries all of the bucket's gradients (not when they are summed on the host with an
-                # earlier micro-batch's).
+                # checks read it without waiting for any gradient copy. Only when this launch carries all of the
+                # bucket's gradients (not when they are summed on the host with an earlier micro-batch's).
                 norm = torch.stack(foreach_norm_fp32(grads)).double().square().sum()
                 if channel.norm_host is None:
                     channel.norm_host = empty_host(1, torch.float64, pin=bucket.pin)
@@ -146,14 +143,14 @@ class OffloadRoute(Route):
             torch._foreach_copy_(params, [srcs[i] for i in indices], non_blocking=True)
         lane.channel.up.record(stream)
 
-    # -- speculative uploads (zero_offload.speculation) -------------------------------------------------------------
+    # -- uploads in backward (delayed_update) ----------------------------------------------------------------------
     def stage(self, lane: Lane, src: torch.Tensor, lanes: Sequence[Lane], label: str) -> Optional[Staged]:
-        """Copy a speculative or delayed update's new parameters (``src``, flat in the bucket's layout, in pinned
+        """Copy a delayed update's new parameters (``src``, flat in the bucket's layout, in pinned
         host memory) up into the lane's device buffer, in one copy, from the worker or backward's hooks, while
-        backward goes on; the parameters are not touched (the commit copies device to device, then
+        backward goes on; the parameters are not touched (``step()`` copies device to device, then
         :meth:`Staged.release` gives the memory back). Only where the device has room for it beyond the transport's
         ``staging_margin`` (None: never) and the gradients backward has still to make (the buckets not sent yet);
-        None otherwise (the commit uploads from the host, as without it). ``label``: the copy's name in the
+        None otherwise (``step()`` uploads from the host, as without it). ``label``: the copy's name in the
         timeline."""
         bucket, t = lane.bucket, self.transport
         device = bucket.device
@@ -188,8 +185,8 @@ class OffloadRoute(Route):
 
 
 class Staged:
-    """A lane's speculative upload: its device buffer (flat, the bucket's layout), the buffer's per-parameter views
-    (what the commit copies from), and the event after its copy (until which the host memory it read must not be
+    """A lane's upload in backward: its device buffer (flat, the bucket's layout), the buffer's per-parameter views
+    (what ``step()`` copies from), and the event after its copy (until which the host memory it read must not be
     written). The buffer and its views are made once; between uploads the buffer holds no memory (its storage is
     resized to nothing, as FSDP frees its unsharded parameters), so nothing is kept on the device across steps."""
 
@@ -199,7 +196,7 @@ class Staged:
         self.flat, self.views, self.done = flat, views, done
 
     def release(self) -> None:
-        """Give the device memory back (after the commit's copy was enqueued on the upload stream, or the upload
+        """Give the device memory back (after ``step()``'s copy was enqueued on the upload stream, or the upload
         was waited for): the next allocation on that stream is ordered after what reads it."""
         self.flat.untyped_storage().resize_(0)
 
