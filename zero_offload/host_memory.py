@@ -335,7 +335,7 @@ class HostMemoryEstimate:
         homes (Dict[str, HomeCost]): the buckets by home (``"host"``, ``"parked"``, ``"resident"``: see
             ``placement``), each home's host RAM and GPU memory, the bytes it copies each way per step and the
             elements the CPU kernel steps (:class:`~zero_offload.home_costs.HomeCost`; its ``seconds(rates)`` the
-            predicted times)).
+            predicted times).
     """
 
     numel: int

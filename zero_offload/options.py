@@ -390,8 +390,6 @@ class Options:
         if self.overlap_step or self.delayed_update:
             raise ValueError(f"{given} and {self._mode}=True are not combined: the GPU part is updated at step(), "
                              "after the checks of the whole step")
-        # (the resident share alone is gpu_fraction's, with what gpu_fraction takes)
-        parks = self.placement == "auto" or "parked" in self.shares()
 
     @property
     def _mode(self) -> str:
