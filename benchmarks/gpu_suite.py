@@ -9,7 +9,8 @@ minutes) included, at most 10 minutes a command. Two commands, each a list of st
               pinned (``ZERO_OFFLOAD_PIN_THREADS=0`` and ``=1`` in the child's environment);
     command 2 (under 4 min, on the same warm machine: the build is cached): the rest (``pytest -m cuda``
               bounded, the pinned-memory probe and the latency of the device-room check, the FSDP2 rows at world 1:
-              fused AdamW on the GPU, CPUOffloadPolicy, ours with ``placement='auto'``; and the largest model on a
+              fused AdamW on the GPU, CPUOffloadPolicy, ours with ``placement='auto'``; accelerate's FSDP2 plugin
+              end to end with ours against AdamW (examples/accelerate_fsdp2.py); and the largest model on a
               12 GiB GPU: AdamW, ours with ``release_grads``, ours under FSDP2's CPUOffloadPolicy at world 1,
               torchao). Every step row reports its peak GPU memory. DeepSpeed's step row (measured on the first
               leases, docs/benchmarks.md) runs on request: ``--rows adamw,deepspeed --stages steps``.
@@ -123,7 +124,7 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
         Stage("threads-pinned", "the same, the kernel's threads pinned to cores (ZERO_OFFLOAD_PIN_THREADS=1)",
               threads, 15, needs_gpu=not tiny, env={"ZERO_OFFLOAD_PIN_THREADS": "1"}),
         Stage("cuda-tests", "pytest -m cuda (bounded: what ran by the limit is in its log)",
-              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 45, command="2"),
+              [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE"], 30, command="2"),
         Stage("pinned", "pinned-memory probe: is_pinned() and copy return time for cudaHostRegister'ed buffers "
                         "(the three CUDA tests that failed on torch 2.11); the device-room check's latency; "
                         "pinned buffers on huge pages against ours (copy rates, the kernel's time)",
@@ -133,10 +134,15 @@ def plan(tiny: bool, known: List[str], rows: Optional[List[str]] = None) -> List
                        "(peak GPU memory per row)",
               [py, FSDP2_STEP, "--world", "1", "--gpu-width", "4096", "--gpu-layers", "8", "--steps", "5",
                "--warmup", "2"], 35, command="2"),
+        # accelerate is in the device's image: its FSDP2 plugin end to end with ours against AdamW (issue 53).
+        Stage("accelerate-fsdp2", "accelerate's FSDP2 plugin end to end (prepare, accumulate, clip, a schedule) with "
+                                  "ours and with AdamW, parameters and moments compared at every step",
+              [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               str(ROOT / "examples" / "accelerate_fsdp2.py"), "--steps", "8"], 30, command="2"),
         Stage("find-max-cap12", "largest model on a GPU capped at 12 GiB, activation checkpointing; ours also "
                                 "under FSDP2's CPUOffloadPolicy at world 1",
               [py, TRAIN_STEP, "--find-max", "--checkpoint", "--gpu-cap-gib", "12",
-               "--only", "adamw,ours-release,ours-fsdp2-offload,torchao"], 125, command="2"),
+               "--only", "adamw,ours-release,ours-fsdp2-offload,torchao"], 110, command="2"),
     ]
 
 
