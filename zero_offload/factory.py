@@ -14,7 +14,7 @@ Which update runs:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -75,18 +75,50 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
         from zero_offload.rules.lion import LION
 
         return OffloadOptimizer._with_rule(params, LION, defaults, **options)
-    from zero_offload.rules.settings import class_defaults, freeze
-    from zero_offload.rules.torch_class import rule_for
-
     params = list(params) if not isinstance(params, torch.Tensor) else [params]
-    groups = _group_settings(params)
-    extras = {k: v for k, v in (groups[0] if groups else {}).items() if k != "param_names"}
-    # ``kwargs`` are the class's constructor arguments, whole: every instance of it the rule builds gets them.
-    defaults = class_defaults(optimizer_class, freeze(kwargs), freeze(extras))
-    rule = rule_for(optimizer_class, *[{**defaults, **g} for g in groups or [{}]], ctor=kwargs)
-    opt = OffloadOptimizer._with_rule(params, rule, defaults, **options)
+    rule = _class_rule(optimizer_class, params, kwargs)
+    opt = OffloadOptimizer._with_rule(params, rule, rule.defaults, **options)
     # What the class keeps beyond its per-parameter state and param groups (MADGRAD's global count) is saved and
     # loaded in its own format through the optimizer's public hooks.
     opt.register_state_dict_post_hook(rule.state_dict_hook)
     opt.register_load_state_dict_post_hook(rule.load_hook)
     return opt
+
+
+def _ndims(params: List[Any]) -> Tuple[int, ...]:
+    """The numbers of dimensions of the parameters ``params`` (tensors, ``(name, tensor)`` pairs or groups) give."""
+    found = set()
+    for item in params:
+        tensors = item["params"] if isinstance(item, dict) else [item]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        found.update(t[1].dim() if isinstance(t, tuple) else t.dim() for t in tensors)
+    return tuple(sorted(found))
+
+
+def _class_rule(optimizer_class: type, params: List[Any], kwargs: Dict[str, Any]) -> Any:
+    """The generic rule of ``optimizer_class`` over ``params``: elementwise (stepped anywhere), else run only on whole
+    parameters on a GPU (a parked or resident bucket, :mod:`zero_offload.rules.whole`), else refused naming why."""
+    from zero_offload.rules.settings import Refused, class_defaults, freeze
+    from zero_offload.rules.torch_class import KNOWN_REFUSALS, TorchClassRule
+
+    groups = _group_settings(params)
+    extras = {k: v for k, v in (groups[0] if groups else {}).items() if k != "param_names"}
+    ndims = _ndims(params) or (1,)
+    try:
+        # ``kwargs`` are the class's constructor arguments, whole: every instance of it the rule builds gets them.
+        defaults = class_defaults(optimizer_class, freeze(kwargs), freeze(extras))
+        return TorchClassRule(optimizer_class, [{**defaults, **g} for g in groups or [{}]], kwargs)
+    except Refused as e:
+        if optimizer_class.__name__ in KNOWN_REFUSALS:
+            raise
+        refused = e
+    name = optimizer_class.__name__
+    try:
+        defaults = class_defaults(optimizer_class, freeze(kwargs), freeze(extras), ndims[0])
+        return TorchClassRule(optimizer_class, [{**defaults, **g} for g in groups or [{}]], kwargs, parked=ndims,
+                              host_refusal=f"{name} cannot be stepped on the host: {refused}. placement='parked' "
+                              f"runs it: each parked bucket is stepped on its GPU by {name}'s own code, each "
+                              "parameter whole")
+    except Refused as e:
+        raise type(refused)(f"{refused}. Nor can it be parked (stepped on the GPU by its own code, each parameter "
+                            f"whole): {e}") from None
