@@ -475,9 +475,9 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Pla
     homes = home_plan(layouts, options)
     if rule.host_refusal and "host" in homes:
         asked = options.gpu_option if options.gpu_tier else "placement"
-        raise ValueError(f"{rule.host_refusal}. {asked}={getattr(options, asked)!r} leaves {homes.count('host')} of param "
-                         f"group {gi}'s {len(homes)} buckets on the host (every bucket of CPU parameters is stepped "
-                         "there, and placement='auto' steps every bucket there first)")
+        raise ValueError(f"{rule.host_refusal}. {asked}={getattr(options, asked)!r} leaves {homes.count('host')} of "
+                         f"param group {gi}'s {len(homes)} buckets on the host (every bucket of CPU parameters is "
+                         "stepped there, and placement='auto' steps every bucket there first)")
     room = _Room(layouts, homes, gi, buffers, options, world, rule, takeovers)
     room.check()
     buckets: List[FlatBucket] = []

@@ -76,7 +76,7 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
 
         return OffloadOptimizer._with_rule(params, LION, defaults, **options)
     params = list(params) if not isinstance(params, torch.Tensor) else [params]
-    rule = _class_rule(optimizer_class, params, kwargs)
+    rule = _class_rule(optimizer_class, params, kwargs, options)
     opt = OffloadOptimizer._with_rule(params, rule, rule.defaults, **options)
     # What the class keeps beyond its per-parameter state and param groups (MADGRAD's global count) is saved and
     # loaded in its own format through the optimizer's public hooks.
@@ -95,9 +95,11 @@ def _ndims(params: List[Any]) -> Tuple[int, ...]:
     return tuple(sorted(found))
 
 
-def _class_rule(optimizer_class: type, params: List[Any], kwargs: Dict[str, Any]) -> Any:
+def _class_rule(optimizer_class: type, params: List[Any], kwargs: Dict[str, Any], options: Dict[str, Any]) -> Any:
     """The generic rule of ``optimizer_class`` over ``params``: elementwise (stepped anywhere), else run only on whole
-    parameters on a GPU (a parked or resident bucket, :mod:`zero_offload.rules.whole`), else refused naming why."""
+    parameters on a GPU (a parked or resident bucket, :mod:`zero_offload.rules.whole`) where ``options`` ask for a
+    GPU placement, else refused naming why (the elementwise probe's refusal, of its type, saying whether
+    ``placement="parked"`` would run it)."""
     from zero_offload.rules.settings import Refused, class_defaults, freeze
     from zero_offload.rules.torch_class import KNOWN_REFUSALS, TorchClassRule
 
@@ -113,12 +115,15 @@ def _class_rule(optimizer_class: type, params: List[Any], kwargs: Dict[str, Any]
             raise
         refused = e
     name = optimizer_class.__name__
+    runs = (f"placement='parked' runs it: each parked bucket is stepped on its GPU by {name}'s own code, each "
+            "parameter whole")
     try:
         defaults = class_defaults(optimizer_class, freeze(kwargs), freeze(extras), ndims[0])
-        return TorchClassRule(optimizer_class, [{**defaults, **g} for g in groups or [{}]], kwargs, parked=ndims,
-                              host_refusal=f"{name} cannot be stepped on the host: {refused}. placement='parked' "
-                              f"runs it: each parked bucket is stepped on its GPU by {name}'s own code, each "
-                              "parameter whole")
+        rule = TorchClassRule(optimizer_class, [{**defaults, **g} for g in groups or [{}]], kwargs, parked=ndims,
+                              host_refusal=f"{name} cannot be stepped on the host: {refused}. {runs}")
     except Refused as e:
         raise type(refused)(f"{refused}. Nor can it be parked (stepped on the GPU by its own code, each parameter "
                             f"whole): {e}") from None
+    if options.get("placement", "host") == "host" and not options.get("gpu_fraction"):
+        raise type(refused)(f"{refused}. {runs}") from None  # (every bucket on the host: refused as it was)
+    return rule

@@ -86,6 +86,8 @@ class Probed:
             returns (see :func:`loss_use`).
         closure_refusal (str): why ``step(closure)`` is refused ("": it is not), for a class whose update uses the
             loss and matches the class only without a closure.
+        whole (Tuple[int, ...]): probed to run on whole parameters on a GPU only, of these numbers of dimensions
+            (:mod:`zero_offload.rules.whole`); (): probed elementwise.
     """
 
     buffers: Tuple[str, ...]
@@ -97,6 +99,7 @@ class Probed:
     eager: bool = False
     uses_loss: bool = False
     closure_refusal: str = ""
+    whole: Tuple[int, ...] = ()
 
 
 def same(a: Any, b: Any) -> bool:
@@ -360,8 +363,9 @@ def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
                     f"{name} cannot be offloaded faithfully: its update of one parameter depends on other parameters "
                     f"(a sum over all parameters, or another statistic over all the parameters of its param groups, "
                     f"as D-Adaptation's and Prodigy's step size d): changing the gradients of a {cross[0][0]} "
-                    f"parameter changed the update of {what} (shape {cross[j // 2][j % 2]}) at step {t + 1}; zero_offload "
-                    "updates the parameters bucket by bucket, each bucket's instance of the class seeing its own")
+                    f"parameter changed the update of {what} (shape {cross[j // 2][j % 2]}) at step {t + 1}; "
+                    "zero_offload updates the parameters bucket by bucket, each bucket's instance of the class seeing "
+                    "its own")
 
 
 def loss_use(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], shape: Tuple[int, ...] = _WHOLE) -> bool:

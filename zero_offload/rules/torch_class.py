@@ -138,7 +138,7 @@ def probe_parked(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any
                   tuple(dict.fromkeys(k for p in found for k in p.group_state)),
                   tuple(dict.fromkeys(k for p in found for k in p.global_state)),
                   tuple(dict.fromkeys(k for p in found for k in p.attributes)),
-                  any(p.eager for p in found), any(p.uses_loss for p in found))
+                  any(p.eager for p in found), any(p.uses_loss for p in found), whole=ndims)
 
 
 def _gradient(run: Run) -> torch.Tensor:
@@ -193,11 +193,10 @@ class TorchClassRule(Rule):
                                  f"{KNOWN_REFUSALS[optimizer_class.__name__]}")
         self.name = optimizer_class.__name__
         self.optimizer_class, self.ctor = optimizer_class, dict(ctor or {})
-        self._ndims, self.host_refusal = parked, host_refusal
-        ndim = 1 if not parked else parked[0]
-        self._stand_in = torch.zeros((1,) * ndim)  # (what its instances are built over: a shape the class takes)
+        self.host_refusal = host_refusal
+        self._probed = Probed((), None, False, whole=parked or ())  # (until probed: what _stand_in reads)
         extras = {k: v for k, v in (groups[0] if groups else {}).items() if k not in NOT_SETTINGS}
-        self.defaults = class_defaults(optimizer_class, freeze(self.ctor), freeze(extras), ndim)
+        self.defaults = class_defaults(optimizer_class, freeze(self.ctor), freeze(extras), (parked or (1,))[0])
         # Keys the class adds to its param groups or changes there: its state, not settings (grown as its
         # instances show more).
         self._state_keys = set(() if probed is None else probed.group_state)
@@ -225,6 +224,11 @@ class TorchClassRule(Rule):
         self._globals: Tuple[int, Dict[str, Any]] = (0, {})  # (generation, values) loaded by load_state_dict
         self._ticks = 0
 
+    def _stand_in(self) -> torch.Tensor:
+        """What its instances are built over (their params are set at each update): one element, of a shape the
+        class takes."""
+        return torch.zeros((1,) * (self._probed.whole or (1,))[0])
+
     def _settings(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A group's settings as the class is built with them (what the probe steps)."""
         return read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys)).group()
@@ -234,8 +238,8 @@ class TorchClassRule(Rule):
 
     def _probe_for(self, hyper: Any) -> Probed:
         """The probe of a group's settings (the construction-time probe covers the settings it was built with)."""
-        if self._ndims:
-            return probe_parked(self.optimizer_class, self.ctor, [hyper.group()], self._ndims)
+        if self._probed.whole:
+            return probe_parked(self.optimizer_class, self.ctor, [hyper.group()], self._probed.whole)
         check = probe if self._full else lambda cls, ctor, groups: probe_group(cls, ctor, groups[0])
         return check(self.optimizer_class, self.ctor, [hyper.group()])
 
@@ -257,7 +261,7 @@ class TorchClassRule(Rule):
         there over the given value), with their values."""
         given = {k: v for k, v in group.items() if k not in NOT_SETTINGS}
         try:
-            built = build(self.optimizer_class, [([torch.nn.Parameter(self._stand_in.clone())], given)], self.ctor)
+            built = build(self.optimizer_class, [([torch.nn.Parameter(self._stand_in())], given)], self.ctor)
         except FAILURES:  # (the class refuses these settings: its own error comes from check())
             return {}
         return {k: v for k, v in built.param_groups[0].items() if k not in NOT_SETTINGS and k not in self.defaults
@@ -270,11 +274,11 @@ class TorchClassRule(Rule):
         """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
         class may need group keys its defaults lack (Muon-style ``use_muon``), which every group then gives. A class
         run on whole parameters refuses parameters of other numbers of dimensions than it was probed with."""
-        shapes = [tuple(p.shape) for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
-        if self._ndims and any(len(s) not in self._ndims for s in shapes):
-            raise ValueError(f"{self.name} was probed for parked parameters of {self._ndims} dimensions, not "
-                             f"{sorted({len(s) for s in shapes} - set(self._ndims))}: give parameters of every "
-                             "number of dimensions when building the optimizer")
+        ndims, whole = {p.dim() for p in group.get("params", ()) if isinstance(p, torch.Tensor)}, self._probed.whole
+        if whole and not ndims <= set(whole):
+            raise ValueError(f"{self.name} was probed for parked parameters of {whole} dimensions, not "
+                             f"{sorted(ndims - set(whole))}: give parameters of every number of dimensions when "
+                             "building the optimizer")
         if same({k: v for k, v in group.items() if k not in NOT_SETTINGS}, self.defaults):
             read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys))
             return
@@ -291,7 +295,7 @@ class TorchClassRule(Rule):
         if bound is None:
             # Built over a one-element stand-in (its params are set at each update): a constructor that makes state
             # (Adagrad's) would otherwise allocate and fill a run-sized buffer only to have it replaced by ours.
-            opt = build(self.optimizer_class, [([self._stand_in.clone()], hyper.group())], self.ctor)
+            opt = build(self.optimizer_class, [([self._stand_in()], hyper.group())], self.ctor)
             opt.state.clear()
             bound = Bound(opt, 0 if slots is None else slots.group, None if slots is None else slots.steps,
                           self._probed.attributes)

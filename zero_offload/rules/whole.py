@@ -42,7 +42,7 @@ def probe_whole(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], ndims: T
                              f"like the parameter (a step count aside): {str(e).split(': ', 1)[-1]}") from e
     cross = ((shapes[0], shapes[-1]), (shapes[0],))
     independent(cls, ctor, group, cross=cross)
-    return dataclasses.replace(found, uses_loss=loss_use(cls, ctor, group, shape=shapes[0]))
+    return dataclasses.replace(found, uses_loss=loss_use(cls, ctor, group, shape=shapes[0]), whole=tuple(ndims))
 
 
 def pieces(run: Run) -> List[Run]:
