@@ -10,6 +10,9 @@ Which update runs:
 * :class:`zero_offload.Lion`: the Lion rule (:mod:`zero_offload.rules.lion`).
 * any other class: the generic rule (:mod:`zero_offload.rules.torch_class`), the class's own CPU implementation over
   the flat buffers, after a probe has checked that its update is elementwise (refused, naming why, otherwise).
+* on a bucket stepped on the GPU (``placement="parked"``, ``"resident"``), Lion's and the generic rule run the
+  class's own code there, each parameter whole (:mod:`zero_offload.rules.whole`): a class the elementwise probe
+  refuses (Muon) runs where every bucket is stepped on a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
     and any offload option of :class:`~zero_offload.OffloadOptimizer` (``nonfinite``, ``bucket_numel``,
     ``pin_memory``, ``stream_grads``, ``release_grads``, ``overlap_step``, ``delayed_update``, ``process_group``,
     ``grads_reduced``, ``timeout``, ``state_dtype``, ``speculate``, ``speculation_memory``, ``gpu_margin_gib``,
-    ``uploads_in_backward``; ``gpu_fraction`` for Adam(W) only, whose update also runs on the GPU). The result is an
+    ``uploads_in_backward``, ``gpu_fraction``, ``placement``: a bucket stepped on the GPU, parked or resident, runs
+    the class's own code there, each parameter whole, see docs/placement.md). The result is an
     ``OffloadOptimizer``: the same ``step``, ``clip_grad_norm_``, GradScaler support and sharding, with
     ``defaults``, ``param_groups`` and ``state_dict()`` in the format of ``optimizer_class`` (so LR schedulers work
     and a checkpoint of the plain torch optimizer loads, and the other way round).
@@ -51,8 +55,10 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
             given). Refused with a ``ValueError`` naming why: ``LBFGS`` (a closure and a line search over all
             parameters), ``SparseAdam`` (sparse gradients), ``Adafactor`` (factored state), ``NAdam`` and ``ASGD``
             (per-parameter scalar state besides the step count), classes whose update of an element depends on
-            other elements (LAMB, LARS, Muon, Shampoo: found by probing), classes whose update of one parameter
-            depends on other parameters (D-Adaptation's ``d``, a sum over all of them), classes that step
+            other elements (LAMB, LARS, Muon, Shampoo: found by probing) where a bucket would be stepped on the host
+            (``placement="parked"`` runs those whose per-parameter state is tensors shaped like the parameter, a
+            step count aside, each parameter whole on the GPU: ``torch.optim.Muon``), classes whose update of one
+            parameter depends on other parameters (D-Adaptation's ``d``, a sum over all of them), classes that step
             differently on a replay with identical inputs (random draws, or state outside the optimizer such as a
             class attribute), classes whose ``step(closure)`` calls the closure more than once,
             ``differentiable=True``, ``capturable=True``. Keys the class's constructor adds to its param groups

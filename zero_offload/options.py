@@ -333,9 +333,11 @@ class Options:
         each param group's CUDA elements (``{"resident": 0.1, "parked": 0.5}``: the group's first buckets, whose
         gradients backward produces last, resident, the next ones parked, the rest on the host), or ``"auto"``
         (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
-        whatever it says. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
-        ``overlap_step``, ``delayed_update`` or FSDP2's parameters (yet); with ``speculate`` or a ``process_group``,
-        a resident share only.""",
+        whatever it says. With ``offload(cls)``, a bucket stepped on the GPU runs the class's own code there, each
+        parameter whole: a class that is not elementwise (Muon) runs only where no bucket is stepped on the host
+        (``"parked"``, ``"resident"``). Not with ``gpu_fraction`` (its alias for the resident share), compact
+        ``state_dtype``, ``overlap_step``, ``delayed_update`` or FSDP2's parameters (yet); with ``speculate`` or a
+        ``process_group``, a resident share only.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
