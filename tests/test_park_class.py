@@ -47,11 +47,14 @@ def _groups(params, second=None):
     return [{"params": params[:half]}, {"params": params[half:], **(second or {})}]
 
 
-def _backward(params, step):
-    """A loss over ``params`` (the same ops on either side: the same gradients, bit for bit), then backward."""
+def _loss(params, step):
+    """A loss over ``params``: the same ops on either side, so the same gradients, bit for bit."""
     gen = torch.Generator().manual_seed(100 + step)
-    loss = sum((torch.tanh(p) * torch.randn(p.shape, generator=gen).to(p.device)).sum() ** 2 for p in params)
-    loss.backward()
+    return sum((torch.tanh(p) * torch.randn(p.shape, generator=gen).to(p.device)).sum() ** 2 for p in params)
+
+
+def _backward(params, step):
+    _loss(params, step).backward()
 
 
 def _same(ours, opt, theirs, ref, what):
@@ -115,6 +118,25 @@ def test_muon_parked_clipped_matches_muon(cuda_branches):
         for p, q in zip(ours, theirs):
             torch.testing.assert_close(p, q)
             torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+def test_muon_parked_under_a_gradscaler_is_bitwise_muon_under_one(cuda_branches):
+    """GradScaler's unscale (a power of two: exact either way) and its overflow verdict (step 2 skipped)."""
+    ours, theirs = _params(), _params()
+    opt = offload(torch.optim.Muon, ours, placement="parked", bucket_numel=BUCKET)
+    ref = torch.optim.Muon(theirs)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    for step in range(5):
+        for o, ps, scaler in ((opt, ours, scalers[0]), (ref, theirs, scalers[1])):
+            o.zero_grad()
+            scaler.scale(_loss(ps, step)).backward()
+            if step == 2:
+                ps[1].grad[0, 3] = float("inf")
+            scaler.step(o)
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale(), step
+        _same(ours, opt, theirs, ref, f"step {step}")
+    assert scalers[0].get_scale() != 2.0**10  # (it grew and backed off: the steps did go through it)
 
 
 def test_a_nonfinite_gradient_leaves_a_parked_class_as_it_was(cuda_branches):
@@ -224,7 +246,8 @@ def test_a_class_run_only_whole_is_refused_where_a_bucket_would_be_stepped_on_th
     ours = _params()
     with pytest.raises(ValueError, match=r"Muon.*placement=.parked. runs it"):
         offload(torch.optim.Muon, ours, placement=placement, bucket_numel=BUCKET)
-    opt = offload(torch.optim.Muon, ours, placement="parked", bucket_numel=BUCKET)
+    opt = offload(torch.optim.Muon, [{"params": iter(ours)}], placement="parked", bucket_numel=BUCKET)
+    assert len(opt.param_groups[0]["params"]) == len(ours)  # (a group's iterator is read once)
     groups = len(opt.param_groups)
     with pytest.raises(ValueError, match="probed for parked parameters of \\(2,\\) dimensions"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 3, 4))]})

@@ -92,9 +92,12 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
 
 
 def _ndims(params: List[Any]) -> Tuple[int, ...]:
-    """The numbers of dimensions of the parameters ``params`` (tensors, ``(name, tensor)`` pairs or groups) give."""
+    """The numbers of dimensions of the parameters ``params`` (tensors, ``(name, tensor)`` pairs or groups) give. A
+    group's ``params`` given as an iterator becomes a list (as ``add_param_group`` makes it), read once here."""
     found = set()
     for item in params:
+        if isinstance(item, dict) and not isinstance(item["params"], (torch.Tensor, list, tuple)):
+            item["params"] = list(item["params"])
         tensors = item["params"] if isinstance(item, dict) else [item]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         found.update(t[1].dim() if isinstance(t, tuple) else t.dim() for t in tensors)
@@ -111,7 +114,6 @@ def _class_rule(optimizer_class: type, params: List[Any], kwargs: Dict[str, Any]
 
     groups = _group_settings(params)
     extras = {k: v for k, v in (groups[0] if groups else {}).items() if k != "param_names"}
-    ndims = _ndims(params) or (1,)
     try:
         # ``kwargs`` are the class's constructor arguments, whole: every instance of it the rule builds gets them.
         defaults = class_defaults(optimizer_class, freeze(kwargs), freeze(extras))
@@ -120,7 +122,7 @@ def _class_rule(optimizer_class: type, params: List[Any], kwargs: Dict[str, Any]
         if optimizer_class.__name__ in KNOWN_REFUSALS:
             raise
         refused = e
-    name = optimizer_class.__name__
+    name, ndims = optimizer_class.__name__, _ndims(params) or (1,)
     runs = (f"placement='parked' runs it: each parked bucket is stepped on its GPU by {name}'s own code, each "
             "parameter whole")
     try:
