@@ -274,7 +274,9 @@ class TorchClassRule(Rule):
         """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
         class may need group keys its defaults lack (Muon-style ``use_muon``), which every group then gives. A class
         run on whole parameters refuses parameters of other numbers of dimensions than it was probed with."""
-        ndims, whole = {p.dim() for p in group.get("params", ()) if isinstance(p, torch.Tensor)}, self._probed.whole
+        whole, given = self._probed.whole, group.get("params", ())
+        given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else ()
+        ndims = {p.dim() for p in given if isinstance(p, torch.Tensor)}  # (an iterator is not read: it is the group's)
         if whole and not ndims <= set(whole):
             raise ValueError(f"{self.name} was probed for parked parameters of {whole} dimensions, not "
                              f"{sorted(ndims - set(whole))}: give parameters of every number of dimensions when "
