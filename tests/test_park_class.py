@@ -85,18 +85,39 @@ def _step_both(ours, opt, theirs, ref, step, lr=None):
 MUON_SECOND = dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.01, nesterov=False, lr=0.05)
 
 
-@pytest.mark.parametrize("settings", [{}, dict(lr=0.03, momentum=0.9, ns_steps=3)], ids=["defaults", "set"])
-def test_muon_parked_is_bitwise_muon_every_step(cuda_branches, settings):
+@pytest.mark.parametrize("placement,settings", [("parked", {}), ("parked", dict(lr=0.03, momentum=0.9, ns_steps=3)),
+                                                ("resident", {})], ids=["parked", "parked-set", "resident"])
+def test_muon_parked_is_bitwise_muon_every_step(cuda_branches, placement, settings):
     ours, theirs = _params(), _params()
-    opt = offload(torch.optim.Muon, _groups(ours, MUON_SECOND), placement="parked", bucket_numel=BUCKET, **settings)
+    opt = offload(torch.optim.Muon, _groups(ours, MUON_SECOND), placement=placement, bucket_numel=BUCKET,
+                  **settings)
     ref = torch.optim.Muon(_groups(theirs, MUON_SECOND), **settings)
     homes = _homes(opt)
-    assert len(homes) > 2 and set(homes) == {"parked"}, homes
+    assert len(homes) > 2 and set(homes) == {placement}, homes
     for step in range(6):
         _step_both(ours, opt, theirs, ref, step, lr=0.02 if step == 3 else None)
         _same(ours, opt, theirs, ref, f"step {step}")
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == \
         [{k: v for k, v in g.items() if k != "params"} for g in ref.param_groups]
+
+
+def test_a_bf16_model_parked_steps_its_fp32_masters_as_muon_steps_fp32_parameters(cuda_branches):
+    """The class steps the fp32 masters (parked with the state); the bf16 parameters are them rounded."""
+    ours = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = offload(torch.optim.Muon, ours, placement="parked", bucket_numel=BUCKET)
+    ref = torch.optim.Muon(theirs)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(4):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            q.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            assert torch.equal(opt.state[p]["master"], q), (step, i)
+            assert torch.equal(p, q.to(torch.bfloat16)), (step, i)
+            assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"]), (step, i)
 
 
 def test_muon_parked_clipped_matches_muon(cuda_branches):
