@@ -163,6 +163,25 @@ def gpu_fraction_auto(rank: int, world: int) -> Dict[str, Any]:
     return dict(homes=_homes(loop.opt), snaps=snaps, costs=costs, held=held)
 
 
+def whole_class_refused(rank: int, world: int) -> Dict[str, Any]:
+    """``offload(torch.optim.Muon)`` parked over FSDP2's 2-D parameters: this rank's shards are pieces of them, which
+    Muon's own code (not elementwise) would step as if whole. The refusal, and whether anything changed."""
+    import cuda_standins
+    from zero_offload import offload
+
+    with cuda_standins.installed():
+        model = h.build_model(world, RECIPES["clip_opt"])
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        before = [p.detach().to_local().clone() for p in matrices]
+        try:
+            offload(torch.optim.Muon, matrices, lr=0.02, placement="parked")
+            message = "built"
+        except ValueError as exc:
+            message = str(exc)
+        return dict(message=message, unchanged=all(torch.equal(p.detach().to_local(), b)
+                                                   for p, b in zip(matrices, before)))
+
+
 def _jobs(world: int) -> Dict[str, Any]:
     jobs: Dict[str, Any] = {}
     for name, recipe in RECIPES.items():
@@ -190,6 +209,7 @@ def _jobs(world: int) -> Dict[str, Any]:
         jobs["resume/mix->parked"] = h.Job(recipe, ours("parked"), start_from=("mix", SAVE_AT), standins=True)
         jobs["auto/agrees"] = h.Call(auto_agrees)
         jobs["auto/gpu_fraction"] = h.Call(gpu_fraction_auto)
+        jobs["whole/muon"] = h.Call(whole_class_refused)
     return jobs
 
 
@@ -275,3 +295,12 @@ def test_gpu_fraction_auto_moves_every_rank_s_buckets_to_the_gpu_and_matches_ada
         # The device memory each bucket was priced at is what it holds there (moments and its own fp32 master).
         assert o["costs"] == o["held"] and all(o["held"]), (rank, o["costs"], o["held"])
     h.assert_same(world2["adamw/clip_opt"].get(), out[0]["snaps"], "gpu_fraction='auto'")
+
+
+def test_a_class_run_whole_is_refused_over_fsdp2s_shards(world2):
+    """Muon is not elementwise: over FSDP2's shards (pieces of each matrix at world 2) it is refused, naming why,
+    with nothing changed."""
+    for rank, out in world2["whole/muon"].per_rank.items():
+        assert "Muon cannot be stepped on the host, and its own code steps each parameter whole; with FSDP2" in \
+            out["message"], out["message"]
+        assert out["unchanged"], rank

@@ -22,8 +22,8 @@ from test_cuda_branches import CUDA_RECIPES
 from test_grad_stream import _run_recipe
 from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
 from test_twin_flow import (BUCKET, _buckets, _save, _train, _with, check_an_inf_changes_nothing, check_refused,
-                            clipped_step_beside_adamw, fake_gpu_memory)
-from zero_offload import Lion, OffloadOptimizer, offload
+                            clipped_step_beside_adamw, fake_gpu_memory, host_only_rule)
+from zero_offload import OffloadOptimizer
 
 MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
 
@@ -329,8 +329,9 @@ def test_the_resident_share_is_gpu_fractions_alias_with_what_gpu_fraction_takes(
 
 
 def test_a_rule_without_a_gpu_update_refuses_a_gpu_placement():
-    with pytest.raises(ValueError, match="placement='parked': Lion has no GPU update"):
-        offload(Lion, TinyTransformer().parameters(), placement="parked")
+    rule = host_only_rule()
+    with pytest.raises(ValueError, match="placement='parked': HostOnly has no GPU update"):
+        OffloadOptimizer._with_rule(TinyTransformer().parameters(), rule, dict(rule.defaults), placement="parked")
 
 
 @pytest.mark.parametrize("placement", ["parked", "resident", "auto"])

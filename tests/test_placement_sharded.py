@@ -337,3 +337,26 @@ def test_parked_shards_on_a_gpu_match_adamw(placement, dtype, tmp_path):
                     torch.testing.assert_close(sd["state"][k][name], v[name].cpu(), msg=lambda m: f"{k} {name}: {m}")
     finally:
         dist.destroy_process_group()
+
+
+def _whole_class_sharded(rank, world):
+    _on_standins()
+    from zero_offload import offload
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(5, 7))]
+    before = [p.detach().clone() for p in params]
+    try:
+        offload(torch.optim.Muon, params, lr=0.02, placement="parked", process_group=dist.group.WORLD, timeout=30)
+    except ValueError as exc:
+        return str(exc), all(torch.equal(p, b) for p, b in zip(params, before))
+    return "built", None
+
+
+def test_a_class_run_whole_is_refused_when_its_buckets_hold_pieces_of_parameters():
+    """Muon steps each parameter whole (it is not elementwise): a rank's shard of a sharded bucket holds pieces of
+    parameters, which its own code would orthogonalise as if whole. Refused, naming why, nothing changed."""
+    for rank, (message, unchanged) in td.launch(_whole_class_sharded, 2).items():
+        assert "Muon cannot be stepped on the host, and its own code steps each parameter whole" in message, message
+        assert "with a process_group param group 0's buckets hold this rank's pieces" in message, message
+        assert unchanged, rank

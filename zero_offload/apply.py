@@ -56,7 +56,8 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
         else:
             param_out = bucket.param_out(grad, a, b) if copies is None else (None if staging is None else staging[a:b])
             dest = None
-        slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry)
+        slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry, bucket.shapes[first : last + 1],
+                      layout.offsets[first : last + 1])
         if in_place is None:
             run = Run(master, grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots)
         else:

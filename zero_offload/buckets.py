@@ -487,6 +487,17 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Pla
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     homes = home_plan(layouts, options)
+    if rule.host_refusal and "host" in homes:
+        asked = options.gpu_option if options.gpu_tier else "placement"
+        raise ValueError(f"{rule.host_refusal}. {asked}={getattr(options, asked)!r} leaves {homes.count('host')} of "
+                         f"param group {gi}'s {len(homes)} buckets on the host (every bucket of CPU parameters is "
+                         "stepped there, and placement='auto' steps every bucket there first)")
+    if rule.host_refusal and (world > 1 or data is not None and any(
+            tuple(d.shape) != tuple(p.shape) for d, p in zip(data, group["params"]))):
+        where = "a process_group" if world > 1 else "FSDP2"
+        raise ValueError(f"{rule.host_refusal.split(':')[0]}, and its own code steps each parameter whole; with "
+                         f"{where} param group {gi}'s buckets hold this rank's pieces of its parameters, which that "
+                         "code would step as if whole (it is not elementwise). Run it without sharding its state")
     room = _Room(layouts, homes, gi, buffers, options, world, rule, takeovers)
     room.check()
     buckets: List[FlatBucket] = []

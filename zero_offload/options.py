@@ -307,8 +307,11 @@ class Options:
         (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
         whatever it says. With a ``process_group`` each rank parks (or keeps) the state of its shard of a bucket, and
         ``"auto"`` places every rank's buckets alike; under FSDP2, each rank's local shards, in the home their bucket
-        is given (``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). Not with ``gpu_fraction`` (its
-        alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``.""",
+        is given (``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). With ``offload(cls)``, a bucket
+        stepped on the GPU runs the class's own code there, each parameter whole: a class that is not elementwise
+        (Muon) runs only where no bucket is stepped on the host (``"parked"``, ``"resident"``), on one process
+        without FSDP2. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
+        ``overlap_step`` or ``delayed_update``.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of

@@ -59,6 +59,9 @@ class Slots:
             may do the whole update at the last).
         dry (bool): the update writes copies of the buffers (saving the state a pending update will leave):
             nothing the rule keeps may change.
+        shapes (Tuple[torch.Size, ...]), offsets (Tuple[int, ...]): the run's parameters' shapes and their slots'
+            offsets in the bucket (the run starts at the first), for a rule that steps each parameter whole
+            (:mod:`zero_offload.rules.whole`). Default: () (not told).
     """
 
     owner: object
@@ -67,6 +70,8 @@ class Slots:
     index: int = 0
     count: int = 1
     dry: bool = False
+    shapes: Tuple[torch.Size, ...] = ()
+    offsets: Tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -192,6 +197,9 @@ class Rule:
 
     # Whether :meth:`update_on_device` exists: the rule can run on the device tier (``gpu_fraction``).
     device_update: bool = False
+    # Why :meth:`update` cannot run, for a rule with a device update only (a class run on whole parameters on the GPU,
+    # :mod:`zero_offload.rules.whole`): a bucket it would step on the host is refused with this ("": it can).
+    host_refusal: str = ""
 
     def update_on_device(self, run: Run, hyper: Any) -> None:
         """:meth:`update` of a run whose buffers and gradients are in GPU memory (the device tier), with torch's

@@ -9,8 +9,9 @@ from typing import Any, ClassVar, Dict, Optional
 
 import torch
 
-from zero_offload.lion import Lion as LionOptimizer, check_lion_hparams
+from zero_offload.lion import Lion as LionOptimizer, _multi_tensor_lion, _single_tensor_lion, check_lion_hparams
 from zero_offload.rules.base import Rule, Run, StateBuffer
+from zero_offload.rules.whole import pieces
 
 __all__ = ["Lion", "Hyper", "LION"]
 
@@ -97,6 +98,26 @@ class Lion(Rule):
         if run.param_out is not None and run.grads is not None and run.grads:
             torch._foreach_copy_([run.param_out[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
                                  [master[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)])
+
+    device_update = True
+
+    def update_on_device(self, run: Run, hyper: Hyper) -> None:
+        """:class:`zero_offload.Lion`'s own code over the run's parameters whole, on their GPU (a parked or resident
+        bucket): its multi-tensor implementation for CUDA tensors, as the class picks with ``foreach=None``
+        (single-tensor elsewhere), on the gradients times ``grad_scale``."""
+        self.refuse_out(run)
+        parts = pieces(run)
+        if not parts:
+            return
+        scale = run.grad_scale
+        grads = [p.grad if scale == 1.0 and p.grad.dtype == torch.float32 else p.grad.float() * scale
+                 for p in parts]
+        impl = _multi_tensor_lion if parts[0].master.is_cuda else _single_tensor_lion
+        impl([p.master for p in parts], grads, [p.state["exp_avg"] for p in parts], lr=hyper.lr, beta1=hyper.beta1,
+             beta2=hyper.beta2, weight_decay=hyper.weight_decay, maximize=hyper.maximize)
+        for p in parts:
+            if p.param_out is not None:
+                p.param_out.copy_(p.master)
 
 
 LION = Lion()

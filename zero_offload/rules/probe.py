@@ -86,6 +86,8 @@ class Probed:
             returns (see :func:`loss_use`).
         closure_refusal (str): why ``step(closure)`` is refused ("": it is not), for a class whose update uses the
             loss and matches the class only without a closure.
+        whole (Tuple[int, ...]): probed to run on whole parameters on a GPU only, of these numbers of dimensions
+            (:mod:`zero_offload.rules.whole`); (): probed elementwise.
     """
 
     buffers: Tuple[str, ...]
@@ -97,6 +99,7 @@ class Probed:
     eager: bool = False
     uses_loss: bool = False
     closure_refusal: str = ""
+    whole: Tuple[int, ...] = ()
 
 
 def same(a: Any, b: Any) -> bool:
@@ -216,11 +219,13 @@ def _run(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], params: List[to
     return _steps(_build(cls, ctor, group, params), grads, what)
 
 
-def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probed:
-    """The kinds pass (see the module docstring)."""
+def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
+          shapes: Optional[Sequence[Tuple[int, ...]]] = None) -> Probed:
+    """The kinds pass (see the module docstring), over parameters of ``shapes`` (default: a 2-D and a 1-D one; given:
+    a class stepped whole, :mod:`zero_offload.rules.whole`)."""
     name = cls.__name__
     gen = torch.Generator().manual_seed(0)
-    shapes = [_WHOLE, (_SPLIT,)]
+    given, shapes = shapes is not None, list(shapes or [_WHOLE, (_SPLIT,)])
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     opt = _build(cls, ctor, group, params)
     eager = any(opt.state.get(p) for p in params)
@@ -229,6 +234,8 @@ def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> Probed:
     try:
         _steps(opt, grads, f"parameters of shapes {shapes}")
     except Refused as e:
+        if given:
+            raise
         whole = torch.nn.Parameter(params[0].detach().clone())
         try:
             _run(cls, ctor, group, [whole], [g[:1] for g in grads], f"a {_WHOLE} parameter")
@@ -331,19 +338,20 @@ def _bits(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
+def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
+                cross: Tuple[Tuple[Tuple[int, ...], ...], ...] = _CROSS) -> None:
     """The cross-parameter pass: the class steps three parameters in two param groups, and again with the first
     parameter's gradients replaced by one gradient, three times larger, at every step; the other two must step
     bitwise as before, parameters and state (else its update of one parameter depends on others: a sum over all of
     them, as D-Adaptation's ``d``, however small its effect). A gradient that keeps its direction is what moves
     D-Adaptation's ``d`` off ``d0`` (random ones, uncorrelated from step to step, leave it there for many steps).
-    Raises :class:`Refused`."""
+    ``cross``: the shapes of the three parameters by group. Raises :class:`Refused`."""
     name = cls.__name__
     gen = torch.Generator().manual_seed(4)
-    starts = [[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS]
-    grads = [[[torch.randn(s, generator=gen) for s in shapes] for shapes in _CROSS] for _ in range(SCHEME_STEPS)]
+    starts = [[torch.randn(s, generator=gen) for s in shapes] for shapes in cross]
+    grads = [[[torch.randn(s, generator=gen) for s in shapes] for shapes in cross] for _ in range(SCHEME_STEPS)]
     plain = _trace(cls, ctor, group, starts, grads)
-    steady = torch.randn(_WHOLE, generator=gen).mul_(3)
+    steady = torch.randn(cross[0][0], generator=gen).mul_(3)
     changed = [[[steady if (gi, i) == (0, 0) else g for i, g in enumerate(gs)] for gi, gs in enumerate(step)]
                for step in grads]
     other = _trace(cls, ctor, group, starts, changed)
@@ -354,19 +362,20 @@ def independent(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> None:
                 raise Refused(
                     f"{name} cannot be offloaded faithfully: its update of one parameter depends on other parameters "
                     f"(a sum over all parameters, or another statistic over all the parameters of its param groups, "
-                    f"as D-Adaptation's and Prodigy's step size d): changing the gradients of a {_WHOLE} parameter "
-                    f"changed the update of {what} (shape {_CROSS[j // 2][j % 2]}) at step {t + 1}; zero_offload "
-                    "updates the parameters bucket by bucket, each bucket's instance of the class seeing its own")
+                    f"as D-Adaptation's and Prodigy's step size d): changing the gradients of a {cross[0][0]} "
+                    f"parameter changed the update of {what} (shape {cross[j // 2][j % 2]}) at step {t + 1}; "
+                    "zero_offload updates the parameters bucket by bucket, each bucket's instance of the class seeing "
+                    "its own")
 
 
-def loss_use(cls: type, ctor: Dict[str, Any], group: Dict[str, Any]) -> bool:
+def loss_use(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], shape: Tuple[int, ...] = _WHOLE) -> bool:
     """The closure pass: whether the class steps differently given a closure, or given closures returning
     different losses (a step size scaled by the loss, or by its trend: a falling loss and a rising one). Raises
     :class:`Refused` for a class that calls its closure more than once a step; a class that cannot step with a
-    closure is taken not to use one."""
+    closure is taken not to use one. ``shape``: the parameter's."""
     gen = torch.Generator().manual_seed(5)
-    start = torch.randn(_WHOLE, generator=gen)
-    grads = [torch.randn(_WHOLE, generator=gen) for _ in range(KIND_STEPS)]
+    start = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(KIND_STEPS)]
     seen = []
     for loss in (None, (2.0, 0.8), (0.5, 1.25)):  # (none; the first loss and its ratio from step to step)
         calls = [0]

@@ -95,8 +95,9 @@ def thaw(items: Sequence[Tuple[str, Any]]) -> Dict[str, Any]:
     return {k: unwrap(v) for k, v in items}
 
 
-def _stand_in() -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.zeros(1))
+def _stand_in(ndim: int = 1) -> torch.nn.Parameter:
+    """A one-element parameter of ``ndim`` dimensions (a class that steps whole parameters may want 2-D: Muon)."""
+    return torch.nn.Parameter(torch.zeros((1,) * ndim))
 
 
 def build(cls: type, groups: Sequence[Tuple[List[torch.Tensor], Dict[str, Any]]], ctor: Dict[str, Any]
@@ -108,14 +109,15 @@ def build(cls: type, groups: Sequence[Tuple[List[torch.Tensor], Dict[str, Any]]]
 
 @functools.lru_cache(maxsize=128)
 def class_defaults(cls: type, ctor_items: Tuple[Tuple[str, Hashable], ...],
-                   group_items: Tuple[Tuple[str, Hashable], ...] = ()) -> Dict[str, Any]:
+                   group_items: Tuple[Tuple[str, Hashable], ...] = (), ndim: int = 1) -> Dict[str, Any]:
     """``cls``'s ``defaults`` when built with keyword arguments ``ctor_items`` over one stand-in parameter (and, if
     the class needs more than a list of tensors, in a group with the settings ``group_items``: Muon's ``use_muon``).
     A class that needs an argument not given raises its TypeError, naming it; one that cannot be built over plain
-    tensors is refused (:class:`Refused`) with the class's own error."""
+    tensors is refused (:class:`Refused`) with the class's own error. ``ndim``: the stand-in's dimensions (a class
+    run on whole parameters, see :mod:`zero_offload.rules.whole`, is built over parameters it takes)."""
     ctor = thaw(ctor_items)
     try:
-        return dict(cls([_stand_in()], **ctor).defaults)
+        return dict(cls([_stand_in(ndim)], **ctor).defaults)
     except FAILURES as e:  # (a class that wants parameter groups of its own kind, say)
         error: BaseException = e
     try:
@@ -123,12 +125,13 @@ def class_defaults(cls: type, ctor_items: Tuple[Tuple[str, Hashable], ...],
     except FAILURES:
         pass
     else:
-        raise Refused(f"{cls.__name__} is not elementwise: it takes a 2-D parameter but not a 1-element one "
-                      f"({type(error).__name__}: {error}), and zero_offload hands it flat 1-D runs of its "
-                      "buffers") from error
+        if ndim == 1:
+            raise Refused(f"{cls.__name__} is not elementwise: it takes a 2-D parameter but not a 1-element one "
+                          f"({type(error).__name__}: {error}), and zero_offload hands it flat 1-D runs of its "
+                          "buffers") from error
     if group_items:
         try:
-            return dict(build(cls, [([_stand_in()], thaw(group_items))], ctor).defaults)
+            return dict(build(cls, [([_stand_in(ndim)], thaw(group_items))], ctor).defaults)
         except FAILURES:
             pass
     if isinstance(error, TypeError) and ("required" in str(error) or "missing" in str(error)):
@@ -225,10 +228,14 @@ def read_hyper(cls: type, defaults: Dict[str, Any], group: Dict[str, Any], state
 def _check(cls: type, items: Tuple[Tuple[str, Hashable], ...]) -> None:
     """The class's own ValueError for settings it refuses, from its constructor (which is where classes validate).
     A class that cannot be built over a plain list of tensors (it was built in groups, see :func:`class_defaults`)
-    is left to validate at its steps."""
-    try:
-        cls([_stand_in()], **thaw(items))
-    except ValueError:
-        raise
-    except FAILURES:
-        pass
+    is left to validate at its steps. A 2-D stand-in too, where a 1-D one is refused (Muon's settings)."""
+    error: Optional[ValueError] = None
+    for ndim in (1, 2):
+        try:
+            cls([_stand_in(ndim)], **thaw(items))
+            return
+        except ValueError as e:
+            error = error or e
+        except FAILURES:
+            return
+    raise error

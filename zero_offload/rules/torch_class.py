@@ -35,6 +35,7 @@ from zero_offload.rules.instances import Bound, GroupRecord
 from zero_offload.rules.probe import (NotElementwise, Probed, check_scheme, elementwise, independent, kinds,
                                      loss_use, same)
 from zero_offload.rules.settings import FAILURES, NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
+from zero_offload.rules.whole import pieces, probe_whole
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
 
@@ -123,6 +124,23 @@ def probe(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]]) -> 
     return _cached(("scheme",) + _key(cls, ctor, groups), compute)
 
 
+def probe_parked(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any]], ndims: Tuple[int, ...]
+                 ) -> Probed:
+    """What ``cls`` keeps stepped whole (:func:`~zero_offload.rules.whole.probe_whole`) in groups with the settings
+    ``groups``, over stand-ins of ``ndims`` dimensions (cached as :func:`probe_group`)."""
+
+    def one(group: Dict[str, Any]) -> Probed:
+        return _cached(("whole", ndims) + _key(cls, ctor, [group]), lambda: probe_whole(cls, ctor, group, ndims))
+
+    found = [one(g) for g in groups]
+    return Probed(tuple(dict.fromkeys(b for p in found for b in p.buffers)),
+                  next((p.step_key for p in found if p.step_key), None), any(p.step_is_tensor for p in found),
+                  tuple(dict.fromkeys(k for p in found for k in p.group_state)),
+                  tuple(dict.fromkeys(k for p in found for k in p.global_state)),
+                  tuple(dict.fromkeys(k for p in found for k in p.attributes)),
+                  any(p.eager for p in found), any(p.uses_loss for p in found), whole=ndims)
+
+
 def _gradient(run: Run) -> torch.Tensor:
     """The run's gradient as a new float32 tensor times ``grad_scale`` (zeros between the slots when it comes as
     per-parameter gradients), so that the class may change it and ``param_out`` may share the gradient's memory."""
@@ -150,7 +168,9 @@ def _param_out(run: Run) -> None:
 
 
 class TorchClassRule(Rule):
-    """The update of one elementwise ``torch.optim``-style class (see the module docstring), fp32 state only.
+    """The update of one elementwise ``torch.optim``-style class (see the module docstring), fp32 state only; on a
+    bucket stepped on a GPU (parked, resident), the class's own code over whole parameters
+    (:mod:`zero_offload.rules.whole`), which is all a class that is not elementwise runs (``parked``).
 
     Args:
         optimizer_class (type): the class; its state-dict format, defaults and validation are the rule's.
@@ -158,24 +178,32 @@ class TorchClassRule(Rule):
             union of what the class keeps under each (a group that later needs another is refused at step()).
         ctor (Dict[str, Any]): the keyword arguments the class is built with (every instance of it the rule makes).
         probed (Probed, optional): what the probe found (default: probe now, refusing what cannot be matched).
+        parked (Tuple[int, ...], optional): the class is run only on whole parameters on a GPU, whose numbers of
+            dimensions these are (probed by :func:`probe_parked` instead); ``host_refusal`` says why not on the host.
     """
 
     state_dtypes = (torch.float32,)
+    device_update = True
 
     def __init__(self, optimizer_class: type, groups: Sequence[Dict[str, Any]] = (),
-                 ctor: Optional[Dict[str, Any]] = None, *, probed: Optional[Probed] = None):
+                 ctor: Optional[Dict[str, Any]] = None, *, probed: Optional[Probed] = None,
+                 parked: Optional[Tuple[int, ...]] = None, host_refusal: str = ""):
         if optimizer_class.__name__ in KNOWN_REFUSALS:
             raise NotElementwise(f"{optimizer_class.__name__} cannot be offloaded: "
                                  f"{KNOWN_REFUSALS[optimizer_class.__name__]}")
         self.name = optimizer_class.__name__
         self.optimizer_class, self.ctor = optimizer_class, dict(ctor or {})
+        self.host_refusal = host_refusal
+        self._probed = Probed((), None, False, whole=parked or ())  # (until probed: what _stand_in reads)
         extras = {k: v for k, v in (groups[0] if groups else {}).items() if k not in NOT_SETTINGS}
-        self.defaults = class_defaults(optimizer_class, freeze(self.ctor), freeze(extras))
+        self.defaults = class_defaults(optimizer_class, freeze(self.ctor), freeze(extras), (parked or (1,))[0])
         # Keys the class adds to its param groups or changes there: its state, not settings (grown as its
         # instances show more).
         self._state_keys = set(() if probed is None else probed.group_state)
         groups = [{**self.defaults, **g} for g in (groups or ({},))]
         groups = [{**g, **self.group_keys(g)} for g in groups]
+        if parked:
+            probed = probe_parked(optimizer_class, self.ctor, [self._settings(g) for g in groups], parked)
         if probed is None:  # (those keys first, so that the whole probe runs on the settings hyper() will read)
             self._state_keys.update(k for g in groups for k in probe_group(
                 optimizer_class, self.ctor, self._settings(g)).group_state)
@@ -196,6 +224,11 @@ class TorchClassRule(Rule):
         self._globals: Tuple[int, Dict[str, Any]] = (0, {})  # (generation, values) loaded by load_state_dict
         self._ticks = 0
 
+    def _stand_in(self) -> torch.Tensor:
+        """What its instances are built over (their params are set at each update): one element, of a shape the
+        class takes."""
+        return torch.zeros((1,) * (self._probed.whole or (1,))[0])
+
     def _settings(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A group's settings as the class is built with them (what the probe steps)."""
         return read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys)).group()
@@ -205,6 +238,8 @@ class TorchClassRule(Rule):
 
     def _probe_for(self, hyper: Any) -> Probed:
         """The probe of a group's settings (the construction-time probe covers the settings it was built with)."""
+        if self._probed.whole:
+            return probe_parked(self.optimizer_class, self.ctor, [hyper.group()], self._probed.whole)
         check = probe if self._full else lambda cls, ctor, groups: probe_group(cls, ctor, groups[0])
         return check(self.optimizer_class, self.ctor, [hyper.group()])
 
@@ -226,7 +261,7 @@ class TorchClassRule(Rule):
         there over the given value), with their values."""
         given = {k: v for k, v in group.items() if k not in NOT_SETTINGS}
         try:
-            built = build(self.optimizer_class, [([torch.nn.Parameter(torch.zeros(1))], given)], self.ctor)
+            built = build(self.optimizer_class, [([torch.nn.Parameter(self._stand_in())], given)], self.ctor)
         except FAILURES:  # (the class refuses these settings: its own error comes from check())
             return {}
         return {k: v for k, v in built.param_groups[0].items() if k not in NOT_SETTINGS and k not in self.defaults
@@ -237,7 +272,15 @@ class TorchClassRule(Rule):
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:
         """As :meth:`Rule.check`; the defaults themselves are only read (the class's own checks), not probed: a
-        class may need group keys its defaults lack (Muon-style ``use_muon``), which every group then gives."""
+        class may need group keys its defaults lack (Muon-style ``use_muon``), which every group then gives. A class
+        run on whole parameters refuses parameters of other numbers of dimensions than it was probed with."""
+        whole, given = self._probed.whole, group.get("params", ())
+        given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else ()
+        ndims = {p.dim() for p in given if isinstance(p, torch.Tensor)}  # (an iterator is not read: it is the group's)
+        if whole and not ndims <= set(whole):
+            raise ValueError(f"{self.name} was probed for parked parameters of {whole} dimensions, not "
+                             f"{sorted(ndims - set(whole))}: give parameters of every number of dimensions when "
+                             "building the optimizer")
         if same({k: v for k, v in group.items() if k not in NOT_SETTINGS}, self.defaults):
             read_hyper(self.optimizer_class, self.defaults, group, tuple(self._state_keys))
             return
@@ -254,7 +297,7 @@ class TorchClassRule(Rule):
         if bound is None:
             # Built over a one-element stand-in (its params are set at each update): a constructor that makes state
             # (Adagrad's) would otherwise allocate and fill a run-sized buffer only to have it replaced by ours.
-            opt = build(self.optimizer_class, [([torch.zeros(1)], hyper.group())], self.ctor)
+            opt = build(self.optimizer_class, [([self._stand_in()], hyper.group())], self.ctor)
             opt.state.clear()
             bound = Bound(opt, 0 if slots is None else slots.group, None if slots is None else slots.steps,
                           self._probed.attributes)
@@ -300,10 +343,20 @@ class TorchClassRule(Rule):
 
     # ---------------------------------------------------------------------------------------------- the update --
     def update(self, run: Run, hyper: Any) -> None:
+        if self.host_refusal:
+            raise ValueError(self.host_refusal)
+        self._update([run], run, hyper)
+
+    def update_on_device(self, run: Run, hyper: Any) -> None:
+        """The class's own code on the GPU copies of the state, each parameter of the run whole
+        (:func:`~zero_offload.rules.whole.pieces`)."""
+        self._update(pieces(run), run, hyper)
+
+    def _update(self, parts: List[Run], run: Run, hyper: Any) -> None:
         self.refuse_out(run)
         slots = run.slots
         bound = self._bound(slots, hyper)
-        bound.stash.append(run)
+        bound.stash.extend(parts)
         if slots is not None and slots.index < slots.count - 1:
             return  # the class steps once per update of the bucket, over all its runs
         runs, bound.stash = bound.stash, []
@@ -370,7 +423,7 @@ class TorchClassRule(Rule):
             if k not in state:
                 raise RuntimeError(f"{self.name} kept no {k!r} for a parameter it stepped")
             if state[k] is not run.state[k]:
-                run.state[k].copy_(state[k].reshape(-1))
+                run.state[k].copy_(state[k].reshape(run.state[k].shape))
         if self.step_key is not None and float(state[self.step_key]) != run.step:
             raise RuntimeError(f"{self.name} counted step {float(state[self.step_key])}, expected {run.step}")
         _param_out(run)
