@@ -360,3 +360,25 @@ def test_a_class_run_whole_is_refused_when_its_buckets_hold_pieces_of_parameters
         assert "Muon cannot be stepped on the host, and its own code steps each parameter whole" in message, message
         assert "with a process_group param group 0's buckets hold this rank's pieces" in message, message
         assert unchanged, rank
+
+
+def _elementwise_class_worker(rank, world):
+    """``offload(torch.optim.SGD)`` (elementwise: its own code may step any piece of a parameter) with a rank's
+    shard of each bucket parked, against SGD every step."""
+    _on_standins()
+    from zero_offload import offload
+
+    model, ref_model = td._make(rank, seed_ours=rank)
+    opt = offload(torch.optim.SGD, groups(model), lr=1e-2, momentum=0.9, bucket_numel=BUCKET,
+                  process_group=dist.group.WORLD, placement=MIX, timeout=30)
+    ref = torch.optim.SGD(groups(ref_model), lr=1e-2, momentum=0.9, foreach=False)
+    for step in range(STEPS):
+        td._step(model, opt, step, rank, world)
+        td._ref_step(ref_model, ref, step)
+        _same(model, ref_model, opt, ref, f"step {step}")
+    return _homes(opt)
+
+
+def test_an_elementwise_class_runs_its_own_code_on_parked_shards():
+    for homes in td.launch(_elementwise_class_worker, 2).values():
+        assert homes[0] == ["resident", "parked", "host"], homes

@@ -348,9 +348,10 @@ class TorchClassRule(Rule):
         self._update([run], run, hyper)
 
     def update_on_device(self, run: Run, hyper: Any) -> None:
-        """The class's own code on the GPU copies of the state, each parameter of the run whole
-        (:func:`~zero_offload.rules.whole.pieces`)."""
-        self._update(pieces(run), run, hyper)
+        """The class's own code on the GPU copies of the state: a class run whole (not elementwise), each parameter of
+        the run whole (:func:`~zero_offload.rules.whole.pieces`); an elementwise one on the run as it is, as on the
+        host (a sharded run holds pieces of parameters)."""
+        self._update(pieces(run) if self.host_refusal else [run], run, hyper)
 
     def _update(self, parts: List[Run], run: Run, hyper: Any) -> None:
         self.refuse_out(run)
