@@ -296,12 +296,7 @@ def _deepspeed_engine(model: nn.Module, cfg: Config):
     with contextlib.suppress(Exception):
         deepspeed.utils.logger.setLevel(logging.WARNING)
     if not _DS_INITIALISED:
-        if not os.environ.get("MASTER_PORT"):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
-            os.environ.setdefault(key, value)
+        _rendezvous_here()
         with contextlib.redirect_stdout(io.StringIO()):  # its banner; failures raise
             deepspeed.init_distributed(dist_backend="nccl")
         _DS_INITIALISED = True
@@ -325,18 +320,23 @@ def _deepspeed_engine(model: nn.Module, cfg: Config):
     return engine
 
 
-def _world_of_one() -> None:
-    """A process group of this one process (NCCL), once: FSDP2's ``fully_shard`` needs one."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
+def _rendezvous_here() -> None:
+    """The environment of a process group of this one process (a free port, unless one is set)."""
     if not os.environ.get("MASTER_PORT"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
+
+
+def _world_of_one() -> None:
+    """A process group of this one process (NCCL), once: FSDP2's ``fully_shard`` needs one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    _rendezvous_here()
     dist.init_process_group("nccl", rank=0, world_size=1)
 
 

@@ -124,3 +124,20 @@ def fixture_body(monkeypatch, needs_fused: bool = True):
     planned = install(monkeypatch.setattr)
     yield monkeypatch
     assert planned, "no optimizer was built on the stand-in device"
+
+
+def install_in_rank() -> None:
+    """In a spawned rank (for the process's life): :func:`install`, and each collective of ``zero_offload``'s
+    process-group transport waited for as it starts (the stand-in streams order nothing, so a collective's result
+    must be there before the next stand-in copy reads it)."""
+    import zero_offload.distributed
+
+    install(setattr)
+    start = zero_offload.distributed.Comm.start
+
+    def start_and_wait(comm, *args, **kwargs):
+        pending = start(comm, *args, **kwargs)
+        pending.wait()
+        return pending
+
+    zero_offload.distributed.Comm.start = start_and_wait

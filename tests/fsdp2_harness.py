@@ -47,6 +47,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -55,6 +56,16 @@ import torch.nn.functional as F
 from test_distributed import launch  # the spawn-and-collect helper of the process-group tests
 
 VOCAB, DIM, HIDDEN, SEQ = 11, 6, 5, 4
+try:
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since torch 2.6)
+except ImportError:
+    fully_shard = None
+
+# The skip marks of a test module that runs FSDP2 (``pytestmark = h.NEEDS_FSDP2``).
+NEEDS_FSDP2 = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+               pytest.mark.skipif(fully_shard is None, reason="FSDP2 (torch.distributed.fsdp.fully_shard) needs "
+                                                              "torch >= 2.6")]
+
 BATCH = 6  # global rows per step: divisible by 2 and 3
 STEPS = 6
 LR, WEIGHT_DECAY = 1e-2, 0.1

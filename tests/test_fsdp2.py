@@ -29,14 +29,8 @@ import torch.nn as nn
 import fsdp2_harness as h
 from zero_offload import OffloadOptimizer, offload
 
-try:
-    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since torch 2.6)
-except ImportError:
-    fully_shard = None
-
-pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-              pytest.mark.skipif(fully_shard is None, reason="FSDP2 (torch.distributed.fsdp.fully_shard) needs "
-                                                             "torch >= 2.6")]
+fully_shard = h.fully_shard
+pytestmark = h.NEEDS_FSDP2
 
 # Optimizer factories (picklable: they travel to the spawned ranks).
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)

@@ -20,19 +20,11 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp2_harness as h
 from zero_offload import OffloadOptimizer
 
-try:
-    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public since torch 2.6)
-except ImportError:
-    fully_shard = None
-
-pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-              pytest.mark.skipif(fully_shard is None, reason="FSDP2 (torch.distributed.fsdp.fully_shard) needs "
-                                                             "torch >= 2.6")]
+pytestmark = h.NEEDS_FSDP2
 
 BUCKET = 16  # several buckets per FSDP unit: a dict's shares put buckets of one group in each home
 MIX = {"resident": 0.3, "parked": 0.4}

@@ -41,17 +41,8 @@ def _on_standins():
     """This rank's CUDA branches on CPU tensors, each collective waited for as it starts (see the module
     docstring)."""
     import cuda_standins
-    import zero_offload.distributed
 
-    cuda_standins.install(setattr)
-    start = zero_offload.distributed.Comm.start
-
-    def start_and_wait(comm, *args, **kwargs):
-        pending = start(comm, *args, **kwargs)
-        pending.wait()
-        return pending
-
-    zero_offload.distributed.Comm.start = start_and_wait
+    cuda_standins.install_in_rank()
 
 
 def _make(rank, placement, **kw):
