@@ -13,6 +13,11 @@ by each optimizer (and by ours from AdamW's), the continuations compared; HSDP +
 model whose ``down`` is left out of tensor parallelism (``mixed``: its parameters on the dp sub-mesh alone) is
 compared with AdamW clipped by torch's arithmetic on full tensors (torch's own clip refuses two meshes).
 
+GPU placements on the CUDA stand-ins (tests/cuda_standins.py): a dict's shares (every home in one param group) under
+``sequence``, ``"parked"`` under ``rowwise``, each against AdamW as above; and ``"auto"`` where the ranks measure
+differently, which must end with the same home per bucket on every rank and keep the pieces replicated over ``tp``
+bitwise equal on both peers every step.
+
 All jobs run in one spawn of 4 ranks (the ``world4`` fixture); the tests read their outcomes.
 """
 
@@ -48,6 +53,14 @@ STEPS, SAVE_AT = 20, 10
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.05  # well below the gradient norm: every step is clipped
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
 OURS = OffloadOptimizer
+BUCKET = 16  # 48 local elements per rank under ``sequence``: buckets enough for a dict's shares to fill each home
+MIX = {"resident": 0.3, "parked": 0.4}
+# GPU placements on the stand-ins: each style with a Replicate() piece (rowwise's biases, sequence's norm).
+PLACED = {"mix/sequence": ("sequence", MIX), "parked/rowwise": ("rowwise", "parked")}
+
+
+def placed(placement: Any) -> Any:
+    return functools.partial(OURS, bucket_numel=BUCKET, placement=placement)
 
 
 class Net(nn.Module):
@@ -315,6 +328,69 @@ def refuse_disagreement_between_tp_peers(rank: int, world: int) -> Dict[str, Any
     return out
 
 
+def homes_of(rank: int, world: int, style: str, placement: Any) -> List[str]:
+    """Each bucket's home, as built on the stand-ins (the buckets told they are on a GPU)."""
+    import cuda_standins
+
+    with cuda_standins.installed():
+        opt = build(Setup(style, placed(placement))).opt
+        return [b.home.kind for group in opt._buckets for b in group]
+
+
+def _replicated(loop: h.Loop) -> Dict[str, torch.Tensor]:
+    """This rank's local pieces (parameter and both moments) of the parameters replicated over ``tp``."""
+    from torch.distributed.tensor import Replicate
+
+    out = {}
+    for n, p in loop.model.named_parameters():
+        if isinstance(p.placements[-1], Replicate):
+            out[n] = p.detach().to_local().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{n}[{key}]"] = loop.opt.state[p][key].to_local().clone()
+    return out
+
+
+def auto_on_tp(rank: int, world: int, style: str) -> Dict[str, Any]:
+    """``placement="auto"`` on the (2 x 2) mesh where the ranks measure differently: rank 0 has room for every
+    bucket's state on its GPU (its plan: resident), the others none beyond the margin (parked, or the host), and
+    rank 3's CPU kernel is fast (the host). Each rank's plan, the homes it ends with, its pieces replicated over
+    ``tp`` after each step (which its tp peer must hold bitwise), and the run (snapshots, rank 0's)."""
+    import cuda_standins
+    import zero_offload.cost_model as cost_model
+    import zero_offload.placement as placement
+
+    plans: List[List[str]] = []
+    real_plan = placement.plan_auto
+
+    def plan(*args, **kw):
+        plans.append(real_plan(*args, **kw))
+        return plans[-1]
+
+    free = (1 << 40) if rank == 0 else 2**30  # (gpu_margin_gib=1: no room beyond it on the other ranks)
+    kernel = 1e15 if rank == 3 else 1e6
+    patches = [(placement, "plan_auto", plan), (cost_model, "measure_copy_rate", lambda d, nbytes=0, up=True: 1e12),
+               (cost_model, "measure_kernel_rate", lambda numel=0: kernel),
+               (torch.cuda, "max_memory_allocated", lambda device=None: 2**20)]
+    setup = Setup(style, functools.partial(OURS, bucket_numel=BUCKET, placement="auto", gpu_margin_gib=1.0))
+    with cuda_standins.installed():
+        patches.append((torch.cuda, "mem_get_info", lambda device=None: (free, 1 << 40)))
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        try:
+            loop = build(setup)
+            snaps, replicated = [], []
+            for step in range(STEPS):
+                norm = train_step(loop, setup, step)
+                snaps.append(h.snapshot(loop, norm, rank, last=step == STEPS - 1))
+                replicated.append(_replicated(loop))
+        finally:
+            for obj, name, real in reversed(saved):
+                setattr(obj, name, real)
+    homes = [b.home.kind for group in loop.opt._buckets for b in group]
+    return dict(plans=plans, homes=homes, snaps=snaps, replicated=replicated)
+
+
 def _replicate():
     from torch.distributed.tensor import Replicate
 
@@ -345,6 +421,10 @@ def _jobs(workdir: str) -> Dict[str, Any]:
         jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS, standins=True), workdir))
     jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS, clip_with="torch", standins=True),
                                                           workdir))
+    for name, (style, placement) in PLACED.items():
+        jobs[f"placed/{name}"] = h.Call(train, (Setup(style, placed(placement), standins=True), workdir))
+        jobs[f"homes/{name}"] = h.Call(homes_of, (style, placement))
+    jobs["auto/sequence"] = h.Call(auto_on_tp, ("sequence",))
     for name, make_opt in (("adamw", ADAMW), ("ours", OURS)):
         setup = Setup("sequence", make_opt, clip_with="torch" if make_opt is ADAMW else "opt")
         jobs[f"full-roundtrip/{name}"] = h.Call(train, (setup, workdir, None, None, 0, SAVE_AT))
@@ -456,3 +536,39 @@ def test_tp_peers_that_disagree_raise_on_every_rank(world4):
         assert grad is not None and "different parameters" in grad and "[3]" in grad, (rank, grad)
         assert inf is not None and "non-finite" in inf and "rank 3's shard" in inf, (rank, inf)
         assert lr_kept and grad_kept and inf_kept, (rank, cases)
+
+
+@pytest.mark.parametrize("name", list(PLACED))
+def test_gpu_placements_on_the_tp_mesh_match_adamw_every_step(world4, name):
+    """The stand-ins' GPU route (tests/cuda_standins.py) with ``placement`` a dict's shares (host, resident and
+    parked buckets in one param group, ``sequence``: a SequenceParallel norm and a rowwise bias replicated over
+    ``tp``) and ``"parked"`` (``rowwise``: biases replicated over ``tp``), clipped by ``opt.clip_grad_norm_``, two
+    micro-batches: parameters, both moments and the norm as AdamW's every step. Each rank built the homes asked."""
+    style, placement = PLACED[name]
+    expected = {"host", "resident", "parked"} if isinstance(placement, dict) else {placement}
+    for rank, homes in world4[f"homes/{name}"].per_rank.items():
+        assert set(homes) == expected, (rank, homes)
+    h.assert_same(world4[f"adamw/{style}"].per_rank[0], world4[f"placed/{name}"].per_rank[0], name)
+
+
+def test_auto_on_the_tp_mesh_agrees_and_steps_replicas_alike(world4):
+    """``placement="auto"`` where rank 0 plans every bucket resident, the others park them and rank 3 steps its last
+    on the host: every rank ends with, for each bucket, the least GPU-hungry of the plans (``Mesh.same_homes``);
+    the pieces replicated over ``tp`` (the norm's, ``down.bias``) are bitwise equal on both tp peers after every
+    step, parameters and both moments (one peer stepping a bucket with our CPU kernel and the other with torch's
+    fused AdamW would differ in the last bits); and the run is AdamW's."""
+    out = world4["auto/sequence"].per_rank
+    plans = {rank: o["plans"][-1] for rank, o in out.items()}
+    assert set(plans[0]) == {"resident"} and set(plans[1]) == {"parked"} and "host" in plans[3], plans
+    order = ("host", "parked", "resident")
+    agreed = [order[min(order.index(plans[r][i]) for r in plans)] for i in range(len(plans[0]))]
+    assert {"host", "parked"} <= set(agreed), agreed
+    for rank, o in out.items():
+        assert o["homes"] == agreed, (rank, o["homes"], agreed)
+    for rank, o in out.items():
+        peer = out[rank ^ 1]  # (tp = 2: ranks 2d and 2d + 1 hold the same data-parallel piece)
+        assert len(o["replicated"]) == STEPS and set(o["replicated"][0]) >= {"norm.weight", "down.bias"}, rank
+        for step, (mine, theirs) in enumerate(zip(o["replicated"], peer["replicated"])):
+            for key, value in mine.items():
+                assert torch.equal(value, theirs[key]), (rank, step, key)
+    h.assert_same(world4["adamw/sequence"].per_rank[0], out[0]["snaps"], "placement='auto' on (2 x 2)")
