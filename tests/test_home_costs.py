@@ -10,6 +10,10 @@ checked against arithmetic written here from docs/placement.md's bytes per param
   stepped, and up and down each step; no kernel;
 * resident: no host RAM; the state on the GPU, 8 B (12 B for bf16); nothing crosses.
 
+Under FSDP2 on a GPU (the planner's ``--fsdp N``, per rank), the shards stay in FSDP's storage: a parked or resident
+fp32 shard has an fp32 master of its own, 4 B more (12 B parked on the host and across PCIe each way, 12 B resident on
+the GPU), a bf16 one a staging copy on the GPU, 2 B more GPU memory (14 B parked while stepped, 14 B resident).
+
 State buffers are allocated padded (``padded_numel``), gradients and parameters cross by their elements.
 """
 
@@ -27,6 +31,7 @@ from test_twin_flow import BUCKET
 from zero_offload import OffloadOptimizer
 from zero_offload.cost_model import ASSUMED_RATES
 from zero_offload.home_costs import HomeCost
+from zero_offload.memory_plan import fsdp_plan
 from zero_offload.report import count_plan, main, memory_plan, meta_params
 
 MIX = {"resident": 0.3, "parked": 0.4}  # TinyTransformer's first group: 1 bucket resident, 2 parked, 3 host
@@ -159,10 +164,117 @@ def test_sharded_the_planner_gives_each_ranks_share_of_a_parked_home(capsys):
     (["--placement", "parked", "--gpu-fraction", "0.5"], "alias"),
     (["--placement", "parked", "--device", "cpu"], "placement applies to a CUDA model"),
     (["--placement", "parked", "--state-dtype", "bf16"], "fp32 state only"),
-    (["--placement", "parked", "--fsdp", "2"], "placement='host' only"),
 ])
 def test_the_planner_refuses_a_placement_the_optimizer_refuses_naming_it(capsys, argv, match):
     with pytest.raises(SystemExit) as exc:
         main(["--params", "1B"] + argv)
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ under FSDP2 --
+def _expected_fsdp(home: str, numel: int, buckets: int, dtype: torch.dtype) -> HomeCost:
+    """docs/placement.md's bytes per parameter of one rank's FSDP2 shards on a GPU (module docstring), for ``buckets``
+    buckets of ``numel`` parameters without padding: the host home's as on one GPU; a GPU home's state with an fp32
+    master for every dtype (12 B), and a bf16 shard's staging copy on the GPU (2 B)."""
+    if home == "host":
+        return _expected(home, numel, numel, buckets, dtype)
+    gpu = 12 + (2 if dtype != torch.float32 else 0)
+    if home == "parked":
+        return HomeCost(buckets, numel, 12 * numel, gpu * numel, 12 * numel, 12 * numel, 0)
+    return HomeCost(buckets, numel, 0, gpu * numel, 0, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("placement, counts", [
+    ("host", {"host": 10}), ("parked", {"parked": 10}), ("resident", {"resident": 10}),
+    ("resident=0.2,parked=0.3", {"resident": 2, "parked": 3, "host": 5}),
+    ("auto", {"host": 10}),  # (placed after the second step: planned as all on the host)
+])
+def test_an_fsdp2_plan_gives_each_homes_figures_per_rank(capsys, dtype, placement, counts):
+    """--fsdp 2 --placement ...: each rank places the buckets of its own shards (half the model, 10 buckets), a
+    GPU home with the shard's own master or staging copy."""
+    main(["--params", str(20 * B), "--bucket-numel", str(B), "--dtype", dtype, "--fsdp", "2", "--placement",
+          placement, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    rows = {h: {k: v for k, v in row.items() if k != "seconds_per_step"} for h, row in out["homes_per_rank"].items()}
+    assert rows == {h: vars(_expected_fsdp(h, n * B, n, torch_dtype)) for h, n in counts.items()}
+    # The host RAM is the homes' (a resident bucket holds none), and the GPU rows carry the resident state.
+    assert out["totals_per_rank"]["OffloadOptimizer"]["host"] == sum(r["host_bytes"] for r in rows.values())
+    shards = 10 * B * torch_dtype.itemsize  # the rank's shards and their gradients, on the GPU
+    resident = rows.get("resident", {}).get("gpu_bytes", 0)
+    assert out["totals_per_rank"]["OffloadOptimizer"]["gpu"] == 2 * shards + resident
+
+
+def test_an_fsdp2_plan_on_the_host_placement_is_unchanged():
+    """The host placement's FSDP2 plan is the plan of one rank's shards as before: that count planned alone."""
+    for device in ("cuda", "cpu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            plan = fsdp_plan(None, 20 * B, dtype, 2, bucket_numel=B, device=device)
+            alone = count_plan(10 * B, dtype, bucket_numel=B, device=device)
+            if device == "cpu":  # (FSDP's own gradients: no gradient buffer, as fsdp_plan has always said)
+                assert plan.total("ours", "host") == alone.total("ours", "host") - alone.host.buffers["grad"]
+            else:
+                assert (plan.ours, plan.host, plan.pinned) == (alone.ours, alone.host, alone.pinned), dtype
+
+
+NET_WIDTH = 64  # every shard 4096 elements at world 2 (a multiple of the alignment: no padding), one bucket each
+
+
+def _fsdp_net(dtype: torch.dtype) -> torch.nn.Module:
+    """Six layers, alternately 64 -> 128 and 128 -> 64 (weights 128 x 64 and 64 x 128)."""
+    torch.manual_seed(0)
+    widths = [NET_WIDTH, 2 * NET_WIDTH] * 3 + [NET_WIDTH]
+    return torch.nn.Sequential(*(torch.nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))).to(dtype)
+
+
+FSDP_MIX = {"resident": 0.34, "parked": 0.34}  # 6 buckets a rank: 2 resident, 2 parked, 2 on the host
+FSDP_BUCKET = NET_WIDTH * NET_WIDTH
+
+
+def built_over_fsdp2_shards(rank: int, world: int):
+    """In a spawned rank: an optimizer over FSDP2's shards (each layer a unit) on the CUDA stand-ins, per dtype: its
+    ``estimate_host_memory()`` (total, homes), the GPU bytes its resident buckets hold and the bytes its parked
+    buckets park."""
+    import cuda_standins
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _fsdp_net(dtype)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with cuda_standins.installed():
+            opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=FSDP_BUCKET, placement=FSDP_MIX)
+            held = opt.estimate_host_memory()
+            buckets = list(chain.from_iterable(opt._buckets))
+            out[dtype] = (held.total_bytes, {h: vars(c) for h, c in held.homes.items()},
+                          sum(sum(b.device_bytes().values()) for b in buckets if b.home.kind == "resident"),
+                          sum(b.home.nbytes_parked() for b in buckets if b.home.kind == "parked"))
+    return out
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_an_fsdp2_plan_is_what_an_optimizer_over_fsdp2s_shards_holds():
+    """The planner's FSDP2 plan of a model (rank 0's shards), and each rank's optimizer built over FSDP2's shards of
+    it (on the CUDA stand-ins, gloo at world 2): the same figures per home, the documented arithmetic's, and what
+    the built buckets hold (resident: on the GPU; parked: on the host, what crosses each way)."""
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
+    from test_distributed import launch
+
+    per_rank = launch(built_over_fsdp2_shards, 2, timeout=240.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        plan = fsdp_plan(list(_fsdp_net(dtype).parameters()), 0, dtype, 2, bucket_numel=FSDP_BUCKET,
+                         placement=FSDP_MIX)
+        expected = {h: vars(_expected_fsdp(h, 2 * FSDP_BUCKET, 2, dtype)) for h in ("host", "parked", "resident")}
+        assert {h: vars(c) for h, c in plan.host.homes.items()} == expected, dtype
+        for rank, built in per_rank.items():
+            total, homes, resident_gpu, parked = built[dtype]
+            assert homes == expected, (rank, dtype)
+            assert total == plan.host.total_bytes, (rank, dtype)
+            assert resident_gpu == expected["resident"]["gpu_bytes"], (rank, dtype)
+            assert parked == expected["parked"]["up_bytes"] == expected["parked"]["down_bytes"], (rank, dtype)

@@ -106,17 +106,15 @@ def test_the_timeline_has_each_gpu_buckets_reload_gpu_step_and_write_back_in_ord
     """Per step, each parked bucket's spans: "reload" issued in backward (before ``step()`` begins), then its GPU
     step ("gpu launch") and its "write-back" inside ``step()``, in that order, each once; a resident bucket's GPU
     step has its span too, a host bucket's kernel its "step". Every write-back is issued before the next backward's
-    first hook (the forward runs between them). From the second step: the first one's ``step()`` turns ``opt.state``
-    into the optimizer's own map, which settles every home first (the state brought up in backward is let go and
-    brought up again)."""
+    first hook (the forward runs between them). From the first step: its ``step()`` makes torch's plain
+    ``opt.state`` the optimizer's own map without letting go of the state brought up in backward."""
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement=MIX)
     homes = [b.home.kind for b in _buckets(opt)]
-    _train(opt, model, 1)
     opt.record_timeline()
     last_write_back = None
-    for step in range(1, 4):
+    for step in range(4):
         opt.zero_grad()
         loss_fn(model, step, 0, "cpu").backward()
         backward = opt.timeline()
@@ -144,6 +142,59 @@ def test_the_timeline_has_each_gpu_buckets_reload_gpu_step_and_write_back_in_ord
             else:
                 assert counts == {"reload": 0, "gpu launch": 0, "write-back": 0, "step": 1}, (step, i, counts)
         last_write_back = max(e.end for e in stepping if e.what == "write-back")
+
+
+@pytest.mark.parametrize("placement", ["parked", "mix"])
+def test_the_first_step_updates_the_state_brought_up_in_backward(cuda_branches, placement):
+    """The first ``step()`` (torch's plain ``opt.state`` still in place) steps each parked bucket from the copy its
+    backward brought up, as every later step: one reload per parked bucket with a gradient, issued before
+    ``step()``, none at ``step()``; parameters and state are AdamW's."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET,
+                           placement=MIX if placement == "mix" else placement)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    parked = [i for i, b in enumerate(_buckets(opt)) if b.home.kind == "parked"]
+    assert parked
+    opt.record_timeline()
+    for step in range(3):
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+        backward = [e for e in opt.timeline() if e.what == "reload"]
+        stepped = [i for i in parked if any(p.grad is not None for p in _buckets(opt)[i].params)]
+        assert stepped and sorted(e.bucket for e in backward) == stepped, f"step {step}: not brought up in backward"
+        opt.step()
+        ref.step()
+        again = [e.bucket for e in opt.timeline() if e.what == "reload"]
+        assert not again, f"step {step}: buckets {again} brought up again at step()"
+        assert_same(model, ref_model, opt, ref, f"{placement}, step {step}")
+
+
+def test_an_edit_of_the_first_opt_state_is_the_state_the_first_step_updates(cuda_branches):
+    """An entry put into torch's plain ``opt.state`` between backward and the first ``step()`` lands in the host
+    buffers, and the state brought up in backward (before the edit) is let go: the step updates the edited state,
+    as AdamW's does."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    (p, q) = next((p, q) for p, q in zip(model.parameters(), ref_model.parameters()) if p.dim() == 2)
+    edit = {"step": torch.tensor(4.0), "exp_avg": torch.randn_like(p) * 1e-2,
+            "exp_avg_sq": torch.rand_like(p) * 1e-4}
+    for o, m, w in ((opt, model, p), (ref, ref_model, q)):
+        o.zero_grad()
+        loss_fn(m, 0, 0, "cpu").backward()
+        o.state[w] = {k: v.clone() for k, v in edit.items()}
+    assert any(b.home.twins is not None for b in _buckets(opt)), "nothing came up in backward"
+    opt.step()
+    ref.step()
+    assert_same(model, ref_model, opt, ref, "edited before the first step")
+    _train(opt, model, 1, start=1)
+    _train(ref, ref_model, 1, start=1)
+    assert_same(model, ref_model, opt, ref, "the step after")
 
 
 @pytest.mark.parametrize("read", ["[]", "get", "items", "values"])

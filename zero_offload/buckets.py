@@ -47,14 +47,17 @@ HOMES = {"host": HostHome, "resident": DeviceHome, "parked": ParkedHome}
 
 def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], options: Options,
                      world_size: int = 1, rule: Rule = ADAMW, takeovers: Optional[Sequence[Any]] = None,
-                     homes: Optional[Sequence[str]] = None) -> HostMemoryEstimate:
+                     homes: Optional[Sequence[str]] = None, fsdp: Optional[bool] = None) -> HostMemoryEstimate:
     """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` and ``options``
     (their ``pin_memory``, ``delayed_update`` and ``state_dtype``), per rank when sharded over ``world_size``,
     without allocating: the same declarations as the real buckets'. ``takeovers``: the layouts are of FSDP2's local
     shards, with each one's :func:`zero_offload.fsdp2.takeover` (see :class:`Placement`): a bucket on the host has
     no gradient buffer until one is needed (FSDP's gradients are read where they are), and the slots that take over
     shards FSDP pins are pinned. ``homes``: each layout's home (:func:`home_plan`; default: all on the host); a
-    resident one holds no host bytes, a parked one its state only."""
+    resident one holds no host bytes, a parked one its state only. ``fsdp``: the layouts are of FSDP2's shards (by
+    default, where ``takeovers`` are given; the planner says so without them), which a GPU home gives a master of
+    their own (fp32) or a staging copy on the GPU (bf16/fp16): :func:`~zero_offload.home_costs.bucket_cost`."""
+    fsdp = takeovers is not None if fsdp is None else fsdp
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout, home in zip(layouts, homes or ["host"] * len(layouts)):
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
@@ -66,11 +69,12 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
             bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
                                      pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
                                      delayed_update=bool(options.delayed_update),
-                                     grad_buffer=takeovers is None or not on_cpu, parked=home == "parked")
+                                     grad_buffer=takeovers is None or not on_cpu, parked=home == "parked",
+                                     fsdp=fsdp)
             if _pins_takeover(bucket_takeovers(layout, takeovers)):
                 bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
         cost = bucket_cost(home, layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
-                           world_size=world_size, host_bytes=bucket.total_bytes)
+                           world_size=world_size, host_bytes=bucket.total_bytes, fsdp=fsdp)
         total = total + dataclasses.replace(bucket, homes={home: cost})
     return total
 
@@ -336,10 +340,12 @@ class FlatBucket:
             held = estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                                    state=self.home.nbytes(), pin=self.pin, world_size=world,
                                    delayed_update=self.grad_prev is not None,
-                                   grad_buffer=self.grads.allocated, parked=self.home.kind == "parked")
+                                   grad_buffer=self.grads.allocated, parked=self.home.kind == "parked",
+                                   fsdp=self.fsdp)
             held = _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
         cost = bucket_cost(self.home.kind, self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                           state=self.home.nbytes(), world_size=world, host_bytes=held.total_bytes)
+                           state=self.home.nbytes(), world_size=world, host_bytes=held.total_bytes,
+                           fsdp=self.fsdp)
         return dataclasses.replace(held, homes={self.home.kind: cost})
 
     def buffers(self) -> Dict[str, torch.Tensor]:

@@ -190,7 +190,7 @@ class MemoryPlan:
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
                 release_grads: bool = False, gpu_fraction: float = 0.0,
-                placement: Union[str, Dict[str, float]] = "host") -> MemoryPlan:
+                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -214,6 +214,9 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
             Default: 0.
         placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
             (:attr:`MemoryPlan.placement`). Default: ``"host"``.
+        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
+            FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
+            a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -227,9 +230,10 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
                for layout in plan_buckets(params, options.bucket_numel)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
     homes = home_plan(layouts, options)
-    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes)
+    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes, fsdp=fsdp_shards)
     gpu_layouts = [l for l, h in zip(layouts, homes) if h == "resident"]
-    gpu_tier, gpu_numel = _gpu_tier(gpu_layouts, needed, dtype, world_size), sum(l.numel for l in gpu_layouts)
+    gpu_tier = _gpu_tier(gpu_layouts, needed, dtype, world_size, fsdp_shards)
+    gpu_numel = sum(l.numel for l in gpu_layouts)
     numel, param_bytes = sum(layout.numel for layout in layouts), sum(p.nbytes for p in params)
     if device == "cpu":
         # A CPU model's parameter storage becomes a view of master/staging (the estimate can only see that for
@@ -258,16 +262,19 @@ def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int
 
 
 def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dtype: torch.dtype,
-              world_size: int) -> Dict[str, int]:
+              world_size: int, fsdp: bool = False) -> Dict[str, int]:
     """GPU bytes per rank of the buckets ``layouts`` on the device tier, by buffer: fp32 moments, a low-precision
     model's fp32 master, and sharded the full gradient buffer the reduce-scatter reads (the parameters' storage
-    becomes the master or staging slots, counted as params)."""
+    becomes the master or staging slots, counted as params). FSDP2's shards (``fsdp``) stay in FSDP's storage:
+    an fp32 master for fp32 ones too, a staging copy for bf16/fp16 ones."""
     out: Dict[str, int] = {}
     for layout in layouts:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         rows = state_bytes(needed, torch.float32, padded // world_size)
-        if dtype != torch.float32:
+        if dtype != torch.float32 or fsdp:
             rows["master"] = 4 * padded // world_size
+        if fsdp and dtype != torch.float32:
+            rows["staging"] = dtype.itemsize * padded // world_size
         if world_size > 1:
             rows["flat_grad"] = padded * dtype.itemsize
         for name, n in rows.items():
@@ -385,7 +392,10 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
     (``world_size`` and ``gpu_fraction`` are not combined with FSDP2). ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
-    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer.
+    own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer. ``placement`` (a CUDA model) is
+    the optimizer's under FSDP2: each rank places its own shards' buckets, a parked or resident one with an fp32
+    master of its own for fp32 shards (4 B a parameter more than on one GPU) and a staging copy on the GPU for
+    bf16/fp16 ones (``fsdp_shards`` of :func:`memory_plan`; each home's figures in ``host.homes``).
 
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
     ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
@@ -397,12 +407,10 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         if value is not None and value not in _DTYPES.values():
             raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
                              f"{', '.join(map(str, _DTYPES.values()))}, or None)")
-    if kw.get("placement", "host") != "host":
-        raise ValueError(f"an FSDP2 plan takes placement='host' only (the planner does not yet plan the GPU homes of "
-                         f"FSDP2's shards, which the optimizer takes), got placement={kw['placement']!r}")
     if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
         raise ValueError("an FSDP2 plan takes no world_size or gpu_fraction: FSDP shards the parameters and each "
                          "rank's optimizer offloads the state of its own shards (the optimizer refuses both there)")
+    kw["fsdp_shards"] = True
     if params is not None:
         params = list(params)
         plan = memory_plan(fsdp_shards(params, ranks), **kw)

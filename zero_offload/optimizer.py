@@ -234,7 +234,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             return
         self._topology.adopt_switched(self)
         check_param_lists(self.param_groups, self._buckets)
-        self.state = sync_state(self.state, self._buckets, self.flush, self._topology.local_value)
+        self.state = sync_state(self.state, self._buckets, self._before_edits, self._topology.local_value)
 
     def _step(self) -> None:
         self._settle()  # before _sync: an update running in backward may still write the state

@@ -275,17 +275,21 @@ def _optional(bucket: FlatBucket, name: str) -> bool:
     return buf is not None and buf.optional
 
 
-def sync_state(state: State, buckets: Buckets, settle: Callable[[], None], local_value: LocalValue) -> "StateMap":
+def sync_state(state: State, buckets: Buckets, settle: Callable[[bool], None], local_value: LocalValue
+               ) -> "StateMap":
     """``opt.state`` after the user's edits since the last call took effect as they would in AdamW: a removed or
     emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
     restarts its parameter (moments zeroed, step 1 next); tensors or steps put into an entry are copied into the
     buffers, and the entry points at the buffers again. Everything is validated before anything is written
-    (``ValueError``). ``settle`` runs first when there is something to do: an update still pending belongs to the
-    state before the edit. ``local_value(value, param)``: the part of an entry's tensor this rank holds (the
-    optimizer's topology's). O(1) when nothing was edited."""
+    (``ValueError``). ``settle(homes)`` runs first when there is something to look at (an update still pending
+    belongs to the state before the edit), with ``homes`` again once there are edits to write: the homes' state in
+    flight lands before they are written, and what was brought up before them (a parked bucket's reload in
+    backward) is let go. Without edits (torch's plain ``opt.state`` before the first step, made the optimizer's
+    map) no home is settled, so that reload is the one the step uses. ``local_value(value, param)``: the part of
+    an entry's tensor this rank holds (the optimizer's topology's). O(1) when nothing was edited."""
     if type(state) is StateMap and not state.flag.changed:
         return state
-    settle()
+    settle(False)
     edits: List[Tuple[FlatBucket, int, Optional[Dict[str, Any]]]] = []
     for bucket in chain.from_iterable(buckets):
         for i, p in enumerate(bucket.owners):
@@ -295,6 +299,8 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[], None], local
                     edits.append((bucket, i, None))
             elif not (bucket.exposed[i] and _unchanged(entry, bucket, i)):
                 edits.append((bucket, i, _check_edit(entry, bucket, i, local_value)))
+    if edits:
+        settle(True)
     out = state if type(state) is StateMap else StateMap(dict, state)
     for bucket, i, entry in edits:
         if entry is None:

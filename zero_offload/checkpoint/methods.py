@@ -86,6 +86,13 @@ class StateDictMethods:
         if homes:
             self._settle_homes()
 
+    def _before_edits(self, homes: bool) -> None:
+        """Before ``opt.state``'s edits are looked at (:func:`~zero_offload.checkpoint.entries.sync_state`): an
+        update still pending is applied; with ``homes`` (edits to write), every home settled too."""
+        self._mode.flush(self.state)
+        if homes:
+            self._settle_homes()
+
     def _settle_homes(self) -> None:
         """Every bucket's state in its home before the host reads or writes it: a parked bucket's write-back still
         in flight has landed (and device copies brought up early are let go)."""
