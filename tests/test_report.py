@@ -456,14 +456,23 @@ def test_fsdp_shards_are_rank_zeros_rows():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--fsdp", "8", "--world-size", "2"], "no world_size or gpu_fraction"),
-    (["--fsdp", "8", "--gpu-fraction", "0.5"], "no world_size or gpu_fraction"),
+    (["--fsdp", "8", "--world-size", "2"], "an FSDP2 plan takes no world_size"),
+    (["--fsdp", "8", "--gpu-fraction", "0.5", "--placement", "parked"], "gpu_fraction is placement's alias"),
     (["--fsdp", "0"], "--fsdp must be at least 1"),
 ])
 def test_fsdp_plan_refuses_what_the_optimizer_refuses(capsys, argv, match):
     with pytest.raises(SystemExit):
         main(["--params", "7B", *argv])
     assert match in capsys.readouterr().err
+
+
+def test_an_fsdp_plans_gpu_fraction_is_its_resident_share(capsys):
+    """Under FSDP2 the optimizer takes gpu_fraction as placement={"resident": f}: the plan is that placement's."""
+    main(["--params", "7B", "--fsdp", "8", "--gpu-fraction", "0.5", "--json"])
+    fraction = json.loads(capsys.readouterr().out)
+    main(["--params", "7B", "--fsdp", "8", "--placement", "resident=0.5", "--json"])
+    share = json.loads(capsys.readouterr().out)
+    assert fraction["homes_per_rank"] == share["homes_per_rank"] and fraction["homes_per_rank"]["resident"]["buckets"]
 
 
 # ------------------------------------------------------------------------ issue 53 item 5: the planner's FSDP2 --

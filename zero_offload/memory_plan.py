@@ -390,7 +390,8 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
     ``params`` (a model's, real or meta), rank 0's shards of them (:func:`fsdp_shards`); else a model of ``numel``
     parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
-    (``world_size`` and ``gpu_fraction`` are not combined with FSDP2). ``device="cpu"``: the shards on the host (a
+    (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as ``placement={"resident": f}``).
+    ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
     own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer. ``placement`` (a CUDA model) is
     the optimizer's under FSDP2: each rank places its own shards' buckets, a parked or resident one with an fp32
@@ -407,9 +408,15 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         if value is not None and value not in _DTYPES.values():
             raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
                              f"{', '.join(map(str, _DTYPES.values()))}, or None)")
-    if kw.get("world_size", 1) != 1 or kw.get("gpu_fraction", 0.0):
-        raise ValueError("an FSDP2 plan takes no world_size or gpu_fraction: FSDP shards the parameters and each "
-                         "rank's optimizer offloads the state of its own shards (the optimizer refuses both there)")
+    if kw.get("world_size", 1) != 1:
+        raise ValueError("an FSDP2 plan takes no world_size: FSDP shards the parameters and each rank's optimizer "
+                         "offloads the state of its own shards (the optimizer refuses a process_group there)")
+    fraction = kw.pop("gpu_fraction", 0.0)
+    if fraction:  # (the optimizer takes it under FSDP2 as its alias, placement={"resident": f})
+        if kw.get("placement", "host") != "host":
+            _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32),
+                                kw["placement"])
+        kw["placement"] = {"resident": fraction}
     kw["fsdp_shards"] = True
     if params is not None:
         params = list(params)
