@@ -353,23 +353,26 @@ def test_a_class_run_whole_is_refused_when_its_buckets_hold_pieces_of_parameters
         assert unchanged, rank
 
 
-def _elementwise_class_worker(rank, world):
-    """``offload(torch.optim.SGD)`` (elementwise: its own code may step any piece of a parameter) with a rank's
-    shard of each bucket parked, against SGD every step."""
+def _elementwise_class_worker(rank, world, name):
+    """``offload(cls)`` of an elementwise class (``torch.optim.SGD``: the generic rule, its own code; or
+    ``zero_offload.Lion``: its rule, Lion's own code on the GPU), any piece of a parameter steppable, with a rank's
+    shard of each bucket in each home, against the class itself every step."""
     _on_standins()
-    from zero_offload import offload
+    from zero_offload import Lion, offload
 
+    cls, kw = {"sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9)), "lion": (Lion, dict(lr=1e-3))}[name]
     model, ref_model = td._make(rank, seed_ours=rank)
-    opt = offload(torch.optim.SGD, groups(model), lr=1e-2, momentum=0.9, bucket_numel=BUCKET,
-                  process_group=dist.group.WORLD, placement=MIX, timeout=30)
-    ref = torch.optim.SGD(groups(ref_model), lr=1e-2, momentum=0.9, foreach=False)
+    opt = offload(cls, groups(model), bucket_numel=BUCKET, process_group=dist.group.WORLD, placement=MIX, timeout=30,
+                  **kw)
+    ref = cls(groups(ref_model), foreach=False, **kw)
     for step in range(STEPS):
         td._step(model, opt, step, rank, world)
         td._ref_step(ref_model, ref, step)
-        _same(model, ref_model, opt, ref, f"step {step}")
+        _same(model, ref_model, opt, ref, f"{name}, step {step}")
     return _homes(opt)
 
 
-def test_an_elementwise_class_runs_its_own_code_on_parked_shards():
-    for homes in td.launch(_elementwise_class_worker, 2).values():
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+def test_an_elementwise_class_runs_its_own_code_on_parked_shards(name):
+    for homes in td.launch(_elementwise_class_worker, 2, name).values():
         assert homes[0] == ["resident", "parked", "host"], homes

@@ -11,8 +11,9 @@ Which update runs:
 * any other class: the generic rule (:mod:`zero_offload.rules.torch_class`), the class's own CPU implementation over
   the flat buffers, after a probe has checked that its update is elementwise (refused, naming why, otherwise).
 * on a bucket stepped on the GPU (``placement="parked"``, ``"resident"``), Lion's and the generic rule run the
-  class's own code there, each parameter whole (:mod:`zero_offload.rules.whole`): a class the elementwise probe
-  refuses (Muon) runs where every bucket is stepped on a GPU.
+  class's own code there: an elementwise class over the bucket's flat runs (a rank's shard too), a class the
+  elementwise probe refuses (Muon) each parameter whole (:mod:`zero_offload.rules.whole`), where every bucket is
+  stepped on a GPU and each holds whole parameters.
 """
 
 from __future__ import annotations

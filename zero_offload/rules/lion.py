@@ -11,7 +11,6 @@ import torch
 
 from zero_offload.lion import Lion as LionOptimizer, _multi_tensor_lion, _single_tensor_lion, check_lion_hparams
 from zero_offload.rules.base import Rule, Run, StateBuffer
-from zero_offload.rules.whole import pieces
 
 __all__ = ["Lion", "Hyper", "LION"]
 
@@ -49,7 +48,7 @@ def _flat_grad(run: Run) -> torch.Tensor:
     float32 with zeros between them (the padding, which the update then leaves at zero)."""
     if run.grads is None:
         return run.grad
-    flat = torch.zeros(run.master.numel(), dtype=torch.float32)
+    flat = torch.zeros(run.master.numel(), dtype=torch.float32, device=run.master.device)
     if run.grads:
         torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
                              [g.reshape(-1) for g in run.grads])
@@ -102,22 +101,19 @@ class Lion(Rule):
     device_update = True
 
     def update_on_device(self, run: Run, hyper: Hyper) -> None:
-        """:class:`zero_offload.Lion`'s own code over the run's parameters whole, on their GPU (a parked or resident
-        bucket): its multi-tensor implementation for CUDA tensors, as the class picks with ``foreach=None``
-        (single-tensor elsewhere), on the gradients times ``grad_scale``."""
+        """:class:`zero_offload.Lion`'s own code over the run on its GPU (a parked or resident bucket, or this rank's
+        shard of one): its multi-tensor implementation for CUDA tensors, as the class picks with ``foreach=None``
+        (single-tensor elsewhere), on the run's flat buffers (the update is elementwise: any piece of a parameter,
+        and the padding, zero, stays zero), on the gradients times ``grad_scale``."""
         self.refuse_out(run)
-        parts = pieces(run)
-        if not parts:
-            return
-        scale = run.grad_scale
-        grads = [p.grad if scale == 1.0 and p.grad.dtype == torch.float32 else p.grad.float() * scale
-                 for p in parts]
-        impl = _multi_tensor_lion if parts[0].master.is_cuda else _single_tensor_lion
-        impl([p.master for p in parts], grads, [p.state["exp_avg"] for p in parts], lr=hyper.lr, beta1=hyper.beta1,
-             beta2=hyper.beta2, weight_decay=hyper.weight_decay, maximize=hyper.maximize)
-        for p in parts:
-            if p.param_out is not None:
-                p.param_out.copy_(p.master)
+        grad, scale = _flat_grad(run), run.grad_scale
+        if scale != 1.0 or grad.dtype != torch.float32:
+            grad = grad.float() * scale
+        impl = _multi_tensor_lion if run.master.is_cuda else _single_tensor_lion
+        impl([run.master], [grad], [run.state["exp_avg"]], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+             weight_decay=hyper.weight_decay, maximize=hyper.maximize)
+        if run.param_out is not None:
+            run.param_out.copy_(run.master)
 
 
 LION = Lion()
