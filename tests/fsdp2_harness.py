@@ -36,6 +36,7 @@ Optimizer factories are called as ``make_opt(params_or_groups, lr=..., weight_de
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -269,6 +270,38 @@ class Outcome:
 
 
 # ---------------------------------------------------------------------------------------------- building --
+@contextlib.contextmanager
+def auto_measures(free: int, kernel: float, copy_rate: float):
+    """``placement="auto"``'s measures as a test sets them, inside the CUDA stand-ins: ``free`` bytes of free GPU
+    memory, the CPU kernel at ``kernel`` elements a second, pinned copies at ``copy_rate`` bytes a second, a peak of 1
+    MiB. Yields the list each plan of ``placement.plan_auto`` (this rank's own) is appended to."""
+    import cuda_standins
+    import zero_offload.cost_model as cost_model
+    import zero_offload.placement as placement
+
+    plans: List[List[str]] = []
+    real_plan = placement.plan_auto
+
+    def plan(*args, **kw):
+        plans.append(real_plan(*args, **kw))
+        return plans[-1]
+
+    with cuda_standins.installed():
+        patches = [(placement, "plan_auto", plan),
+                   (cost_model, "measure_copy_rate", lambda d, nbytes=0, up=True: copy_rate),
+                   (cost_model, "measure_kernel_rate", lambda numel=0: kernel),
+                   (torch.cuda, "max_memory_allocated", lambda device=None: 2**20),
+                   (torch.cuda, "mem_get_info", lambda device=None: (free, 1 << 40))]
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        try:
+            yield plans
+        finally:
+            for obj, name, real in reversed(saved):
+                setattr(obj, name, real)
+
+
 def build_model(world: int, recipe: Recipe, seed: int = 0, model: Optional[nn.Module] = None) -> nn.Module:
     """The recipe's model (``model``, else a new one from ``seed``), sharded."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -802,6 +802,26 @@ def test_bad_input_without_a_group():
 
 
 # ------------------------------------------------------------------------------------------------------- NCCL --
+def gpu_step_beside_adamw(model, opt, ref_model, ref, step, dtype):
+    """One clipped step of one rank on a GPU (the whole batch) with ours and with AdamW: the norms and parameters
+    agree (AdamW on fp32 copies fed the same gradients, upcast, for a bf16 model)."""
+    opt.zero_grad()
+    loss_on(model, step, 0, slice(None), dtype).backward()
+    norm = opt.clip_grad_norm_(0.5)
+    opt.step()
+    ref.zero_grad()
+    if dtype == torch.float32:
+        loss_on(ref_model, step, 0, slice(None)).backward()
+    else:  # the same bf16 gradients, upcast
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            q.grad = None if p.grad is None else p.grad.float()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
+    ref.step()
+    torch.testing.assert_close(norm, ref_norm)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q.to(dtype), msg=lambda m: f"step {step}: {m}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,release,backend", [(torch.float32, False, "nccl"), (torch.bfloat16, False, "nccl"),
                                                    (torch.float32, True, "nccl"),
@@ -827,21 +847,7 @@ def test_nccl_world_1_on_one_gpu(dtype, release, backend, tmp_path):
                                release_grads=release)
         ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
         for step in range(STEPS):
-            opt.zero_grad()
-            loss_on(model, step, 0, slice(None), dtype).backward()
-            norm = opt.clip_grad_norm_(0.5)
-            opt.step()
-            ref.zero_grad()
-            if dtype == torch.float32:
-                loss_on(ref_model, step, 0, slice(None)).backward()
-            else:  # the same bf16 gradients, upcast
-                for p, q in zip(model.parameters(), ref_model.parameters()):
-                    q.grad = None if p.grad is None else p.grad.float()
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
-            ref.step()
-            torch.testing.assert_close(norm, ref_norm)
-            for p, q in zip(model.parameters(), ref_model.parameters()):
-                torch.testing.assert_close(p, q.to(dtype), msg=lambda m: f"step {step}: {m}")
+            gpu_step_beside_adamw(model, opt, ref_model, ref, step, dtype)
         sd = opt.state_dict()
         for k, v in ref.state_dict()["state"].items():
             torch.testing.assert_close(sd["state"][k]["exp_avg"], v["exp_avg"].cpu())

@@ -106,36 +106,14 @@ def auto_agrees(rank: int, world: int) -> Dict[str, Any]:
     """``placement="auto"`` where the ranks measure differently: rank 0 has room for every bucket's state on its GPU
     (the cost model makes them resident), the others have none beyond the margin (it parks them). Each rank's own
     plan and the homes it ends with; and the run beside AdamW (snapshots, rank 0's)."""
-    import cuda_standins
-    import zero_offload.cost_model as cost_model
-    import zero_offload.placement as placement
-
-    plans: List[List[str]] = []
-    real_plan = placement.plan_auto
-
-    def plan(*args, **kw):
-        plans.append(real_plan(*args, **kw))
-        return plans[-1]
-
     free = (1 << 40) if rank == 0 else 2**30  # (gpu_margin_gib=1: no room beyond it on the other ranks)
-    saved = [(placement, "plan_auto", plan), (cost_model, "measure_copy_rate", lambda d, nbytes=0, up=True: 1e15),
-             (cost_model, "measure_kernel_rate", lambda numel=0: 1e6),
-             (torch.cuda, "max_memory_allocated", lambda device=None: 2**20)]
-    with cuda_standins.installed():
-        saved = [(obj, name, getattr(obj, name), value) for obj, name, value in saved] + \
-            [(torch.cuda, "mem_get_info", torch.cuda.mem_get_info, lambda device=None: (free, 1 << 40))]
-        for obj, name, _, value in saved:
-            setattr(obj, name, value)
-        try:
-            loop = h.make_loop(world, RECIPES["clip_opt"], functools.partial(
-                OffloadOptimizer, bucket_numel=BUCKET, placement="auto", gpu_margin_gib=1.0))
-            snaps = []
-            for step in range(h.STEPS):
-                norm = h.train_step(loop, RECIPES["clip_opt"], step, rank, world)
-                snaps.append(h.snapshot(loop, norm, rank, last=step == h.STEPS - 1))
-        finally:
-            for obj, name, real, _ in reversed(saved):
-                setattr(obj, name, real)
+    with h.auto_measures(free, kernel=1e6, copy_rate=1e15) as plans:
+        loop = h.make_loop(world, RECIPES["clip_opt"], functools.partial(
+            OffloadOptimizer, bucket_numel=BUCKET, placement="auto", gpu_margin_gib=1.0))
+        snaps = []
+        for step in range(h.STEPS):
+            norm = h.train_step(loop, RECIPES["clip_opt"], step, rank, world)
+            snaps.append(h.snapshot(loop, norm, rank, last=step == h.STEPS - 1))
     return dict(plans=plans, homes=_homes(loop.opt), snaps=snaps)
 
 

@@ -355,38 +355,15 @@ def auto_on_tp(rank: int, world: int, style: str) -> Dict[str, Any]:
     bucket's state on its GPU (its plan: resident), the others none beyond the margin (parked, or the host), and
     rank 3's CPU kernel is fast (the host). Each rank's plan, the homes it ends with, its pieces replicated over
     ``tp`` after each step (which its tp peer must hold bitwise), and the run (snapshots, rank 0's)."""
-    import cuda_standins
-    import zero_offload.cost_model as cost_model
-    import zero_offload.placement as placement
-
-    plans: List[List[str]] = []
-    real_plan = placement.plan_auto
-
-    def plan(*args, **kw):
-        plans.append(real_plan(*args, **kw))
-        return plans[-1]
-
     free = (1 << 40) if rank == 0 else 2**30  # (gpu_margin_gib=1: no room beyond it on the other ranks)
-    kernel = 1e15 if rank == 3 else 1e6
-    patches = [(placement, "plan_auto", plan), (cost_model, "measure_copy_rate", lambda d, nbytes=0, up=True: 1e12),
-               (cost_model, "measure_kernel_rate", lambda numel=0: kernel),
-               (torch.cuda, "max_memory_allocated", lambda device=None: 2**20)]
     setup = Setup(style, functools.partial(OURS, bucket_numel=BUCKET, placement="auto", gpu_margin_gib=1.0))
-    with cuda_standins.installed():
-        patches.append((torch.cuda, "mem_get_info", lambda device=None: (free, 1 << 40)))
-        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-        for obj, name, value in patches:
-            setattr(obj, name, value)
-        try:
-            loop = build(setup)
-            snaps, replicated = [], []
-            for step in range(STEPS):
-                norm = train_step(loop, setup, step)
-                snaps.append(h.snapshot(loop, norm, rank, last=step == STEPS - 1))
-                replicated.append(_replicated(loop))
-        finally:
-            for obj, name, real in reversed(saved):
-                setattr(obj, name, real)
+    with h.auto_measures(free, kernel=1e15 if rank == 3 else 1e6, copy_rate=1e12) as plans:
+        loop = build(setup)
+        snaps, replicated = [], []
+        for step in range(STEPS):
+            norm = train_step(loop, setup, step)
+            snaps.append(h.snapshot(loop, norm, rank, last=step == STEPS - 1))
+            replicated.append(_replicated(loop))
     homes = [b.home.kind for group in loop.opt._buckets for b in group]
     return dict(plans=plans, homes=homes, snaps=snaps, replicated=replicated)
 

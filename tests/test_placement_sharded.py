@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import test_distributed as td
+from test_twin_flow import step_on_an_inf
 from zero_offload import OffloadOptimizer, _torch_fused
 
 STEPS = 4
@@ -137,12 +138,7 @@ def _nonfinite_worker(rank, world, policy):
     td.loss_on(model, 3, 0, td.rows_of(rank, world)).backward()
     if rank == 1:
         parked.params[0].grad.view(-1)[0] = float("inf")
-    if policy == "raise":
-        with pytest.raises(RuntimeError, match="non-finite gradient"):
-            opt.step()
-    else:
-        opt.step()
-        assert opt.skipped_steps == 1
+    step_on_an_inf(opt, policy)
     assert parked.home.twins is None, "the state brought up for the step was kept"
     after = _snapshot(model, opt)
     assert all(torch.equal(p, q) for p, q in zip(before[0], after[0])), "a parameter changed"
@@ -307,21 +303,7 @@ def test_parked_shards_on_a_gpu_match_adamw(placement, dtype, tmp_path):
         assert parked and all(b.flat_param.is_cuda for b in parked)
         assert all(not t.is_cuda and t.is_pinned() for b in parked for t in b.home.parked().values())
         for step in range(STEPS):
-            opt.zero_grad()
-            td.loss_on(model, step, 0, slice(None), dtype).backward()
-            norm = opt.clip_grad_norm_(0.5)
-            opt.step()
-            ref.zero_grad()
-            if dtype == torch.float32:
-                td.loss_on(ref_model, step, 0, slice(None)).backward()
-            else:
-                for p, q in zip(model.parameters(), ref_model.parameters()):
-                    q.grad = None if p.grad is None else p.grad.float()
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5, foreach=False)
-            ref.step()
-            torch.testing.assert_close(norm, ref_norm)
-            for p, q in zip(model.parameters(), ref_model.parameters()):
-                torch.testing.assert_close(p, q.to(dtype), msg=lambda m: f"step {step}: {m}")
+            td.gpu_step_beside_adamw(model, opt, ref_model, ref, step, dtype)
             sd = opt.state_dict()
             for k, v in ref.state_dict()["state"].items():
                 for name in ("exp_avg", "exp_avg_sq"):

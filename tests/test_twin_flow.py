@@ -107,6 +107,16 @@ def test_host_buckets_are_bitwise_the_all_host_run(cuda_branches):
         twin.load_state_dict(opt.state_dict())
 
 
+def step_on_an_inf(opt, policy):
+    """``step()`` with an inf gradient: raises under ``nonfinite="raise"``, else is skipped (the first skip)."""
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match="non-finite gradient"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.skipped_steps == 1
+
+
 def check_an_inf_changes_nothing(opt, model, param, policy):
     """The fourth step's backward (``loss_fn``'s step 3), then an inf in ``param``'s gradient: ``step()`` raises or
     skips as ``policy`` says, and no parameter and no state entry changes (read once every write-back has
@@ -116,12 +126,7 @@ def check_an_inf_changes_nothing(opt, model, param, policy):
     opt.zero_grad()
     loss_fn(model, 3, 0, "cpu").backward()
     param.grad.view(-1)[0] = float("inf")
-    if policy == "raise":
-        with pytest.raises(RuntimeError, match="non-finite gradient"):
-            opt.step()
-    else:
-        opt.step()
-        assert opt.skipped_steps == 1
+    step_on_an_inf(opt, policy)
     for p, q in zip(model.parameters(), before[0]):
         assert torch.equal(p.detach(), q)
     opt.flush()
