@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from zero_offload.buckets import ALIGN, BucketLayout, align_up, estimate_layouts, home_plan, plan_buckets
+from zero_offload.fsdp_units import FsdpUnits, RankBuckets, gathered_bytes, rank_buckets, rank_shards, shard_rooms
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
@@ -87,8 +88,8 @@ def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = DEFAULT_BUCK
 class MemoryPlan:
     """Bytes per rank that training a model costs with ``OffloadOptimizer`` and with ``torch.optim.AdamW``, by
     where they live. Parameters, gradients and optimizer state only: activations, the CUDA context and allocator
-    caches are the same for both and not counted, nor are FSDP2's all-gathered units (their cost per parameter of a
-    unit: :meth:`gathered_unit_bytes`; the plan does not know the units).
+    caches are the same for both and not counted; FSDP2's all-gathered units are (:attr:`fsdp_units`) where the
+    units are known, and otherwise not (their cost per parameter of a unit: :meth:`gathered_unit_bytes`).
 
     Attributes:
         numel (int): parameters of the model (all ranks hold all of them).
@@ -126,6 +127,13 @@ class MemoryPlan:
             its write-back only, so it is there and not in the GPU rows. ``"auto"`` (placed after the second step,
             from what it measures) is planned as every bucket on the host: its host RAM and kernel time are upper
             bounds.
+        fsdp_rank (int): under FSDP2, the rank whose shards the rows are (0, the largest, unless asked).
+        fsdp_units (FsdpUnits, optional): under FSDP2, the units the buckets are cut at
+            (:func:`~zero_offload.fsdp_units.model_units`), None where they are unknown (a parameter count only);
+            with them, on a GPU, the GPU rows of both columns count FSDP2's own buffers (``FSDP2 gathered``,
+            ``FSDP2 unit gradients``, ``FSDP2 reduce-scatter``: :func:`~zero_offload.fsdp_units.gathered_bytes`).
+        rank_buckets (Tuple[RankBuckets, ...]): under FSDP2, with the model's parameters known, every rank's
+            buckets (how many, their elements and padding), ranks alike together.
     """
 
     numel: int
@@ -144,6 +152,9 @@ class MemoryPlan:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     placement: Union[str, Dict[str, float]] = "host"
+    fsdp_rank: int = 0
+    fsdp_units: Optional[FsdpUnits] = None
+    rank_buckets: Tuple[RankBuckets, ...] = ()
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -190,7 +201,8 @@ class MemoryPlan:
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
                 release_grads: bool = False, gpu_fraction: float = 0.0,
-                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False) -> MemoryPlan:
+                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False,
+                cuts: Optional[Sequence[int]] = None, rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -217,6 +229,9 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
             FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
             a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
+        cuts (Sequence[int], optional): FSDP2: each parameter's unit, where the buckets are cut. Default: None.
+        rooms (Sequence[int], optional): FSDP2 on the host: the elements of each shard's storage, which its slot
+            takes over. Default: None.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -227,7 +242,7 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
                       release_grads=release_grads, gpu_fraction=gpu_fraction, placement=placement)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
     layouts = [dataclasses.replace(layout, device=torch.device(device))
-               for layout in plan_buckets(params, options.bucket_numel)]
+               for layout in plan_buckets(params, options.bucket_numel, cuts=cuts, rooms=rooms)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
     homes = home_plan(layouts, options)
     host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes, fsdp=fsdp_shards)
@@ -375,22 +390,23 @@ def _home_runs(full: int, rest: int, bucket_numel: int, options: Options) -> Lis
 def fsdp_shards(params: Sequence[torch.Tensor], ranks: int) -> List[torch.Tensor]:
     """Meta stand-ins for rank 0's shards of ``params`` under FSDP2 over ``ranks`` ranks: each parameter cut along
     its first dimension into ``ceil(rows / ranks)``-row pieces (``fully_shard``'s ``Shard(0)``), rank 0 holding the
-    first (the largest shards: later ranks hold as many rows or fewer)."""
-    out = []
-    for p in params:
-        shape = tuple(p.shape) or (1,)
-        out.append(torch.empty((-(-shape[0] // ranks),) + shape[1:], dtype=p.dtype, device="meta"))
-    return out
+    first (the largest shards: later ranks hold as many rows or fewer). See
+    :func:`~zero_offload.fsdp_units.rank_shards` for another rank's."""
+    return rank_shards(params, ranks, 0)
 
 
 def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int, *,
               param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-              **kw) -> MemoryPlan:
+              units: Optional[FsdpUnits] = None, rank: int = 0, **kw) -> MemoryPlan:
     """The plan of one rank of an FSDP2 run over ``ranks`` ranks: what ``OffloadOptimizer`` and ``torch.optim.AdamW``
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
-    ``params`` (a model's, real or meta), rank 0's shards of them (:func:`fsdp_shards`); else a model of ``numel``
-    parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
-    (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as ``placement={"resident": f}``).
+    ``params`` (a model's, real or meta), rank ``rank``'s shards of them (:func:`fsdp_shards`: rank 0's, the
+    largest), cut into buckets as the optimizer cuts them: at each of FSDP2's ``units``
+    (:func:`~zero_offload.fsdp_units.model_units`; None: unknown, not cut) and, on the host, with room for FSDP's
+    padding rows; every rank's buckets are in ``rank_buckets``. Else a model of ``numel`` parameters,
+    ``ceil(numel / ranks)`` of them on the rank (its units unknown). ``**kw``: :func:`memory_plan`'s other
+    arguments (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as
+    ``placement={"resident": f}``).
     ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
     own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer. ``placement`` (a CUDA model) is
@@ -401,9 +417,13 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
     ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
     policy, since FSDP2 keeps the shards and casts their reduced gradients to that dtype; the all-gathered units
-    do (:meth:`MemoryPlan.gathered_unit_bytes`)."""
+    do (:meth:`MemoryPlan.gathered_unit_bytes`). With ``units`` on a GPU, the GPU rows (both columns) count what
+    FSDP2 itself holds there beside the shards (:func:`~zero_offload.fsdp_units.gathered_bytes`: the gathered
+    units, their gradients, the reduce-scatter input)."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"Invalid rank: {rank!r} (one of the {ranks} FSDP2 ranks, 0 to {ranks - 1})")
     for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if value is not None and value not in _DTYPES.values():
             raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
@@ -411,6 +431,9 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     if kw.get("world_size", 1) != 1:
         raise ValueError("an FSDP2 plan takes no world_size: FSDP shards the parameters and each rank's optimizer "
                          "offloads the state of its own shards (the optimizer refuses a process_group there)")
+    if units is not None and (params is None or len(units.keys) != len(params)):
+        raise ValueError(f"FSDP2 units for {len(units.keys)} parameters, given "
+                         f"{'none' if params is None else len(params)}: one unit per parameter of the model")
     fraction = kw.pop("gpu_fraction", 0.0)
     if fraction:  # (the optimizer takes it under FSDP2 as its alias, placement={"resident": f})
         if kw.get("placement", "host") != "host":
@@ -418,10 +441,15 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
                                 kw["placement"])
         kw["placement"] = {"resident": fraction}
     kw["fsdp_shards"] = True
+    on_host = kw.get("device", "cuda") == "cpu"
+    mine: Tuple[RankBuckets, ...] = ()
     if params is not None:
         params = list(params)
-        plan = memory_plan(fsdp_shards(params, ranks), **kw)
+        rooms = shard_rooms(params, ranks) if on_host else None
+        plan = memory_plan(rank_shards(params, ranks, rank), cuts=None if units is None else units.keys,
+                           rooms=rooms, **kw)
         whole = sum(p.numel() for p in params)
+        mine = rank_buckets(params, units, ranks, kw.get("bucket_numel", DEFAULT_BUCKET_NUMEL), on_host)
     else:
         plan = count_plan(-(-int(numel) // ranks), dtype, **kw)
         whole = int(numel)
@@ -429,7 +457,13 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
         ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
         plan = dataclasses.replace(plan, host=host, ours=ours)
-    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    elif units is not None:
+        param = param_dtype or plan.dtype
+        own = {f"FSDP2 {k}": v for k, v in gathered_bytes(params, units, ranks, param, reduce_dtype or param).items()}
+        plan = dataclasses.replace(plan, ours={**plan.ours, "gpu": {**plan.ours["gpu"], **own}},
+                                   adamw={**plan.adamw, "gpu": {**plan.adamw["gpu"], **own}})
+    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                               fsdp_rank=rank, fsdp_units=units, rank_buckets=mine)
 
 
 def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:
