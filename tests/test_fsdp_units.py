@@ -158,7 +158,7 @@ def test_the_command_line_plans_the_units_and_says_so(fake_transformers, capsys)
     assert data["per_rank"]["OffloadOptimizer"]["gpu"]["FSDP2 gathered"] == (100 + 2 * 128) * 2
     main(["--model", "net/config.json", "--fsdp", "4", "--param-dtype", "bf16", "--bucket-numel", "4096"])
     out = capsys.readouterr().out
-    assert "FSDP2 units" in out and f"{BLOCKS} blocks (Block)" in out, out
+    assert "FSDP2 units" in out and f"{BLOCKS} blocks (Block, found by" in out, out
     assert "FSDP2 gathered (bf16)" in out and "FSDP2 reduce-scatter (bf16)" in out, out
     assert "which the planner cannot size" not in out, out
     main(["--model", "net/config.json", "--fsdp", "4", "--fsdp-units", "whole", "--json"])

@@ -77,7 +77,7 @@ def model_units(net: torch.nn.Module, how: str = "per-block") -> FsdpUnits:
     params = list(net.parameters())
     if how not in UNIT_CHOICES:
         raise ValueError(f"Invalid fsdp units: {how!r} (one of {', '.join(UNIT_CHOICES)})")
-    blocks, said = ([], "fully_shard(model) only") if how == "whole" else _blocks(net)
+    blocks, said = ([], "fully_shard(model) alone") if how == "whole" else _blocks(net)
     owner: Dict[int, int] = {}
     for i, block in enumerate(blocks):
         for p in block.parameters():
@@ -100,7 +100,7 @@ def _blocks(net: torch.nn.Module) -> Tuple[List[torch.nn.Module], str]:
     lists = [(name, m) for name, m in net.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)
              and len({type(c) for c in m}) == 1 and any(True for _ in m.parameters())]
     if not lists:
-        return [], "no blocks found: the model as one unit"
+        return [], "no blocks found: no _no_split_modules, no ModuleList of one class"
     name, best = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
     return list(best), f"the children of {name or 'the model'} (the largest ModuleList of one class)"
 

@@ -166,6 +166,16 @@ class MemoryPlan:
         compute = self.param_dtype or self.dtype
         return compute if compute != torch.float32 else (self.dtype if self.dtype != torch.float32 else None)
 
+    def adamw_moments(self) -> int:
+        """AdamW's state buffers per parameter (two; three with amsgrad): its rows beside parameters, gradients and,
+        under FSDP2 with the units known, FSDP2's own."""
+        return sum(1 for k in self.adamw["gpu" if self.device == "cuda" else "host"] if k in _BUFFERS)
+
+    def fsdp_gpu_bytes(self) -> int:
+        """GPU bytes FSDP2 itself takes beside the shards (its rows of the table, the same in both columns: the
+        gathered units, their gradients, the reduce-scatter input); 0 where the units are unknown."""
+        return sum(v for k, v in self.adamw.get("gpu", {}).items() if k.startswith("FSDP2 "))
+
     def adamw_recipes(self) -> Dict[str, int]:
         """Bytes per rank of ``torch.optim.AdamW``'s two ways to train a low-precision model (none for a model fp32
         throughout), where AdamW keeps them (the model's device), for the rank's ``numel`` parameters:
@@ -183,7 +193,7 @@ class MemoryPlan:
         if low is None:
             return {}
         where = "gpu" if self.device == "cuda" else "host"
-        moments = len(self.adamw[where]) - 2  # (params and gradients are the other two rows)
+        moments = self.adamw_moments()
         return {"low": (2 + moments) * low.itemsize * self.numel, "fp32 master": (2 + moments) * 4 * self.numel}
 
     def gathered_unit_bytes(self) -> Dict[str, int]:
