@@ -124,7 +124,8 @@ def test_fsdp2s_own_gpu_memory_is_rows_of_both_columns(param, reduce):
     params = list(_net().parameters())
     plan = fsdp_plan(params, 0, torch.float32, 4, units=model_units(_net()), param_dtype=param, reduce_dtype=reduce)
     p, r = param.itemsize, reduce.itemsize
-    own = {"FSDP2 gathered": (100 + 2 * 128) * p, "FSDP2 unit gradients": (89 + 77) * p, "FSDP2 reduce-scatter": 128 * r}
+    own = {"FSDP2 gathered": (100 + 2 * 128) * p, "FSDP2 unit gradients": (89 + 77) * p,
+           "FSDP2 reduce-scatter": 128 * r}
     assert {k: v for k, v in plan.ours["gpu"].items() if k.startswith("FSDP2")} == own
     assert {k: v for k, v in plan.adamw["gpu"].items() if k.startswith("FSDP2")} == own
     shards = plan.numel * 4  # the rank's fp32 shards, and as much for their gradients

@@ -187,12 +187,12 @@ class MemoryPlan:
           ``torch.autocast``, or FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` over fp32 shards
           (FSDP2 casts the reduced gradient back to the shard's dtype). The low-precision copies the computation
           uses (autocast's casts of the weights, FSDP2's all-gathered units) come and go in forward and backward
-          and are not counted, as activations are not.
+          and are not counted here, as activations are not (FSDP2's are in the GPU rows where the units are known:
+          :meth:`fsdp_gpu_bytes`).
         """
         low = self.low_dtype()
         if low is None:
             return {}
-        where = "gpu" if self.device == "cuda" else "host"
         moments = self.adamw_moments()
         return {"low": (2 + moments) * low.itemsize * self.numel, "fp32 master": (2 + moments) * 4 * self.numel}
 
@@ -210,9 +210,9 @@ class MemoryPlan:
 
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
-                release_grads: bool = False, gpu_fraction: float = 0.0,
-                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False,
-                cuts: Optional[Sequence[int]] = None, rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
+                release_grads: bool = False, gpu_fraction: float = 0.0, placement: Union[str, Dict] = "host",
+                fsdp_shards: bool = False, cuts: Optional[Sequence[int]] = None,
+                rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -229,19 +229,15 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         bucket_numel (int): as for the optimizer. Default: 2**25.
         state_dtype (torch.dtype): as for the optimizer. Default: torch.float32.
         release_grads (bool): as for the optimizer (CUDA model): ``p.grad`` is dropped once its bucket is on its
-            way, so the GPU holds the gradients of at most two buckets (the one filling, the one in flight).
-            Default: False.
+            way, so the GPU holds the gradients of at most two buckets (filling, in flight). Default: False.
         gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
-            the GPU. (``"auto"`` depends on the free GPU memory at run time, which a plan does not know.)
-            Default: 0.
+            the GPU (not ``"auto"``: it depends on the free GPU memory at run time). Default: 0.
         placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
             (:attr:`MemoryPlan.placement`). Default: ``"host"``.
-        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
-            FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
-            a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
-        cuts (Sequence[int], optional): FSDP2: each parameter's unit, where the buckets are cut. Default: None.
-        rooms (Sequence[int], optional): FSDP2 on the host: the elements of each shard's storage, which its slot
-            takes over. Default: None.
+        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`), in FSDP's storage on a GPU:
+            a GPU home gives them a master (fp32) or a staging copy (bf16/fp16) of their own. Default: False.
+        cuts, rooms (Sequence[int], optional): FSDP2 (:func:`fsdp_plan`): each parameter's unit, at which the
+            buckets are cut; on the host, the elements of each shard's storage, which its slot takes over.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -251,8 +247,8 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
     options = Options(bucket_numel=bucket_numel, pin_memory=device == "cuda", state_dtype=state_dtype,
                       release_grads=release_grads, gpu_fraction=gpu_fraction, placement=placement)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
-    layouts = [dataclasses.replace(layout, device=torch.device(device))
-               for layout in plan_buckets(params, options.bucket_numel, cuts=cuts, rooms=rooms)]
+    layouts = [dataclasses.replace(l, device=torch.device(device)) for l in plan_buckets(params, bucket_numel, cuts,
+                                                                                          rooms)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
     homes = home_plan(layouts, options)
     host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes, fsdp=fsdp_shards)
@@ -430,20 +426,8 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     do (:meth:`MemoryPlan.gathered_unit_bytes`). With ``units`` on a GPU, the GPU rows (both columns) count what
     FSDP2 itself holds there beside the shards (:func:`~zero_offload.fsdp_units.gathered_bytes`: the gathered
     units, their gradients, the reduce-scatter input)."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
-        raise ValueError(f"Invalid rank: {rank!r} (one of the {ranks} FSDP2 ranks, 0 to {ranks - 1})")
-    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if value is not None and value not in _DTYPES.values():
-            raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
-                             f"{', '.join(map(str, _DTYPES.values()))}, or None)")
-    if kw.get("world_size", 1) != 1:
-        raise ValueError("an FSDP2 plan takes no world_size: FSDP shards the parameters and each rank's optimizer "
-                         "offloads the state of its own shards (the optimizer refuses a process_group there)")
-    if units is not None and (params is None or len(units.keys) != len(params)):
-        raise ValueError(f"FSDP2 units for {len(units.keys)} parameters, given "
-                         f"{'none' if params is None else len(params)}: one unit per parameter of the model")
+    params = None if params is None else list(params)
+    _check_fsdp_args(params, ranks, rank, param_dtype, reduce_dtype, units, kw.get("world_size", 1))
     fraction = kw.pop("gpu_fraction", 0.0)
     if fraction:  # (the optimizer takes it under FSDP2 as its alias, placement={"resident": f})
         if kw.get("placement", "host") != "host":
@@ -454,7 +438,6 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     on_host = kw.get("device", "cuda") == "cpu"
     mine: Tuple[RankBuckets, ...] = ()
     if params is not None:
-        params = list(params)
         rooms = shard_rooms(params, ranks) if on_host else None
         plan = memory_plan(rank_shards(params, ranks, rank), cuts=None if units is None else units.keys,
                            rooms=rooms, **kw)
@@ -467,13 +450,33 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
         ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
         plan = dataclasses.replace(plan, host=host, ours=ours)
-    elif units is not None:
+    elif units is not None:  # (FSDP2's own GPU memory, the same beside either optimizer)
         param = param_dtype or plan.dtype
         own = {f"FSDP2 {k}": v for k, v in gathered_bytes(params, units, ranks, param, reduce_dtype or param).items()}
-        plan = dataclasses.replace(plan, ours={**plan.ours, "gpu": {**plan.ours["gpu"], **own}},
-                                   adamw={**plan.adamw, "gpu": {**plan.adamw["gpu"], **own}})
+        plan = dataclasses.replace(plan, **{side: {**getattr(plan, side), "gpu": {**getattr(plan, side)["gpu"], **own}}
+                                            for side in ("ours", "adamw")})
     return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                fsdp_rank=rank, fsdp_units=units, rank_buckets=mine)
+
+
+def _check_fsdp_args(params: Optional[Sequence[torch.Tensor]], ranks: int, rank: int,
+                     param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+                     units: Optional[FsdpUnits], world_size: int) -> None:
+    """:func:`fsdp_plan`'s checks of its arguments."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"Invalid rank: {rank!r} (one of the {ranks} FSDP2 ranks, 0 to {ranks - 1})")
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and value not in _DTYPES.values():
+            raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
+                             f"{', '.join(map(str, _DTYPES.values()))}, or None)")
+    if world_size != 1:
+        raise ValueError("an FSDP2 plan takes no world_size: FSDP shards the parameters and each rank's optimizer "
+                         "offloads the state of its own shards (the optimizer refuses a process_group there)")
+    if units is not None and (params is None or len(units.keys) != len(params)):
+        raise ValueError(f"FSDP2 units for {len(units.keys)} parameters, given "
+                         f"{'none' if params is None else len(params)}: one unit per parameter of the model")
 
 
 def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:

@@ -8,15 +8,18 @@ With ``--params`` (``7B``, ``350M``, ``1.3e9``...) it prints a memory plan and a
 buffers come from :meth:`OffloadOptimizer.estimate_host_memory` run over meta tensors (shape and dtype, no
 storage), so they are the bytes the optimizer's own bucket layout would allocate; the GPU side and the
 ``torch.optim.AdamW`` column are the parameters, gradients and state those optimizers keep there. Activations,
-the CUDA context and allocator caches are not counted, nor, with ``--fsdp N``, FSDP2's all-gathered units (the
-plan says what a unit costs per parameter under ``--param-dtype`` and ``--reduce-dtype``, FSDP2's
-``MixedPrecisionPolicy``; ``--dtype`` is then the shards' storage dtype). Beside AdamW's column, a low-precision
+the CUDA context and allocator caches are not counted, nor, with ``--fsdp N`` and ``--params``, FSDP2's
+all-gathered units (the plan says what a unit costs per parameter under ``--param-dtype`` and ``--reduce-dtype``,
+FSDP2's ``MixedPrecisionPolicy``; ``--dtype`` is then the shards' storage dtype). With ``--model`` the plan knows
+the units (``--fsdp-units``: each block and the root, or the whole model): each rank's buckets are cut at them as
+the optimizer cuts them, and FSDP2's own GPU memory (the gathered units, their gradients, the reduce-scatter input:
+:func:`~zero_offload.fsdp_units.gathered_bytes`) is in the GPU rows. Beside AdamW's column, a low-precision
 model gets AdamW's two recipes: all in the low dtype, and with fp32 masters. Options: ``--dtype``,
 ``--state-dtype``, ``--amsgrad``, ``--device``, ``--world-size``, ``--fsdp``, ``--param-dtype``,
-``--reduce-dtype``, ``--bucket-numel``, ``--placement``; ``--help`` lists them. Under the table, each home's
-(``--placement``: host, parked, resident) buckets, host RAM, GPU memory, bytes copied each way per step and the
-predicted time of the CPU kernel and of the copies: from rates measured here where there is a GPU, else from the
-cost model's assumed ones (the plan says which, and where they come from).
+``--reduce-dtype``, ``--fsdp-units``, ``--bucket-numel``, ``--placement``; ``--help`` lists them. Under the
+table, each home's (``--placement``: host, parked, resident) buckets, host RAM, GPU memory, bytes copied each way
+per step and the predicted time of the CPU kernel and of the copies: from rates measured here where there is a
+GPU, else from the cost model's assumed ones (the plan says which, and where they come from).
 """
 
 from __future__ import annotations
@@ -367,7 +370,8 @@ With --params N or --model CONFIG_OR_ID: what OffloadOptimizer would keep on the
 beside torch.optim.AdamW, and whether that fits: host RAM for all --nproc-per-node ranks of a node together,
 GPU memory per rank (this machine's GPU 0, or --gpu-memory). Nothing is allocated: the host buffers come from
 the optimizer's own estimate over meta tensors. Activations, the CUDA context and allocator caches are not
-counted, nor, with --fsdp, FSDP2's all-gathered units (the plan says what one costs per parameter). A bf16 or
+counted, nor, with --fsdp and --params, FSDP2's all-gathered units (the plan says what one costs per parameter;
+with --model it knows the units, cuts each rank's buckets at them and counts FSDP2's own GPU memory). A bf16 or
 fp16 model is also compared with AdamW keeping fp32 masters (fp32 parameters, gradients and moments: autocast,
 or FSDP2's MixedPrecisionPolicy over fp32 shards).
 
