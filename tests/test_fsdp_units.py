@@ -4,7 +4,7 @@ their gradients, the reduce-scatter input) as rows of the plan.
 
 The reference for the buckets is an ``OffloadOptimizer`` built over FSDP2's shards of the harness's model
 (tests/fsdp2_harness.py: uneven shards, a parameter with fewer rows than ranks, tied embeddings, root parameters at
-both ends of the model), each block a unit and the root the rest, on gloo at world 2: its own buckets on each rank,
+both ends of the model's parameter order), each block a unit and the root the rest, on gloo at world 2: its own buckets on each rank,
 as on a GPU (the CUDA stand-ins, and no storage taken over, as for a shard on a GPU) and on the host (a CPU mesh,
 whose shards' padded storage the optimizer takes over).
 """
@@ -29,6 +29,7 @@ pytestmark = h.NEEDS_FSDP2
 
 BLOCKS = 3
 BUCKETS = (64, 4096)  # a cap that cuts inside units too, and one that only the units cut
+MIX = {"resident": 0.3, "parked": 0.4}  # of the 5 buckets a rank (at 4096): the first resident, the next parked
 
 
 def _net() -> torch.nn.Module:
@@ -61,6 +62,15 @@ def built_buckets(rank: int, world: int):
             buckets = list(chain.from_iterable(opt._buckets))
             out[where, bucket_numel] = ([(b.layout.numel, b.layout.padded_numel) for b in buckets],
                                         opt.estimate_host_memory().total_bytes)
+    model = h.build_model(world, h.Recipe(), model=_net())
+    real = zero_offload.fsdp2.takeover
+    zero_offload.fsdp2.takeover = lambda p, record: None
+    try:
+        with cuda_standins.installed():
+            opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=4096, placement=MIX)
+            out["homes"] = {home: vars(cost) for home, cost in opt.estimate_host_memory().homes.items()}
+    finally:
+        zero_offload.fsdp2.takeover = real
     return out
 
 
@@ -75,7 +85,7 @@ def test_the_plan_cuts_each_ranks_buckets_at_fsdp2s_units_as_the_optimizer_does(
     params = list(_net().parameters())
     units = model_units(_net())
     assert units.blocks == BLOCKS and units.keys.count(-1) == 4  # embed, norm (2), logit_bias; head tied to embed
-    for (where, bucket_numel) in per_rank[0]:
+    for (where, bucket_numel) in (k for k in per_rank[0] if k != "homes"):
         device = "cuda" if where == "gpu" else "cpu"
         plan = fsdp_plan(params, 0, torch.float32, 2, units=units, bucket_numel=bucket_numel, device=device)
         uncut = fsdp_plan(params, 0, torch.float32, 2, bucket_numel=bucket_numel, device=device)
@@ -93,6 +103,12 @@ def test_the_plan_cuts_each_ranks_buckets_at_fsdp2s_units_as_the_optimizer_does(
             if bucket_numel == 4096:  # (at 64 the cap alone cuts almost every slot apart)
                 assert len(layouts) == BLOCKS + 2 != next(
                     r for r in uncut.rank_buckets if r.first <= rank <= r.last).buckets, what
+    # Placed in homes, the buckets cut at the units: each home's figures on each rank are the optimizer's.
+    for rank, built in per_rank.items():
+        plan = fsdp_plan(params, 0, torch.float32, 2, units=units, bucket_numel=4096, placement=MIX, rank=rank)
+        assert {home: vars(cost) for home, cost in plan.host.homes.items()} == built["homes"], rank
+        assert {home: cost["buckets"] for home, cost in built["homes"].items()} == {"resident": 1, "parked": 1,
+                                                                                    "host": 3}, rank
     # The ranks differ here (rank 1 holds fewer rows, and none of each block's gain): both are planned.
     plan = fsdp_plan(params, 0, torch.float32, 2, units=units, bucket_numel=4096)
     assert [(r.first, r.last) for r in plan.rank_buckets] == [(0, 0), (1, 1)]

@@ -112,7 +112,9 @@ def leaves_out_lines(plan: MemoryPlan) -> List[str]:
                 f"then go into a U x {unit['reduce_scatter_input']} B",
                 f"                 {reduce} reduce-scatter input (reduce_dtype; the gathered parameters freed first); "
                 "FSDP2",
-                "                 prefetches the next unit, so about two units are gathered at once"]
+                "                 prefetches the next unit, so about two units are gathered at once (--model CONFIG: "
+                "the plan",
+                "                 finds the units, cuts the buckets at them and counts these; see --fsdp-units)"]
     return out
 
 
