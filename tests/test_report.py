@@ -531,8 +531,14 @@ def test_fsdp_header_names_the_whole_model_and_the_ranks_shards(fake_transformer
     main(["--model", "llama-7b/config.json", "--fsdp", "8", "--dtype", "bf16", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert data["params"] == 6_738_415_616 and data["params_per_rank"] == 842_301_952
-    # bf16 shards: FSDP2 + AdamW keep 2 + 2 + 2 + 2 B per parameter of the rank's shards on its GPU.
-    assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 8 * 842_301_952
+    # bf16 shards: FSDP2 + AdamW keep 2 + 2 + 2 + 2 B per parameter of the rank's shards on its GPU, and FSDP2's own
+    # bf16 buffers (every first dimension divides by 8: no padding): the root unit (embeddings, head, final norm)
+    # and two blocks gathered, the root's and a block's gradients, the root's (the largest unit's) reduce-scatter.
+    root, block = 2 * 32000 * 4096 + 4096, 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    own = {"FSDP2 gathered": 2 * (root + 2 * block), "FSDP2 unit gradients": 2 * (root + block),
+           "FSDP2 reduce-scatter": 2 * root}
+    assert {k: v for k, v in data["per_rank"]["torch.optim.AdamW"]["gpu"].items() if k.startswith("FSDP2")} == own
+    assert data["totals_per_rank"]["torch.optim.AdamW"]["gpu"] == 8 * 842_301_952 + sum(own.values())
 
 
 @pytest.mark.parametrize("flags, gathered, grads, reduce", [

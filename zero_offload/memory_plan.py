@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from zero_offload.buckets import ALIGN, BucketLayout, align_up, estimate_layouts, home_plan, plan_buckets
+from zero_offload.fsdp_units import FsdpUnits, RankBuckets, gathered_bytes, rank_buckets, rank_shards, shard_rooms
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
@@ -87,8 +88,8 @@ def meta_params(numel: int, dtype: torch.dtype, bucket_numel: int = DEFAULT_BUCK
 class MemoryPlan:
     """Bytes per rank that training a model costs with ``OffloadOptimizer`` and with ``torch.optim.AdamW``, by
     where they live. Parameters, gradients and optimizer state only: activations, the CUDA context and allocator
-    caches are the same for both and not counted, nor are FSDP2's all-gathered units (their cost per parameter of a
-    unit: :meth:`gathered_unit_bytes`; the plan does not know the units).
+    caches are the same for both and not counted; FSDP2's all-gathered units are (:attr:`fsdp_units`) where the
+    units are known, and otherwise not (their cost per parameter of a unit: :meth:`gathered_unit_bytes`).
 
     Attributes:
         numel (int): parameters of the model (all ranks hold all of them).
@@ -126,6 +127,13 @@ class MemoryPlan:
             its write-back only, so it is there and not in the GPU rows. ``"auto"`` (placed after the second step,
             from what it measures) is planned as every bucket on the host: its host RAM and kernel time are upper
             bounds.
+        fsdp_rank (int): under FSDP2, the rank whose shards the rows are (0, the largest, unless asked).
+        fsdp_units (FsdpUnits, optional): under FSDP2, the units the buckets are cut at
+            (:func:`~zero_offload.fsdp_units.model_units`), None where they are unknown (a parameter count only);
+            with them, on a GPU, the GPU rows of both columns count FSDP2's own buffers (``FSDP2 gathered``,
+            ``FSDP2 unit gradients``, ``FSDP2 reduce-scatter``: :func:`~zero_offload.fsdp_units.gathered_bytes`).
+        rank_buckets (Tuple[RankBuckets, ...]): under FSDP2, with the model's parameters known, every rank's
+            buckets (how many, their elements and padding), ranks alike together.
     """
 
     numel: int
@@ -144,6 +152,9 @@ class MemoryPlan:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     placement: Union[str, Dict[str, float]] = "host"
+    fsdp_rank: int = 0
+    fsdp_units: Optional[FsdpUnits] = None
+    rank_buckets: Tuple[RankBuckets, ...] = ()
 
     def total(self, which: str, where: str) -> int:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
@@ -154,6 +165,16 @@ class MemoryPlan:
         for a model that is fp32 throughout."""
         compute = self.param_dtype or self.dtype
         return compute if compute != torch.float32 else (self.dtype if self.dtype != torch.float32 else None)
+
+    def adamw_moments(self) -> int:
+        """AdamW's state buffers per parameter (two; three with amsgrad): its rows beside parameters, gradients and,
+        under FSDP2 with the units known, FSDP2's own."""
+        return sum(1 for k in self.adamw["gpu" if self.device == "cuda" else "host"] if k in _BUFFERS)
+
+    def fsdp_gpu_bytes(self) -> int:
+        """GPU bytes FSDP2 itself takes beside the shards (its rows of the table, the same in both columns: the
+        gathered units, their gradients, the reduce-scatter input); 0 where the units are unknown."""
+        return sum(v for k, v in self.adamw.get("gpu", {}).items() if k.startswith("FSDP2 "))
 
     def adamw_recipes(self) -> Dict[str, int]:
         """Bytes per rank of ``torch.optim.AdamW``'s two ways to train a low-precision model (none for a model fp32
@@ -166,13 +187,13 @@ class MemoryPlan:
           ``torch.autocast``, or FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` over fp32 shards
           (FSDP2 casts the reduced gradient back to the shard's dtype). The low-precision copies the computation
           uses (autocast's casts of the weights, FSDP2's all-gathered units) come and go in forward and backward
-          and are not counted, as activations are not.
+          and are not counted here, as activations are not (FSDP2's are in the GPU rows where the units are known:
+          :meth:`fsdp_gpu_bytes`).
         """
         low = self.low_dtype()
         if low is None:
             return {}
-        where = "gpu" if self.device == "cuda" else "host"
-        moments = len(self.adamw[where]) - 2  # (params and gradients are the other two rows)
+        moments = self.adamw_moments()
         return {"low": (2 + moments) * low.itemsize * self.numel, "fp32 master": (2 + moments) * 4 * self.numel}
 
     def gathered_unit_bytes(self) -> Dict[str, int]:
@@ -189,8 +210,9 @@ class MemoryPlan:
 
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
-                release_grads: bool = False, gpu_fraction: float = 0.0,
-                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False) -> MemoryPlan:
+                release_grads: bool = False, gpu_fraction: float = 0.0, placement: Union[str, Dict] = "host",
+                fsdp_shards: bool = False, cuts: Optional[Sequence[int]] = None,
+                rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -207,16 +229,15 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         bucket_numel (int): as for the optimizer. Default: 2**25.
         state_dtype (torch.dtype): as for the optimizer. Default: torch.float32.
         release_grads (bool): as for the optimizer (CUDA model): ``p.grad`` is dropped once its bucket is on its
-            way, so the GPU holds the gradients of at most two buckets (the one filling, the one in flight).
-            Default: False.
+            way, so the GPU holds the gradients of at most two buckets (filling, in flight). Default: False.
         gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
-            the GPU. (``"auto"`` depends on the free GPU memory at run time, which a plan does not know.)
-            Default: 0.
+            the GPU (not ``"auto"``: it depends on the free GPU memory at run time). Default: 0.
         placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
             (:attr:`MemoryPlan.placement`). Default: ``"host"``.
-        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
-            FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
-            a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
+        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`), in FSDP's storage on a GPU:
+            a GPU home gives them a master (fp32) or a staging copy (bf16/fp16) of their own. Default: False.
+        cuts, rooms (Sequence[int], optional): FSDP2 (:func:`fsdp_plan`): each parameter's unit, at which the
+            buckets are cut; on the host, the elements of each shard's storage, which its slot takes over.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -226,8 +247,8 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
     options = Options(bucket_numel=bucket_numel, pin_memory=device == "cuda", state_dtype=state_dtype,
                       release_grads=release_grads, gpu_fraction=gpu_fraction, placement=placement)
     # The optimizer's own layout and estimate, for parameters on `device` (meta tensors live on neither).
-    layouts = [dataclasses.replace(layout, device=torch.device(device))
-               for layout in plan_buckets(params, options.bucket_numel)]
+    layouts = [dataclasses.replace(l, device=torch.device(device)) for l in plan_buckets(params, bucket_numel, cuts,
+                                                                                          rooms)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
     homes = home_plan(layouts, options)
     host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes, fsdp=fsdp_shards)
@@ -375,22 +396,23 @@ def _home_runs(full: int, rest: int, bucket_numel: int, options: Options) -> Lis
 def fsdp_shards(params: Sequence[torch.Tensor], ranks: int) -> List[torch.Tensor]:
     """Meta stand-ins for rank 0's shards of ``params`` under FSDP2 over ``ranks`` ranks: each parameter cut along
     its first dimension into ``ceil(rows / ranks)``-row pieces (``fully_shard``'s ``Shard(0)``), rank 0 holding the
-    first (the largest shards: later ranks hold as many rows or fewer)."""
-    out = []
-    for p in params:
-        shape = tuple(p.shape) or (1,)
-        out.append(torch.empty((-(-shape[0] // ranks),) + shape[1:], dtype=p.dtype, device="meta"))
-    return out
+    first (the largest shards: later ranks hold as many rows or fewer). See
+    :func:`~zero_offload.fsdp_units.rank_shards` for another rank's."""
+    return rank_shards(params, ranks, 0)
 
 
 def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch.dtype, ranks: int, *,
               param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-              **kw) -> MemoryPlan:
+              units: Optional[FsdpUnits] = None, rank: int = 0, **kw) -> MemoryPlan:
     """The plan of one rank of an FSDP2 run over ``ranks`` ranks: what ``OffloadOptimizer`` and ``torch.optim.AdamW``
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
-    ``params`` (a model's, real or meta), rank 0's shards of them (:func:`fsdp_shards`); else a model of ``numel``
-    parameters, ``ceil(numel / ranks)`` of them on the rank. ``**kw``: :func:`memory_plan`'s other arguments
-    (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as ``placement={"resident": f}``).
+    ``params`` (a model's, real or meta), rank ``rank``'s shards of them (:func:`fsdp_shards`: rank 0's, the
+    largest), cut into buckets as the optimizer cuts them: at each of FSDP2's ``units``
+    (:func:`~zero_offload.fsdp_units.model_units`; None: unknown, not cut) and, on the host, with room for FSDP's
+    padding rows; every rank's buckets are in ``rank_buckets``. Else a model of ``numel`` parameters,
+    ``ceil(numel / ranks)`` of them on the rank (its units unknown). ``**kw``: :func:`memory_plan`'s other
+    arguments (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as
+    ``placement={"resident": f}``).
     ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
     own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer. ``placement`` (a CUDA model) is
@@ -401,16 +423,11 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
     ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
     policy, since FSDP2 keeps the shards and casts their reduced gradients to that dtype; the all-gathered units
-    do (:meth:`MemoryPlan.gathered_unit_bytes`)."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
-    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if value is not None and value not in _DTYPES.values():
-            raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
-                             f"{', '.join(map(str, _DTYPES.values()))}, or None)")
-    if kw.get("world_size", 1) != 1:
-        raise ValueError("an FSDP2 plan takes no world_size: FSDP shards the parameters and each rank's optimizer "
-                         "offloads the state of its own shards (the optimizer refuses a process_group there)")
+    do (:meth:`MemoryPlan.gathered_unit_bytes`). With ``units`` on a GPU, the GPU rows (both columns) count what
+    FSDP2 itself holds there beside the shards (:func:`~zero_offload.fsdp_units.gathered_bytes`: the gathered
+    units, their gradients, the reduce-scatter input)."""
+    params = None if params is None else list(params)
+    _check_fsdp_args(params, ranks, rank, param_dtype, reduce_dtype, units, kw.get("world_size", 1))
     fraction = kw.pop("gpu_fraction", 0.0)
     if fraction:  # (the optimizer takes it under FSDP2 as its alias, placement={"resident": f})
         if kw.get("placement", "host") != "host":
@@ -418,10 +435,14 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
                                 kw["placement"])
         kw["placement"] = {"resident": fraction}
     kw["fsdp_shards"] = True
+    on_host = kw.get("device", "cuda") == "cpu"
+    mine: Tuple[RankBuckets, ...] = ()
     if params is not None:
-        params = list(params)
-        plan = memory_plan(fsdp_shards(params, ranks), **kw)
+        rooms = shard_rooms(params, ranks) if on_host else None
+        plan = memory_plan(rank_shards(params, ranks, rank), cuts=None if units is None else units.keys,
+                           rooms=rooms, **kw)
         whole = sum(p.numel() for p in params)
+        mine = rank_buckets(params, units, ranks, kw.get("bucket_numel", DEFAULT_BUCKET_NUMEL), on_host)
     else:
         plan = count_plan(-(-int(numel) // ranks), dtype, **kw)
         whole = int(numel)
@@ -429,7 +450,33 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
         host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
         ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
         plan = dataclasses.replace(plan, host=host, ours=ours)
-    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    elif units is not None:  # (FSDP2's own GPU memory, the same beside either optimizer)
+        param = param_dtype or plan.dtype
+        own = {f"FSDP2 {k}": v for k, v in gathered_bytes(params, units, ranks, param, reduce_dtype or param).items()}
+        plan = dataclasses.replace(plan, **{side: {**getattr(plan, side), "gpu": {**getattr(plan, side)["gpu"], **own}}
+                                            for side in ("ours", "adamw")})
+    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                               fsdp_rank=rank, fsdp_units=units, rank_buckets=mine)
+
+
+def _check_fsdp_args(params: Optional[Sequence[torch.Tensor]], ranks: int, rank: int,
+                     param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+                     units: Optional[FsdpUnits], world_size: int) -> None:
+    """:func:`fsdp_plan`'s checks of its arguments."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"Invalid fsdp: {ranks!r} (a positive number of FSDP2 ranks)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"Invalid rank: {rank!r} (one of the {ranks} FSDP2 ranks, 0 to {ranks - 1})")
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and value not in _DTYPES.values():
+            raise ValueError(f"Invalid {name}: {value!r} (MixedPrecisionPolicy's {name} for a plan: one of "
+                             f"{', '.join(map(str, _DTYPES.values()))}, or None)")
+    if world_size != 1:
+        raise ValueError("an FSDP2 plan takes no world_size: FSDP shards the parameters and each rank's optimizer "
+                         "offloads the state of its own shards (the optimizer refuses a process_group there)")
+    if units is not None and (params is None or len(units.keys) != len(params)):
+        raise ValueError(f"FSDP2 units for {len(units.keys)} parameters, given "
+                         f"{'none' if params is None else len(params)}: one unit per parameter of the model")
 
 
 def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> MemoryPlan:

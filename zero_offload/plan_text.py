@@ -17,8 +17,8 @@ from zero_offload.host_memory import format_bytes
 from zero_offload.memory_plan import _BUFFERS, _SUFFIXES, MemoryPlan
 from zero_offload.options import DTYPE_NAMES
 
-__all__ = ["gpu_capacity", "gpu_size", "home_lines", "home_section", "leaves_out_lines", "plan_dict", "plan_lines", "verdict_lines",
-           "verdicts"]
+__all__ = ["gpu_capacity", "gpu_size", "home_lines", "home_section", "leaves_out_lines", "plan_dict", "plan_lines",
+           "unit_lines", "verdict_lines", "verdicts"]
 
 # A plan's rates where none are given: the cost model's assumed ones, said so.
 _ASSUMED = (ASSUMED_RATES, f"assumed (not measured): {ASSUMED_FROM}")
@@ -40,7 +40,7 @@ def plan_lines(plan: MemoryPlan, rates: Tuple[Rates, str] = _ASSUMED) -> List[st
     out += _recipe_lines(plan)
     out += _state_lines(plan, state)
     out.append("")
-    return out + _note_lines(plan, home) + home_section(plan, *rates)
+    return out + _note_lines(plan, home) + unit_lines(plan) + home_section(plan, *rates)
 
 
 def home_section(plan: MemoryPlan, rates: Rates, source: str) -> List[str]:
@@ -69,8 +69,8 @@ def _header_lines(plan: MemoryPlan) -> List[str]:
         w = len(f"{whole:,}")
         out = [f"memory plan      whole model: {whole:>{w},} parameters{_short_count(whole)}, {name} on {plan.device}, "
                f"sharded by FSDP2 over {plan.fsdp} ranks",
-               f"                 per rank:    {n:>{w},} parameters{_short_count(n)}: rank 0's shards (the largest), "
-               "which its optimizer offloads",
+               f"                 per rank:    {n:>{w},} parameters{_short_count(n)}: rank {plan.fsdp_rank}'s shards"
+               f"{' (the largest)' if plan.fsdp_rank == 0 else ''}, which its optimizer offloads",
                f"                 FSDP2 MixedPrecisionPolicy(param_dtype={DTYPE_NAMES[param]}, reduce_dtype={reduce}) "
                "(--param-dtype, --reduce-dtype;",
                f"                 unset: the shards' dtype, param_dtype); --dtype {name} is the shards' storage dtype "
@@ -92,11 +92,15 @@ def _header_lines(plan: MemoryPlan) -> List[str]:
 
 def leaves_out_lines(plan: MemoryPlan) -> List[str]:
     """What the plan's figures leave out: activations (and on a GPU its context and the allocator's cache), the same
-    with either optimizer; under FSDP2 the all-gathered units, whose cost per parameter of a unit the mixed
-    precision policy sets, and which the planner cannot size, not knowing the modules given to ``fully_shard``."""
+    with either optimizer; under FSDP2 without the model (``--params``) the all-gathered units, whose cost per
+    parameter of a unit the mixed precision policy sets, and which the planner cannot size, not knowing the modules
+    given to ``fully_shard`` (with the model they are rows of the table: :func:`unit_lines`)."""
     where = "the CUDA context and the allocator's cache" if plan.device == "cuda" else "allocator caches"
     out = [f"leaves out       activations, {where} (the same with either optimizer)"]
-    if plan.fsdp > 1:
+    if plan.fsdp > 1 and plan.fsdp_units is not None:
+        if plan.device != "cuda":
+            out.append("                 and FSDP2's gathered units, on the device the model computes on")
+    elif plan.fsdp > 1:
         unit = plan.gathered_unit_bytes()
         param = DTYPE_NAMES[plan.param_dtype or plan.dtype]
         reduce = DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype]
@@ -108,7 +112,9 @@ def leaves_out_lines(plan: MemoryPlan) -> List[str]:
                 f"then go into a U x {unit['reduce_scatter_input']} B",
                 f"                 {reduce} reduce-scatter input (reduce_dtype; the gathered parameters freed first); "
                 "FSDP2",
-                "                 prefetches the next unit, so about two units are gathered at once"]
+                "                 prefetches the next unit, so about two units are gathered at once (--model CONFIG: "
+                "the plan",
+                "                 finds the units, cuts the buckets at them and counts these; see --fsdp-units)"]
     return out
 
 
@@ -120,7 +126,7 @@ def _recipe_lines(plan: MemoryPlan) -> List[str]:
     if not recipes:
         return []
     low, n = DTYPE_NAMES[plan.low_dtype()], plan.numel
-    moments = len(plan.adamw["gpu" if plan.device == "cuda" else "host"]) - 2
+    moments = plan.adamw_moments()
     column = "low" if plan.dtype != torch.float32 else "fp32 master"
     how = (f"fp32 shards under MixedPrecisionPolicy(param_dtype={low})" if plan.fsdp > 1
            else f"an fp32 model under torch.autocast ({low} copies uncounted)")
@@ -139,7 +145,7 @@ def _recipe_lines(plan: MemoryPlan) -> List[str]:
 
 
 _ROW_ORDER = ("params", "gradients", "master", *_BUFFERS, *(name + "_scale" for name in _BUFFERS), "grad buffer",
-              "staging", "grad_prev", "flat_grad")
+              "staging", "grad_prev", "flat_grad", "FSDP2 gathered", "FSDP2 unit gradients", "FSDP2 reduce-scatter")
 
 
 def _table_rows(plan: MemoryPlan, state: str, home: str) -> List[Tuple[str, str, str]]:
@@ -159,10 +165,56 @@ def _table_rows(plan: MemoryPlan, state: str, home: str) -> List[Tuple[str, str,
             ours_cell = cell(ours.get(item))
             if item == "params" and item not in ours and plan.device == "cpu":
                 ours_cell = f"{'in ' + home:>16}{'':>10}"
-            rows.append((f"  {item} ({_row_dtype(item, name, state, item in ours, item in adamw)})", ours_cell,
-                         cell(adamw.get(item))))
+            kind = _fsdp_row_dtype(plan, item) or _row_dtype(item, name, state, item in ours, item in adamw)
+            rows.append((f"  {item} ({kind})", ours_cell, cell(adamw.get(item))))
         rows.append(("  total", cell(plan.total("ours", where)), cell(plan.total("adamw", where))))
     return rows
+
+
+def _fsdp_row_dtype(plan: MemoryPlan, item: str) -> Optional[str]:
+    """The dtype of FSDP2's own rows (``param_dtype``'s, ``reduce_dtype``'s), or None for another row."""
+    if not item.startswith("FSDP2 "):
+        return None
+    param = plan.param_dtype or plan.dtype
+    return DTYPE_NAMES[(plan.reduce_dtype or param) if item == "FSDP2 reduce-scatter" else param]
+
+
+def unit_lines(plan: MemoryPlan) -> List[str]:
+    """Under FSDP2 with the model known (:attr:`MemoryPlan.fsdp_units`): its units, each rank's buckets cut at them
+    (ranks alike together; with many kinds of rank, rank 0's and those with the most buckets and the most padding),
+    and what FSDP2's own rows of the table hold."""
+    units = plan.fsdp_units
+    if plan.fsdp < 2 or units is None:
+        return []
+    if units.blocks:
+        what = (f"{units.blocks + 1} units: {units.blocks} blocks ({units.block_name}, found by {units.how}), each "
+                "given fully_shard, then the root with the rest (embeddings, final norm, head)")
+    else:
+        what = f"1 unit: the whole model ({units.how})"
+    said = [f"{what}; the optimizer cuts each rank's buckets at each unit (and at --bucket-numel):"]
+    rows = list(plan.rank_buckets)
+    if len(rows) > 4:
+        rows = list(dict.fromkeys([rows[0], max(rows, key=lambda r: r.buckets), max(rows, key=lambda r: r.padding)]))
+    for r in rows:
+        ranks = f"rank {r.first}" if r.first == r.last else f"ranks {r.first}-{r.last}"
+        said.append(f"{ranks}: {r.buckets} buckets, {r.numel:,} parameters, {r.padding:,} elements of padding"
+                    + (f" (the flat buffers {r.padded_numel / r.numel:.3g}x as long)" if r.numel and r.padding > r.numel
+                       else ""))
+    if plan.device == "cuda":
+        param = DTYPE_NAMES[plan.param_dtype or plan.dtype]
+        reduce = DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype]
+        said.append(f"FSDP2's own GPU memory, the FSDP2 rows above (in both columns), each at its largest (they peak "
+                    f"at different moments: their sum is an upper bound): gathered ({param}, param_dtype), the root "
+                    "unit, kept gathered from its forward to the end of backward, and two of the largest block (the "
+                    f"one running and the next, prefetched); unit gradients ({param}), autograd's gradients of the "
+                    f"root's and the largest block's parameters; reduce-scatter ({reduce}, reduce_dtype), the input "
+                    "FSDP2 copies the largest unit's gradients into. A unit is gathered with each parameter padded "
+                    f"to {plan.fsdp} x its shard's rows")
+    out: List[str] = []
+    for i, text in enumerate(said):
+        first = "FSDP2 units      " if i == 0 else " " * 17
+        out += textwrap.wrap(text, 120, initial_indent=first, subsequent_indent=" " * 19 if i else " " * 17)
+    return out
 
 
 def _row_dtype(item: str, name: str, state: str, in_ours: bool, in_adamw: bool) -> str:
@@ -291,8 +343,10 @@ def verdicts(plan: MemoryPlan, nproc_per_node: int = 1, gpu_bytes: Optional[int]
     Returns:
         dict: ``host_per_node`` (bytes), ``host_fits``, ``gpu_fits``, ``adamw_gpu_fits`` and, for a low-precision
         model, ``adamw_low_gpu_fits`` and ``adamw_fp32_master_gpu_fits`` (AdamW's two recipes:
-        :meth:`MemoryPlan.adamw_recipes`) (bool, or None when the capacity is unknown), ``gpu_left`` (bytes a GPU keeps for activations, FSDP2's gathered
-        units, the CUDA context and the allocator with ours, or None).
+        :meth:`MemoryPlan.adamw_recipes`, with FSDP2's own GPU bytes where the plan counts them:
+        :meth:`MemoryPlan.fsdp_gpu_bytes`) (bool, or None when the capacity is unknown), ``gpu_left`` (bytes a GPU
+        keeps for activations, FSDP2's gathered units where the plan does not count them, the CUDA context and the
+        allocator with ours, or None).
     """
     host_node = plan.total("ours", "host") * nproc_per_node
     ours_gpu, adamw_gpu = plan.total("ours", "gpu"), plan.total("adamw", "gpu")
@@ -303,7 +357,7 @@ def verdicts(plan: MemoryPlan, nproc_per_node: int = 1, gpu_bytes: Optional[int]
         "host_fits": None if host_bytes is None else host_node <= host_bytes,
         "gpu_fits": ours_gpu <= gpu_bytes if known_gpu else None,
         "adamw_gpu_fits": adamw_gpu <= gpu_bytes if known_gpu else None,
-        **{f"adamw_{key.replace(' ', '_')}_gpu_fits": b <= gpu_bytes if known_gpu else None
+        **{f"adamw_{key.replace(' ', '_')}_gpu_fits": b + plan.fsdp_gpu_bytes() <= gpu_bytes if known_gpu else None
            for key, b in recipes.items()},
         "gpu_left": gpu_bytes - ours_gpu if known_gpu else None,
     }
@@ -342,9 +396,10 @@ def verdict_lines(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_no
                    f"{yes[v['adamw_' + other.replace(' ', '_') + '_gpu_fits']]}")
     left = v["gpu_left"]
     if left is not None and left > 0:
+        gathered = plan.fsdp > 1 and plan.fsdp_units is None
         out.append(f"                 with OffloadOptimizer {format_bytes(left)} per GPU remain for activations, "
-                   + ("FSDP2's gathered units," if plan.fsdp > 1 else "the CUDA context and the allocator"))
-        if plan.fsdp > 1:
+                   + ("FSDP2's gathered units," if gathered else "the CUDA context and the allocator"))
+        if gathered:
             out.append("                 the CUDA context and the allocator")
     return out
 
@@ -370,6 +425,11 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
                                          "bytes": b, "bytes_per_param": b / plan.numel}
                                    for key, b in plan.adamw_recipes().items()},
         "gathered_unit_bytes_per_param": plan.gathered_unit_bytes() if plan.fsdp > 1 else None,
+        "fsdp_units": None if plan.fsdp < 2 or plan.fsdp_units is None else {
+            "units": plan.fsdp_units.blocks + 1, "blocks": plan.fsdp_units.blocks,
+            "block_class": plan.fsdp_units.block_name, "found_by": plan.fsdp_units.how, "rank": plan.fsdp_rank,
+            "ranks": [{"first": r.first, "last": r.last, "buckets": r.buckets, "numel": r.numel, "padding": r.padding}
+                      for r in plan.rank_buckets]},
         "not_counted": " ".join(line.strip() for line in leaves_out_lines(plan))[len("leaves out"):].strip(),
         "capacity": {"gpu_bytes": gpu_bytes, "host_available_bytes": host_bytes},
         "verdict": v,

@@ -8,15 +8,18 @@ With ``--params`` (``7B``, ``350M``, ``1.3e9``...) it prints a memory plan and a
 buffers come from :meth:`OffloadOptimizer.estimate_host_memory` run over meta tensors (shape and dtype, no
 storage), so they are the bytes the optimizer's own bucket layout would allocate; the GPU side and the
 ``torch.optim.AdamW`` column are the parameters, gradients and state those optimizers keep there. Activations,
-the CUDA context and allocator caches are not counted, nor, with ``--fsdp N``, FSDP2's all-gathered units (the
-plan says what a unit costs per parameter under ``--param-dtype`` and ``--reduce-dtype``, FSDP2's
-``MixedPrecisionPolicy``; ``--dtype`` is then the shards' storage dtype). Beside AdamW's column, a low-precision
+the CUDA context and allocator caches are not counted, nor, with ``--fsdp N`` and ``--params``, FSDP2's
+all-gathered units (the plan says what a unit costs per parameter under ``--param-dtype`` and ``--reduce-dtype``,
+FSDP2's ``MixedPrecisionPolicy``; ``--dtype`` is then the shards' storage dtype). With ``--model`` the plan knows
+the units (``--fsdp-units``: each block and the root, or the whole model): each rank's buckets are cut at them as
+the optimizer cuts them, and FSDP2's own GPU memory (the gathered units, their gradients, the reduce-scatter input:
+:func:`~zero_offload.fsdp_units.gathered_bytes`) is in the GPU rows. Beside AdamW's column, a low-precision
 model gets AdamW's two recipes: all in the low dtype, and with fp32 masters. Options: ``--dtype``,
 ``--state-dtype``, ``--amsgrad``, ``--device``, ``--world-size``, ``--fsdp``, ``--param-dtype``,
-``--reduce-dtype``, ``--bucket-numel``, ``--placement``; ``--help`` lists them. Under the table, each home's
-(``--placement``: host, parked, resident) buckets, host RAM, GPU memory, bytes copied each way per step and the
-predicted time of the CPU kernel and of the copies: from rates measured here where there is a GPU, else from the
-cost model's assumed ones (the plan says which, and where they come from).
+``--reduce-dtype``, ``--fsdp-units``, ``--bucket-numel``, ``--placement``; ``--help`` lists them. Under the
+table, each home's (``--placement``: host, parked, resident) buckets, host RAM, GPU memory, bytes copied each way
+per step and the predicted time of the CPU kernel and of the copies: from rates measured here where there is a
+GPU, else from the cost model's assumed ones (the plan says which, and where they come from).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import zero_offload
 from zero_offload import _build, affinity, functional
 from zero_offload.cost_model import rates_here
+from zero_offload.fsdp_units import UNIT_CHOICES, model_units
 from zero_offload.host_memory import available_host_bytes, huge_pages
 # (The plan's names are this module's too: the command-line tool and its tests import them from here.)
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
@@ -129,6 +133,13 @@ def hf_meta_params(model: str, dtype: torch.dtype) -> Tuple[str, List[torch.Tens
     Raises:
         RuntimeError: without ``transformers``, or when the config cannot be had (with the reason).
     """
+    net = hf_meta_model(model)
+    return type(net).__name__, [torch.empty(p.shape, dtype=dtype, device="meta") for p in net.parameters()]
+
+
+def hf_meta_model(model: str) -> torch.nn.Module:
+    """A Hugging Face model built on the meta device from its config (shapes only; see :func:`hf_meta_params`):
+    its parameters, and its modules, where FSDP2's units are (:func:`~zero_offload.fsdp_units.model_units`)."""
     try:
         import transformers
     except ImportError:
@@ -144,7 +155,7 @@ def hf_meta_params(model: str, dtype: torch.dtype) -> Tuple[str, List[torch.Tens
             net = transformers.AutoModelForCausalLM.from_config(config)
         except ValueError:  # not a causal LM (an encoder, say)
             net = transformers.AutoModel.from_config(config)
-    return type(net).__name__, [torch.empty(p.shape, dtype=dtype, device="meta") for p in net.parameters()]
+    return net
 
 
 def _count_arg(text: str) -> int:
@@ -159,7 +170,7 @@ def _count_arg(text: str) -> int:
 _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
                   "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1, "fsdp": 1,
                   "gpu_memory": None, "gpu_fraction": 0.0, "param_dtype": None, "reduce_dtype": None,
-                  "placement": "host"}
+                  "placement": "host", "fsdp_units": None}
 
 
 def _placement_arg(text: str):
@@ -215,6 +226,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reduce-dtype", choices=sorted(_DTYPES),
                     help="with --fsdp: FSDP2's MixedPrecisionPolicy(reduce_dtype=...), the dtype gradients are "
                          "reduce-scattered in (default: --param-dtype); FSDP2 keeps the gradient shards in --dtype")
+    ap.add_argument("--fsdp-units", choices=UNIT_CHOICES,
+                    help="with --fsdp and --model: the modules given fully_shard. per-block (default): each "
+                         "transformer block (the model's _no_split_modules, else the children of its largest "
+                         "ModuleList of one class), then the root with the rest (embeddings, final norm, head); "
+                         "whole: fully_shard(model) alone. The optimizer's buckets are cut at each unit, and the "
+                         "GPU rows count the units FSDP2 gathers")
     ap.add_argument("--bucket-numel", type=int, metavar="N",
                     help="elements per bucket, as for the optimizer (default: 2**25)")
     ap.add_argument("--model", metavar="CONFIG_OR_ID",
@@ -253,6 +270,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     policy = [f"--{name.replace('_', '-')}" for name in ("param_dtype", "reduce_dtype") if getattr(args, name)]
     if policy and (args.fsdp or 1) < 2 and (args.params is not None or args.model is not None):
         ap.error(f"{', '.join(policy)} set FSDP2's MixedPrecisionPolicy: give --fsdp N (N > 1) too")
+    if args.fsdp_units is not None and (args.params is not None or args.model is not None):
+        if args.model is None or (args.fsdp or 1) < 2:
+            ap.error("--fsdp-units needs --model CONFIG_OR_ID and --fsdp N (N > 1): the planner knows the units of "
+                     "a model it can see (with --params the units are unknown)")
     if args.fsdp is not None and args.nproc_per_node is None:
         args.nproc_per_node = args.fsdp  # (FSDP2's ranks, on one node unless said)
     for name, default in _PLAN_DEFAULTS.items():  # None above: given or not
@@ -274,12 +295,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """The memory plan and its verdicts for ``main``'s arguments, as text or JSON."""
     dtype = _DTYPES[args.dtype]
-    model_name = None
+    model_name, units = None, None
     if args.model is not None:
         try:
-            model_name, params = hf_meta_params(args.model, dtype)
+            net = hf_meta_model(args.model)
         except RuntimeError as exc:
             ap.exit(2, f"python -m zero_offload.report: error: {exc}\n")
+        model_name = type(net).__name__
+        params = [torch.empty(p.shape, dtype=dtype, device="meta") for p in net.parameters()]
+        if args.fsdp > 1:
+            units = model_units(net, args.fsdp_units or "per-block")
     else:
         params = None
     kw = dict(device=args.device, amsgrad=args.amsgrad, world_size=args.world_size, bucket_numel=args.bucket_numel,
@@ -293,7 +318,7 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     if args.fsdp > 1:
         try:
             plan = fsdp_plan(params, args.params or 0, dtype, args.fsdp, param_dtype=_DTYPES.get(args.param_dtype),
-                             reduce_dtype=_DTYPES.get(args.reduce_dtype), **kw)
+                             reduce_dtype=_DTYPES.get(args.reduce_dtype), units=units, **kw)
         except ValueError as exc:
             ap.error(f"--fsdp: {exc}")
     else:
@@ -345,7 +370,8 @@ With --params N or --model CONFIG_OR_ID: what OffloadOptimizer would keep on the
 beside torch.optim.AdamW, and whether that fits: host RAM for all --nproc-per-node ranks of a node together,
 GPU memory per rank (this machine's GPU 0, or --gpu-memory). Nothing is allocated: the host buffers come from
 the optimizer's own estimate over meta tensors. Activations, the CUDA context and allocator caches are not
-counted, nor, with --fsdp, FSDP2's all-gathered units (the plan says what one costs per parameter). A bf16 or
+counted, nor, with --fsdp and --params, FSDP2's all-gathered units (the plan says what one costs per parameter;
+with --model it knows the units, cuts each rank's buckets at them and counts FSDP2's own GPU memory). A bf16 or
 fp16 model is also compared with AdamW keeping fp32 masters (fp32 parameters, gradients and moments: autocast,
 or FSDP2's MixedPrecisionPolicy over fp32 shards).
 
