@@ -24,7 +24,9 @@ is a condition, not a cost.
 
 With a GPU step of a few milliseconds for a whole 1.3B model (fused AdamW, 13-17 ms), its own time is left out.
 A bucket's reload costs its parked bytes (8 per parameter for fp32 parameters, 12 with a separate fp32 master), its
-write-back as much again. ``benchmarks/step_model.py`` runs the same plan through the event model of a measured step.
+write-back as much again. Sharded, a bucket in either GPU home also holds its shard of the reduced gradients through the
+step (``BucketCost.held_bytes``): counted in the room it takes, not in the bytes it moves.
+``benchmarks/step_model.py`` runs the same plan through the event model of a measured step.
 """
 
 from __future__ import annotations
