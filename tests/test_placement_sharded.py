@@ -193,6 +193,9 @@ HELD = {
     # (at step(); zero_grad(set_to_none=False): the gradients zeroed where they are, not made views of a buffer)
     "resident_keep_grads": dict(placement="resident", stream_grads=False, set_to_none=False),
     "mix": dict(placement=MIX),
+    # (a GradScaler: its unscale_ edits the gradients after backward reduce-scattered them, so step() reduces them
+    # again; at INF_STEP every rank's scaler, and AdamW's, finds the inf and skips the step)
+    "mix_scaler": dict(placement=MIX, scaler=True),
 }
 INF_STEP = 2  # rank 1 finds an inf in a gradient of a GPU bucket's parameter; every rank skips the step
 
@@ -211,16 +214,18 @@ def _watch_inputs(opt):
 
 
 def _held_worker(rank, world, name):
-    """Three micro-batches accumulated a step, clipped, an inf on rank 1 at :data:`INF_STEP`: every rank equals
-    AdamW every step (parameters and gathered state; the clip's norm), and every GPU bucket holds no full-size
+    """Three micro-batches accumulated a step, clipped, an inf on rank 1 at :data:`INF_STEP` (with a GradScaler, on
+    every rank and AdamW's): every rank equals AdamW every step (parameters and gathered state; the clip's norm),
+    and every GPU bucket holds no full-size
     gradient buffer: none between steps, only its shard of the reduced gradients from backward to the step's end
     (``device_bytes()``, the tensors' sizes), and every reduce-scatter input (the bucket's full length) is freed as
     soon as it is issued."""
     _on_standins()
     kw = dict(HELD[name])
-    placement, set_to_none = kw.pop("placement"), kw.pop("set_to_none", True)
+    placement, set_to_none, scaling = kw.pop("placement"), kw.pop("set_to_none", True), kw.pop("scaler", False)
     model, opt, ref_model = _make(rank, placement, nonfinite="skip", **kw)
     ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaling else None for _ in range(2)]
     gpu = [b for g in opt._buckets for b in g if b.home.kind != "host"]
     assert gpu and all(b.flat_grad is None for b in gpu), "a full gradient buffer was made at construction"
     inputs = _watch_inputs(opt)
@@ -228,13 +233,17 @@ def _held_worker(rank, world, name):
     for step in range(STEPS):
         opt.zero_grad(set_to_none=set_to_none)
         ref.zero_grad(set_to_none=set_to_none)
-        hook = (model.w2.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
-                if step == INF_STEP and rank == 1 else None)
+        inf = step == INF_STEP and (rank == 1 or scaling)
+        hooks = [m.w2.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
+                 for m in ((model, ref_model) if inf and scaling else (model,) if inf else ())]
+        runs = [(model, td.rows_of(rank, world), scalers[0])]
+        if step != INF_STEP or scaling:  # (without a scaler AdamW never sees the skipped step)
+            runs.append((ref_model, slice(None), scalers[1]))
         for micro in range(3):
-            (td.loss_on(model, step, micro, td.rows_of(rank, world)) / 3).backward()
-            if step != INF_STEP:
-                (td.loss_on(ref_model, step, micro, slice(None)) / 3).backward()
-        if hook is not None:
+            for m, rows, scaler in runs:
+                loss = td.loss_on(m, step, micro, rows) / 3
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        for hook in hooks:
             hook.remove()
         where = f"{name}, step {step}"
         if streamed:  # backward reduce-scattered every bucket: each holds its shard only, every input freed
@@ -246,15 +255,23 @@ def _held_worker(rank, world, name):
                 assert b.device_bytes() == {"exp_avg": 4 * n, "exp_avg_sq": 4 * n, "grad": 4 * n}, (where, b.where)
             assert inputs and all(r() is None for r, _, _ in inputs), f"{where}: a reduce-scatter input outlived it"
         shards = []
-        if step == INF_STEP:
+        if step == INF_STEP and not scaling:
             opt.step()
         else:
-            norm = opt.clip_grad_norm_(0.3)
-            shards = [weakref.ref(b.grad) for b in gpu]  # (made by now: clipping reduce-scattered every bucket)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.3, foreach=False)
+            for o, scaler in ((opt, scalers[0]), (ref, scalers[1])):
+                if scaler is not None:
+                    scaler.unscale_(o)
+                if o is opt:
+                    norm = opt.clip_grad_norm_(0.3)
+                    shards = [weakref.ref(b.grad) for b in gpu]  # (made by now: clipping reduce-scattered each)
+                else:
+                    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.3, foreach=False)
+                if scaler is None:
+                    o.step()
+                else:
+                    scaler.step(o)
+                    scaler.update()
             torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"{where} norm: {m}")
-            opt.step()
-            ref.step()
         _same(model, ref_model, opt, ref, where)
         # Between steps: no gradient buffer on the GPU at all, and none of the step's alive.
         full = {f"gradients of {b.where}": b.full.padded_numel for b in gpu}

@@ -109,8 +109,8 @@ class MemoryPlan:
         release_grads (bool): planned for ``release_grads=True``: on the GPU, ours counts only the gradients of the
             buckets not yet sent (two buckets' worth at most) instead of all of them.
         gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``, or ``placement``'s
-            resident share): their moments (and a low-precision model's fp32 master; sharded, the full gradient
-            buffer the reduce-scatter reads) are in ours' GPU rows, not its host rows.
+            resident share): their moments (and a low-precision model's fp32 master; sharded, the rank's shard of
+            the reduced gradients) are in ours' GPU rows, not its host rows.
         fsdp (int): FSDP2 ranks the parameters are sharded over (``fully_shard``; 1: none). Then ``numel`` is one
             rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
             AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
