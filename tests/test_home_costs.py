@@ -10,6 +10,10 @@ checked against arithmetic written here from docs/placement.md's bytes per param
   stepped, and up and down each step; no kernel;
 * resident: no host RAM; the state on the GPU, 8 B (12 B for bf16); nothing crosses.
 
+Sharded over a process_group (per rank), a parked or resident bucket's GPU bytes add the rank's shard of the reduced
+gradients, the parameters' bytes of the shard (4 B, 2 B for bf16), held through the step; the full gradient the
+reduce-scatter reads is transient, not held.
+
 Under FSDP2 on a GPU (the planner's ``--fsdp N``, per rank), the shards stay in FSDP's storage: a parked or resident
 fp32 shard has an fp32 master of its own, 4 B more (12 B parked on the host and across PCIe each way, 12 B resident on
 the GPU), a bf16 one a staging copy on the GPU, 2 B more GPU memory (14 B parked while stepped, 14 B resident).
@@ -147,14 +151,26 @@ def test_the_planner_takes_placement_and_predicts_each_homes_time(capsys, dtype)
     assert fraction["homes_per_rank"]["resident"]["buckets"] == 2 and fraction["placement"] == "host"
 
 
-def test_sharded_the_planner_gives_each_ranks_share_of_a_parked_home(capsys):
-    """Over a process_group each rank parks its shard of every bucket: half the elements, state and copies of one
-    rank's plan at world 2 (fp32 parameters: 8 B of moments per parameter, each way)."""
-    main(["--params", str(10 * B), "--bucket-numel", str(B), "--placement", "parked", "--world-size", "2", "--json"])
-    row = json.loads(capsys.readouterr().out)["homes_per_rank"]["parked"]
-    assert row["buckets"] == 10 and row["numel"] == 5 * B
-    assert row["up_bytes"] == row["down_bytes"] == row["gpu_bytes"] == 8 * 5 * B
-    assert row["kernel_numel"] == 0
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("home", ["parked", "resident"])
+def test_sharded_the_planner_gives_each_ranks_share_of_a_gpu_home(capsys, home, dtype):
+    """Over a process_group each rank holds its shard of every bucket: half the elements, state and copies of one
+    rank's plan at world 2. Its GPU bytes are its shard's state (8 B of moments per parameter, 12 with a bf16
+    model's fp32 master) and its shard of the reduced gradients (the parameters' 4 B, 2 for bf16), held through the
+    step; no full gradient buffer (the reduce-scatter reads a transient one). A parked shard's state crosses each
+    way; a resident one's stays."""
+    main(["--params", str(10 * B), "--bucket-numel", str(B), "--dtype", dtype, "--placement", home, "--world-size",
+          "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    row = out["homes_per_rank"][home]
+    size, state, shard = (4, 8, 5 * B) if dtype == "fp32" else (2, 12, 5 * B)
+    assert row["buckets"] == 10 and row["numel"] == shard
+    assert row["gpu_bytes"] == (state + size) * shard
+    assert row["up_bytes"] == row["down_bytes"] == (state * shard if home == "parked" else 0)
+    assert row["kernel_numel"] == 0 and row["host_bytes"] == (state * shard if home == "parked" else 0)
+    # The GPU rows: the whole parameters and gradients (10 B elements), and a resident shard's state and gradients.
+    gpu = out["totals_per_rank"]["OffloadOptimizer"]["gpu"]
+    assert gpu == 2 * size * 10 * B + ((state + size) * shard if home == "resident" else 0)
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -452,6 +452,29 @@ def test_the_cost_model_parks_only_what_is_written_back_before_the_forward_needs
     assert plan_homes(five, rates, 2400, 10**6, forward=1.2) == ["parked", "parked", "parked", "host", "resident"]
 
 
+def test_the_cost_model_counts_a_sharded_buckets_gradient_shard_in_its_room_not_its_copies():
+    """A sharded bucket holds its shard of the reduced gradients on the GPU through the step in either GPU home
+    (``held_bytes``): it takes parked room as its state does, but is not copied. The four buckets of the first cost
+    test, each with 400 bytes of gradient shard (4 B for each of 100 fp32 elements of the shard)."""
+    from zero_offload.cost_model import BucketCost, Rates, plan_homes
+
+    rates = Rates(kernel=100.0, upload=800.0, download=800.0)
+    sharded = [BucketCost(100, 800, 1200, t, 400) for t in (0.0, 1.0, 2.0, 3.0)]
+    # Room for three buckets' state alone (2400) parks only two with their gradient shards (1200 each).
+    assert plan_homes(sharded, rates, 0, 2400, forward=10.0) == ["parked", "parked", "host", "host"]
+    assert plan_homes(sharded, rates, 0, 3600, forward=10.0) == ["parked", "parked", "parked", "host"]
+    # Not copied: at 200 B/s each way and 200 elements/s (2 s of kernels), bucket 0's 800 bytes of state land 1 s
+    # after backward (backward ends at 3 s), a tail of max(1.5, 1) < 2 s: parked. Had its 400 bytes of gradients
+    # been copied too, they would land 3 s after backward: a longer tail than the host's, nothing parked.
+    slow = Rates(kernel=200.0, upload=200.0, download=200.0)
+    assert plan_homes(sharded, slow, 0, 10**6, forward=10.0) == ["parked", "host", "host", "host"]
+    copied = [BucketCost(100, 1200, 1200, t) for t in (0.0, 1.0, 2.0, 3.0)]
+    assert plan_homes(copied, slow, 0, 10**6, forward=10.0) == ["host"] * 4
+    # Resident: the room a bucket takes is its state and its gradient shard (1200): 1199 fits none, 1200 the last.
+    assert plan_homes(sharded, rates, 1199, 0, forward=10.0) == ["host"] * 4
+    assert plan_homes(sharded, rates, 1200, 0, forward=10.0) == ["host", "host", "host", "resident"]
+
+
 @pytest.mark.parametrize("upload,expect", [(1e15, {"resident", "parked"}), (1.0, {"resident", "host"})])
 def test_auto_moves_each_bucket_to_its_cheapest_home_after_the_first_step(cuda_branches, upload, expect):
     """``placement="auto"``: the first two steps run every bucket on the host and are measured; after them the

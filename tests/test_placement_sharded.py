@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import io
+import weakref
 
 import pytest
 import torch
@@ -180,6 +181,123 @@ def test_an_lr_set_after_backward_is_the_one_every_home_steps_with_sharded():
     td.launch(_lr_worker, 2)
 
 
+# -- no full-size gradient buffer on the GPU --------------------------------------------------------------------------
+HELD = {
+    # (streamed: each micro-batch's accumulated gradients reduce-scattered in backward, the last one's shard kept)
+    "parked_accumulate": dict(placement="parked"),
+    # (each micro-batch's shard summed beside the gradient's, the gradients dropped in backward)
+    "parked_release": dict(placement="parked", release_grads=True),
+    "parked_at_step": dict(placement="parked", stream_grads=False),  # (flattened and reduce-scattered at step())
+    "resident_accumulate": dict(placement="resident"),
+    "resident_release": dict(placement="resident", release_grads=True),
+    # (at step(); zero_grad(set_to_none=False): the gradients zeroed where they are, not made views of a buffer)
+    "resident_keep_grads": dict(placement="resident", stream_grads=False, set_to_none=False),
+    "mix": dict(placement=MIX),
+    # (a GradScaler: its unscale_ edits the gradients after backward reduce-scattered them, so step() reduces them
+    # again; at INF_STEP every rank's scaler, and AdamW's, finds the inf and skips the step)
+    "mix_scaler": dict(placement=MIX, scaler=True),
+}
+INF_STEP = 2  # rank 1 finds an inf in a gradient of a GPU bucket's parameter; every rank skips the step
+
+
+def _watch_inputs(opt):
+    """Weak references to every reduce-scatter's input (with its length and what it reduces), as they are issued."""
+    comm, seen = opt._transport.comm, []
+    start = comm.start_reduce_scatter
+
+    def watched(out, inp, where):
+        seen.append((weakref.ref(inp), inp.numel(), where))
+        return start(out, inp, where)
+
+    comm.start_reduce_scatter = watched
+    return seen
+
+
+def _held_worker(rank, world, name):
+    """Three micro-batches accumulated a step, clipped, an inf on rank 1 at :data:`INF_STEP` (with a GradScaler, on
+    every rank and AdamW's): every rank equals AdamW every step (parameters and gathered state; the clip's norm),
+    and every GPU bucket holds no full-size
+    gradient buffer: none between steps, only its shard of the reduced gradients from backward to the step's end
+    (``device_bytes()``, the tensors' sizes), and every reduce-scatter input (the bucket's full length) is freed as
+    soon as it is issued."""
+    _on_standins()
+    kw = dict(HELD[name])
+    placement, set_to_none, scaling = kw.pop("placement"), kw.pop("set_to_none", True), kw.pop("scaler", False)
+    model, opt, ref_model = _make(rank, placement, nonfinite="skip", **kw)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaling else None for _ in range(2)]
+    gpu = [b for g in opt._buckets for b in g if b.home.kind != "host"]
+    assert gpu and all(b.flat_grad is None for b in gpu), "a full gradient buffer was made at construction"
+    inputs = _watch_inputs(opt)
+    streamed = kw.get("stream_grads", True)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad(set_to_none=set_to_none)
+        inf = step == INF_STEP and (rank == 1 or scaling)
+        hooks = [m.w2.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
+                 for m in ((model, ref_model) if inf and scaling else (model,) if inf else ())]
+        runs = [(model, td.rows_of(rank, world), scalers[0])]
+        if step != INF_STEP or scaling:  # (without a scaler AdamW never sees the skipped step)
+            runs.append((ref_model, slice(None), scalers[1]))
+        for micro in range(3):
+            for m, rows, scaler in runs:
+                loss = td.loss_on(m, step, micro, rows) / 3
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        for hook in hooks:
+            hook.remove()
+        where = f"{name}, step {step}"
+        if streamed:  # backward reduce-scattered every bucket: each holds its shard only, every input freed
+            assert all(b.grads.allocated and b.grad.numel() == b.shard.numel for b in gpu), where
+            # fp32: the moments, 4 + 4 B per element of the rank's padded shard (brought up in backward where parked),
+            # and the shard of the reduced gradients, 4 B
+            for b in gpu:
+                n = b.layout.padded_numel
+                assert b.device_bytes() == {"exp_avg": 4 * n, "exp_avg_sq": 4 * n, "grad": 4 * n}, (where, b.where)
+            assert inputs and all(r() is None for r, _, _ in inputs), f"{where}: a reduce-scatter input outlived it"
+        shards = []
+        if step == INF_STEP and not scaling:
+            opt.step()
+        else:
+            for o, scaler in ((opt, scalers[0]), (ref, scalers[1])):
+                if scaler is not None:
+                    scaler.unscale_(o)
+                if o is opt:
+                    norm = opt.clip_grad_norm_(0.3)
+                    shards = [weakref.ref(b.grad) for b in gpu]  # (made by now: clipping reduce-scattered each)
+                else:
+                    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.3, foreach=False)
+                if scaler is None:
+                    o.step()
+                else:
+                    scaler.step(o)
+                    scaler.update()
+            torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"{where} norm: {m}")
+        _same(model, ref_model, opt, ref, where)
+        # Between steps: no gradient buffer on the GPU at all, and none of the step's alive.
+        full = {f"gradients of {b.where}": b.full.padded_numel for b in gpu}
+        assert {w for _, _, w in inputs} >= set(full), where  # (each GPU bucket's reduced, from its full length)
+        assert all(n == full[w] for _, n, w in inputs if w in full), (where, inputs)
+        assert all(r() is None for r, _, _ in inputs), f"{where}: a reduce-scatter input outlived the step"
+        assert all(r() is None for r in shards), f"{where}: a gradient shard outlived the step"
+        homes = opt.estimate_host_memory().homes  # (what each home holds on the GPU through a step, per rank)
+        for home in {b.home.kind for b in gpu}:
+            assert homes[home].gpu_bytes == sum(12 * b.layout.padded_numel for b in gpu if b.home.kind == home), home
+        for b in gpu:
+            n = b.layout.padded_numel  # (between steps: a resident bucket's moments, nothing of a parked one's)
+            assert b.device_bytes() == ({"exp_avg": 4 * n, "exp_avg_sq": 4 * n} if b.home.kind == "resident" else {})
+            lane = next(lane for lane in opt._transport.lanes if lane.bucket is b)
+            assert b.flat_grad is None and not b.grads.allocated, (where, b.where)
+            assert getattr(lane.channel, "shard_in", None) is None, (where, b.where)  # (release's second shard)
+            assert set(b.device_bytes()) & {"grad", "flat_grad", "grad_prev"} == set(), (where, b.device_bytes())
+        inputs.clear()
+    return True
+
+
+@pytest.mark.parametrize("name", list(HELD))
+def test_gpu_buckets_hold_no_full_gradient_buffer_and_match_adamw(name):
+    td.launch(_held_worker, 2, name)
+
+
 # -- checkpoints across placements ---------------------------------------------------------------------------------
 LOADS = [("parked", "host", "full"), ("host", "parked", "full"), ("mix", "resident", "full"),
          ("resident", "mix", "full"), ("parked", "adamw", "full"), ("adamw", "parked", "full"),
@@ -263,13 +381,16 @@ def _auto_worker(rank, world):
         _same(model, ref_model, opt, ref, f"auto, step {step}")
         placed.append(_homes(opt))
     costs = [b.device_cost() for g in opt._buckets for b in g]
-    return placed, costs
+    # Moved between steps (rehome): no full gradient buffer made, and between steps no gradient buffer at all.
+    held = [(b.flat_grad, b.grads.allocated) for g in opt._buckets for b in g if b.home.kind != "host"]
+    return placed, costs, held
 
 
 def test_auto_places_alike_on_ranks_that_measured_differently():
     results = td.launch(_auto_worker, 2)
-    (placed0, costs), (placed1, _) = results[0], results[1]
+    (placed0, costs, held), (placed1, _, _) = results[0], results[1]
     assert placed0 == placed1, (placed0, placed1)
+    assert held and held == [(None, False)] * len(held), held
     assert all(h == "host" for g in placed0[0] for h in g)  # (placed after the second step)
     homes = [h for g in placed0[-1] for h in g]
     # Rank 0 alone would park nothing (its kernel leaves no tail to shorten) and keep every bucket resident.

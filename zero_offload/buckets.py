@@ -154,10 +154,13 @@ class FlatBucket:
 
     def _grads(self, home: Home, resident: bool, lazy: bool = False) -> GradSlots:
         """The gradient slots, in ``home``'s :attr:`~zero_offload.state.home.Home.grads_tier` (``resident``: the
-        state lives with the parameters)."""
+        state lives with the parameters). Sharded, a CPU bucket's full flat gradient buffer (``flat_grad``, which
+        ``zero_grad(set_to_none=False)`` makes the gradients views of) is kept; a GPU bucket's reduce-scatter reads a
+        transient one (:class:`~zero_offload.transport.sharded.ShardedDeviceRoute`)."""
+        gather_full = self.shard is not None and resident and home.grads_tier.host
         return GradSlots(self.params, [p.shape for p in self.params], self.layout, self.full,
-                         None if self.shard is None else self.shard.pieces, self.shard is not None and resident,
-                         home.grads_tier, self.shaped_label, lazy=lazy)
+                         None if self.shard is None else self.shard.pieces, gather_full, home.grads_tier,
+                         self.shaped_label, lazy=lazy)
 
     def rehome(self, kind: str) -> None:
         """Move the bucket's state into a home of ``kind`` (``"resident"`` or ``"parked"``: stepped on its GPU),
@@ -179,9 +182,12 @@ class FlatBucket:
         cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision or self.fsdp else 0)
         if self.fsdp and self.low_precision:
             cost += n * self.dtype.itemsize
-        if self.shard is not None:
-            cost += self.full.padded_numel * self.dtype.itemsize  # the full gradient the reduce-scatter reads
-        return cost
+        return cost + self.device_grad_cost()
+
+    def device_grad_cost(self) -> int:
+        """Of :meth:`device_cost`, what is not state (what a parked bucket does not move): sharded, the rank's shard
+        of the reduced gradients, held on the GPU from the step's first reduce-scatter to its end."""
+        return self.layout.padded_numel * self.dtype.itemsize if self.shard is not None else 0
 
     def _views(self, flat: Optional[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         if flat is None:
@@ -314,15 +320,15 @@ class FlatBucket:
         return self.home.ensure(buffers)
 
     def device_bytes(self) -> Dict[str, int]:
-        """Device memory the device tier adds to the parameters', by buffer (empty for a host bucket): the rule's
-        state, a separate fp32 master (low-precision parameters, FSDP2's shards), gradient buffers made. The
-        parameters' own storage becomes the master (fp32) or staging slots and is not counted (FSDP2's shards stay
-        in FSDP's storage: their staging copy is counted)."""
-        if self.home.tier.host:
+        """Device memory a GPU home holds now beyond the parameters', by buffer (empty for a host bucket): the
+        rule's state and a separate fp32 master (low-precision parameters, FSDP2's shards), always where resident,
+        from reload to write-back where parked (:meth:`~zero_offload.state.home.Home.device_tensors`); gradient
+        buffers made (sharded: the rank's shard of the reduced gradients, from the step's first reduce-scatter to its
+        end). The parameters' own storage becomes the master (fp32) or staging slots and is not counted (FSDP2's
+        shards stay in FSDP's storage: their staging copy is counted)."""
+        if not self.home.on_device:
             return {}
-        held = dict(self.home.tensors())
-        if self.separate_master:
-            held["master"] = self.master
+        held = self.home.device_tensors()
         if self.fsdp and self.staging is not None:  # (the shard is FSDP's storage, not a slot)
             held["staging"] = self.staging
         if self.grads.allocated:

@@ -24,7 +24,9 @@ is a condition, not a cost.
 
 With a GPU step of a few milliseconds for a whole 1.3B model (fused AdamW, 13-17 ms), its own time is left out.
 A bucket's reload costs its parked bytes (8 per parameter for fp32 parameters, 12 with a separate fp32 master), its
-write-back as much again. ``benchmarks/step_model.py`` runs the same plan through the event model of a measured step.
+write-back as much again. Sharded, a bucket in either GPU home also holds its shard of the reduced gradients through the
+step (``BucketCost.held_bytes``): counted in the room it takes, not in the bytes it moves.
+``benchmarks/step_model.py`` runs the same plan through the event model of a measured step.
 """
 
 from __future__ import annotations
@@ -71,13 +73,16 @@ def rates_here(measure: bool = True) -> Tuple[Rates, str]:
 
 class BucketCost(NamedTuple):
     """One GPU bucket as the model sees it: its elements, the bytes its parked state takes (and moves each way),
-    the bytes its resident state would add to the GPU, and when backward made its gradients final (seconds, any
-    origin; None: not sent in backward, final when backward ends)."""
+    the bytes its resident state would add to the GPU, when backward made its gradients final (seconds, any
+    origin; None: not sent in backward, final when backward ends), and the bytes a parked bucket holds on the GPU
+    through the step beside its state without moving them (sharded: the rank's shard of the reduced gradients,
+    which ``resident_bytes`` counts too)."""
 
     numel: int
     parked_bytes: int
     resident_bytes: int
     arrival: Optional[float]
+    held_bytes: int = 0
 
 
 def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float, parked_room: float,
@@ -110,9 +115,10 @@ def plan_homes(buckets: Sequence[BucketCost], rates: Rates, resident_room: float
         left = kernels - b.numel / rates.kernel
         tail = max(left, done - end)
         late = down - room / rates.download > max(tail, 0.0) + forward  # (the forward would wait for memory)
-        if used + b.parked_bytes > parked_room or late or tail >= max(kernels, reloaded - end):
+        held = b.parked_bytes + b.held_bytes
+        if used + held > parked_room or late or tail >= max(kernels, reloaded - end):
             break
-        homes[i], kernels, reloaded, written, used = "parked", left, done, down, used + b.parked_bytes
+        homes[i], kernels, reloaded, written, used = "parked", left, done, down, used + held
     return homes
 
 

@@ -3,7 +3,10 @@ with it each step), each parameter's view of its slot, which slots are known to 
 gradient passes before the update reads it (:func:`check_grads`).
 
 Sharded on the CPU, gradients are gathered in a full flat buffer (``flat_grad``) that the reduce-scatter reads, and
-the gradient buffer proper holds the rank's shard.
+the gradient buffer proper holds the rank's shard. Sharded on a GPU (a resident or parked bucket), only the shard's
+buffer exists, from the bucket's first reduce-scatter of a step to the step's end (:meth:`GradSlots.release`): the
+reduce-scatter's input is a transient buffer of the transport's
+(:class:`~zero_offload.transport.sharded.ShardedDeviceRoute`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class GradSlots:
         flat_grad (Tensor, optional): sharded on the CPU: the full flat gradient buffer, and ``flat_grad_views``.
         zero (List[bool]): whether each slot of :attr:`targets` is known to hold zeros: a parameter without a
             gradient must not leave a stale one in the buffer, which norms and checks read whole.
+        slotted (bool): each parameter has a slot shaped like it (in ``grad``, or in ``flat_grad`` when sharded on
+            the CPU); False for a sharded GPU bucket, whose shard a reduce-scatter rewrites whole.
 
     Args:
         params (Sequence[Tensor]): the bucket's parameters; ``shapes`` their shapes (read once).
@@ -70,6 +75,7 @@ class GradSlots:
                                 else [pieces is not None or p.is_contiguous() or not _dense(p) for p in params])
         self.all_slots_contiguous = all(self.slot_contiguous)
         self.zero = [True] * len(params)
+        self.slotted = pieces is None or gather_full
         self._prev_views: Optional[List[torch.Tensor]] = None
         self._prev_zero: List[bool] = []
         self._ptrs: Dict[int, List[int]] = {}  # data_ptr of a gradient buffer -> its slots' (_slot_ptrs)
@@ -82,6 +88,18 @@ class GradSlots:
             self.grad_views = self.views(self.grad)
             self.allocated = True
         return self.grad
+
+    def release(self) -> None:
+        """Let go of the gradient buffer made at first use (a sharded GPU bucket's shard, once its step is over):
+        reading ``grad`` makes it again, zeroed. The caller holds no other reference to it; the memory goes back to
+        the stream it was made on, whose work (the update, and a reduce-scatter it waited for) is all that read
+        it."""
+        if self.allocated:
+            self.__dict__.pop("grad", None)
+            self.__dict__.pop("grad_views", None)
+            self.allocated = False
+            self.zero = [True] * len(self.params)
+            self._ptrs.clear()
 
     # Until made, reading either makes the buffer (instance attributes set by allocate() take over from these).
     grad = functools.cached_property(allocate)
@@ -164,8 +182,11 @@ class GradSlots:
             self.zero[:] = [False] * len(self.zero)
 
     def clear(self, i: int) -> None:
-        """Parameter ``i`` has no gradient: its slot must read as zeros."""
-        if not self.zero[i]:  # (never for a buffer not yet made: its slots are all known zeros)
+        """Parameter ``i`` has no gradient: its slot must read as zeros (without slots, nothing to do: the
+        transport's reduce-scatter input holds zeros where a gradient is absent)."""
+        if not self.slotted:
+            self.zero[i] = True
+        elif not self.zero[i]:  # (never for a buffer not yet made: its slots are all known zeros)
             self.targets[i].zero_()
             self.zero[i] = True
 

@@ -14,6 +14,12 @@ Per step, a bucket on a GPU whose state lives
   its reload to its write-back only;
 * **resident**: nothing crosses; the GPU holds its state always (8 B a parameter, 12 for bf16/fp16).
 
+Sharded over a ``process_group``, a parked or resident bucket also holds, on the GPU, the rank's shard of the reduced
+gradients (the parameters' bytes of the shard: 4 B a shard element for fp32, 2 for bf16/fp16) from its first
+reduce-scatter of a step to the step's end; the full buffer the reduce-scatter reads is transient (made when the
+bucket's gradients are complete, let go once the reduce-scatter is issued) and not counted, as the host route's
+is not.
+
 Under FSDP2 on a GPU (``fsdp``), the shards stay in the storage FSDP keeps for them, so a parked or resident bucket
 gives an fp32 shard an fp32 master of its own, 4 B a parameter more (parked: on the host, and across PCIe each way;
 resident: on the GPU): 12 B for fp32 as for bf16/fp16; and a bf16/fp16 shard a staging copy on the GPU, 2 B a
@@ -45,7 +51,8 @@ class HomeCost:
         host_bytes (int): host RAM they hold (the estimate's buffers for them).
         gpu_bytes (int): GPU memory their state takes beyond the parameters' and gradients': a resident bucket's
             always, a parked one's from its reload to its write-back (the most a step holds at once, were every
-            parked bucket up together; under FSDP2 with a bf16/fp16 shard's staging copy, which it holds always).
+            parked bucket up together; under FSDP2 with a bf16/fp16 shard's staging copy, which it holds always);
+            sharded, with the rank's shard of the reduced gradients, held through the step.
         up_bytes (int): bytes copied host to GPU per step (parameters, or a parked bucket's state).
         down_bytes (int): bytes copied GPU to host per step (gradients, or a parked bucket's state).
         kernel_numel (int): elements the CPU kernel steps per step.
@@ -89,10 +96,9 @@ def bucket_cost(home: str, numel: int, padded_numel: int, dtype: torch.dtype, *,
     fsdp = fsdp and not on_cpu
     held = sum(state.values()) + (4 * shard if dtype != torch.float32 or fsdp else 0)  # (a separate fp32 master)
     staging = shard * dtype.itemsize if fsdp and dtype != torch.float32 else 0  # (on the GPU, beside the shard)
+    grads = shard * dtype.itemsize if world_size > 1 else 0  # (the rank's shard of the reduced gradients)
     if home == "parked":
-        return HomeCost(1, moved, host_bytes, held + staging, held, held, 0)
+        return HomeCost(1, moved, host_bytes, held + staging + grads, held, held, 0)
     if home != "resident":
         raise ValueError(f"Invalid home: {home!r} (one of {', '.join(HOMES)})")
-    if world_size > 1:
-        held += padded_numel * dtype.itemsize  # the full gradient the reduce-scatter reads
-    return HomeCost(1, moved, 0, held + staging, 0, 0, 0)
+    return HomeCost(1, moved, 0, held + staging + grads, 0, 0, 0)

@@ -82,7 +82,9 @@ class InspectionMethods:
 
     def gpu_state_bytes(self) -> Dict[str, int]:
         """GPU memory held by the state on the device tier (``gpu_fraction``), in bytes by buffer, beyond the
-        parameters' own (summed over its buckets; empty without a device tier)."""
+        parameters' own (summed over its buckets; empty without a device tier; a parked bucket's only while its
+        state is up, and, sharded, its shard of the reduced gradients through the step:
+        :meth:`~zero_offload.buckets.FlatBucket.device_bytes`)."""
         return device_bytes(self._transport.lanes)
 
     def record_timeline(self, enabled: bool = True) -> None:

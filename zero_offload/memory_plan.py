@@ -110,8 +110,8 @@ class MemoryPlan:
         release_grads (bool): planned for ``release_grads=True``: on the GPU, ours counts only the gradients of the
             buckets not yet sent (two buckets' worth at most) instead of all of them.
         gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``, or ``placement``'s
-            resident share): their moments (and a low-precision model's fp32 master; sharded, the full gradient
-            buffer the reduce-scatter reads) are in ours' GPU rows, not its host rows.
+            resident share): their moments (and a low-precision model's fp32 master; sharded, the rank's shard of
+            the reduced gradients) are in ours' GPU rows, not its host rows.
         fsdp (int): FSDP2 ranks the parameters are sharded over (``fully_shard``; 1: none). Then ``numel`` is one
             rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
             AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
@@ -285,8 +285,10 @@ def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int
 def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dtype: torch.dtype,
               world_size: int, fsdp: bool = False) -> Dict[str, int]:
     """GPU bytes per rank of the buckets ``layouts`` on the device tier, by buffer: fp32 moments, a low-precision
-    model's fp32 master, and sharded the full gradient buffer the reduce-scatter reads (the parameters' storage
-    becomes the master or staging slots, counted as params). FSDP2's shards (``fsdp``) stay in FSDP's storage:
+    model's fp32 master, and sharded the rank's shard of the reduced gradients (``grad buffer``, held from the
+    step's first reduce-scatter to its end; the full buffer the reduce-scatter reads is made and let go of one bucket
+    at a time, as the host route's is) (the parameters' storage becomes the master or staging slots, counted as
+    params). FSDP2's shards (``fsdp``) stay in FSDP's storage:
     an fp32 master for fp32 ones too, a staging copy for bf16/fp16 ones."""
     out: Dict[str, int] = {}
     for layout in layouts:
@@ -297,7 +299,7 @@ def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dt
         if fsdp and dtype != torch.float32:
             rows["staging"] = dtype.itemsize * padded // world_size
         if world_size > 1:
-            rows["flat_grad"] = padded * dtype.itemsize
+            rows["grad buffer"] = dtype.itemsize * padded // world_size
         for name, n in rows.items():
             out[name] = out.get(name, 0) + n
     return out

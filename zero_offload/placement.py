@@ -167,8 +167,10 @@ def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int]
         agreed = topology.least([*rates, resident, parked, forward, *before, *sizes], "placement='auto''s measures")
         rates, (resident, parked, forward) = agreed[:3], agreed[3:6]
         before, sizes = agreed[6 : 6 + len(lanes)], agreed[6 + len(lanes) :]
-    costs = [cost_model.BucketCost(int(-sizes[2 * k]), int(-sizes[2 * k + 1]), int(-sizes[2 * k + 1]), -b)
-             for k, b in enumerate(before)]
+    # (a sharded bucket's shard of the reduced gradients is held through the step in either GPU home, and not moved)
+    grads = [lane.bucket.device_grad_cost() for lane in lanes]  # (the same on every rank: shards are padded alike)
+    costs = [cost_model.BucketCost(int(-sizes[2 * k]), int(-sizes[2 * k + 1]) - grads[k], int(-sizes[2 * k + 1]), -b,
+                                   grads[k]) for k, b in enumerate(before)]
     return cost_model.plan_homes(costs, cost_model.Rates(*rates), max(0, resident), max(0, parked), forward)
 
 

@@ -193,6 +193,13 @@ class Home:
         """Bytes of the rule's buffers held (and their scales), by name."""
         return self.store.nbytes()
 
+    def device_tensors(self) -> Dict[str, torch.Tensor]:
+        """The state's tensors in GPU memory now, by name (the rule's, their scales, a separate ``"master"``)."""
+        if self.tier.host:
+            return {}
+        master = {"master": self.masters.master} if self.masters.separate else {}
+        return {**self.tensors(), **master}
+
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every tensor of the rule's state held, by name (the buffers, then their scales as ``<name>_scale``)."""
         return self.store.tensors()

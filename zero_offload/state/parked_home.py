@@ -59,6 +59,10 @@ class ParkedHome(Home):
         """Bytes of the parked buffers: what the GPU holds of this home while it is stepped."""
         return sum(t.numel() * t.element_size() for t in self.parked().values())
 
+    def device_tensors(self) -> Dict[str, torch.Tensor]:
+        """The device copies of the parked buffers, from their reload to their write-back (none between)."""
+        return dict(self.twins or {})
+
     # -- around a step -------------------------------------------------------------------------------------------
     def reload(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
         """Bring the parked buffers up (once a step): device copies allocated on the current (compute) stream,

@@ -408,7 +408,7 @@ class Transport:
         :meth:`reset`."""
         for lane in self.lanes:
             bucket = lane.bucket
-            if bucket.resident and not lane.streamed and not bucket.fsdp:
+            if bucket.resident and not lane.streamed and not bucket.fsdp and bucket.grads.slotted:
                 bucket.grads.zero_as_views()
                 continue
             if self.release and any(lane.had):

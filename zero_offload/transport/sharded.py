@@ -12,15 +12,17 @@ the full parameters while the next bucket is updated. The collectives themselves
 
 * On CPU the parameters are views of the bucket's ``flat_param``; gradients are copied into (or, after
   ``zero_grad(set_to_none=False)``, accumulated in) ``flat_grad``, which the reduce-scatter reads; the all-gather
-  writes ``flat_param`` in place (:class:`ShardedResidentRoute`, also a device-tier bucket's).
+  writes ``flat_param`` in place (:class:`ShardedResidentRoute`).
 * On CUDA, gradients are flattened into a transient device buffer on the copy stream, the reduce-scatter leaves
   the owned shard on the device and only that shard is copied to pinned host memory; the updated shard goes up on
   the upload stream and is all-gathered into a transient device buffer copied into the parameters
   (:class:`ShardedOffloadRoute`).
-* On CUDA with the shard's state parked on the host between steps (``placement="parked"``), the bucket goes the
-  resident way (the parameters views of a device ``flat_param``, the gradients' shard left on the GPU, the update
-  by the rule's device update, the all-gather in place) and its shard's state comes up in backward and goes back
-  down after the update (:class:`ShardedParkedRoute`).
+* On CUDA with the shard's state stepped on the GPU (``placement="resident"``), the parameters are views of a
+  device ``flat_param``, all-gathered in place, and the gradients are flattened when the bucket's are complete (in
+  backward when streamed, at ``step()`` otherwise) into a transient device buffer made on the compute stream, which
+  the reduce-scatter reads: only the rank's shard of the sum is held, on the GPU, until the step is over
+  (:class:`ShardedDeviceRoute`). Parked on the host between steps (``placement="parked"``), the bucket goes that
+  way and its shard's state comes up in backward and goes back down after the update (:class:`ShardedParkedRoute`).
 
 Every rank must issue the collectives in the same order: which parameters have a gradient is agreed over the group
 in :meth:`ShardedTransport.gather`, so every rank then updates (and all-gathers) the same buckets.
@@ -48,7 +50,8 @@ from zero_offload.transport.channel import Channel
 from zero_offload.transport.measure import Norm, device_sq_norm, every, first_nonfinite, name_held
 from zero_offload.transport.parked import reload_if_room
 
-__all__ = ["ShardedChannel", "ShardedOffloadRoute", "ShardedParkedRoute", "ShardedResidentRoute", "ShardedTransport"]
+__all__ = ["ShardedChannel", "ShardedDeviceRoute", "ShardedOffloadRoute", "ShardedParkedRoute", "ShardedResidentRoute",
+           "ShardedTransport"]
 
 
 class ShardedChannel(Channel):
@@ -98,7 +101,7 @@ class _ShardedRoute(Route):
         group (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``; with ``add``, the shard
         is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
         reduce-scatter runs while the caller goes on, and :meth:`wait` finishes it."""
-        self.wait(lane)  # the previous reduce-scatter may still read flat_grad or write grad
+        self.wait(lane)  # the previous reduce-scatter may still read its input or write grad
         bucket, channel = lane.bucket, lane.channel
         if add and channel.shard_in is None:  # (beside the shard's gradient: on the GPU for a resident or parked one)
             channel.shard_in = bucket.home.grads_tier.zeros(bucket.shard.numel, bucket.dtype)
@@ -134,7 +137,8 @@ class _ShardedRoute(Route):
 
 
 class ShardedResidentRoute(_ShardedRoute):
-    """A sharded bucket whose parameters are views of ``flat_param`` (CPU) or whose state is on the device tier."""
+    """A sharded CPU bucket: its parameters views of ``flat_param``, its gradients gathered into ``flat_grad`` (or
+    accumulated there, after ``zero_grad(set_to_none=False)``), which the reduce-scatter reads."""
 
     resident = True
 
@@ -178,9 +182,40 @@ class ShardedResidentRoute(_ShardedRoute):
         increment_version([bucket.params[i] for i in indices])
 
 
-class ShardedParkedRoute(ShardedResidentRoute):
+class ShardedDeviceRoute(ShardedResidentRoute):
+    """A sharded GPU bucket whose shard of the state is stepped on its GPU: the parameters views of a device
+    ``flat_param``, all-gathered in place, as a CPU bucket's; but no full gradient buffer is kept. The gradients
+    are flattened into a transient buffer once they are complete (in backward when streamed, at ``step()``
+    otherwise), which the reduce-scatter reads; the rank's shard of the sum (the bucket's gradient buffer, and with
+    ``release`` a later micro-batch's ``shard_in``) is held until the step is over."""
+
+    def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
+        bucket, comm = lane.bucket, self.transport.comm
+        full = bucket.full
+        # Made on the current (compute) stream, which wrote the gradients, and let go of when this returns: Comm.start
+        # has that stream wait for the reduce-scatter it issues, so whatever reuses the memory there runs after the
+        # reduce-scatter has read it (no record_stream needed). Absent gradients read as its zeros.
+        flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            torch._foreach_copy_([view_like(flat, full.offsets[i], bucket.params[i]) for i in present],
+                                 [grads[i] for i in present])
+        lo, shard = bucket.shard.lo, bucket.shard.numel
+        if comm.grads_reduced:
+            out.copy_(flat[lo : lo + shard])
+        else:
+            lane.channel.scatter = comm.start_reduce_scatter(out, flat, f"gradients of {bucket.where}")
+            lane.channel.sent()
+
+    def end(self, lane: Lane) -> None:
+        """The step is over: the shard of the reduced gradients goes (made again by the next reduce-scatter)."""
+        lane.channel.shard_in = None
+        lane.bucket.grads.release()
+
+
+class ShardedParkedRoute(ShardedDeviceRoute):
     """A sharded GPU bucket whose shard of the state is parked on the host between steps
-    (:class:`~zero_offload.state.parked_home.ParkedHome`): the resident route's reduce-scatter (its gradients' shard
+    (:class:`~zero_offload.state.parked_home.ParkedHome`): the device route's reduce-scatter (its gradients' shard
     stays on the GPU), update and all-gather, with the shard's state brought up once the reduce-scatter has started
     in backward, where the GPU has room (else at ``step()``), and let go with the step."""
 
@@ -189,6 +224,7 @@ class ShardedParkedRoute(ShardedResidentRoute):
         reload_if_room(self.transport, lane)
 
     def end(self, lane: Lane) -> None:
+        super().end(lane)
         lane.bucket.home.release()
 
 
@@ -267,7 +303,9 @@ class ShardedTransport(Transport):
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.home.kind == "parked":
             return self.route(ShardedParkedRoute)
-        return self.route(ShardedResidentRoute if bucket.resident else ShardedOffloadRoute)
+        if bucket.resident:
+            return self.route(ShardedResidentRoute if bucket.on_cpu else ShardedDeviceRoute)
+        return self.route(ShardedOffloadRoute)
 
     def count_backward(self, lane: Lane) -> None:
         """A bucket is sent in backward: the first of each backward checks the ranks agree first."""
