@@ -190,7 +190,7 @@ class MemoryPlan:
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
                 release_grads: bool = False, gpu_fraction: float = 0.0,
-                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False) -> MemoryPlan:
+                placement: Union[str, Dict[str, float]] = "host") -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -214,9 +214,6 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
             Default: 0.
         placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
             (:attr:`MemoryPlan.placement`). Default: ``"host"``.
-        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
-            FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
-            a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -230,9 +227,9 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
                for layout in plan_buckets(params, options.bucket_numel)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
     homes = home_plan(layouts, options)
-    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes, fsdp=fsdp_shards)
+    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes)
     gpu_layouts = [l for l, h in zip(layouts, homes) if h == "resident"]
-    gpu_tier = _gpu_tier(gpu_layouts, needed, dtype, world_size, fsdp_shards)
+    gpu_tier = _gpu_tier(gpu_layouts, needed, dtype, world_size)
     gpu_numel = sum(l.numel for l in gpu_layouts)
     numel, param_bytes = sum(layout.numel for layout in layouts), sum(p.nbytes for p in params)
     if device == "cpu":
@@ -262,19 +259,17 @@ def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int
 
 
 def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dtype: torch.dtype,
-              world_size: int, fsdp: bool = False) -> Dict[str, int]:
+              world_size: int) -> Dict[str, int]:
     """GPU bytes per rank of the buckets ``layouts`` on the device tier, by buffer: fp32 moments, a low-precision
     model's fp32 master, and sharded the full gradient buffer the reduce-scatter reads (the parameters' storage
-    becomes the master or staging slots, counted as params). FSDP2's shards (``fsdp``) stay in FSDP's storage:
-    an fp32 master for fp32 ones too, a staging copy for bf16/fp16 ones."""
+    becomes the master or staging slots, counted as params; FSDP2's shards too: the home takes their storage
+    over)."""
     out: Dict[str, int] = {}
     for layout in layouts:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         rows = state_bytes(needed, torch.float32, padded // world_size)
-        if dtype != torch.float32 or fsdp:
+        if dtype != torch.float32:
             rows["master"] = 4 * padded // world_size
-        if fsdp and dtype != torch.float32:
-            rows["staging"] = dtype.itemsize * padded // world_size
         if world_size > 1:
             rows["flat_grad"] = padded * dtype.itemsize
         for name, n in rows.items():
@@ -394,9 +389,9 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
     own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer. ``placement`` (a CUDA model) is
-    the optimizer's under FSDP2: each rank places its own shards' buckets, a parked or resident one with an fp32
-    master of its own for fp32 shards (4 B a parameter more than on one GPU) and a staging copy on the GPU for
-    bf16/fp16 ones (``fsdp_shards`` of :func:`memory_plan`; each home's figures in ``host.homes``).
+    the optimizer's under FSDP2: each rank places its own shards' buckets, a parked or resident one taking over
+    the storage FSDP keeps for its shards, as on one GPU a parameter is bound to its slot: the bytes per parameter
+    of one GPU (each home's figures in ``host.homes``).
 
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
     ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
@@ -417,7 +412,6 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
             _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32),
                                 kw["placement"])
         kw["placement"] = {"resident": fraction}
-    kw["fsdp_shards"] = True
     if params is not None:
         params = list(params)
         plan = memory_plan(fsdp_shards(params, ranks), **kw)
