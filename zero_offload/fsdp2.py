@@ -5,8 +5,9 @@ rank offloads the state of its own shards (FSDP does every collective), so what 
 (:mod:`zero_offload.topology.mesh`).
 
 A parameter FSDP2 shards is a ``DTensor``; its local shard (``p.to_local()``, no padding, possibly empty) is what
-FSDP's next all-gather reads, so the updated values are written into it (on the host, the optimizer's buffers take
-over the storage FSDP keeps for it, see :func:`bind_shard`, and the kernel writes it directly); its gradient arrives
+FSDP's next all-gather reads, so the updated values are written into it (on the host, and on a GPU for a bucket
+stepped there, the optimizer's buffers take over the storage FSDP keeps for it, see :func:`bind_shard`, and the
+update writes it directly); its gradient arrives
 as a ``DTensor`` placed alike, through the post-accumulate-grad hooks FSDP runs after each unit's reduce-scatter. ``opt.state`` entries are
 ``DTensor``s over the host buffers, placed like their parameter, so ``torch.distributed.checkpoint`` plans and loads
 them as it does ``torch.optim.AdamW``'s.
