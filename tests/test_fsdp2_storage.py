@@ -8,6 +8,9 @@ gloo), at world 1 and 2.
   beside them). The byte figures, written here from docs/placement.md's arithmetic per parameter of the padded
   layout (fp32: parked 8 B on the host, up and down, and on the GPU while stepped; resident 8 B on the GPU; bf16:
   12 B, the fp32 master besides), equal the buckets' ``estimate()`` and ``device_bytes()``.
+* A bf16 model's shards (resident, parked), each step from the second beside ``torch.optim.AdamW(foreach=False)``
+  over fp32 copies of ours' masters with ours' moments and step counts: masters and moments at fp32 tolerance, each
+  shard bit for bit its master rounded (the update wrote it).
 * After FSDP re-makes the shards' storage (``model.to(torch.device("cpu", 0))`` onto the device they are on, which
   copies; before and after backward), training goes on as ``torch.optim.AdamW(foreach=False)`` given the same
   change: parameters and both moments every step, clipped, two micro-batches accumulated, at default fp32
@@ -172,11 +175,53 @@ def cast_refused(rank: int, world: int, placement: str) -> Dict[str, Any]:
         return dict(message=message, unchanged=unchanged)
 
 
+def bf16_steps(rank: int, world: int, placement: Any) -> List[str]:
+    """A bf16 model's shards taken over (their fp32 masters separate): each step from the second, beside
+    ``torch.optim.AdamW(foreach=False)`` over fp32 copies of ours' masters given ours' moments and step counts and
+    the bf16 gradients upcast: the masters and moments after the step (fp32 tolerance), and each shard equal, bit
+    for bit, to its master rounded to bf16 (the update wrote the shard itself). Returns the problems."""
+    import cuda_standins
+
+    problems: List[str] = []
+    with cuda_standins.installed():
+        model = h.build_model(world, RECIPE, model=_bf16_net())
+        opt = OffloadOptimizer(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY, bucket_numel=BUCKET,
+                               placement=placement)
+        names = {p: n for n, p in model.named_parameters()}
+        for step in range(4):
+            opt.zero_grad()
+            h.loss_on(model, step, 0, rank, world).backward()
+            held = [p for p in model.parameters() if p.grad is not None and opt.state.get(p)]
+            copies = {p: torch.nn.Parameter(opt.state[p]["master"].to_local().clone()) for p in held}
+            ref = torch.optim.AdamW(list(copies.values()) or [torch.nn.Parameter(torch.zeros(1))], lr=h.LR,
+                                    weight_decay=h.WEIGHT_DECAY, foreach=False)
+            for p, q in copies.items():
+                q.grad = p.grad.to_local().float()
+                ref.state[q] = {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+                                for k, v in opt.state[p].items() if k != "master"}
+            opt.step()
+            ref.step()
+            for p, q in copies.items():
+                mine = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in opt.state[p].items()}
+                for key, value in (("master", q.detach()), *((k, ref.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))):
+                    try:
+                        torch.testing.assert_close(mine[key], value)
+                    except AssertionError as exc:
+                        problems.append(f"step {step} {names[p]}[{key}]: {str(exc).splitlines()[0]}")
+                if not torch.equal(p.to_local(), mine["master"].to(torch.bfloat16)):
+                    problems.append(f"step {step} {names[p]}: the shard is not its master rounded")
+        if not copies:
+            problems.append("nothing compared at the last step")
+    return problems
+
+
 PLACEMENTS = {"resident": "resident", "parked": "parked", "mix": MIX}
 
 
 def _jobs(world: int) -> Dict[str, Any]:
     jobs: Dict[str, Any] = {f"storage/{d}": h.Call(storage, (d,)) for d in ("fp32", "bf16")}
+    for name in ("resident", "parked"):
+        jobs[f"bf16/{name}"] = h.Call(bf16_steps, (name,))
     for name, placement in PLACEMENTS.items():
         for after in (False, True):
             if world == 1 and name != "mix":
@@ -218,6 +263,13 @@ def test_a_gpu_home_takes_over_the_shards_storage(world, dtype):
                 assert b["device_bytes"] == held, where  # (no staging copy, no master of fp32 shards)
             assert {k: b["cost"][k] for k in expected} == expected, where
             assert b["cost"]["kernel_numel"] == 0, where
+
+
+@pytest.mark.parametrize("placement", ["resident", "parked"])
+def test_a_bf16_models_shards_are_written_by_the_update_as_adamw_steps_their_masters(world, placement):
+    size, out = world
+    for rank, problems in out[f"bf16/{placement}"].per_rank.items():
+        assert problems == [], (size, rank, problems)
 
 
 @pytest.mark.parametrize("after_backward", [False, True], ids=["before_backward", "after_backward"])
