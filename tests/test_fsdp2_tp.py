@@ -9,7 +9,9 @@ sharded over both dimensions, ``_StridedShard`` over ``dp``), ``rowwise`` (two `
 biases replicated over ``tp``) and ``sequence`` (torchtitan's: a ``SequenceParallel`` LayerNorm, replicated over
 ``tp``, then colwise and rowwise linears). Ours clips with ``opt.clip_grad_norm_`` and, in another run, with
 ``torch.nn.utils.clip_grad_norm_``. A DCP checkpoint saved on the (2 x 2) mesh is resumed on (4 x 1) and (1 x 4)
-by each optimizer (and by ours from AdamW's), the continuations compared; HSDP + TP runs on a (2 x 1 x 2) mesh. A
+by each optimizer (and by ours from AdamW's), the continuations compared; HSDP + TP runs on a (2 x 1 x 2) mesh
+(on the host, and with GPU placements on the stand-ins: the mix and all parked, a DCP checkpoint of each resumed
+under the other). A
 model whose ``down`` is left out of tensor parallelism (``mixed``: its parameters on the dp sub-mesh alone) is
 compared with AdamW clipped by torch's arithmetic on full tensors (torch's own clip refuses two meshes).
 
@@ -57,6 +59,7 @@ BUCKET = 16  # 48 local elements per rank under ``sequence``: buckets enough for
 MIX = {"resident": 0.3, "parked": 0.4}
 # GPU placements on the stand-ins: each style with a Replicate() piece (rowwise's biases, sequence's norm).
 PLACED = {"mix/sequence": ("sequence", MIX), "parked/rowwise": ("rowwise", "parked")}
+HSDP_PLACED = {"mix": MIX, "parked": "parked"}  # on the (replicate, shard, tp) = (2 x 1 x 2) mesh
 
 
 def placed(placement: Any) -> Any:
@@ -328,12 +331,12 @@ def refuse_disagreement_between_tp_peers(rank: int, world: int) -> Dict[str, Any
     return out
 
 
-def homes_of(rank: int, world: int, style: str, placement: Any) -> List[str]:
-    """Each bucket's home, as built on the stand-ins (the buckets told they are on a GPU)."""
+def homes_of(rank: int, world: int, style: str, placement: Any, shape: Tuple[int, ...] = (2, 2)) -> List[str]:
+    """Each bucket's home, as built on the stand-ins (the buckets told they are on a GPU), on a mesh of ``shape``."""
     import cuda_standins
 
     with cuda_standins.installed():
-        opt = build(Setup(style, placed(placement))).opt
+        opt = build(Setup(style, placed(placement), shape)).opt
         return [b.home.kind for group in opt._buckets for b in group]
 
 
@@ -394,6 +397,16 @@ def _jobs(workdir: str) -> Dict[str, Any]:
     jobs["hsdp-tp/ours"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, "hsdp-ours"))
     jobs["hsdp-tp/ours-resumed"] = h.Call(train, (Setup("sequence", OURS, hsdp), workdir, None, "hsdp-ours",
                                                   SAVE_AT))
+    # GPU placements on the 3-D mesh (the stand-ins): every home in one group, all parked; a DCP checkpoint of the
+    # mix resumed all parked, and of all parked resumed as the mix.
+    for name, placement in HSDP_PLACED.items():
+        jobs[f"hsdp-tp/{name}"] = h.Call(train, (Setup("sequence", placed(placement), hsdp, standins=True), workdir,
+                                                 f"hsdp-{name}"))
+        jobs[f"hsdp-homes/{name}"] = h.Call(homes_of, ("sequence", placement, hsdp))
+        other = next(o for o in HSDP_PLACED if o != name)
+        jobs[f"hsdp-tp/{name}->{other}"] = h.Call(train, (Setup("sequence", placed(HSDP_PLACED[other]), hsdp,
+                                                                standins=True), workdir, None, f"hsdp-{name}",
+                                                          SAVE_AT))
     for style in STYLES + ("mixed",):
         jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS, standins=True), workdir))
     jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS, clip_with="torch", standins=True),
@@ -482,6 +495,22 @@ def test_hsdp_with_tp_steps_and_checkpoints(world4):
     expected = world4["hsdp-tp/adamw"].per_rank[0]
     h.assert_same(expected, world4["hsdp-tp/ours"].per_rank[0], "HSDP + TP")
     h.assert_same(expected, world4["hsdp-tp/ours-resumed"].per_rank[0], "HSDP + TP resumed", first=SAVE_AT)
+
+
+@pytest.mark.parametrize("name", list(HSDP_PLACED))
+def test_hsdp_with_tp_and_gpu_placements_matches_adamw_and_checkpoints(world4, name):
+    """On the (2 x 1 x 2) mesh, the stand-ins' GPU route: a dict's shares (host, resident and parked buckets in one
+    param group) and ``"parked"``, clipped by ``opt.clip_grad_norm_``, two micro-batches: parameters, both moments
+    and the norm as AdamW's every step of 20; a DCP checkpoint saved under one resumed under the other continues as
+    AdamW's run. Each rank built the homes asked."""
+    kinds = {"host", "resident", "parked"} if isinstance(HSDP_PLACED[name], dict) else {HSDP_PLACED[name]}
+    for rank, homes in world4[f"hsdp-homes/{name}"].per_rank.items():
+        assert set(homes) == kinds, (rank, homes)
+    expected = world4["hsdp-tp/adamw"].per_rank[0]
+    h.assert_same(expected, world4[f"hsdp-tp/{name}"].per_rank[0], f"HSDP + TP {name}")
+    other = next(o for o in HSDP_PLACED if o != name)
+    h.assert_same(expected, world4[f"hsdp-tp/{name}->{other}"].per_rank[0], f"HSDP + TP {name} -> {other}",
+                  first=SAVE_AT)
 
 
 def test_parameters_on_a_sub_mesh_of_the_others_match_adamw(world4):

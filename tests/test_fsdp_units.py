@@ -40,37 +40,25 @@ def _net() -> torch.nn.Module:
 def built_buckets(rank: int, world: int):
     """In a spawned rank: per (where, bucket_numel), the optimizer's own buckets over FSDP2's shards of the harness
     model ((elements, flat length) each) and its ``estimate_host_memory()`` total. ``"gpu"``: built on the CUDA
-    stand-ins with no shard storage taken over (what :func:`zero_offload.fsdp2.takeover` answers for a shard on a
-    GPU); ``"host"``: on the CPU mesh as it is."""
+    stand-ins (the slots take over the shards' storage, as on a GPU); ``"host"``: on the CPU mesh as it is."""
     import cuda_standins
-    import zero_offload.fsdp2
 
     out = {}
     for where in ("gpu", "host"):
         for bucket_numel in BUCKETS:
             model = h.build_model(world, h.Recipe(), model=_net())
             if where == "gpu":
-                real = zero_offload.fsdp2.takeover
-                zero_offload.fsdp2.takeover = lambda p, record: None
-                try:
-                    with cuda_standins.installed():
-                        opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=bucket_numel)
-                finally:
-                    zero_offload.fsdp2.takeover = real
+                with cuda_standins.installed():
+                    opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=bucket_numel)
             else:
                 opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=bucket_numel)
             buckets = list(chain.from_iterable(opt._buckets))
             out[where, bucket_numel] = ([(b.layout.numel, b.layout.padded_numel) for b in buckets],
                                         opt.estimate_host_memory().total_bytes)
     model = h.build_model(world, h.Recipe(), model=_net())
-    real = zero_offload.fsdp2.takeover
-    zero_offload.fsdp2.takeover = lambda p, record: None
-    try:
-        with cuda_standins.installed():
-            opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=4096, placement=MIX)
-            out["homes"] = {home: vars(cost) for home, cost in opt.estimate_host_memory().homes.items()}
-    finally:
-        zero_offload.fsdp2.takeover = real
+    with cuda_standins.installed():
+        opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_numel=4096, placement=MIX)
+        out["homes"] = {home: vars(cost) for home, cost in opt.estimate_host_memory().homes.items()}
     return out
 
 

@@ -14,9 +14,9 @@ Sharded over a process_group (per rank), a parked or resident bucket's GPU bytes
 gradients, the parameters' bytes of the shard (4 B, 2 B for bf16), held through the step; the full gradient the
 reduce-scatter reads is transient, not held.
 
-Under FSDP2 on a GPU (the planner's ``--fsdp N``, per rank), the shards stay in FSDP's storage: a parked or resident
-fp32 shard has an fp32 master of its own, 4 B more (12 B parked on the host and across PCIe each way, 12 B resident on
-the GPU), a bf16 one a staging copy on the GPU, 2 B more GPU memory (14 B parked while stepped, 14 B resident).
+Under FSDP2 on a GPU (the planner's ``--fsdp N``, per rank), a parked or resident bucket takes over the storage FSDP
+keeps for its shards, as one GPU binds a parameter to its slot: one GPU's figures per rank (fp32: 8 B parked on the
+host and across PCIe each way, 8 B resident on the GPU; bf16: 12 B, no staging copy beside the shard).
 
 State buffers are allocated padded (``padded_numel``), gradients and parameters cross by their elements.
 """
@@ -191,14 +191,15 @@ def test_the_planner_refuses_a_placement_the_optimizer_refuses_naming_it(capsys,
 # ------------------------------------------------------------------------------------------------ under FSDP2 --
 def _expected_fsdp(home: str, numel: int, buckets: int, dtype: torch.dtype) -> HomeCost:
     """docs/placement.md's bytes per parameter of one rank's FSDP2 shards on a GPU (module docstring), for ``buckets``
-    buckets of ``numel`` parameters without padding: the host home's as on one GPU; a GPU home's state with an fp32
-    master for every dtype (12 B), and a bf16 shard's staging copy on the GPU (2 B)."""
+    buckets of ``numel`` parameters without padding: as on one GPU, the shards' storage taken over by a GPU home (the
+    moments, 8 B, and the fp32 master of bf16 shards, 4 B; an fp32 shard is its own master, a bf16 one the staging
+    slot the update writes)."""
     if home == "host":
         return _expected(home, numel, numel, buckets, dtype)
-    gpu = 12 + (2 if dtype != torch.float32 else 0)
+    state = 8 if dtype == torch.float32 else 12
     if home == "parked":
-        return HomeCost(buckets, numel, 12 * numel, gpu * numel, 12 * numel, 12 * numel, 0)
-    return HomeCost(buckets, numel, 0, gpu * numel, 0, 0, 0)
+        return HomeCost(buckets, numel, state * numel, state * numel, state * numel, state * numel, 0)
+    return HomeCost(buckets, numel, 0, state * numel, 0, 0, 0)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -209,7 +210,7 @@ def _expected_fsdp(home: str, numel: int, buckets: int, dtype: torch.dtype) -> H
 ])
 def test_an_fsdp2_plan_gives_each_homes_figures_per_rank(capsys, dtype, placement, counts):
     """--fsdp 2 --placement ...: each rank places the buckets of its own shards (half the model, 10 buckets), a
-    GPU home with the shard's own master or staging copy."""
+    GPU home taking the shards' storage over (one GPU's bytes per parameter)."""
     main(["--params", str(20 * B), "--bucket-numel", str(B), "--dtype", dtype, "--fsdp", "2", "--placement",
           placement, "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -47,22 +47,23 @@ HOMES = {"host": HostHome, "resident": DeviceHome, "parked": ParkedHome}
 
 def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuffer], options: Options,
                      world_size: int = 1, rule: Rule = ADAMW, takeovers: Optional[Sequence[Any]] = None,
-                     homes: Optional[Sequence[str]] = None, fsdp: Optional[bool] = None) -> HostMemoryEstimate:
+                     homes: Optional[Sequence[str]] = None) -> HostMemoryEstimate:
     """Host bytes of the buckets ``layouts`` would allocate with the state ``buffers`` of ``rule`` and ``options``
     (their ``pin_memory``, ``delayed_update`` and ``state_dtype``), per rank when sharded over ``world_size``,
     without allocating: the same declarations as the real buckets'. ``takeovers``: the layouts are of FSDP2's local
     shards, with each one's :func:`zero_offload.fsdp2.takeover` (see :class:`Placement`): a bucket on the host has
     no gradient buffer until one is needed (FSDP's gradients are read where they are), and the slots that take over
     shards FSDP pins are pinned. ``homes``: each layout's home (:func:`home_plan`; default: all on the host); a
-    resident one holds no host bytes, a parked one its state only. ``fsdp``: the layouts are of FSDP2's shards (by
-    default, where ``takeovers`` are given; the planner says so without them), which a GPU home gives a master of
-    their own (fp32) or a staging copy on the GPU (bf16/fp16): :func:`~zero_offload.home_costs.bucket_cost`."""
-    fsdp = takeovers is not None if fsdp is None else fsdp
+    resident one holds no host bytes, a parked one its state only. A GPU home takes the storage of FSDP2's shards
+    over, as the host's does (the planner, which has no records, counts it so); where it cannot (a record None),
+    the shards are written by copies: a master of their own (fp32) or a staging copy on the GPU (bf16/fp16),
+    :func:`~zero_offload.home_costs.bucket_cost`'s ``copied``."""
     total = HostMemoryEstimate(0, 0, {}, 0, 0)
     for layout, home in zip(layouts, homes or ["host"] * len(layouts)):
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         state = state_bytes(buffers, options.state_dtype, padded // world_size, rule.buffers)
         on_cpu = layout.device.type == "cpu"
+        copied = takeovers is not None and takes_over(layout, home) and bucket_takeovers(layout, takeovers) is None
         if home == "resident":  # (no host bytes: its state is in the GPU's memory)
             bucket = HostMemoryEstimate(layout.numel, 0, {}, 0, 0)
         else:
@@ -70,11 +71,11 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
                                      pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
                                      delayed_update=bool(options.delayed_update),
                                      grad_buffer=takeovers is None or not on_cpu, parked=home == "parked",
-                                     fsdp=fsdp)
-            if _pins_takeover(bucket_takeovers(layout, takeovers)):
+                                     copied=copied)
+            if on_cpu and _pins_takeover(bucket_takeovers(layout, takeovers)):
                 bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
         cost = bucket_cost(home, layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
-                           world_size=world_size, host_bytes=bucket.total_bytes, fsdp=fsdp)
+                           world_size=world_size, host_bytes=bucket.total_bytes, copied=copied)
         total = total + dataclasses.replace(bucket, homes={home: cost})
     return total
 
@@ -123,7 +124,10 @@ class FlatBucket:
         self.device, self.dtype = layout.device, layout.dtype
         self.low_precision = layout.dtype != torch.float32
         on_cpu = layout.device.type == "cpu"
-        takeovers = bucket_takeovers(layout, takeovers)
+        # FSDP's records of the shards whose storage a home on the parameters' side (the host's, or a GPU home)
+        # takes over; kept for a move into a GPU home (rehome).
+        self.records = bucket_takeovers(layout, takeovers)
+        takeovers = self.records if takes_over(layout, home) else None
         # The state lives with the parameters: a CPU bucket (FSDP2's host shards where their storage is taken over),
         # or a GPU bucket stepped on its GPU (its home resident there, or parked and brought up for the step): no
         # transfers of parameters or gradients, the parameters bound to the slots the update writes.
@@ -135,7 +139,7 @@ class FlatBucket:
         self.shares_grad = self.low_precision and not self.resident and shard is None
         # (nothing of a sharded CPU bucket, or of a resident one, goes through host memory to a GPU)
         self.pin = pin and not (shard is not None and on_cpu) and home != "resident"
-        self.takeover_pinned = _pins_takeover(takeovers)
+        self.takeover_pinned = on_cpu and _pins_takeover(takeovers)
         # Multiplies the gradient in the kernel, on top of the loss-scale inverse and clip coefficient.
         self.grad_multiplier = 1.0 if shard is None or grads_reduced else 1.0 / shard.world
         self.layout = layout if shard is None else shard.local
@@ -169,7 +173,8 @@ class FlatBucket:
         for every copy in flight; it shows the new entries, and stops streaming the bucket's gradients where its new
         route has no work for backward's hooks. An allocation failure leaves the bucket as it was."""
         pin = self.pin and kind != "resident"
-        home = self._home(HOMES[kind], [self.home.declared[n] for n in self.home.names], self.state_dtype, pin, False)
+        home = self._home(HOMES[kind], [self.home.declared[n] for n in self.home.names], self.state_dtype, pin, False,
+                          self.records)
         grads = self._grads(home, True)
         home.take_over(self.home)
         self.home, self.grads = home, grads
@@ -178,9 +183,11 @@ class FlatBucket:
     def device_cost(self) -> int:
         """Device bytes :meth:`rehome` into a GPU home would add (see :meth:`device_bytes`)."""
         n = self.layout.padded_numel
-        # (FSDP2's shards stay in FSDP's storage: an fp32 master of their own, a low-precision one's staging copy)
-        cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision or self.fsdp else 0)
-        if self.fsdp and self.low_precision:
+        # (FSDP2's shards whose storage cannot be taken over: an fp32 master of their own, a low-precision one's
+        # staging copy)
+        copied = self.fsdp and self.records is None
+        cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision or copied else 0)
+        if copied and self.low_precision:
             cost += n * self.dtype.itemsize
         return cost + self.device_grad_cost()
 
@@ -212,6 +219,9 @@ class FlatBucket:
     sharded = property(lambda self: self.shard is not None)
     on_cpu = property(lambda self: self.device.type == "cpu")
     fsdp = property(lambda self: self.owners is not self.params)  # FSDP2's local shards (see the constructor)
+    # FSDP2's shards on a GPU stepped there whose storage is not the home's: each update copied into them
+    copied = property(lambda self: self.fsdp and not self.on_cpu and self.home.on_device
+                      and self.masters.takeovers is None)
     device_tier = property(lambda self: self.home.kind == "resident")  # its state in its GPU's memory
     masters = property(lambda self: self.home.masters)
     store = property(lambda self: self.home.store)
@@ -321,15 +331,16 @@ class FlatBucket:
 
     def device_bytes(self) -> Dict[str, int]:
         """Device memory a GPU home holds now beyond the parameters', by buffer (empty for a host bucket): the
-        rule's state and a separate fp32 master (low-precision parameters, FSDP2's shards), always where resident,
-        from reload to write-back where parked (:meth:`~zero_offload.state.home.Home.device_tensors`); gradient
-        buffers made (sharded: the rank's shard of the reduced gradients, from the step's first reduce-scatter to its
-        end). The parameters' own storage becomes the master (fp32) or staging slots and is not counted (FSDP2's
-        shards stay in FSDP's storage: their staging copy is counted)."""
+        rule's state and a separate fp32 master (low-precision parameters, FSDP2's shards not taken over), always
+        where resident, from reload to write-back where parked
+        (:meth:`~zero_offload.state.home.Home.device_tensors`); gradient buffers made (sharded: the rank's shard of
+        the reduced gradients, from the step's first reduce-scatter to its end). The parameters' own storage becomes
+        the master (fp32) or staging slots and is not counted (FSDP2's shards whose storage the home could not take
+        over stay in FSDP's: their staging copy is counted)."""
         if not self.home.on_device:
             return {}
         held = self.home.device_tensors()
-        if self.fsdp and self.staging is not None:  # (the shard is FSDP's storage, not a slot)
+        if self.staging is not None and not self.masters.resident:  # (the shard is FSDP's storage, not a slot)
             held["staging"] = self.staging
         if self.grads.allocated:
             held["grad"] = self.grad
@@ -347,11 +358,11 @@ class FlatBucket:
                                    state=self.home.nbytes(), pin=self.pin, world_size=world,
                                    delayed_update=self.grad_prev is not None,
                                    grad_buffer=self.grads.allocated, parked=self.home.kind == "parked",
-                                   fsdp=self.fsdp)
+                                   copied=self.copied)
             held = _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
         cost = bucket_cost(self.home.kind, self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
                            state=self.home.nbytes(), world_size=world, host_bytes=held.total_bytes,
-                           fsdp=self.fsdp)
+                           copied=self.copied)
         return dataclasses.replace(held, homes={self.home.kind: cost})
 
     def buffers(self) -> Dict[str, torch.Tensor]:
@@ -529,12 +540,20 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Pla
 
 
 def bucket_takeovers(layout: BucketLayout, takeovers: Optional[Sequence[Any]]) -> Optional[List[Any]]:
-    """The records of the FSDP2 shards on the host whose storage the slots of ``layout`` take over
-    (:func:`zero_offload.fsdp2.takeover`, given per parameter of the group), all or none."""
-    if takeovers is None or layout.device.type != "cpu":
+    """The records of the FSDP2 shards whose storage the slots of ``layout`` can take over
+    (:func:`zero_offload.fsdp2.takeover`, given per parameter of the group), all or none (see :func:`takes_over`)."""
+    if takeovers is None:
         return None
     mine = [takeovers[i] for i in layout.indices]
     return mine if mine and all(h is not None for h in mine) else None
+
+
+def takes_over(layout: BucketLayout, home: str) -> bool:
+    """Whether a bucket of ``layout`` in ``home`` takes over the storage of FSDP2's shards it holds (where
+    :func:`bucket_takeovers` has their records): on the host, every bucket (the CPU kernel writes the shards); on a
+    GPU, a bucket stepped there (``"resident"``, ``"parked"``: the fused update writes them, as it writes a plain
+    parameter bound to its slot), not one whose state is on the host (its update is uploaded into the shards)."""
+    return layout.device.type == "cpu" or home != "host"
 
 
 def _pins_takeover(takeovers: Optional[Sequence[Any]]) -> bool:

@@ -5,8 +5,9 @@ rank offloads the state of its own shards (FSDP does every collective), so what 
 (:mod:`zero_offload.topology.mesh`).
 
 A parameter FSDP2 shards is a ``DTensor``; its local shard (``p.to_local()``, no padding, possibly empty) is what
-FSDP's next all-gather reads, so the updated values are written into it (on the host, the optimizer's buffers take
-over the storage FSDP keeps for it, see :func:`bind_shard`, and the kernel writes it directly); its gradient arrives
+FSDP's next all-gather reads, so the updated values are written into it (on the host, and on a GPU for a bucket
+stepped there, the optimizer's buffers take over the storage FSDP keeps for it, see :func:`bind_shard`, and the
+update writes it directly); its gradient arrives
 as a ``DTensor`` placed alike, through the post-accumulate-grad hooks FSDP runs after each unit's reduce-scatter. ``opt.state`` entries are
 ``DTensor``s over the host buffers, placed like their parameter, so ``torch.distributed.checkpoint`` plans and loads
 them as it does ``torch.optim.AdamW``'s.
@@ -30,7 +31,7 @@ import torch
 
 from zero_offload._compat import own_storage
 
-__all__ = ["adopt_switched", "bind_shard", "given", "is_dtensor", "local_shard", "registry", "take", "takeover",
+__all__ = ["adopt_switched", "bind_shard", "given", "is_dtensor", "local_ptrs", "local_shard", "registry", "take", "takeover",
            "takeover_numel", "takeover_ptrs", "version", "wrap"]
 
 
@@ -180,17 +181,19 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
 
 def takeover(p: torch.Tensor, record: Any) -> Optional[Any]:
     """FSDP's record of ``p`` (its ``FSDPParam``) where the optimizer can take over the storage of ``p``'s shard,
-    else None. Taken over: a shard on the host (a CPU mesh, or ``CPUOffloadPolicy``) that FSDP keeps as a plain
-    padded 1-D tensor (``_sharded_param_data``, what its all-gather reads) whose leading rows are ``p``'s local
-    shard. Not: a shard on a GPU, a tensor subclass or an all-gather extension, or a torch whose FSDP2 keeps shards
-    otherwise (the optimizer then keeps a separate master and copies each update into the shard)."""
+    else None. Taken over: a shard FSDP keeps as a plain padded 1-D tensor (``_sharded_param_data``, what its
+    all-gather reads) whose leading rows are ``p``'s local shard, on the host (a CPU mesh, or ``CPUOffloadPolicy``:
+    by every bucket) or on a GPU (by a bucket stepped there, ``placement`` ``"resident"`` or ``"parked"``; a bucket
+    whose state is on the host leaves it where it is and uploads into it). Not: a tensor subclass or an all-gather
+    extension, or a torch whose FSDP2 keeps shards otherwise (the optimizer then keeps a separate master and copies
+    each update into the shard)."""
     data = getattr(record, "_sharded_param_data", None)
     size = getattr(record, "padded_sharded_param_size", None)
     local = getattr(p, "_local_tensor", None)
     if (getattr(record, "sharded_param", None) is not p or type(data) is not torch.Tensor
             or type(local) is not torch.Tensor or size is None or hasattr(local, "fsdp_pre_all_gather")):
         return None
-    if (data.device.type != "cpu" or local.device.type != "cpu" or data.dtype != local.dtype or data.dim() != 1
+    if (data.device != local.device or data.dtype != local.dtype or data.dim() != 1
             or data.numel() != torch.Size(size).numel() or not local.is_contiguous() or local.numel() > data.numel()
             or (local.numel() and local.data_ptr() != data.data_ptr())):
         return None
@@ -213,14 +216,23 @@ def bind_shard(p: torch.Tensor, record: Any, room: torch.Tensor, pinned: bool = 
     ``room`` gets a storage of its own over its memory (:func:`~zero_offload._compat.own_storage`), so that the
     shard, and ``module.state_dict()``'s tensors derived from it, can be pickled and deep-copied as FSDP's own. Where
     CUDA would not count that storage as page-locked (FSDP would then re-pin the shard into a copy the optimizer
-    does not write), the view of the flat buffer is kept."""
-    own = own_storage(room)
-    room = own if not pinned or own.is_pinned() else room
+    does not write), the view of the flat buffer is kept. On a GPU, a tensor over the same memory made through DLPack
+    (:func:`torch.utils.dlpack.from_dlpack`) is its storage of its own."""
+    if room.device.type == "cpu":
+        own = own_storage(room)
+        room = own if not pinned or own.is_pinned() else room
+    else:  # (a GPU's memory: the same, through DLPack, which keeps the flat buffer alive)
+        room = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(room))
     room.copy_(record._sharded_param_data)
     local = p._local_tensor
     record._sharded_param_data = room
     p._local_tensor = room.view(record.padded_sharded_param_size).narrow(0, 0, local.size(0) if local.numel() else 0)
     return local_shard(p)
+
+
+def local_ptrs(params: Sequence[torch.Tensor]) -> List[int]:
+    """Where each DTensor's local shard is now: a shard the optimizer holds elsewhere was re-made by FSDP."""
+    return [p._local_tensor.data_ptr() for p in params]
 
 
 def takeover_ptrs(params: Sequence[torch.Tensor], records: Sequence[Any]) -> List[Tuple[int, int]]:

@@ -8,9 +8,8 @@ each rank's buckets hold its local shards, in the model's parameter order, cut w
 differs from the last one's (the root unit's parameters, first and last in the model, make two runs) and where a
 bucket would pass ``bucket_numel``. ``fully_shard`` cuts each parameter along its first dimension into
 ``ceil(rows / N)``-row chunks, rank ``r`` holding rows ``[r c, (r + 1) c)`` of them (the last ranks fewer, or none);
-on a GPU a slot is its shard rounded up to the alignment; on the host (a CPU mesh, ``CPUOffloadPolicy``) the
-optimizer takes over the storage FSDP keeps for the shard, padded to ``c`` rows on every rank, so the slot has room
-for that.
+the optimizer takes over the storage FSDP keeps for the shard (on the host, and on a GPU as well), padded to ``c``
+rows on every rank, so the slot has room for that.
 
 Nothing here allocates: shards are meta tensors; no module is built here (the caller's model, a meta one, is read).
 """
@@ -53,7 +52,7 @@ class FsdpUnits:
 @dataclasses.dataclass(frozen=True)
 class RankBuckets:
     """The optimizer's buckets on ranks ``first`` to ``last`` (alike there): how many, their parameters' elements
-    and their flat buffers' length (``padded_numel``, alignment and, on the host, FSDP's padding rows included)."""
+    and their flat buffers' length (``padded_numel``, alignment and FSDP's padding rows included)."""
 
     first: int
     last: int
@@ -127,16 +126,16 @@ def rank_shards(params: Sequence[torch.Tensor], ranks: int, rank: int = 0) -> Li
 
 
 def shard_rooms(params: Sequence[torch.Tensor], ranks: int) -> List[int]:
-    """The elements FSDP keeps for each parameter's shard on every rank (``ceil(rows / ranks)`` rows): on the host,
-    the slot that takes the storage over has room for them all."""
+    """The elements FSDP keeps for each parameter's shard on every rank (``ceil(rows / ranks)`` rows): the slot that
+    takes the storage over has room for them all."""
     return [-(-rows // ranks) * rest for rows, rest in map(_rows, params)]
 
 
-def rank_buckets(params: Sequence[torch.Tensor], units: Optional[FsdpUnits], ranks: int, bucket_numel: int,
-                 on_host: bool = False) -> Tuple[RankBuckets, ...]:
+def rank_buckets(params: Sequence[torch.Tensor], units: Optional[FsdpUnits], ranks: int,
+                 bucket_numel: int) -> Tuple[RankBuckets, ...]:
     """Every rank's buckets (:class:`RankBuckets`, ranks that hold alike shards together), as the optimizer lays
-    them out over its shards of ``params`` cut at ``units`` (None: not cut); ``on_host``: FSDP2's shards on the
-    host (the slots take over their padded storage). Ranks hold alike shards between the ranks where some
+    them out over its shards of ``params`` cut at ``units`` (None: not cut), the slots taking over FSDP's padded
+    storage. Ranks hold alike shards between the ranks where some
     parameter's last rows fall, so only those are laid out."""
     starts = {0}
     for rows, _ in map(_rows, params):
@@ -145,7 +144,7 @@ def rank_buckets(params: Sequence[torch.Tensor], units: Optional[FsdpUnits], ran
             continue
         starts.update(r for r in (rows // chunk, -(-rows // chunk)) if r < ranks)
     bounds = sorted(starts) + [ranks]
-    rooms = shard_rooms(params, ranks) if on_host else None
+    rooms = shard_rooms(params, ranks)
     out = []
     for first, end in zip(bounds, bounds[1:]):
         layouts = local_layouts(params, units, ranks, bucket_numel, first, rooms)

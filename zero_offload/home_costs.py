@@ -20,10 +20,11 @@ reduce-scatter of a step to the step's end; the full buffer the reduce-scatter r
 bucket's gradients are complete, let go once the reduce-scatter is issued) and not counted, as the host route's
 is not.
 
-Under FSDP2 on a GPU (``fsdp``), the shards stay in the storage FSDP keeps for them, so a parked or resident bucket
-gives an fp32 shard an fp32 master of its own, 4 B a parameter more (parked: on the host, and across PCIe each way;
-resident: on the GPU): 12 B for fp32 as for bf16/fp16; and a bf16/fp16 shard a staging copy on the GPU, 2 B a
-parameter, held always (the update writes it, then it is copied into the shard).
+Under FSDP2 on a GPU, a parked or resident bucket takes over the storage FSDP keeps for its shards, as a parameter on
+one GPU is bound to its slot: the same figures as one GPU's, per rank. Where it cannot (``copied``: a shard FSDP keeps
+as a tensor subclass, say, see :func:`zero_offload.fsdp2.takeover`), the update is copied into the shard: an fp32 shard
+has an fp32 master of its own, 4 B a parameter more (parked: on the host, and across PCIe each way; resident: on the
+GPU): 12 B for fp32 as for bf16/fp16; and a bf16/fp16 shard a staging copy on the GPU, 2 B a parameter, held always.
 
 State buffers count their alignment padding (they are allocated padded); gradients and parameters their elements. A
 bucket of CPU parameters is stepped on the host and crosses nothing.
@@ -51,8 +52,9 @@ class HomeCost:
         host_bytes (int): host RAM they hold (the estimate's buffers for them).
         gpu_bytes (int): GPU memory their state takes beyond the parameters' and gradients': a resident bucket's
             always, a parked one's from its reload to its write-back (the most a step holds at once, were every
-            parked bucket up together; under FSDP2 with a bf16/fp16 shard's staging copy, which it holds always);
-            sharded, with the rank's shard of the reduced gradients, held through the step.
+            parked bucket up together; under FSDP2, where a bf16/fp16 shard is not taken over, with its staging
+            copy, which it holds always); sharded, with the rank's shard of the reduced gradients, held through the
+            step.
         up_bytes (int): bytes copied host to GPU per step (parameters, or a parked bucket's state).
         down_bytes (int): bytes copied GPU to host per step (gradients, or a parked bucket's state).
         kernel_numel (int): elements the CPU kernel steps per step.
@@ -83,19 +85,20 @@ class HomeCost:
 
 
 def bucket_cost(home: str, numel: int, padded_numel: int, dtype: torch.dtype, *, on_cpu: bool,
-                state: Mapping[str, int], world_size: int = 1, host_bytes: int = 0, fsdp: bool = False) -> HomeCost:
+                state: Mapping[str, int], world_size: int = 1, host_bytes: int = 0, copied: bool = False) -> HomeCost:
     """One bucket's :class:`HomeCost` in ``home``: ``numel`` parameters of ``dtype`` laid out in ``padded_numel``
     elements (the full padded length where sharded over ``world_size`` ranks, each holding ``padded_numel /
     world_size``), ``state`` the rule's buffers' bytes (the rank's shard), ``host_bytes`` what its estimate holds
-    on the host. ``fsdp``: its parameters are FSDP2's local shards (see the module docstring)."""
+    on the host. ``copied``: its parameters are FSDP2's local shards whose storage the home could not take over (see
+    the module docstring)."""
     shard = padded_numel // world_size
     moved = numel if world_size == 1 else shard  # (elements of gradients and parameters that cross, per rank)
     if home == "host":
         crossing = 0 if on_cpu else moved * dtype.itemsize
         return HomeCost(1, moved, host_bytes, 0, crossing, crossing, moved)
-    fsdp = fsdp and not on_cpu
-    held = sum(state.values()) + (4 * shard if dtype != torch.float32 or fsdp else 0)  # (a separate fp32 master)
-    staging = shard * dtype.itemsize if fsdp and dtype != torch.float32 else 0  # (on the GPU, beside the shard)
+    copied = copied and not on_cpu
+    held = sum(state.values()) + (4 * shard if dtype != torch.float32 or copied else 0)  # (a separate fp32 master)
+    staging = shard * dtype.itemsize if copied and dtype != torch.float32 else 0  # (on the GPU, beside the shard)
     grads = shard * dtype.itemsize if world_size > 1 else 0  # (the rank's shard of the reduced gradients)
     if home == "parked":
         return HomeCost(1, moved, host_bytes, held + staging + grads, held, held, 0)

@@ -422,7 +422,7 @@ def estimate_bucket(
     delayed_update: bool = False,
     grad_buffer: bool = True,
     parked: bool = False,
-    fsdp: bool = False,
+    copied: bool = False,
 ) -> HostMemoryEstimate:
     """Bytes of one bucket's buffers; see :class:`HostMemoryEstimate`. ``state`` is the update rule's state
     buffers' bytes by name, from the rule's declarations (``zero_offload.state.store.state_bytes``, which the
@@ -432,15 +432,15 @@ def estimate_bucket(
     and every state buffer holds ``padded_numel / world_size`` elements: the rank's shard. ``delayed_update`` adds
     the second gradient buffer it double-buffers with; without ``grad_buffer`` (FSDP2's host shards until one is
     needed) there is no gradient buffer. A ``parked`` bucket (stepped on its GPU, see ``placement``) keeps only its
-    state on the host: the rule's buffers and, for low-precision parameters, the fp32 master (FSDP2's shards on a GPU,
-    ``fsdp``: for fp32 ones too, which stay in FSDP's storage and have a master of their own)."""
+    state on the host: the rule's buffers and, for low-precision parameters, the fp32 master (FSDP2's shards on a GPU
+    whose storage the home could not take over, ``copied``: for fp32 ones too, which have a master of their own)."""
     low_precision = param_dtype != torch.float32
     # An unsharded CUDA bucket's kernel writes the low-precision parameter into the gradient buffer it reads
     # (buckets.FlatBucket.shares_grad): no staging buffer.
     staging = low_precision and (on_cpu or world_size > 1)
     grad_itemsize = torch.empty((), dtype=param_dtype).element_size()
     shard = padded_numel // world_size
-    buffers = {"master": 4 * shard if not parked or low_precision or (fsdp and not on_cpu) else 0, **state}
+    buffers = {"master": 4 * shard if not parked or low_precision or (copied and not on_cpu) else 0, **state}
     buffers.update({
         "grad": grad_itemsize * shard if grad_buffer and not parked else 0,
         "staging": grad_itemsize * shard if staging and not parked else 0,

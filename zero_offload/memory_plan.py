@@ -211,8 +211,7 @@ class MemoryPlan:
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
                 release_grads: bool = False, gpu_fraction: float = 0.0, placement: Union[str, Dict] = "host",
-                fsdp_shards: bool = False, cuts: Optional[Sequence[int]] = None,
-                rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
+                cuts: Optional[Sequence[int]] = None, rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -234,10 +233,8 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
             the GPU (not ``"auto"``: it depends on the free GPU memory at run time). Default: 0.
         placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
             (:attr:`MemoryPlan.placement`). Default: ``"host"``.
-        fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`), in FSDP's storage on a GPU:
-            a GPU home gives them a master (fp32) or a staging copy (bf16/fp16) of their own. Default: False.
         cuts, rooms (Sequence[int], optional): FSDP2 (:func:`fsdp_plan`): each parameter's unit, at which the
-            buckets are cut; on the host, the elements of each shard's storage, which its slot takes over.
+            buckets are cut; the elements of each shard's storage, which its slot takes over.
 
     Returns:
         MemoryPlan: bytes per rank by location and item.
@@ -251,9 +248,9 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
                                                                                           rooms)]
     needed = _RULE.buffers_for({"amsgrad": amsgrad})
     homes = home_plan(layouts, options)
-    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes, fsdp=fsdp_shards)
+    host = estimate_layouts(layouts, needed, options, world_size, _RULE, homes=homes)
     gpu_layouts = [l for l, h in zip(layouts, homes) if h == "resident"]
-    gpu_tier = _gpu_tier(gpu_layouts, needed, dtype, world_size, fsdp_shards)
+    gpu_tier = _gpu_tier(gpu_layouts, needed, dtype, world_size)
     gpu_numel = sum(l.numel for l in gpu_layouts)
     numel, param_bytes = sum(layout.numel for layout in layouts), sum(p.nbytes for p in params)
     if device == "cpu":
@@ -283,21 +280,18 @@ def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int
 
 
 def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dtype: torch.dtype,
-              world_size: int, fsdp: bool = False) -> Dict[str, int]:
+              world_size: int) -> Dict[str, int]:
     """GPU bytes per rank of the buckets ``layouts`` on the device tier, by buffer: fp32 moments, a low-precision
     model's fp32 master, and sharded the rank's shard of the reduced gradients (``grad buffer``, held from the
     step's first reduce-scatter to its end; the full buffer the reduce-scatter reads is made and let go of one bucket
     at a time, as the host route's is) (the parameters' storage becomes the master or staging slots, counted as
-    params). FSDP2's shards (``fsdp``) stay in FSDP's storage:
-    an fp32 master for fp32 ones too, a staging copy for bf16/fp16 ones."""
+    params; FSDP2's shards too: the home takes their storage over)."""
     out: Dict[str, int] = {}
     for layout in layouts:
         padded = layout.padded_numel if world_size == 1 else align_up(layout.padded_numel, ALIGN * world_size)
         rows = state_bytes(needed, torch.float32, padded // world_size)
-        if dtype != torch.float32 or fsdp:
+        if dtype != torch.float32:
             rows["master"] = 4 * padded // world_size
-        if fsdp and dtype != torch.float32:
-            rows["staging"] = dtype.itemsize * padded // world_size
         if world_size > 1:
             rows["grad buffer"] = dtype.itemsize * padded // world_size
         for name, n in rows.items():
@@ -410,17 +404,17 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     keep for that rank's shards (FSDP does the collectives, each rank's optimizer sees only its shards). Given
     ``params`` (a model's, real or meta), rank ``rank``'s shards of them (:func:`fsdp_shards`: rank 0's, the
     largest), cut into buckets as the optimizer cuts them: at each of FSDP2's ``units``
-    (:func:`~zero_offload.fsdp_units.model_units`; None: unknown, not cut) and, on the host, with room for FSDP's
-    padding rows; every rank's buckets are in ``rank_buckets``. Else a model of ``numel`` parameters,
+    (:func:`~zero_offload.fsdp_units.model_units`; None: unknown, not cut) and with room for FSDP's padding rows
+    (the slots take FSDP's storage over); every rank's buckets are in ``rank_buckets``. Else a model of ``numel`` parameters,
     ``ceil(numel / ranks)`` of them on the rank (its units unknown). ``**kw``: :func:`memory_plan`'s other
     arguments (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as
     ``placement={"resident": f}``).
     ``device="cpu"``: the shards on the host (a
     CPU mesh, or ``CPUOffloadPolicy``): they are the masters (fp32) or the staging copies, their gradients FSDP's
     own (the ``gradients`` row), read where FSDP leaves them: no gradient buffer. ``placement`` (a CUDA model) is
-    the optimizer's under FSDP2: each rank places its own shards' buckets, a parked or resident one with an fp32
-    master of its own for fp32 shards (4 B a parameter more than on one GPU) and a staging copy on the GPU for
-    bf16/fp16 ones (``fsdp_shards`` of :func:`memory_plan`; each home's figures in ``host.homes``).
+    the optimizer's under FSDP2: each rank places its own shards' buckets, a parked or resident one taking over
+    the storage FSDP keeps for its shards, as on one GPU a parameter is bound to its slot: the bytes per parameter
+    of one GPU (each home's figures in ``host.homes``).
 
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's ``MixedPrecisionPolicy``'s (None: as there). ``dtype`` (or
     ``params``' dtype) is the shards' storage dtype, the model's as built: the table's rows do not change with the
@@ -436,15 +430,12 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
             _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32),
                                 kw["placement"])
         kw["placement"] = {"resident": fraction}
-    kw["fsdp_shards"] = True
-    on_host = kw.get("device", "cuda") == "cpu"
     mine: Tuple[RankBuckets, ...] = ()
     if params is not None:
-        rooms = shard_rooms(params, ranks) if on_host else None
         plan = memory_plan(rank_shards(params, ranks, rank), cuts=None if units is None else units.keys,
-                           rooms=rooms, **kw)
+                           rooms=shard_rooms(params, ranks), **kw)
         whole = sum(p.numel() for p in params)
-        mine = rank_buckets(params, units, ranks, kw.get("bucket_numel", DEFAULT_BUCKET_NUMEL), on_host)
+        mine = rank_buckets(params, units, ranks, kw.get("bucket_numel", DEFAULT_BUCKET_NUMEL))
     else:
         plan = count_plan(-(-int(numel) // ranks), dtype, **kw)
         whole = int(numel)

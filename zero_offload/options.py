@@ -307,7 +307,8 @@ class Options:
         (after the first two steps, from what they measured: see docs/placement.md). CPU buckets are stepped on the host
         whatever it says. With a ``process_group`` each rank parks (or keeps) the state of its shard of a bucket, and
         ``"auto"`` places every rank's buckets alike; under FSDP2, each rank's local shards, in the home their bucket
-        is given (``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). With ``offload(cls)``, a bucket
+        is given (a GPU home takes over the storage FSDP keeps for them, as one GPU binds a parameter to its slot:
+        the same bytes per parameter; ``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). With ``offload(cls)``, a bucket
         stepped on the GPU runs the class's own code there, each parameter whole: a class that is not elementwise
         (Muon) runs only where no bucket is stepped on the host (``"parked"``, ``"resident"``), on one process
         without FSDP2. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,

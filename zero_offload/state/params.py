@@ -8,9 +8,11 @@ Where a parameter lives:
 * bf16/fp16 on CPU: the parameter is its staging slot, which the update writes; the fp32 master is separate.
 * on CUDA: the parameter stays where it is; the transport copies the master (fp32) or the staging copy back.
 * on CUDA with the state on the device tier (``gpu_fraction``): as on CPU, in device memory ("resident").
-* FSDP2's shards on a GPU stepped there (a resident or parked home): the parameter stays in FSDP's storage, the
-  fp32 master is separate (in the home's tier: the GPU's memory, or parked on the host), and the update is copied
-  into the shard on the GPU (the transport's FSDP2 device routes).
+* FSDP2's shards on a GPU stepped there (a resident or parked home): as on one GPU, the storage FSDP keeps for each
+  shard moved into its slot on the GPU (:func:`zero_offload.fsdp2.bind_shard`): an fp32 shard is its own master, a
+  bf16/fp16 one its staging slot, which the fused update writes and FSDP's all-gather reads. Where FSDP keeps a
+  shard otherwise (no takeover), the fp32 master is separate (in the home's tier) and the update is copied into the
+  shard on the GPU (the transport's FSDP2 device routes).
 * sharded on CPU (or resident): the parameters are views of one full flat buffer ``flat_param``, whose rank's
   slice *is* the master (fp32) or the staging copy.
 * FSDP2's shards on the host (a CPU mesh, or ``CPUOffloadPolicy``): as on CPU, the storage FSDP keeps for each
@@ -53,9 +55,9 @@ class Masters:
             optimizer writes). Default: ``params``.
         bind (bool): CPU parameters may become views of their slots; False: they stay where they are (FSDP2's
             shards live in FSDP's storage) and are written like GPU parameters. Default: True.
-        takeovers (Sequence, optional): FSDP2: FSDP's record of each host shard (see
-            :func:`zero_offload.fsdp2.takeover`), whose storage the slots take over (``watch`` the DTensor
-            parameters); each slot has room for the shard's padding rows. Default: None.
+        takeovers (Sequence, optional): FSDP2: FSDP's record of each shard (see :func:`zero_offload.fsdp2.takeover`),
+            whose storage the slots take over (``watch`` the DTensor parameters): on the host, or on a GPU for a
+            home stepped there; each slot has room for the shard's padding rows. Default: None.
         slots_tier (Tier, optional): where the buffer the parameters are bound to lives (the master, or the staging
             copy of low-precision parameters), when not ``tier``: page-locked host memory for the FSDP2 shards taken
             over with ``CPUOffloadPolicy(pin_memory=True)`` (FSDP copies them to the GPU); the GPU for a parked
@@ -70,10 +72,10 @@ class Masters:
         self.watch = params if watch is None else watch
         self.device, self.dtype = layout.device, layout.dtype
         slots = slots_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
-        # The state lives with the parameters (a CPU model, FSDP2's host shards taken over, or a GPU bucket stepped
-        # on its GPU): the parameters are bound to the slots the update writes, and nothing is transferred.
-        # (Not FSDP2's shards on a GPU, ``bind`` False: they stay in FSDP's storage, which its all-gather reads.)
-        self.resident = (layout.device.type == "cpu" and (bind or takeovers is not None)) or (not slots.host and bind)
+        # The state lives with the parameters (a CPU model, FSDP2's shards taken over, or a GPU bucket stepped on its
+        # GPU): the parameters are bound to the slots the update writes, and nothing is transferred. (Not FSDP2's
+        # shards FSDP keeps otherwise, ``bind`` False: they stay in FSDP's storage, which its all-gather reads.)
+        self.resident = takeovers is not None or (bind and (layout.device.type == "cpu" or not slots.host))
         self.on_device = not slots.host  # (the update runs on the GPU: parameters read there, not on the host)
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
@@ -129,23 +131,23 @@ class Masters:
             self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
 
     def check_in_place(self) -> None:
-        """Refuse parameters that no longer live where the optimizer put them. C-level loops on the hot path."""
+        """Follow, or refuse, parameters that no longer live where the optimizer put them. C-level loops on the hot
+        path."""
         params = self.params
         if self.takeovers is not None:
             now = fsdp2.takeover_ptrs(self.watch, self.takeovers)
             if now != self.slot_ptrs:
-                p = next(self.watch[i] for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b)
-                raise RuntimeError(
-                    f"OffloadOptimizer: FSDP2 re-made the storage of the shard of a parameter of shape "
-                    f"{tuple(p.shape)} after the optimizer took it over (model.to(...), "
-                    "load_state_dict(assign=True), another OffloadOptimizer built over the same parameters, ...): "
-                    "the optimizer would update storage FSDP no longer reads. Build the optimizer after such changes "
-                    "to the model.")
+                self._retake([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b])
             return
         if self.resident:
             if list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs:
                 self._rebind([i for i, p in enumerate(params) if p.data_ptr() != self.slot_ptrs[i]])
-        elif any(p.dtype != self.dtype or p.device != self.device for p in params):
+            return
+        if self.watch is not params:  # FSDP2's shards left in FSDP's storage: follow storage FSDP re-made
+            now = fsdp2.local_ptrs(self.watch)
+            if now != list(map(torch.Tensor.data_ptr, params)):
+                self._follow([i for i, (a, p) in enumerate(zip(now, params)) if a != p.data_ptr()])
+        if any(p.dtype != self.dtype or p.device != self.device for p in params):
             self._refuse(next(i for i, p in enumerate(params) if p.dtype != self.dtype or p.device != self.device),
                          None)
 
@@ -166,10 +168,49 @@ class Masters:
             self.slot_ptrs[i] = slot.data_ptr()
             self.loaded(i, True)
 
-    def _refuse(self, i: int, shape: Optional[torch.Size]) -> None:
+    def _follow(self, indices: Sequence[int]) -> None:
+        """FSDP2 re-made the storage of the shards ``indices``, which the optimizer writes where FSDP keeps them:
+        the new local shards are written from now on (their separate masters checked against them at their next
+        update, as loaded ones are). A shard now of another dtype, device or shape is refused, naming it, with
+        nothing followed."""
+        new = {i: fsdp2.local_shard(self.watch[i]) for i in indices}
+        for i, t in new.items():
+            if t.dtype != self.dtype or t.device != self.device or t.shape != self.params[i].shape:
+                self._refuse(i, self.params[i].shape, t)
+        for i, t in new.items():
+            self.params[i] = t
+            self.loaded(i, True)
+
+    def _retake(self, indices: Sequence[int]) -> None:
+        """FSDP2 re-made the storage of the shards ``indices`` after the optimizer took it over (``model.to()``
+        onto the device they are on, which copies; ``load_state_dict(assign=True)``): as :meth:`_rebind`, the
+        new values move into the slots, which FSDP keeps again, the state kept (a separate master checked against
+        its parameter at its next update, as a loaded one is). A shard FSDP now keeps in another dtype, on another
+        device or of another size is refused, naming it, with nothing taken."""
+        flat = self.staging if self.low_precision else self.master
+        for i in indices:
+            record, owner = self.takeovers[i], self.watch[i]
+            data = record._sharded_param_data
+            if (fsdp2.takeover(owner, record) is None or data.dtype != self.dtype or data.device != flat.device
+                    or data.numel() != fsdp2.takeover_numel(record)):
+                raise RuntimeError(
+                    f"OffloadOptimizer: FSDP2 re-made the storage of the shard of a parameter of shape "
+                    f"{tuple(owner.shape)} after the optimizer took it over, as {data.dtype} on {data.device} (it was "
+                    f"{self.dtype} on {self.device}; model.to(...), another OffloadOptimizer built over the same "
+                    "parameters, ...): the optimizer would update storage FSDP no longer reads. Build the optimizer "
+                    "after such changes to the model (storage re-made with the same dtype, device and size is "
+                    "followed).")
+        for i in indices:
+            room = flat[self.offsets[i] : self.offsets[i] + fsdp2.takeover_numel(self.takeovers[i])]
+            self.params[i] = fsdp2.bind_shard(self.watch[i], self.takeovers[i], room, self.slots_pinned)
+            self.loaded(i, True)
+        self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
+
+    def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None) -> None:
         """Parameter ``i`` moved, cast or reshaped since the optimizer was built (``shape``: its shape then, where
-        known); named by its whole shape (FSDP2: the DTensor's, not the shard's)."""
-        p = self.params[i]
+        known; ``now``: what it is now, where not ``params[i]``); named by its whole shape (FSDP2: the DTensor's, not
+        the shard's)."""
+        p = self.params[i] if now is None else now
         was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
         if shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"

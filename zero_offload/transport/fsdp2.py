@@ -23,12 +23,15 @@ collective (all-gather, reduce-scatter). What is left to this transport:
 
 Routes: on a GPU, :class:`~zero_offload.transport.device.OffloadRoute` itself (gradients down from FSDP's hooks, in
 the reduce-scatter stream's context, the updated shard up into ``p.to_local()``), or, for a bucket stepped on its GPU
-(``placement`` ``"resident"`` or ``"parked"``), :class:`FSDPDeviceRoute` and :class:`FSDPParkedRoute`: the local
-gradients read where FSDP left them, the state updated on the GPU (a parked bucket's brought up from FSDP's hooks,
-once its unit's reduce-scatter made its gradients final) and the new values copied into ``p.to_local()`` there,
-device to device (FSDP's all-gather reads its own storage, which the optimizer does not take over on a GPU); on the
-host (a CPU mesh, or
-``CPUOffloadPolicy``), :class:`~zero_offload.transport.host.HostRoute`: the storage FSDP keeps for each shard is
+(``placement`` ``"resident"`` or ``"parked"``), the routes of one GPU,
+:class:`~zero_offload.transport.device.DeviceTierRoute` and :class:`~zero_offload.transport.parked.ParkedRoute`: the
+storage FSDP keeps for each shard is moved into its slot on the GPU (:func:`zero_offload.fsdp2.bind_shard`: an fp32
+shard is its own master, a bf16/fp16 one the staging slot the fused update writes), the local gradients are read
+where FSDP left them, the state updated on the GPU (a parked bucket's moments brought up from FSDP's hooks, once its
+unit's reduce-scatter made its gradients final), and FSDP's next all-gather reads what the update wrote: nothing is
+copied after it. Where FSDP keeps a shard in a way that cannot be taken over, :class:`FSDPDeviceRoute` and
+:class:`FSDPParkedRoute`: a separate master, the new values copied into ``p.to_local()`` on the GPU. On the host (a
+CPU mesh, or ``CPUOffloadPolicy``), :class:`~zero_offload.transport.host.HostRoute`: the storage FSDP keeps for each shard is
 moved into its slot (:func:`zero_offload.fsdp2.bind_shard`), gradients are read where FSDP left them, and the kernel
 writes the shard itself: no second host copy of the parameters, no copy after the update. Where FSDP keeps a host
 shard in a way that cannot be taken over (:func:`zero_offload.fsdp2.takeover`), :class:`FSDPHostRoute`: a separate
@@ -98,7 +101,7 @@ class FSDPHostRoute(HostRoute):
 
 
 class _IntoShards:
-    """Local shards on a GPU stepped there, in FSDP's storage: the update's results (the master's slots, or the
+    """Local shards on a GPU stepped there, in FSDP's storage (not taken over): the update's results (the master's slots, or the
     staging copy's, on the GPU) copied into them on the compute stream, after the update."""
 
     def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
@@ -134,7 +137,11 @@ class FSDPTransport(Transport):
     def route_for(self, bucket: FlatBucket) -> Route:
         if bucket.on_cpu:  # (resident: the shards' storage taken over, the kernel writes what FSDP's all-gather reads)
             return self.route(HostRoute if bucket.resident else FSDPHostRoute)
-        return self.route({"resident": FSDPDeviceRoute, "parked": FSDPParkedRoute}.get(bucket.home.kind, OffloadRoute))
+        # A GPU home that took the shards' storage over is stepped as on one GPU (the fused update writes what
+        # FSDP's all-gather reads); one that could not copies each update into the shards.
+        routes = (({"resident": DeviceTierRoute, "parked": ParkedRoute} if bucket.masters.takeovers is not None
+                   else {"resident": FSDPDeviceRoute, "parked": FSDPParkedRoute}))
+        return self.route(routes.get(bucket.home.kind, OffloadRoute))
 
     @staticmethod
     def _take_grads(lane: Lane) -> None:
