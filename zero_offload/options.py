@@ -210,7 +210,7 @@ def _check_uploads_in_backward(value: Any) -> None:
 
 
 def _check_gpu_fraction(f: Any) -> None:
-    if not (f == "auto" or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
+    if not ((isinstance(f, str) and f == "auto") or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
         raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
 
 
@@ -226,7 +226,7 @@ def _check_placement(p: Any) -> None:
         if not bad and all(isinstance(v, Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in shares) \
                 and sum(shares) <= 1.0 + 1e-12:
             return
-    elif p in (*HOMES, "auto"):
+    elif isinstance(p, str) and p in (*HOMES, "auto"):  # (a str: a 1-element array compares equal to one)
         return
     raise ValueError(f"Invalid placement: {p!r} (one of 'host', 'resident', 'parked', 'auto', or a dict of shares of "
                      "each param group's CUDA elements, {'resident': r, 'parked': q} with r + q <= 1: the group's "
@@ -234,8 +234,17 @@ def _check_placement(p: Any) -> None:
 
 
 def _check_gpu_margin(m: Any) -> None:
-    if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf):
-        raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0)")
+    if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf) or not _bytes_finite(m):
+        raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0, whose bytes are finite too)")
+
+
+def _bytes_finite(gib: Real) -> bool:
+    """Whether ``gib`` GiB is a finite number of bytes as a float (the room checks count in bytes: 1e300 GiB is
+    not)."""
+    try:
+        return math.isfinite(float(gib) * 2**30)
+    except OverflowError:  # (an int too large for a float)
+        return False
 
 
 def _option(default: Any, doc: str, check: Optional[Callable[[Any], Any]] = None) -> Any:
