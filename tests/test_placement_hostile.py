@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+import cuda_standins
 from test_optimizer import TinyTransformer, param_groups
 from test_twin_flow import BUCKET, check_refused
-from zero_offload import OffloadOptimizer
+from zero_offload import OffloadOptimizer, offload
 from zero_offload.report import main
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    yield from cuda_standins.fixture_body(monkeypatch, needs_fused=False)
 
 
 # -- gpu_margin_gib -------------------------------------------------------------------------------------------------
@@ -93,3 +100,50 @@ def test_the_planner_refuses_a_home_given_twice(capsys):
     err = capsys.readouterr().err
     assert "argument --placement: Invalid placement: 'resident=0.5,resident=0.3' (the share of 'resident' given " \
            "twice)" in err, err
+
+
+# -- nonfinite="raise" in a class's parked bucket -------------------------------------------------------------------
+def test_a_nonfinite_gradient_in_a_parked_muon_bucket_names_muon_and_changes_nothing(cuda_branches):
+    """The error told the user to pass ``nonfinite='ignore'`` "to apply them as torch.optim.AdamW would" for any
+    class: it names the class now. Nothing changed (parameters, state), the state brought up for the step is let
+    go, and the next steps are torch's Muon's, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((5, 7), (30, 30), (40, 40))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = offload(torch.optim.Muon, params, lr=0.02, placement="parked", bucket_numel=1024, nonfinite="raise")
+    ref = torch.optim.Muon(twins, lr=0.02)
+
+    def step(o, ps, s, inf=False):
+        o.zero_grad()
+        sum((torch.tanh(p) * (s + 1)).sum() ** 2 for p in ps).backward()
+        if inf:
+            ps[2].grad[0, 0] = float("inf")
+        o.step()
+
+    def same():
+        for p, q in zip(params, twins):
+            assert torch.equal(p, q)
+            assert opt.state[p].keys() == ref.state[q].keys()
+            for k, v in ref.state[q].items():
+                assert torch.equal(opt.state[p][k], v), k
+
+    for s in range(2):
+        step(opt, params, s)
+        step(ref, twins, s)
+        same()
+    with pytest.raises(RuntimeError, match=r"parameter 2 of shape \(40, 40\).*as torch\.optim\.Muon would"):
+        step(opt, params, 2, inf=True)  # (the reference never sees this step)
+    same()
+    assert all(b.home.twins is None for g in opt._buckets for b in g), "the state brought up was kept"
+    for s in range(2, 4):
+        step(opt, params, s)
+        step(ref, twins, s)
+        same()
+
+
+def test_adamws_nonfinite_error_still_names_adamw(cuda_branches):
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked", nonfinite="raise")
+    next(model.parameters()).grad = torch.full_like(next(model.parameters()), float("nan"))
+    with pytest.raises(RuntimeError, match=r"as torch\.optim\.AdamW would"):
+        opt.step()
