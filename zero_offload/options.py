@@ -210,7 +210,8 @@ def _check_uploads_in_backward(value: Any) -> None:
 
 
 def _check_gpu_fraction(f: Any) -> None:
-    if not ((isinstance(f, str) and f == "auto") or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
+    if not ((isinstance(f, str) and f == "auto")  # (a str: a 1-element array compares equal to one)
+            or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
         raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
 
 
@@ -325,7 +326,7 @@ class Options:
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
         ``uploads_in_backward``, a parked bucket's reload: made only where that much and the gradients still to
-        come fit; else at ``step()``).""", _check_gpu_margin)
+        come fit; else at ``step()``). Finite, and finite in bytes too (1e300 GiB is refused).""", _check_gpu_margin)
     uploads_in_backward: bool = _option(True, """with ``delayed_update`` on a GPU: copy each
         bucket's new parameters up during backward, once its update has run, into a device buffer of the bucket's
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at
