@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cuda_standins
-from test_optimizer import TinyTransformer, param_groups
+from test_optimizer import TinyTransformer, loss_fn, param_groups
 from test_twin_flow import BUCKET, check_refused
 from zero_offload import OffloadOptimizer, offload
 from zero_offload.report import main
@@ -147,3 +147,44 @@ def test_adamws_nonfinite_error_still_names_adamw(cuda_branches):
     next(model.parameters()).grad = torch.full_like(next(model.parameters()), float("nan"))
     with pytest.raises(RuntimeError, match=r"as torch\.optim\.AdamW would"):
         opt.step()
+
+
+# -- an offload option inside a param group -------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("placement", "parked"), ("gpu_fraction", 1.0), ("bucket_numel", 8),
+                                       ("nonfinite", "raise")])
+def test_an_offload_option_in_a_param_group_is_refused_not_ignored(cuda_branches, key, value):
+    """``[{"params": embeddings, "placement": "parked"}, ...]`` built every bucket on the host without a word (torch
+    keeps unknown group keys; every group takes the constructor's options). Refused now, naming the key, at
+    construction (the model as it was), in ``add_param_group`` and in a loaded state dict's group (the optimizer as
+    it was: its groups, its homes, its state), for AdamW and for a wrapped class."""
+    model = TinyTransformer()
+    before = [p.detach().clone() for p in model.parameters()]
+    groups = param_groups(model)
+    groups[0][key] = value
+    with pytest.raises(ValueError, match=f"{key}={value!r} in a param group: {key} is an option of the whole"):
+        OffloadOptimizer(groups, bucket_numel=BUCKET, placement="parked")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+    for make in (lambda ps: OffloadOptimizer(ps, bucket_numel=BUCKET, placement="parked"),
+                 lambda ps: offload(torch.optim.SGD, ps, lr=0.1, momentum=0.9, bucket_numel=BUCKET,
+                                    placement="parked")):
+        torch.manual_seed(0)
+        model, extra = TinyTransformer(), torch.nn.Linear(16, 4)
+        opt = make(param_groups(model))
+        opt.zero_grad()
+        loss_fn(model, 0, 0, "cpu").backward()
+        opt.step()
+        homes = [[b.home.kind for b in g] for g in opt._buckets]
+        state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+        with pytest.raises(ValueError, match=f"{key}={value!r} in a param group"):
+            opt.add_param_group({"params": list(extra.parameters()), key: value})
+        sd = opt.state_dict()
+        sd["param_groups"][1][key] = value
+        with pytest.raises(ValueError, match=f"param group 1: {key}={value!r} in a param group"):
+            opt.load_state_dict(sd)
+        assert len(opt.param_groups) == 2 and [[b.home.kind for b in g] for g in opt._buckets] == homes
+        assert all(key not in g for g in opt.param_groups)
+        assert {id(p) for p in opt.state} == set(state)
+        for p, s in opt.state.items():
+            for k, v in s.items():
+                assert torch.equal(v, state[id(p)][k]), k
