@@ -205,10 +205,19 @@ def decide(scaler: ScalerSignal, clip: Optional[PendingClip], nonfinite_found: b
     return Decision(multiplier=inv_scale * coef, inv_scale=inv_scale, clip=clip)
 
 
-def nonfinite_error(where: str) -> RuntimeError:
+def nonfinite_error(where: str, optimizer_class: type = torch.optim.AdamW) -> RuntimeError:
+    """The error of ``nonfinite="raise"``; ``nonfinite="ignore"`` steps as ``optimizer_class`` (the rule's) would."""
     return RuntimeError(f"OffloadOptimizer.step: non-finite gradient (inf or nan) in {where}; nothing was updated. "
                         "Pass nonfinite='skip' to skip such steps, or nonfinite='ignore' to apply them as "
-                        "torch.optim.AdamW would.")
+                        f"{_public_name(optimizer_class)} would.")
+
+
+def _public_name(cls: type) -> str:
+    """``cls`` as users write it: ``torch.optim.AdamW`` (not ``torch.optim.adamw.AdamW``), ``zero_offload.Lion``."""
+    for package in ("torch.optim", "zero_offload"):
+        if cls.__module__.startswith(package) and getattr(sys.modules.get(package), cls.__name__, None) is cls:
+            return f"{package}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_max_norm(max_norm: Any) -> float:

@@ -272,7 +272,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
             self._transport.wait_all(plans)  # no copy may still be reading the gradients once step() returns
         if decision.raise_:
             names = [g.get("param_names") for g in self.param_groups]
-            raise gate.nonfinite_error(self._transport.describe_nonfinite(plans, names))
+            raise gate.nonfinite_error(self._transport.describe_nonfinite(plans, names), self._rule.optimizer_class)
         self.skipped_steps += 1
 
     def _take_clip(self, unscaled: bool) -> Tuple[Optional[PendingClip], bool]:

@@ -210,7 +210,8 @@ def _check_uploads_in_backward(value: Any) -> None:
 
 
 def _check_gpu_fraction(f: Any) -> None:
-    if not (f == "auto" or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
+    if not ((isinstance(f, str) and f == "auto")  # (a str: a 1-element array compares equal to one)
+            or (isinstance(f, Real) and not isinstance(f, bool) and 0.0 <= f <= 1.0)):
         raise ValueError(f"Invalid gpu_fraction: {f!r} (a number from 0 to 1, or 'auto')")
 
 
@@ -226,7 +227,7 @@ def _check_placement(p: Any) -> None:
         if not bad and all(isinstance(v, Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in shares) \
                 and sum(shares) <= 1.0 + 1e-12:
             return
-    elif p in (*HOMES, "auto"):
+    elif isinstance(p, str) and p in (*HOMES, "auto"):  # (a str: a 1-element array compares equal to one)
         return
     raise ValueError(f"Invalid placement: {p!r} (one of 'host', 'resident', 'parked', 'auto', or a dict of shares of "
                      "each param group's CUDA elements, {'resident': r, 'parked': q} with r + q <= 1: the group's "
@@ -234,8 +235,17 @@ def _check_placement(p: Any) -> None:
 
 
 def _check_gpu_margin(m: Any) -> None:
-    if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf):
-        raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0)")
+    if isinstance(m, bool) or not isinstance(m, Real) or not (0.0 <= m < math.inf) or not _bytes_finite(m):
+        raise ValueError(f"Invalid gpu_margin_gib: {m!r} (a finite number of GiB >= 0, whose bytes are finite too)")
+
+
+def _bytes_finite(gib: Real) -> bool:
+    """Whether ``gib`` GiB is a finite number of bytes as a float (the room checks count in bytes: 1e300 GiB is
+    not)."""
+    try:
+        return math.isfinite(float(gib) * 2**30)
+    except OverflowError:  # (an int too large for a float)
+        return False
 
 
 def _option(default: Any, doc: str, check: Optional[Callable[[Any], Any]] = None) -> Any:
@@ -317,7 +327,7 @@ class Options:
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
         ``uploads_in_backward``, a parked bucket's reload: made only where that much and the gradients still to
-        come fit; else at ``step()``).""", _check_gpu_margin)
+        come fit; else at ``step()``). Finite, and finite in bytes too (1e300 GiB is refused).""", _check_gpu_margin)
     uploads_in_backward: bool = _option(True, """with ``delayed_update`` on a GPU: copy each
         bucket's new parameters up during backward, once its update has run, into a device buffer of the bucket's
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at

@@ -4,6 +4,8 @@ taken once, as :class:`~zero_offload.options.Options`."""
 
 from __future__ import annotations
 
+import dataclasses
+from numbers import Integral
 from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
@@ -54,17 +56,34 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         their time).
 
     Raises:
-        ValueError: a ``state_dtype`` the constructor refuses (its very error);
-            ``world_size`` with FSDP2's parameters.
+        ValueError: an option or a combination the constructor refuses (its very error: a ``bucket_numel`` that is
+            not a positive int, ``delayed_update`` with a GPU ``placement`` or with ``world_size`` > 1...; not
+            ``pin_memory=True`` without CUDA, as the plan may be for another machine); a ``world_size`` that is not
+            a whole number >= 1; ``world_size`` with FSDP2's parameters.
         TypeError: FSDP2's parameters mixed with plain ones, or placed otherwise (the constructor's error); a removed
             option such as ``speculation_memory`` (the constructor's error).
     """
     check_state_dtype(state_dtype)
-    # (the constructor's checks)
-    Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)._check_gpu_tier()
+    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
+        raise ValueError(f"Invalid world_size: {world_size!r} (the process_group's number of ranks, a whole number "
+                         ">= 1)")
     options = Options(bucket_numel=bucket_numel, pin_memory=pin_memory, delayed_update=delayed_update,
-                      state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)
-    return estimate_params(list(params), options, world_size, defaults={"amsgrad": amsgrad})
+                      state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement,
+                      sharded=world_size > 1)
+    _check_as_constructed(options)
+    return estimate_params(list(params), options, int(world_size), defaults={"amsgrad": amsgrad})
+
+
+def _check_as_constructed(options: Options) -> None:
+    """The constructor's checks of ``options`` (each value, then their combinations), but ``pin_memory``'s need for
+    CUDA: a plan may be made on another machine than the one it is for."""
+    for f in dataclasses.fields(options):
+        check = f.metadata.get("check")
+        if check is not None and f.name != "pin_memory":
+            check(getattr(options, f.name))
+    options._check_modes()
+    options._check_distributed()
+    options._check_gpu_tier()
 
 
 def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1, *,

@@ -183,6 +183,9 @@ def _placement_arg(text: str):
         shares = {}
         for part in value.split(","):
             home, _, share = part.partition("=")
+            if home.strip() in shares:  # (a dict keeps the last: the user's first share would vanish unsaid)
+                raise argparse.ArgumentTypeError(f"Invalid placement: {text!r} (the share of {home.strip()!r} given "
+                                                 "twice)")
             try:
                 shares[home.strip()] = float(share)
             except ValueError:

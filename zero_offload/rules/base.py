@@ -159,7 +159,9 @@ class Rule:
 
     def check(self, group: Dict[str, Any], where: str = "") -> None:
         """Validate a group's hyperparameters (the defaults, a group being added, a loaded one) before anything
-        changes: :meth:`hyper`'s checks; ``where`` prefixes the message (a loaded group)."""
+        changes: :meth:`hyper`'s checks, and no offload option among them (one is the whole optimizer's: a group's
+        would be ignored); ``where`` prefixes the message (a loaded group)."""
+        refuse_offload_options(group, self.defaults, where)
         try:
             self.hyper(group)
         except ValueError as exc:
@@ -211,3 +213,17 @@ class Rule:
         behind the caller's back."""
         if run.out is not None:
             raise NotImplementedError(f"{self.name}: this rule updates in place only (Run.out is not supported)")
+
+
+def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], where: str = "") -> None:
+    """A param group's key that is an offload option (``placement``, ``gpu_fraction``, ``bucket_numel``...) and
+    not a hyperparameter of the rule's class: every group takes the constructor's option, so the group's value
+    would be ignored without a word (torch keeps unknown keys in a group). ``where`` prefixes the message."""
+    from zero_offload.options import OFFLOAD_OPTIONS  # (options imports the kernel's checks: not at import here)
+
+    given = [k for k in group if k in OFFLOAD_OPTIONS and k not in defaults]
+    if given:
+        name = given[0]
+        raise ValueError(f"{where + ': ' if where else ''}{name}={group[name]!r} in a param group: {name} is an "
+                         f"option of the whole optimizer, taken by every group (OffloadOptimizer(..., {name}=...)); "
+                         "a group's own value would be ignored")
