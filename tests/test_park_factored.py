@@ -129,6 +129,43 @@ def test_adafactor_parked_under_a_gradscaler_is_bitwise_adafactor_under_one(cuda
     assert scalers[0].get_scale() != 2.0**10
 
 
+def test_a_bf16_model_parked_steps_its_fp32_masters_as_adafactor_steps_fp32_parameters(cuda_branches):
+    """The class steps the fp32 masters (parked with the factors); the bf16 parameters are them rounded."""
+    ours = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = offload(torch.optim.Adafactor, ours, placement="parked", bucket_numel=BUCKET, weight_decay=0.1)
+    ref = torch.optim.Adafactor(theirs, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(4):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            q.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            assert torch.equal(opt.state[p]["master"], q), (step, i)
+            assert torch.equal(p, q.to(torch.bfloat16)), (step, i)
+            assert set(opt.state[p]) == set(ref.state[q]) | {"master"}, (step, i)
+            for key, value in ref.state[q].items():
+                assert torch.equal(opt.state[p][key], value), (step, i, key)
+
+
+def test_an_edited_or_removed_opt_state_entry_takes_effect_as_in_adafactor(cuda_branches):
+    """``opt.state`` as in the class: an entry removed restarts its parameter (fresh factors, step 1 next), a factor
+    written into an entry is what the next step reads."""
+    ours, theirs = _params(), _params()
+    opt = offload(torch.optim.Adafactor, ours, placement="parked", bucket_numel=BUCKET)
+    ref = torch.optim.Adafactor(theirs)
+    for step in range(5):
+        if step == 2:
+            for o, ps in ((opt, ours), (ref, theirs)):
+                del o.state[ps[1]]
+                o.state[ps[3]]["col_var"] = torch.full((3, 1, 5), 0.25)
+        _step_both(ours, opt, theirs, ref, step)
+        _same(ours, opt, theirs, ref, f"step {step}")
+    assert float(opt.state[ours[1]]["step"]) == 3 and float(opt.state[ours[0]]["step"]) == 5
+
+
 @pytest.mark.parametrize("saved_at,loaded_at", [("parked", "resident"), ("resident", "parked")])
 def test_adafactor_checkpoints_load_into_the_class_and_back_in_any_gpu_home(cuda_branches, saved_at, loaded_at):
     ours, theirs = _params(), _params()
@@ -266,8 +303,8 @@ def test_adafactor_is_refused_where_a_bucket_would_be_stepped_on_the_host(cuda_b
 
 
 def test_adafactor_parked_with_its_buckets_sharded_is_refused(cuda_branches):
-    """Over a process_group (here: the group laid out as rank 0 of 2 would lay it out), a bucket holds a rank's pieces
-    of parameters, which Adafactor's own code would step as if whole; FSDP2 likewise (the same check)."""
+    """Over a process_group (here: the group laid out as rank 0 of 2 would lay it out), or under FSDP2 (laid out over
+    shards), a bucket holds a rank's pieces of parameters, which Adafactor's own code would step as if whole."""
     from zero_offload.buckets import Placement, allocate_group
 
     ours = _params()
@@ -275,6 +312,10 @@ def test_adafactor_parked_with_its_buckets_sharded_is_refused(cuda_branches):
     group = {**opt.param_groups[0], "params": _clone(ours)}
     with pytest.raises(ValueError, match=r"Adafactor.*with a process_group .* pieces of its parameters"):
         allocate_group(group, 0, opt.options, Placement(cut=(2, 0)), opt._rule)
+    # FSDP2: the bucket holds each rank's shard of a parameter (here its first row), not the parameter.
+    shards = [p.detach()[:1].clone() for p in group["params"]]
+    with pytest.raises(ValueError, match=r"Adafactor.*with FSDP2 .* pieces of its parameters"):
+        allocate_group(group, 0, opt.options, Placement(data=shards, units=[0] * len(shards)), opt._rule)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -30,9 +30,9 @@ __all__ = ["check_kept", "pieces", "probe_whole", "stand_in_shapes", "whole_kind
 
 # One small shape per number of dimensions: the probe's stand-ins for the model's parameters (odd sizes, so a class
 # that mixes rows and columns up shows it).
+_STAND_INS = {0: (), 1: (7,), 2: (4, 6), 3: (3, 2, 5), 4: (2, 3, 2, 3)}
 # A second set, every dimension of another size (none 1), tells a state shape that follows the parameter's from one
 # that only matched it.
-_STAND_INS = {0: (), 1: (7,), 2: (4, 6), 3: (3, 2, 5), 4: (2, 3, 2, 3)}
 _OTHER_STAND_INS = {0: (), 1: (9,), 2: (5, 3), 3: (4, 3, 2), 4: (3, 2, 3, 2)}
 
 
@@ -52,7 +52,8 @@ def _kept(state: torch.Size, param: torch.Size) -> Optional[Tuple[bool, ...]]:
 def whole_kinds(name: str, opt: Any, params: List[torch.Tensor]) -> Tuple[Any, ...]:
     """The kinds pass's reading of a class stepped whole (see :func:`~zero_offload.rules.probe.kinds`): its buffers,
     step key, whether the step is a tensor, the shapes of the buffers not shaped like the parameter for every
-    number of dimensions, and each tensor's shape (by key and parameter shape). Raises :class:`NotElementwise` naming an entry a parked bucket cannot hold."""
+    number of dimensions, and each tensor's shape (by key and parameter shape). Raises :class:`NotElementwise`
+    naming an entry a parked bucket cannot hold."""
     step_key, step_is_tensor = None, False
     found: Dict[str, Dict[int, Tuple[bool, ...]]] = {}
     seen: Dict[Tuple[str, Tuple[int, ...]], Tuple[int, ...]] = {}
@@ -64,11 +65,10 @@ def whole_kinds(name: str, opt: Any, params: List[torch.Tensor]) -> Tuple[Any, .
                 step_key, step_is_tensor = key, isinstance(value, torch.Tensor)
                 continue
             where = f"its state {key!r} of a parameter of shape {tuple(p.shape)}"
-            if isinstance(value, torch.Tensor):
-                seen[(key, tuple(p.shape))] = tuple(value.shape)
             if not isinstance(value, torch.Tensor):
                 raise NotElementwise(f"{name} keeps {where} as a {type(value).__name__}: a parked bucket holds "
                                      "tensors")
+            seen[(key, tuple(p.shape))] = tuple(value.shape)
             if value.dim() == 0 and p.dim() != 0:
                 raise NotElementwise(f"{name} keeps a per-parameter scalar {key!r} besides the step count")
             kept = _kept(value.shape, p.shape)

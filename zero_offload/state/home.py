@@ -122,7 +122,7 @@ class Home:
         shaped = self.store.shaped
         if shaped.flat is None:
             return None
-        return shaped.cut(shaped.flat if copies is None else copies[0][SHAPED])[first:last + 1]
+        return (shaped.views if copies is None else shaped.cut(copies[0][SHAPED]))[first:last + 1]
 
     def copies(self) -> Copies:
         """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
