@@ -116,7 +116,8 @@ class StateStore:
     def slots(self, i: int) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s buffers, by name: views, shaped like the parameter (1-D pieces when sharded), and its
         shaped buffers' tensors, of their own shapes (those it has)."""
-        return {**{name: views[i] for name, views in self.views.items()}, **self.shaped.views[i]}
+        own = {} if self.shaped.flat is None else self.shaped.views[i]  # (none held: a sharded bucket holds none)
+        return {**{name: views[i] for name, views in self.views.items()}, **own}
 
     def run_state(self, a: int, b: int, copies: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]
                   = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
