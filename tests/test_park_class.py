@@ -248,7 +248,6 @@ class _ScalarStateMuon(torch.optim.Muon):
 
 
 @pytest.mark.parametrize("cls,match", [
-    (torch.optim.Adafactor, r"Nor can it be parked.*state 'row_var' has shape"),
     (_ScalarStateMuon, r"Nor can it be parked.*per-parameter scalar 'norm'"),
     (_GlobalNormSGD, r"Nor can it be parked.*depends on other parameters"),
 ])

@@ -50,6 +50,7 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
     for index, (first, last, step) in enumerate(runs):
         a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
         master, state, scales = home.run_buffers(a, b, copies)
+        shaped = home.run_shaped(first, last, copies)
         if out is not None:
             param_out = out["param"][a:b] if "param" in out else None
             dest = _run_out(out, a, b)
@@ -59,11 +60,13 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
         slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry, bucket.shapes[first : last + 1],
                       layout.offsets[first : last + 1])
         if in_place is None:
-            run = Run(master, grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots)
+            run = Run(master, grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots,
+                      shaped)
         else:
             grads = in_place if whole else CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
-            run = Run(master, None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots)
+            run = Run(master, None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots,
+                      shaped)
         home.update(rule, run, hyper)
 
 

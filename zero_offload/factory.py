@@ -12,8 +12,9 @@ Which update runs:
   the flat buffers, after a probe has checked that its update is elementwise (refused, naming why, otherwise).
 * on a bucket stepped on the GPU (``placement="parked"``, ``"resident"``), Lion's and the generic rule run the
   class's own code there: an elementwise class over the bucket's flat runs (a rank's shard too), a class the
-  elementwise probe refuses (Muon) each parameter whole (:mod:`zero_offload.rules.whole`), where every bucket is
-  stepped on a GPU and each holds whole parameters.
+  elementwise probe refuses (Muon, Adafactor) each parameter whole (:mod:`zero_offload.rules.whole`), where every
+  bucket is stepped on a GPU and each holds whole parameters; state not shaped like the parameter (Adafactor's
+  factors) in a layout of its own (:mod:`zero_offload.state.shaped`).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ def offload(optimizer_class: type, params: Iterable[Any], **kwargs: Any) -> Offl
             or any elementwise ``torch.optim.Optimizer`` subclass (``SGD``, ``Adagrad``, ``RMSprop``, ``Adamax``,
             ``RAdam``, ``Adadelta``, ``Rprop``, ...) run by its own CPU implementation (``foreach``/``fused`` as
             given). Refused with a ``ValueError`` naming why: ``LBFGS`` (a closure and a line search over all
-            parameters), ``SparseAdam`` (sparse gradients), ``Adafactor`` (factored state), ``NAdam`` and ``ASGD``
-            (per-parameter scalar state besides the step count), classes whose update of an element depends on
-            other elements (LAMB, LARS, Muon, Shampoo: found by probing) where a bucket would be stepped on the host
-            (``placement="parked"`` runs those whose per-parameter state is tensors shaped like the parameter, a
-            step count aside, each parameter whole on the GPU: ``torch.optim.Muon``), classes whose update of one
-            parameter depends on other parameters (D-Adaptation's ``d``, a sum over all of them), classes that step
+            parameters), ``SparseAdam`` (sparse gradients), ``NAdam`` and ``ASGD`` (per-parameter scalar state
+            besides the step count), classes whose update of an element depends on other elements (LAMB, LARS,
+            Muon, Shampoo, Adafactor: found by probing) where a bucket would be stepped on the host
+            (``placement="parked"`` runs those whose per-parameter state is tensors of fixed shapes that follow the
+            parameter's, a step count aside, each parameter whole on the GPU: ``torch.optim.Muon``,
+            ``torch.optim.Adafactor`` and its factored ``row_var``/``col_var``; a per-parameter scalar, a list, a
+            shape that changes between steps or a tensor shared by parameters is refused there), classes whose
+            update of one parameter depends on other parameters (D-Adaptation's ``d``, a sum over all of them), classes that step
             differently on a replay with identical inputs (random draws, or state outside the optimizer such as a
             class attribute), classes whose ``step(closure)`` calls the closure more than once,
             ``differentiable=True``, ``capturable=True``. Keys the class's constructor adds to its param groups

@@ -320,9 +320,9 @@ class Options:
         is given (a GPU home takes over the storage FSDP keeps for them, as one GPU binds a parameter to its slot:
         the same bytes per parameter; ``"auto"``'s homes the same on every rank: see docs/multi-gpu.md). With ``offload(cls)``, a bucket
         stepped on the GPU runs the class's own code there, each parameter whole: a class that is not elementwise
-        (Muon) runs only where no bucket is stepped on the host (``"parked"``, ``"resident"``), on one process
-        without FSDP2. Not with ``gpu_fraction`` (its alias for the resident share), compact ``state_dtype``,
-        ``overlap_step`` or ``delayed_update``.""",
+        (Muon, Adafactor, whose factored state a bucket holds in a layout of its own) runs only where no bucket is
+        stepped on the host (``"parked"``, ``"resident"``), on one process without FSDP2. Not with ``gpu_fraction``
+        (its alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``.""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of

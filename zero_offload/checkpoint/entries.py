@@ -221,7 +221,7 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue)
     steps = [] if bucket.home.step_key is None else [bucket.home.step_key]
     unknown = set(entry) - {*steps, *slots}
     # Compact state's entries show no buffers of the rule (see StateViews.entry): an edit may leave them out.
-    needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional)]
+    needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional and (b.name in slots or bucket.compact))]
     missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
         raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "

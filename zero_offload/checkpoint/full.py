@@ -148,7 +148,14 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Se
     if unknown:
         raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not {rule.name} state (expected "
                          f"{', '.join(keys)}): is it from another optimizer?")
-    required = [k for k in (rule.step_key,) if k is not None] + [b.name for b in needed]
+    # (a buffer of a shape of its own, :class:`StateShape`, may have no tensor for this parameter: Adafactor's
+    # ``variance`` for a matrix)
+    shapes = {b.name: b.shape_for(p.shape) for b in rule.buffers}
+    absent = [k for k in entry if k in shapes and shapes[k] is None]
+    if absent:
+        raise ValueError(f"{where} has {absent}, which {rule.name} keeps for no parameter of {p.dim()} dimensions: "
+                         "is this state dict from another model?")
+    required = [k for k in (rule.step_key,) if k is not None] + [b.name for b in needed if shapes[b.name] is not None]
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{where} lacks {missing}")
@@ -160,8 +167,10 @@ def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Se
             raise ValueError(f"{where}: {k} must be a dense floating-point tensor, got {type(v).__name__}")
         if v.is_meta:
             raise ValueError(f"{where}: {k} is on the meta device: it has no values to load")
-        if v.shape != p.shape:
-            raise ValueError(f"{where}: {k} has shape {tuple(v.shape)}, the parameter has {tuple(p.shape)}: "
+        expected = shapes.get(k) or p.shape
+        if v.shape != expected:
+            what = "the parameter has" if expected == p.shape else f"{rule.name} keeps"
+            raise ValueError(f"{where}: {k} has shape {tuple(v.shape)}, {what} {tuple(expected)}: "
                              "is this state dict from another model?")
     return {**entry, "step": _entry_step(rule.step_key, entry, where)}
 

@@ -12,11 +12,36 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StateBuffer", "Run", "Rule", "Slots"]
+__all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots"]
 
 
 def _always(hyper: Any) -> bool:
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShape:
+    """The shape of a per-parameter state tensor as a function of its parameter's, for a class stepped on whole
+    parameters (:mod:`zero_offload.rules.whole`): for each number of dimensions the class was probed with, which of
+    the parameter's dimensions the tensor keeps (True) and which it reduces to 1 (False), or None where the class
+    keeps no such entry for parameters of that many dimensions. Adafactor's ``row_var`` of a 2-D parameter keeps
+    dimension 0 and reduces dimension 1, and a 1-D parameter has none.
+
+    Attributes:
+        dims (Tuple[Tuple[int, Optional[Tuple[bool, ...]]], ...]): ``(number of dimensions, kept dimensions or
+            None)`` pairs.
+    """
+
+    dims: Tuple[Tuple[int, Optional[Tuple[bool, ...]]], ...]
+
+    def of(self, shape: Sequence[int]) -> Optional[torch.Size]:
+        """The tensor's shape for a parameter of ``shape`` (None: the class keeps none for it)."""
+        masks = dict(self.dims)
+        if len(shape) not in masks:
+            raise ValueError(f"a state shape probed for parameters of {sorted(masks)} dimensions was asked for a "
+                             f"parameter of shape {tuple(shape)}")
+        mask = masks[len(shape)]
+        return None if mask is None else torch.Size(s if keep else 1 for s, keep in zip(shape, mask))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +57,9 @@ class StateBuffer:
         switch (str): for an optional buffer, the boolean group setting that asks for it (``"amsgrad"``), as
             messages name it: the host-RAM refusal lists what turning it off would save, the ranks of a process
             group must agree on it. Default: "".
+        shape (StateShape, optional): None: shaped like the parameter, a slot of the bucket's per-element buffers;
+            else each parameter's tensor has the shape this gives (or none), held in the bucket's buffer of shaped
+            state (:mod:`zero_offload.state.shaped`). Default: None.
     """
 
     name: str
@@ -39,10 +67,15 @@ class StateBuffer:
     signed: bool = True
     needed: Callable[[Any], bool] = _always
     switch: str = ""
+    shape: Optional[StateShape] = None
 
     @property
     def optional(self) -> bool:
         return self.needed is not _always
+
+    def shape_for(self, param_shape: Sequence[int]) -> Optional[torch.Size]:
+        """This buffer's tensor for a parameter of ``param_shape``: its shape, or None where it has none."""
+        return torch.Size(param_shape) if self.shape is None else self.shape.of(param_shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +128,8 @@ class Run:
             whose :attr:`Rule.writes_out` is False refuses a run with one. Default: None.
         slots (Slots, optional): the bucket and the run's place in its update (None: a run of its own, driven
             without a bucket). Default: None.
+        shaped (Sequence[Dict[str, Tensor]], optional): per parameter of the run, its state tensors of their own
+            shapes (buffers declared with a :class:`StateShape`), views where the update runs. Default: None (none).
     """
 
     master: torch.Tensor
@@ -108,6 +143,7 @@ class Run:
     param_out: Optional[torch.Tensor]
     out: Optional[Dict[str, torch.Tensor]] = None
     slots: Optional[Slots] = None
+    shaped: Optional[Sequence[Dict[str, torch.Tensor]]] = None
 
 
 class Rule:

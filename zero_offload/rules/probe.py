@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.rules.base import Run, Slots
+from zero_offload.rules.base import Run, Slots, StateShape
 from zero_offload.rules.settings import FAILURES, Refused, build
 from zero_offload.state.layout import align_up
 
@@ -88,6 +88,8 @@ class Probed:
             loss and matches the class only without a closure.
         whole (Tuple[int, ...]): probed to run on whole parameters on a GPU only, of these numbers of dimensions
             (:mod:`zero_offload.rules.whole`); (): probed elementwise.
+        shapes (Tuple[Tuple[str, StateShape], ...]): probed whole, the buffers not shaped like the parameter for
+            every number of dimensions, with the shape each keeps per parameter (Adafactor's factors).
     """
 
     buffers: Tuple[str, ...]
@@ -100,6 +102,7 @@ class Probed:
     uses_loss: bool = False
     closure_refusal: str = ""
     whole: Tuple[int, ...] = ()
+    shapes: Tuple[Tuple[str, StateShape], ...] = ()
 
 
 def same(a: Any, b: Any) -> bool:
@@ -200,13 +203,18 @@ def _build(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], params: List[
                       f"raised {type(e).__name__}: {e}") from e
 
 
-def _steps(opt: torch.optim.Optimizer, grads: List[List[torch.Tensor]], what: str) -> torch.optim.Optimizer:
-    """Step ``opt`` (one group) once per entry of ``grads``, with clones of them."""
+def _steps(opt: torch.optim.Optimizer, grads: List[List[torch.Tensor]], what: str,
+           watch: Optional[Callable[[], None]] = None) -> torch.optim.Optimizer:
+    """Step ``opt`` (one group) once per entry of ``grads``, with clones of them (``watch()`` after each step)."""
     try:
         for step_grads in grads:
             for p, g in zip(opt.param_groups[0]["params"], step_grads):
                 p.grad = g.clone()
             opt.step()
+            if watch is not None:
+                watch()
+    except NotElementwise:  # (the watch's: what it found, not a failure to step)
+        raise
     except FAILURES as e:
         raise Refused(f"{type(opt).__name__} could not be probed: stepping {what} without a closure raised "
                       f"{type(e).__name__}: {e}") from e
@@ -219,10 +227,15 @@ def _run(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], params: List[to
     return _steps(_build(cls, ctor, group, params), grads, what)
 
 
+Classify = Callable[[str, torch.optim.Optimizer, List[torch.Tensor]], Tuple[Any, ...]]
+
+
 def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
-          shapes: Optional[Sequence[Tuple[int, ...]]] = None) -> Probed:
+          shapes: Optional[Sequence[Tuple[int, ...]]] = None, classify: Optional[Classify] = None) -> Probed:
     """The kinds pass (see the module docstring), over parameters of ``shapes`` (default: a 2-D and a 1-D one; given:
-    a class stepped whole, :mod:`zero_offload.rules.whole`)."""
+    a class stepped whole, :mod:`zero_offload.rules.whole`). ``classify(name, opt, params)``, where given, reads the
+    state after every step instead, as ``(buffers, step key, step is a tensor, shapes, each tensor's shape by key
+    and parameter shape)``: it must not change from step to step (else refused, naming the entry and the step)."""
     name = cls.__name__
     gen = torch.Generator().manual_seed(0)
     given, shapes = shapes is not None, list(shapes or [_WHOLE, (_SPLIT,)])
@@ -231,8 +244,10 @@ def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
     eager = any(opt.state.get(p) for p in params)
     before, attrs = {k: v for k, v in opt.param_groups[0].items() if k != "params"}, attributes(opt)
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(KIND_STEPS)]
+    seen: List[Tuple[Any, ...]] = []
+    watch = None if classify is None else lambda: seen.append(classify(name, opt, params))
     try:
-        _steps(opt, grads, f"parameters of shapes {shapes}")
+        _steps(opt, grads, f"parameters of shapes {shapes}", watch)
     except Refused as e:
         if given:
             raise
@@ -246,11 +261,19 @@ def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
     after = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     # Keys the class adds to its group, or changes there, as it steps are its state (schedule-free's weight_sum).
     moving = [k for k in after if k not in before or not same(before[k], after[k])]
-    found = [_state_kinds(name, opt.state[p], p.shape) for p in params]
-    if any(f != found[0] for f in found):
-        raise NotElementwise(f"{name} is not elementwise: it keeps different state for parameters of shapes "
-                             f"{shapes} ({[f[0] for f in found]})")
-    buffers, step_key, step_is_tensor = found[0]
+    if classify is not None:
+        changed = next((t for t, kept in enumerate(seen) if kept != seen[0]), None)
+        if changed is not None:
+            raise NotElementwise(f"{name}'s per-parameter state changes between steps: "
+                                 f"{_changed(seen[0][-1], seen[changed][-1], changed + 1)}; a parked bucket holds "
+                                 "tensors of a fixed shape")
+        buffers, step_key, step_is_tensor, state_shapes = seen[-1][:4]
+    else:
+        found = [_state_kinds(name, opt.state[p], p.shape) for p in params]
+        if any(f != found[0] for f in found):
+            raise NotElementwise(f"{name} is not elementwise: it keeps different state for parameters of shapes "
+                                 f"{shapes} ({[f[0] for f in found]})")
+        (buffers, step_key, step_is_tensor), state_shapes = found[0], ()
     if step_key is not None and {float(opt.state[p][step_key]) for p in params} != {float(KIND_STEPS)}:
         raise NotElementwise(f"{name}'s {step_key!r} is not a count of steps")
     after_attrs = attributes(opt)
@@ -258,7 +281,20 @@ def kinds(cls: type, ctor: Dict[str, Any], group: Dict[str, Any],
     return Probed(tuple(buffers), step_key, step_is_tensor,
                   group_state=tuple(moving),
                   global_state=tuple(k for k in opt.state if not isinstance(k, torch.Tensor)),
-                  attributes=moved, eager=eager)
+                  attributes=moved, eager=eager, shapes=state_shapes)
+
+
+def _changed(first: Dict[Tuple[str, Tuple[int, ...]], Tuple[int, ...]],
+             then: Dict[Tuple[str, Tuple[int, ...]], Tuple[int, ...]], step: int) -> str:
+    """The first entry whose shape differs between two readings of :func:`kinds` (``(key, parameter's shape)`` to
+    the tensor's shape), as a message names it."""
+    for (key, shape) in dict.fromkeys([*first, *then]):
+        a, b = first.get((key, shape)), then.get((key, shape))
+        if a != b:
+            return (f"its state {key!r} of a parameter of shape {shape} is "
+                    f"{'absent' if a is None else f'of shape {a}'} after step 1 and "
+                    f"{'absent' if b is None else f'of shape {b}'} after step {step}")
+    return "its step count or its kinds of state changed"
 
 
 def elementwise(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], probed: Probed) -> None:

@@ -35,7 +35,7 @@ from zero_offload.rules.instances import Bound, GroupRecord
 from zero_offload.rules.probe import (NotElementwise, Probed, check_scheme, elementwise, independent, kinds,
                                      loss_use, same)
 from zero_offload.rules.settings import FAILURES, NOT_SETTINGS, Refused, build, class_defaults, freeze, read_hyper
-from zero_offload.rules.whole import pieces, probe_whole
+from zero_offload.rules.whole import check_kept, pieces, probe_whole
 
 __all__ = ["TorchClassRule", "NotElementwise", "Refused", "rule_for", "probe", "probe_group"]
 
@@ -138,7 +138,16 @@ def probe_parked(cls: type, ctor: Dict[str, Any], groups: Sequence[Dict[str, Any
                   tuple(dict.fromkeys(k for p in found for k in p.group_state)),
                   tuple(dict.fromkeys(k for p in found for k in p.global_state)),
                   tuple(dict.fromkeys(k for p in found for k in p.attributes)),
-                  any(p.eager for p in found), any(p.uses_loss for p in found), whole=ndims)
+                  any(p.eager for p in found), any(p.uses_loss for p in found), whole=ndims,
+                  shapes=tuple({k: v for p in reversed(found) for k, v in p.shapes}.items()))
+
+
+def _declared(probed: Probed, needs: Any) -> Tuple[StateBuffer, ...]:
+    """The state buffers of what the probe found, each allocated where ``needs(name, hyper)``; those of a class
+    stepped whole that are not shaped like the parameter with their shapes (:class:`StateShape`)."""
+    shapes = dict(probed.shapes)
+    return tuple(StateBuffer(k, compactable=False, needed=functools.partial(needs, k), shape=shapes.get(k))
+                 for k in probed.buffers)
 
 
 def _gradient(run: Run) -> torch.Tensor:
@@ -212,8 +221,7 @@ class TorchClassRule(Rule):
         self._probed = probed if probed is not None else probe(optimizer_class, self.ctor,
                                                                [self._settings(g) for g in groups])
         self._state_keys.update(self._probed.group_state)
-        self.buffers = tuple(StateBuffer(k, compactable=False, needed=functools.partial(self._needs, k))
-                             for k in self._probed.buffers)
+        self.buffers = _declared(self._probed, self._needs)
         self.step_key, self._step_is_tensor = self._probed.step_key, self._probed.step_is_tensor
         self.uses_loss, self.closure_refusal = self._probed.uses_loss, self._probed.closure_refusal
         self._loss: Optional[Tuple[Any]] = None  # (the closure's loss, while step() runs: see set_loss)
@@ -414,13 +422,15 @@ class TorchClassRule(Rule):
             if not self._probed.eager:
                 return {}
             return dict(build(self.optimizer_class, [([param], settings)], self.ctor).state[param])
-        state = {k: run.state[k] for k in names}
+        state = {k: run.state[k] for k in names if k in run.state}  # (a shaped buffer: the parameters it has)
         if self.step_key is not None:
             state = {self.step_key: self._step_value(run.step - 1), **state}
         return state
 
     def _collect(self, run: Run, state: Dict[str, Any], names: List[str]) -> None:
-        for k in names:
+        if self.host_refusal:  # (stepped whole: what it keeps must be what we hold)
+            check_kept(self.name, self.step_key, run, state)
+        for k in [k for k in names if k in run.state]:  # (a shaped buffer: the parameters it has)
             if k not in state:
                 raise RuntimeError(f"{self.name} kept no {k!r} for a parameter it stepped")
             if state[k] is not run.state[k]:

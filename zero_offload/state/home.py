@@ -25,6 +25,7 @@ from zero_offload import fsdp2
 from zero_offload.rules.base import Rule, Run, StateBuffer
 from zero_offload.state.layout import BucketLayout, ShardLayout
 from zero_offload.state.params import Masters
+from zero_offload.state.shaped import SHAPED
 from zero_offload.state.store import StateStore
 from zero_offload.state.tiers import Tier
 from zero_offload.state.views import StateViews
@@ -68,7 +69,8 @@ class Home:
         self.tier = tier
         self.masters = Masters(params, layout, shard, tier, shares_grad, views, owners, bind=bind, takeovers=takeovers,
                                slots_tier=slots_tier)
-        self.store = StateStore(rule, buffers, state_dtype, tier, layout.padded_numel, views, len(params))
+        self.store = StateStore(rule, buffers, state_dtype, tier, layout.padded_numel, views, len(params),
+                                None if shard is not None else [p.shape for p in params])
         self.views = StateViews(rule, self.store, self.masters, layout, shard, params, placed)
 
     # -- where it is, and where it is stepped ----------------------------------------------------------------------
@@ -113,9 +115,20 @@ class Home:
         state, scales = self.store.run_state(a, b, copies)
         return master[a:b], state, scales
 
+    def run_shaped(self, first: int, last: int, copies: Optional[Copies] = None
+                   ) -> Optional[List[Dict[str, torch.Tensor]]]:
+        """Parameters ``first..last``'s tensors of the shaped buffers (:mod:`~zero_offload.state.shaped`), one dict
+        each: the live ones, or of ``copies``; None where the rule declares none."""
+        shaped = self.store.shaped
+        if shaped.flat is None:
+            return None
+        return (shaped.views if copies is None else shaped.cut(copies[0][SHAPED]))[first:last + 1]
+
     def copies(self) -> Copies:
         """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
         flat = {"master": self.masters.master.clone(), **{n: t.clone() for n, t in self.store.flat.items()}}
+        if self.store.shaped.flat is not None:
+            flat[SHAPED] = self.store.shaped.flat.clone()
         if self.masters.staging is not None:
             flat["staging"] = self.masters.staging.clone()
         return flat, {n: t.clone() for n, t in self.store.scales.items()}
@@ -215,6 +228,8 @@ class Home:
         uploaded from the old masters, fill their new slots and are bound to them."""
         for name, buf in old.store.flat.items():
             self.store.flat[name].copy_(buf)
+        if old.store.shaped.flat is not None:
+            self.store.shaped.flat.copy_(old.store.shaped.flat)
         if self.masters.separate:
             self.masters.master.copy_(old.masters.master)
         self.masters.fill_param_slots()

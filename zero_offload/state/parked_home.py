@@ -19,6 +19,7 @@ import torch
 
 from zero_offload.rules.base import Rule, Run, StateBuffer
 from zero_offload.state.home import Copies, Home
+from zero_offload.state.shaped import SHAPED
 from zero_offload.state.tiers import DeviceTier, HostTier, Tier
 from zero_offload.timeline import NOTHING, Timeline
 
@@ -51,9 +52,11 @@ class ParkedHome(Home):
         return DeviceTier(self.device)  # (its gradients are read where autograd left them, on the GPU)
 
     def parked(self) -> Dict[str, torch.Tensor]:
-        """The host buffers the home parks, by name: a separate fp32 master (``"master"``), the rule's buffers."""
+        """The host buffers the home parks, by name: a separate fp32 master (``"master"``), the rule's buffers, the
+        shaped buffer (:data:`~zero_offload.state.shaped.SHAPED`) where the rule declares one."""
         master = {"master": self.masters.master} if self.masters.separate else {}
-        return {**master, **self.store.flat}
+        shaped = self.store.shaped.flat
+        return {**master, **self.store.flat, **({} if shaped is None else {SHAPED: shaped})}
 
     def nbytes_parked(self) -> int:
         """Bytes of the parked buffers: what the GPU holds of this home while it is stepped."""
@@ -131,6 +134,14 @@ class ParkedHome(Home):
         master = twins["master"] if self.masters.separate else self.masters.master
         return master[a:b], {name: twins[name][a:b] for name in self.store.flat}, {}
 
+    def run_shaped(self, first: int, last: int, copies: Optional[Copies] = None
+                   ) -> Optional[List[Dict[str, torch.Tensor]]]:
+        """While stepped (reloaded): views of the shaped buffer's device copy. Otherwise as every home."""
+        twins = self.twins
+        if twins is None or copies is not None or SHAPED not in twins:
+            return super().run_shaped(first, last, copies)
+        return self.store.shaped.cut(twins[SHAPED])[first:last + 1]
+
     def results(self) -> List[torch.Tensor]:
         """While stepped, a separate fp32 master's new values are in its device copy (until the write-back)."""
         masters = self.masters
@@ -152,6 +163,9 @@ class ParkedHome(Home):
         added = super().ensure(buffers)
         if added and self.twins is not None:
             for name in added:
-                self.twins[name] = torch.zeros(self.store.flat[name].numel(), dtype=self.store.flat[name].dtype,
-                                               device=self.device)
+                if name in self.store.flat:
+                    self.twins[name] = torch.zeros(self.store.flat[name].numel(), dtype=self.store.flat[name].dtype,
+                                                   device=self.device)
+            if set(added) & set(self.store.shaped.names):  # (laid out again: its values come up as they are)
+                self.twins[SHAPED] = self.store.shaped.flat.to(self.device)
         return added

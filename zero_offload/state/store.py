@@ -11,6 +11,7 @@ import torch
 
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.codecs import Codec, codec_for
+from zero_offload.state.shaped import SHAPED, ShapedState
 from zero_offload.state.tiers import Tier
 
 __all__ = ["StateStore", "state_bytes"]
@@ -44,6 +45,8 @@ class StateStore:
         views (Dict[str, List[Tensor]]): per-parameter views of each buffer.
         steps (Tensor): per-parameter step counts, float32: ``state["step"]`` is a 0-dim view of an element, so
             counting a step for a whole bucket is one add.
+        shaped (ShapedState): the buffers declared with a shape of their own (:mod:`zero_offload.state.shaped`):
+            not in ``flat``, ``views`` or a run's ``state``.
 
     Args:
         rule (Rule): the update rule.
@@ -53,10 +56,12 @@ class StateStore:
         n (int): elements per buffer.
         views (Callable[[Tensor], List[Tensor]]): cuts a flat buffer into per-parameter views.
         count (int): the number of parameters.
+        shapes (Sequence[torch.Size], optional): the parameters' shapes, for shaped buffers (None: the bucket
+            holds pieces of parameters, a rank's shard, and refuses them). Default: None.
     """
 
     def __init__(self, rule: Rule, buffers: Sequence[StateBuffer], state_dtype: torch.dtype, tier: Tier, n: int,
-                 views: Views, count: int):
+                 views: Views, count: int, shapes: Optional[Sequence[torch.Size]] = None):
         self.rule = rule
         self.state_dtype = state_dtype
         self.compact = state_dtype != torch.float32
@@ -72,12 +77,19 @@ class StateStore:
         self._whole: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = None
         # The buffer whose 8-bit codes carry the poison mark of an element (the first signed one).
         self._marker = next((b.name for b in rule.buffers if b.signed), None)
+        self._shapes = shapes
+        self.shaped = ShapedState(tier, shapes or ())
         self.ensure(buffers)
 
     def ensure(self, buffers: Sequence[StateBuffer]) -> List[str]:
         """Allocate those of ``buffers`` not allocated yet (zeroed; e.g. amsgrad's once switched on); returns their
         names."""
-        added = [b for b in buffers if b.name not in self.flat]
+        shaped = [b for b in buffers if b.shape is not None]
+        if shaped and self._shapes is None:
+            raise ValueError(f"{self.rule.name}'s state {shaped[0].name!r} has a shape of its own, not the "
+                             "parameter's: a bucket holding pieces of parameters (a rank's shard) cannot hold it")
+        new = self.shaped.ensure(shaped, [b.name for b in self.rule.buffers])
+        added = [b for b in buffers if b.shape is None and b.name not in self.flat]
         for buf in added:
             codes, scales = self.codecs[buf.name].allocate(buf, self.n, self.tier)
             self.flat[buf.name] = codes
@@ -89,20 +101,23 @@ class StateStore:
             self.flat = {k: self.flat[k] for k in order}
             self.views = {k: self.views[k] for k in order}
             self._whole = None
-        return [b.name for b in added]
+        return new + [b.name for b in added]
 
     def missing(self, buffers: Sequence[StateBuffer]) -> bool:
         """Whether any of ``buffers`` is not allocated."""
-        return any(b.name not in self.flat for b in buffers)
+        return any(b.name not in self.flat and b.name not in self.shaped.names for b in buffers)
 
     @property
     def names(self) -> List[str]:
-        """The allocated buffers, in declaration order."""
-        return list(self.flat)
+        """The allocated buffers, in declaration order (the shaped ones too)."""
+        held = set(self.flat) | set(self.shaped.names)
+        return [b.name for b in self.rule.buffers if b.name in held]
 
     def slots(self, i: int) -> Dict[str, torch.Tensor]:
-        """Parameter ``i``'s buffers, by name: views, shaped like the parameter (1-D pieces when sharded)."""
-        return {name: views[i] for name, views in self.views.items()}
+        """Parameter ``i``'s buffers, by name: views, shaped like the parameter (1-D pieces when sharded), and its
+        shaped buffers' tensors, of their own shapes (those it has)."""
+        own = {} if self.shaped.flat is None else self.shaped.views[i]  # (none held: a sharded bucket holds none)
+        return {**{name: views[i] for name, views in self.views.items()}, **own}
 
     def run_state(self, a: int, b: int, copies: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]
                   = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
@@ -134,9 +149,13 @@ class StateStore:
         self.codecs[name].write(self.flat[name][a:b], None if scales is None else scales[Codec.blocks(a, b)], values)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        """Every tensor held, by name: the buffers, then their scales as ``<name>_scale``."""
-        return {**self.flat, **{name + "_scale": s for name, s in self.scales.items()}}
+        """Every tensor held, by name: the buffers, then their scales as ``<name>_scale``, then the shaped buffer
+        (:data:`~zero_offload.state.shaped.SHAPED`)."""
+        shaped = {} if self.shaped.flat is None else {SHAPED: self.shaped.flat}
+        return {**self.flat, **{name + "_scale": s for name, s in self.scales.items()}, **shaped}
 
     def nbytes(self) -> Dict[str, int]:
         """Bytes of the buffers held (the estimate of :func:`state_bytes`, from the same declarations)."""
-        return state_bytes([self.declared[n] for n in self.flat], self.state_dtype, self.n, self.rule.buffers)
+        out = state_bytes([self.declared[n] for n in self.flat], self.state_dtype, self.n, self.rule.buffers)
+        out.update(self.shaped.nbytes())
+        return out
