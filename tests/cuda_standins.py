@@ -1,7 +1,8 @@
 """Stand-ins that run the CUDA-only branches of zero_offload on CPU tensors (see test_cuda_branches.py).
 
-The bucket layouts are told their parameters are on ``cuda:0``; streams and events do nothing (a CPU copy is
-complete when it returns); tensors created for that device are made on the CPU. Python in those branches then
+The bucket layouts are told their parameters are on ``cuda:0`` (and the default placement, ``"auto"``, takes the
+model for a GPU one); streams and events do nothing (a CPU copy is complete when it returns); tensors created for that
+device are made on the CPU. Python in those branches then
 runs for real; stream synchronisation does not exist here, so it is not tested.
 """
 
@@ -14,6 +15,8 @@ from typing import Callable, List
 import torch
 
 import zero_offload.buckets as buckets_module
+import zero_offload.cost_model as cost_model
+import zero_offload.options as options_module
 
 
 class Device:
@@ -97,6 +100,10 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
 
     setattr_(buckets_module, "plan_buckets", plan_on_cuda)
     setattr_(buckets_module, "should_pin", lambda device, pin_memory: False)
+    # The model counts as on a GPU (the default placement is "auto" there), whose copies run at a PCIe 4 link's rate
+    # ("auto" measures them after the second step; the stand-in streams time nothing).
+    setattr_(options_module, "gpu_params", lambda params: True)
+    setattr_(cost_model, "measure_copy_rate", lambda device, nbytes=0, up=True: 25e9)
     setattr_(torch.cuda, "Stream", Stream)
     setattr_(torch.cuda, "Event", Event)
     setattr_(torch.cuda, "current_stream", lambda device=None: current)
@@ -105,6 +112,7 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
     setattr_(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
     setattr_(torch.cuda, "memory_reserved", lambda device=None: 0)
     setattr_(torch.cuda, "memory_allocated", lambda device=None: 0)
+    setattr_(torch.cuda, "max_memory_allocated", lambda device=None: 0)
     setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))

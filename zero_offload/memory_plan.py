@@ -18,7 +18,8 @@ from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
 from zero_offload.home_costs import HomeCost
 from zero_offload.host_memory import HostMemoryEstimate
-from zero_offload.options import DEFAULT_BUCKET_NUMEL, STATE_DTYPES, SUPPORTED_DTYPES, Options, dtypes_by_name
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, STATE_DTYPES, SUPPORTED_DTYPES, Options, dtypes_by_name,
+                                  planned_placement)
 
 # (The plan's table, notes and verdicts are zero_offload.plan_text's.)
 __all__ = ["MemoryPlan", "count_plan", "fsdp_plan", "fsdp_shards", "memory_plan", "meta_params", "parse_count"]
@@ -190,7 +191,7 @@ class MemoryPlan:
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
                 release_grads: bool = False, gpu_fraction: float = 0.0,
-                placement: Union[str, Dict[str, float]] = "host", fsdp_shards: bool = False) -> MemoryPlan:
+                placement: Union[str, Dict[str, float], None] = None, fsdp_shards: bool = False) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -212,8 +213,9 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
             the GPU. (``"auto"`` depends on the free GPU memory at run time, which a plan does not know.)
             Default: 0.
-        placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
-            (:attr:`MemoryPlan.placement`). Default: ``"host"``.
+        placement (str or dict, optional): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the
+            host (:attr:`MemoryPlan.placement`). Default: None, the optimizer's default as it settles for these
+            arguments: ``"auto"``, or ``"host"`` for a CPU model, a ``gpu_fraction`` or a compact ``state_dtype``.
         fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
             FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
             a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
@@ -222,6 +224,7 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         MemoryPlan: bytes per rank by location and item.
     """
     params = list(params)
+    placement = planned_placement(placement, device == "cuda", state_dtype=state_dtype, gpu_fraction=gpu_fraction)
     dtype = _check_plan_args(params, device, world_size, gpu_fraction, state_dtype, placement)
     options = Options(bucket_numel=bucket_numel, pin_memory=device == "cuda", state_dtype=state_dtype,
                       release_grads=release_grads, gpu_fraction=gpu_fraction, placement=placement)
@@ -323,7 +326,9 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
         **kw: the other arguments of :func:`memory_plan`.
     """
     full, rest = divmod(int(numel), int(bucket_numel))
-    fraction, placement = kw.pop("gpu_fraction", 0.0), kw.pop("placement", "host")
+    fraction = kw.pop("gpu_fraction", 0.0)
+    placement = planned_placement(kw.pop("placement", None), kw.get("device", "cuda") == "cuda",
+                                  state_dtype=kw.get("state_dtype", torch.float32), gpu_fraction=fraction)
     _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement,
                         kw.get("world_size", 1))
     runs = _home_runs(full, rest, bucket_numel, Options(gpu_fraction=fraction, placement=placement))
@@ -413,7 +418,7 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
                          "offloads the state of its own shards (the optimizer refuses a process_group there)")
     fraction = kw.pop("gpu_fraction", 0.0)
     if fraction:  # (the optimizer takes it under FSDP2 as its alias, placement={"resident": f})
-        if kw.get("placement", "host") != "host":
+        if kw.get("placement") not in (None, "host"):
             _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32),
                                 kw["placement"])
         kw["placement"] = {"resident": fraction}
