@@ -165,8 +165,17 @@ def _ddp_worker(rank, world):
     accelerate's FSDP2 plugin before it shards the model) it is taken."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    cuda_standins.install_in_rank()
     out = {}
+    # First a CPU model sharded over a process_group: the default places nothing, so no placer and no exchange.
+    model, ref_model = td._make(rank)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-2, bucket_numel=128, process_group=dist.group.WORLD, timeout=30)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    for step in range(3):
+        td._step(model, opt, step, rank, world)
+        td._ref_step(ref_model, ref, step)
+        td._compare(model, ref_model, f"sharded CPU model, step {step}")
+    out["cpu_group"] = (opt.options.placement, opt._placer is None)
+    cuda_standins.install_in_rank()
     model, ref_model = td._make(rank)
     ddp = DDP(model, find_unused_parameters=True)
     opt = OffloadOptimizer(model.parameters(), lr=1e-2, bucket_numel=128)
@@ -193,6 +202,7 @@ def _ddp_worker(rank, world):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_under_ddp_the_default_is_the_host_and_auto_is_refused():
     for rank, out in td.launch(_ddp_worker, 2).items():
+        assert out["cpu_group"] == ("host", True), (rank, out["cpu_group"])
         assert out["default"] == ("host", ["host"], True), (rank, out["default"])
         message = out.get("auto", "")
         assert "placement='auto'" in message and "(world size 2)" in message and "drift" in message, message
