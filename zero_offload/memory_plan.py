@@ -211,11 +211,9 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
             way, so the GPU holds the gradients of at most two buckets (the one filling, the one in flight).
             Default: False.
         gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
-            the GPU. (``"auto"`` depends on the free GPU memory at run time, which a plan does not know.)
-            Default: 0.
-        placement (str or dict, optional): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the
-            host (:attr:`MemoryPlan.placement`). Default: None, the optimizer's default as it settles for these
-            arguments: ``"auto"``, or ``"host"`` for a CPU model, a ``gpu_fraction`` or a compact ``state_dtype``.
+            the GPU (``"auto"`` depends on the free GPU memory at run time, which a plan does not know). Default: 0.
+        placement (str or dict, optional): as for the optimizer; ``"auto"`` is planned as all on the host. Default:
+            None: ``"auto"``, or ``"host"`` for a CPU model, a ``gpu_fraction``, compact state (as the optimizer's).
         fsdp_shards (bool): ``params`` are one rank's FSDP2 shards (:func:`fsdp_plan`): on a GPU they stay in
             FSDP's storage, so a parked or resident bucket gives fp32 ones a master of their own and bf16/fp16 ones
             a staging copy on the GPU (:func:`~zero_offload.home_costs.bucket_cost`). Default: False.
