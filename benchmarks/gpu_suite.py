@@ -4,7 +4,7 @@ minutes) included, at most 10 minutes a command. Two commands, each a list of st
     command 1 (under 8 min): the kernel's build, the machine, the 1.3B step where AdamW does not fit (AdamW and
               the all-host placement on the whole GPU, then the GPU capped at that placement's peak plus 1 GiB for
               every bucket parked, placement='auto' and torchao; without clipping, then with), the step on the
-              whole GPU (AdamW, ours default, parked, 'auto', gpu_fraction='auto', delayed; ours' rows
+              whole GPU (AdamW, ours on the host, parked, 'auto' (the default), gpu_fraction='auto', delayed; ours' rows
               with their own timeline), then the all-host row at 350M twice, the CPU kernel's threads unpinned and
               pinned (``ZERO_OFFLOAD_PIN_THREADS=0`` and ``=1`` in the child's environment);
     command 2 (under 4 min, on the same warm machine: the build is cached): the rest (``pytest -m cuda``

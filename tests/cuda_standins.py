@@ -1,7 +1,8 @@
 """Stand-ins that run the CUDA-only branches of zero_offload on CPU tensors (see test_cuda_branches.py).
 
-The bucket layouts are told their parameters are on ``cuda:0``; streams and events do nothing (a CPU copy is
-complete when it returns); tensors created for that device are made on the CPU. Python in those branches then
+The bucket layouts are told their parameters are on ``cuda:0`` (and the default placement, ``"auto"``, takes the
+model for a GPU one); streams and events do nothing (a CPU copy is complete when it returns); tensors created for that
+device are made on the CPU. Python in those branches then
 runs for real; stream synchronisation does not exist here, so it is not tested.
 """
 
@@ -14,6 +15,9 @@ from typing import Callable, List
 import torch
 
 import zero_offload.buckets as buckets_module
+import zero_offload.cost_model as cost_model
+import zero_offload.options as options_module
+from zero_offload import _torch_fused
 
 
 class Device:
@@ -78,9 +82,11 @@ def installed():
             setattr(obj, name, value)
 
 
-def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
+def install(setattr_: Callable[[object, str, object], None], default_host: bool = False) -> List[int]:
     """Install the stand-ins with ``setattr_`` (pytest's ``monkeypatch.setattr``, or ``setattr`` in a spawned
-    process). Returns a list that grows by one entry per param group planned on the stand-in device."""
+    process). Returns a list that grows by one entry per param group planned on the stand-in device. With
+    ``default_host``, the default placement is left at the host, as for a CPU model (for the tests of the host
+    route's CUDA branches, whose helpers build optimizers with the default options)."""
     device, current, planned = Device(), Stream(), []
     plan = buckets_module.plan_buckets
 
@@ -97,6 +103,12 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
 
     setattr_(buckets_module, "plan_buckets", plan_on_cuda)
     setattr_(buckets_module, "should_pin", lambda device, pin_memory: False)
+    # The model counts as on a GPU (the default placement is "auto" there; not where torch < 2.4 has no fused CPU
+    # AdamW to stand in for the GPU's update), whose copies run at a PCIe 4 link's rate ("auto" measures them after
+    # the second step; the stand-in streams time nothing).
+    gpu_model = not default_host and _torch_fused.AVAILABLE
+    setattr_(options_module, "gpu_params", lambda params: gpu_model)
+    setattr_(cost_model, "measure_copy_rate", lambda device, nbytes=0, up=True: 25e9)
     setattr_(torch.cuda, "Stream", Stream)
     setattr_(torch.cuda, "Event", Event)
     setattr_(torch.cuda, "current_stream", lambda device=None: current)
@@ -105,23 +117,23 @@ def install(setattr_: Callable[[object, str, object], None]) -> List[int]:
     setattr_(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
     setattr_(torch.cuda, "memory_reserved", lambda device=None: 0)
     setattr_(torch.cuda, "memory_allocated", lambda device=None: 0)
+    setattr_(torch.cuda, "max_memory_allocated", lambda device=None: 0)
     setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))
     return planned
 
 
-def fixture_body(monkeypatch, needs_fused: bool = True):
+def fixture_body(monkeypatch, needs_fused: bool = True, default_host: bool = False):
     """The body of a test module's ``cuda_branches`` fixture (``yield from fixture_body(monkeypatch)``): the
     stand-ins installed for the test, ``monkeypatch`` handed on, and a check that some optimizer used them. With
-    ``needs_fused``, skipped where torch has no fused AdamW for CPU tensors to stand in for the GPU's (torch < 2.4)."""
-    from zero_offload import _torch_fused
-
+    ``needs_fused``, skipped where torch has no fused AdamW for CPU tensors to stand in for the GPU's (torch < 2.4);
+    ``default_host``: see :func:`install`."""
     if needs_fused and not _torch_fused.AVAILABLE:
         import pytest
 
         pytest.skip("torch < 2.4 has no fused AdamW for CPU tensors to stand in for the GPU's")
-    planned = install(monkeypatch.setattr)
+    planned = install(monkeypatch.setattr, default_host)
     yield monkeypatch
     assert planned, "no optimizer was built on the stand-in device"
 

@@ -32,7 +32,9 @@ from zero_offload.transport.device import OffloadRoute
 
 @pytest.fixture
 def cuda_branches(monkeypatch):
-    yield from cuda_standins.fixture_body(monkeypatch, needs_fused=False)
+    # (the host route's CUDA branches: the default placement kept at the host, as on torch < 2.4, which has no fused
+    # CPU AdamW to stand in for the GPU's; the other homes: test_placement.py)
+    yield from cuda_standins.fixture_body(monkeypatch, needs_fused=False, default_host=True)
 
 
 # Streaming is the default for CUDA parameters: no stream_grads here.

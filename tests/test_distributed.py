@@ -261,8 +261,11 @@ def _trajectory(rank, world, variant):
     v = VARIANTS[variant]
     kw = v.get("kw", {})
     model, ref_model = _make(rank, seed_ours=rank)
+    # (the host route unless the variant places its buckets (test_twin_flow's): the CUDA stand-ins' worker runs its
+    # GPU branches, where the default, "auto", would move the buckets after the second step)
+    ours = {"placement": "host", **v.get("ours", {})}
     opt = OffloadOptimizer(groups(model), lr=1e-2, bucket_numel=BUCKET_NUMEL, process_group=dist.group.WORLD,
-                           timeout=30, **kw, **v.get("ours", {}))
+                           timeout=30, **kw, **ours)
     ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False, **kw)
     _compare(model, ref_model, "after construction (broadcast from rank 0)")
     aux_steps = 0

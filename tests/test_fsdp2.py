@@ -38,6 +38,10 @@ FUSED = functools.partial(torch.optim.AdamW, fused=True)
 OURS = functools.partial(OffloadOptimizer)
 OURS_SMALL_BUCKETS = functools.partial(OffloadOptimizer, bucket_numel=16)  # several buckets per FSDP unit
 OURS_RELEASE = functools.partial(OffloadOptimizer, release_grads=True)
+# The host route's GPU branches on the stand-ins (whose model the default placement, "auto", would place after the
+# second step: test_fsdp2_placement.py runs the other homes).
+OURS_HOST = functools.partial(OffloadOptimizer, placement="host")
+OURS_HOST_RELEASE = functools.partial(OffloadOptimizer, release_grads=True, placement="host")
 
 
 def ours_copying(params, **kw):
@@ -98,9 +102,9 @@ def _jobs(world: int, workdir: str) -> Dict[str, object]:
         for name in COPYING_RECIPES:
             jobs[f"ours_copying/{name}"] = h.Job(h.RECIPES[name], ours_copying)
         for name in STANDIN_RECIPES:
-            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS, standins=True)
+            jobs[f"ours_standins/{name}"] = h.Job(h.RECIPES[name], OURS_HOST, standins=True)
         for name in STANDIN_RELEASE_RECIPES:
-            jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_RELEASE, standins=True)
+            jobs[f"ours_standins_release/{name}"] = h.Job(h.RECIPES[name], OURS_HOST_RELEASE, standins=True)
         jobs["refuse/disagreeing_lr"] = h.Call(refuse_disagreeing_lr)
         jobs["refuse/disagreeing_lr_hsdp"] = h.Call(refuse_disagreeing_lr, ("hsdp_replicate",))
         jobs["refuse/nonfinite_named"] = h.Call(refuse_nonfinite_naming_it)

@@ -55,6 +55,9 @@ STEPS, SAVE_AT = 20, 10
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.05  # well below the gradient norm: every step is clipped
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
 OURS = OffloadOptimizer
+# The host route on the stand-ins (the default, "auto", would place their buckets after the second step: the
+# "placed" jobs run the other homes).
+OURS_HOST = functools.partial(OffloadOptimizer, placement="host")
 BUCKET = 16  # 48 local elements per rank under ``sequence``: buckets enough for a dict's shares to fill each home
 MIX = {"resident": 0.3, "parked": 0.4}
 # GPU placements on the stand-ins: each style with a Replicate() piece (rowwise's biases, sequence's norm).
@@ -408,9 +411,9 @@ def _jobs(workdir: str) -> Dict[str, Any]:
                                                                 standins=True), workdir, None, f"hsdp-{name}",
                                                           SAVE_AT))
     for style in STYLES + ("mixed",):
-        jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS, standins=True), workdir))
-    jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS, clip_with="torch", standins=True),
-                                                          workdir))
+        jobs[f"standins/{style}"] = h.Call(train, (Setup(style, OURS_HOST, standins=True), workdir))
+    jobs["standins-torch-clip/sequence"] = h.Call(train, (Setup("sequence", OURS_HOST, clip_with="torch",
+                                                                standins=True), workdir))
     for name, (style, placement) in PLACED.items():
         jobs[f"placed/{name}"] = h.Call(train, (Setup(style, placed(placement), standins=True), workdir))
         jobs[f"homes/{name}"] = h.Call(homes_of, (style, placement))

@@ -91,7 +91,7 @@ def test_host_buckets_are_bitwise_the_all_host_run(cuda_branches):
     torch.manual_seed(0)
     model = TinyTransformer()
     twin_model = copy.deepcopy(model)
-    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="host")
     twin = OffloadOptimizer(param_groups(twin_model), bucket_numel=BUCKET, gpu_fraction=0.5)
     for step in range(4):
         twin_model.load_state_dict(model.state_dict())  # (in place: into the parameters' bound storage)

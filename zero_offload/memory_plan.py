@@ -19,7 +19,8 @@ from zero_offload.rules.base import StateBuffer
 from zero_offload.state.store import state_bytes
 from zero_offload.home_costs import HomeCost
 from zero_offload.host_memory import HostMemoryEstimate
-from zero_offload.options import DEFAULT_BUCKET_NUMEL, STATE_DTYPES, SUPPORTED_DTYPES, Options, dtypes_by_name
+from zero_offload.options import (DEFAULT_BUCKET_NUMEL, STATE_DTYPES, SUPPORTED_DTYPES, Options, dtypes_by_name,
+                                  planned_placement)
 
 # (The plan's table, notes and verdicts are zero_offload.plan_text's.)
 __all__ = ["MemoryPlan", "count_plan", "fsdp_plan", "fsdp_shards", "memory_plan", "meta_params", "parse_count"]
@@ -210,8 +211,9 @@ class MemoryPlan:
 
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, state_dtype: torch.dtype = torch.float32,
-                release_grads: bool = False, gpu_fraction: float = 0.0, placement: Union[str, Dict] = "host",
-                cuts: Optional[Sequence[int]] = None, rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
+                release_grads: bool = False, gpu_fraction: float = 0.0,
+                placement: Union[str, Dict[str, float], None] = None, cuts: Optional[Sequence[int]] = None,
+                rooms: Optional[Sequence[int]] = None) -> MemoryPlan:
     """What ``OffloadOptimizer`` and ``torch.optim.AdamW`` would keep where for ``params``, allocating nothing.
 
     The host buffers are :meth:`OffloadOptimizer.estimate_host_memory`'s (the optimizer's own bucket layout, so
@@ -231,8 +233,8 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
             way, so the GPU holds the gradients of at most two buckets (filling, in flight). Default: False.
         gpu_fraction (float): as for the optimizer (CUDA model), a number: the first buckets keep their state on
             the GPU (not ``"auto"``: it depends on the free GPU memory at run time). Default: 0.
-        placement (str or dict): as for the optimizer (CUDA model); ``"auto"`` is planned as all on the host
-            (:attr:`MemoryPlan.placement`). Default: ``"host"``.
+        placement (str or dict, optional): as for the optimizer; ``"auto"`` is planned as all on the host. Default:
+            None: ``"auto"``, or ``"host"`` for a CPU model, a ``gpu_fraction``, compact state (as the optimizer's).
         cuts, rooms (Sequence[int], optional): FSDP2 (:func:`fsdp_plan`): each parameter's unit, at which the
             buckets are cut; the elements of each shard's storage, which its slot takes over.
 
@@ -240,6 +242,7 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         MemoryPlan: bytes per rank by location and item.
     """
     params = list(params)
+    placement = planned_placement(placement, device == "cuda", state_dtype=state_dtype, gpu_fraction=gpu_fraction)
     dtype = _check_plan_args(params, device, world_size, gpu_fraction, state_dtype, placement)
     options = Options(bucket_numel=bucket_numel, pin_memory=device == "cuda", state_dtype=state_dtype,
                       release_grads=release_grads, gpu_fraction=gpu_fraction, placement=placement)
@@ -340,7 +343,9 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
         **kw: the other arguments of :func:`memory_plan`.
     """
     full, rest = divmod(int(numel), int(bucket_numel))
-    fraction, placement = kw.pop("gpu_fraction", 0.0), kw.pop("placement", "host")
+    fraction = kw.pop("gpu_fraction", 0.0)
+    placement = planned_placement(kw.pop("placement", None), kw.get("device", "cuda") == "cuda",
+                                  state_dtype=kw.get("state_dtype", torch.float32), gpu_fraction=fraction)
     _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement,
                         kw.get("world_size", 1))
     runs = _home_runs(full, rest, bucket_numel, Options(gpu_fraction=fraction, placement=placement))
@@ -426,7 +431,7 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     _check_fsdp_args(params, ranks, rank, param_dtype, reduce_dtype, units, kw.get("world_size", 1))
     fraction = kw.pop("gpu_fraction", 0.0)
     if fraction:  # (the optimizer takes it under FSDP2 as its alias, placement={"resident": f})
-        if kw.get("placement", "host") != "host":
+        if kw.get("placement") not in (None, "host"):
             _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32),
                                 kw["placement"])
         kw["placement"] = {"resident": fraction}

@@ -108,7 +108,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         rule.check(defaults)
         opts = Options.of(options)
         self._topology, params = topology.of(params, opts)
-        self.options = self._topology.options(opts).validate()
+        self.options = self._topology.options(opts).settled(params, rule).validate()  # (the default placement's)
         _check_rule(rule, self.options)
         self._placer = placement.Placer.of(self.options)  # (where buckets go once the first steps are measured)
         self._rule, self._given = rule, dict(options)

@@ -22,7 +22,8 @@ from zero_offload.functional import check_hparams
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD_OPTIONS", "STATE_DTYPES",
            "REMOVED_OPTIONS", "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group",
            "check_impl_flags", "check_option_names", "check_params", "check_removed", "check_state_dtype", "check_step",
-           "delayed_setting", "dtypes_by_name", "world_without_group"]
+           "delayed_setting", "dtypes_by_name", "gpu_params", "planned_placement",
+           "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -189,6 +190,28 @@ def world_without_group(process_group: Optional[Any]) -> int:
     return torch.distributed.get_world_size()
 
 
+def gpu_params(params: Any) -> bool:
+    """Whether any of ``params`` (the constructor's, as a list: tensors, ``(name, tensor)`` pairs or group dicts) is
+    on a GPU. A model with none has nothing to place: the default placement is then the host's, which measures
+    nothing and touches no CUDA (the tests' CUDA stand-ins answer True)."""
+    for item in [params] if isinstance(params, (torch.Tensor, dict)) else params:
+        group = item.get("params", ()) if isinstance(item, dict) else [item]
+        for p in [group] if isinstance(group, torch.Tensor) else group:
+            p = p[1] if isinstance(p, tuple) else p
+            if isinstance(p, torch.Tensor) and p.device.type == "cuda":
+                return True
+    return False
+
+
+def planned_placement(placement: Any, gpu_model: bool, **options: Any) -> Any:
+    """``placement`` as a plan before building takes it, for a model with (``gpu_model``) or without parameters on
+    a GPU and the other ``options`` (keywords of :class:`Options`): as given, or None (not given) the constructor's
+    default as it settles there (``"auto"``, or ``"host"`` where :meth:`Options.why_host` says so)."""
+    if placement is not None:
+        return placement
+    return "host" if Options(**options).why_host(gpu_model) else "auto"
+
+
 def _check_nonfinite(value: Any) -> None:
     if value not in NONFINITE_POLICIES:
         raise ValueError(f"Invalid nonfinite policy: {value!r} (expected one of {', '.join(NONFINITE_POLICIES)})")
@@ -265,7 +288,9 @@ class Options:
     check, and validated together by :meth:`validate` before anything is allocated. The constructor's signature,
     its docstring, :data:`OFFLOAD_OPTIONS` and ``zero_offload.offload``'s keywords are all made from these fields.
 
-    ``sharded`` says a ``process_group`` was given; ``outside_world`` is :func:`world_without_group`'s answer.
+    ``sharded`` says a ``process_group`` was given; ``outside_world`` is :func:`world_without_group`'s answer;
+    ``placement_given`` whether ``placement`` was (its default, ``"auto"``, settles to ``"host"`` where it cannot
+    run: :meth:`settled`).
     """
 
     nonfinite: str = _option("raise", """an inf/NaN gradient without a ``GradScaler``: ``"raise"``
@@ -306,7 +331,7 @@ class Options:
         host kernel time. ``"auto"``: after the first step, as many of the last-arriving buckets as fit in the
         free GPU memory less ``gpu_margin_gib``. Not with compact ``state_dtype``, ``overlap_step`` or
         ``delayed_update``. See docs/twin-flow.md.""", _check_gpu_fraction)
-    placement: Union[str, Dict[str, float]] = _option("host", """where each GPU bucket's state lives and is stepped:
+    placement: Union[str, Dict[str, float]] = _option("auto", """where each GPU bucket's state lives and is stepped:
         ``"host"`` (pinned host memory, stepped by the CPU kernel after backward; gradients down and parameters up
         through PCIe), ``"parked"`` (pinned host memory between steps, brought up to the GPU as the bucket's
         gradients complete in backward, stepped there by the same code as ``"resident"``'s, written back during the
@@ -322,7 +347,10 @@ class Options:
         stepped on the GPU runs the class's own code there, each parameter whole: a class that is not elementwise
         (Muon, Adafactor, whose factored state a bucket holds in a layout of its own) runs only where no bucket is
         stepped on the host (``"parked"``, ``"resident"``), on one process without FSDP2. Not with ``gpu_fraction``
-        (its alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``.""",
+        (its alias for the resident share), compact ``state_dtype``, ``overlap_step`` or ``delayed_update``, nor
+        ``"auto"`` under DDP (torch.distributed initialised and no ``process_group``: the replicas would place
+        apart). Left at its default, ``"auto"`` means ``"host"`` where it cannot run (any of those, a model with no
+        parameter on a GPU, a class with no GPU update).""",
                                                        _check_placement)
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
@@ -337,12 +365,42 @@ class Options:
         at ``step()`` too.""", _check_uploads_in_backward)
     sharded: bool = _context(False)
     outside_world: int = _context(1)
+    placement_given: bool = _context(True)
 
     @classmethod
     def of(cls, given: Dict[str, Any]) -> "Options":
-        """The constructor's offload options (``given``, by name), with what it knows besides them."""
+        """The constructor's offload options (``given``, by name), with what it knows besides them. ``gpu_fraction``
+        given without ``placement`` is the placement (its alias for the resident share), as it always was."""
         process_group = given.get("process_group")
-        return cls(**given, sharded=process_group is not None, outside_world=world_without_group(process_group))
+        alias = {"placement": "host"} if "gpu_fraction" in given and "placement" not in given else {}
+        return cls(**given, **alias, sharded=process_group is not None, placement_given="placement" in given,
+                   outside_world=world_without_group(process_group))
+
+    @property
+    def replicas(self) -> bool:
+        """Whether other ranks may hold replicas of this model, each stepped by an optimizer of its own that no
+        collective ties to this one: torch.distributed is initialised and no ``process_group`` was given (DDP,
+        likely), unless ``stream_grads=True`` says that nothing reduces the gradients after backward."""
+        return self.outside_world > 1 and self.stream_grads is not True
+
+    def why_host(self, gpu_model: bool, rule: Any = None) -> str:
+        """Why the default placement, ``"auto"``, means ``"host"`` with these options, for a model with
+        (``gpu_model``) or without parameters on a GPU, stepped by ``rule`` ("": it means ``"auto"``)."""
+        reasons = ((not gpu_model, "no parameter on a GPU"),
+                   (self.gpu_fraction != 0, "gpu_fraction, placement's alias, was given"),
+                   (self.state_dtype != torch.float32, f"state_dtype={self.state_dtype}"),
+                   (self.overlap_step or self.delayed_update, f"{self._mode}=True"),
+                   (self.replicas, f"torch.distributed (world size {self.outside_world}) without a process_group"),
+                   (rule is not None and not rule.device_update, f"{getattr(rule, 'name', rule)} has no GPU update"))
+        return next((why for hit, why in reasons if hit), "")
+
+    def settled(self, params: Any, rule: Any = None) -> "Options":
+        """These options for the constructor's ``params`` stepped by ``rule``: ``placement`` left at its default
+        becomes ``"host"`` where ``"auto"`` cannot run (:meth:`why_host`), so that the default never refuses
+        what the host placement takes; a placement given is kept (and validated as given)."""
+        if self.placement_given or self.placement != "auto" or not self.why_host(gpu_params(params), rule):
+            return self
+        return dataclasses.replace(self, placement="host")
 
     def __post_init__(self) -> None:
         for name in ("release_grads", "overlap_step", "grads_reduced"):  # (any truthy value, as before)
@@ -440,6 +498,14 @@ class Options:
                 "stream_grads=True if nothing reduces this model's gradients after backward (as under accelerate's "
                 "FSDP2 plugin, which shards the model after the optimizer is built: FSDP2 reduces in backward)."
             )
+        if self.placement == "auto" and self.replicas:
+            raise ValueError(
+                f"placement='auto' with torch.distributed initialised (world size {self.outside_world}) and no "
+                "process_group: each rank would measure its own machine and could place a bucket on the host on one "
+                "rank and on the GPU on another, where the CPU kernel and torch's fused AdamW round apart, so DDP's "
+                "replicas would silently drift. Pass process_group= (the ranks then agree on every bucket's home), "
+                "or a fixed placement, 'host', 'parked', 'resident' or shares such as {'resident': 0.1, 'parked': "
+                "0.5}, which places alike on every rank; or leave placement unset (the host under DDP)")
         if self.grads_reduced and self.stream_grads:
             raise ValueError("stream_grads=True cannot take gradients already reduced (grads_reduced=True): DDP "
                              "writes its averages into .grad only when backward ends, after the hooks that stream "

@@ -12,7 +12,7 @@ import torch
 
 from zero_offload import buckets, fsdp2
 from zero_offload.host_memory import HostMemoryEstimate
-from zero_offload.options import DEFAULT_BUCKET_NUMEL, Options, check_state_dtype
+from zero_offload.options import DEFAULT_BUCKET_NUMEL, Options, check_state_dtype, gpu_params, planned_placement
 from zero_offload.rules.adamw import ADAMW
 from zero_offload.rules.base import Rule
 
@@ -22,7 +22,7 @@ __all__ = ["estimate_params", "plan_host_memory"]
 def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                      pin_memory: Optional[bool] = None, world_size: int = 1, delayed_update: bool = False,
                      state_dtype: torch.dtype = torch.float32, gpu_fraction: Union[float, str] = 0.0,
-                     placement: Union[str, Dict[str, float]] = "host") -> HostMemoryEstimate:
+                     placement: Union[str, Dict[str, float], None] = None) -> HostMemoryEstimate:
     """Host RAM an ``OffloadOptimizer`` takes, in bytes by buffer.
 
     Two ways to ask, one name:
@@ -45,7 +45,8 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
         placement (str or dict): each home's share (see the constructor): a resident bucket holds no host RAM, a
             parked one its state only (the rule's buffers, and the fp32 master of bf16/fp16 parameters);
             ``"auto"`` (decided after the first step) counts every bucket on the host: an upper bound.
-            Default: ``"host"``.
+            Default: None, the constructor's default as it settles for these options (``"auto"``, or ``"host"``
+            where ``"auto"`` cannot run): estimated alike, every bucket on the host.
         gpu_fraction (float or str): the buckets a number keeps on the GPU are not counted; ``"auto"`` (decided
             after the first step) counts every bucket: an upper bound. Default: 0.
 
@@ -67,11 +68,14 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
     if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (the process_group's number of ranks, a whole number "
                          ">= 1)")
+    params = list(params)
+    placement = planned_placement(placement, gpu_params(params), state_dtype=state_dtype, gpu_fraction=gpu_fraction,
+                                  delayed_update=delayed_update)
     options = Options(bucket_numel=bucket_numel, pin_memory=pin_memory, delayed_update=delayed_update,
                       state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement,
                       sharded=world_size > 1)
     _check_as_constructed(options)
-    return estimate_params(list(params), options, int(world_size), defaults={"amsgrad": amsgrad})
+    return estimate_params(params, options, int(world_size), defaults={"amsgrad": amsgrad})
 
 
 def _check_as_constructed(options: Options) -> None:

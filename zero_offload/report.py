@@ -44,7 +44,7 @@ from zero_offload.host_memory import available_host_bytes, huge_pages
 from zero_offload.memory_plan import (MAX_COUNT, MemoryPlan, _DTYPES, _STATE_DTYPES, _check_gpu_fraction,  # noqa: F401
                                       count_plan, fsdp_plan, memory_plan, meta_params, parse_count)
 from zero_offload.plan_text import gpu_capacity, plan_dict, plan_lines, verdict_lines, verdicts  # noqa: F401
-from zero_offload.options import DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, dtypes_by_name  # noqa: F401
+from zero_offload.options import DEFAULT_BUCKET_NUMEL, DTYPE_NAMES, dtypes_by_name, planned_placement  # noqa: F401
 
 
 def cpu_features() -> Tuple[str, List[str]]:
@@ -170,7 +170,7 @@ def _count_arg(text: str) -> int:
 _PLAN_DEFAULTS = {"dtype": "fp32", "device": "cuda", "state_dtype": "fp32", "amsgrad": False, "world_size": 1,
                   "bucket_numel": DEFAULT_BUCKET_NUMEL, "release_grads": False, "nproc_per_node": 1, "fsdp": 1,
                   "gpu_memory": None, "gpu_fraction": 0.0, "param_dtype": None, "reduce_dtype": None,
-                  "placement": "host", "fsdp_units": None}
+                  "placement": None, "fsdp_units": None}  # (placement None: the optimizer's default, as it settles)
 
 
 def _placement_arg(text: str):
@@ -246,8 +246,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan for gpu_fraction=F (0 to 1): the first buckets keep their state on the GPU "
                          "(default: 0)")
     ap.add_argument("--placement", type=_placement_arg, metavar="HOME",
-                    help="plan for placement=HOME: host (default), parked, resident, auto (planned as every bucket "
-                         "on the host: upper bounds), or shares of the GPU buckets such as resident=0.1,parked=0.5; "
+                    help="plan for placement=HOME: host, parked, resident, auto (the default, which means host for "
+                         "--device cpu, --gpu-fraction or a compact --state-dtype; planned as every bucket on the "
+                         "host: upper bounds), or shares of the GPU buckets such as resident=0.1,parked=0.5; "
                          "the homes' table under the plan shows each one's memory, traffic and kernel time per step")
     ap.add_argument("--nproc-per-node", type=int, metavar="N",
                     help="ranks per node: their host buffers add up in the node's RAM (default: 1)")
@@ -310,11 +311,14 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
             units = model_units(net, args.fsdp_units or "per-block")
     else:
         params = None
+    state_dtype = _STATE_DTYPES[args.state_dtype]
+    placement = planned_placement(args.placement, args.device == "cuda", state_dtype=state_dtype,
+                                  gpu_fraction=args.gpu_fraction)
     kw = dict(device=args.device, amsgrad=args.amsgrad, world_size=args.world_size, bucket_numel=args.bucket_numel,
-              state_dtype=_STATE_DTYPES[args.state_dtype], release_grads=args.release_grads,
-              gpu_fraction=args.gpu_fraction, placement=args.placement)
+              state_dtype=state_dtype, release_grads=args.release_grads, gpu_fraction=args.gpu_fraction,
+              placement=placement)
     try:
-        _check_gpu_fraction(args.gpu_fraction, args.device, kw["state_dtype"], args.placement,
+        _check_gpu_fraction(args.gpu_fraction, args.device, state_dtype, placement,
                             args.world_size)
     except ValueError as exc:
         ap.error(str(exc))
