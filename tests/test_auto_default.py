@@ -193,7 +193,12 @@ def _ddp_worker(rank, world):
         OffloadOptimizer(model.parameters(), placement="auto")
     except ValueError as exc:
         out["auto"] = str(exc)
+    try:
+        OffloadOptimizer(model.parameters(), gpu_fraction="auto")
+    except ValueError as exc:
+        out["fraction"] = str(exc)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    out["fixed_fraction"] = OffloadOptimizer(model.parameters(), gpu_fraction=0.5).options.gpu_fraction
     out["streamed"] = OffloadOptimizer(model.parameters(), placement="auto", stream_grads=True).options.placement
     out["parked"] = OffloadOptimizer(model.parameters(), placement="parked").options.placement
     return out
@@ -201,10 +206,15 @@ def _ddp_worker(rank, world):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_under_ddp_the_default_is_the_host_and_auto_is_refused():
+    """Under DDP (no process_group) the default steps on the host; placement='auto' and gpu_fraction='auto' are
+    refused, naming the drift and the fixes; fixed homes and shares are taken."""
     for rank, out in td.launch(_ddp_worker, 2).items():
         assert out["cpu_group"] == ("host", True), (rank, out["cpu_group"])
         assert out["default"] == ("host", ["host"], True), (rank, out["default"])
         message = out.get("auto", "")
         assert "placement='auto'" in message and "(world size 2)" in message and "drift" in message, message
         assert "process_group=" in message and "'parked'" in message, message
+        message = out.get("fraction", "")  # (gpu_fraction="auto", placement's alias, likewise)
+        assert "gpu_fraction='auto'" in message and "drift" in message and "gpu_fraction=0.1" in message, message
+        assert out["fixed_fraction"] == 0.5
         assert out["streamed"] == "auto" and out["parked"] == "parked"

@@ -498,14 +498,16 @@ class Options:
                 "stream_grads=True if nothing reduces this model's gradients after backward (as under accelerate's "
                 "FSDP2 plugin, which shards the model after the optimizer is built: FSDP2 reduces in backward)."
             )
-        if self.placement == "auto" and self.replicas:
+        given = "placement" if self.placement == "auto" else "gpu_fraction" if self.gpu_fraction == "auto" else ""
+        if given and self.replicas:
+            fixed = ("a fixed placement, 'host', 'parked', 'resident' or shares such as {'resident': 0.1, 'parked': "
+                     "0.5}" if given == "placement" else "a fixed share such as gpu_fraction=0.1")
             raise ValueError(
-                f"placement='auto' with torch.distributed initialised (world size {self.outside_world}) and no "
+                f"{given}='auto' with torch.distributed initialised (world size {self.outside_world}) and no "
                 "process_group: each rank would measure its own machine and could place a bucket on the host on one "
                 "rank and on the GPU on another, where the CPU kernel and torch's fused AdamW round apart, so DDP's "
                 "replicas would silently drift. Pass process_group= (the ranks then agree on every bucket's home), "
-                "or a fixed placement, 'host', 'parked', 'resident' or shares such as {'resident': 0.1, 'parked': "
-                "0.5}, which places alike on every rank; or leave placement unset (the host under DDP)")
+                f"or {fixed}, which places alike on every rank; or leave {given} unset (the host under DDP)")
         if self.grads_reduced and self.stream_grads:
             raise ValueError("stream_grads=True cannot take gradients already reduced (grads_reduced=True): DDP "
                              "writes its averages into .grad only when backward ends, after the hooks that stream "
