@@ -145,7 +145,12 @@ def test_muon_parked_under_a_gradscaler_is_bitwise_muon_under_one(cuda_branches)
     """GradScaler's unscale (a power of two: exact either way) and its overflow verdict (step 2 skipped)."""
     ours, theirs = _params(), _params()
     opt = offload(torch.optim.Muon, ours, placement="parked", bucket_numel=BUCKET)
-    ref = torch.optim.Muon(theirs)
+    scaled_run(ours, opt, theirs, torch.optim.Muon(theirs), _same)
+
+
+def scaled_run(ours, opt, theirs, ref, same):
+    """Five steps of ``opt`` and ``ref`` under a GradScaler each, an inf in ``ours[1]``/``theirs[1]`` at step 2 (a
+    matrix), compared by ``same`` every step."""
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
     for step in range(5):
         for o, ps, scaler in ((opt, ours, scalers[0]), (ref, theirs, scalers[1])):
@@ -156,7 +161,7 @@ def test_muon_parked_under_a_gradscaler_is_bitwise_muon_under_one(cuda_branches)
             scaler.step(o)
             scaler.update()
         assert scalers[0].get_scale() == scalers[1].get_scale(), step
-        _same(ours, opt, theirs, ref, f"step {step}")
+        same(ours, opt, theirs, ref, f"step {step}")
     assert scalers[0].get_scale() != 2.0**10  # (it grew and backed off: the steps did go through it)
 
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import cuda_standins
+import test_park_class as park_class
+from test_park_class import _clone, _homes, _loss
 from zero_offload import offload
 
 # 1-D, 2-D and 3-D parameters (Adafactor factors the last two dimensions of a >2-D one), odd sizes, sizes at SIMD
@@ -33,23 +35,13 @@ def cuda_branches(monkeypatch):
 
 
 def _params(shapes=SHAPES, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-
-
-def _clone(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+    return park_class._params(shapes, seed)
 
 
 def _groups(params, second=SECOND):
     """Two param groups: the first half with the defaults (and weight decay), the rest with ``second``'s."""
     half = len(params) // 2
     return [{"params": params[:half], "weight_decay": 0.1}, {"params": params[half:], **second}]
-
-
-def _loss(params, step):
-    gen = torch.Generator().manual_seed(100 + step)
-    return sum((torch.tanh(p) * torch.randn(p.shape, generator=gen).to(p.device)).sum() ** 2 for p in params)
 
 
 def _same(ours, opt, theirs, ref, what):
@@ -60,10 +52,6 @@ def _same(ours, opt, theirs, ref, what):
         for key, value in want.items():
             assert mine[key].shape == value.shape, (what, i, key, mine[key].shape, value.shape)
             assert torch.equal(mine[key], value), f"{what}: state {key!r} of parameter {i} {tuple(p.shape)}"
-
-
-def _homes(opt):
-    return [b.home.kind for b in chain.from_iterable(opt._buckets)]
 
 
 def _step_both(ours, opt, theirs, ref, step, lr=None):
@@ -114,19 +102,7 @@ def test_adafactor_parked_under_a_gradscaler_is_bitwise_adafactor_under_one(cuda
     """GradScaler's unscale (a power of two: exact either way) and its overflow verdict (step 2 skipped)."""
     ours, theirs = _params(), _params()
     opt = offload(torch.optim.Adafactor, ours, placement="parked", bucket_numel=BUCKET)
-    ref = torch.optim.Adafactor(theirs)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
-    for step in range(5):
-        for o, ps, scaler in ((opt, ours, scalers[0]), (ref, theirs, scalers[1])):
-            o.zero_grad()
-            scaler.scale(_loss(ps, step)).backward()
-            if step == 2:
-                ps[1].grad[0, 3] = float("inf")
-            scaler.step(o)
-            scaler.update()
-        assert scalers[0].get_scale() == scalers[1].get_scale(), step
-        _same(ours, opt, theirs, ref, f"step {step}")
-    assert scalers[0].get_scale() != 2.0**10
+    park_class.scaled_run(ours, opt, theirs, torch.optim.Adafactor(theirs), _same)
 
 
 def test_a_bf16_model_parked_steps_its_fp32_masters_as_adafactor_steps_fp32_parameters(cuda_branches):
