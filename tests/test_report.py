@@ -222,6 +222,26 @@ def test_cli_prints_the_plan(capsys):
     assert "52.2 GiB" in host_total and "8.00" in host_total  # 16 B/param over 2 ranks
 
 
+@pytest.mark.parametrize("args, gradients, uploads", [
+    (["--placement", "host"], "copied to the grad buffer", True),
+    (["--placement", "resident"], "read on the GPU where autograd leaves them", False),
+    (["--placement", "parked"], "read on the GPU where autograd leaves them", False),
+    (["--placement", "resident=0.5"], "copied to the grad buffer", False),
+    (["--placement", "host", "--fsdp", "8"], "copied to the grad buffer", False),
+    (["--placement", "host", "--world-size", "8"], "copied to the grad buffer", False),
+])
+def test_cli_notes_say_where_the_gradients_are_read_and_offer_delayed_uploads_only_where_they_can_run(
+        capsys, args, gradients, uploads):
+    """The plan's notes under the table: with every bucket stepped on the GPU the gradients are read where they are
+    (no grad buffer); delayed_update's uploads are offered only where it can run (every bucket on the host, one
+    process, no FSDP2)."""
+    main(["--params", "1.3B", *args])
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("gradients"))
+    assert gradients in line, line
+    assert any(line.startswith("uploads") for line in out.splitlines()) == uploads, out
+
+
 def test_cli_rejects_bad_counts():
     result = subprocess.run([sys.executable, "-m", "zero_offload.report", "--params", "seven"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)

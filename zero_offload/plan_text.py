@@ -265,6 +265,10 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
         out.append("gradients        release_grads=True: each .grad is dropped once its bucket is copied, so the GPU "
                    "holds at most")
         out.append("                 two buckets' gradients (clip with opt.clip_grad_norm_; no GradScaler)")
+    elif plan.device == "cuda" and not plan.host.homes.get("host", HomeCost()).buckets:
+        out.append("gradients        read on the GPU where autograd leaves them (no bucket is stepped on the host); "
+                   "the .grad")
+        out.append("                 tensors stay on the GPU as with AdamW")
     elif plan.device == "cuda":
         out.append("gradients        copied to the grad buffer during backward, bucket by bucket; the .grad tensors "
                    "stay on")
@@ -272,7 +276,8 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
         if plan.dtype != torch.float32 and not sharded:
             out.append(f"                 the grad buffer also carries the updated {DTYPE_NAMES[plan.dtype]} parameters "
                        "back (no staging copy)")
-    if plan.device == "cuda" and not sharded:
+    # (delayed_update: not sharded, not under FSDP2, not with a bucket stepped on the GPU)
+    if plan.device == "cuda" and not sharded and plan.fsdp == 1 and set(plan.host.homes) <= {"host"}:
         copy = plan.host.padded_numel * plan.dtype.itemsize
         out += [f"uploads          with delayed_update: up to {format_bytes(copy)} more on the GPU "
                 "during backward", "                 (the new parameters, copied up early, only where the GPU has "
