@@ -444,8 +444,15 @@ def _assemble(per_rank: List[Any]) -> Any:
         return {k: _assemble([tree[k] for tree in per_rank]) for k in first}
     if isinstance(first, tuple) and first and first[0] == "piece":
         full = torch.empty(first[1], dtype=first[3].dtype)
-        for _, _, offset, local in per_rank:
-            full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
+        seen = torch.zeros(first[1], dtype=torch.bool)  # (a replicated piece comes from several ranks)
+        for rank, (_, _, offset, local) in enumerate(per_rank):
+            where = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+            held = seen[where]
+            # Replicas (HSDP's replicate dimension, a tensor-parallel Replicate()) must hold the same bits: the
+            # ranks that step one piece each step it alike, or the replicas drift apart.
+            assert torch.equal(full[where][held], local[held]), f"rank {rank}'s replica of a piece differs"
+            full[where] = local
+            seen[where] = True
         return full
     return first
 
