@@ -113,6 +113,24 @@ def rows_of(rank: int, world: int) -> slice:
     return slice(rank * n, (rank + 1) * n)
 
 
+def step_after_cast(model: Any, opt: Any) -> Tuple[Optional[str], bool]:
+    """``model.to(torch.float64)`` after backward (FSDP re-makes its shards' storage as float64), then ``opt.step()``:
+    the ``RuntimeError``'s message (None if it stepped) and whether ``opt.state`` is as it was."""
+    def local(v: Any) -> Any:
+        return v.to_local() if hasattr(v, "to_local") else v  # (the 0-dim step is a plain tensor)
+
+    before = {k: {n: local(v).clone() for n, v in entry.items()} for k, entry in opt.state.items()}
+    model.to(torch.float64)
+    try:
+        opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    unchanged = bool(before) and all(torch.equal(local(v), before[k][n]) for k, entry in opt.state.items()
+                                     for n, v in entry.items())
+    return message, unchanged
+
+
 def loss_on(model: nn.Module, step: int, micro: int, rank: int, world: int) -> torch.Tensor:
     ids = tokens(step, micro)[rows_of(rank, world)]
     logits = model(ids[:, :-1], step % 3 == 1)

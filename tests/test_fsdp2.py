@@ -846,19 +846,7 @@ def refuse_remade_storage(rank, world):
         h.loss_on(model, step, 0, rank, world).backward()
         if step == 0:
             opt.step()
-    def local(v):
-        return v.to_local() if hasattr(v, "to_local") else v  # (the 0-dim step is a plain tensor)
-
-    before = {k: {n: local(v).clone() for n, v in entry.items()} for k, entry in opt.state.items()}
-    model.to(torch.float64)
-    try:
-        opt.step()
-        message = None
-    except RuntimeError as exc:
-        message = str(exc)
-    unchanged = bool(before) and all(torch.equal(local(v), before[k][n]) for k, entry in opt.state.items()
-                                     for n, v in entry.items())
-    return message, unchanged
+    return h.step_after_cast(model, opt)
 
 
 def reload_by_local_write(rank, world):

@@ -160,18 +160,9 @@ def cast_refused(rank: int, world: int, placement: str) -> Dict[str, Any]:
         opt = OffloadOptimizer(model.parameters(), lr=h.LR, bucket_numel=BUCKET, placement=placement)
         for step in range(2):
             h.train_step(h.Loop(model, opt), RECIPE, step, rank, world)
-        local = lambda v: v.to_local() if hasattr(v, "to_local") else v  # noqa: E731
-        before = {k: {n: local(v).clone() for n, v in e.items()} for k, e in opt.state.items()}
         opt.zero_grad()
         h.loss_on(model, 2, 0, rank, world).backward()
-        model.to(torch.float64)
-        try:
-            opt.step()
-            message = None
-        except RuntimeError as exc:
-            message = str(exc)
-        unchanged = bool(before) and all(torch.equal(local(v), before[k][n]) for k, e in opt.state.items()
-                                         for n, v in e.items())
+        message, unchanged = h.step_after_cast(model, opt)
         return dict(message=message, unchanged=unchanged)
 
 

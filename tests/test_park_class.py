@@ -257,20 +257,24 @@ class _ScalarStateMuon(torch.optim.Muon):
     (_GlobalNormSGD, r"Nor can it be parked.*depends on other parameters"),
 ])
 def test_a_class_that_cannot_be_parked_is_refused_naming_why(cuda_branches, cls, match):
-    ours = _params()
+    refused_then_free(cls, _params(), match, torch.optim.Muon)
+
+
+def refused_then_free(cls, ours, match, good, placement="parked", bucket_numel=BUCKET):
+    """``offload(cls, ours, placement=...)`` raises ``ValueError`` matching ``match`` and naming ``cls``, with the
+    parameters unchanged and free to use: ``offload(good, ours, placement="parked")`` builds over them."""
     before = [p.detach().clone() for p in ours]
     with pytest.raises(ValueError, match=match) as info:
-        offload(cls, ours, placement="parked", bucket_numel=BUCKET)
+        offload(cls, ours, placement=placement, bucket_numel=bucket_numel)
     assert cls.__name__ in str(info.value)
     assert all(torch.equal(p, q) for p, q in zip(ours, before))
-    offload(torch.optim.Muon, ours, placement="parked", bucket_numel=BUCKET)  # (the parameters are free to use)
+    return offload(good, ours, placement="parked", bucket_numel=bucket_numel)
 
 
 @pytest.mark.parametrize("placement", ["host", {"parked": 0.5}, "auto"])
 def test_a_class_run_only_whole_is_refused_where_a_bucket_would_be_stepped_on_the_host(cuda_branches, placement):
     ours = _params()
-    with pytest.raises(ValueError, match=r"Muon.*placement=.parked. runs it"):
-        offload(torch.optim.Muon, ours, placement=placement, bucket_numel=BUCKET)
+    refused_then_free(torch.optim.Muon, ours, r"Muon.*placement=.parked. runs it", torch.optim.Muon, placement)
     opt = offload(torch.optim.Muon, [{"params": iter(ours)}], placement="parked", bucket_numel=BUCKET)
     assert len(opt.param_groups[0]["params"]) == len(ours)  # (a group's iterator is read once)
     groups = len(opt.param_groups)

@@ -262,20 +262,13 @@ class _FixedSizeAdafactor(torch.optim.Adafactor):
 def test_state_a_parked_bucket_cannot_hold_is_refused_naming_the_entry(cuda_branches, cls, match):
     ours = [torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(5, 6)),
             torch.nn.Parameter(torch.randn(6))]
-    before = [p.detach().clone() for p in ours]
-    with pytest.raises(ValueError, match=match) as info:
-        offload(cls, ours, placement="parked", bucket_numel=BUCKET)
-    assert cls.__name__ in str(info.value)
-    assert all(torch.equal(p, q) for p, q in zip(ours, before))
-    offload(torch.optim.Adafactor, ours, placement="parked", bucket_numel=BUCKET)  # (the parameters are free to use)
+    park_class.refused_then_free(cls, ours, match, torch.optim.Adafactor, bucket_numel=BUCKET)
 
 
 @pytest.mark.parametrize("placement", ["host", {"parked": 0.5}, "auto"])
 def test_adafactor_is_refused_where_a_bucket_would_be_stepped_on_the_host(cuda_branches, placement):
-    ours = _params()
-    with pytest.raises(ValueError, match=r"Adafactor.*placement=.parked. runs it"):
-        offload(torch.optim.Adafactor, ours, placement=placement, bucket_numel=BUCKET)
-    offload(torch.optim.Adafactor, ours, placement="parked", bucket_numel=BUCKET)
+    park_class.refused_then_free(torch.optim.Adafactor, _params(), r"Adafactor.*placement=.parked. runs it",
+                                 torch.optim.Adafactor, placement, BUCKET)
 
 
 def test_adafactor_parked_with_its_buckets_sharded_is_refused(cuda_branches):
