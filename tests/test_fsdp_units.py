@@ -12,14 +12,13 @@ whose shards' padded storage the optimizer takes over).
 from __future__ import annotations
 
 import json
-import sys
-import types
 from itertools import chain
 
 import pytest
 import torch
 
 import fsdp2_harness as h
+from test_report import install_fake_transformers
 from zero_offload import OffloadOptimizer
 from zero_offload.fsdp_units import model_units
 from zero_offload.memory_plan import fsdp_plan
@@ -145,10 +144,7 @@ def test_fsdp2s_own_gpu_memory_is_rows_of_both_columns(param, reduce):
 @pytest.fixture
 def fake_transformers(monkeypatch):
     """``--model`` through transformers' Auto classes, which give the harness model here."""
-    module = types.ModuleType("transformers")
-    module.AutoConfig = types.SimpleNamespace(from_pretrained=lambda name: name)
-    module.AutoModelForCausalLM = types.SimpleNamespace(from_config=lambda config: _net())
-    monkeypatch.setitem(sys.modules, "transformers", module)
+    install_fake_transformers(monkeypatch, _net)
 
 
 def test_the_command_line_plans_the_units_and_says_so(fake_transformers, capsys):

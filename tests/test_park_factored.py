@@ -19,7 +19,7 @@ import torch
 
 import cuda_standins
 import test_park_class as park_class
-from test_park_class import _clone, _homes, _loss
+from test_park_class import _clone, _homes, _loss, _step_both
 from zero_offload import offload
 
 # 1-D, 2-D and 3-D parameters (Adafactor factors the last two dimensions of a >2-D one), odd sizes, sizes at SIMD
@@ -52,18 +52,6 @@ def _same(ours, opt, theirs, ref, what):
         for key, value in want.items():
             assert mine[key].shape == value.shape, (what, i, key, mine[key].shape, value.shape)
             assert torch.equal(mine[key], value), f"{what}: state {key!r} of parameter {i} {tuple(p.shape)}"
-
-
-def _step_both(ours, opt, theirs, ref, step, lr=None):
-    for o, ps in ((opt, ours), (ref, theirs)):
-        o.zero_grad()
-        _loss(ps, step).backward()
-    if lr is not None:  # (set after backward: the step reads it)
-        for o in (opt, ref):
-            for g in o.param_groups:
-                g["lr"] = lr
-    opt.step()
-    ref.step()
 
 
 def _saved(o):
@@ -107,23 +95,7 @@ def test_adafactor_parked_under_a_gradscaler_is_bitwise_adafactor_under_one(cuda
 
 def test_a_bf16_model_parked_steps_its_fp32_masters_as_adafactor_steps_fp32_parameters(cuda_branches):
     """The class steps the fp32 masters (parked with the factors); the bf16 parameters are them rounded."""
-    ours = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
-    theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = offload(torch.optim.Adafactor, ours, placement="parked", bucket_numel=BUCKET, weight_decay=0.1)
-    ref = torch.optim.Adafactor(theirs, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(7)
-    for step in range(4):
-        for p, q in zip(ours, theirs):
-            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
-            q.grad = p.grad.float()
-        opt.step()
-        ref.step()
-        for i, (p, q) in enumerate(zip(ours, theirs)):
-            assert torch.equal(opt.state[p]["master"], q), (step, i)
-            assert torch.equal(p, q.to(torch.bfloat16)), (step, i)
-            assert set(opt.state[p]) == set(ref.state[q]) | {"master"}, (step, i)
-            for key, value in ref.state[q].items():
-                assert torch.equal(opt.state[p][key], value), (step, i, key)
+    park_class.bf16_masters_run(torch.optim.Adafactor, _params(), BUCKET, weight_decay=0.1)
 
 
 def test_an_edited_or_removed_opt_state_entry_takes_effect_as_in_adafactor(cuda_branches):

@@ -522,11 +522,16 @@ def _llama_7b_shapes() -> nn.Module:
 @pytest.fixture
 def fake_transformers(monkeypatch):
     """``--model`` reads a config through transformers' Auto classes: these give the Llama-7B-shaped stand-in."""
+    install_fake_transformers(monkeypatch, _llama_7b_shapes)
+
+
+def install_fake_transformers(monkeypatch, build):
+    """A ``transformers`` module whose Auto classes take a config name as the config and give ``build()``."""
     import types
 
     module = types.ModuleType("transformers")
     module.AutoConfig = types.SimpleNamespace(from_pretrained=lambda name: name)
-    module.AutoModelForCausalLM = types.SimpleNamespace(from_config=lambda config: _llama_7b_shapes())
+    module.AutoModelForCausalLM = types.SimpleNamespace(from_config=lambda config: build())
     monkeypatch.setitem(sys.modules, "transformers", module)
 
 
