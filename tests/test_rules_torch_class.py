@@ -174,3 +174,19 @@ def test_third_party_classes_that_are_not_elementwise_are_refused_by_probing():
     compare(rule, dict(lr=0.01, trust=False), functools.partial(LambLike, lr=0.01, trust=False), [7, 300], steps=3)
     with pytest.raises(NotElementwise, match="LambLike is not elementwise"):
         rule.hyper(dict(lr=0.01, trust=True))
+
+
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+def test_per_parameter_gradients_are_gathered_on_the_runs_device(grad_scale):
+    """A run with per-parameter gradients (a parked bucket reads them where autograd left them, on the GPU) gathers
+    them on the master's device, for the class's own GPU code and for Lion's: never on the host. (The CUDA stand-ins
+    cannot tell the GPU from the host; the meta device can.)"""
+    from zero_offload.rules.base import Run, flat_grad
+    from zero_offload.rules.torch_class import _gradient
+
+    master = torch.zeros(16, device="meta")
+    grads = [torch.ones(5, device="meta"), torch.ones(2, 3, device="meta")]
+    run = Run(master=master, grad=None, grads=grads, offsets=[0, 8], state={}, scales={}, step=1,
+              grad_scale=grad_scale, param_out=None)
+    for grad in (flat_grad(run), _gradient(run)):
+        assert grad.device == master.device and grad.shape == (16,) and grad.dtype == torch.float32

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots"]
+__all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots", "flat_grad"]
 
 
 def _always(hyper: Any) -> bool:
@@ -263,3 +263,16 @@ def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], wher
         raise ValueError(f"{where + ': ' if where else ''}{name}={group[name]!r} in a param group: {name} is an "
                          f"option of the whole optimizer, taken by every group (OffloadOptimizer(..., {name}=...)); "
                          "a group's own value would be ignored")
+
+
+def flat_grad(run: Run) -> torch.Tensor:
+    """The run's gradient as one flat tensor on the run's device: ``run.grad`` itself, or the per-parameter
+    gradients gathered into float32 with zeros between them (the padding, which an elementwise update leaves at
+    zero)."""
+    if run.grads is None:
+        return run.grad
+    flat = torch.zeros(run.master.numel(), dtype=torch.float32, device=run.master.device)
+    if run.grads:
+        torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
+                             [g.reshape(-1) for g in run.grads])
+    return flat

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Dict, Optional
 import torch
 
 from zero_offload.lion import Lion as LionOptimizer, _multi_tensor_lion, _single_tensor_lion, check_lion_hparams
-from zero_offload.rules.base import Rule, Run, StateBuffer
+from zero_offload.rules.base import Rule, Run, StateBuffer, flat_grad
 
 __all__ = ["Lion", "Hyper", "LION"]
 
@@ -43,18 +43,6 @@ class Hyper:
         return Hyper(float(lr), float(b1), float(b2), float(group["weight_decay"]), bool(group["maximize"]))
 
 
-def _flat_grad(run: Run) -> torch.Tensor:
-    """The run's gradient as one flat tensor: ``run.grad`` itself, or the per-parameter gradients gathered into
-    float32 with zeros between them (the padding, which the update then leaves at zero)."""
-    if run.grads is None:
-        return run.grad
-    flat = torch.zeros(run.master.numel(), dtype=torch.float32, device=run.master.device)
-    if run.grads:
-        torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
-                             [g.reshape(-1) for g in run.grads])
-    return flat
-
-
 class Lion(Rule):
     """Lion with decoupled weight decay and maximize; ``exp_avg`` in fp32 or bf16 (8-bit state is not offered)."""
 
@@ -70,7 +58,7 @@ class Lion(Rule):
 
     def update(self, run: Run, hyper: Hyper) -> None:
         self.refuse_out(run)
-        grad, master, exp_avg = _flat_grad(run), run.master, run.state["exp_avg"]
+        grad, master, exp_avg = flat_grad(run), run.master, run.state["exp_avg"]
         n = master.numel()
         scale = -run.grad_scale if hyper.maximize else run.grad_scale
         decay = 1.0 - hyper.lr * hyper.weight_decay
@@ -106,7 +94,7 @@ class Lion(Rule):
         (single-tensor elsewhere), on the run's flat buffers (the update is elementwise: any piece of a parameter,
         and the padding, zero, stays zero), on the gradients times ``grad_scale``."""
         self.refuse_out(run)
-        grad, scale = _flat_grad(run), run.grad_scale
+        grad, scale = flat_grad(run), run.grad_scale
         if scale != 1.0 or grad.dtype != torch.float32:
             grad = grad.float() * scale
         impl = _multi_tensor_lion if run.master.is_cuda else _single_tensor_lion

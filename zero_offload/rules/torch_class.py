@@ -30,7 +30,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.rules.base import Rule, Run, Slots, StateBuffer
+from zero_offload.rules.base import Rule, Run, Slots, StateBuffer, flat_grad
 from zero_offload.rules.instances import Bound, GroupRecord
 from zero_offload.rules.probe import (NotElementwise, Probed, check_scheme, elementwise, independent, kinds,
                                      loss_use, same)
@@ -153,14 +153,9 @@ def _declared(probed: Probed, needs: Any) -> Tuple[StateBuffer, ...]:
 def _gradient(run: Run) -> torch.Tensor:
     """The run's gradient as a new float32 tensor times ``grad_scale`` (zeros between the slots when it comes as
     per-parameter gradients), so that the class may change it and ``param_out`` may share the gradient's memory."""
-    n = run.master.numel()
+    grad = flat_grad(run)  # (gathered on the run's device: a new tensor)
     if run.grads is None:
-        grad = run.grad.to(torch.float32, copy=True)
-    else:
-        grad = torch.zeros(n, dtype=torch.float32)
-        if run.grads:
-            torch._foreach_copy_([grad[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
-                                 [g.reshape(-1) for g in run.grads])
+        grad = grad.to(torch.float32, copy=True)
     if run.grad_scale != 1.0:
         grad.mul_(run.grad_scale)
     return grad
