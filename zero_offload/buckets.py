@@ -64,20 +64,30 @@ def estimate_layouts(layouts: Sequence[BucketLayout], buffers: Sequence[StateBuf
         state = state_bytes(buffers, options.state_dtype, padded // world_size, rule.buffers)
         on_cpu = layout.device.type == "cpu"
         copied = takeovers is not None and takes_over(layout, home) and bucket_takeovers(layout, takeovers) is None
-        if home == "resident":  # (no host bytes: its state is in the GPU's memory)
-            bucket = HostMemoryEstimate(layout.numel, 0, {}, 0, 0)
-        else:
-            bucket = estimate_bucket(layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
-                                     pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
-                                     delayed_update=bool(options.delayed_update),
-                                     grad_buffer=takeovers is None or not on_cpu, parked=home == "parked",
-                                     copied=copied)
-            if on_cpu and _pins_takeover(bucket_takeovers(layout, takeovers)):
-                bucket = _pinned_takeover(bucket, layout.dtype != torch.float32)
-        cost = bucket_cost(home, layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
-                           world_size=world_size, host_bytes=bucket.total_bytes, copied=copied)
-        total = total + dataclasses.replace(bucket, homes={home: cost})
+        total = total + _estimate(home, layout.numel, padded, layout.dtype, on_cpu=on_cpu, state=state,
+                                  pin=should_pin(layout.device, options.pin_memory), world_size=world_size,
+                                  delayed_update=bool(options.delayed_update),
+                                  grad_buffer=takeovers is None or not on_cpu, copied=copied,
+                                  pinned_takeover=on_cpu and _pins_takeover(bucket_takeovers(layout, takeovers)))
     return total
+
+
+def _estimate(home: str, numel: int, padded_numel: int, dtype: torch.dtype, *, on_cpu: bool, state: Dict[str, int],
+              pin: bool, world_size: int, delayed_update: bool, grad_buffer: bool, copied: bool,
+              pinned_takeover: bool) -> HostMemoryEstimate:
+    """One bucket's host bytes in ``home`` (a resident one holds none: its state is in the GPU's memory), with
+    what the home costs (:func:`~zero_offload.home_costs.bucket_cost`): the estimate before building
+    (:func:`estimate_layouts`) and a built bucket's (:meth:`FlatBucket.estimate`) alike."""
+    if home == "resident":
+        held = HostMemoryEstimate(numel, 0, {}, 0, 0)
+    else:
+        held = estimate_bucket(numel, padded_numel, dtype, on_cpu=on_cpu, state=state, pin=pin, world_size=world_size,
+                               delayed_update=delayed_update, grad_buffer=grad_buffer, parked=home == "parked",
+                               copied=copied)
+        held = _pinned_takeover(held, dtype != torch.float32) if pinned_takeover else held
+    cost = bucket_cost(home, numel, padded_numel, dtype, on_cpu=on_cpu, state=state, world_size=world_size,
+                       host_bytes=held.total_bytes, copied=copied)
+    return dataclasses.replace(held, homes={home: cost})
 
 
 class FlatBucket:
@@ -181,15 +191,13 @@ class FlatBucket:
         self.resident, self.shares_grad, self.pin = True, False, pin
 
     def device_cost(self) -> int:
-        """Device bytes :meth:`rehome` into a GPU home would add (see :meth:`device_bytes`)."""
-        n = self.layout.padded_numel
-        # (FSDP2's shards whose storage cannot be taken over: an fp32 master of their own, a low-precision one's
-        # staging copy)
-        copied = self.fsdp and self.records is None
-        cost = sum(self.home.nbytes().values()) + (4 * n if self.low_precision or copied else 0)
-        if copied and self.low_precision:
-            cost += n * self.dtype.itemsize
-        return cost + self.device_grad_cost()
+        """Device bytes :meth:`rehome` into a GPU home would add (see :meth:`device_bytes`): a resident home's
+        :func:`~zero_offload.home_costs.bucket_cost` (FSDP2's shards whose storage it could not take over are
+        ``copied``: an fp32 master of their own, a low-precision one's staging copy)."""
+        world = 1 if self.shard is None else self.shard.world
+        return bucket_cost("resident", self.full.numel, self.full.padded_numel, self.dtype, on_cpu=False,
+                           state=self.home.nbytes(), world_size=world,
+                           copied=self.fsdp and self.records is None).gpu_bytes
 
     def device_grad_cost(self) -> int:
         """Of :meth:`device_cost`, what is not state (what a parked bucket does not move): sharded, the rank's shard
@@ -350,20 +358,11 @@ class FlatBucket:
 
     def estimate(self) -> HostMemoryEstimate:
         """The host RAM this bucket holds, and what its home costs (:class:`~zero_offload.home_costs.HomeCost`)."""
-        world = 1 if self.shard is None else self.shard.world
-        if not self.home.tier.host:  # (no host buffers: see device_bytes)
-            held = HostMemoryEstimate(self.full.numel, 0, {}, 0, 0)
-        else:
-            held = estimate_bucket(self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                                   state=self.home.nbytes(), pin=self.pin, world_size=world,
-                                   delayed_update=self.grad_prev is not None,
-                                   grad_buffer=self.grads.allocated, parked=self.home.kind == "parked",
-                                   copied=self.copied)
-            held = _pinned_takeover(held, self.low_precision) if self.takeover_pinned else held
-        cost = bucket_cost(self.home.kind, self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
-                           state=self.home.nbytes(), world_size=world, host_bytes=held.total_bytes,
-                           copied=self.copied)
-        return dataclasses.replace(held, homes={self.home.kind: cost})
+        return _estimate(self.home.kind, self.full.numel, self.full.padded_numel, self.dtype, on_cpu=self.on_cpu,
+                         state=self.home.nbytes(), pin=self.pin,
+                         world_size=1 if self.shard is None else self.shard.world,
+                         delayed_update=self.grad_prev is not None, grad_buffer=self.grads.allocated,
+                         copied=self.copied, pinned_takeover=self.takeover_pinned)
 
     def buffers(self) -> Dict[str, torch.Tensor]:
         out = {"master": self.master, **self.home.tensors()}

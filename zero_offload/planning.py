@@ -74,20 +74,9 @@ def plan_host_memory(params: Iterable[Any], *, amsgrad: bool = False, bucket_num
     options = Options(bucket_numel=bucket_numel, pin_memory=pin_memory, delayed_update=delayed_update,
                       state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement,
                       sharded=world_size > 1)
-    _check_as_constructed(options)
+    # (the constructor's checks, but pin_memory's need for CUDA: a plan may be made on another machine)
+    dataclasses.replace(options, pin_memory=None).validate()
     return estimate_params(params, options, int(world_size), defaults={"amsgrad": amsgrad})
-
-
-def _check_as_constructed(options: Options) -> None:
-    """The constructor's checks of ``options`` (each value, then their combinations), but ``pin_memory``'s need for
-    CUDA: a plan may be made on another machine than the one it is for."""
-    for f in dataclasses.fields(options):
-        check = f.metadata.get("check")
-        if check is not None and f.name != "pin_memory":
-            check(getattr(options, f.name))
-    options._check_modes()
-    options._check_distributed()
-    options._check_gpu_tier()
 
 
 def estimate_params(params: Iterable[Any], options: Options, world_size: int = 1, *,

@@ -119,27 +119,18 @@ def lines(report: Optional[List[Tuple[str, str]]] = None) -> List[str]:
 
 
 # ------------------------------------------------------------------------------------------------ memory plan --
-def hf_meta_params(model: str, dtype: torch.dtype) -> Tuple[str, List[torch.Tensor]]:
-    """The parameters of a Hugging Face model as meta tensors of ``dtype`` (no weights downloaded or allocated).
+def hf_meta_model(model: str) -> torch.nn.Module:
+    """A Hugging Face model built on the meta device from its config (shapes only: no weights downloaded or
+    allocated): its parameters, and its modules, where FSDP2's units are
+    (:func:`~zero_offload.fsdp_units.model_units`).
 
     Args:
         model (str): a local ``config.json`` (or a folder holding one: works offline) or a hub model id (needs
             network access, or the Hugging Face cache).
-        dtype (torch.dtype): the parameters' dtype in training.
-
-    Returns:
-        (str, List[Tensor]): the model's class name and one meta tensor per (untied) parameter.
 
     Raises:
         RuntimeError: without ``transformers``, or when the config cannot be had (with the reason).
     """
-    net = hf_meta_model(model)
-    return type(net).__name__, [torch.empty(p.shape, dtype=dtype, device="meta") for p in net.parameters()]
-
-
-def hf_meta_model(model: str) -> torch.nn.Module:
-    """A Hugging Face model built on the meta device from its config (shapes only; see :func:`hf_meta_params`):
-    its parameters, and its modules, where FSDP2's units are (:func:`~zero_offload.fsdp_units.model_units`)."""
     try:
         import transformers
     except ImportError:

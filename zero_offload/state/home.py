@@ -135,7 +135,7 @@ class Home:
 
     def holds(self, names: Sequence[str]) -> bool:
         """Whether every buffer of ``names`` is allocated (amsgrad's, once switched on)."""
-        return all(name in self.store.flat for name in names)
+        return set(names) <= set(self.store.names)
 
     # -- what users see: opt.state entries and checkpoints -------------------------------------------------------
     def entry(self, i: int) -> Dict[str, torch.Tensor]:

@@ -103,10 +103,6 @@ class StateStore:
             self._whole = None
         return new + [b.name for b in added]
 
-    def missing(self, buffers: Sequence[StateBuffer]) -> bool:
-        """Whether any of ``buffers`` is not allocated."""
-        return any(b.name not in self.flat and b.name not in self.shaped.names for b in buffers)
-
     @property
     def names(self) -> List[str]:
         """The allocated buffers, in declaration order (the shaped ones too)."""

@@ -32,6 +32,10 @@ class Tier:
 
     def zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed, contiguous, 1-D buffer of ``n`` elements of ``dtype``."""
+        return self.empty(n, dtype).zero_()
+
+    def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous, 1-D buffer of ``n`` elements of ``dtype``, its values undefined (for one written whole)."""
         raise NotImplementedError
 
 
@@ -44,8 +48,8 @@ class HostTier(Tier):
         self.pinned = bool(pin)
         self.name = "pinned host" if self.pinned else "host"
 
-    def zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return empty_host(n, dtype, pin=self.pinned).zero_()
+    def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return empty_host(n, dtype, pin=self.pinned)
 
 
 class DeviceTier(Tier):
@@ -59,6 +63,9 @@ class DeviceTier(Tier):
 
     def zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, device=self.device)
 
 
 def should_pin(device: torch.device, pin_memory: Optional[bool]) -> bool:

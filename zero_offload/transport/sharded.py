@@ -104,7 +104,7 @@ class _ShardedRoute(Route):
         self.wait(lane)  # the previous reduce-scatter may still read its input or write grad
         bucket, channel = lane.bucket, lane.channel
         if add and channel.shard_in is None:  # (beside the shard's gradient: on the GPU for a resident or parked one)
-            channel.shard_in = bucket.home.grads_tier.zeros(bucket.shard.numel, bucket.dtype)
+            channel.shard_in = bucket.home.grads_tier.empty(bucket.shard.numel, bucket.dtype)  # (written whole)
         self._scatter(lane, grads, channel.shard_in if add else bucket.grad)
         channel.adding = add
         channel.sent()
@@ -182,6 +182,18 @@ class ShardedResidentRoute(_ShardedRoute):
         increment_version([bucket.params[i] for i in indices])
 
 
+def _flatten(bucket: Any, grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The bucket's full gradients as one flat buffer on its device, made on the current stream: each present
+    gradient in its slot, zeros elsewhere (absent gradients, padding): what a reduce-scatter reads."""
+    full = bucket.full
+    flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if present:
+        torch._foreach_copy_([view_like(flat, full.offsets[i], bucket.params[i]) for i in present],
+                             [grads[i] for i in present])
+    return flat
+
+
 class ShardedDeviceRoute(ShardedResidentRoute):
     """A sharded GPU bucket whose shard of the state is stepped on its GPU: the parameters views of a device
     ``flat_param``, all-gathered in place, as a CPU bucket's; but no full gradient buffer is kept. The gradients
@@ -191,15 +203,10 @@ class ShardedDeviceRoute(ShardedResidentRoute):
 
     def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
         bucket, comm = lane.bucket, self.transport.comm
-        full = bucket.full
         # Made on the current (compute) stream, which wrote the gradients, and let go of when this returns: Comm.start
         # has that stream wait for the reduce-scatter it issues, so whatever reuses the memory there runs after the
         # reduce-scatter has read it (no record_stream needed). Absent gradients read as its zeros.
-        flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if present:
-            torch._foreach_copy_([view_like(flat, full.offsets[i], bucket.params[i]) for i in present],
-                                 [grads[i] for i in present])
+        flat = _flatten(bucket, grads)
         lo, shard = bucket.shard.lo, bucket.shard.numel
         if comm.grads_reduced:
             out.copy_(flat[lo : lo + shard])
@@ -244,17 +251,13 @@ class ShardedOffloadRoute(_ShardedRoute):
 
     def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
         bucket, t = lane.bucket, self.transport
-        full, comm = bucket.full, t.comm
+        comm = t.comm
         lo, shard = bucket.shard.lo, bucket.shard.numel
         stream = t.streams.down(bucket.device)
         # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end).
         stream.wait_stream(torch.cuda.current_stream(bucket.device))
         with torch.cuda.stream(stream):
-            flat = torch.zeros(full.padded_numel, dtype=bucket.dtype, device=bucket.device)
-            present = [i for i, g in enumerate(grads) if g is not None]
-            if present:
-                torch._foreach_copy_([view_like(flat, full.offsets[i], bucket.params[i]) for i in present],
-                                     [grads[i] for i in present])
+            flat = _flatten(bucket, grads)
             if comm.grads_reduced:
                 own = flat[lo : lo + shard]
             else:
