@@ -48,7 +48,7 @@ class HomeCost:
 
     Attributes:
         buckets (int): how many.
-        numel (int): their parameters (where sharded, the whole buckets': every rank steps a share of them).
+        numel (int): their parameters (per rank: the rank's shards' where sharded).
         host_bytes (int): host RAM they hold (the estimate's buffers for them).
         gpu_bytes (int): GPU memory their state takes beyond the parameters' and gradients': a resident bucket's
             always, a parked one's from its reload to its write-back (the most a step holds at once, were every
@@ -95,13 +95,13 @@ def bucket_cost(home: str, numel: int, padded_numel: int, dtype: torch.dtype, *,
     moved = numel if world_size == 1 else shard  # (elements of gradients and parameters that cross, per rank)
     if home == "host":
         crossing = 0 if on_cpu else moved * dtype.itemsize
-        return HomeCost(1, numel, host_bytes, 0, crossing, crossing, moved)
+        return HomeCost(1, moved, host_bytes, 0, crossing, crossing, moved)
     copied = copied and not on_cpu
     held = sum(state.values()) + (4 * shard if dtype != torch.float32 or copied else 0)  # (a separate fp32 master)
     staging = shard * dtype.itemsize if copied and dtype != torch.float32 else 0  # (on the GPU, beside the shard)
     grads = shard * dtype.itemsize if world_size > 1 else 0  # (the rank's shard of the reduced gradients)
     if home == "parked":
-        return HomeCost(1, numel, host_bytes, held + staging + grads, held, held, 0)
+        return HomeCost(1, moved, host_bytes, held + staging + grads, held, held, 0)
     if home != "resident":
         raise ValueError(f"Invalid home: {home!r} (one of {', '.join(HOMES)})")
-    return HomeCost(1, numel, 0, held + staging + grads, 0, 0, 0)
+    return HomeCost(1, moved, 0, held + staging + grads, 0, 0, 0)
