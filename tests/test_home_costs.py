@@ -295,3 +295,19 @@ def test_an_fsdp2_plan_is_what_an_optimizer_over_fsdp2s_shards_holds():
             assert total == plan.host.total_bytes, (rank, dtype)
             assert resident_gpu == expected["resident"]["gpu_bytes"], (rank, dtype)
             assert parked == expected["parked"]["up_bytes"] == expected["parked"]["down_bytes"], (rank, dtype)
+
+
+@pytest.mark.parametrize("placement", [{"resident": 0.3, "parked": 0.2}, "parked", {"resident": 0.5}])
+def test_a_sharded_count_plan_keeps_every_gpu_stepped_parameters_gradients_as_the_layout_plan_does(placement):
+    """Sharded over 2 ranks with release_grads, the buckets stepped on the GPU keep their whole gradients there
+    (only streamed buckets drop theirs): the plan from a count (``--params``) and the plan from the parameters agree
+    (10 buckets of 2**16 elements), and both are that arithmetic."""
+    from zero_offload.memory_plan import count_plan, memory_plan
+
+    kw = dict(bucket_numel=2**16, world_size=2, release_grads=True, placement=placement)
+    params = [torch.empty(2**16, device="meta") for _ in range(10)]
+    by_params, by_count = memory_plan(params, **kw), count_plan(10 * 2**16, torch.float32, **kw)
+    shares = placement if isinstance(placement, dict) else {placement: 1.0}
+    stepped = sum(round(10 * v) for v in shares.values()) * 2**16
+    expected = 4 * (stepped + min(10 * 2**16 - stepped, 2 * 2**16))
+    assert by_params.ours["gpu"]["gradients"] == by_count.ours["gpu"]["gradients"] == expected

@@ -113,6 +113,8 @@ class MemoryPlan:
         gpu_tier_numel (int): parameters whose state stays on the GPU (``gpu_fraction``, or ``placement``'s
             resident share): their moments (and a low-precision model's fp32 master; sharded, the rank's shard of
             the reduced gradients) are in ours' GPU rows, not its host rows.
+        gpu_stepped_numel (int): parameters of the buckets stepped on the GPU (resident or parked): their gradients
+            stay on the GPU whole, ``release_grads`` or not.
         fsdp (int): FSDP2 ranks the parameters are sharded over (``fully_shard``; 1: none). Then ``numel`` is one
             rank's shards (the largest: rank 0's, each parameter's first rows), every row is that rank's (FSDP2 +
             AdamW on its shards beside ours on them), and ``model_numel`` the whole model's.
@@ -148,6 +150,7 @@ class MemoryPlan:
     state_dtype: torch.dtype = torch.float32
     release_grads: bool = False
     gpu_tier_numel: int = 0
+    gpu_stepped_numel: int = 0
     fsdp: int = 1
     model_numel: int = 0
     param_dtype: Optional[torch.dtype] = None
@@ -262,12 +265,13 @@ def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad
         host = dataclasses.replace(host, replaces_param_bytes=param_bytes)
     buffers = {("grad buffer" if k == "grad" else k): v for k, v in host.buffers.items() if v}
     # release_grads drops the gradients of streamed buckets only: those stepped on the GPU stay there.
-    kept = sum(l.numel for l, h in zip(layouts, homes) if h != "host") * dtype.itemsize
+    stepped = sum(l.numel for l, h in zip(layouts, homes) if h != "host")
+    kept = stepped * dtype.itemsize
     in_flight = kept + min(param_bytes - kept, 2 * bucket_numel * dtype.itemsize) if release_grads else param_bytes
     ours, adamw = _sides(device, param_bytes, in_flight, {**buffers}, gpu_tier, [b.name for b in needed])
     return MemoryPlan(numel, dtype, device, world_size, dataclasses.replace(host, numel=numel), ours, adamw,
                       host.pinned_bytes, state_dtype, release_grads and device == "cuda", gpu_numel,
-                      placement=placement)
+                      gpu_stepped_numel=stepped, placement=placement)
 
 
 def _sides(device: str, param_bytes: int, in_flight: int, buffers: Dict[str, int], gpu_tier: Dict[str, int],
@@ -410,8 +414,8 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     ``params`` (a model's, real or meta), rank ``rank``'s shards of them (:func:`fsdp_shards`: rank 0's, the
     largest), cut into buckets as the optimizer cuts them: at each of FSDP2's ``units``
     (:func:`~zero_offload.fsdp_units.model_units`; None: unknown, not cut) and with room for FSDP's padding rows
-    (the slots take FSDP's storage over); every rank's buckets are in ``rank_buckets``. Else a model of ``numel`` parameters,
-    ``ceil(numel / ranks)`` of them on the rank (its units unknown). ``**kw``: :func:`memory_plan`'s other
+    (the slots take FSDP's storage over); every rank's buckets are in ``rank_buckets``. Else a model of ``numel``
+    parameters, ``ceil(numel / ranks)`` of them on the rank (its units unknown). ``**kw``: :func:`memory_plan`'s other
     arguments (``world_size`` is not combined with FSDP2; ``gpu_fraction`` is planned as
     ``placement={"resident": f}``).
     ``device="cpu"``: the shards on the host (a
@@ -492,9 +496,10 @@ def _sum_plans(a: MemoryPlan, b: MemoryPlan, k: int, bucket_numel: int) -> Memor
     ours = {where: add(a.ours[where], b.ours[where]) for where in a.ours}
     if a.release_grads:
         size = a.dtype.itemsize
-        kept = sum(homes[key].numel for key in ("resident", "parked") if key in homes) * size
+        kept = (a.gpu_stepped_numel + k * b.gpu_stepped_numel) * size  # (HomeCost.numel is a rank's share)
         streamed = ours["gpu"]["gradients"] - kept
         ours["gpu"]["gradients"] = kept + min(streamed, 2 * bucket_numel * size)
     adamw = {where: add(a.adamw[where], b.adamw[where]) for where in a.adamw}
     return dataclasses.replace(a, numel=a.numel + k * b.numel, host=host, ours=ours, adamw=adamw,
-                               pinned=a.pinned + k * b.pinned, gpu_tier_numel=a.gpu_tier_numel + k * b.gpu_tier_numel)
+                               pinned=a.pinned + k * b.pinned, gpu_tier_numel=a.gpu_tier_numel + k * b.gpu_tier_numel,
+                               gpu_stepped_numel=a.gpu_stepped_numel + k * b.gpu_stepped_numel)

@@ -256,8 +256,10 @@ def _note_lines(plan: MemoryPlan, home: str) -> List[str]:
         out.append("                 there by torch's fused AdamW; the GPU rows above include it")
     parked = plan.host.homes.get("parked", HomeCost())
     if parked.buckets:
-        out.append(f"parked state     {parked.numel:,} parameters ({parked.numel / plan.numel:.0%}) parked on the host "
-                   f"between steps, stepped on the GPU: their state")
+        what = "elements of this rank's shards" if sharded else "parameters"  # (a home's numel: a rank's share)
+        share = parked.numel / sum(c.numel for c in plan.host.homes.values())
+        out.append(f"parked state     {parked.numel:,} {what} ({share:.0%}) parked on the host between steps, "
+                   "stepped on the GPU: their state")
         out.append(f"                 ({format_bytes(parked.gpu_bytes)} in all) is on the GPU from its reload in "
                    "backward to its write-back, in memory")
         out.append("                 backward freed: not in the GPU rows above nor in the verdict below")
