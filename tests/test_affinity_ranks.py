@@ -305,3 +305,23 @@ def test_two_local_ranks_bind_their_helper_threads_to_different_cpus():
         helpers.append(single[0])
     # Unsplit, both ranks bound their helper to the same CPU (the machine's second core).
     assert helpers[0] != helpers[1], helpers
+
+
+def test_the_shared_cpus_are_the_cgroups_closest_cpuset(tmp_path):
+    from zero_offload import node_cpus
+    proc = tmp_path / "cgroup"
+    mount = tmp_path / "fs"
+    # cgroup v2: the process's own cgroup has no cpuset file (the controller is not enabled there): its parent's.
+    (mount / "job" / "step").mkdir(parents=True)
+    (mount / "job" / "cpuset.cpus.effective").write_text("0-3,8-11\n")
+    (mount / "cpuset.cpus.effective").write_text("0-15\n")
+    proc.write_text("0::/job/step\n")
+    assert node_cpus._cgroup_cpus(proc, mount) == [0, 1, 2, 3, 8, 9, 10, 11]
+    # v1 (or hybrid): the cpuset hierarchy's, before v2's.
+    (mount / "cpuset" / "slurm").mkdir(parents=True)
+    (mount / "cpuset" / "slurm" / "cpuset.effective_cpus").write_text("4-5")
+    proc.write_text("4:memory:/x\n3:cpuset:/slurm\n0::/job/step\n")
+    assert node_cpus._cgroup_cpus(proc, mount) == [4, 5]
+    # Nothing says (no cpuset anywhere up the path): None, and the CPUs online decide.
+    proc.write_text("0::/elsewhere\n")
+    assert node_cpus._cgroup_cpus(proc, tmp_path / "none") is None
