@@ -69,12 +69,12 @@ class Share:
     how: str = "alone"
 
     def describe(self) -> str:
-        where = _ranges(self.cpus)
+        where = f"(CPUs {_ranges(self.cpus)})"
         if self.how == "split":
-            return f"local rank {self.rank} of {self.ranks}'s share of the node, CPUs {where}"
+            return f"local rank {self.rank} of {self.ranks}'s share of the node {where}"
         if self.how == "kept":
-            return f"local rank {self.rank} of {self.ranks}'s CPUs as its launcher set them, {where}"
-        return f"this process's CPUs, {where}"
+            return f"local rank {self.rank} of {self.ranks}'s mask as its launcher set it {where}"
+        return f"this process's affinity mask {where}"
 
 
 def _int_env(name: str) -> Optional[int]:
