@@ -427,7 +427,7 @@ class _Room:
         turns the error into a warning (swap, or memory about to be freed elsewhere)."""
         allow = allow_overcommit()  # (read first: a bad value is an error whether or not the buckets fit)
         huge_pages_on()  # (the same for ZERO_OFFLOAD_HUGE_PAGES, whether or not a buffer is large enough)
-        affinity.requested()  # (and ZERO_OFFLOAD_PIN_THREADS, before the first step reads it)
+        affinity.check()  # (and ZERO_OFFLOAD_PIN_THREADS, LOCAL_RANK..., before the first step reads them)
         avail = available_host_bytes()
         if avail is None or self.estimate().total_bytes <= avail:
             return
