@@ -121,11 +121,6 @@ class Run:
         step (int): the parameters' step count after this update (1 on the first).
         grad_scale (float): multiplies the gradient first (loss-scale inverse x clip coefficient x 1/world).
         param_out (Tensor, optional): receives the updated parameter rounded to its low-precision dtype.
-        out (Dict[str, Tensor], optional): where the update writes instead of in place, so that ``master``,
-            ``state`` and ``scales`` are only read (a ping-pong between two buffer sets):
-            ``"master"``'s destination under ``"param"``, each state buffer's under its name, each scale's under
-            its name plus ``"_scale"``, covering the run like the buffers they replace. None: in place. A rule
-            whose :attr:`Rule.writes_out` is False refuses a run with one. Default: None.
         slots (Slots, optional): the bucket and the run's place in its update (None: a run of its own, driven
             without a bucket). Default: None.
         shaped (Sequence[Dict[str, Tensor]], optional): per parameter of the run, its state tensors of their own
@@ -141,7 +136,6 @@ class Run:
     step: int
     grad_scale: float
     param_out: Optional[torch.Tensor]
-    out: Optional[Dict[str, torch.Tensor]] = None
     slots: Optional[Slots] = None
     shaped: Optional[Sequence[Dict[str, torch.Tensor]]] = None
 
@@ -161,7 +155,6 @@ class Rule:
         loaded_defaults (Dict[str, Any]): what the optimizer's ``__setstate__`` gives a loaded group lacking these
             keys (an older checkpoint), rather than the value this optimizer was built with.
         cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
-        writes_out (bool): :meth:`update` can write into :attr:`Run.out` (else it raises on a run with one).
         uses_loss (bool): :meth:`update` reads the loss that the closure given to ``step()`` returned (see
             :meth:`set_loss`): its updates run in ``step()``, after the closure (no ``overlap_step``, no
             ``delayed_update``).
@@ -176,7 +169,6 @@ class Rule:
     defaults: Dict[str, Any] = {}
     loaded_defaults: Dict[str, Any] = {}
     cleared_flags: Tuple[str, ...] = ()
-    writes_out: bool = False
     uses_loss: bool = False
     closure_refusal: str = ""
 
@@ -229,8 +221,7 @@ class Rule:
         return loss
 
     def update(self, run: Run, hyper: Any) -> None:
-        """Update one run: ``master``, ``state`` (and ``scales``) in place, or into ``run.out``; and
-        ``param_out``."""
+        """Update one run: ``master``, ``state`` (and ``scales``) in place; and ``param_out``."""
         raise NotImplementedError
 
     # Whether :meth:`update_on_device` exists: the rule can run on the device tier (``gpu_fraction``).
@@ -243,12 +234,6 @@ class Rule:
         """:meth:`update` of a run whose buffers and gradients are in GPU memory (the device tier), with torch's
         kernels there. Only where :attr:`device_update` is set."""
         raise NotImplementedError
-
-    def refuse_out(self, run: Run) -> None:
-        """For a rule that cannot write out of place: raise on a run that asks it to, rather than update in place
-        behind the caller's back."""
-        if run.out is not None:
-            raise NotImplementedError(f"{self.name}: this rule updates in place only (Run.out is not supported)")
 
 
 def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], where: str = "") -> None:
