@@ -23,7 +23,7 @@ __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD
            "REMOVED_OPTIONS", "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group",
            "check_impl_flags", "check_option_names", "check_params", "check_removed", "check_state_dtype", "check_step",
            "delayed_setting", "dtypes_by_name", "gpu_params", "planned_placement",
-           "world_without_group"]
+           "refuse_offload_options", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -63,6 +63,18 @@ def check_group(group: Dict[str, Any], where: str = "") -> None:
         if not where:
             raise
         raise ValueError(f"{where}: {exc}") from None
+
+
+def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], where: str = "") -> None:
+    """A param group's key that is an offload option (``placement``, ``gpu_fraction``, ``bucket_numel``...) and
+    not a hyperparameter of the rule's class: every group takes the constructor's option, so the group's value
+    would be ignored without a word (torch keeps unknown keys in a group). ``where`` prefixes the message."""
+    given = [k for k in group if k in OFFLOAD_OPTIONS and k not in defaults]
+    if given:
+        name = given[0]
+        raise ValueError(f"{where + ': ' if where else ''}{name}={group[name]!r} in a param group: {name} is an "
+                         f"option of the whole optimizer, taken by every group (OffloadOptimizer(..., {name}=...)); "
+                         "a group's own value would be ignored")
 
 
 def check_impl_flags(group: Dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import torch
 from zero_offload import _torch_fused, functional
 from zero_offload.functional import check_hparams
 from zero_offload.options import check_group
-from zero_offload.rules.base import Rule, Run, StateBuffer, refuse_offload_options
+from zero_offload.rules.base import Rule, Run, StateBuffer
 
 __all__ = ["AdamW", "Hyper", "ADAMW"]
 
@@ -88,8 +88,7 @@ class AdamW(Rule):
             return Hyper.read(group)
         return _read_plain(key)
 
-    def check(self, group: Dict[str, Any], where: str = "") -> None:
-        refuse_offload_options(group, self.defaults, where)
+    def check_settings(self, group: Dict[str, Any], where: str = "") -> None:
         check_group(group, where)
 
     def update(self, run: Run, hyper: Hyper) -> None:

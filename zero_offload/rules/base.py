@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload.options import refuse_offload_options
+
 __all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots", "flat_grad"]
 
 
@@ -190,6 +192,10 @@ class Rule:
         changes: :meth:`hyper`'s checks, and no offload option among them (one is the whole optimizer's: a group's
         would be ignored); ``where`` prefixes the message (a loaded group)."""
         refuse_offload_options(group, self.defaults, where)
+        self.check_settings(group, where)
+
+    def check_settings(self, group: Dict[str, Any], where: str = "") -> None:
+        """:meth:`check`'s validation of the group's hyperparameters: :meth:`hyper`'s checks by default."""
         try:
             self.hyper(group)
         except ValueError as exc:
@@ -234,20 +240,6 @@ class Rule:
         """:meth:`update` of a run whose buffers and gradients are in GPU memory (the device tier), with torch's
         kernels there. Only where :attr:`device_update` is set."""
         raise NotImplementedError
-
-
-def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], where: str = "") -> None:
-    """A param group's key that is an offload option (``placement``, ``gpu_fraction``, ``bucket_numel``...) and
-    not a hyperparameter of the rule's class: every group takes the constructor's option, so the group's value
-    would be ignored without a word (torch keeps unknown keys in a group). ``where`` prefixes the message."""
-    from zero_offload.options import OFFLOAD_OPTIONS  # (options imports the kernel's checks: not at import here)
-
-    given = [k for k in group if k in OFFLOAD_OPTIONS and k not in defaults]
-    if given:
-        name = given[0]
-        raise ValueError(f"{where + ': ' if where else ''}{name}={group[name]!r} in a param group: {name} is an "
-                         f"option of the whole optimizer, taken by every group (OffloadOptimizer(..., {name}=...)); "
-                         "a group's own value would be ignored")
 
 
 def flat_grad(run: Run) -> torch.Tensor:
