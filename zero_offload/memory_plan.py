@@ -312,14 +312,14 @@ def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dt
 
 
 def _check_gpu_fraction(gpu_fraction: float, device: str, state_dtype: torch.dtype,
-                        placement: Union[str, Dict[str, float]] = "host", world_size: int = 1) -> None:
+                        placement: Union[str, Dict[str, float]] = "host") -> None:
     """The optimizer's checks of ``gpu_fraction`` and ``placement``, less ``gpu_fraction="auto"`` (it depends on the
     free GPU memory at run time, which a plan does not know), for a CUDA model."""
     if gpu_fraction == "auto":
         raise ValueError("Invalid gpu_fraction: 'auto' for a plan (it depends on the free GPU memory at run time, "
                          "which a plan does not know): give a number from 0 to 1")
     options = Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)
-    dataclasses.replace(options, sharded=world_size > 1)._check_gpu_tier()
+    options._check_gpu_tier()
     if options.gpu_tier and device != "cuda":
         raise ValueError(f"{options.gpu_option} applies to a CUDA model (its state is stepped on the GPU)")
 
@@ -332,7 +332,7 @@ def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: in
         raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
-    _check_gpu_fraction(gpu_fraction, device, state_dtype, placement, world_size)
+    _check_gpu_fraction(gpu_fraction, device, state_dtype, placement)
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
@@ -355,8 +355,7 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
     fraction = kw.pop("gpu_fraction", 0.0)
     placement = planned_placement(kw.pop("placement", None), kw.get("device", "cuda") == "cuda",
                                   state_dtype=kw.get("state_dtype", torch.float32), gpu_fraction=fraction)
-    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement,
-                        kw.get("world_size", 1))
+    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement)
     runs = _home_runs(full, rest, bucket_numel, Options(gpu_fraction=fraction, placement=placement))
     if len(runs) > 1:
         # Each home's run of buckets (the first resident, the next parked, the rest on the host, as home_plan
