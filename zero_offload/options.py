@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.functional import check_hparams
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD_OPTIONS", "STATE_DTYPES",
@@ -206,13 +207,7 @@ def gpu_params(params: Any) -> bool:
     """Whether any of ``params`` (the constructor's, as a list: tensors, ``(name, tensor)`` pairs or group dicts) is
     on a GPU. A model with none has nothing to place: the default placement is then the host's, which measures
     nothing and touches no CUDA (the tests' CUDA stand-ins answer True)."""
-    for item in [params] if isinstance(params, (torch.Tensor, dict)) else params:
-        group = item.get("params", ()) if isinstance(item, dict) else [item]
-        for p in [group] if isinstance(group, torch.Tensor) else group:
-            p = p[1] if isinstance(p, tuple) else p
-            if isinstance(p, torch.Tensor) and p.device.type == "cuda":
-                return True
-    return False
+    return any(isinstance(p, torch.Tensor) and p.device.type == "cuda" for p in fsdp2.tensors_given(params))
 
 
 def planned_placement(placement: Any, gpu_model: bool, **options: Any) -> Any:
