@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import sys
 from numbers import Real
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -124,15 +123,6 @@ def check_step(step: Any, where: str) -> float:
     return float(value)
 
 
-def _is_dtensor(p: torch.Tensor) -> bool:
-    """A DTensor can only exist once its module was imported: look there, without importing torch.distributed."""
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        cls = getattr(sys.modules.get(name), "DTensor", None)
-        if cls is not None and isinstance(p, cls):
-            return True
-    return False
-
-
 def check_params(params: Sequence[Any], fsdp: bool = False) -> None:
     """What the buckets can hold: dense leaf tensors of a supported dtype on CPU or CUDA, each once; DTensors only
     in an optimizer over FSDP2's parameters (``fsdp``: the constructor found them; :mod:`zero_offload.fsdp2`
@@ -141,7 +131,7 @@ def check_params(params: Sequence[Any], fsdp: bool = False) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
-        if _is_dtensor(p) and not fsdp:
+        if fsdp2.is_dtensor(p) and not fsdp:
             raise TypeError(
                 f"OffloadOptimizer: a DTensor parameter (shape {tuple(p.shape)}, placements {tuple(p.placements)}) "
                 "in a param group added to an optimizer built over plain parameters: an optimizer takes FSDP2's "
