@@ -8,11 +8,12 @@ Messages of the checks AdamW also makes are AdamW's own, so code matching on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
 from numbers import Real
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -23,7 +24,7 @@ __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD
            "REMOVED_OPTIONS", "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group",
            "check_impl_flags", "check_option_names", "check_params", "check_removed", "check_state_dtype", "check_step",
            "delayed_setting", "dtypes_by_name", "gpu_params", "planned_placement",
-           "refuse_offload_options", "world_without_group"]
+           "prefixed", "refuse_offload_options", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -47,34 +48,41 @@ def dtypes_by_name(dtypes: Sequence[torch.dtype]) -> Dict[str, torch.dtype]:
 MAX_STEP = 2**24
 
 
-def check_group(group: Dict[str, Any], where: str = "") -> None:
-    """Validate a parameter group's hyperparameters (the defaults, a group being added, a loaded group): AdamW's
-    checks, and the two flags this optimizer cannot honour. ``where`` prefixes the message (a loaded group)."""
+@contextlib.contextmanager
+def prefixed(where: str) -> Iterator[None]:
+    """A ``ValueError`` raised inside, its message prefixed with ``where`` (what was checked: a loaded group, an
+    ``opt.state`` entry); as it is where ``where`` is empty."""
     try:
-        check_impl_flags(group)
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        betas = group["betas"]
-        if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
-            raise ValueError("betas must be either both floats or both Tensors")
-        if group.get("capturable"):
-            raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
-                             "to run the CPU kernel, which CUDA-graph capture forbids")
+        yield
     except ValueError as exc:
         if not where:
             raise
         raise ValueError(f"{where}: {exc}") from None
 
 
-def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], where: str = "") -> None:
+def check_group(group: Dict[str, Any]) -> None:
+    """Validate a parameter group's hyperparameters (the defaults, a group being added, a loaded group): AdamW's
+    checks, and the two flags this optimizer cannot honour."""
+    check_impl_flags(group)
+    check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    betas = group["betas"]
+    if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    if group.get("capturable"):
+        raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
+                         "to run the CPU kernel, which CUDA-graph capture forbids")
+
+
+def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any]) -> None:
     """A param group's key that is an offload option (``placement``, ``gpu_fraction``, ``bucket_numel``...) and
     not a hyperparameter of the rule's class: every group takes the constructor's option, so the group's value
-    would be ignored without a word (torch keeps unknown keys in a group). ``where`` prefixes the message."""
+    would be ignored without a word (torch keeps unknown keys in a group)."""
     given = [k for k in group if k in OFFLOAD_OPTIONS and k not in defaults]
     if given:
         name = given[0]
-        raise ValueError(f"{where + ': ' if where else ''}{name}={group[name]!r} in a param group: {name} is an "
-                         f"option of the whole optimizer, taken by every group (OffloadOptimizer(..., {name}=...)); "
-                         "a group's own value would be ignored")
+        raise ValueError(f"{name}={group[name]!r} in a param group: {name} is an option of the whole optimizer, "
+                         f"taken by every group (OffloadOptimizer(..., {name}=...)); a group's own value would be "
+                         "ignored")
 
 
 def check_impl_flags(group: Dict[str, Any]) -> None:

@@ -88,8 +88,8 @@ class AdamW(Rule):
             return Hyper.read(group)
         return _read_plain(key)
 
-    def check_settings(self, group: Dict[str, Any], where: str = "") -> None:
-        check_group(group, where)
+    def check_settings(self, group: Dict[str, Any]) -> None:
+        check_group(group)
 
     def update(self, run: Run, hyper: Hyper) -> None:
         state, scales = run.state, run.scales

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.options import refuse_offload_options
+from zero_offload.options import prefixed, refuse_offload_options
 
 __all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots", "flat_grad"]
 
@@ -191,17 +191,13 @@ class Rule:
         """Validate a group's hyperparameters (the defaults, a group being added, a loaded one) before anything
         changes: :meth:`hyper`'s checks, and no offload option among them (one is the whole optimizer's: a group's
         would be ignored); ``where`` prefixes the message (a loaded group)."""
-        refuse_offload_options(group, self.defaults, where)
-        self.check_settings(group, where)
+        with prefixed(where):
+            refuse_offload_options(group, self.defaults)
+            self.check_settings(group)
 
-    def check_settings(self, group: Dict[str, Any], where: str = "") -> None:
+    def check_settings(self, group: Dict[str, Any]) -> None:
         """:meth:`check`'s validation of the group's hyperparameters: :meth:`hyper`'s checks by default."""
-        try:
-            self.hyper(group)
-        except ValueError as exc:
-            if not where:
-                raise
-            raise ValueError(f"{where}: {exc}") from None
+        self.hyper(group)
 
     def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """Keys the optimizer's constructor adds to a param group with ``group``'s settings beyond its defaults, with
