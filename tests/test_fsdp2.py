@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp2_harness as h
+from aliasing import lies_in
 from zero_offload import OffloadOptimizer, offload
 
 fully_shard = h.fully_shard
@@ -422,8 +423,7 @@ def _inside(p, buffers) -> bool:
     """Whether the storage of ``p``'s local shard lies in one of ``buffers`` (it is a storage of its own over that
     memory: zero_offload._compat.own_storage)."""
     with torch.no_grad():
-        at = p.to_local().untyped_storage().data_ptr()
-    return any(b.data_ptr() <= at < b.data_ptr() + b.nbytes for b in buffers)
+        return lies_in(p.to_local(), buffers, storage=True)
 
 
 def shard_storage(rank, world):

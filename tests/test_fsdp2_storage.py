@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import fsdp2_harness as h
+from aliasing import lies_in
 from zero_offload import OffloadOptimizer
 
 pytestmark = h.NEEDS_FSDP2
@@ -40,13 +41,6 @@ MIX = {"resident": 0.3, "parked": 0.4}
 RECIPE = h.Recipe(clip=h.CLIP, clip_with="opt", accumulate=2)
 REMAKE_AT = 2
 ADAMW = functools.partial(torch.optim.AdamW, foreach=False)
-
-
-def _inside(t: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether the memory of ``t`` lies in ``buf``'s (a storage of its own over it: zero_offload.fsdp2.bind_shard)."""
-    at, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-    lo = buf.data_ptr()
-    return lo <= at and at + n <= lo + buf.numel() * buf.element_size()
 
 
 def storage(rank: int, world: int, dtype: str) -> List[Dict[str, Any]]:
@@ -70,8 +64,8 @@ def storage(rank: int, world: int, dtype: str) -> List[Dict[str, Any]]:
                 out.append(dict(
                     kind=home.kind, padded=b.layout.padded_numel, separate=b.masters.separate,
                     route=type(opt._transport.lanes[_lane(opt, b)].route).__name__,
-                    shards_in_slots=all(_inside(p.to_local(), slots) for p in b.owners if p.to_local().numel()),
-                    fsdp_in_slots=all(_inside(records[id(p)]._sharded_param_data, slots) for p in b.owners),
+                    shards_in_slots=all(lies_in(p.to_local(), [slots], storage=True) for p in b.owners if p.to_local().numel()),
+                    fsdp_in_slots=all(lies_in(records[id(p)]._sharded_param_data, [slots], storage=True) for p in b.owners),
                     master_on_gpu=not b.masters.separate or home.tier.host is False,
                     parked=sorted(home.parked()) if home.kind == "parked" else None,
                     nbytes_parked=home.nbytes_parked() if home.kind == "parked" else None,

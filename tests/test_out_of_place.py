@@ -8,9 +8,6 @@ import pytest
 import torch
 
 from zero_offload import _build, functional
-from zero_offload.rules.adamw import ADAMW, Hyper
-from zero_offload.rules.base import Run
-from zero_offload.rules.lion import LION
 
 from test_kernel import _segments, path  # noqa: F401 (path: the kernel paths' fixture)
 
@@ -307,32 +304,6 @@ def test_native_entry_refuses_bad_out_on_its_own(isa):
     native.adam_step(isa, *base, out=good)
     for key, r in zip(("param", "exp_avg", "exp_avg_sq"), (ref[0], ref[2], ref[3])):
         assert_bits_equal(good[key], r, key)
-
-
-def test_rule_passes_the_out_set_through(path):
-    """AdamW.update with Run.out writes there, bit-equal to an in-place run, the run's buffers untouched; a rule
-    that cannot write out of place refuses rather than update in place."""
-    n, gen = 4097, torch.Generator().manual_seed(14)
-    src = make_state(n, torch.int8, True, gen)
-    grad = torch.randn(n, generator=gen).bfloat16()
-    hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=False,
-                  decoupled=True)
-
-    def run_of(bufs, out=None):
-        state = {k: bufs[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-        scales = {k: bufs[k + "_scale"] for k in state}
-        return Run(bufs["param"], grad, None, (), state, scales, 2, 1.0, None, out)
-
-    ref, before, dst = clone(src), clone(src), garbage_like(src)
-    ADAMW.update(run_of(ref), hyper)
-    ADAMW.update(run_of(src, dst), hyper)
-    for key in src:
-        assert_bits_equal(dst[key], ref[key], key)
-        assert_bits_equal(src[key], before[key], f"{key} (the input)")
-    assert not LION.writes_out
-    with pytest.raises(NotImplementedError, match="in place only"):
-        LION.update(Run(torch.zeros(8), torch.zeros(8), None, (), {"exp_avg": torch.zeros(8)}, {}, 1, 1.0, None,
-                        {"param": torch.zeros(8), "exp_avg": torch.zeros(8)}), None)
 
 
 def test_out_tensors_of_another_shape(path):

@@ -4,14 +4,13 @@ transfer, sends anything or touches ``opt.state``: the schedules (:mod:`zero_off
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload._checks import CheckedGrads
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Run, Slots
-from zero_offload.state.codecs import Codec
 from zero_offload.state.home import Copies
 
 __all__ = ["Copies", "RunSpec", "is_whole", "run_rule", "touched"]
@@ -33,13 +32,11 @@ def touched(bucket: FlatBucket, runs: Sequence[RunSpec]) -> Sequence[int]:
 
 def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.Tensor],
              in_place: Optional[List[Optional[torch.Tensor]]], hyper, multiplier: float,
-             copies: Optional[Copies] = None, out: Optional[Dict[str, torch.Tensor]] = None) -> None:
+             copies: Optional[Copies] = None) -> None:
     """The rule's update of each run, reading the gradients from ``grad`` (flat, the bucket's layout; None: the
     bucket's gradient buffer) or ``in_place`` (per parameter, where they are), on the bucket's buffers or
-    ``copies``, run where the bucket's home steps it (:meth:`~zero_offload.state.home.Home.update`). With ``out``
-    (whole-bucket destinations by name: ``"master"``, each state buffer the update writes, their
-    ``"<name>_scale"``, and ``"param"`` for the low-precision output), the bucket's buffers are only read (the rule
-    must write out of place). A run starts on a slot, so it owns whole scale blocks of 8-bit state."""
+    ``copies``, run where the bucket's home steps it (:meth:`~zero_offload.state.home.Home.update`). A run starts
+    on a slot, so it owns whole scale blocks of 8-bit state."""
     rule, layout, home = bucket.rule, bucket.layout, bucket.home
     if grad is None and in_place is None:
         grad = bucket.grad
@@ -51,35 +48,16 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
         a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
         master, state, scales = home.run_buffers(a, b, copies)
         shaped = home.run_shaped(first, last, copies)
-        if out is not None:
-            param_out = out["param"][a:b] if "param" in out else None
-            dest = _run_out(out, a, b)
-        else:
-            param_out = bucket.param_out(grad, a, b) if copies is None else (None if staging is None else staging[a:b])
-            dest = None
+        param_out = bucket.param_out(grad, a, b) if copies is None else (None if staging is None else staging[a:b])
         slots = Slots(bucket, bucket.group, bucket.steps, index, len(runs), dry, bucket.shapes[first : last + 1],
                       layout.offsets[first : last + 1])
         if in_place is None:
-            run = Run(master, grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, dest, slots,
-                      shaped)
+            run = Run(master, grad[a:b], None, (), state, scales, step + 1, grad_scale, param_out, slots=slots,
+                      shaped=shaped)
         else:
             grads = in_place if whole else CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
-            run = Run(master, None, grads, offsets, state, scales, step + 1, grad_scale, param_out, dest, slots,
-                      shaped)
+            run = Run(master, None, grads, offsets, state, scales, step + 1, grad_scale, param_out, slots=slots,
+                      shaped=shaped)
         home.update(rule, run, hyper)
 
-
-def _run_out(out: Dict[str, torch.Tensor], a: int, b: int) -> Dict[str, torch.Tensor]:
-    """The destinations of elements ``[a, b)``, by the rule's names (the master's under ``"param"``)."""
-    blocks = None  # (the scale blocks, for 8-bit state only)
-    dest = {}
-    for name, t in out.items():
-        if name == "master":
-            dest["param"] = t[a:b]
-        elif name.endswith("_scale"):
-            blocks = Codec.blocks(a, b) if blocks is None else blocks
-            dest[name] = t[blocks]
-        elif name != "param":
-            dest[name] = t[a:b]
-    return dest

@@ -115,15 +115,21 @@ def _dtensors_exist() -> bool:
                for name in ("torch.distributed.tensor", "torch.distributed._tensor"))
 
 
+def tensors_given(params: Any) -> List[Any]:
+    """The parameters in the constructor's ``params`` (listed: a tensor, or a list of tensors, ``(name, tensor)``
+    pairs or group dicts whose ``params`` are any of those), in order, not yet checked to be tensors."""
+    tensors = []
+    for item in [params] if isinstance(params, (torch.Tensor, dict)) else params:
+        group = item.get("params", ()) if isinstance(item, dict) else [item]
+        for p in [group] if isinstance(group, torch.Tensor) else group:
+            tensors.append(p[1] if isinstance(p, tuple) else p)
+    return tensors
+
+
 def given(params: Any, options: Any) -> bool:
     """Whether ``params`` (the constructor's, a list of tensors or group dicts) hold DTensors, after refusing the
     options that cannot go with FSDP2's shards."""
-    tensors = []
-    for item in [params] if isinstance(params, (torch.Tensor, dict)) else params:
-        group = item.get("params", ()) if isinstance(item, dict) else item
-        group = [group] if isinstance(group, torch.Tensor) else group
-        tensors.extend(p[1] if isinstance(p, tuple) else p for p in group)
-    if not any(is_dtensor(p) for p in tensors):
+    if not any(is_dtensor(p) for p in tensors_given(params)):
         return False
     refused = [name for name, on in (("process_group", options.sharded),
                                      ("delayed_update", bool(options.delayed_update)),

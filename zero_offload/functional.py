@@ -354,27 +354,25 @@ def cpu_adam_segments_(
 
 def adam_own_(param: torch.Tensor, grads: Union[torch.Tensor, Sequence[torch.Tensor]],
               offsets: Optional[Sequence[int]], state: Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
-              param_out: Optional[torch.Tensor], q8_kw: Dict[str, Optional[torch.Tensor]], hyper: tuple,
-              out: Optional[Dict[str, torch.Tensor]] = None) -> None:
+              param_out: Optional[torch.Tensor], q8_kw: Dict[str, Optional[torch.Tensor]], hyper: tuple) -> None:
     """:func:`cpu_adam_` (``offsets`` None: ``grads`` one flat gradient buffer) or :func:`cpu_adam_segments_` on
     the optimizer's own buffers, which it allocated to size and checked once: ``param`` (the master), ``state``
-    (exp_avg, exp_avg_sq, the amsgrad maximum or None), ``param_out``, a flat gradient buffer, the 8-bit scales
-    ``q8_kw`` and the destinations ``out`` are not checked again, nor ``hyper`` (step, lr, beta1, beta2, eps,
-    weight_decay, decoupled, maximize, grad_scale; the group's are validated when read); gradients where the user
-    left them, and their segments, are. Spares every bucket of every step the Python checks of its buffers."""
+    (exp_avg, exp_avg_sq, the amsgrad maximum or None), ``param_out``, a flat gradient buffer and the 8-bit scales
+    ``q8_kw`` are not checked again, nor ``hyper`` (step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
+    grad_scale; the group's are validated when read); gradients where the user left them, and their segments, are. Spares every bucket of every step the Python checks of its buffers."""
     if math.isinf(hyper[-1]):  # (NaN passes: a clip coefficient of a NaN norm makes every gradient NaN, as torch's)
         raise ValueError(f"Invalid grad_scale: {hyper[-1]} (must be finite)")
     if offsets is None:
         path, native = _resolve(state[0].dtype)
         if param.numel():
-            _adam_dispatch(path, native, (param, grads, *state, param_out), q8_kw, *hyper, out)
+            _adam_dispatch(path, native, (param, grads, *state, param_out), q8_kw, *hyper)
         return
     check_grads(grads, "cpu_adam_segments_")
     offsets = check_segments(grads, offsets, param.numel(), state[0].dtype == torch.int8)
-    _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper, out)
+    _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper)
 
 
-def _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper, out) -> None:
+def _segments_dispatch(param, grads, offsets, state, param_out, q8_kw, hyper, out=None) -> None:
     """:func:`cpu_adam_segments_`'s update on checked arguments, by the path :func:`_resolve` picks."""
     path, native = _resolve(state[0].dtype)
     if not grads:

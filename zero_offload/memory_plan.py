@@ -164,10 +164,16 @@ class MemoryPlan:
         """Bytes per rank of ``which`` (``"ours"`` or ``"adamw"``) in ``where`` (``"gpu"`` or ``"host"``)."""
         return sum(getattr(self, which)[where].values())
 
+    def policy_dtypes(self) -> Tuple[torch.dtype, torch.dtype]:
+        """FSDP2's ``MixedPrecisionPolicy`` as it applies: the dtype of the gathered parameters (``param_dtype``;
+        unset: the shards') and of the reduce-scatter (``reduce_dtype``; unset: the gathered parameters')."""
+        param = self.param_dtype or self.dtype
+        return param, self.reduce_dtype or param
+
     def low_dtype(self) -> Optional[torch.dtype]:
         """The low-precision dtype the model computes in (``param_dtype`` under FSDP2, else the model's), or None
         for a model that is fp32 throughout."""
-        compute = self.param_dtype or self.dtype
+        compute = self.policy_dtypes()[0]
         return compute if compute != torch.float32 else (self.dtype if self.dtype != torch.float32 else None)
 
     def adamw_moments(self) -> int:
@@ -208,8 +214,7 @@ class MemoryPlan:
         the gathered parameters: ``FSDPParamGroup.post_backward`` reshards before it reduces), kept until the
         reduce-scatter is done. With bf16 parameters and fp32 reduction: 2, 2 and 4 B. (The reduce-scatter's
         output, 1/``fsdp`` of its input, is left out.)"""
-        param = self.param_dtype or self.dtype
-        reduce = self.reduce_dtype or param
+        param, reduce = self.policy_dtypes()
         return {"gathered": param.itemsize, "gradients": param.itemsize, "reduce_scatter_input": reduce.itemsize}
 
 def memory_plan(params: Sequence[torch.Tensor], *, device: str = "cuda", amsgrad: bool = False, world_size: int = 1,
@@ -307,14 +312,14 @@ def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dt
 
 
 def _check_gpu_fraction(gpu_fraction: float, device: str, state_dtype: torch.dtype,
-                        placement: Union[str, Dict[str, float]] = "host", world_size: int = 1) -> None:
+                        placement: Union[str, Dict[str, float]] = "host") -> None:
     """The optimizer's checks of ``gpu_fraction`` and ``placement``, less ``gpu_fraction="auto"`` (it depends on the
     free GPU memory at run time, which a plan does not know), for a CUDA model."""
     if gpu_fraction == "auto":
         raise ValueError("Invalid gpu_fraction: 'auto' for a plan (it depends on the free GPU memory at run time, "
                          "which a plan does not know): give a number from 0 to 1")
     options = Options(state_dtype=state_dtype, gpu_fraction=gpu_fraction, placement=placement)
-    dataclasses.replace(options, sharded=world_size > 1)._check_gpu_tier()
+    options._check_gpu_tier()
     if options.gpu_tier and device != "cuda":
         raise ValueError(f"{options.gpu_option} applies to a CUDA model (its state is stepped on the GPU)")
 
@@ -327,7 +332,7 @@ def _check_plan_args(params: Sequence[torch.Tensor], device: str, world_size: in
         raise ValueError(f"Invalid device: {device!r} (expected 'cuda' or 'cpu')")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (a positive number of ranks)")
-    _check_gpu_fraction(gpu_fraction, device, state_dtype, placement, world_size)
+    _check_gpu_fraction(gpu_fraction, device, state_dtype, placement)
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"memory_plan needs parameters of one dtype, got {sorted(map(str, dtypes))}")
@@ -350,8 +355,7 @@ def count_plan(numel: int, dtype: torch.dtype, *, bucket_numel: int = DEFAULT_BU
     fraction = kw.pop("gpu_fraction", 0.0)
     placement = planned_placement(kw.pop("placement", None), kw.get("device", "cuda") == "cuda",
                                   state_dtype=kw.get("state_dtype", torch.float32), gpu_fraction=fraction)
-    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement,
-                        kw.get("world_size", 1))
+    _check_gpu_fraction(fraction, kw.get("device", "cuda"), kw.get("state_dtype", torch.float32), placement)
     runs = _home_runs(full, rest, bucket_numel, Options(gpu_fraction=fraction, placement=placement))
     if len(runs) > 1:
         # Each home's run of buckets (the first resident, the next parked, the rest on the host, as home_plan
@@ -448,17 +452,17 @@ def fsdp_plan(params: Optional[Sequence[torch.Tensor]], numel: int, dtype: torch
     else:
         plan = count_plan(-(-int(numel) // ranks), dtype, **kw)
         whole = int(numel)
+    plan = dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                               fsdp_rank=rank, fsdp_units=units, rank_buckets=mine)
     if plan.device == "cpu":
         host = dataclasses.replace(plan.host, buffers={k: v for k, v in plan.host.buffers.items() if k != "grad"})
         ours = {**plan.ours, "host": {k: v for k, v in plan.ours["host"].items() if k != "grad buffer"}}
         plan = dataclasses.replace(plan, host=host, ours=ours)
     elif units is not None:  # (FSDP2's own GPU memory, the same beside either optimizer)
-        param = param_dtype or plan.dtype
-        own = {f"FSDP2 {k}": v for k, v in gathered_bytes(params, units, ranks, param, reduce_dtype or param).items()}
+        own = {f"FSDP2 {k}": v for k, v in gathered_bytes(params, units, ranks, *plan.policy_dtypes()).items()}
         plan = dataclasses.replace(plan, **{side: {**getattr(plan, side), "gpu": {**getattr(plan, side)["gpu"], **own}}
                                             for side in ("ours", "adamw")})
-    return dataclasses.replace(plan, fsdp=ranks, model_numel=whole, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                               fsdp_rank=rank, fsdp_units=units, rank_buckets=mine)
+    return plan
 
 
 def _check_fsdp_args(params: Optional[Sequence[torch.Tensor]], ranks: int, rank: int,

@@ -8,22 +8,23 @@ Messages of the checks AdamW also makes are AdamW's own, so code matching on the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
-import sys
 from numbers import Real
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.functional import check_hparams
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DTYPE_NAMES", "NONFINITE_POLICIES", "OFFLOAD_OPTIONS", "STATE_DTYPES",
            "REMOVED_OPTIONS", "SUPPORTED_DTYPES", "Options", "option_docs", "agreed_settings", "check_group",
            "check_impl_flags", "check_option_names", "check_params", "check_removed", "check_state_dtype", "check_step",
            "delayed_setting", "dtypes_by_name", "gpu_params", "planned_placement",
-           "world_without_group"]
+           "prefixed", "refuse_offload_options", "world_without_group"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # 32 Mi elements (128 MiB of fp32 per buffer): big enough that a kernel call's fixed cost is noise, small enough
@@ -47,22 +48,41 @@ def dtypes_by_name(dtypes: Sequence[torch.dtype]) -> Dict[str, torch.dtype]:
 MAX_STEP = 2**24
 
 
-def check_group(group: Dict[str, Any], where: str = "") -> None:
-    """Validate a parameter group's hyperparameters (the defaults, a group being added, a loaded group): AdamW's
-    checks, and the two flags this optimizer cannot honour. ``where`` prefixes the message (a loaded group)."""
+@contextlib.contextmanager
+def prefixed(where: str) -> Iterator[None]:
+    """A ``ValueError`` raised inside, its message prefixed with ``where`` (what was checked: a loaded group, an
+    ``opt.state`` entry); as it is where ``where`` is empty."""
     try:
-        check_impl_flags(group)
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        betas = group["betas"]
-        if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
-            raise ValueError("betas must be either both floats or both Tensors")
-        if group.get("capturable"):
-            raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
-                             "to run the CPU kernel, which CUDA-graph capture forbids")
+        yield
     except ValueError as exc:
         if not where:
             raise
         raise ValueError(f"{where}: {exc}") from None
+
+
+def check_group(group: Dict[str, Any]) -> None:
+    """Validate a parameter group's hyperparameters (the defaults, a group being added, a loaded group): AdamW's
+    checks, and the two flags this optimizer cannot honour."""
+    check_impl_flags(group)
+    check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    betas = group["betas"]
+    if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    if group.get("capturable"):
+        raise ValueError("OffloadOptimizer does not support capturable=True: step() synchronises with the host "
+                         "to run the CPU kernel, which CUDA-graph capture forbids")
+
+
+def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    """A param group's key that is an offload option (``placement``, ``gpu_fraction``, ``bucket_numel``...) and
+    not a hyperparameter of the rule's class: every group takes the constructor's option, so the group's value
+    would be ignored without a word (torch keeps unknown keys in a group)."""
+    given = [k for k in group if k in OFFLOAD_OPTIONS and k not in defaults]
+    if given:
+        name = given[0]
+        raise ValueError(f"{name}={group[name]!r} in a param group: {name} is an option of the whole optimizer, "
+                         f"taken by every group (OffloadOptimizer(..., {name}=...)); a group's own value would be "
+                         "ignored")
 
 
 def check_impl_flags(group: Dict[str, Any]) -> None:
@@ -111,15 +131,6 @@ def check_step(step: Any, where: str) -> float:
     return float(value)
 
 
-def _is_dtensor(p: torch.Tensor) -> bool:
-    """A DTensor can only exist once its module was imported: look there, without importing torch.distributed."""
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        cls = getattr(sys.modules.get(name), "DTensor", None)
-        if cls is not None and isinstance(p, cls):
-            return True
-    return False
-
-
 def check_params(params: Sequence[Any], fsdp: bool = False) -> None:
     """What the buckets can hold: dense leaf tensors of a supported dtype on CPU or CUDA, each once; DTensors only
     in an optimizer over FSDP2's parameters (``fsdp``: the constructor found them; :mod:`zero_offload.fsdp2`
@@ -128,7 +139,7 @@ def check_params(params: Sequence[Any], fsdp: bool = False) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
-        if _is_dtensor(p) and not fsdp:
+        if fsdp2.is_dtensor(p) and not fsdp:
             raise TypeError(
                 f"OffloadOptimizer: a DTensor parameter (shape {tuple(p.shape)}, placements {tuple(p.placements)}) "
                 "in a param group added to an optimizer built over plain parameters: an optimizer takes FSDP2's "
@@ -194,13 +205,7 @@ def gpu_params(params: Any) -> bool:
     """Whether any of ``params`` (the constructor's, as a list: tensors, ``(name, tensor)`` pairs or group dicts) is
     on a GPU. A model with none has nothing to place: the default placement is then the host's, which measures
     nothing and touches no CUDA (the tests' CUDA stand-ins answer True)."""
-    for item in [params] if isinstance(params, (torch.Tensor, dict)) else params:
-        group = item.get("params", ()) if isinstance(item, dict) else [item]
-        for p in [group] if isinstance(group, torch.Tensor) else group:
-            p = p[1] if isinstance(p, tuple) else p
-            if isinstance(p, torch.Tensor) and p.device.type == "cuda":
-                return True
-    return False
+    return any(isinstance(p, torch.Tensor) and p.device.type == "cuda" for p in fsdp2.tensors_given(params))
 
 
 def planned_placement(placement: Any, gpu_model: bool, **options: Any) -> Any:

@@ -64,14 +64,13 @@ def _header_lines(plan: MemoryPlan) -> List[str]:
     name, n, whole = DTYPE_NAMES[plan.dtype], plan.numel, plan.model_numel or plan.numel
     sharded = plan.world_size > 1
     if plan.fsdp > 1:
-        param = plan.param_dtype or plan.dtype
-        reduce = DTYPE_NAMES[plan.reduce_dtype or param]
+        param, reduce = _policy_names(plan)
         w = len(f"{whole:,}")
         out = [f"memory plan      whole model: {whole:>{w},} parameters{_short_count(whole)}, {name} on {plan.device}, "
                f"sharded by FSDP2 over {plan.fsdp} ranks",
                f"                 per rank:    {n:>{w},} parameters{_short_count(n)}: rank {plan.fsdp_rank}'s shards"
                f"{' (the largest)' if plan.fsdp_rank == 0 else ''}, which its optimizer offloads",
-               f"                 FSDP2 MixedPrecisionPolicy(param_dtype={DTYPE_NAMES[param]}, reduce_dtype={reduce}) "
+               f"                 FSDP2 MixedPrecisionPolicy(param_dtype={param}, reduce_dtype={reduce}) "
                "(--param-dtype, --reduce-dtype;",
                f"                 unset: the shards' dtype, param_dtype); --dtype {name} is the shards' storage dtype "
                "(the model as",
@@ -102,8 +101,7 @@ def leaves_out_lines(plan: MemoryPlan) -> List[str]:
             out.append("                 and FSDP2's gathered units, on the device the model computes on")
     elif plan.fsdp > 1:
         unit = plan.gathered_unit_bytes()
-        param = DTYPE_NAMES[plan.param_dtype or plan.dtype]
-        reduce = DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype]
+        param, reduce = _policy_names(plan)
         out += ["                 and FSDP2's all-gathered units, which the planner cannot size: it does not know "
                 "the modules",
                 f"                 you give fully_shard. A unit of U parameters holds U x {unit['gathered']} B while "
@@ -175,8 +173,14 @@ def _fsdp_row_dtype(plan: MemoryPlan, item: str) -> Optional[str]:
     """The dtype of FSDP2's own rows (``param_dtype``'s, ``reduce_dtype``'s), or None for another row."""
     if not item.startswith("FSDP2 "):
         return None
-    param = plan.param_dtype or plan.dtype
-    return DTYPE_NAMES[(plan.reduce_dtype or param) if item == "FSDP2 reduce-scatter" else param]
+    param, reduce = _policy_names(plan)
+    return reduce if item == "FSDP2 reduce-scatter" else param
+
+
+def _policy_names(plan: MemoryPlan) -> Tuple[str, str]:
+    """The names of the dtypes of FSDP2's gathered parameters and reduce-scatter (:meth:`MemoryPlan.policy_dtypes`)."""
+    param, reduce = plan.policy_dtypes()
+    return DTYPE_NAMES[param], DTYPE_NAMES[reduce]
 
 
 def unit_lines(plan: MemoryPlan) -> List[str]:
@@ -201,8 +205,7 @@ def unit_lines(plan: MemoryPlan) -> List[str]:
                     + (f" (the flat buffers {r.padded_numel / r.numel:.3g}x as long)" if r.numel and r.padding > r.numel
                        else ""))
     if plan.device == "cuda":
-        param = DTYPE_NAMES[plan.param_dtype or plan.dtype]
-        reduce = DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype]
+        param, reduce = _policy_names(plan)
         said.append(f"FSDP2's own GPU memory, the FSDP2 rows above (in both columns), each at its largest (they peak "
                     f"at different moments: their sum is an upper bound): gathered ({param}, param_dtype), the root "
                     "unit, kept gathered from its forward to the end of backward, and two of the largest block (the "
@@ -426,8 +429,8 @@ def plan_dict(plan: MemoryPlan, v: Dict[str, Optional[object]], nproc_per_node: 
         "totals_per_rank": {which: {where: plan.total(key, where) for where in ("gpu", "host")}
                             for which, key in (("OffloadOptimizer", "ours"), ("torch.optim.AdamW", "adamw"))},
         "pinned_per_rank": plan.pinned,
-        "param_dtype": DTYPE_NAMES[plan.param_dtype or plan.dtype] if plan.fsdp > 1 else None,
-        "reduce_dtype": DTYPE_NAMES[plan.reduce_dtype or plan.param_dtype or plan.dtype] if plan.fsdp > 1 else None,
+        "param_dtype": _policy_names(plan)[0] if plan.fsdp > 1 else None,
+        "reduce_dtype": _policy_names(plan)[1] if plan.fsdp > 1 else None,
         "adamw_recipes_per_rank": {key: {"dtype": "fp32" if key == "fp32 master" else DTYPE_NAMES[plan.low_dtype()],
                                          "bytes": b, "bytes_per_param": b / plan.numel}
                                    for key, b in plan.adamw_recipes().items()},

@@ -309,8 +309,7 @@ def _print_plan(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
               state_dtype=state_dtype, release_grads=args.release_grads, gpu_fraction=args.gpu_fraction,
               placement=placement)
     try:
-        _check_gpu_fraction(args.gpu_fraction, args.device, state_dtype, placement,
-                            args.world_size)
+        _check_gpu_fraction(args.gpu_fraction, args.device, state_dtype, placement)
     except ValueError as exc:
         ap.error(str(exc))
     if args.fsdp > 1:

@@ -15,7 +15,7 @@ import torch
 from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
-from zero_offload.options import check_step
+from zero_offload.options import check_step, prefixed
 
 __all__ = ["Buckets", "ParamList", "State", "StateEntry", "StateMap", "check_compact_moment", "check_param_lists",
            "expose", "state_keys", "step_entry", "sync_state"]
@@ -226,10 +226,8 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue)
     if unknown or missing:
         raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
                          f"may hold {', '.join(k for k in slots if k not in needs)}")
-    try:  # (FSDP2: a DTensor, or the parameter's full tensor: this rank's shard of it)
+    with prefixed(where):  # (FSDP2: a DTensor, or the parameter's full tensor: this rank's shard of it)
         entry = {k: v if k == "step" else local_value(v, bucket.owners[i]) for k, v in entry.items()}
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
     for name, v in entry.items():
         if name != "step" and (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.is_meta
                                or v.shape != slots[name].shape):

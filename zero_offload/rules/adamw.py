@@ -14,7 +14,7 @@ import torch
 from zero_offload import _torch_fused, functional
 from zero_offload.functional import check_hparams
 from zero_offload.options import check_group
-from zero_offload.rules.base import Rule, Run, StateBuffer, refuse_offload_options
+from zero_offload.rules.base import Rule, Run, StateBuffer
 
 __all__ = ["AdamW", "Hyper", "ADAMW"]
 
@@ -77,7 +77,6 @@ class AdamW(Rule):
     loaded_defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
                            fused=None)
     cleared_flags = ("capturable", "differentiable")  # not honoured here; a loaded AdamW group may carry them
-    writes_out = True
 
     def hyper(self, group: Dict[str, Any]) -> Hyper:
         # Read at every step for every group: plain numbers are looked up, already
@@ -89,23 +88,17 @@ class AdamW(Rule):
             return Hyper.read(group)
         return _read_plain(key)
 
-    def check(self, group: Dict[str, Any], where: str = "") -> None:
-        refuse_offload_options(group, self.defaults, where)
-        check_group(group, where)
+    def check_settings(self, group: Dict[str, Any]) -> None:
+        check_group(group)
 
     def update(self, run: Run, hyper: Hyper) -> None:
         state, scales = run.state, run.scales
         vmax = state["max_exp_avg_sq"] if hyper.amsgrad else None  # (a buffer kept from an amsgrad group: unread)
         q8_kw = {f"{name}_scale": scales.get(name) for name in ("exp_avg", "exp_avg_sq")}
         q8_kw["max_exp_avg_sq_scale"] = scales.get("max_exp_avg_sq") if hyper.amsgrad else None
-        out = None
-        if run.out is not None:  # the destinations of what this call writes (the same keys, plus the master's)
-            written = ("param", "exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if hyper.amsgrad else ()),
-                       *(k for k, v in q8_kw.items() if v is not None))
-            out = {k: run.out[k] for k in written if k in run.out}
         functional.adam_own_(run.master, run.grad if run.grads is None else run.grads,
                              None if run.grads is None else run.offsets, (state["exp_avg"], state["exp_avg_sq"], vmax),
-                             run.param_out, q8_kw, (run.step, *_kernel_args(hyper), run.grad_scale), out)
+                             run.param_out, q8_kw, (run.step, *_kernel_args(hyper), run.grad_scale))
 
     device_update = True
 

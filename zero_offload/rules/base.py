@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload.options import prefixed, refuse_offload_options
+
 __all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots", "flat_grad"]
 
 
@@ -121,11 +123,6 @@ class Run:
         step (int): the parameters' step count after this update (1 on the first).
         grad_scale (float): multiplies the gradient first (loss-scale inverse x clip coefficient x 1/world).
         param_out (Tensor, optional): receives the updated parameter rounded to its low-precision dtype.
-        out (Dict[str, Tensor], optional): where the update writes instead of in place, so that ``master``,
-            ``state`` and ``scales`` are only read (a ping-pong between two buffer sets):
-            ``"master"``'s destination under ``"param"``, each state buffer's under its name, each scale's under
-            its name plus ``"_scale"``, covering the run like the buffers they replace. None: in place. A rule
-            whose :attr:`Rule.writes_out` is False refuses a run with one. Default: None.
         slots (Slots, optional): the bucket and the run's place in its update (None: a run of its own, driven
             without a bucket). Default: None.
         shaped (Sequence[Dict[str, Tensor]], optional): per parameter of the run, its state tensors of their own
@@ -141,7 +138,6 @@ class Run:
     step: int
     grad_scale: float
     param_out: Optional[torch.Tensor]
-    out: Optional[Dict[str, torch.Tensor]] = None
     slots: Optional[Slots] = None
     shaped: Optional[Sequence[Dict[str, torch.Tensor]]] = None
 
@@ -161,7 +157,6 @@ class Rule:
         loaded_defaults (Dict[str, Any]): what the optimizer's ``__setstate__`` gives a loaded group lacking these
             keys (an older checkpoint), rather than the value this optimizer was built with.
         cleared_flags (Tuple[str, ...]): flags a loaded group may carry that are set False here (not honoured).
-        writes_out (bool): :meth:`update` can write into :attr:`Run.out` (else it raises on a run with one).
         uses_loss (bool): :meth:`update` reads the loss that the closure given to ``step()`` returned (see
             :meth:`set_loss`): its updates run in ``step()``, after the closure (no ``overlap_step``, no
             ``delayed_update``).
@@ -176,7 +171,6 @@ class Rule:
     defaults: Dict[str, Any] = {}
     loaded_defaults: Dict[str, Any] = {}
     cleared_flags: Tuple[str, ...] = ()
-    writes_out: bool = False
     uses_loss: bool = False
     closure_refusal: str = ""
 
@@ -197,13 +191,13 @@ class Rule:
         """Validate a group's hyperparameters (the defaults, a group being added, a loaded one) before anything
         changes: :meth:`hyper`'s checks, and no offload option among them (one is the whole optimizer's: a group's
         would be ignored); ``where`` prefixes the message (a loaded group)."""
-        refuse_offload_options(group, self.defaults, where)
-        try:
-            self.hyper(group)
-        except ValueError as exc:
-            if not where:
-                raise
-            raise ValueError(f"{where}: {exc}") from None
+        with prefixed(where):
+            refuse_offload_options(group, self.defaults)
+            self.check_settings(group)
+
+    def check_settings(self, group: Dict[str, Any]) -> None:
+        """:meth:`check`'s validation of the group's hyperparameters: :meth:`hyper`'s checks by default."""
+        self.hyper(group)
 
     def group_keys(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """Keys the optimizer's constructor adds to a param group with ``group``'s settings beyond its defaults, with
@@ -229,8 +223,7 @@ class Rule:
         return loss
 
     def update(self, run: Run, hyper: Any) -> None:
-        """Update one run: ``master``, ``state`` (and ``scales``) in place, or into ``run.out``; and
-        ``param_out``."""
+        """Update one run: ``master``, ``state`` (and ``scales``) in place; and ``param_out``."""
         raise NotImplementedError
 
     # Whether :meth:`update_on_device` exists: the rule can run on the device tier (``gpu_fraction``).
@@ -243,26 +236,6 @@ class Rule:
         """:meth:`update` of a run whose buffers and gradients are in GPU memory (the device tier), with torch's
         kernels there. Only where :attr:`device_update` is set."""
         raise NotImplementedError
-
-    def refuse_out(self, run: Run) -> None:
-        """For a rule that cannot write out of place: raise on a run that asks it to, rather than update in place
-        behind the caller's back."""
-        if run.out is not None:
-            raise NotImplementedError(f"{self.name}: this rule updates in place only (Run.out is not supported)")
-
-
-def refuse_offload_options(group: Dict[str, Any], defaults: Dict[str, Any], where: str = "") -> None:
-    """A param group's key that is an offload option (``placement``, ``gpu_fraction``, ``bucket_numel``...) and
-    not a hyperparameter of the rule's class: every group takes the constructor's option, so the group's value
-    would be ignored without a word (torch keeps unknown keys in a group). ``where`` prefixes the message."""
-    from zero_offload.options import OFFLOAD_OPTIONS  # (options imports the kernel's checks: not at import here)
-
-    given = [k for k in group if k in OFFLOAD_OPTIONS and k not in defaults]
-    if given:
-        name = given[0]
-        raise ValueError(f"{where + ': ' if where else ''}{name}={group[name]!r} in a param group: {name} is an "
-                         f"option of the whole optimizer, taken by every group (OffloadOptimizer(..., {name}=...)); "
-                         "a group's own value would be ignored")
 
 
 def flat_grad(run: Run) -> torch.Tensor:

@@ -57,7 +57,6 @@ class Lion(Rule):
         return Hyper.read(group)
 
     def update(self, run: Run, hyper: Hyper) -> None:
-        self.refuse_out(run)
         grad, master, exp_avg = flat_grad(run), run.master, run.state["exp_avg"]
         n = master.numel()
         scale = -run.grad_scale if hyper.maximize else run.grad_scale
@@ -93,7 +92,6 @@ class Lion(Rule):
         shard of one): its multi-tensor implementation for CUDA tensors, as the class picks with ``foreach=None``
         (single-tensor elsewhere), on the run's flat buffers (the update is elementwise: any piece of a parameter,
         and the padding, zero, stays zero), on the gradients times ``grad_scale``."""
-        self.refuse_out(run)
         grad, scale = flat_grad(run), run.grad_scale
         if scale != 1.0 or grad.dtype != torch.float32:
             grad = grad.float() * scale

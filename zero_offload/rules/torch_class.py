@@ -357,7 +357,6 @@ class TorchClassRule(Rule):
         self._update(pieces(run) if self.host_refusal else [run], run, hyper)
 
     def _update(self, parts: List[Run], run: Run, hyper: Any) -> None:
-        self.refuse_out(run)
         slots = run.slots
         bound = self._bound(slots, hyper)
         bound.stash.extend(parts)

@@ -120,11 +120,7 @@ class Masters:
         is unchanged, and a later in-place load into a parameter lands in its slot). FSDP2: the storage FSDP
         keeps for each shard moves into its slot, and ``params`` take the new local shards."""
         if self.takeovers is not None:
-            flat = self.staging if self.low_precision else self.master
-            for i, (owner, record, offset) in enumerate(zip(self.watch, self.takeovers, self.offsets)):
-                room = flat[offset : offset + fsdp2.takeover_numel(record)]
-                self.params[i] = fsdp2.bind_shard(owner, record, room, self.slots_pinned)
-            self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
+            self._take(range(len(self.takeovers)))
         elif self.resident:
             for p, slot in zip(self.params, self.param_slots):
                 p.data = slot
@@ -200,10 +196,17 @@ class Masters:
                     "parameters, ...): the optimizer would update storage FSDP no longer reads. Build the optimizer "
                     "after such changes to the model (storage re-made with the same dtype, device and size is "
                     "followed).")
+        self._take(indices)
+        for i in indices:
+            self.loaded(i, True)
+
+    def _take(self, indices: Sequence[int]) -> None:
+        """FSDP2: the storage FSDP keeps for the shards ``indices`` moves into their slots (the staging buffer of
+        low-precision shards, else the master), and ``params`` take the new local shards."""
+        flat = self.staging if self.low_precision else self.master
         for i in indices:
             room = flat[self.offsets[i] : self.offsets[i] + fsdp2.takeover_numel(self.takeovers[i])]
             self.params[i] = fsdp2.bind_shard(self.watch[i], self.takeovers[i], room, self.slots_pinned)
-            self.loaded(i, True)
         self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
 
     def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None) -> None:

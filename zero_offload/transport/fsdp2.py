@@ -84,7 +84,23 @@ class Row(NamedTuple):
         return Row(*values[:-1], int(values[-1]))
 
 
-class FSDPHostRoute(HostRoute):
+class _IntoShards:
+    """Local shards in FSDP's storage (not taken over): the update's results (:meth:`new_values`) copied into them,
+    after the update (on the compute stream for a GPU stepped there)."""
+
+    @staticmethod
+    def new_values(bucket: FlatBucket) -> List[torch.Tensor]:
+        """Per parameter, where the update left its new value: the master's slots, or the staging copy's."""
+        return bucket.home.results()
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        bucket = lane.bucket
+        srcs = self.new_values(bucket) if srcs is None else srcs
+        with torch.no_grad():
+            torch._foreach_copy_([bucket.params[i] for i in indices], [srcs[i] for i in indices])
+
+
+class FSDPHostRoute(_IntoShards, HostRoute):
     """Local shards on the host whose storage is FSDP's: gradients read in place; the update (a separate master)
     copied into the shard."""
 
@@ -93,22 +109,9 @@ class FSDPHostRoute(HostRoute):
     def bind(self, lane: Lane) -> None:
         """Nothing is bound: the masters are taken from the shards at their first update."""
 
-    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
-        bucket = lane.bucket
-        srcs = bucket.upload_views if srcs is None else srcs
-        with torch.no_grad():
-            torch._foreach_copy_([bucket.params[i] for i in indices], [srcs[i] for i in indices])
-
-
-class _IntoShards:
-    """Local shards on a GPU stepped there, in FSDP's storage (not taken over): the update's results (the master's slots, or the
-    staging copy's, on the GPU) copied into them on the compute stream, after the update."""
-
-    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
-        bucket = lane.bucket
-        srcs = bucket.home.results() if srcs is None else srcs
-        with torch.no_grad():
-            torch._foreach_copy_([bucket.params[i] for i in indices], [srcs[i] for i in indices])
+    @staticmethod
+    def new_values(bucket: FlatBucket) -> List[torch.Tensor]:
+        return bucket.upload_views  # (a low-precision bucket's kernel may write them into its gradient buffer)
 
 
 class FSDPDeviceRoute(_IntoShards, DeviceTierRoute):
