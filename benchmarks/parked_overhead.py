@@ -5,9 +5,12 @@ Python and dispatch work per parameter that a real GPU would wait on). AdamW (``
 (``offload(zero_offload.Lion)``) and Adafactor (``offload(torch.optim.Adafactor)``, stepped whole, its factored
 state in the shaped buffer); each one's reference class stepping the same model on the CPU is timed beside it.
 
-Backward runs untimed before each step; the median over ``--steps`` steps (after two warm-up steps) is printed as
-ms per step and µs per parameter. To compare two trees, run it with ``--root`` on each (a checkout of an older
-commit, say) and quote both:
+Backward runs untimed before each step; the median over ``--steps`` steps (after two warm-up steps) of the CPU time
+of the thread that runs ``step()`` (``time.thread_time``: with one torch thread, the Python and the tiny kernels;
+steadier than the wall clock on a shared machine) is printed as ms per step and µs per parameter. Lion's device
+update runs its multi-tensor code on the stand-ins too (``zero_offload.Lion`` picks it for CUDA tensors, the
+single-tensor loop elsewhere): what a GPU's host would run. To compare two trees, run it with ``--root`` on each (a
+checkout of an older commit, say) and quote both:
 
     python benchmarks/parked_overhead.py
     python benchmarks/parked_overhead.py --root /tmp/base --steps 50 --threads 1
@@ -46,13 +49,13 @@ def _time(torch, params, opt, steps: int, profile: bool):
     times, prof = [], cProfile.Profile() if profile else None
     for k in range(steps):
         backward(k + 2)
-        start = time.perf_counter()
+        start = time.thread_time()
         if prof is not None:
             prof.enable()
         opt.step()
         if prof is not None:
             prof.disable()
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return statistics.median(times), prof
 
 
@@ -63,12 +66,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", default="", help="profile the steps of this row (AdamW, Lion, Adafactor)")
+    ap.add_argument("--sort", default="tottime", help="--profile: the pstats order (tottime, cumulative)")
+    ap.add_argument("--top", type=int, default=25, help="--profile: how many functions to list")
     args = ap.parse_args()
     sys.path[:0] = [args.root, os.path.join(args.root, "tests")]
     import torch
 
     import cuda_standins
     import zero_offload
+    import zero_offload.rules.lion as lion_rule
 
     pkg = os.path.dirname(zero_offload.__file__)
     if not pkg.startswith(os.path.abspath(args.root)):
@@ -88,16 +94,21 @@ def main() -> None:
     print(f"{'optimizer':<10} {'ours ms/step':>13} {'us/param':>9} {'class ms/step':>14} {'ours/class':>11}")
     for name, (ours, theirs) in rows.items():
         with cuda_standins.installed():
+            # (the update on the GPU: its multi-tensor code, as for CUDA tensors)
+            single, lion_rule._single_tensor_lion = lion_rule._single_tensor_lion, lion_rule._multi_tensor_lion
             params = _model(torch, args.params)
             opt = ours(params)
             homes = {b.home.kind for group in opt._buckets for b in group}
             assert homes == {"parked"}, homes
-            mine, prof = _time(torch, params, opt, args.steps, args.profile == name)
+            try:
+                mine, prof = _time(torch, params, opt, args.steps, args.profile == name)
+            finally:
+                lion_rule._single_tensor_lion = single
         params = _model(torch, args.params)
         ref, _ = _time(torch, params, theirs(params), args.steps, False)
         print(f"{name:<10} {mine * 1e3:13.2f} {mine * 1e6 / args.params:9.1f} {ref * 1e3:14.2f} {mine / ref:11.2f}")
         if prof is not None:
-            pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "25")))
+            pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":
