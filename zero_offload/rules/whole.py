@@ -141,13 +141,24 @@ def pieces(run: Run) -> List[Run]:
 def check_kept(name: str, step_key: Optional[str], run: Run, state: Dict[str, Any]) -> None:
     """After the class stepped one parameter whole (``run``, one of :func:`pieces`), what it keeps for it must be what
     the bucket holds: no key the probe did not find on its stand-ins, and each tensor of the shape it found (the
-    class's tensors are then copied into ours). Raises ``RuntimeError`` naming the entry."""
-    shape = tuple(run.slots.shapes[0]) if run.slots is not None and run.slots.shapes else tuple(run.master.shape)
-    unheld = set(state) - {step_key, *run.state}
-    if unheld:
-        raise RuntimeError(f"{name} kept {sorted(unheld)} for a parameter of shape {shape}, which the probe did not "
-                           "find on its stand-ins: zero_offload holds none")
-    for k, ours in run.state.items():
-        if k in state and tuple(state[k].shape) != tuple(ours.shape):
-            raise RuntimeError(f"{name} kept {k!r} of shape {tuple(state[k].shape)} for a parameter of shape {shape}, "
-                               f"not {tuple(ours.shape)} as the probe found")
+    class's tensors are then copied into ours). Raises ``RuntimeError`` naming the entry.
+
+    Run for every parameter at every step, so cheap where nothing changed: a tensor the class still keeps is the
+    very one it was handed (a view of ours, of the shape the probe found), and only a tensor it put in its place is
+    compared."""
+    ours = run.state
+    unheld = state.keys() - ours.keys()
+    if unheld and unheld != {step_key}:
+        unheld.discard(step_key)
+        raise RuntimeError(f"{name} kept {sorted(unheld)} for a parameter of shape {_shape(run)}, which the probe did "
+                           "not find on its stand-ins: zero_offload holds none")
+    for k, value in state.items():
+        mine = ours.get(k)
+        if mine is not None and value is not mine and tuple(value.shape) != tuple(mine.shape):
+            raise RuntimeError(f"{name} kept {k!r} of shape {tuple(value.shape)} for a parameter of shape "
+                               f"{_shape(run)}, not {tuple(mine.shape)} as the probe found")
+
+
+def _shape(run: Run) -> Tuple[int, ...]:
+    """The shape of the one parameter of ``run`` (a piece), for messages."""
+    return tuple(run.slots.shapes[0]) if run.slots is not None and run.slots.shapes else tuple(run.master.shape)
