@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.rules.base import Run, StateShape
+from zero_offload.rules.base import Run, Slots, StateShape
 from zero_offload.rules.probe import NotElementwise, Probed, independent, kinds, loss_use
 
 __all__ = ["check_kept", "pieces", "probe_whole", "stand_in_shapes", "whole_kinds"]
@@ -112,11 +112,13 @@ def probe_whole(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], ndims: T
 def pieces(run: Run) -> List[Run]:
     """``run`` (on the GPU) cut into one run per parameter: its master, gradient, state and low-precision output as
     views shaped as the parameter (no byte copied; the padding between slots left out), its shaped state
-    (``run.shaped``) among its state, each told its one shape."""
+    (``run.shaped``) among its state, each told its one shape. (Each piece is built from the run's fields rather
+    than by ``dataclasses.replace``, which reads the class's field list again for every parameter of every step.)"""
     slots = run.slots
     if slots is None or not slots.shapes:
         raise RuntimeError("a run stepped whole needs its parameters' shapes and offsets (Slots.shapes)")
     base = slots.offsets[0]
+    fields, slot_fields = vars(run), vars(slots)
     out = []
     for i, shape in enumerate(slots.shapes):
         o = slots.offsets[i] - base
@@ -129,13 +131,12 @@ def pieces(run: Run) -> List[Run]:
                 continue
             grad = grad.view(shape)
         own = {} if run.shaped is None else run.shaped[i]  # (its tensors of their own shapes)
-        out.append(dataclasses.replace(
-            run, master=run.master[o:o + n].view(shape), grad=grad, grads=None, offsets=(), shaped=None,
-            state={**{k: v[o:o + n].view(shape) for k, v in run.state.items()}, **own},
-            param_out=None if run.param_out is None else run.param_out[o:o + n].view(shape),
-            slots=dataclasses.replace(slots, shapes=(shape,), offsets=(slots.offsets[i],))))
+        out.append(Run(**{
+            **fields, "master": run.master[o:o + n].view(shape), "grad": grad, "grads": None, "offsets": (),
+            "shaped": None, "state": {**{k: v[o:o + n].view(shape) for k, v in run.state.items()}, **own},
+            "param_out": None if run.param_out is None else run.param_out[o:o + n].view(shape),
+            "slots": Slots(**{**slot_fields, "shapes": (shape,), "offsets": (slots.offsets[i],)})}))
     return out
-
 
 
 def check_kept(name: str, step_key: Optional[str], run: Run, state: Dict[str, Any]) -> None:
