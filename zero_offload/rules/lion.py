@@ -5,7 +5,7 @@ handful of in-cache passes per chunk, no SIMD kernel of ours), ``exp_avg`` in fp
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
@@ -90,16 +90,30 @@ class Lion(Rule):
     def update_on_device(self, run: Run, hyper: Hyper) -> None:
         """:class:`zero_offload.Lion`'s own code over the run on its GPU (a parked or resident bucket, or this rank's
         shard of one): its multi-tensor implementation for CUDA tensors, as the class picks with ``foreach=None``
-        (single-tensor elsewhere), on the run's flat buffers (the update is elementwise: any piece of a parameter,
-        and the padding, zero, stays zero), on the gradients times ``grad_scale``."""
-        grad, scale = flat_grad(run), run.grad_scale
-        if scale != 1.0 or grad.dtype != torch.float32:
-            grad = grad.float() * scale
+        (single-tensor elsewhere), on the gradients times ``grad_scale``. The update is elementwise, so it runs over
+        whatever pieces the gradients come in: per-parameter gradients (a bucket on one GPU) with per-parameter
+        views of the master and ``exp_avg`` (no flat copy of the gradients is made, nor its memory held), a flat
+        gradient (a rank's shard, the reduce-scatter's output) with the flat buffers."""
+        masters, grads, exp_avgs = _pieces(run)
+        if run.grad_scale != 1.0 or any(g.dtype != torch.float32 for g in grads):
+            grads = [g.float() for g in grads]  # (new tensors where the dtype differs: scaled below, not in place)
+            grads = torch._foreach_mul(grads, run.grad_scale) if run.grad_scale != 1.0 else grads
         impl = _multi_tensor_lion if run.master.is_cuda else _single_tensor_lion
-        impl([run.master], [grad], [run.state["exp_avg"]], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+        impl(masters, grads, exp_avgs, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
              weight_decay=hyper.weight_decay, maximize=hyper.maximize)
         if run.param_out is not None:
             run.param_out.copy_(run.master)
 
+
+def _pieces(run: Run) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
+    """The master, the gradients and ``exp_avg`` of a run as matching lists: per parameter (views of the flat
+    buffers; the padding between slots, which an elementwise update leaves at zero, left out) where the gradients
+    come per parameter, else the flat run itself."""
+    master, exp_avg = run.master, run.state["exp_avg"]
+    if run.grads is None:
+        return [master], [run.grad], [exp_avg]
+    spans = [(o, o + g.numel()) for o, g in zip(run.offsets, run.grads)]
+    return ([master[a:b] for a, b in spans], [g.reshape(-1) for g in run.grads],
+            [exp_avg[a:b] for a, b in spans])
 
 LION = Lion()

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload.rules.base import Run, StateShape
+from zero_offload.rules.base import Run, Slots, StateShape
 from zero_offload.rules.probe import NotElementwise, Probed, independent, kinds, loss_use
 
 __all__ = ["check_kept", "pieces", "probe_whole", "stand_in_shapes", "whole_kinds"]
@@ -112,11 +112,13 @@ def probe_whole(cls: type, ctor: Dict[str, Any], group: Dict[str, Any], ndims: T
 def pieces(run: Run) -> List[Run]:
     """``run`` (on the GPU) cut into one run per parameter: its master, gradient, state and low-precision output as
     views shaped as the parameter (no byte copied; the padding between slots left out), its shaped state
-    (``run.shaped``) among its state, each told its one shape."""
+    (``run.shaped``) among its state, each told its one shape. (Each piece is built from the run's fields rather
+    than by ``dataclasses.replace``, which reads the class's field list again for every parameter of every step.)"""
     slots = run.slots
     if slots is None or not slots.shapes:
         raise RuntimeError("a run stepped whole needs its parameters' shapes and offsets (Slots.shapes)")
     base = slots.offsets[0]
+    fields, slot_fields = vars(run), vars(slots)
     out = []
     for i, shape in enumerate(slots.shapes):
         o = slots.offsets[i] - base
@@ -129,25 +131,35 @@ def pieces(run: Run) -> List[Run]:
                 continue
             grad = grad.view(shape)
         own = {} if run.shaped is None else run.shaped[i]  # (its tensors of their own shapes)
-        out.append(dataclasses.replace(
-            run, master=run.master[o:o + n].view(shape), grad=grad, grads=None, offsets=(), shaped=None,
-            state={**{k: v[o:o + n].view(shape) for k, v in run.state.items()}, **own},
-            param_out=None if run.param_out is None else run.param_out[o:o + n].view(shape),
-            slots=dataclasses.replace(slots, shapes=(shape,), offsets=(slots.offsets[i],))))
+        out.append(Run(**{
+            **fields, "master": run.master[o:o + n].view(shape), "grad": grad, "grads": None, "offsets": (),
+            "shaped": None, "state": {**{k: v[o:o + n].view(shape) for k, v in run.state.items()}, **own},
+            "param_out": None if run.param_out is None else run.param_out[o:o + n].view(shape),
+            "slots": Slots(**{**slot_fields, "shapes": (shape,), "offsets": (slots.offsets[i],)})}))
     return out
-
 
 
 def check_kept(name: str, step_key: Optional[str], run: Run, state: Dict[str, Any]) -> None:
     """After the class stepped one parameter whole (``run``, one of :func:`pieces`), what it keeps for it must be what
     the bucket holds: no key the probe did not find on its stand-ins, and each tensor of the shape it found (the
-    class's tensors are then copied into ours). Raises ``RuntimeError`` naming the entry."""
-    shape = tuple(run.slots.shapes[0]) if run.slots is not None and run.slots.shapes else tuple(run.master.shape)
-    unheld = set(state) - {step_key, *run.state}
-    if unheld:
-        raise RuntimeError(f"{name} kept {sorted(unheld)} for a parameter of shape {shape}, which the probe did not "
-                           "find on its stand-ins: zero_offload holds none")
-    for k, ours in run.state.items():
-        if k in state and tuple(state[k].shape) != tuple(ours.shape):
-            raise RuntimeError(f"{name} kept {k!r} of shape {tuple(state[k].shape)} for a parameter of shape {shape}, "
-                               f"not {tuple(ours.shape)} as the probe found")
+    class's tensors are then copied into ours). Raises ``RuntimeError`` naming the entry.
+
+    Run for every parameter at every step, so cheap where nothing changed: a tensor the class still keeps is the
+    very one it was handed (a view of ours, of the shape the probe found), and only a tensor it put in its place is
+    compared."""
+    ours = run.state
+    unheld = state.keys() - ours.keys()
+    if unheld and unheld != {step_key}:
+        unheld.discard(step_key)
+        raise RuntimeError(f"{name} kept {sorted(unheld)} for a parameter of shape {_shape(run)}, which the probe did "
+                           "not find on its stand-ins: zero_offload holds none")
+    for k, value in state.items():
+        mine = ours.get(k)
+        if mine is not None and value is not mine and tuple(value.shape) != tuple(mine.shape):
+            raise RuntimeError(f"{name} kept {k!r} of shape {tuple(value.shape)} for a parameter of shape "
+                               f"{_shape(run)}, not {tuple(mine.shape)} as the probe found")
+
+
+def _shape(run: Run) -> Tuple[int, ...]:
+    """The shape of the one parameter of ``run`` (a piece), for messages."""
+    return tuple(run.slots.shapes[0]) if run.slots is not None and run.slots.shapes else tuple(run.master.shape)

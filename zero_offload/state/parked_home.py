@@ -9,11 +9,17 @@ allocator once that copy has read it. No host wait on the way: the compute strea
 host only for a write-back still in flight when it reads the state (:meth:`ParkedHome.settle`: a checkpoint, a
 load, ``flush()``, the first read of ``opt.state`` after ``step()``). The bucket's
 gradients and parameters never cross PCIe.
+
+The device copies are the same tensors from step to step, their storage given memory at each reload and none after
+the write-back (as FSDP frees and re-allocates an unsharded parameter's storage): the per-parameter views cut of them
+(the class stepped whole sees each parameter's shaped state through them, FSDP's shards copy their results from
+them) are cut once and follow the storage into whatever memory the next reload is given, rather than being cut again
+every step. They are cut again only where a copy is made anew (a buffer laid out again, another size).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,7 +38,8 @@ class ParkedHome(Home):
 
     Attributes:
         twins (Dict[str, Tensor], optional): the device copies of the parked buffers (``"master"`` where it is
-            separate, the rule's by name) from their reload to their write-back; None between.
+            separate, the rule's by name) from their reload to their write-back; None between (their tensors are
+            kept, their storage holding no memory: see the module docstring).
     """
 
     kind = "parked"
@@ -46,6 +53,8 @@ class ParkedHome(Home):
         self.twins: Optional[Dict[str, torch.Tensor]] = None
         self._reloaded: Optional[Any] = None  # the event after the reload's copies
         self._written: Optional[Any] = None  # the event after the last write-back's copies, until waited for
+        self._held: Dict[str, torch.Tensor] = {}  # the device copies' tensors, kept between steps (memory freed)
+        self._cuts: Dict[str, Tuple[torch.Tensor, Any, List[Any]]] = {}  # per copy: (its tensor, layout, views)
 
     @property
     def grads_tier(self) -> Tier:
@@ -73,8 +82,7 @@ class ParkedHome(Home):
         if self.twins is not None:
             return
         up = streams.up(self.device)
-        twins = {name: torch.empty(buf.numel(), dtype=buf.dtype, device=self.device)
-                 for name, buf in self.parked().items()}
+        twins = {name: self._device_copy(name, buf) for name, buf in self.parked().items()}
         up.wait_stream(torch.cuda.current_stream(self.device))  # (the memory may have been the compute stream's)
         if self._written is not None:
             up.wait_event(self._written)  # the host buffers hold the last step's state only once it has landed
@@ -108,11 +116,13 @@ class ParkedHome(Home):
             self._written.record(down)
         for twin in twins.values():
             twin.record_stream(down)
+        _free(twins)
 
     def release(self) -> None:
         """The step is over: device copies still held (a step that did not update the bucket: skipped, refused, no
         gradient) are let go; the host buffers still hold the state."""
-        self.twins = None
+        twins, self.twins = self.twins, None
+        _free(twins)
 
     def settle(self) -> None:
         """The host buffers hold the state, before the host reads or writes them (a checkpoint, ``opt.state``, a
@@ -121,7 +131,28 @@ class ParkedHome(Home):
         written, self._written = self._written, None
         if written is not None:
             written.synchronize()
-        self.twins = None
+        self.release()
+
+    def _device_copy(self, name: str, buf: torch.Tensor) -> torch.Tensor:
+        """Device memory for the copy of parked buffer ``name`` (``buf``), allocated on the current stream: the
+        storage of the tensor its last copy was given memory again, or, where there is none of its size and dtype
+        (the first reload, a buffer laid out again), a new tensor, whose views are cut anew."""
+        held = self._held.get(name)
+        if held is not None and held.dtype == buf.dtype and held.numel() == buf.numel():
+            held.untyped_storage().resize_(buf.numel() * buf.element_size())
+            return held
+        held = self._held[name] = torch.empty(buf.numel(), dtype=buf.dtype, device=self.device)
+        self._cuts.pop(name, None)
+        return held
+
+    def _views(self, name: str, cut: Callable[[torch.Tensor], List[Any]], layout: Any = None) -> List[Any]:
+        """``cut(twin)`` of the device copy ``name`` (up), cut once per tensor and ``layout`` (the views follow the
+        storage into each reload's memory)."""
+        twin = self.twins[name]
+        cached = self._cuts.get(name)
+        if cached is None or cached[0] is not twin or cached[1] is not layout:
+            cached = self._cuts[name] = (twin, layout, cut(twin))
+        return cached[2]
 
     # -- what one update reads and writes --------------------------------------------------------------------------
     def run_buffers(self, a: int, b: int, copies: Optional[Copies] = None
@@ -140,21 +171,22 @@ class ParkedHome(Home):
         twins = self.twins
         if twins is None or copies is not None or SHAPED not in twins:
             return super().run_shaped(first, last, copies)
-        return self.store.shaped.cut(twins[SHAPED])[first:last + 1]
+        shaped = self.store.shaped
+        return self._views(SHAPED, shaped.cut, shaped.places)[first:last + 1]
 
     def results(self) -> List[torch.Tensor]:
         """While stepped, a separate fp32 master's new values are in its device copy (until the write-back)."""
         masters = self.masters
         if self.twins is None or masters.low_precision or not masters.separate:
             return super().results()
-        return self._cut(self.twins["master"])
+        return self._views("master", self._cut)
 
     def refresh(self, indices: Sequence[int], into: Optional[List[torch.Tensor]] = None) -> None:
         """While stepped, a separate master taken from its changed parameter goes into its device copy (which the
         write-back then parks)."""
         if into is None and self.twins is not None and self.masters.separate:
             if self.masters.stale(indices):  # (the views only where a parameter changed: not every step)
-                self.masters.refresh(indices, into=self._cut(self.twins["master"]), record=True)
+                self.masters.refresh(indices, into=self._views("master", self._cut), record=True)
             return
         super().refresh(indices, into)
 
@@ -164,8 +196,15 @@ class ParkedHome(Home):
         if added and self.twins is not None:
             for name in added:
                 if name in self.store.flat:
-                    self.twins[name] = torch.zeros(self.store.flat[name].numel(), dtype=self.store.flat[name].dtype,
-                                                   device=self.device)
+                    self.twins[name] = self._device_copy(name, self.store.flat[name]).zero_()
             if set(added) & set(self.store.shaped.names):  # (laid out again: its values come up as they are)
-                self.twins[SHAPED] = self.store.shaped.flat.to(self.device)
+                flat = self.store.shaped.flat
+                self.twins[SHAPED] = self._device_copy(SHAPED, flat).copy_(flat)
         return added
+
+
+def _free(twins: Optional[Dict[str, torch.Tensor]]) -> None:
+    """Give the device copies' memory back to the allocator (once the copies on the streams recorded on them have
+    read it); their tensors, and the views cut of them, are kept for the next reload."""
+    for twin in (twins or {}).values():
+        twin.untyped_storage().resize_(0)
