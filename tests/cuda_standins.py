@@ -1,16 +1,20 @@
 """Stand-ins that run the CUDA-only branches of zero_offload on CPU tensors (see test_cuda_branches.py).
 
 The bucket layouts are told their parameters are on ``cuda:0`` (and the default placement, ``"auto"``, takes the
-model for a GPU one); streams and events do nothing (a CPU copy is complete when it returns); tensors created for that
-device are made on the CPU. Python in those branches then
-runs for real; stream synchronisation does not exist here, so it is not tested.
+model for a GPU one); tensors created for that device are made on the CPU. Python in those branches then runs for
+real. Streams and events order nothing (a CPU copy is complete when it returns), but they keep account of what they
+were told: which stream is current (``torch.cuda.stream``), which stream waited for which (directly, through another
+or through an event), and, in a spawned rank (:func:`install_in_rank`), which collective each device collective of a
+bucket was issued on and which streams wait for it (:class:`Ledger`), so that a test can check the order a GPU would
+keep.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, List
+import itertools
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -38,31 +42,91 @@ class Device:
 
 
 class Stream:
-    def __init__(self, *args, **kwargs):
-        pass
+    """A stream that orders nothing but keeps account of what it waits for: ``epoch`` counts the work a test says
+    was queued on it (:meth:`tick`), ``seen`` the epoch of each other stream it waits for, ``collectives`` the
+    (:class:`Issued`) ids of the collectives it waits for; each directly or through other streams and events."""
+
+    def __init__(self, *args, name: str = "side", **kwargs):
+        self.name = name
+        self.epoch = 0
+        self.seen: Dict["Stream", int] = {}
+        self.collectives: set = set()
+
+    def __repr__(self) -> str:
+        return f"<stand-in stream {self.name}>"
+
+    def point(self) -> Tuple[Dict["Stream", int], FrozenSet[int]]:
+        """Everything work queued here from now on comes after (what an event recorded now marks)."""
+        return {**self.seen, self: self.epoch}, frozenset(self.collectives)
+
+    def _join(self, point: Tuple[Dict["Stream", int], FrozenSet[int]]) -> None:
+        seen, collectives = point
+        for stream, epoch in seen.items():
+            if stream is not self:
+                self.seen[stream] = max(self.seen.get(stream, 0), epoch)
+        self.collectives |= collectives
 
     def wait_stream(self, other) -> None:
-        pass
+        self._join(other.point())
 
     def wait_event(self, event) -> None:
-        pass
+        if event.point is not None:  # (an event never recorded is complete, as CUDA's)
+            self._join(event.point)
 
     def synchronize(self) -> None:
         pass
+
+    def tick(self) -> None:
+        """Work was queued on this stream (a test says so: a gradient written, an update run)."""
+        self.epoch += 1
+
+    def waits_for(self, other: "Stream") -> bool:
+        """Whether everything queued on ``other`` so far comes before what is queued here next."""
+        return other is self or self.seen.get(other, 0) >= other.epoch
 
 
 class Event:
     def __init__(self, *args, **kwargs):
         self.recorded = False
+        self.point: Optional[Tuple[Dict[Stream, int], FrozenSet[int]]] = None
 
     def record(self, stream=None) -> None:
         self.recorded = True
+        self.point = (stream or torch.cuda.current_stream()).point()
 
     def synchronize(self) -> None:
         assert self.recorded, "waited for an event that was never recorded"
 
     def query(self) -> bool:
         return True
+
+
+@dataclasses.dataclass
+class Issued:
+    """A device collective of a bucket (a reduce-scatter of its gradients, an all-gather of its parameters), as the
+    stand-ins saw it issued: ``stream``, the current one, which (as ``Work.wait()`` makes it on a GPU) waits for it
+    from then on; ``compute_epoch`` the compute stream's epoch then and ``saw_compute`` whether ``stream`` waited for
+    all of it; ``input_stream`` the stream its input was made on (None: not made for it)."""
+
+    id: int
+    what: str
+    where: str
+    stream: Stream
+    compute_epoch: int
+    saw_compute: bool
+    input_stream: Optional[Stream]
+
+
+@dataclasses.dataclass
+class Ledger:
+    """What one process's stand-ins saw: the compute stream (current outside any ``torch.cuda.stream`` block) and the
+    device collectives issued (:func:`install_in_rank`), in order."""
+
+    compute: Stream
+    issued: List[Issued] = dataclasses.field(default_factory=list)
+
+
+LEDGER = Ledger(Stream(name="compute"))  # (the latest install's)
 
 
 @contextlib.contextmanager
@@ -87,7 +151,10 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
     process). Returns a list that grows by one entry per param group planned on the stand-in device. With
     ``default_host``, the default placement is left at the host, as for a CPU model (for the tests of the host
     route's CUDA branches, whose helpers build optimizers with the default options)."""
-    device, current, planned = Device(), Stream(), []
+    global LEDGER
+    device, planned = Device(), []
+    LEDGER = Ledger(Stream(name="compute"))
+    current = [LEDGER.compute]
     plan = buckets_module.plan_buckets
 
     def plan_on_cuda(params, max_numel, **kw):
@@ -96,10 +163,23 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
 
     def on_cpu(make):
         def made(*args, **kwargs):
-            if isinstance(kwargs.get("device"), Device):
-                kwargs["device"] = "cpu"
-            return make(*args, **kwargs)
+            if not isinstance(kwargs.get("device"), Device):
+                return make(*args, **kwargs)
+            kwargs["device"] = "cpu"
+            t = make(*args, **kwargs)
+            t.standin_stream = current[0]  # (the stream it was made on, as the caching allocator keeps it)
+            return t
         return made
+
+    @contextlib.contextmanager
+    def stream(s):
+        before = current[0]
+        if s is not None:
+            current[0] = s
+        try:
+            yield
+        finally:
+            current[0] = before
 
     setattr_(buckets_module, "plan_buckets", plan_on_cuda)
     setattr_(buckets_module, "should_pin", lambda device, pin_memory: False)
@@ -111,8 +191,8 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
     setattr_(cost_model, "measure_copy_rate", lambda device, nbytes=0, up=True: 25e9)
     setattr_(torch.cuda, "Stream", Stream)
     setattr_(torch.cuda, "Event", Event)
-    setattr_(torch.cuda, "current_stream", lambda device=None: current)
-    setattr_(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    setattr_(torch.cuda, "current_stream", lambda device=None: current[0])
+    setattr_(torch.cuda, "stream", stream)
     # A device with room to spare (uploads in backward and parked reloads ask).
     setattr_(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
     setattr_(torch.cuda, "memory_reserved", lambda device=None: 0)
@@ -139,17 +219,35 @@ def fixture_body(monkeypatch, needs_fused: bool = True, default_host: bool = Fal
 
 
 def install_in_rank() -> None:
-    """In a spawned rank (for the process's life): :func:`install`, and each collective of ``zero_offload``'s
+    """In a spawned rank (for the process's life): :func:`install`, each collective of ``zero_offload``'s
     process-group transport waited for as it starts (the stand-in streams order nothing, so a collective's result
-    must be there before the next stand-in copy reads it)."""
+    must be there before the next stand-in copy reads it), and each device collective of a bucket entered in the
+    :data:`LEDGER` (:class:`Issued`: the stand-in tensors are on the CPU, so gloo runs it and nothing waits on a
+    stream; on a GPU, NCCL's ``Work.wait()`` has the current stream wait for it, as the entry does)."""
     import zero_offload.distributed
 
     install(setattr)
-    start = zero_offload.distributed.Comm.start
+    Comm = zero_offload.distributed.Comm
+    start = Comm.start
 
     def start_and_wait(comm, *args, **kwargs):
         pending = start(comm, *args, **kwargs)
         pending.wait()
         return pending
 
-    zero_offload.distributed.Comm.start = start_and_wait
+    Comm.start = start_and_wait
+    ids = itertools.count()
+
+    def entered(issue):
+        def issued(comm, out, inp, where):
+            pending = issue(comm, out, inp, where)
+            if where.startswith(("gradients of ", "parameters of ")):  # (not the step's small host exchanges)
+                stream, compute = torch.cuda.current_stream(), LEDGER.compute
+                LEDGER.issued.append(Issued(next(ids), pending.what, where, stream, compute.epoch,
+                                            stream.waits_for(compute), getattr(inp, "standin_stream", None)))
+                stream.collectives.add(LEDGER.issued[-1].id)
+            return pending
+        return issued
+
+    Comm.start_reduce_scatter = entered(Comm.start_reduce_scatter)
+    Comm.start_all_gather = entered(Comm.start_all_gather)

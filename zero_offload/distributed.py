@@ -213,8 +213,9 @@ class Comm:
               tensors: Sequence[torch.Tensor] = ()) -> "Pending":
         """Issue a collective (``launch`` calls it with ``async_op=True``) without waiting for it. For CUDA tensors
         (``on_device``; NCCL, whatever else the group also runs) the current stream is made to wait for it
-        (``Work.wait()`` does only that: the host goes on, and it must be called here, where that stream is
-        current) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
+        (``Work.wait()`` does only that, and lets go of the tensors NCCL held: the host goes on, and it must be
+        called here, where that stream is current; a caller that keeps the compute stream free issues it on a side
+        stream, as :class:`~zero_offload.transport.sharded.ShardedDeviceRoute` does) and an event marks that point; :meth:`Pending.wait` then bounds the host's wait by ``timeout``.
         For CPU tensors (gloo) the work itself is waited for then, and ``tensors`` (every tensor ``launch`` hands
         the collective) are held until its worker has let go of them (see :class:`_Held`)."""
         self.check_usable(what, where)

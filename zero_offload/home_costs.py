@@ -17,7 +17,8 @@ Per step, a bucket on a GPU whose state lives
 Sharded over a ``process_group``, a parked or resident bucket also holds, on the GPU, the rank's shard of the reduced
 gradients (the parameters' bytes of the shard: 4 B a shard element for fp32, 2 for bf16/fp16) from its first
 reduce-scatter of a step to the step's end; the full buffer the reduce-scatter reads is transient (made when the
-bucket's gradients are complete, let go once the reduce-scatter is issued) and not counted, as the host route's
+bucket's gradients are complete, on the collective stream, let go once the reduce-scatter is issued: one at a time,
+its block kept by the allocator for that stream's next) and not counted, as the host route's (on its copy stream)
 is not.
 
 Under FSDP2 on a GPU, a parked or resident bucket takes over the storage FSDP keeps for its shards, as a parameter on

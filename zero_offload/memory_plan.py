@@ -296,7 +296,7 @@ def _gpu_tier(layouts: Sequence[BucketLayout], needed: Sequence[StateBuffer], dt
     """GPU bytes per rank of the buckets ``layouts`` on the device tier, by buffer: fp32 moments, a low-precision
     model's fp32 master, and sharded the rank's shard of the reduced gradients (``grad buffer``, held from the
     step's first reduce-scatter to its end; the full buffer the reduce-scatter reads is made and let go of one bucket
-    at a time, as the host route's is) (the parameters' storage becomes the master or staging slots, counted as
+    at a time, on the collective stream, as the host route's is on its copy stream) (the parameters' storage becomes the master or staging slots, counted as
     params; FSDP2's shards too: the home takes their storage over)."""
     out: Dict[str, int] = {}
     for layout in layouts:

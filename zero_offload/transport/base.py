@@ -100,6 +100,11 @@ class Route:
         """Wait until the host buffer holds everything sent (and add what landed elsewhere)."""
         lane.channel.settled()
 
+    def land(self, lane: Lane) -> None:
+        """Before the bucket is sent again: what was sent has landed where the next send may write (here, and for
+        most kinds, :meth:`wait`; a kind whose sends are ordered on a side stream orders nothing else)."""
+        self.wait(lane)
+
     def gather(self, intake: Intake) -> Intake:
         """At ``step()``: every present gradient where the kernel reads it; returns the intake that says where
         (``in_place``, or None: the buffer)."""
@@ -194,7 +199,7 @@ class Transport:
         """Start sending the bucket's gradients (those on its parameters now) to the host."""
         bucket, arrival = lane.bucket, lane.arrival
         if lane.channel.unsettled:
-            lane.route.wait(lane)
+            lane.route.land(lane)
         self.moved = True
         if not arrival.launches:
             self.arrivals.append(lane)

@@ -86,15 +86,20 @@ class Channel:
 
 
 class Streams:
-    """The side streams of one transport, a pair per device, made at first use: one for the copies off the GPU (and
-    a sharded bucket's reduce-scatter), one for the uploads back (and all-gathers), so that uploads never queue
-    behind gradient copies."""
+    """The side streams of one transport, made at first use, per device: one for the copies off the GPU (and a
+    host-homed sharded bucket's reduce-scatter), one for the uploads back (and their all-gathers, and a parked
+    bucket's reloads), so that uploads never queue behind gradient copies; and one for the collectives of the
+    sharded buckets stepped on the GPU (their reduce-scatters and all-gathers), as DDP and FSDP2 keep theirs off the
+    compute stream: it waits for the compute stream before each collective, and the compute stream waits for it
+    only where a result is first read. Of their own, so that a reduce-scatter never queues behind a parked bucket's
+    write-back, nor a parked reload at ``step()`` behind the previous bucket's all-gather."""
 
-    __slots__ = ("_down", "_up")
+    __slots__ = ("_down", "_up", "_collectives")
 
     def __init__(self) -> None:
         self._down: Dict[Any, Any] = {}
         self._up: Dict[Any, Any] = {}
+        self._collectives: Dict[Any, Any] = {}
 
     def down(self, device: torch.device) -> Any:
         """The stream of the copies off ``device``."""
@@ -104,6 +109,10 @@ class Streams:
         """The stream of the uploads to ``device``."""
         return self._up.get(device) or self._make(self._up, device)
 
+    def collectives(self, device: torch.device) -> Any:
+        """The stream the collectives of ``device``'s GPU-stepped sharded buckets are issued on."""
+        return self._collectives.get(device) or self._make(self._collectives, device)
+
     @staticmethod
     def _make(streams: Dict[Any, Any], device: torch.device) -> Any:
         stream = streams[device] = torch.cuda.Stream(device=device)
@@ -111,6 +120,6 @@ class Streams:
 
     def synchronize(self, timeline: Optional[Timeline]) -> None:
         """Wait for everything queued on every side stream."""
-        for stream in [*self._down.values(), *self._up.values()]:
+        for stream in [*self._down.values(), *self._up.values(), *self._collectives.values()]:
             with NOTHING if timeline is None else timeline.span("wait", "streams"):
                 stream.synchronize()

@@ -19,10 +19,12 @@ the full parameters while the next bucket is updated. The collectives themselves
   (:class:`ShardedOffloadRoute`).
 * On CUDA with the shard's state stepped on the GPU (``placement="resident"``), the parameters are views of a
   device ``flat_param``, all-gathered in place, and the gradients are flattened when the bucket's are complete (in
-  backward when streamed, at ``step()`` otherwise) into a transient device buffer made on the compute stream, which
-  the reduce-scatter reads: only the rank's shard of the sum is held, on the GPU, until the step is over
-  (:class:`ShardedDeviceRoute`). Parked on the host between steps (``placement="parked"``), the bucket goes that
-  way and its shard's state comes up in backward and goes back down after the update (:class:`ShardedParkedRoute`).
+  backward when streamed, at ``step()`` otherwise) into a transient device buffer, which the reduce-scatter reads:
+  only the rank's shard of the sum is held, on the GPU, until the step is over. Its collectives run on a stream of
+  their own, off the compute stream, which waits for a reduce-scatter only where its shard is first read and for
+  the all-gathers as the step ends (:class:`ShardedDeviceRoute`). Parked on the host between steps
+  (``placement="parked"``), the bucket goes that way and its shard's state comes up in backward and goes back down
+  after the update (:class:`ShardedParkedRoute`).
 
 Every rank must issue the collectives in the same order: which parameters have a gradient is agreed over the group
 in :meth:`ShardedTransport.gather`, so every rank then updates (and all-gathers) the same buckets.
@@ -101,7 +103,7 @@ class _ShardedRoute(Route):
         group (or, with ``grads_reduced``, of the already-reduced gradients) in ``grad``; with ``add``, the shard
         is added to what ``grad`` holds (another micro-batch's, streamed). Nothing is waited for: the
         reduce-scatter runs while the caller goes on, and :meth:`wait` finishes it."""
-        self.wait(lane)  # the previous reduce-scatter may still read its input or write grad
+        self.land(lane)  # the previous reduce-scatter may still read its input or write grad
         bucket, channel = lane.bucket, lane.channel
         if add and channel.shard_in is None:  # (beside the shard's gradient: on the GPU for a resident or parked one)
             channel.shard_in = bucket.home.grads_tier.empty(bucket.shard.numel, bucket.dtype)  # (written whole)
@@ -113,6 +115,9 @@ class _ShardedRoute(Route):
         raise NotImplementedError
 
     def wait(self, lane: Lane) -> None:
+        self.land(lane)
+
+    def land(self, lane: Lane) -> None:
         """Wait for the reduce-scatter (at most the group's timeout, else an error naming rank and bucket) and the
         copy to the host, and add a streamed micro-batch's shard."""
         channel = lane.channel
@@ -199,20 +204,81 @@ class ShardedDeviceRoute(ShardedResidentRoute):
     ``flat_param``, all-gathered in place, as a CPU bucket's; but no full gradient buffer is kept. The gradients
     are flattened into a transient buffer once they are complete (in backward when streamed, at ``step()``
     otherwise), which the reduce-scatter reads; the rank's shard of the sum (the bucket's gradient buffer, and with
-    ``release`` a later micro-batch's ``shard_in``) is held until the step is over."""
+    ``release`` a later micro-batch's ``shard_in``) is held until the step is over.
+
+    Its collectives run off the compute stream, on the transport's collective stream
+    (:meth:`~zero_offload.transport.channel.Streams.collectives`), as DDP's and FSDP2's do: each waits there for the
+    compute stream (which wrote the gradients, or the updated shard), and the compute stream waits for a
+    reduce-scatter only where its shard is first read (:meth:`wait`: the statistics of ``step()``'s gate, or the
+    update) and for the all-gathers only as the step ends (:meth:`finish`). So backward never waits for a bucket's
+    reduce-scatter, and each bucket's update runs while the previous bucket's all-gather does."""
 
     def _scatter(self, lane: Lane, grads: Sequence[Optional[torch.Tensor]], out: torch.Tensor) -> None:
-        bucket, comm = lane.bucket, self.transport.comm
-        # Made on the current (compute) stream, which wrote the gradients, and let go of when this returns: Comm.start
-        # has that stream wait for the reduce-scatter it issues, so whatever reuses the memory there runs after the
-        # reduce-scatter has read it (no record_stream needed). Absent gradients read as its zeros.
-        flat = _flatten(bucket, grads)
+        bucket, t = lane.bucket, self.transport
+        comm, stream = t.comm, t.streams.collectives(bucket.device)
+        # The gradients were written on the compute stream (by backward, or by DDP's averaging at its end); read on
+        # this one, they are handed to it (with release_grads backward drops them as this returns).
+        stream.wait_stream(torch.cuda.current_stream(bucket.device))
+        for g in grads:
+            if g is not None:
+                g.record_stream(stream)
         lo, shard = bucket.shard.lo, bucket.shard.numel
-        if comm.grads_reduced:
-            out.copy_(flat[lo : lo + shard])
-        else:
-            lane.channel.scatter = comm.start_reduce_scatter(out, flat, f"gradients of {bucket.where}")
-            lane.channel.sent()
+        with torch.cuda.stream(stream):
+            # Made on this stream, not the compute stream: Comm.start's Work.wait(), issued with this stream current,
+            # orders this stream after the collective and then lets go of the input NCCL held, which goes back to the
+            # pool of the stream it was made on, here only reused by this stream's later work (the next bucket's
+            # flatten takes the same block): one full buffer at a time, however many reduce-scatters are in flight,
+            # and the compute stream's pool is not touched. (Made on the compute stream it would need record_stream,
+            # and the allocator would hold each block until its reduce-scatter had run: a buffer per reduce-scatter in
+            # flight.) Absent gradients read as its zeros.
+            flat = _flatten(bucket, grads)
+            if comm.grads_reduced:
+                out.copy_(flat[lo : lo + shard])
+            else:
+                lane.channel.scatter = comm.start_reduce_scatter(out, flat, f"gradients of {bucket.where}")
+            lane.channel.sent(stream)  # (after the reduce-scatter, which the stream waits for: what wait() waits on)
+
+    def land(self, lane: Lane) -> None:
+        """The host waits for the reduce-scatter (the group's timeout bounds it) and a later micro-batch's shard
+        is added to the gradient's on the collective stream, after it: nothing here orders the compute stream (a
+        later micro-batch's reduce-scatter of this bucket follows on the collective stream)."""
+        channel = lane.channel
+        if channel.scatter is not None:
+            pending, channel.scatter = channel.scatter, None
+            pending.wait()
+        if channel.adding:
+            channel.adding = False
+            stream = self.transport.streams.collectives(lane.bucket.device)
+            with torch.cuda.stream(stream):
+                lane.bucket.grad.add_(channel.shard_in)
+            channel.down.record(stream)
+
+    def wait(self, lane: Lane) -> None:
+        """The shard of the reduced gradients is read next on the compute stream (the gate's statistics, the
+        update; or let go of by the step's end): that stream waits for it (:meth:`land`, then the collective
+        stream's point after it)."""
+        self.land(lane)
+        event = lane.channel.down.event
+        if event is not None:
+            torch.cuda.current_stream(lane.bucket.device).wait_event(event)
+        lane.channel.settled()
+
+    def upload(self, lane: Lane, indices: Sequence[int], srcs: Optional[Sequence[torch.Tensor]]) -> None:
+        """Start all-gathering the updated shard into ``flat_param`` on the collective stream, once that has waited
+        for the update (on the compute stream): the next bucket's update runs meanwhile, and :meth:`finish` has the
+        compute stream wait."""
+        device = lane.bucket.device
+        stream = self.transport.streams.collectives(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            super().upload(lane, indices, srcs)
+
+    def finish(self, lanes: Sequence[Lane]) -> None:
+        """The host waits for every all-gather (the group's timeout), and what reads the parameters next on the
+        compute stream (the next forward) waits for them there."""
+        super().finish(lanes)
+        for device in {lane.bucket.device for lane in lanes}:
+            torch.cuda.current_stream(device).wait_stream(self.transport.streams.collectives(device))
 
     def end(self, lane: Lane) -> None:
         """The step is over: the shard of the reduced gradients goes (made again by the next reduce-scatter)."""
