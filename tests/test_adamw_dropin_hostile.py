@@ -66,6 +66,25 @@ def test_replaced_data_of_a_gpu_parameter_trains_on_as_adamw(cuda_branches, repl
         assert_same(model, ref_model, ours, ref, f"step {step}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
+def test_replaced_data_of_a_parameter_on_a_real_gpu_trains_on_as_adamw(replace):
+    """The same on a GPU: a host-stepped bucket's master, copies on the side streams (skipped without one)."""
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), placement="host", bucket_numel=1000)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(STEPS):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cuda").backward()
+            if step == REPLACE_AT:
+                replace(m)
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
 def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_branches):
     torch.manual_seed(0)
     model = TinyTransformer()
