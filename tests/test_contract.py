@@ -185,7 +185,7 @@ def test_low_precision_state_reset_takes_the_master_from_the_parameter():
 
 @pytest.mark.parametrize("bad, match", [(dict(exp_avg=torch.zeros(3)), "shape"), (dict(step=torch.tensor(-1.0)),
                                                                                       "invalid step"),
-                                        (dict(momentum_buffer=torch.zeros(7)), "keys")])
+                                        (dict(master=torch.zeros(7)), "keys")])
 def test_a_bad_state_edit_raises_at_step_and_changes_nothing(bad, match):
     ours_p, ours, ref_p, ref = _pair()
     _steps(ours_p, ours, ref_p, ref, 2)

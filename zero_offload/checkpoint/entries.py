@@ -18,7 +18,7 @@ from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.options import check_step, prefixed
 
 __all__ = ["Buckets", "ParamList", "State", "StateEntry", "StateMap", "check_compact_moment", "check_param_lists",
-           "expose", "state_keys", "step_entry", "sync_state"]
+           "expose", "foreign", "state_keys", "step_entry", "sync_state"]
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
 
@@ -188,14 +188,29 @@ def _put(state: State, p: torch.Tensor, entry: Dict[str, Any]) -> None:
         state[p] = entry
 
 
-def expose(state: State, bucket: FlatBucket, indices: Sequence[int]) -> None:
+def expose(state: State, bucket: FlatBucket, indices: Sequence[int], keep_foreign: bool = True) -> None:
     """Put the state entries of the bucket's parameters ``indices`` into ``state`` (views of the buffers), as
-    AdamW creates its state at a parameter's first step. The one place entries are created."""
+    AdamW creates its state at a parameter's first step. The one place entries are created. With
+    ``keep_foreign``, the keys of the entry there now that are none of the rule's stay in the new one (see
+    :func:`foreign`)."""
     for i in indices:
         entry = bucket.home.entry(i)
         if entry:  # (SGD without momentum keeps no state: no entry, as in torch)
-            _put(state, bucket.owners[i], entry)
+            p = bucket.owners[i]
+            old = dict.get(state, p) if keep_foreign else None  # (a plain read: no wait for state landing)
+            _put(state, p, {**entry, **foreign(old, bucket)} if old else entry)
             bucket.home.set_exposed(i, True)
+
+
+def foreign(entry: Dict[str, Any], bucket: FlatBucket) -> Dict[str, Any]:
+    """The items of a parameter's entry whose keys are none of the rule's state: a wrapper's own, kept beside the
+    state as AdamW keeps them (timm's ``Lookahead`` keeps its slow weights in its base optimizer's entries); carried
+    by ``state_dict()`` and ``load_state_dict()``. Only where the bucket is whole in this process: a sharded or FSDP2
+    bucket's state dict is made from the buffers, so there such keys are refused (nothing is foreign)."""
+    if bucket.sharded or bucket.fsdp:
+        return {}
+    known = {"step", *state_keys(bucket.rule)}  # (a step count is counted for every rule, shown or not)
+    return {k: v for k, v in entry.items() if k not in known}
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
@@ -219,13 +234,16 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue)
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     slots = bucket.home.slots(i)
     steps = [] if bucket.home.step_key is None else [bucket.home.step_key]
+    given, entry = entry, {k: v for k, v in entry.items() if k not in foreign(entry, bucket)}  # (those stay as given)
     unknown = set(entry) - {*steps, *slots}
     # Compact state's entries show no buffers of the rule (see StateViews.entry): an edit may leave them out.
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional and (b.name in slots or bucket.compact))]
     missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
-        raise ValueError(f"{where} has keys {sorted(map(str, entry))}: it needs {_listed(needs)}, and "
-                         f"may hold {', '.join(k for k in slots if k not in needs)}")
+        shared = " (keys of a wrapper's own only where the bucket is in one process, not sharded over ranks)" \
+            if unknown and (bucket.sharded or bucket.fsdp) else ""
+        raise ValueError(f"{where} has keys {sorted(map(str, given))}: it needs {_listed(needs)}, and "
+                         f"may hold {', '.join(k for k in slots if k not in needs)}{shared}")
     with prefixed(where):  # (FSDP2: a DTensor, or the parameter's full tensor: this rank's shard of it)
         entry = {k: v if k == "step" else local_value(v, bucket.owners[i]) for k, v in entry.items()}
     for name, v in entry.items():
@@ -315,7 +333,8 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[bool], None], l
 def _unchanged(entry: Dict[str, Any], bucket: FlatBucket, i: int) -> bool:
     """Whether an entry still is exactly what :func:`expose` put there (its tensors the buffers' views)."""
     mine = bucket.home.entry(i)
-    return entry.keys() == mine.keys() and all(_same_memory(entry[k], v) for k, v in mine.items())
+    return entry.keys() - foreign(entry, bucket).keys() == mine.keys() and all(_same_memory(entry[k], v)
+                                                                              for k, v in mine.items())
 
 
 

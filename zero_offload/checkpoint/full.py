@@ -16,7 +16,7 @@ from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
-from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _optional, check_compact_moment, check_param_lists, expose, state_keys, step_entry
+from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry
 
 __all__ = ["Ahead", "LoadPlan", "add_compact_moments", "ahead_entries", "apply_load", "check_entry", "check_format",
            "full_state", "merge_groups", "plan_load"]
@@ -136,18 +136,20 @@ class LoadPlan:
     extras: Dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
-def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer]
-                ) -> Dict[str, Any]:
+def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer],
+                foreign_ok: bool = False) -> Dict[str, Any]:
     """Validate one parameter's loaded state for ``rule``, whose group needs the buffers ``needed``; returns it
-    with ``step`` as a float."""
+    with ``step`` as a float. With ``foreign_ok``, keys that are none of the rule's may stand beside its whole state
+    (see :func:`~zero_offload.checkpoint.entries.foreign`)."""
     where = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     keys = state_keys(rule)
     unknown = set(entry) - set(keys)
-    if unknown:
+    whole = all(k in entry for k in (rule.step_key, *(b.name for b in needed)) if k is not None)
+    if unknown and not (foreign_ok and whole):
         raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not {rule.name} state (expected "
-                         f"{', '.join(keys)}): is it from another optimizer?")
+                         f"{', '.join(k for k in keys if k is not None)}): is it from another optimizer?")
     # (a buffer of a shape of its own, :class:`StateShape`, may have no tensor for this parameter: Adafactor's
     # ``variance`` for a matrix)
     shapes = {b.name: b.shape_for(p.shape) for b in rule.buffers}
@@ -210,14 +212,20 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         gi, bucket, _ = where[p]
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
-        entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi])
+        entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi],
+                                 foreign_ok=bool(foreign(entry, bucket)))
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
+        outside = foreign(entry, bucket)
         try:  # (each rank loads its own part of the values; before any op on a DTensor, which gives it this rank's
             # mesh coordinate in place of the one it was saved at). Values only, as AdamW loads them: a tensor that
             # requires grad must not pull a host buffer into autograd.
-            entries[p] = {k: v if k == "step" else _detached(local_value(v, p)) for k, v in entries[p].items()}
+            entries[p] = {k: v if k == "step" or k in outside else _detached(local_value(v, p))
+                          for k, v in entries[p].items()}
         except ValueError as exc:
             raise ValueError(f"{named}: {exc}") from None
+        # (a wrapper's tensors cast to the parameter's dtype and device, as torch.optim.Optimizer loads them)
+        entries[p].update((k, v.to(dtype=p.dtype, device=p.device)) for k, v in outside.items()
+                          if isinstance(v, torch.Tensor))
         for buf in bucket.rule.buffers:
             if buf.name in entry:
                 check_compact_moment(bucket.state_dtype, buf, entry[buf.name], named)
@@ -232,7 +240,10 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
             bucket.home.load_pieces(entries)
         else:
             _load_flat(bucket, entries)
-        expose(state, bucket, [i for i, e in enumerate(entries) if e is not None])
+        loaded = [i for i, e in enumerate(entries) if e is not None]
+        expose(state, bucket, loaded, keep_foreign=False)
+        for i in loaded:  # (the loaded entry's keys that are none of the rule's, beside its state)
+            dict.update(dict.__getitem__(state, bucket.owners[i]), foreign(entries[i], bucket))
         _install_params(bucket, [None if e is None else e.get("param") for e in entries])
     where = _where(buckets)
     for p in list(state.keys()):

@@ -38,7 +38,8 @@ class StateDictMethods:
         sd["state"] = self._topology.state_entries(sd["state"], self.param_groups, self._buckets, self.state,
                                                    self._transport)
         full.add_compact_moments(sd["state"], self.param_groups, self._buckets)
-        sd["state"].update(full.ahead_entries(self.param_groups, self._buckets, ahead))
+        for k, entry in full.ahead_entries(self.param_groups, self._buckets, ahead).items():
+            sd["state"][k] = {**sd["state"].get(k, {}), **entry}  # (a wrapper's keys in the entry stay)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:

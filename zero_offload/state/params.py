@@ -97,7 +97,11 @@ class Masters:
         # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
         # from it); -1 = master not initialised. Unused when the parameter is its own master.
         self.versions = [-1] * len(params)
-        self.slot_ptrs: List[Any] = []  # data_ptr of each CPU parameter's slot, once bound (FSDP2: takeover_ptrs)
+        # data_ptr of each CPU parameter's slot, once bound (FSDP2: takeover_ptrs); of each parameter that stays
+        # where it is (a GPU one stepped on the host), where its data is: a replacement (``p.data = ...``,
+        # ``vector_to_parameters``) moves no version counter, but moves this.
+        self.slot_ptrs: List[Any] = [p.data_ptr() for p in params] if self.watch is params and not self.resident \
+            else []
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
@@ -143,6 +147,10 @@ class Masters:
             now = fsdp2.local_ptrs(self.watch)
             if now != list(map(torch.Tensor.data_ptr, params)):
                 self._follow([i for i, (a, p) in enumerate(zip(now, params)) if a != p.data_ptr()])
+        else:
+            now = list(map(torch.Tensor.data_ptr, params))
+            if now != self.slot_ptrs:
+                self._replaced([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b], now)
         if any(p.dtype != self.dtype or p.device != self.device for p in params):
             self._refuse(next(i for i, p in enumerate(params) if p.dtype != self.dtype or p.device != self.device),
                          None)
@@ -162,6 +170,22 @@ class Masters:
             slot.copy_(p.detach())
             p.data = slot
             self.slot_ptrs[i] = slot.data_ptr()
+            self.loaded(i, True)
+
+    def _replaced(self, indices: Sequence[int], now: Sequence[Any]) -> None:
+        """Parameters that stay where they are (a GPU one stepped on the host) whose data was replaced (``p.data =
+        ...``, which moves no version counter): as AdamW follows the ``Parameter``, each separate master is checked
+        against its parameter at its next update, as a loaded one is (kept where it rounds to it, else taken from
+        it). A move, a cast or another shape is refused, naming it, with nothing followed."""
+        for i in indices:
+            p = self.params[i]
+            # (the master's view has the parameter's shape; sharded, its piece: the whole slot's size tells)
+            shape = self.master_views[i].shape if self.shard is None else None
+            same = p.shape == shape if shape is not None else p.numel() == self.shard.full.numels[i]
+            if p.dtype != self.dtype or p.device != self.device or not same:
+                self._refuse(i, shape)
+        for i in indices:
+            self.slot_ptrs[i] = now[i]
             self.loaded(i, True)
 
     def _follow(self, indices: Sequence[int]) -> None:

@@ -1,0 +1,209 @@
+"""A hostile user's pass on the drop-in promise: ``torch.optim.AdamW(...)`` swapped for ``OffloadOptimizer(...)``
+with the same arguments and nothing else changed. What was tried and already behaved (constructor arguments and
+their edge values, schedulers, param-group edits, state inspection and state dicts both ways, hooks, closures,
+GradScaler, clipping, odd parameters...) is listed in the pass's report; these tests are its findings, each against
+``torch.optim.AdamW(foreach=False)`` every step (parameters and state, default fp32 tolerance), or a refusal that
+names the problem and changes nothing.
+
+GPU parameters are the stand-ins of tests/cuda_standins.py (the buckets are told their parameters are on ``cuda:0``;
+streams and events order nothing), so the host route of a GPU bucket (a separate fp32 master on the host, copied
+into the parameter after each update) runs its Python for real on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cuda_standins
+from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups, snapshot
+from zero_offload import OffloadOptimizer
+
+STEPS = 5
+REPLACE_AT = 2
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    yield from cuda_standins.fixture_body(monkeypatch, needs_fused=False)
+
+
+# -- a GPU parameter whose data is replaced --------------------------------------------------------------------------
+def _halve_by_data(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 0.5
+
+
+def _halve_by_vector(model):
+    """``torch.nn.utils.vector_to_parameters`` assigns each parameter's ``.data`` (a model averaged, perturbed or
+    restored from a flat vector: SAM, evolution strategies, model soups)."""
+    vec = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(vec * 0.5, model.parameters())
+
+
+@pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
+@pytest.mark.parametrize("placement", ["host", {"resident": 0.3, "parked": 0.4}], ids=["host", "mix"])
+def test_replaced_data_of_a_gpu_parameter_trains_on_as_adamw(cuda_branches, replace, placement):
+    """AdamW follows the ``Parameter``: whatever its data was replaced with is what the next step starts from. A GPU
+    parameter stepped on the host (a separate fp32 master there) kept training from the old master, writing over
+    the replacement without a word (replacement moves no version counter; CPU parameters were followed)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), placement=placement, bucket_numel=1000)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    assert any(b.home.kind == "host" and not b.on_cpu for g in ours._buckets for b in g)
+    for step in range(STEPS):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            if step == REPLACE_AT:
+                replace(m)
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
+def test_replaced_data_of_a_parameter_on_a_real_gpu_trains_on_as_adamw(replace):
+    """The same on a GPU: a host-stepped bucket's master, copies on the side streams (skipped without one)."""
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), placement="host", bucket_numel=1000)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(STEPS):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cuda").backward()
+            if step == REPLACE_AT:
+                replace(m)
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_branches):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), placement="host", bucket_numel=1000)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    loss_fn(model, 2, 0, "cpu").backward()
+    model.tok.weight.data = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"data was moved, cast or reshaped .* it was \(31, 16\) torch.float32 "
+                                           r"on cuda:0 \(stand-in\), it is now \(3,\) torch.float32 on cpu"):
+        opt.step()
+    now = opt.state_dict()
+    for k, entry in before[1]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(now["state"][k][key], value), (k, key)
+
+
+# -- a wrapper's own keys in a parameter's state entry ---------------------------------------------------------------
+class SlowWeights:
+    """A Lookahead-style wrapper as timm's ``Lookahead`` is written: after every ``k``-th step of its base optimizer
+    it pulls each parameter towards slow weights kept in the base optimizer's own state entry
+    (``base.state[p]["lookahead_slow_buff"]``), so they travel with the base's ``state_dict()``."""
+
+    def __init__(self, base, alpha=0.5, k=2):
+        self.base, self.alpha, self.k, self.steps = base, alpha, k, 0
+
+    @torch.no_grad()
+    def step(self):
+        self.base.step()
+        self.steps += 1
+        if self.steps % self.k:
+            return
+        for group in self.base.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                entry = self.base.state[p]
+                if "lookahead_slow_buff" not in entry:
+                    entry["lookahead_slow_buff"] = p.detach().clone()
+                slow = entry["lookahead_slow_buff"]
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+
+
+def _assert_same_with_slow(model, ref_model, ours, ref, where):
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        slow, got = ref.state.get(q, {}).get("lookahead_slow_buff"), ours.state.get(p, {})
+        assert (slow is None) == ("lookahead_slow_buff" not in got), (where, sorted(got))
+        if slow is not None:
+            torch.testing.assert_close(got["lookahead_slow_buff"], slow, msg=lambda m: f"{where}: {m}")
+    assert_same(model, ref_model, ours, ref, where)
+
+
+def _slow_run(model, opt, steps, start=0, wrapper=None):
+    wrapper = wrapper or SlowWeights(opt)
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        wrapper.step()
+    return wrapper
+
+
+@pytest.mark.parametrize("placement", ["cpu", "host", "parked", "auto"])
+def test_a_wrappers_keys_in_the_state_entries_are_kept_as_adamw_keeps_them(request, placement):
+    """A key that is none of AdamW's in ``opt.state[p]`` (a wrapper's: timm's Lookahead keeps its slow weights
+    there) stays there, and ``state_dict()`` and ``load_state_dict()`` carry it, both ways with AdamW. It made the
+    next ``step()`` raise ValueError (an entry with an unknown key), and a loaded state dict with one was refused as
+    another optimizer's. On the CUDA stand-ins too: ``"auto"`` moves buckets to a GPU home after its second step,
+    and the entries it shows then keep the key."""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    wrappers = [SlowWeights(ours), SlowWeights(ref)]
+    for step in range(STEPS):
+        _slow_run(model, ours, 1, step, wrappers[0])
+        _slow_run(ref_model, ref, 1, step, wrappers[1])
+        _assert_same_with_slow(model, ref_model, ours, ref, f"step {step}")
+    if placement == "auto":  # (moved after the second step: the entries shown since then are new ones)
+        assert any(b.home.kind != "host" for g in ours._buckets for b in g)
+    # Both ways through a state dict: ours into AdamW, AdamW's into ours; each resumes as the other.
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    assert ours_sd["state"].keys() == ref_sd["state"].keys()
+    for k, entry in ref_sd["state"].items():
+        assert ours_sd["state"][k].keys() == entry.keys(), k
+        torch.testing.assert_close(ours_sd["state"][k]["lookahead_slow_buff"], entry["lookahead_slow_buff"])
+    into_ref_model, into_ours_model = copy.deepcopy(model), copy.deepcopy(ref_model)
+    into_ref = torch.optim.AdamW(param_groups(into_ref_model), foreach=False)
+    into_ref.load_state_dict(copy.deepcopy(ours_sd))
+    into_ours = OffloadOptimizer(param_groups(into_ours_model), **kw)
+    into_ours.load_state_dict(copy.deepcopy(ref_sd))
+    _assert_same_with_slow(into_ours_model, ref_model, into_ours, ref, "loaded")
+    for opt, m in ((ref, ref_model), (into_ref, into_ref_model), (into_ours, into_ours_model)):
+        _slow_run(m, opt, 3, STEPS)
+    _assert_same_with_slow(into_ours_model, ref_model, into_ours, ref, "resumed in ours")
+    _assert_same_with_slow(into_ref_model, ref_model, into_ref, ref, "resumed in AdamW")
+
+
+def test_a_loaded_entry_of_another_optimizer_is_still_refused():
+    """The keys of another optimizer's state (SGD's ``momentum_buffer``, no ``step``): refused at load, naming
+    them, as before; foreign keys are kept only beside a whole AdamW entry."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    sgd = torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9)
+    opt = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    loss_fn(model, 0, 0, "cpu").backward()
+    sgd.step()
+    sd = sgd.state_dict()
+    sd["param_groups"] = opt.state_dict()["param_groups"]
+    with pytest.raises(ValueError, match=r"has keys \['momentum_buffer'\] that are not Adam\(W\) state .* another "
+                                         r"optimizer\?"):
+        opt.load_state_dict(sd)
+    assert not opt.state
