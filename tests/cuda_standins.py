@@ -118,6 +118,7 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
     setattr_(torch.cuda, "memory_reserved", lambda device=None: 0)
     setattr_(torch.cuda, "memory_allocated", lambda device=None: 0)
     setattr_(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    setattr_(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)  # (uncapped)
     setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))
