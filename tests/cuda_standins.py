@@ -3,7 +3,8 @@
 The bucket layouts are told their parameters are on ``cuda:0`` (and the default placement, ``"auto"``, takes the
 model for a GPU one); streams and events do nothing (a CPU copy is complete when it returns); tensors created for that
 device are made on the CPU. Python in those branches then
-runs for real; stream synchronisation does not exist here, so it is not tested.
+runs for real; stream synchronisation does not exist here, so it is not tested. Nor, by themselves, are devices:
+every tensor is a CPU tensor, so a host buffer handed to a GPU op passes; tests/device_check.py adds that check.
 """
 
 from __future__ import annotations
