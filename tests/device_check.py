@@ -41,8 +41,10 @@ aten = torch.ops.aten
 _COPIES = {aten.copy_.default, aten._foreach_copy_.default, aten._to_copy.default, aten.copy.default,
            aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
            aten._has_compatible_shallow_copy_type.default}
-# Reads of a value on the host.
-_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+# Reads of a value on the host: of a scalar (then the tensor's device does not matter), or a comparison (``equal``,
+# whose two tensors must be on one device).
+_SCALARS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+_READS = _SCALARS | {aten.equal.default}
 
 
 class CrossDevice(RuntimeError):
@@ -204,7 +206,7 @@ class _Dispatch(TorchDispatchMode):
         dev = [t for t in tensors if check.on_device(t)]
         if func in _READS and dev:
             check._count_read()
-        if dev and func not in _COPIES and func not in _READS:
+        if dev and func not in _COPIES and func not in _SCALARS:
             host = [t for t in tensors if not check.on_device(t) and not (t.dim() == 0 and t.device.type == "cpu")]
             if host:
                 raise CrossDevice(f"{func} read tensors on the GPU {[tuple(t.shape) for t in dev][:4]} and on the host "

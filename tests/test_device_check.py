@@ -18,6 +18,7 @@ import torch
 import cuda_standins
 from device_check import CrossDevice, DeviceCheck
 from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
+from test_placement import GPU_RECIPES
 from test_twin_flow import BUCKET
 import zero_offload
 from zero_offload import OffloadOptimizer, offload
@@ -54,6 +55,30 @@ def test_the_check_refuses_a_host_tensor_beside_a_gpu_one(cuda_branches):
         assert check.reads["test"] == 2
     cuda_standins.Device()  # (the stand-ins untouched by the check's exit)
     assert torch.zeros(1).device.type == "cpu"
+
+
+# The tests that need a real GPU, by module and name, with the arguments each is run with.
+REAL_GPU_TESTS = {
+    "test_park_class.test_muon_parked_on_a_gpu_is_bitwise_muon_on_the_gpu": [()],
+    "test_park_factored.test_adafactor_on_a_real_gpu_is_bitwise_adafactor_on_the_gpu": [("parked",), ("resident",)],
+    "test_placement.test_each_placement_on_a_gpu_matches_adamw": [(r, p) for r in GPU_RECIPES
+                                                                   for p in ("parked", "mix")],
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_GPU_TESTS))
+def test_the_real_gpu_tests_of_the_homes_run_on_the_checked_stand_ins(cuda_branches, name):
+    """The tests that need a real GPU (the lease plan's ``pytest -m cuda``), rehearsed here: their bodies on the
+    stand-ins, devices checked (``.cuda()`` and ``.to("cuda")`` move to the stand-in GPU, every tensor compared on
+    one device), so that a mistake of the test itself does not cost a lease."""
+    import importlib
+
+    module, test = name.split(".")
+    body = getattr(importlib.import_module(module), test)
+    cuda_branches.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for args in REAL_GPU_TESTS[name]:
+        with DeviceCheck():
+            body(*args)
 
 
 def _flat(groups) -> list:
