@@ -22,11 +22,16 @@ run cut short keeps what it measured, and both commands' folders merge into one 
 folder holding both; or give both commands the same ``--out``).
 
     python benchmarks/gpu_suite.py --dry-run                          # the lease plan: commands, stages, limits
-    python benchmarks/gpu_suite.py --command 1 --out $OUT/suite       # first command of a lease
-    python benchmarks/gpu_suite.py --command 2 --out $OUT/suite       # second command, same machine
+    python benchmarks/gpu_suite.py --command 1 --out /tmp/suite --archive $OUT/suite-1.tar.gz   # first command
+    python benchmarks/gpu_suite.py --command 2 --out /tmp/suite --archive $OUT/suite-2.tar.gz   # same machine
     python benchmarks/gpu_suite.py --command 1 --rows adamw,ours,ours-gpuauto --stages build,steps --out o
     python benchmarks/gpu_suite.py --report-only --out merged         # after copying both folders into merged/
     python benchmarks/gpu_suite.py --tiny --command 1 --out /tmp/t    # the plumbing on a CPU, tiny model, seconds
+
+A lent machine hands back at most 8 files of ``$OUT`` (16 MiB each), and a command writes some 30 (a log and JSON
+per stage, traces): so ``--out`` is a folder outside ``$OUT`` and ``--archive`` a file in it, the whole folder as one
+gzipped tar, rewritten after each stage (a command cut short keeps what it measured); the second command's, over
+the same folder on the warm machine, holds both commands' stages and the merged report.
 
 Rows of the step matrix missing from a stage's results are named in the report, not dropped. Without a GPU the
 GPU-only stages are reported as skipped, with that reason. Carried wheels: torchao (3 MB) makes its row run;
@@ -42,6 +47,7 @@ import os
 import platform
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -430,6 +436,17 @@ def write_report(out: Path) -> Path:
     return report
 
 
+def bundle(out: Path, archive: Path) -> Path:
+    """The folder ``out`` as one gzipped tar at ``archive`` (its members under ``out``'s name), replaced whole: a
+    command stopped while it writes leaves the last one."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    part = archive.with_name(archive.name + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        tar.add(out, arcname=out.name)
+    os.replace(part, archive)
+    return archive
+
+
 def host_facts() -> Dict[str, Any]:
     import torch
     facts: Dict[str, Any] = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
@@ -461,8 +478,8 @@ def print_plan(stages: List[Stage]) -> None:
         if not mine:
             continue
         total = sum(s.timeout_s for s in mine)
-        print(f"command {command}: python benchmarks/gpu_suite.py --command {command} --out $OUT/suite "
-              f"(limit {total / 60:.1f} min of its {budget / 60:.0f})")
+        print(f"command {command}: python benchmarks/gpu_suite.py --command {command} --out /tmp/suite --archive "
+              f"$OUT/suite-{command}.tar.gz (limit {total / 60:.1f} min of its {budget / 60:.0f})")
         for s in mine:
             print(f"  [{s.name}] {s.what} (limit {s.timeout_s} s{', GPU only' if s.needs_gpu else ''})\n      "
                   + " ".join([f"{k}={v}" for k, v in (s.env or {}).items()] + s.argv))
@@ -479,6 +496,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the plan (commands and limits) and run nothing")
     ap.add_argument("--tiny", action="store_true", help="tiny CPU model for the step stages: tests the plumbing")
     ap.add_argument("--report-only", action="store_true", help="rewrite REPORT.md from the JSON files in --out")
+    ap.add_argument("--archive", default=None, metavar="FILE",
+                    help="after each stage, write the --out folder as one gzipped tar to FILE (a lent machine hands "
+                         "back at most 8 files of $OUT)")
     ap.add_argument("--probe-pinned", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe_pinned:
@@ -519,7 +539,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"   {rec['status']}" + (f" ({rec['reason']})" if rec.get("reason") else "")
               + (f" in {rec['seconds']} s" if "seconds" in rec else ""), flush=True)
         write_report(out)
+        if args.archive:
+            bundle(out, Path(args.archive))
     print(f"report: {write_report(out)}")
+    if args.archive:
+        print(f"archive: {bundle(out, Path(args.archive))}")
     return 0
 
 

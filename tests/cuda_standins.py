@@ -6,7 +6,8 @@ real. Streams and events order nothing (a CPU copy is complete when it returns),
 were told: which stream is current (``torch.cuda.stream``), which stream waited for which (directly, through another
 or through an event), and, in a spawned rank (:func:`install_in_rank`), which collective each device collective of a
 bucket was issued on and which streams wait for it (:class:`Ledger`), so that a test can check the order a GPU would
-keep.
+keep. Devices are not checked by themselves: every tensor is a CPU tensor, so a host buffer handed to a GPU op
+passes; tests/device_check.py adds that check.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
     setattr_(torch.cuda, "memory_reserved", lambda device=None: 0)
     setattr_(torch.cuda, "memory_allocated", lambda device=None: 0)
     setattr_(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    setattr_(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)  # (uncapped)
     setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))

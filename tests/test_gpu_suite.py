@@ -85,6 +85,25 @@ def test_dry_run_shows_the_two_commands_and_runs_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_the_archive_holds_every_file_of_the_run(tmp_path):
+    """A lent machine hands back at most 8 files of $OUT; a command writes a log and JSON per stage and the report:
+    ``--archive`` puts the whole folder in one file, the same files as the folder holds."""
+    import tarfile
+
+    out, archive = tmp_path / "suite", tmp_path / "OUT" / "suite-1.tar.gz"
+    proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--command", "1", "--stages", "build,machine",
+                           "--out", str(out), "--archive", str(archive)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = sorted(str(p.relative_to(tmp_path)) for p in out.rglob("*") if p.is_file())
+    assert {"suite/REPORT.md", "suite/build.stage.json", "suite/machine.log"} <= set(written)
+    with tarfile.open(archive) as tar:
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        assert sorted(members) == written
+        assert tar.extractfile(members["suite/REPORT.md"]).read() == (out / "REPORT.md").read_bytes()
+    assert [p.name for p in archive.parent.iterdir()] == [archive.name]  # (no part file left)
+
+
 def test_unknown_stage_is_refused():
     proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--stages", "steps,nope"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)

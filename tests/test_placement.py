@@ -501,3 +501,21 @@ def test_auto_moves_each_bucket_to_its_cheapest_home_after_the_first_step(cuda_b
         assert homes == ({"host"} if step == 0 else expect), (step, homes)  # (placed once, after the second step)
     resident = [b for b in _buckets(opt) if b.home.kind == "resident"]
     assert len(resident) >= 1 and sum(b.device_cost() for b in resident) <= last.device_cost()
+
+
+# -- on a real GPU (skipped without one; in the lease plan's `pytest -m cuda`) --------------------------------------
+GPU_RECIPES = [r for r in CUDA_RECIPES if r.name in ("clip", "accumulate_no_sync+release")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", ["parked", "mix"])
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda r: r.name)
+def test_each_placement_on_a_gpu_matches_adamw(recipe, placement):
+    """On a GPU: every bucket parked, and the three homes in one param group, against AdamW on the GPU every step
+    (torch's fused CUDA kernel, the reloads and write-backs on the copy streams, the norm on the GPU); the parked
+    state between steps in host memory."""
+    opt = _run_recipe(_with(recipe, placement=MIX if placement == "mix" else placement), "cuda", steps=10)
+    parked = [b for b in _buckets(opt) if b.home.kind == "parked"]
+    assert parked and not any(t.is_cuda for b in parked for t in b.home.parked().values())
+    assert all(b.home.twins is None for b in parked)
+

@@ -360,7 +360,9 @@ class Options:
     gpu_margin_gib: float = _option(2.0, """the GPU memory (GiB) left free by ``gpu_fraction="auto"`` and
         ``placement="auto"``'s resident buckets, and by what backward brings up (the uploads of
         ``uploads_in_backward``, a parked bucket's reload: made only where that much and the gradients still to
-        come fit; else at ``step()``). Finite, and finite in bytes too (1e300 GiB is refused).""", _check_gpu_margin)
+        come fit; else at ``step()``). The room is within the process's cap where
+        ``torch.cuda.set_per_process_memory_fraction`` set one. Finite, and finite in bytes too (1e300 GiB is
+        refused).""", _check_gpu_margin)
     uploads_in_backward: bool = _option(True, """with ``delayed_update`` on a GPU: copy each
         bucket's new parameters up during backward, once its update has run, into a device buffer of the bucket's
         size (where the GPU has room for it beyond ``gpu_margin_gib``), and into the parameters device to device at

@@ -18,6 +18,7 @@ from zero_offload.lane import Lane
 from zero_offload.options import Options
 from zero_offload.topology import Topology
 from zero_offload.transport import Transport
+from zero_offload.transport.device import device_capacity
 
 __all__ = ["Placer", "device_bytes", "place_on_device"]
 
@@ -25,11 +26,10 @@ logger = logging.getLogger("zero_offload")
 
 
 def _device_room(device: torch.device, margin_gib: float) -> int:
-    """Bytes of ``device`` memory the state may take: free memory plus what the caching allocator holds, less the
-    step's peak allocation (which the next step needs again) and the margin."""
-    free, _ = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
-    return int(free + held - torch.cuda.max_memory_allocated(device) - margin_gib * 2**30)
+    """Bytes of ``device`` memory the state may take: what this process may hold there (free memory plus what the
+    caching allocator holds, within its cap: :func:`~zero_offload.transport.device.device_capacity`), less the step's
+    peak allocation (which the next step needs again) and the margin."""
+    return int(device_capacity(device) - torch.cuda.max_memory_allocated(device) - margin_gib * 2**30)
 
 
 def place_on_device(topology: Topology, transport: Transport, streamer: Any, state: MutableMapping,

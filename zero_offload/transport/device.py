@@ -24,7 +24,8 @@ from zero_offload.transport.base import Route
 from zero_offload.transport.channel import Channel, Mark
 from zero_offload.transport.host import HostRoute
 
-__all__ = ["CopyChannel", "DeviceTierRoute", "OffloadRoute", "Staged", "device_room", "room_in_backward"]
+__all__ = ["CopyChannel", "DeviceTierRoute", "OffloadRoute", "Staged", "device_capacity", "device_room",
+           "room_in_backward"]
 
 
 class CopyChannel(Channel):
@@ -213,9 +214,27 @@ def room_in_backward(transport: Any, device: torch.device, nbytes: int, lanes: S
 
 
 def device_room(device: torch.device) -> int:
-    """Bytes the device can still hand out: free memory plus what the caching allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    """Bytes the device can still hand out to this process: what it may hold (:func:`device_capacity`) less what is
+    allocated."""
+    return device_capacity(device) - int(torch.cuda.memory_allocated(device))
+
+
+def device_capacity(device: torch.device) -> int:
+    """Bytes this process may hold on ``device`` now: the driver's free memory plus what the caching allocator holds,
+    at most the allocator's cap. A process capped with ``torch.cuda.set_per_process_memory_fraction`` (sharing the
+    GPU, or standing in for a smaller one, as the lease plan's capped rows do) gets an out-of-memory error beyond
+    that cap however much the driver has free, so the free memory alone would promise room that is not there."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = int(torch.cuda.memory_reserved(device))
+    fraction = _memory_fraction(device)
+    return int(free + held) if fraction >= 1.0 else min(int(free + held), int(fraction * total))
+
+
+def _memory_fraction(device: torch.device) -> float:
+    """The caching allocator's per-process memory fraction of ``device`` (1.0: uncapped, and on torch < 2.6, which
+    cannot tell)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if get is None else float(get(device))
 
 
 def _after_upload(lane: Lane, stream) -> None:

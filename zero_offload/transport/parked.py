@@ -36,8 +36,14 @@ class ParkedRoute(HostRoute):
 
 def reload_if_room(transport: Any, lane: Lane) -> None:
     """Bring a parked bucket's state up now (backward has made its gradients final), where the GPU has room for it
-    beyond the margin and the gradients still to come, and it is not up already (once a step); else ``step()``
-    does. Its route's, sharded or not (:class:`~zero_offload.transport.sharded.ShardedParkedRoute`)."""
+    beyond the margin and the gradients still to come, and it is not up already (once a step); else, or where the
+    allocator cannot give that memory after all, ``step()`` does. Its route's, sharded or not
+    (:class:`~zero_offload.transport.sharded.ShardedParkedRoute`)."""
     home = lane.bucket.home
     if home.twins is None and room_in_backward(transport, lane.bucket.device, home.nbytes_parked(), transport.lanes):
-        home.reload(transport.streams, transport.timeline, lane.position)
+        try:
+            home.reload(transport.streams, transport.timeline, lane.position)
+        except torch.cuda.OutOfMemoryError:
+            # (room the check counted that the allocator could not give, as a fragmented cache: nothing was brought
+            # up, and the error would end backward; step() brings the state up after it, as without room)
+            pass
