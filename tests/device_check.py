@@ -52,7 +52,9 @@ class CrossDevice(RuntimeError):
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The storage itself, not its address: memory given back and allocated again (``untyped_storage().resize_``,
+    as the parked home's device copies are between steps) stays where it was."""
+    return t.untyped_storage()._cdata
 
 
 class DeviceCheck:
@@ -60,7 +62,7 @@ class DeviceCheck:
     installed."""
 
     def __init__(self) -> None:
-        self._device: Dict[int, Any] = {}  # storage address -> the storage (kept: its address is never reused)
+        self._device: Dict[int, Any] = {}  # storage -> the storage (kept: its key is never reused)
         self.reads: "collections.Counter[str]" = collections.Counter()
         self.stand_in = torch.device("cuda", 0)  # (what ``t.device`` of a device tensor says)
 
