@@ -9,13 +9,14 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from zero_offload import OffloadOptimizer, affinity
+
+from test_affinity import _CHILD, _cpus  # (the child binds its team, checks the update, prints each thread's CPUs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,41 +231,6 @@ def test_a_team_larger_than_its_share_is_bound_within_it_and_said_once(monkeypat
     assert len(said) == 1, said
     assert "6 threads" in said[0] and "4 CPU(s) on 2 core(s)" in said[0] and "torch.set_num_threads(2)" in said[0]
     assert "local rank 3 of 8" in said[0]
-
-
-_CHILD = textwrap.dedent("""
-    import os, sys, threading, torch
-    from zero_offload import _build, functional
-    if _build.load_native() is None or functional.resolve_path() not in ("avx512", "avx2", "neon", "scalar"):
-        print("SKIP native kernel unavailable"); sys.exit(0)
-    torch.set_num_threads(2)
-    n = 278011
-    g = torch.Generator().manual_seed(0)
-    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    m, v = torch.zeros(n), torch.zeros(n)
-    ref = torch.nn.Parameter(p.clone())
-    adamw = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, foreach=False)
-    for step in (1, 2):
-        functional.cpu_adam_(p, grad, m, v, step=step, lr=1e-2, weight_decay=0.1)
-        ref.grad = grad.clone()
-        adamw.step()
-        st = adamw.state[ref]
-        torch.testing.assert_close((p, m, v), (ref.detach(), st["exp_avg"], st["exp_avg_sq"]))
-    def allowed(tid):
-        for line in open(f"/proc/self/task/{tid}/status"):
-            if line.startswith("Cpus_allowed_list:"):
-                return line.split()[1]
-    print("MAIN", allowed(threading.get_native_id()))
-    print("TASKS", sorted(allowed(t) for t in os.listdir("/proc/self/task")))
-""")
-
-
-def _cpus(listed):
-    out = set()
-    for part in listed.strip().split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def _online():
