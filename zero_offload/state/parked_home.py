@@ -82,7 +82,15 @@ class ParkedHome(Home):
         if self.twins is not None:
             return
         up = streams.up(self.device)
-        twins = {name: self._device_copy(name, buf) for name, buf in self.parked().items()}
+        twins: Dict[str, torch.Tensor] = {}
+        try:
+            for name, buf in self.parked().items():
+                twins[name] = self._device_copy(name, buf)
+        except BaseException:
+            # (out of memory midway, as a reload in backward may be: the copies already given memory give it back
+            # now, not at the next reload, which would allocate each again beside it and copy its contents over)
+            _free(twins)
+            raise
         up.wait_stream(torch.cuda.current_stream(self.device))  # (the memory may have been the compute stream's)
         if self._written is not None:
             up.wait_event(self._written)  # the host buffers hold the last step's state only once it has landed
