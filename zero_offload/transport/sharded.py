@@ -384,6 +384,10 @@ class ShardedTransport(Transport):
             agreement.backwards += 1
 
     def reset(self) -> None:
+        # All-gathers a step left in flight (its update raised after earlier buckets' were issued: the schedule's
+        # finish never ran) are finished as a step that returns finishes them: off the compute stream, nothing else
+        # would have the next forward, or a checkpoint of the model, wait for what they write.
+        self.finish_params([lane for lane in self.lanes if lane.channel.gather is not None])
         super().reset()
         self.agreement.backwards = 0
 
