@@ -77,8 +77,9 @@ class ParkedHome(Home):
 
     # -- around a step -------------------------------------------------------------------------------------------
     def reload(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
-        """Bring the parked buffers up (once a step): device copies allocated on the current (compute) stream,
-        filled on the upload stream after the last write-back, an event after them."""
+        """Bring the parked buffers up (once a step): device copies allocated on the current stream (the compute
+        stream; in FSDP2's hooks, its reduce-scatter stream, see docs/placement.md's Not yet), filled on the upload
+        stream after the last write-back, an event after them."""
         if self.twins is not None:
             return
         up = streams.up(self.device)
