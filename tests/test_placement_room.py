@@ -116,3 +116,40 @@ def test_a_reload_in_backward_out_of_memory_comes_up_at_step(cuda_branches):
         opt.step()
         ref.step()
         assert_same(model, ref_model, opt, ref, f"step {step}")
+
+
+def test_a_reload_in_backward_that_runs_out_of_memory_midway_holds_no_device_memory(cuda_branches):
+    """The allocator gives the device copy of a parked bucket's first buffer (``exp_avg``) but not the second's: the
+    reload is dropped, and the copy it did get is given back at once, not held through the rest of backward (where
+    memory is short) until ``step()`` brings the state up; the trajectory is AdamW's."""
+    from zero_offload.state.parked_home import ParkedHome
+
+    backward, real = [False], ParkedHome._device_copy
+
+    def device_copy(home, name, buf):
+        if backward[0] and name != "exp_avg":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return real(home, name, buf)
+
+    cuda_branches.setattr(ParkedHome, "_device_copy", device_copy)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+
+    def held(opt):  # (bytes of the device copies' storage, kept between steps: none outside a step)
+        return sum(t.untyped_storage().nbytes() for b in _buckets(opt) for t in b.home._held.values())
+
+    for step in range(3):
+        backward[0] = True
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+        backward[0] = False
+        assert all(b.home.twins is None for b in _buckets(opt))
+        assert held(opt) == 0, step
+        opt.step()
+        ref.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+        assert held(opt) == 0, step

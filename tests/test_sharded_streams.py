@@ -147,3 +147,54 @@ def test_gpu_buckets_collectives_run_off_the_compute_stream():
     results = td.launch(_streams_worker, 2)
     assert results[0] == results[1]
     assert all(n > 0 for n in results[0].values()), results[0]
+
+
+def _raising_worker(rank, world):
+    """A step whose update raises (on every rank alike) after earlier GPU buckets' all-gathers were issued."""
+    import cuda_standins
+    import zero_offload.update as update
+
+    tps._on_standins()
+    ledger = cuda_standins.LEDGER
+    compute = ledger.compute
+    model, opt, _ = tps._make(rank, "resident")
+    gpu = [b for g in opt._buckets for b in g if b.home.on_device]
+    assert len(gpu) >= 2, gpu
+    run_rule, updates = update.run_rule, []
+
+    def updated(bucket, *args, **kwargs):
+        if bucket.home.on_device:
+            updates.append(bucket)
+            if len(updates) == 2:
+                raise RuntimeError("the update refused (stand-in)")
+        out = run_rule(bucket, *args, **kwargs)
+        if bucket.home.on_device:
+            compute.tick()
+        return out
+
+    update.run_rule = updated
+    since = len(ledger.issued)
+    opt.zero_grad()
+    td.loss_on(model, 0, 0, td.rows_of(rank, world)).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "refused (stand-in)" in str(e), e
+    else:
+        raise AssertionError("step() did not raise")
+    gathered = [c for c in ledger.issued[since:] if c.what == "all_gather"]
+    assert gathered, "no all-gather issued before the update raised"
+    # What reads the parameters next on the compute stream (the next forward, a checkpoint of the model) follows
+    # the all-gathers the step issued, as it does after a step that returns; the host waited for them too.
+    assert {c.id for c in gathered} <= compute.collectives, \
+        "step() raised and left the compute stream not waiting for an all-gather in flight"
+    assert all(lane.channel.gather is None for lane in opt._transport.lanes)
+    return len(gathered)
+
+
+def test_a_step_that_raises_leaves_no_all_gather_unwaited():
+    """A step whose update raises (a class's own check, on every rank alike) after earlier buckets' all-gathers were
+    issued on the collective stream: the compute stream still waits for them before anything reads the parameters
+    (on a GPU, the next forward or a checkpoint of the model would otherwise read them while they are written)."""
+    results = td.launch(_raising_worker, 2)
+    assert results[0] == results[1] and results[0] > 0, results

@@ -77,12 +77,21 @@ class ParkedHome(Home):
 
     # -- around a step -------------------------------------------------------------------------------------------
     def reload(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
-        """Bring the parked buffers up (once a step): device copies allocated on the current (compute) stream,
-        filled on the upload stream after the last write-back, an event after them."""
+        """Bring the parked buffers up (once a step): device copies allocated on the current stream (the compute
+        stream; in FSDP2's hooks, its reduce-scatter stream, see docs/placement.md's Not yet), filled on the upload
+        stream after the last write-back, an event after them."""
         if self.twins is not None:
             return
         up = streams.up(self.device)
-        twins = {name: self._device_copy(name, buf) for name, buf in self.parked().items()}
+        twins: Dict[str, torch.Tensor] = {}
+        try:
+            for name, buf in self.parked().items():
+                twins[name] = self._device_copy(name, buf)
+        except BaseException:
+            # (out of memory midway, as a reload in backward may be: the copies already given memory give it back
+            # now, not at the next reload, which would allocate each again beside it and copy its contents over)
+            _free(twins)
+            raise
         up.wait_stream(torch.cuda.current_stream(self.device))  # (the memory may have been the compute stream's)
         if self._written is not None:
             up.wait_event(self._written)  # the host buffers hold the last step's state only once it has landed

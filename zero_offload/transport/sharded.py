@@ -384,6 +384,12 @@ class ShardedTransport(Transport):
             agreement.backwards += 1
 
     def reset(self) -> None:
+        # All-gathers a step left in flight (its update raised after earlier buckets' were issued: the schedule's
+        # finish never ran) are finished as a step that returns finishes them: off the compute stream, nothing else
+        # would have the next forward, or a checkpoint of the model, wait for what they write. (Not where a collective
+        # failed: this rank is out of step, its collectives refused, and the step's own error is the one to see.)
+        if self.comm.failure is None:
+            self.finish_params([lane for lane in self.lanes if lane.channel.gather is not None])
         super().reset()
         self.agreement.backwards = 0
 
