@@ -148,7 +148,9 @@ class ParkedHome(Home):
         (the first reload, a buffer laid out again), a new tensor, whose views are cut anew."""
         held = self._held.get(name)
         if held is not None and held.dtype == buf.dtype and held.numel() == buf.numel():
-            held.untyped_storage().resize_(buf.numel() * buf.element_size())
+            storage, nbytes = held.untyped_storage(), buf.numel() * buf.element_size()
+            if storage.nbytes() != nbytes:  # (resizing memory it holds would allocate anew and copy the old over)
+                storage.resize_(nbytes)
             return held
         held = self._held[name] = torch.empty(buf.numel(), dtype=buf.dtype, device=self.device)
         self._cuts.pop(name, None)
