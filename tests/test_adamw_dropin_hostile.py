@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cuda_standins
-from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups, snapshot
+from test_optimizer import TinyTransformer, assert_same, assert_unchanged, loss_fn, param_groups, snapshot
 from zero_offload import OffloadOptimizer
 
 STEPS = 5
@@ -207,3 +207,72 @@ def test_a_loaded_entry_of_another_optimizer_is_still_refused():
                                          r"optimizer\?"):
         opt.load_state_dict(sd)
     assert not opt.state
+
+
+# -- a typo of one of our keys is not a wrapper's key ----------------------------------------------------------------
+TYPOS = ["exp_avgs", "Exp_avg", "exp_avg_sqr", "steps"]
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+def test_a_typo_of_a_state_key_put_into_an_entry_is_refused_naming_it(typo):
+    """Keys beside AdamW's are kept as a wrapper's own, but one that reads as a misspelling of a key of the rule
+    (``opt.state[p]["exp_avgs"] = ...`` meant for ``exp_avg``) is refused at the next step, naming it and the key it
+    resembles, the state left as it was. It was kept without a word (the edit it stood for never happening)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model))
+    loss_fn(model, 0, 0, "cpu").backward()
+    opt.step()
+    before = snapshot(model, opt)
+    p = model.tok.weight
+    opt.state[p][typo] = torch.zeros_like(p)
+    opt.zero_grad()
+    loss_fn(model, 1, 0, "cpu").backward()
+    with pytest.raises(ValueError, match=rf"{typo!r}.*did you mean '(exp_avg|exp_avg_sq|step)'"):
+        opt.step()
+    del opt.state[p][typo]
+    assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+@pytest.mark.parametrize("with_wrappers", [False, True], ids=["alone", "beside-a-wrappers-key"])
+def test_a_loaded_entry_with_a_typo_of_a_state_key_is_refused_naming_it(typo, with_wrappers):
+    """The same at load: an AdamW state dict whose entry holds a misspelt key beside its whole state (alone, or
+    beside a wrapper's genuine key) is refused naming the key, nothing loaded. It was loaded, the key kept."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = copy.deepcopy(ref.state_dict())
+    sd["state"][0][typo] = torch.zeros_like(sd["state"][0]["exp_avg"])
+    if with_wrappers:
+        sd["state"][0]["lookahead_slow_buff"] = torch.ones_like(sd["state"][0]["exp_avg"])
+    opt = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    with pytest.raises(ValueError, match=rf"parameter id 0 .*{typo!r}.*did you mean '(exp_avg|exp_avg_sq|step)'"):
+        opt.load_state_dict(sd)
+    assert not opt.state
+
+
+def test_a_wrappers_key_beside_whole_state_still_loads_and_is_kept():
+    """The rule that refuses typos keeps what is plainly a wrapper's: Lookahead's slow weights, a non-tensor value,
+    a key that is not a string, each beside a whole AdamW entry, loaded as AdamW loads them (no string value:
+    torch's loader rebuilds an iterable value item by item, which turns a str into the text of a generator)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = ref.state_dict()
+    extra = {"lookahead_slow_buff": torch.ones_like(sd["state"][0]["exp_avg"]), "ema_decay": 0.99, 7: 3}
+    sd["state"][0].update(extra)
+    ours = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    ours.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    p, q = next(iter(ours.state)), next(iter(ref.state))
+    assert set(ours.state[p]) == set(ref.state[q])
+    for k in extra:
+        if isinstance(extra[k], torch.Tensor):
+            torch.testing.assert_close(ours.state[p][k], ref.state[q][k])
+        else:
+            assert ours.state[p][k] == ref.state[q][k]
