@@ -276,3 +276,20 @@ def test_a_wrappers_key_beside_whole_state_still_loads_and_is_kept():
             torch.testing.assert_close(ours.state[p][k], ref.state[q][k])
         else:
             assert ours.state[p][k] == ref.state[q][k]
+
+
+@pytest.mark.parametrize("entry", [[1, 2], None, torch.zeros(3)], ids=["list", "None", "tensor"])
+def test_a_loaded_entry_that_is_not_a_dict_is_refused_naming_it(entry):
+    """A parameter's loaded entry that is no dict is refused as before the wrappers' keys came in, naming it
+    (``... is a list, not a dict``), nothing loaded. Reading its wrapper's keys first made it an AttributeError."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = ref.state_dict()
+    sd["state"][0] = entry
+    opt = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    with pytest.raises(ValueError, match=rf"parameter id 0 .* is a {type(entry).__name__}, not a dict"):
+        opt.load_state_dict(sd)
+    assert not opt.state
