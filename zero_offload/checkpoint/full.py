@@ -214,7 +214,7 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         gi, bucket, _ = where[p]
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
-        outside = foreign(entry, bucket)
+        outside = foreign(entry, bucket) if isinstance(entry, dict) else {}  # (else refused below, named)
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi], outside=outside)
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
         try:  # (each rank loads its own part of the values; before any op on a DTensor, which gives it this rank's
