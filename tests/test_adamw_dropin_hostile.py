@@ -106,6 +106,40 @@ def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_bra
             assert torch.equal(now["state"][k][key], value), (k, key)
 
 
+@pytest.mark.parametrize("how", ["view", "slice"])
+@pytest.mark.parametrize("placement", ["cpu", "host", "parked"])
+def test_a_parameter_reshaped_over_its_own_storage_is_refused_naming_it(request, placement, how):
+    """``p.data = p.data[:3]`` or ``p.data = p.data.view(-1)`` changes the parameter's shape but not where its data
+    is, so watching the data's address alone missed it: a GPU parameter stepped on the host ran its update and then
+    failed in the upload with torch's bare size mismatch (the state already stepped); one bound to its slot (CPU,
+    parked) was stepped as if nothing had happened. AdamW refuses such a parameter (its moments keep the old shape):
+    refused at the next step, naming both shapes, nothing changed."""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), **kw)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    loss_fn(model, 2, 0, "cpu").backward()
+    w = model.tok.weight
+    kept = w.data
+    w.data = w.data[:3] if how == "slice" else w.data.view(-1)
+    now = r"\(3, 16\)" if how == "slice" else r"\(496,\)"
+    with pytest.raises(RuntimeError, match=rf"data was moved, cast or reshaped .* it was \(31, 16\) torch.float32 "
+                                           rf"on .*, it is now {now} torch.float32 on .* \(a parameter of shape "
+                                           r"\(31, 16\)"):
+        opt.step()
+    w.data = kept
+    assert_unchanged(before, model, opt)
+
+
 # -- a wrapper's own keys in a parameter's state entry ---------------------------------------------------------------
 class SlowWeights:
     """A Lookahead-style wrapper as timm's ``Lookahead`` is written: after every ``k``-th step of its base optimizer
