@@ -220,8 +220,8 @@ def _known(rule: Rule) -> List[str]:
 
 
 def misspelt(key: Any, known: Sequence[str]) -> Optional[str]:
-    """The one of ``known`` that ``key``, none of them, reads as a misspelling of (``exp_avgs``, ``Exp_avg``,
-    ``steps``), else None. Such a key is refused, never kept as a wrapper's own: an edit meant for the state that
+    """The one of ``known`` that ``key``, none of them, reads as a misspelling of (``steps``, ``Step``, a buffer's
+    name with a letter more, less or other), else None. Such a key is refused, never kept as a wrapper's own: an edit meant for the state that
     would otherwise be dropped without a word. A wrapper's keys are its own words (``lookahead_slow_buff``)."""
     if not isinstance(key, str) or key in known:
         return None
