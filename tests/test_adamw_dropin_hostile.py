@@ -327,3 +327,33 @@ def test_a_loaded_entry_that_is_not_a_dict_is_refused_naming_it(entry):
     with pytest.raises(ValueError, match=rf"parameter id 0 .* is a {type(entry).__name__}, not a dict"):
         opt.load_state_dict(sd)
     assert not opt.state
+
+
+def _sharded_load_worker(rank, world):
+    import test_distributed as td
+    import torch.distributed as dist
+
+    model, ref_model = td._make(rank)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    td.loss_on(ref_model, 0, 0, slice(None)).backward()
+    ref.step()
+    sd = ref.state_dict()
+    sd["state"][0]["lookahead_slow_buff"] = torch.ones_like(sd["state"][0]["exp_avg"])
+    opt = OffloadOptimizer(model.parameters(), process_group=dist.group.WORLD, timeout=30)
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc), len(opt.state)
+    return None, len(opt.state)
+
+
+def test_a_wrappers_key_loaded_into_a_sharded_optimizer_is_refused_saying_why():
+    """A wrapper's key is kept only where a bucket is whole in one process; a sharded optimizer refuses it, at the
+    next step (an edit) and at load alike, and says so both times. The load's message called it another
+    optimizer's state, which sends the user looking for a wrong checkpoint."""
+    import test_distributed as td
+
+    results = td.launch(_sharded_load_worker, 2)
+    for rank, (message, entries) in results.items():
+        assert message is not None and entries == 0, (rank, message)
+        assert "lookahead_slow_buff" in message and "not sharded over ranks" in message, (rank, message)
