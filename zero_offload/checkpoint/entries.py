@@ -19,7 +19,7 @@ from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.options import check_step, prefixed
 
 __all__ = ["Buckets", "ParamList", "State", "StateEntry", "StateMap", "check_compact_moment", "check_param_lists",
-           "expose", "foreign", "misspelt", "state_keys", "typo_hint", "step_entry", "sync_state"]
+           "expose", "foreign", "misspelt", "state_keys", "typo_hint", "unkept", "step_entry", "sync_state"]
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
 
@@ -214,6 +214,12 @@ def foreign(entry: Dict[str, Any], bucket: FlatBucket) -> Dict[str, Any]:
     return {k: v for k, v in entry.items() if k not in known and misspelt(k, known) is None}
 
 
+def unkept(bucket: FlatBucket) -> str:
+    """What a refused unknown key is told where the bucket keeps no wrapper's keys (see :func:`foreign`)."""
+    return (" (keys of a wrapper's own are kept only where the bucket is in one process, not sharded over ranks)"
+            if bucket.sharded or bucket.fsdp else "")
+
+
 def _known(rule: Rule) -> List[str]:
     """The keys of ``rule``'s state entries (``step`` for every rule: a step count is kept, shown or not)."""
     return ["step", *(k for k in state_keys(rule) if k is not None)]
@@ -264,8 +270,7 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue)
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional and (b.name in slots or bucket.compact))]
     missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
-        shared = " (keys of a wrapper's own only where the bucket is in one process, not sharded over ranks)" \
-            if unknown and (bucket.sharded or bucket.fsdp) else ""
+        shared = unkept(bucket) if unknown else ""
         raise ValueError(f"{where} has keys {sorted(map(str, given))}: it needs {_listed(needs)}, and "
                          f"may hold {', '.join(k for k in slots if k not in needs)}{shared}"
                          f"{typo_hint(unknown, bucket.rule)}")
