@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cuda_standins
-from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups, snapshot
+from test_optimizer import TinyTransformer, assert_same, assert_unchanged, loss_fn, param_groups, snapshot
 from zero_offload import OffloadOptimizer
 
 STEPS = 5
@@ -104,6 +104,40 @@ def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_bra
     for k, entry in before[1]["state"].items():
         for key, value in entry.items():
             assert torch.equal(now["state"][k][key], value), (k, key)
+
+
+@pytest.mark.parametrize("how", ["view", "slice"])
+@pytest.mark.parametrize("placement", ["cpu", "host", "parked"])
+def test_a_parameter_reshaped_over_its_own_storage_is_refused_naming_it(request, placement, how):
+    """``p.data = p.data[:3]`` or ``p.data = p.data.view(-1)`` changes the parameter's shape but not where its data
+    is, so watching the data's address alone missed it: a GPU parameter stepped on the host ran its update and then
+    failed in the upload with torch's bare size mismatch (the state already stepped); one bound to its slot (CPU,
+    parked) was stepped as if nothing had happened. AdamW refuses such a parameter (its moments keep the old shape):
+    refused at the next step, naming both shapes, nothing changed."""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), **kw)
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        opt.step()
+    before = snapshot(model, opt)
+    opt.zero_grad()
+    loss_fn(model, 2, 0, "cpu").backward()
+    w = model.tok.weight
+    kept = w.data
+    w.data = w.data[:3] if how == "slice" else w.data.view(-1)
+    now = r"\(3, 16\)" if how == "slice" else r"\(496,\)"
+    with pytest.raises(RuntimeError, match=rf"data was moved, cast or reshaped .* it was \(31, 16\) torch.float32 "
+                                           rf"on .*, it is now {now} torch.float32 on .* \(a parameter of shape "
+                                           r"\(31, 16\)"):
+        opt.step()
+    w.data = kept
+    assert_unchanged(before, model, opt)
 
 
 # -- a wrapper's own keys in a parameter's state entry ---------------------------------------------------------------
@@ -207,3 +241,119 @@ def test_a_loaded_entry_of_another_optimizer_is_still_refused():
                                          r"optimizer\?"):
         opt.load_state_dict(sd)
     assert not opt.state
+
+
+# -- a typo of one of our keys is not a wrapper's key ----------------------------------------------------------------
+TYPOS = ["exp_avgs", "Exp_avg", "exp_avg_sqr", "steps"]
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+def test_a_typo_of_a_state_key_put_into_an_entry_is_refused_naming_it(typo):
+    """Keys beside AdamW's are kept as a wrapper's own, but one that reads as a misspelling of a key of the rule
+    (``opt.state[p]["exp_avgs"] = ...`` meant for ``exp_avg``) is refused at the next step, naming it and the key it
+    resembles, the state left as it was. It was kept without a word (the edit it stood for never happening)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model))
+    loss_fn(model, 0, 0, "cpu").backward()
+    opt.step()
+    before = snapshot(model, opt)
+    p = model.tok.weight
+    opt.state[p][typo] = torch.zeros_like(p)
+    opt.zero_grad()
+    loss_fn(model, 1, 0, "cpu").backward()
+    with pytest.raises(ValueError, match=rf"{typo!r}.*did you mean '(exp_avg|exp_avg_sq|step)'"):
+        opt.step()
+    del opt.state[p][typo]
+    assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+@pytest.mark.parametrize("with_wrappers", [False, True], ids=["alone", "beside-a-wrappers-key"])
+def test_a_loaded_entry_with_a_typo_of_a_state_key_is_refused_naming_it(typo, with_wrappers):
+    """The same at load: an AdamW state dict whose entry holds a misspelt key beside its whole state (alone, or
+    beside a wrapper's genuine key) is refused naming the key, nothing loaded. It was loaded, the key kept."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = copy.deepcopy(ref.state_dict())
+    sd["state"][0][typo] = torch.zeros_like(sd["state"][0]["exp_avg"])
+    if with_wrappers:
+        sd["state"][0]["lookahead_slow_buff"] = torch.ones_like(sd["state"][0]["exp_avg"])
+    opt = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    with pytest.raises(ValueError, match=rf"parameter id 0 .*{typo!r}.*did you mean '(exp_avg|exp_avg_sq|step)'"):
+        opt.load_state_dict(sd)
+    assert not opt.state
+
+
+def test_a_wrappers_key_beside_whole_state_still_loads_and_is_kept():
+    """The rule that refuses typos keeps what is plainly a wrapper's: Lookahead's slow weights, a non-tensor value,
+    a key that is not a string, each beside a whole AdamW entry, loaded as AdamW loads them (no string value:
+    torch's loader rebuilds an iterable value item by item, which turns a str into the text of a generator)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = ref.state_dict()
+    extra = {"lookahead_slow_buff": torch.ones_like(sd["state"][0]["exp_avg"]), "ema_decay": 0.99, 7: 3}
+    sd["state"][0].update(extra)
+    ours = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    ours.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    p, q = next(iter(ours.state)), next(iter(ref.state))
+    assert set(ours.state[p]) == set(ref.state[q])
+    for k in extra:
+        if isinstance(extra[k], torch.Tensor):
+            torch.testing.assert_close(ours.state[p][k], ref.state[q][k])
+        else:
+            assert ours.state[p][k] == ref.state[q][k]
+
+
+@pytest.mark.parametrize("entry", [[1, 2], None, torch.zeros(3)], ids=["list", "None", "tensor"])
+def test_a_loaded_entry_that_is_not_a_dict_is_refused_naming_it(entry):
+    """A parameter's loaded entry that is no dict is refused as before the wrappers' keys came in, naming it
+    (``... is a list, not a dict``), nothing loaded. Reading its wrapper's keys first made it an AttributeError."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = torch.optim.AdamW(param_groups(model), foreach=False)
+    loss_fn(model, 0, 0, "cpu").backward()
+    ref.step()
+    sd = ref.state_dict()
+    sd["state"][0] = entry
+    opt = OffloadOptimizer(param_groups(copy.deepcopy(model)))
+    with pytest.raises(ValueError, match=rf"parameter id 0 .* is a {type(entry).__name__}, not a dict"):
+        opt.load_state_dict(sd)
+    assert not opt.state
+
+
+def _sharded_load_worker(rank, world):
+    import test_distributed as td
+    import torch.distributed as dist
+
+    model, ref_model = td._make(rank)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False)
+    td.loss_on(ref_model, 0, 0, slice(None)).backward()
+    ref.step()
+    sd = ref.state_dict()
+    sd["state"][0]["lookahead_slow_buff"] = torch.ones_like(sd["state"][0]["exp_avg"])
+    opt = OffloadOptimizer(model.parameters(), process_group=dist.group.WORLD, timeout=30)
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc), len(opt.state)
+    return None, len(opt.state)
+
+
+def test_a_wrappers_key_loaded_into_a_sharded_optimizer_is_refused_saying_why():
+    """A wrapper's key is kept only where a bucket is whole in one process; a sharded optimizer refuses it, at the
+    next step (an edit) and at load alike, and says so both times. The load's message called it another
+    optimizer's state, which sends the user looking for a wrong checkpoint."""
+    import test_distributed as td
+
+    results = td.launch(_sharded_load_worker, 2)
+    for rank, (message, entries) in results.items():
+        assert message is not None and entries == 0, (rank, message)
+        assert "lookahead_slow_buff" in message and "not sharded over ranks" in message, (rank, message)

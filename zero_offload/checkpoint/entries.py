@@ -4,6 +4,7 @@ buffers as they would take effect in AdamW. :func:`expose` is the one place entr
 it for a parameter's first update)."""
 from __future__ import annotations
 
+import difflib
 import operator
 import weakref
 from collections import defaultdict
@@ -18,7 +19,7 @@ from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.options import check_step, prefixed
 
 __all__ = ["Buckets", "ParamList", "State", "StateEntry", "StateMap", "check_compact_moment", "check_param_lists",
-           "expose", "foreign", "state_keys", "step_entry", "sync_state"]
+           "expose", "foreign", "misspelt", "state_keys", "typo_hint", "unkept", "step_entry", "sync_state"]
 
 DTYPE_LABELS = {torch.bfloat16: "bf16", torch.int8: "8-bit"}
 
@@ -209,8 +210,37 @@ def foreign(entry: Dict[str, Any], bucket: FlatBucket) -> Dict[str, Any]:
     bucket's state dict is made from the buffers, so there such keys are refused (nothing is foreign)."""
     if bucket.sharded or bucket.fsdp:
         return {}
-    known = {"step", *state_keys(bucket.rule)}  # (a step count is counted for every rule, shown or not)
-    return {k: v for k, v in entry.items() if k not in known}
+    known = _known(bucket.rule)
+    return {k: v for k, v in entry.items() if k not in known and misspelt(k, known) is None}
+
+
+def unkept(bucket: FlatBucket) -> str:
+    """What a refused unknown key is told where the bucket keeps no wrapper's keys (see :func:`foreign`)."""
+    return (" (keys of a wrapper's own are kept only where the bucket is in one process, not sharded over ranks)"
+            if bucket.sharded or bucket.fsdp else "")
+
+
+def _known(rule: Rule) -> List[str]:
+    """The keys of ``rule``'s state entries (``step`` for every rule: a step count is kept, shown or not)."""
+    return ["step", *(k for k in state_keys(rule) if k is not None)]
+
+
+def misspelt(key: Any, known: Sequence[str]) -> Optional[str]:
+    """The one of ``known`` that ``key``, none of them, reads as a misspelling of (``steps``, ``Step``, a buffer's
+    name with a letter more, less or other), else None. Such a key is refused, never kept as a wrapper's own: an edit meant for the state that
+    would otherwise be dropped without a word. A wrapper's keys are its own words (``lookahead_slow_buff``)."""
+    if not isinstance(key, str) or key in known:
+        return None
+    lowered = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(key.lower(), lowered, n=1, cutoff=0.8)
+    return lowered[close[0]] if close else None
+
+
+def typo_hint(keys: Any, rule: Rule) -> str:
+    """`` (did you mean ...?)`` for those of ``keys`` that read as misspellings of ``rule``'s keys, else empty."""
+    known = _known(rule)
+    hints = [f"{k!r}: did you mean {m!r}?" for k in keys for m in [misspelt(k, known)] if m is not None]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
@@ -240,10 +270,10 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue)
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional and (b.name in slots or bucket.compact))]
     missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
-        shared = " (keys of a wrapper's own only where the bucket is in one process, not sharded over ranks)" \
-            if unknown and (bucket.sharded or bucket.fsdp) else ""
+        shared = unkept(bucket) if unknown else ""
         raise ValueError(f"{where} has keys {sorted(map(str, given))}: it needs {_listed(needs)}, and "
-                         f"may hold {', '.join(k for k in slots if k not in needs)}{shared}")
+                         f"may hold {', '.join(k for k in slots if k not in needs)}{shared}"
+                         f"{typo_hint(unknown, bucket.rule)}")
     with prefixed(where):  # (FSDP2: a DTensor, or the parameter's full tensor: this rank's shard of it)
         entry = {k: v if k == "step" else local_value(v, bucket.owners[i]) for k, v in entry.items()}
     for name, v in entry.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from copy import deepcopy
 from itertools import chain
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
-from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry
+from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry, typo_hint, unkept
 
 __all__ = ["Ahead", "LoadPlan", "add_compact_moments", "ahead_entries", "apply_load", "check_entry", "check_format",
            "full_state", "merge_groups", "plan_load"]
@@ -137,19 +137,22 @@ class LoadPlan:
 
 
 def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer],
-                foreign_ok: bool = False) -> Dict[str, Any]:
+                outside: Collection[Any] = (), unkept_note: str = "") -> Dict[str, Any]:
     """Validate one parameter's loaded state for ``rule``, whose group needs the buffers ``needed``; returns it
-    with ``step`` as a float. With ``foreign_ok``, keys that are none of the rule's may stand beside its whole state
-    (see :func:`~zero_offload.checkpoint.entries.foreign`)."""
+    with ``step`` as a float. ``outside``: the entry's keys that are a wrapper's own, which may stand beside the
+    rule's whole state (see :func:`~zero_offload.checkpoint.entries.foreign`); any other key is refused, its message
+    ending with ``unkept_note`` (where the bucket keeps no wrapper's keys: sharded)."""
     where = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict")
     keys = state_keys(rule)
     unknown = set(entry) - set(keys)
     whole = all(k in entry for k in (rule.step_key, *(b.name for b in needed)) if k is not None)
-    if unknown and not (foreign_ok and whole):
-        raise ValueError(f"{where} has keys {sorted(map(str, unknown))} that are not {rule.name} state (expected "
-                         f"{', '.join(k for k in keys if k is not None)}): is it from another optimizer?")
+    strange = unknown - set(outside) if whole else unknown
+    if strange:
+        raise ValueError(f"{where} has keys {sorted(map(str, strange))} that are not {rule.name} state (expected "
+                         f"{', '.join(k for k in keys if k is not None)}): is it from another optimizer?"
+                         f"{typo_hint(strange, rule)}{unkept_note}")
     # (a buffer of a shape of its own, :class:`StateShape`, may have no tensor for this parameter: Adafactor's
     # ``variance`` for a matrix)
     shapes = {b.name: b.shape_for(p.shape) for b in rule.buffers}
@@ -212,10 +215,10 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         gi, bucket, _ = where[p]
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
-        entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi],
-                                 foreign_ok=bool(foreign(entry, bucket)))
+        outside = foreign(entry, bucket) if isinstance(entry, dict) else {}  # (else refused below, named)
+        entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi], outside=outside,
+                                 unkept_note=unkept(bucket))
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
-        outside = foreign(entry, bucket)
         try:  # (each rank loads its own part of the values; before any op on a DTensor, which gives it this rank's
             # mesh coordinate in place of the one it was saved at). Values only, as AdamW loads them: a tensor that
             # requires grad must not pull a host buffer into autograd.

@@ -76,7 +76,9 @@ class Masters:
         # GPU): the parameters are bound to the slots the update writes, and nothing is transferred. (Not FSDP2's
         # shards FSDP keeps otherwise, ``bind`` False: they stay in FSDP's storage, which its all-gather reads.)
         self.resident = takeovers is not None or (bind and (layout.device.type == "cpu" or not slots.host))
-        self.on_device = not slots.host  # (the update runs on the GPU: parameters read there, not on the host)
+        # (The tier the parameters are bound to: on a GPU, the update runs there and the parameters are read there,
+        # not on the host; pinned, FSDP copies its shards to the GPU from it.)
+        self.slots = slots
         self.low_precision = layout.dtype != torch.float32
         self.separate = not (self.resident and not self.low_precision)
         n = layout.padded_numel
@@ -86,7 +88,6 @@ class Masters:
             self.flat_param = slots.zeros(shard.full.padded_numel, self.dtype)  # (a parked home's: on its GPU)
             self.param_views = [view_like(self.flat_param, o, p) for o, p in zip(shard.full.offsets, params)]
             own = self.flat_param[shard.lo : shard.lo + shard.numel]
-        self.slots_pinned = slots.pinned
         self.master = (own if (own is not None and not self.low_precision)
                        else (tier if self.low_precision or not self.resident else slots).zeros(n, torch.float32))
         self.staging: Optional[torch.Tensor] = None
@@ -102,6 +103,10 @@ class Masters:
         # ``vector_to_parameters``) moves no version counter, but moves this.
         self.slot_ptrs: List[Any] = [p.data_ptr() for p in params] if self.watch is params and not self.resident \
             else []
+        # Each parameter's shape (not FSDP2's, whose shards FSDP shapes): a view over the same storage
+        # (``p.data = p.data[:n]``) moves no data_ptr, but changes this.
+        self.shapes: Optional[List[torch.Size]] = list(map(torch.Tensor.size, params)) if self.watch is params \
+            else None
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
@@ -139,9 +144,11 @@ class Masters:
             if now != self.slot_ptrs:
                 self._retake([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b])
             return
+        moved = self.shapes is not None and list(map(torch.Tensor.size, params)) != self.shapes
         if self.resident:
-            if list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs:
-                self._rebind([i for i, p in enumerate(params) if p.data_ptr() != self.slot_ptrs[i]])
+            if moved or list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs:
+                self._rebind([i for i, p in enumerate(params)
+                              if p.data_ptr() != self.slot_ptrs[i] or p.shape != self.shapes[i]])
             return
         if self.watch is not params:  # FSDP2's shards left in FSDP's storage: follow storage FSDP re-made
             now = fsdp2.local_ptrs(self.watch)
@@ -149,8 +156,9 @@ class Masters:
                 self._follow([i for i, (a, p) in enumerate(zip(now, params)) if a != p.data_ptr()])
         else:
             now = list(map(torch.Tensor.data_ptr, params))
-            if now != self.slot_ptrs:
-                self._replaced([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b], now)
+            if moved or now != self.slot_ptrs:
+                self._replaced([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs))
+                                if a != b or params[i].shape != self.shapes[i]], now)
         if any(p.dtype != self.dtype or p.device != self.device for p in params):
             self._refuse(next(i for i, p in enumerate(params) if p.dtype != self.dtype or p.device != self.device),
                          None)
@@ -176,14 +184,12 @@ class Masters:
         """Parameters that stay where they are (a GPU one stepped on the host) whose data was replaced (``p.data =
         ...``, which moves no version counter): as AdamW follows the ``Parameter``, each separate master is checked
         against its parameter at its next update, as a loaded one is (kept where it rounds to it, else taken from
-        it). A move, a cast or another shape is refused, naming it, with nothing followed."""
+        it). A move, a cast or another shape (also over the same storage: ``p.data = p.data[:n]``) is refused,
+        naming it, with nothing followed."""
         for i in indices:
             p = self.params[i]
-            # (the master's view has the parameter's shape; sharded, its piece: the whole slot's size tells)
-            shape = self.master_views[i].shape if self.shard is None else None
-            same = p.shape == shape if shape is not None else p.numel() == self.shard.full.numels[i]
-            if p.dtype != self.dtype or p.device != self.device or not same:
-                self._refuse(i, shape)
+            if p.dtype != self.dtype or p.device != self.device or p.shape != self.shapes[i]:
+                self._refuse(i, self.shapes[i])
         for i in indices:
             self.slot_ptrs[i] = now[i]
             self.loaded(i, True)
@@ -230,7 +236,7 @@ class Masters:
         flat = self.staging if self.low_precision else self.master
         for i in indices:
             room = flat[self.offsets[i] : self.offsets[i] + fsdp2.takeover_numel(self.takeovers[i])]
-            self.params[i] = fsdp2.bind_shard(self.watch[i], self.takeovers[i], room, self.slots_pinned)
+            self.params[i] = fsdp2.bind_shard(self.watch[i], self.takeovers[i], room, self.slots.pinned)
         self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
 
     def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None) -> None:
@@ -241,9 +247,10 @@ class Masters:
         was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
         if shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
+        whole = self.watch[i].shape if self.shapes is None else self.shapes[i]  # (as built; FSDP2: the DTensor's)
         raise RuntimeError(
             f"OffloadOptimizer: a parameter's data was moved, cast or reshaped after the optimizer was built: it was "
-            f"{was}, it is now {now} (a parameter of shape {tuple(self.watch[i].shape)}; `model.to(...)`, "
+            f"{was}, it is now {now} (a parameter of shape {tuple(whole)}; `model.to(...)`, "
             "`p.data = ...`, ...). The optimizer's state lives with the "
             "parameters where it was built: move or cast the model first, then build the optimizer (data replaced "
             "on the parameter's own device, dtype and shape is followed, as AdamW follows it).")
@@ -294,7 +301,7 @@ class Masters:
         if self.shard is not None:
             return [self._piece_value(i) for i in stale]
         # (host parameters not bound to their slots, FSDP2's; or read where a GPU-stepped home updates them)
-        if self.resident or self.device.type == "cpu" or self.on_device:
+        if self.resident or self.device.type == "cpu" or not self.slots.host:
             return [self.params[i].detach() for i in stale]
         # The parameter's bits land in its own-dtype host slot first (staging for low precision, else the master),
         # in one batch of async copies and one wait; the upcast to the fp32 master then runs on the host. Into a
