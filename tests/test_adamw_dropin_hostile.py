@@ -207,3 +207,57 @@ def test_a_loaded_entry_of_another_optimizer_is_still_refused():
                                          r"optimizer\?"):
         opt.load_state_dict(sd)
     assert not opt.state
+
+
+# -- an entry read, or emptied, before a step ----------------------------------------------------------------------
+def _read_and_empty(model, opt):
+    """``opt.state[p]`` read for a parameter never stepped (the defaultdict makes ``{}``), and, once some have
+    state, one entry emptied (``opt.state[p] = {}``: the parameter restarts at its next step)."""
+    params = list(model.parameters())
+    opt.state[params[0]]
+    _ = opt.state[params[3]].get("step")
+    return params
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_an_empty_entry_is_listed_and_loaded_as_adamw_lists_it(request, placement):
+    """Merely reading ``opt.state[p]`` before ``p``'s first step leaves ``{}`` there, and AdamW's ``state_dict()``
+    lists ``{i: {}}``; ours left it out, and our loader refused AdamW's state dict with one ("lacks ['step', ...]").
+    Both ways through a state dict, then every step against AdamW, an emptied entry of a stepped parameter too."""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for m, opt in ((model, ours), (ref_model, ref)):
+        _read_and_empty(m, opt)
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    assert len(ref_sd["state"]) == 2 and not any(ref_sd["state"].values())
+    assert ours_sd["state"] == ref_sd["state"]
+    into_ours_model = copy.deepcopy(ref_model)
+    into_ours = OffloadOptimizer(param_groups(into_ours_model), **kw)
+    into_ours.load_state_dict(copy.deepcopy(ref_sd))
+    assert into_ours.state_dict()["state"] == ref_sd["state"]
+    for p, q in zip(into_ours_model.parameters(), ref_model.parameters()):
+        assert (p in into_ours.state, into_ours.state.get(p)) == (q in ref.state, ref.state.get(q))
+    into_ref_model = copy.deepcopy(model)
+    into_ref = torch.optim.AdamW(param_groups(into_ref_model), foreach=False)
+    into_ref.load_state_dict(copy.deepcopy(ours_sd))
+    runs = ((model, ours), (ref_model, ref), (into_ours_model, into_ours), (into_ref_model, into_ref))
+    for step in range(STEPS):
+        for m, opt in runs:
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+            if step == 1:
+                opt.state[list(m.parameters())[2]] = {}  # (restarts at the next step, listed as {} until then)
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        assert_same(into_ours_model, ref_model, into_ours, ref, f"loaded, step {step}")
+        assert_same(into_ref_model, ref_model, into_ref, ref, f"into AdamW, step {step}")
+        empty = [{k for k, v in opt.state_dict()["state"].items() if not v} for opt in (ours, ref)]
+        assert empty[0] == empty[1] and len(empty[1]) == (step == 1), f"step {step}"
+        assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()

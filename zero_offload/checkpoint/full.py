@@ -16,10 +16,10 @@ from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
-from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry
+from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _put, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry
 
 __all__ = ["Ahead", "LoadPlan", "add_compact_moments", "ahead_entries", "apply_load", "check_entry", "check_format",
-           "full_state", "merge_groups", "plan_load"]
+           "empty_entries", "full_state", "merge_groups", "plan_load"]
 
 
 def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
@@ -128,7 +128,8 @@ def _where(buckets: Buckets) -> Dict[torch.Tensor, Tuple[int, FlatBucket, int]]:
 # --------------------------------------------------------------------------------------- full state dicts --
 @dataclasses.dataclass
 class LoadPlan:
-    """A validated state dict: the new param groups, each parameter's entry (``step`` as a float), and the entries
+    """A validated state dict: the new param groups, each parameter's entry (``step`` as a float; an empty one
+    stays empty: the parameter starts fresh, its entry shown as ``{}``, as AdamW loads it), and the entries
     keyed by no parameter id (``extras``, a hook's ``opt.state["epoch"]``: put back as they are, as AdamW does)."""
 
     groups: List[Dict[str, Any]]
@@ -209,6 +210,9 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             raise ValueError(f"loaded state dict has state for parameter id {key!r}, which none of its "
                              "param_groups lists")
         p = id_map[key]
+        if isinstance(entry, dict) and not entry:
+            entries[p] = {}  # (fresh state, its entry shown empty: AdamW's after a mere read of opt.state[p])
+            continue
         gi, bucket, _ = where[p]
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
@@ -235,13 +239,16 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
 def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     """Write a validated state dict into the buffers in place; parameters without an entry start fresh."""
     for bucket in chain.from_iterable(buckets):
-        entries = [plan.entries.get(p) for p in bucket.owners]
+        entries = [plan.entries.get(p) or None for p in bucket.owners]  # (an empty entry: fresh state)
         if bucket.sharded:  # this rank's piece of each full entry
             bucket.home.load_pieces(entries)
         else:
             _load_flat(bucket, entries)
         loaded = [i for i, e in enumerate(entries) if e is not None]
         expose(state, bucket, loaded, keep_foreign=False)
+        for p in bucket.owners:
+            if plan.entries.get(p) == {}:
+                _put(state, p, {})
         for i in loaded:  # (the loaded entry's keys that are none of the rule's, beside its state)
             dict.update(dict.__getitem__(state, bucket.owners[i]), foreign(entries[i], bucket))
         _install_params(bucket, [None if e is None else e.get("param") for e in entries])
@@ -316,6 +323,15 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
                 out[index[id(p)]] = entry
     return out
+
+
+def empty_entries(groups: Sequence[Dict[str, Any]], state: State) -> Dict[int, Dict[str, Any]]:
+    """The parameters whose ``opt.state`` entry is empty (read before their first step, or emptied), keyed as
+    ``Optimizer.state_dict()`` numbers them: ``{}`` each, as AdamW's state dict lists them. (Local: what this rank's
+    ``opt.state`` holds.)"""
+    index = _positions(groups)
+    return {index[id(p)]: {} for p, entry in dict.items(state)
+            if isinstance(p, torch.Tensor) and not entry and id(p) in index}
 
 
 def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict[str, Any]], buckets: Buckets
