@@ -261,3 +261,58 @@ def test_an_empty_entry_is_listed_and_loaded_as_adamw_lists_it(request, placemen
         empty = [{k for k, v in opt.state_dict()["state"].items() if not v} for opt in (ours, ref)]
         assert empty[0] == empty[1] and len(empty[1]) == (step == 1), f"step {step}"
         assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+
+
+# -- a loaded step's dtype -----------------------------------------------------------------------------------------
+def _steps_as(sd, dtype):
+    for entry in sd["state"].values():
+        entry["step"] = entry["step"].to(dtype)
+    return sd
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+@pytest.mark.parametrize("dtype,saved_flag", [(torch.int64, None), (torch.float64, None), (torch.int64, "fused"),
+                                              (torch.int64, "capturable")],
+                         ids=["int64", "float64", "int64-fused", "int64-capturable"])
+def test_a_loaded_steps_dtype_is_kept_as_adamw_keeps_it(request, placement, dtype, saved_flag):
+    """torch's loader keeps a ``step`` tensor as it is (``_process_value_according_to_param_policy``), unless the
+    saved group is ``fused`` or ``capturable`` (float32 then), and AdamW counts on in that dtype: ``opt.state`` and
+    ``state_dict()`` show it. Ours made every loaded step float32. (A checkpoint with int64 steps: a converter's,
+    DeepSpeed's, an older torch's counted as integers.)"""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(2):
+        ref.zero_grad()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        ref.step()
+    sd = _steps_as(ref.state_dict(), dtype)
+    if saved_flag is not None:
+        for group in sd["param_groups"]:
+            group[saved_flag] = True
+    model.load_state_dict(ref_model.state_dict())
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ours.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    for group in ref.param_groups:  # (the reference steps as it did; the flag decided the loaded step's dtype only)
+        group["fused"], group["capturable"] = None, False
+    want = torch.float32 if saved_flag is not None else dtype
+    for step in range(2, 2 + STEPS):
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if q in ref.state:
+                assert ref.state[q]["step"].dtype == want
+                assert ours.state[p]["step"].dtype == want, f"step {step}"
+        ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+        for k, entry in ref_sd["state"].items():
+            assert ours_sd["state"][k]["step"].dtype == entry["step"].dtype == want, f"step {step}, {k}"
+            assert ours_sd["state"][k]["step"].item() == entry["step"].item()
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()

@@ -16,6 +16,7 @@ from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
+from zero_offload.state.store import STEP_DTYPES
 from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _put, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry
 
 __all__ = ["Ahead", "LoadPlan", "add_compact_moments", "ahead_entries", "apply_load", "check_entry", "check_format",
@@ -135,6 +136,8 @@ class LoadPlan:
     groups: List[Dict[str, Any]]
     entries: Dict[torch.Tensor, Dict[str, Any]]
     extras: Dict[Any, Any] = dataclasses.field(default_factory=dict)
+    # The dtype each loaded step keeps in AdamW (see :func:`_kept_step_dtype`), by parameter.
+    step_dtypes: Dict[torch.Tensor, torch.dtype] = dataclasses.field(default_factory=dict)
 
 
 def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer],
@@ -199,7 +202,9 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
     id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved),
                       chain.from_iterable(g["params"] for g in groups)))
     where = _where(buckets)
+    saved_group = {key: sg for sg in saved for key in sg["params"]}
     entries: Dict[torch.Tensor, Dict[str, Any]] = {}
+    step_dtypes: Dict[torch.Tensor, torch.dtype] = {}
     extras: Dict[Any, Any] = {}
     needed: Dict[int, Sequence[StateBuffer]] = {}  # by group: the buffers its hyperparameters need
     for key, entry in state_dict["state"].items():
@@ -218,6 +223,7 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi],
                                  foreign_ok=bool(foreign(entry, bucket)))
+        step_dtypes[p] = _kept_step_dtype(entry.get(bucket.rule.step_key), saved_group[key])
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
         outside = foreign(entry, bucket)
         try:  # (each rank loads its own part of the values; before any op on a DTensor, which gives it this rank's
@@ -233,13 +239,32 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         for buf in bucket.rule.buffers:
             if buf.name in entry:
                 check_compact_moment(bucket.state_dtype, buf, entry[buf.name], named)
-    return LoadPlan(new_groups, entries, extras)
+    return LoadPlan(new_groups, entries, extras, step_dtypes)
+
+
+def _kept_step_dtype(step: Any, saved_group: Dict[str, Any]) -> torch.dtype:
+    """The dtype a loaded step keeps: torch's loader keeps a step tensor as it is, unless its saved group is
+    ``fused`` or ``capturable`` (float32 then; ``_process_value_according_to_param_policy``), and AdamW counts on
+    in it. float32 for a step that is no tensor (torch keeps the number) or is in a dtype that cannot hold every
+    count (bf16, fp16, narrow integers)."""
+    if not isinstance(step, torch.Tensor) or saved_group.get("fused") or saved_group.get("capturable"):
+        return torch.float32
+    return step.dtype if step.dtype in STEP_DTYPES else torch.float32
+
+
+def _bucket_step_dtype(bucket: FlatBucket, plan: LoadPlan) -> torch.dtype:
+    """The dtype of a bucket's step counts after a load: the one its loaded steps keep where they all agree (its
+    counts are one tensor; a parameter loaded without state, that the bucket steps later, counts in it too, where
+    AdamW's fresh state is float32); else float32."""
+    kept = {plan.step_dtypes[p] for p in bucket.owners if p in plan.step_dtypes}
+    return kept.pop() if len(kept) == 1 else torch.float32
 
 
 def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     """Write a validated state dict into the buffers in place; parameters without an entry start fresh."""
     for bucket in chain.from_iterable(buckets):
         entries = [plan.entries.get(p) or None for p in bucket.owners]  # (an empty entry: fresh state)
+        bucket.home.count_steps_in(_bucket_step_dtype(bucket, plan))  # (before the steps are written)
         if bucket.sharded:  # this rank's piece of each full entry
             bucket.home.load_pieces(entries)
         else:

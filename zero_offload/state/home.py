@@ -174,6 +174,10 @@ class Home:
     def set_step(self, i: int, step: float) -> None:
         self.views.set_step(i, step)
 
+    def count_steps_in(self, dtype: torch.dtype) -> None:
+        """Count the steps in ``dtype`` from now on (a load's: see :meth:`StateStore.count_steps_in`)."""
+        self.store.count_steps_in(dtype)
+
     def set_exposed(self, i: int, exposed: bool) -> None:
         """Record whether parameter ``i`` has an entry in ``opt.state``."""
         self.views.set_exposed(i, exposed)
