@@ -316,3 +316,92 @@ def test_a_loaded_steps_dtype_is_kept_as_adamw_keeps_it(request, placement, dtyp
             opt.zero_grad()
             loss_fn(m, step, 0, "cpu").backward()
             opt.step()
+
+
+# -- amsgrad's max_exp_avg_sq, where AdamW's state has none ----------------------------------------------------------
+def _amsgrad_pair(request, placement, amsgrad=True):
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), amsgrad=amsgrad, **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=amsgrad, foreach=False)
+    return model, ref_model, ours, ref, kw
+
+
+def _amsgrad_steps(model, ref_model, ours, ref, steps, first=0, between=None):
+    """Steps of both, parameters and state (keys included) compared every step, ``state_dict()``'s keys too."""
+    for step in range(first, first + steps):
+        if between is not None:
+            between(step)
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        _same_keys(ours, ref, f"step {step}")
+
+
+def _same_keys(ours, ref, where):
+    ours_sd, ref_sd = ours.state_dict()["state"], ref.state_dict()["state"]
+    assert {k: sorted(e) for k, e in ours_sd.items()} == {k: sorted(e) for k, e in ref_sd.items()}, where
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_amsgrad_switched_off_before_the_first_step_keeps_no_max_exp_avg_sq(request, placement):
+    """Built with ``amsgrad=True`` and switched off in a group before the first step: AdamW's state holds no
+    ``max_exp_avg_sq`` for that group's parameters; ours showed a zero one (the bucket had allocated it)."""
+    model, ref_model, ours, ref, _ = _amsgrad_pair(request, placement)
+    for opt in (ours, ref):
+        opt.param_groups[0]["amsgrad"] = False
+    _amsgrad_steps(model, ref_model, ours, ref, STEPS)
+    assert any("max_exp_avg_sq" in e for e in ref.state.values())  # (group 1 kept amsgrad)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_a_state_dict_saved_without_amsgrad_loads_without_max_exp_avg_sq(request, placement):
+    """A state dict saved without amsgrad, loaded into an optimizer built with it (the loaded groups say
+    ``amsgrad=False``): AdamW's entries are the loaded ones; ours showed a zero ``max_exp_avg_sq`` beside them.
+    A saved one with amsgrad loads with it (both ways)."""
+    model, ref_model, ours, ref, kw = _amsgrad_pair(request, placement, amsgrad=False)
+    _amsgrad_steps(model, ref_model, ours, ref, 2)
+    for saved_by in (ref, ours):
+        for amsgrad in (True, False):
+            sd = copy.deepcopy(saved_by.state_dict())
+            into_model = copy.deepcopy(model)
+            into = OffloadOptimizer(param_groups(into_model), amsgrad=amsgrad, **kw)
+            into.load_state_dict(sd)
+            assert not any("max_exp_avg_sq" in e for e in into.state.values())
+            _same_keys(into, ref, "loaded")
+    into_ref_model = copy.deepcopy(ref_model)
+    into_ref = torch.optim.AdamW(param_groups(into_ref_model), amsgrad=True, foreach=False)
+    into_ref.load_state_dict(copy.deepcopy(ref.state_dict()))
+    ours = OffloadOptimizer(param_groups(model), amsgrad=True, **kw)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _amsgrad_steps(model, into_ref_model, ours, into_ref, 3, first=2)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_amsgrad_switched_on_later_shows_max_exp_avg_sq_from_that_step(request, placement):
+    """Switched on after some steps: AdamW raises ``KeyError: 'max_exp_avg_sq'`` (docs/differences.md); ours starts
+    it at zero at that step, and shows it from then on: as AdamW given that zero buffer at the switch (its
+    parameters never stepped before get it at their first step, as AdamW gives it)."""
+    model, ref_model, ours, ref, _ = _amsgrad_pair(request, placement, amsgrad=True)
+    for opt in (ours, ref):
+        opt.param_groups[1]["amsgrad"] = False
+    _amsgrad_steps(model, ref_model, ours, ref, 2)
+
+    aux = {ref_model.aux.bias}  # (a gradient every third step only: its first update with amsgrad on is later)
+
+    def switch_on(step):
+        if step == 2:
+            for opt in (ours, ref):
+                opt.param_groups[1]["amsgrad"] = True
+        for p in ref.param_groups[1]["params"]:  # (the zero buffer at each parameter's first update since)
+            if p in ref.state and "max_exp_avg_sq" not in ref.state[p] and (p not in aux or step % 3 == 0):
+                ref.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+
+    _amsgrad_steps(model, ref_model, ours, ref, 3, first=2, between=switch_on)

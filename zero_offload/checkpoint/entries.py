@@ -273,6 +273,8 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         bucket.home.reset(i)
         return
     bucket.home.set_step(i, entry["step"])
+    given = [n for n in bucket.home.names if n in entry or (bucket.compact and _held(bucket, i, n))]
+    bucket.home.hold_only(i, given)  # (as given; compact: a moment left out stays as it was)
     for name, slot in slots.items():
         if name in entry:
             if not _same_memory(entry[name], slot):
@@ -283,6 +285,12 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         bucket.home.loaded(i, True)
     elif bucket.low_precision:
         bucket.home.loaded(i, False)  # AdamW's state has no master: take it from the parameter
+
+
+def _held(bucket: FlatBucket, i: int, name: str) -> bool:
+    """Whether parameter ``i``'s entry holds buffer ``name`` (an optional one only where an update or load gave
+    it)."""
+    return name in bucket.home.shows(i, {name: None})
 
 
 def _optional(bucket: FlatBucket, name: str) -> bool:

@@ -38,6 +38,7 @@ class Ahead:
     indices: Set[int]
     steps: Optional[torch.Tensor] = None
     flat: Optional[Dict[str, torch.Tensor]] = None
+    holds: Tuple[str, ...] = ()  # the optional buffers (amsgrad's) the pending update's group uses
 
 
 def _entry_tensors(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
@@ -84,7 +85,9 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
             entry = step_entry(bucket, bucket.steps[i] if after.flat is None else after.steps[i].clone())
             entry.update(_entry_tensors(bucket, i, after, param=True))
             entry.update((n, view_like(t, bucket.layout.offsets[i], p)) for n, t in fp32.items())
-            out[index[id(key)]] = entry
+            # (the optional buffers the entry holds after that update: those it held, and those the update uses)
+            shown = bucket.home.shows(i, entry)
+            out[index[id(key)]] = {n: t for n, t in entry.items() if n in shown or n in after.holds}
     return out
 
 
@@ -270,6 +273,8 @@ def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
         else:
             _load_flat(bucket, entries)
         loaded = [i for i, e in enumerate(entries) if e is not None]
+        for i in loaded:
+            bucket.home.hold_only(i, list(entries[i]))  # (an entry holds amsgrad's buffer as loaded, as AdamW's)
         expose(state, bucket, loaded, keep_foreign=False)
         for p in bucket.owners:
             if plan.entries.get(p) == {}:
@@ -346,7 +351,7 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
             if bucket.exposed[i]:
                 entry = step_entry(bucket, bucket.steps[i].clone())
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
-                out[index[id(p)]] = entry
+                out[index[id(p)]] = bucket.home.shows(i, entry)
     return out
 
 
@@ -375,7 +380,7 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
             k = index[id(owner)]
             if bucket.exposed[i] and k in packed:
                 old = packed[k]
-                moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
+                moments = bucket.home.shows(i, {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names})
                 if bucket.fsdp:
                     moments = {n: fsdp2.wrap(v, owner) for n, v in moments.items()}
                 step = {} if bucket.rule.step_key is None else {"step": old["step"]}  # (Lion: none, see expose)
