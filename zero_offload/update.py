@@ -88,7 +88,7 @@ def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
     with NOTHING if tl is None else tl.span("kernel", "gpu launch" if home.on_device else "step", lane.position):
         run_rule(bucket, runs, grad, in_place, h, multiplier)
     bucket.count_steps(runs)
-    gained = [i for i in home.hold(indices, bucket.rule.needed(h)) if bucket.exposed[i]]  # (amsgrad's, once)
+    gained = [i for i in home.hold(indices, bucket.rule, h) if bucket.exposed[i]]  # (amsgrad's buffer, once)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
     if gained:

@@ -174,12 +174,13 @@ class Home:
     def set_step(self, i: int, step: float) -> None:
         self.views.set_step(i, step)
 
-    def hold(self, indices: Sequence[int], buffers: Sequence[StateBuffer]) -> List[int]:
-        """Parameters ``indices`` were just updated by a group needing ``buffers``: their entries hold its optional
-        ones from now on; returns those whose entries gained one (see :meth:`StateViews.hold`)."""
-        if not self.views.holds:
+    def hold(self, indices: Sequence[int], rule: Rule, hyper: Any) -> List[int]:
+        """Parameters ``indices`` were just updated by ``rule`` with a group's ``hyper``: their entries hold the
+        optional buffers it needs from now on; returns those whose entries gained one (see
+        :meth:`StateViews.hold`). Nothing to look at (no Python call) once every entry holds every one."""
+        if self.views.all_hold:
             return []
-        return self.views.hold(indices, [b.name for b in buffers if b.optional])
+        return self.views.hold(indices, [b.name for b in rule.needed(hyper) if b.optional])
 
     def hold_only(self, i: int, names: Sequence[str]) -> None:
         """Parameter ``i``'s entry holds the optional buffers among ``names`` only (a loaded or edited entry's)."""

@@ -43,6 +43,7 @@ class StateViews:
         # because the bucket allocated the buffer (amsgrad switched off before that update).
         self.holds: Dict[str, List[bool]] = {b.name: [False] * len(params) for b in rule.buffers if b.optional}
         self._all_hold = dict.fromkeys(self.holds, False)
+        self.all_hold = not self.holds  # (every entry holds every optional buffer)
 
     def entry(self, i: int) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s optimizer state in the rule's format: views, not copies (with compact state, the step
@@ -102,6 +103,7 @@ class StateViews:
                     held[i] = True
                     gained.append(i)
             self._all_hold[name] = all(held)
+        self.all_hold = all(self._all_hold.values())
         return gained
 
     def hold_only(self, i: int, names: Sequence[str]) -> None:
@@ -109,7 +111,7 @@ class StateViews:
         keys)."""
         for name, held in self.holds.items():
             held[i] = name in names
-            self._all_hold[name] = False  # (the next update's hold() looks again)
+            self._all_hold[name] = self.all_hold = False  # (the next update's hold() looks again)
 
     def reset(self, i: int) -> None:
         """Parameter ``i`` starts afresh (its state is zeroed by the caller): step 0, no state entry, master
