@@ -405,3 +405,65 @@ def test_amsgrad_switched_on_later_shows_max_exp_avg_sq_from_that_step(request, 
                 ref.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
 
     _amsgrad_steps(model, ref_model, ours, ref, 3, first=2, between=switch_on)
+
+
+# -- sharded over a process group: a GPU parameter's data replaced by another shape or strides ---------------------
+REPLACEMENTS = {
+    "same": lambda t: t.clone(),  # (followed, as AdamW follows it)
+    "reshaped": lambda t: t.reshape(t.shape[1], t.shape[0]).clone(),  # (as many elements, another shape)
+    "strided": lambda t: t.t().contiguous().t(),  # (the same shape and values, column-major)
+}
+
+
+def _sharded_replace_worker(rank, world, how):
+    import test_distributed as td
+    import torch.distributed as dist
+
+    cuda_standins.install_in_rank()
+    model, ref_model = td._make(rank, seed_ours=rank)
+    opt = OffloadOptimizer(td.groups(model), lr=1e-2, bucket_numel=128, process_group=dist.group.WORLD,
+                           placement="host", timeout=30)
+    ref = torch.optim.AdamW(td.groups(ref_model), lr=1e-2, foreach=False)
+    assert all(not b.on_cpu and b.home.kind == "host" and b.sharded for g in opt._buckets for b in g)
+    for step in range(4):
+        for m, o, rows in ((model, opt, td.rows_of(rank, world)), (ref_model, ref, slice(None))):
+            o.zero_grad()
+            td.loss_on(m, step, 0, rows).backward()
+            if step == 2:  # (after backward: the forward reads the parameter as it was)
+                m.w1.data = REPLACEMENTS[how](m.w1.data)
+        if step == 2 and how != "same":
+            before = copy.deepcopy(opt.state_dict()["state"])
+            with pytest.raises(RuntimeError) as err:
+                opt.step()
+            after = opt.state_dict()["state"]
+            for k, entry in before.items():
+                for key, value in entry.items():
+                    assert torch.equal(after[k][key], value), (k, key)
+            return str(err.value)
+        opt.step()
+        ref.step()
+        td._compare(model, ref_model, f"{how}, step {step}")
+        sd, rsd = opt.state_dict()["state"], ref.state_dict()["state"]
+        assert sd.keys() == rsd.keys()
+        for k, entry in rsd.items():
+            for key, value in entry.items():
+                torch.testing.assert_close(sd[k][key], value, msg=lambda m: f"{how}, step {step}, {k} {key}: {m}")
+    return None
+
+
+@pytest.mark.parametrize("how", list(REPLACEMENTS))
+def test_a_sharded_gpu_parameter_replaced_by_another_shape_or_strides_is_refused_naming_it(how):
+    """Sharded (gloo, world 2, GPU stand-ins, stepped on the host): a parameter's data replaced (``p.data = t``) was
+    checked for its number of elements only, so a same-size replacement of another shape or strides went on, its
+    elements read and written in another order than the shard's. Refused now, as the unsharded path refuses it,
+    naming what changed, nothing changed; one of the same shape and strides is followed, as AdamW follows it."""
+    import test_distributed as td
+
+    results = td.launch(_sharded_replace_worker, 2, how)
+    if how == "same":
+        assert results == {0: None, 1: None}
+        return
+    want = {"reshaped": "it was (17, 7) torch.float32 on cuda:0 (stand-in), it is now (7, 17) torch.float32",
+            "strided": "it was (17, 7) with strides (7, 1)"}[how]
+    for rank in (0, 1):
+        assert "data was moved, cast or reshaped" in results[rank] and want in results[rank], results[rank]

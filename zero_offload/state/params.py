@@ -26,7 +26,7 @@ dtype: loading a model checkpoint after building the optimizer just works.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +70,9 @@ class Masters:
                  takeovers: Optional[Sequence[Any]] = None, slots_tier: Optional[Tier] = None):
         self.params, self.shard, self.takeovers, self.offsets = params, shard, takeovers, layout.offsets
         self.watch = params if watch is None else watch
+        # Sharded: each parameter's shape and strides as built, which its pieces of the shard are cut by (in memory
+        # order): data replaced with other ones, however many elements, would be read and written out of order.
+        self.built = None if shard is None else [(p.shape, p.stride()) for p in params]
         self.device, self.dtype = layout.device, layout.dtype
         slots = slots_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
         # The state lives with the parameters (a CPU model, FSDP2's shards taken over, or a GPU bucket stepped on its
@@ -179,11 +182,11 @@ class Masters:
         it). A move, a cast or another shape is refused, naming it, with nothing followed."""
         for i in indices:
             p = self.params[i]
-            # (the master's view has the parameter's shape; sharded, its piece: the whole slot's size tells)
-            shape = self.master_views[i].shape if self.shard is None else None
-            same = p.shape == shape if shape is not None else p.numel() == self.shard.full.numels[i]
-            if p.dtype != self.dtype or p.device != self.device or not same:
-                self._refuse(i, shape)
+            # (the master's view has the parameter's shape; sharded, its piece: the shape and strides built tell)
+            shape, strides = (self.master_views[i].shape, None) if self.built is None else self.built[i]
+            if p.dtype != self.dtype or p.device != self.device or p.shape != shape \
+                    or strides is not None and p.stride() != strides:
+                self._refuse(i, shape, strides=strides)
         for i in indices:
             self.slot_ptrs[i] = now[i]
             self.loaded(i, True)
@@ -233,20 +236,24 @@ class Masters:
             self.params[i] = fsdp2.bind_shard(self.watch[i], self.takeovers[i], room, self.slots_pinned)
         self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
 
-    def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None) -> None:
-        """Parameter ``i`` moved, cast or reshaped since the optimizer was built (``shape``: its shape then, where
-        known; ``now``: what it is now, where not ``params[i]``); named by its whole shape (FSDP2: the DTensor's, not
-        the shard's)."""
+    def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None,
+                strides: Optional[Tuple[int, ...]] = None) -> None:
+        """Parameter ``i`` moved, cast or reshaped since the optimizer was built (``shape``, ``strides``: its shape
+        and strides then, where known; ``now``: what it is now, where not ``params[i]``); named by its whole shape
+        (FSDP2: the DTensor's, not the shard's)."""
         p = self.params[i] if now is None else now
         was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
-        if shape is not None and shape != p.shape:
+        if strides is not None and shape == p.shape and strides != p.stride():
+            was, now = f"{tuple(shape)} with strides {strides} {was}", f"{tuple(p.shape)} with strides {p.stride()} {now}"
+        elif shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
         raise RuntimeError(
             f"OffloadOptimizer: a parameter's data was moved, cast or reshaped after the optimizer was built: it was "
             f"{was}, it is now {now} (a parameter of shape {tuple(self.watch[i].shape)}; `model.to(...)`, "
             "`p.data = ...`, ...). The optimizer's state lives with the "
             "parameters where it was built: move or cast the model first, then build the optimizer (data replaced "
-            "on the parameter's own device, dtype and shape is followed, as AdamW follows it).")
+            "on the parameter's own device, dtype and shape, and strides where sharded, is followed, as AdamW follows "
+            "it).")
 
     def loaded(self, i: int, loaded: bool) -> None:
         """A separate master was just written from a checkpoint, or not (``loaded=False``: taken from the parameter
