@@ -467,3 +467,61 @@ def test_a_sharded_gpu_parameter_replaced_by_another_shape_or_strides_is_refused
             "strided": "it was (17, 7) with strides (7, 1)"}[how]
     for rank in (0, 1):
         assert "data was moved, cast or reshaped" in results[rank] and want in results[rank], results[rank]
+
+
+def _sharded_entries_worker(rank, world):
+    """The three state-dict edges above, sharded (CPU, gloo): ``state_dict()`` is gathered from the buffers there,
+    not packed from ``opt.state``."""
+    import test_distributed as td
+    import torch.distributed as dist
+
+    def build(amsgrad):
+        model, ref_model = td._make(rank, seed_ours=rank)
+        opt = OffloadOptimizer(td.groups(model), lr=1e-2, bucket_numel=128, process_group=dist.group.WORLD,
+                               timeout=30, amsgrad=amsgrad)
+        ref = torch.optim.AdamW(td.groups(ref_model), lr=1e-2, foreach=False, amsgrad=amsgrad)
+        assert all(b.sharded for g in opt._buckets for b in g)
+        return model, ref_model, opt, ref
+
+    def same(model, ref_model, opt, ref, where):
+        td._compare(model, ref_model, where)
+        sd, rsd = opt.state_dict()["state"], ref.state_dict()["state"]
+        assert {k: sorted(e) for k, e in sd.items()} == {k: sorted(e) for k, e in rsd.items()}, where
+        for k, entry in rsd.items():
+            for key, value in entry.items():
+                assert sd[k][key].dtype == value.dtype, (where, k, key)
+                torch.testing.assert_close(sd[k][key], value, msg=lambda m: f"{where}, {k} {key}: {m}")
+
+    # an entry read before the first step; amsgrad switched off in a group before it
+    model, ref_model, opt, ref = build(amsgrad=True)
+    for m, o in ((model, opt), (ref_model, ref)):
+        o.state[m.w1]
+        o.param_groups[0]["amsgrad"] = False
+    same(model, ref_model, opt, ref, "before the first step")
+    for step in range(3):
+        td._step(model, opt, step, rank, world)
+        td._ref_step(ref_model, ref, step)
+        same(model, ref_model, opt, ref, f"step {step}")
+    # int64 steps loaded, without amsgrad, into an optimizer built with it
+    sd = copy.deepcopy(ref.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = entry["step"].to(torch.int64)
+        entry.pop("max_exp_avg_sq", None)
+    for group in sd["param_groups"]:
+        group["amsgrad"] = False
+    model, ref_model, opt, ref = build(amsgrad=True)
+    opt.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    for step in range(3, 5):
+        td._step(model, opt, step, rank, world)
+        td._ref_step(ref_model, ref, step)
+        same(model, ref_model, opt, ref, f"loaded, step {step}")
+    return True
+
+
+def test_the_state_dict_edges_sharded_match_adamw():
+    """An empty entry listed as ``{}``, no ``max_exp_avg_sq`` where AdamW's state has none, a loaded int64 step
+    kept: with ``process_group`` sharding, against AdamW every step (parameters, state keys, values and dtypes)."""
+    import test_distributed as td
+
+    assert td.launch(_sharded_entries_worker, 2) == {0: True, 1: True}
