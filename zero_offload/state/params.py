@@ -68,12 +68,11 @@ class Masters:
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
                  watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True,
                  takeovers: Optional[Sequence[Any]] = None, slots_tier: Optional[Tier] = None):
-        self.params, self.shard, self.takeovers, self.offsets = params, shard, takeovers, layout.offsets
+        self.params, self.shard, self.takeovers, self.layout = params, shard, takeovers, layout
         self.watch = params if watch is None else watch
         # Sharded: each parameter's shape and strides as built, which its pieces of the shard are cut by (in memory
         # order): data replaced with other ones, however many elements, would be read and written out of order.
         self.built = None if shard is None else [(p.shape, p.stride()) for p in params]
-        self.device, self.dtype = layout.device, layout.dtype
         slots = slots_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
         # The state lives with the parameters (a CPU model, FSDP2's shards taken over, or a GPU bucket stepped on its
         # GPU): the parameters are bound to the slots the update writes, and nothing is transferred. (Not FSDP2's
@@ -105,6 +104,11 @@ class Masters:
         # ``vector_to_parameters``) moves no version counter, but moves this.
         self.slot_ptrs: List[Any] = [p.data_ptr() for p in params] if self.watch is params and not self.resident \
             else []
+
+    # (the layout's, as properties: one field for the three)
+    offsets = property(lambda self: self.layout.offsets)
+    device = property(lambda self: self.layout.device)
+    dtype = property(lambda self: self.layout.dtype)
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
@@ -154,9 +158,9 @@ class Masters:
             now = list(map(torch.Tensor.data_ptr, params))
             if now != self.slot_ptrs:
                 self._replaced([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b], now)
-        if any(p.dtype != self.dtype or p.device != self.device for p in params):
-            self._refuse(next(i for i, p in enumerate(params) if p.dtype != self.dtype or p.device != self.device),
-                         None)
+        dtype, device = self.dtype, self.device
+        if any(p.dtype != dtype or p.device != device for p in params):
+            self._refuse(next(i for i, p in enumerate(params) if p.dtype != dtype or p.device != device), None)
 
     def _rebind(self, indices: Sequence[int]) -> None:
         """Parameters whose data was replaced (``p.data = ...``, ``model.to()`` onto the device they are on, which
