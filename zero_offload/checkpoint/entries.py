@@ -305,8 +305,8 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[bool], None], l
     emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
     restarts its parameter (moments zeroed, step 1 next), and an empty one stays (``state_dict()`` lists it as
     AdamW's does, also one a mere read of ``opt.state[p]`` made before ``p``'s first step); tensors or steps put
-    into an entry are copied into the buffers, and the entry points at the buffers again. Everything is validated before anything is written
-    (``ValueError``). ``settle(homes)`` runs first when there is something to look at (an update still pending
+    into an entry are copied into the buffers, and the entry points at the buffers again. Everything is validated
+    before anything is written (``ValueError``). ``settle(homes)`` runs first when there is something to look at (an update still pending
     belongs to the state before the edit), with ``homes`` again once there are edits to write: the homes' state in
     flight lands before they are written, and what was brought up before them (a parked bucket's reload in
     backward) is let go. Without edits (torch's plain ``opt.state`` before the first step, made the optimizer's

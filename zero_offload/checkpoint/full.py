@@ -17,7 +17,8 @@ from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
 from zero_offload.state.store import STEP_DTYPES
-from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _put, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry
+from zero_offload.checkpoint.entries import (Buckets, State, _entry_step, _optional, _put, check_compact_moment,
+                                              check_param_lists, expose, foreign, state_keys, step_entry)
 
 __all__ = ["Ahead", "LoadPlan", "add_compact_moments", "ahead_entries", "apply_load", "check_entry", "check_format",
            "empty_entries", "full_state", "merge_groups", "plan_load"]

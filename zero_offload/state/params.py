@@ -248,7 +248,8 @@ class Masters:
         p = self.params[i] if now is None else now
         was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
         if strides is not None and shape == p.shape and strides != p.stride():
-            was, now = f"{tuple(shape)} with strides {strides} {was}", f"{tuple(p.shape)} with strides {p.stride()} {now}"
+            was = f"{tuple(shape)} with strides {strides} {was}"
+            now = f"{tuple(p.shape)} with strides {p.stride()} {now}"
         elif shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
         raise RuntimeError(
