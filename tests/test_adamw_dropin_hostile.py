@@ -357,3 +357,321 @@ def test_a_wrappers_key_loaded_into_a_sharded_optimizer_is_refused_saying_why():
     for rank, (message, entries) in results.items():
         assert message is not None and entries == 0, (rank, message)
         assert "lookahead_slow_buff" in message and "not sharded over ranks" in message, (rank, message)
+
+
+# -- an entry read, or emptied, before a step ----------------------------------------------------------------------
+def _read_and_empty(model, opt):
+    """``opt.state[p]`` read for a parameter never stepped (the defaultdict makes ``{}``), and, once some have
+    state, one entry emptied (``opt.state[p] = {}``: the parameter restarts at its next step)."""
+    params = list(model.parameters())
+    opt.state[params[0]]
+    _ = opt.state[params[3]].get("step")
+    return params
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_an_empty_entry_is_listed_and_loaded_as_adamw_lists_it(request, placement):
+    """Merely reading ``opt.state[p]`` before ``p``'s first step leaves ``{}`` there, and AdamW's ``state_dict()``
+    lists ``{i: {}}``; ours left it out, and our loader refused AdamW's state dict with one ("lacks ['step', ...]").
+    Both ways through a state dict, then every step against AdamW, an emptied entry of a stepped parameter too."""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for m, opt in ((model, ours), (ref_model, ref)):
+        _read_and_empty(m, opt)
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    assert len(ref_sd["state"]) == 2 and not any(ref_sd["state"].values())
+    assert ours_sd["state"] == ref_sd["state"]
+    into_ours_model = copy.deepcopy(ref_model)
+    into_ours = OffloadOptimizer(param_groups(into_ours_model), **kw)
+    into_ours.load_state_dict(copy.deepcopy(ref_sd))
+    assert into_ours.state_dict()["state"] == ref_sd["state"]
+    for p, q in zip(into_ours_model.parameters(), ref_model.parameters()):
+        assert (p in into_ours.state, into_ours.state.get(p)) == (q in ref.state, ref.state.get(q))
+    into_ref_model = copy.deepcopy(model)
+    into_ref = torch.optim.AdamW(param_groups(into_ref_model), foreach=False)
+    into_ref.load_state_dict(copy.deepcopy(ours_sd))
+    runs = ((model, ours), (ref_model, ref), (into_ours_model, into_ours), (into_ref_model, into_ref))
+    for step in range(STEPS):
+        for m, opt in runs:
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+            if step == 1:
+                opt.state[list(m.parameters())[2]] = {}  # (restarts at the next step, listed as {} until then)
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        assert_same(into_ours_model, ref_model, into_ours, ref, f"loaded, step {step}")
+        assert_same(into_ref_model, ref_model, into_ref, ref, f"into AdamW, step {step}")
+        empty = [{k for k, v in opt.state_dict()["state"].items() if not v} for opt in (ours, ref)]
+        assert empty[0] == empty[1] and len(empty[1]) == (step == 1), f"step {step}"
+        assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+
+
+# -- a loaded step's dtype -----------------------------------------------------------------------------------------
+def _steps_as(sd, dtype):
+    for entry in sd["state"].values():
+        entry["step"] = entry["step"].to(dtype)
+    return sd
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+@pytest.mark.parametrize("dtype,saved_flag", [(torch.int64, None), (torch.float64, None), (torch.int64, "fused"),
+                                              (torch.int64, "capturable")],
+                         ids=["int64", "float64", "int64-fused", "int64-capturable"])
+def test_a_loaded_steps_dtype_is_kept_as_adamw_keeps_it(request, placement, dtype, saved_flag):
+    """torch's loader keeps a ``step`` tensor as it is (``_process_value_according_to_param_policy``), unless the
+    saved group is ``fused`` or ``capturable`` (float32 then), and AdamW counts on in that dtype: ``opt.state`` and
+    ``state_dict()`` show it. Ours made every loaded step float32. (A checkpoint with int64 steps: a converter's,
+    DeepSpeed's, an older torch's counted as integers.)"""
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(2):
+        ref.zero_grad()
+        loss_fn(ref_model, step, 0, "cpu").backward()
+        ref.step()
+    sd = _steps_as(ref.state_dict(), dtype)
+    if saved_flag is not None:
+        for group in sd["param_groups"]:
+            group[saved_flag] = True
+    model.load_state_dict(ref_model.state_dict())
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ours.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    for group in ref.param_groups:  # (the reference steps as it did; the flag decided the loaded step's dtype only)
+        group["fused"], group["capturable"] = None, False
+    want = torch.float32 if saved_flag is not None else dtype
+    for step in range(2, 2 + STEPS):
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if q in ref.state:
+                assert ref.state[q]["step"].dtype == want
+                assert ours.state[p]["step"].dtype == want, f"step {step}"
+        ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+        for k, entry in ref_sd["state"].items():
+            assert ours_sd["state"][k]["step"].dtype == entry["step"].dtype == want, f"step {step}, {k}"
+            assert ours_sd["state"][k]["step"].item() == entry["step"].item()
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+
+
+# -- amsgrad's max_exp_avg_sq, where AdamW's state has none ----------------------------------------------------------
+def _amsgrad_pair(request, placement, amsgrad=True):
+    kw = {}
+    if placement != "cpu":
+        request.getfixturevalue("cuda_branches")
+        kw = dict(placement=placement, bucket_numel=1000)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), amsgrad=amsgrad, **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=amsgrad, foreach=False)
+    return model, ref_model, ours, ref, kw
+
+
+def _amsgrad_steps(model, ref_model, ours, ref, steps, first=0, between=None):
+    """Steps of both, parameters and state (keys included) compared every step, ``state_dict()``'s keys too."""
+    for step in range(first, first + steps):
+        if between is not None:
+            between(step)
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+        _same_keys(ours, ref, f"step {step}")
+
+
+def _same_keys(ours, ref, where):
+    ours_sd, ref_sd = ours.state_dict()["state"], ref.state_dict()["state"]
+    assert {k: sorted(e) for k, e in ours_sd.items()} == {k: sorted(e) for k, e in ref_sd.items()}, where
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_amsgrad_switched_off_before_the_first_step_keeps_no_max_exp_avg_sq(request, placement):
+    """Built with ``amsgrad=True`` and switched off in a group before the first step: AdamW's state holds no
+    ``max_exp_avg_sq`` for that group's parameters; ours showed a zero one (the bucket had allocated it)."""
+    model, ref_model, ours, ref, _ = _amsgrad_pair(request, placement)
+    for opt in (ours, ref):
+        opt.param_groups[0]["amsgrad"] = False
+    _amsgrad_steps(model, ref_model, ours, ref, STEPS)
+    assert any("max_exp_avg_sq" in e for e in ref.state.values())  # (group 1 kept amsgrad)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_a_state_dict_saved_without_amsgrad_loads_without_max_exp_avg_sq(request, placement):
+    """A state dict saved without amsgrad, loaded into an optimizer built with it (the loaded groups say
+    ``amsgrad=False``): AdamW's entries are the loaded ones; ours showed a zero ``max_exp_avg_sq`` beside them.
+    A saved one with amsgrad loads with it (both ways)."""
+    model, ref_model, ours, ref, kw = _amsgrad_pair(request, placement, amsgrad=False)
+    _amsgrad_steps(model, ref_model, ours, ref, 2)
+    for saved_by in (ref, ours):
+        for amsgrad in (True, False):
+            sd = copy.deepcopy(saved_by.state_dict())
+            into_model = copy.deepcopy(model)
+            into = OffloadOptimizer(param_groups(into_model), amsgrad=amsgrad, **kw)
+            into.load_state_dict(sd)
+            assert not any("max_exp_avg_sq" in e for e in into.state.values())
+            _same_keys(into, ref, "loaded")
+    into_ref_model = copy.deepcopy(ref_model)
+    into_ref = torch.optim.AdamW(param_groups(into_ref_model), amsgrad=True, foreach=False)
+    into_ref.load_state_dict(copy.deepcopy(ref.state_dict()))
+    ours = OffloadOptimizer(param_groups(model), amsgrad=True, **kw)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _amsgrad_steps(model, into_ref_model, ours, into_ref, 3, first=2)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_amsgrad_switched_on_later_shows_max_exp_avg_sq_from_that_step(request, placement):
+    """Switched on after some steps: AdamW raises ``KeyError: 'max_exp_avg_sq'`` (docs/differences.md); ours starts
+    it at zero at that step, and shows it from then on: as AdamW given that zero buffer at the switch (its
+    parameters never stepped before get it at their first step, as AdamW gives it)."""
+    model, ref_model, ours, ref, _ = _amsgrad_pair(request, placement, amsgrad=True)
+    for opt in (ours, ref):
+        opt.param_groups[1]["amsgrad"] = False
+    _amsgrad_steps(model, ref_model, ours, ref, 2)
+
+    aux = {ref_model.aux.bias}  # (a gradient every third step only: its first update with amsgrad on is later)
+
+    def switch_on(step):
+        if step == 2:
+            for opt in (ours, ref):
+                opt.param_groups[1]["amsgrad"] = True
+        for p in ref.param_groups[1]["params"]:  # (the zero buffer at each parameter's first update since)
+            if p in ref.state and "max_exp_avg_sq" not in ref.state[p] and (p not in aux or step % 3 == 0):
+                ref.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+
+    _amsgrad_steps(model, ref_model, ours, ref, 3, first=2, between=switch_on)
+
+
+# -- sharded over a process group: a GPU parameter's data replaced by another shape or strides ---------------------
+REPLACEMENTS = {
+    "same": lambda t: t.clone(),  # (followed, as AdamW follows it)
+    "reshaped": lambda t: t.reshape(t.shape[1], t.shape[0]).clone(),  # (as many elements, another shape)
+    "strided": lambda t: t.t().contiguous().t(),  # (the same shape and values, column-major)
+}
+
+
+def _sharded_replace_worker(rank, world, how):
+    import test_distributed as td
+    import torch.distributed as dist
+
+    cuda_standins.install_in_rank()
+    model, ref_model = td._make(rank, seed_ours=rank)
+    opt = OffloadOptimizer(td.groups(model), lr=1e-2, bucket_numel=128, process_group=dist.group.WORLD,
+                           placement="host", timeout=30)
+    ref = torch.optim.AdamW(td.groups(ref_model), lr=1e-2, foreach=False)
+    assert all(not b.on_cpu and b.home.kind == "host" and b.sharded for g in opt._buckets for b in g)
+    for step in range(4):
+        for m, o, rows in ((model, opt, td.rows_of(rank, world)), (ref_model, ref, slice(None))):
+            o.zero_grad()
+            td.loss_on(m, step, 0, rows).backward()
+            if step == 2:  # (after backward: the forward reads the parameter as it was)
+                m.w1.data = REPLACEMENTS[how](m.w1.data)
+        if step == 2 and how != "same":
+            before = copy.deepcopy(opt.state_dict()["state"])
+            with pytest.raises(RuntimeError) as err:
+                opt.step()
+            after = opt.state_dict()["state"]
+            for k, entry in before.items():
+                for key, value in entry.items():
+                    assert torch.equal(after[k][key], value), (k, key)
+            return str(err.value)
+        opt.step()
+        ref.step()
+        td._compare(model, ref_model, f"{how}, step {step}")
+        sd, rsd = opt.state_dict()["state"], ref.state_dict()["state"]
+        assert sd.keys() == rsd.keys()
+        for k, entry in rsd.items():
+            for key, value in entry.items():
+                torch.testing.assert_close(sd[k][key], value, msg=lambda m: f"{how}, step {step}, {k} {key}: {m}")
+    return None
+
+
+@pytest.mark.parametrize("how", list(REPLACEMENTS))
+def test_a_sharded_gpu_parameter_replaced_by_another_shape_or_strides_is_refused_naming_it(how):
+    """Sharded (gloo, world 2, GPU stand-ins, stepped on the host): a parameter's data replaced (``p.data = t``) was
+    checked for its number of elements only, so a same-size replacement of another shape or strides went on, its
+    elements read and written in another order than the shard's. Refused now, as the unsharded path refuses it,
+    naming what changed, nothing changed; one of the same shape and strides is followed, as AdamW follows it."""
+    import test_distributed as td
+
+    results = td.launch(_sharded_replace_worker, 2, how)
+    if how == "same":
+        assert results == {0: None, 1: None}
+        return
+    want = {"reshaped": "it was (17, 7) torch.float32 on cuda:0 (stand-in), it is now (7, 17) torch.float32",
+            "strided": "it was (17, 7) with strides (7, 1)"}[how]
+    for rank in (0, 1):
+        assert "data was moved, cast or reshaped" in results[rank] and want in results[rank], results[rank]
+
+
+def _sharded_entries_worker(rank, world):
+    """The three state-dict edges above, sharded (CPU, gloo): ``state_dict()`` is gathered from the buffers there,
+    not packed from ``opt.state``."""
+    import test_distributed as td
+    import torch.distributed as dist
+
+    def build(amsgrad):
+        model, ref_model = td._make(rank, seed_ours=rank)
+        opt = OffloadOptimizer(td.groups(model), lr=1e-2, bucket_numel=128, process_group=dist.group.WORLD,
+                               timeout=30, amsgrad=amsgrad)
+        ref = torch.optim.AdamW(td.groups(ref_model), lr=1e-2, foreach=False, amsgrad=amsgrad)
+        assert all(b.sharded for g in opt._buckets for b in g)
+        return model, ref_model, opt, ref
+
+    def same(model, ref_model, opt, ref, where):
+        td._compare(model, ref_model, where)
+        sd, rsd = opt.state_dict()["state"], ref.state_dict()["state"]
+        assert {k: sorted(e) for k, e in sd.items()} == {k: sorted(e) for k, e in rsd.items()}, where
+        for k, entry in rsd.items():
+            for key, value in entry.items():
+                assert sd[k][key].dtype == value.dtype, (where, k, key)
+                torch.testing.assert_close(sd[k][key], value, msg=lambda m: f"{where}, {k} {key}: {m}")
+
+    # an entry read before the first step; amsgrad switched off in a group before it
+    model, ref_model, opt, ref = build(amsgrad=True)
+    for m, o in ((model, opt), (ref_model, ref)):
+        o.state[m.w1]
+        o.param_groups[0]["amsgrad"] = False
+    same(model, ref_model, opt, ref, "before the first step")
+    for step in range(3):
+        td._step(model, opt, step, rank, world)
+        td._ref_step(ref_model, ref, step)
+        same(model, ref_model, opt, ref, f"step {step}")
+    # int64 steps loaded, without amsgrad, into an optimizer built with it
+    sd = copy.deepcopy(ref.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = entry["step"].to(torch.int64)
+        entry.pop("max_exp_avg_sq", None)
+    for group in sd["param_groups"]:
+        group["amsgrad"] = False
+    model, ref_model, opt, ref = build(amsgrad=True)
+    opt.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    for step in range(3, 5):
+        td._step(model, opt, step, rank, world)
+        td._ref_step(ref_model, ref, step)
+        same(model, ref_model, opt, ref, f"loaded, step {step}")
+    return True
+
+
+def test_the_state_dict_edges_sharded_match_adamw():
+    """An empty entry listed as ``{}``, no ``max_exp_avg_sq`` where AdamW's state has none, a loaded int64 step
+    kept: with ``process_group`` sharding, against AdamW every step (parameters, state keys, values and dtypes)."""
+    import test_distributed as td
+
+    assert td.launch(_sharded_entries_worker, 2) == {0: True, 1: True}

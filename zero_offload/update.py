@@ -88,8 +88,11 @@ def update_bucket(transport: Transport, lane: Lane, present: Sequence[bool],
     with NOTHING if tl is None else tl.span("kernel", "gpu launch" if home.on_device else "step", lane.position):
         run_rule(bucket, runs, grad, in_place, h, multiplier)
     bucket.count_steps(runs)
+    gained = [i for i in home.hold(indices, bucket.rule, h) if bucket.exposed[i]]  # (amsgrad's buffer, once)
     if not bucket.all_exposed:
         expose(state, bucket, [i for i in indices if not bucket.exposed[i]])
+    if gained:
+        expose(state, bucket, gained)
     if scatter:  # (before the state goes back: a parameter not bound to its slot may read the master's device copy)
         transport.send_params(lane, indices)
     home.put_back(transport.streams, tl, lane.position)
@@ -115,7 +118,7 @@ def preview_bucket(bucket: FlatBucket, present: Sequence[bool], h: Any, multipli
     steps = bucket.steps.clone()
     for first, last, _ in runs:
         steps[first : last + 1] += 1
-    return Ahead(set(indices), steps, flat)
+    return Ahead(set(indices), steps, flat, tuple(b.name for b in bucket.rule.needed(h) if b.optional))
 
 
 class _Worker(ThreadPoolExecutor):

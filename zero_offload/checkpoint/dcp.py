@@ -252,7 +252,8 @@ def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor,
         for i, p in enumerate(bucket.params):
             step = steps[p]
             bucket.home.set_step(i, step)
-            if step > 0:
+            if step > 0:  # (its entry shows every buffer saved: a DCP checkpoint holds each one the bucket has)
+                bucket.home.hold_only(i, bucket.home.names)
                 expose(state, bucket, [i])
             else:
                 bucket.home.set_exposed(i, False)

@@ -303,6 +303,8 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         bucket.home.reset(i)
         return
     bucket.home.set_step(i, entry["step"])
+    given = [n for n in bucket.home.names if n in entry or (bucket.compact and _held(bucket, i, n))]
+    bucket.home.hold_only(i, given)  # (as given; compact: a moment left out stays as it was)
     for name, slot in slots.items():
         if name in entry:
             if not _same_memory(entry[name], slot):
@@ -315,6 +317,12 @@ def _apply_edit(bucket: FlatBucket, i: int, entry: Optional[Dict[str, Any]]) -> 
         bucket.home.loaded(i, False)  # AdamW's state has no master: take it from the parameter
 
 
+def _held(bucket: FlatBucket, i: int, name: str) -> bool:
+    """Whether parameter ``i``'s entry holds buffer ``name`` (an optional one only where an update or load gave
+    it)."""
+    return name in bucket.home.shows(i, {name: None})
+
+
 def _optional(bucket: FlatBucket, name: str) -> bool:
     """Whether ``name`` is an optional buffer of the bucket's rule (amsgrad's: zeroed where an entry lacks it)."""
     buf = bucket.home.declared.get(name)
@@ -325,9 +333,10 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[bool], None], l
                ) -> "StateMap":
     """``opt.state`` after the user's edits since the last call took effect as they would in AdamW: a removed or
     emptied entry (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p] = {}``, a new ``opt.state``)
-    restarts its parameter (moments zeroed, step 1 next); tensors or steps put into an entry are copied into the
-    buffers, and the entry points at the buffers again. Everything is validated before anything is written
-    (``ValueError``). ``settle(homes)`` runs first when there is something to look at (an update still pending
+    restarts its parameter (moments zeroed, step 1 next), and an empty one stays (``state_dict()`` lists it as
+    AdamW's does, also one a mere read of ``opt.state[p]`` made before ``p``'s first step); tensors or steps put
+    into an entry are copied into the buffers, and the entry points at the buffers again. Everything is validated
+    before anything is written (``ValueError``). ``settle(homes)`` runs first when there is something to look at (an update still pending
     belongs to the state before the edit), with ``homes`` again once there are edits to write: the homes' state in
     flight lands before they are written, and what was brought up before them (a parked bucket's reload in
     backward) is let go. Without edits (torch's plain ``opt.state`` before the first step, made the optimizer's
@@ -341,7 +350,7 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[bool], None], l
         for i, p in enumerate(bucket.owners):
             entry = state.get(p)
             if not entry:
-                if bucket.exposed[i] or entry is not None:  # (an empty entry goes: state_dict() would list it)
+                if bucket.exposed[i]:  # (an empty entry stays, as AdamW's does: state_dict() lists it)
                     edits.append((bucket, i, None))
             elif not (bucket.exposed[i] and _unchanged(entry, bucket, i)):
                 edits.append((bucket, i, _check_edit(entry, bucket, i, local_value)))
@@ -349,10 +358,6 @@ def sync_state(state: State, buckets: Buckets, settle: Callable[[bool], None], l
         settle(True)
     out = state if type(state) is StateMap else StateMap(dict, state)
     for bucket, i, entry in edits:
-        if entry is None:
-            dict.pop(out, bucket.owners[i], None)
-            if not bucket.exposed[i]:
-                continue
         _apply_edit(bucket, i, entry)
     for bucket in chain.from_iterable(buckets):
         expose(out, bucket, [i for i in range(len(bucket.owners)) if bucket.exposed[i] or out.get(bucket.owners[i])])

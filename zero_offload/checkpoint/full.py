@@ -16,10 +16,13 @@ from zero_offload import fsdp2
 from zero_offload.buckets import FlatBucket
 from zero_offload.rules.base import Rule, StateBuffer
 from zero_offload.state.layout import view_like
-from zero_offload.checkpoint.entries import Buckets, State, _entry_step, _optional, check_compact_moment, check_param_lists, expose, foreign, state_keys, step_entry, typo_hint, unkept
+from zero_offload.state.store import STEP_DTYPES
+from zero_offload.checkpoint.entries import (Buckets, State, _entry_step, _optional, _put, check_compact_moment,
+                                              check_param_lists, expose, foreign, state_keys, step_entry, typo_hint,
+                                              unkept)
 
 __all__ = ["Ahead", "LoadPlan", "add_compact_moments", "ahead_entries", "apply_load", "check_entry", "check_format",
-           "full_state", "merge_groups", "plan_load"]
+           "empty_entries", "full_state", "merge_groups", "plan_load"]
 
 
 def _positions(groups: Sequence[Dict[str, Any]]) -> Dict[int, int]:
@@ -37,6 +40,7 @@ class Ahead:
     indices: Set[int]
     steps: Optional[torch.Tensor] = None
     flat: Optional[Dict[str, torch.Tensor]] = None
+    holds: Tuple[str, ...] = ()  # the optional buffers (amsgrad's) the pending update's group uses
 
 
 def _entry_tensors(bucket: FlatBucket, i: int, after: Optional[Ahead], param: bool) -> Dict[str, torch.Tensor]:
@@ -83,7 +87,9 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
             entry = step_entry(bucket, bucket.steps[i] if after.flat is None else after.steps[i].clone())
             entry.update(_entry_tensors(bucket, i, after, param=True))
             entry.update((n, view_like(t, bucket.layout.offsets[i], p)) for n, t in fp32.items())
-            out[index[id(key)]] = entry
+            # (the optional buffers the entry holds after that update: those it held, and those the update uses)
+            shown = bucket.home.shows(i, entry)
+            out[index[id(key)]] = {n: t for n, t in entry.items() if n in shown or n in after.holds}
     return out
 
 
@@ -128,12 +134,15 @@ def _where(buckets: Buckets) -> Dict[torch.Tensor, Tuple[int, FlatBucket, int]]:
 # --------------------------------------------------------------------------------------- full state dicts --
 @dataclasses.dataclass
 class LoadPlan:
-    """A validated state dict: the new param groups, each parameter's entry (``step`` as a float), and the entries
+    """A validated state dict: the new param groups, each parameter's entry (``step`` as a float; an empty one
+    stays empty: the parameter starts fresh, its entry shown as ``{}``, as AdamW loads it), and the entries
     keyed by no parameter id (``extras``, a hook's ``opt.state["epoch"]``: put back as they are, as AdamW does)."""
 
     groups: List[Dict[str, Any]]
     entries: Dict[torch.Tensor, Dict[str, Any]]
     extras: Dict[Any, Any] = dataclasses.field(default_factory=dict)
+    # The dtype each loaded step keeps in AdamW (see :func:`_kept_step_dtype`), by parameter.
+    step_dtypes: Dict[torch.Tensor, torch.dtype] = dataclasses.field(default_factory=dict)
 
 
 def check_entry(entry: Any, p: torch.Tensor, key: Any, *, rule: Rule, needed: Sequence[StateBuffer],
@@ -201,7 +210,9 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
     id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved),
                       chain.from_iterable(g["params"] for g in groups)))
     where = _where(buckets)
+    saved_group = {key: sg for sg in saved for key in sg["params"]}
     entries: Dict[torch.Tensor, Dict[str, Any]] = {}
+    step_dtypes: Dict[torch.Tensor, torch.dtype] = {}
     extras: Dict[Any, Any] = {}
     needed: Dict[int, Sequence[StateBuffer]] = {}  # by group: the buffers its hyperparameters need
     for key, entry in state_dict["state"].items():
@@ -212,12 +223,16 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
             raise ValueError(f"loaded state dict has state for parameter id {key!r}, which none of its "
                              "param_groups lists")
         p = id_map[key]
+        if isinstance(entry, dict) and not entry:
+            entries[p] = {}  # (fresh state, its entry shown empty: AdamW's after a mere read of opt.state[p])
+            continue
         gi, bucket, _ = where[p]
         if gi not in needed:
             needed[gi] = bucket.rule.buffers_for(new_groups[gi])
         outside = foreign(entry, bucket) if isinstance(entry, dict) else {}  # (else refused below, named)
         entries[p] = check_entry(entry, p, key, rule=bucket.rule, needed=needed[gi], outside=outside,
                                  unkept_note=unkept(bucket))
+        step_dtypes[p] = _kept_step_dtype(entry.get(bucket.rule.step_key), saved_group[key])
         named = f"loaded state for parameter id {key!r} (shape {tuple(p.shape)})"
         try:  # (each rank loads its own part of the values; before any op on a DTensor, which gives it this rank's
             # mesh coordinate in place of the one it was saved at). Values only, as AdamW loads them: a tensor that
@@ -232,19 +247,43 @@ def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: An
         for buf in bucket.rule.buffers:
             if buf.name in entry:
                 check_compact_moment(bucket.state_dtype, buf, entry[buf.name], named)
-    return LoadPlan(new_groups, entries, extras)
+    return LoadPlan(new_groups, entries, extras, step_dtypes)
+
+
+def _kept_step_dtype(step: Any, saved_group: Dict[str, Any]) -> torch.dtype:
+    """The dtype a loaded step keeps: torch's loader keeps a step tensor as it is, unless its saved group is
+    ``fused`` or ``capturable`` (float32 then; ``_process_value_according_to_param_policy``), and AdamW counts on
+    in it. float32 for a step that is no tensor (torch keeps the number) or is in a dtype that cannot hold every
+    count (bf16, fp16, narrow integers)."""
+    if not isinstance(step, torch.Tensor) or saved_group.get("fused") or saved_group.get("capturable"):
+        return torch.float32
+    return step.dtype if step.dtype in STEP_DTYPES else torch.float32
+
+
+def _bucket_step_dtype(bucket: FlatBucket, plan: LoadPlan) -> torch.dtype:
+    """The dtype of a bucket's step counts after a load: the one its loaded steps keep where they all agree (its
+    counts are one tensor; a parameter loaded without state, that the bucket steps later, counts in it too, where
+    AdamW's fresh state is float32); else float32."""
+    kept = {plan.step_dtypes[p] for p in bucket.owners if p in plan.step_dtypes}
+    return kept.pop() if len(kept) == 1 else torch.float32
 
 
 def apply_load(state: State, buckets: Buckets, plan: LoadPlan) -> None:
     """Write a validated state dict into the buffers in place; parameters without an entry start fresh."""
     for bucket in chain.from_iterable(buckets):
-        entries = [plan.entries.get(p) for p in bucket.owners]
+        entries = [plan.entries.get(p) or None for p in bucket.owners]  # (an empty entry: fresh state)
+        bucket.home.count_steps_in(_bucket_step_dtype(bucket, plan))  # (before the steps are written)
         if bucket.sharded:  # this rank's piece of each full entry
             bucket.home.load_pieces(entries)
         else:
             _load_flat(bucket, entries)
         loaded = [i for i, e in enumerate(entries) if e is not None]
+        for i in loaded:
+            bucket.home.hold_only(i, list(entries[i]))  # (an entry holds amsgrad's buffer as loaded, as AdamW's)
         expose(state, bucket, loaded, keep_foreign=False)
+        for p in bucket.owners:
+            if plan.entries.get(p) == {}:
+                _put(state, p, {})
         for i in loaded:  # (the loaded entry's keys that are none of the rule's, beside its state)
             dict.update(dict.__getitem__(state, bucket.owners[i]), foreign(entries[i], bucket))
         _install_params(bucket, [None if e is None else e.get("param") for e in entries])
@@ -317,8 +356,17 @@ def full_state(groups: Sequence[Dict[str, Any]], buckets: Buckets,
             if bucket.exposed[i]:
                 entry = step_entry(bucket, bucket.steps[i].clone())
                 entry.update((n, view_like(full[n], bucket.full.offsets[i], p)) for n in names)
-                out[index[id(p)]] = entry
+                out[index[id(p)]] = bucket.home.shows(i, entry)
     return out
+
+
+def empty_entries(groups: Sequence[Dict[str, Any]], state: State) -> Dict[int, Dict[str, Any]]:
+    """The parameters whose ``opt.state`` entry is empty (read before their first step, or emptied), keyed as
+    ``Optimizer.state_dict()`` numbers them: ``{}`` each, as AdamW's state dict lists them. (Local: what this rank's
+    ``opt.state`` holds.)"""
+    index = _positions(groups)
+    return {index[id(p)]: {} for p, entry in dict.items(state)
+            if isinstance(p, torch.Tensor) and not entry and id(p) in index}
 
 
 def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict[str, Any]], buckets: Buckets
@@ -337,7 +385,7 @@ def add_compact_moments(packed: Dict[int, Dict[str, Any]], groups: Sequence[Dict
             k = index[id(owner)]
             if bucket.exposed[i] and k in packed:
                 old = packed[k]
-                moments = {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names}
+                moments = bucket.home.shows(i, {n: view_like(full[n], bucket.layout.offsets[i], p) for n in names})
                 if bucket.fsdp:
                     moments = {n: fsdp2.wrap(v, owner) for n, v in moments.items()}
                 step = {} if bucket.rule.step_key is None else {"step": old["step"]}  # (Lion: none, see expose)

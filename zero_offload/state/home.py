@@ -174,6 +174,26 @@ class Home:
     def set_step(self, i: int, step: float) -> None:
         self.views.set_step(i, step)
 
+    def hold(self, indices: Sequence[int], rule: Rule, hyper: Any) -> List[int]:
+        """Parameters ``indices`` were just updated by ``rule`` with a group's ``hyper``: their entries hold the
+        optional buffers it needs from now on; returns those whose entries gained one (see
+        :meth:`StateViews.hold`). Nothing to look at (no Python call) once every entry holds every one."""
+        if self.views.all_hold:
+            return []
+        return self.views.hold(indices, [b.name for b in rule.needed(hyper) if b.optional])
+
+    def hold_only(self, i: int, names: Sequence[str]) -> None:
+        """Parameter ``i``'s entry holds the optional buffers among ``names`` only (a loaded or edited entry's)."""
+        self.views.hold_only(i, names)
+
+    def shows(self, i: int, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Parameter ``i``'s ``tensors`` (by buffer name) that its entry shows (see :meth:`StateViews.shown`)."""
+        return self.views.shown(i, tensors)
+
+    def count_steps_in(self, dtype: torch.dtype) -> None:
+        """Count the steps in ``dtype`` from now on (a load's: see :meth:`StateStore.count_steps_in`)."""
+        self.store.count_steps_in(dtype)
+
     def set_exposed(self, i: int, exposed: bool) -> None:
         """Record whether parameter ``i`` has an entry in ``opt.state``."""
         self.views.set_exposed(i, exposed)
@@ -240,6 +260,8 @@ class Home:
         self.masters.versions = [v if v < 0 else fsdp2.version(p) for v, p in zip(versions, watch)]
         for i, exposed in enumerate(old.views.exposed):
             self.views.set_exposed(i, exposed)
+        for name, held in old.views.holds.items():
+            self.views.holds[name][:] = held
 
     # -- the parameters beside the state -------------------------------------------------------------------------
     def fill_param_slots(self) -> None:

@@ -26,7 +26,7 @@ dtype: loading a model checkpoint after building the optimizer just works.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,9 +68,11 @@ class Masters:
                  tier: Tier, shares_grad: bool, views: Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]],
                  watch: Optional[Sequence[torch.Tensor]] = None, bind: bool = True,
                  takeovers: Optional[Sequence[Any]] = None, slots_tier: Optional[Tier] = None):
-        self.params, self.shard, self.takeovers, self.offsets = params, shard, takeovers, layout.offsets
+        self.params, self.shard, self.takeovers, self.layout = params, shard, takeovers, layout
         self.watch = params if watch is None else watch
-        self.device, self.dtype = layout.device, layout.dtype
+        # Sharded: each parameter's shape and strides as built, which its pieces of the shard are cut by (in memory
+        # order): data replaced with other ones, however many elements, would be read and written out of order.
+        self.built = None if shard is None else [(p.shape, p.stride()) for p in params]
         slots = slots_tier or tier  # (the buffer the parameters are bound to: master, or staging if low precision)
         # The state lives with the parameters (a CPU model, FSDP2's shards taken over, or a GPU bucket stepped on its
         # GPU): the parameters are bound to the slots the update writes, and nothing is transferred. (Not FSDP2's
@@ -107,6 +109,11 @@ class Masters:
         # (``p.data = p.data[:n]``) moves no data_ptr, but changes this.
         self.shapes: Optional[List[torch.Size]] = list(map(torch.Tensor.size, params)) if self.watch is params \
             else None
+
+    # (the layout's, as properties: one field for the three)
+    offsets = property(lambda self: self.layout.offsets)
+    device = property(lambda self: self.layout.device)
+    dtype = property(lambda self: self.layout.dtype)
 
     @property
     def param_slots(self) -> Optional[List[torch.Tensor]]:
@@ -159,9 +166,9 @@ class Masters:
             if moved or now != self.slot_ptrs:
                 self._replaced([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs))
                                 if a != b or params[i].shape != self.shapes[i]], now)
-        if any(p.dtype != self.dtype or p.device != self.device for p in params):
-            self._refuse(next(i for i, p in enumerate(params) if p.dtype != self.dtype or p.device != self.device),
-                         None)
+        dtype, device = self.dtype, self.device
+        if any(p.dtype != dtype or p.device != device for p in params):
+            self._refuse(next(i for i, p in enumerate(params) if p.dtype != dtype or p.device != device), None)
 
     def _rebind(self, indices: Sequence[int]) -> None:
         """Parameters whose data was replaced (``p.data = ...``, ``model.to()`` onto the device they are on, which
@@ -188,8 +195,10 @@ class Masters:
         naming it, with nothing followed."""
         for i in indices:
             p = self.params[i]
-            if p.dtype != self.dtype or p.device != self.device or p.shape != self.shapes[i]:
-                self._refuse(i, self.shapes[i])
+            strides = None if self.built is None else self.built[i][1]  # (sharded: its pieces are cut by them)
+            if p.dtype != self.dtype or p.device != self.device or p.shape != self.shapes[i] \
+                    or strides is not None and p.stride() != strides:
+                self._refuse(i, self.shapes[i], strides=strides)
         for i in indices:
             self.slot_ptrs[i] = now[i]
             self.loaded(i, True)
@@ -239,13 +248,17 @@ class Masters:
             self.params[i] = fsdp2.bind_shard(self.watch[i], self.takeovers[i], room, self.slots.pinned)
         self.slot_ptrs = fsdp2.takeover_ptrs(self.watch, self.takeovers)
 
-    def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None) -> None:
-        """Parameter ``i`` moved, cast or reshaped since the optimizer was built (``shape``: its shape then, where
-        known; ``now``: what it is now, where not ``params[i]``); named by its whole shape (FSDP2: the DTensor's, not
-        the shard's)."""
+    def _refuse(self, i: int, shape: Optional[torch.Size], now: Optional[torch.Tensor] = None,
+                strides: Optional[Tuple[int, ...]] = None) -> None:
+        """Parameter ``i`` moved, cast or reshaped since the optimizer was built (``shape``, ``strides``: its shape
+        and strides then, where known; ``now``: what it is now, where not ``params[i]``); named by its whole shape
+        (FSDP2: the DTensor's, not the shard's)."""
         p = self.params[i] if now is None else now
         was, now = f"{self.dtype} on {self.device}", f"{p.dtype} on {p.device}"
-        if shape is not None and shape != p.shape:
+        if strides is not None and shape == p.shape and strides != p.stride():
+            was = f"{tuple(shape)} with strides {strides} {was}"
+            now = f"{tuple(p.shape)} with strides {p.stride()} {now}"
+        elif shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
         whole = self.watch[i].shape if self.shapes is None else self.shapes[i]  # (as built; FSDP2: the DTensor's)
         raise RuntimeError(
@@ -253,7 +266,8 @@ class Masters:
             f"{was}, it is now {now} (a parameter of shape {tuple(whole)}; `model.to(...)`, "
             "`p.data = ...`, ...). The optimizer's state lives with the "
             "parameters where it was built: move or cast the model first, then build the optimizer (data replaced "
-            "on the parameter's own device, dtype and shape is followed, as AdamW follows it).")
+            "on the parameter's own device, dtype and shape, and strides where sharded, is followed, as AdamW follows "
+            "it).")
 
     def loaded(self, i: int, loaded: bool) -> None:
         """A separate master was just written from a checkpoint, or not (``loaded=False``: taken from the parameter

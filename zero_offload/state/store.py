@@ -14,9 +14,12 @@ from zero_offload.state.codecs import Codec, codec_for
 from zero_offload.state.shaped import SHAPED, ShapedState
 from zero_offload.state.tiers import Tier
 
-__all__ = ["StateStore", "state_bytes"]
+__all__ = ["STEP_DTYPES", "StateStore", "state_bytes"]
 
 Views = Callable[[torch.Tensor], List[torch.Tensor]]
+# The dtypes the step counts may be held in (float32 unless a load gave another): each holds every whole count up to
+# options.MAX_STEP exactly.
+STEP_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
 def state_bytes(buffers: Sequence[StateBuffer], state_dtype: torch.dtype, n: int,
@@ -43,8 +46,9 @@ class StateStore:
         flat (Dict[str, Tensor]): each allocated buffer's codes, by name, in declaration order.
         scales (Dict[str, Tensor]): block scales of the buffers that have them.
         views (Dict[str, List[Tensor]]): per-parameter views of each buffer.
-        steps (Tensor): per-parameter step counts, float32: ``state["step"]`` is a 0-dim view of an element, so
-            counting a step for a whole bucket is one add.
+        steps (Tensor): per-parameter step counts, float32 (or the dtype a load gave, see
+            :meth:`count_steps_in`): ``state["step"]`` is a 0-dim view of an element, so counting a step for a whole
+            bucket is one add.
         shaped (ShapedState): the buffers declared with a shape of their own (:mod:`zero_offload.state.shaped`):
             not in ``flat``, ``views`` or a run's ``state``.
 
@@ -102,6 +106,16 @@ class StateStore:
             self.views = {k: self.views[k] for k in order}
             self._whole = None
         return new + [b.name for b in added]
+
+    def count_steps_in(self, dtype: torch.dtype) -> None:
+        """Hold the step counts in ``dtype`` (one of :data:`STEP_DTYPES`: each holds every count up to
+        ``MAX_STEP`` exactly), as a load gives them: torch's loader keeps a step tensor's dtype, and AdamW counts on
+        in it. The same tensor (``.data`` swapped, values kept), so whatever holds it follows; the entries' 0-dim
+        views of it are the old data's: the caller shows the entries anew."""
+        if dtype not in STEP_DTYPES:
+            raise ValueError(f"step counts are held in {', '.join(map(str, STEP_DTYPES))}, not {dtype}")
+        if self.steps.dtype != dtype:
+            self.steps.data = self.steps.data.to(dtype)
 
     @property
     def names(self) -> List[str]:

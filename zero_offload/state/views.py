@@ -38,11 +38,17 @@ class StateViews:
         self.steps = store.steps
         self.exposed = [False] * len(params)
         self.all_exposed = False
+        # Per optional buffer (amsgrad's), whether each parameter's entry shows it: as AdamW's state holds amsgrad's
+        # buffer from the parameter's first update with amsgrad on (or a load or edit that gives it), not merely
+        # because the bucket allocated the buffer (amsgrad switched off before that update).
+        self.holds: Dict[str, List[bool]] = {b.name: [False] * len(params) for b in rule.buffers if b.optional}
+        self._all_hold = dict.fromkeys(self.holds, False)
+        self.all_hold = not self.holds  # (every entry holds every optional buffer)
 
     def entry(self, i: int) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s optimizer state in the rule's format: views, not copies (with compact state, the step
         and ``master`` only; ``state_dict()`` converts the rest)."""
-        slots = {} if self.store.compact else self.store.slots(i)
+        slots = {} if self.store.compact else self.shown(i, self.store.slots(i))
         if self.masters.low_precision:
             slots["master"] = self.masters.master_views[i]
         if self.placed is not None:
@@ -77,11 +83,42 @@ class StateViews:
     def set_step(self, i: int, step: float) -> None:
         self.steps[i] = step
 
+    def shown(self, i: int, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``tensors`` (parameter ``i``'s, by buffer name) less the optional buffers its entry does not hold."""
+        holds = self.holds
+        if not holds or all(holds[name][i] for name in holds if name in tensors):
+            return tensors
+        return {name: t for name, t in tensors.items() if name not in holds or holds[name][i]}
+
+    def hold(self, indices: Sequence[int], names: Sequence[str]) -> List[int]:
+        """Parameters ``indices`` were just updated with the optional buffers ``names`` in use (amsgrad on): their
+        entries hold them from now on. Returns those whose entries gained one (O(1) once every entry holds all)."""
+        gained: List[int] = []
+        for name in names:
+            held = self.holds.get(name)
+            if held is None or self._all_hold[name]:
+                continue
+            for i in indices:
+                if not held[i]:
+                    held[i] = True
+                    gained.append(i)
+            self._all_hold[name] = all(held)
+        self.all_hold = all(self._all_hold.values())
+        return gained
+
+    def hold_only(self, i: int, names: Sequence[str]) -> None:
+        """Parameter ``i``'s entry holds exactly the optional buffers among ``names`` (a loaded or edited entry's
+        keys)."""
+        for name, held in self.holds.items():
+            held[i] = name in names
+            self._all_hold[name] = self.all_hold = False  # (the next update's hold() looks again)
+
     def reset(self, i: int) -> None:
         """Parameter ``i`` starts afresh (its state is zeroed by the caller): step 0, no state entry, master
         taken from the parameter at its next update."""
         self.steps[i] = 0.0
         self.set_exposed(i, False)
+        self.hold_only(i, ())
         self.masters.loaded(i, False)
 
     def fp32(self, name: str) -> torch.Tensor:
@@ -131,6 +168,7 @@ class StateViews:
                 self.reset(i)
                 continue
             self.steps[i] = entry["step"]  # (checkpoint.check_entry's count, also for a rule whose format has none)
+            self.hold_only(i, list(entry))
             if self.masters.separate and "master" in entry:
                 self.masters.master_views[i].copy_(memory_order_flat(entry["master"])[src : src + b - a])
             self.masters.loaded(i, "master" in entry)

@@ -63,9 +63,10 @@ class Group(Topology):
                       state: Dict[Any, Any], transport: "Transport") -> Dict[Any, Any]:
         """The full state, gathered onto every rank (a collective, after every rank agrees on what it holds), and
         the entries that are no parameter's."""
-        from zero_offload.checkpoint.full import full_state
+        from zero_offload.checkpoint.full import empty_entries, full_state
 
         transport.agree_state(chain.from_iterable(buckets))
         out = full_state(groups, buckets, self.comm.all_gather_host)
+        out.update(empty_entries(groups, state))
         out.update((k, v) for k, v in state.items() if not isinstance(k, torch.Tensor))
         return out
