@@ -23,7 +23,9 @@ code that takes tensors without torch's dispatch (the CPU kernel refuses device 
 from __future__ import annotations
 
 import collections
+import os
 import traceback
+from pathlib import Path
 from typing import Any, Dict
 
 import torch
@@ -32,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import cuda_standins
+import zero_offload
 
 __all__ = ["CrossDevice", "DeviceCheck"]
 
@@ -45,6 +48,13 @@ _COPIES = {aten.copy_.default, aten._foreach_copy_.default, aten._to_copy.defaul
 # whose two tensors must be on one device).
 _SCALARS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 _READS = _SCALARS | {aten.equal.default}
+
+
+# Where a frame's file lies, by the packages' own folders (not by a folder's name: a venv inside a checkout
+# named zero_offload puts torch under ``.../zero_offload/.venv/``).
+_ROOTS = (("zero_offload", f"{Path(zero_offload.__file__).parent}{os.sep}"),
+          ("torch/optim", f"{Path(torch.optim.__file__).parent}{os.sep}"))
+_TORCH = f"{Path(torch.__file__).parent}{os.sep}"
 
 
 class CrossDevice(RuntimeError):
@@ -124,11 +134,11 @@ class DeviceCheck:
             name = frame.filename
             if name.endswith("device_check.py"):
                 continue
-            for root in ("/zero_offload/", "/torch/optim/"):
-                if root in name:
-                    self.reads[f"{root.strip('/')}/{name.rsplit(root, 1)[1]}:{frame.lineno}"] += 1
+            for label, root in _ROOTS:
+                if name.startswith(root):
+                    self.reads[f"{label}/{Path(name).relative_to(root).as_posix()}:{frame.lineno}"] += 1
                     return
-            if "/torch/" not in name:
+            if not name.startswith(_TORCH):
                 self.reads["test"] += 1
                 return
 
