@@ -44,6 +44,25 @@ def _halve_by_vector(model):
     torch.nn.utils.vector_to_parameters(vec * 0.5, model.parameters())
 
 
+def _options(request, placement):
+    """The optimizer's keywords for ``placement`` ("cpu": a CPU model; else that placement on the CUDA stand-ins)."""
+    if placement == "cpu":
+        return {}
+    request.getfixturevalue("cuda_branches")
+    return dict(placement=placement, bucket_numel=1000)
+
+
+def _pair(request, placement, **hyper):
+    """A TinyTransformer and its copy, ours over one and AdamW (foreach=False) over the other, with ``hyper``."""
+    kw = _options(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **hyper, **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), **hyper, foreach=False)
+    return model, ref_model, ours, ref, kw
+
+
 @pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
 @pytest.mark.parametrize("placement", ["host", {"resident": 0.3, "parked": 0.4}], ids=["host", "mix"])
 def test_replaced_data_of_a_gpu_parameter_trains_on_as_adamw(cuda_branches, replace, placement):
@@ -114,10 +133,7 @@ def test_a_parameter_reshaped_over_its_own_storage_is_refused_naming_it(request,
     failed in the upload with torch's bare size mismatch (the state already stepped); one bound to its slot (CPU,
     parked) was stepped as if nothing had happened. AdamW refuses such a parameter (its moments keep the old shape):
     refused at the next step, naming both shapes, nothing changed."""
-    kw = {}
-    if placement != "cpu":
-        request.getfixturevalue("cuda_branches")
-        kw = dict(placement=placement, bucket_numel=1000)
+    kw = _options(request, placement)
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = OffloadOptimizer(param_groups(model), **kw)
@@ -192,15 +208,7 @@ def test_a_wrappers_keys_in_the_state_entries_are_kept_as_adamw_keeps_them(reque
     next ``step()`` raise ValueError (an entry with an unknown key), and a loaded state dict with one was refused as
     another optimizer's. On the CUDA stand-ins too: ``"auto"`` moves buckets to a GPU home after its second step,
     and the entries it shows then keep the key."""
-    kw = {}
-    if placement != "cpu":
-        request.getfixturevalue("cuda_branches")
-        kw = dict(placement=placement, bucket_numel=1000)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref, kw = _pair(request, placement)
     wrappers = [SlowWeights(ours), SlowWeights(ref)]
     for step in range(STEPS):
         _slow_run(model, ours, 1, step, wrappers[0])
@@ -374,15 +382,7 @@ def test_an_empty_entry_is_listed_and_loaded_as_adamw_lists_it(request, placemen
     """Merely reading ``opt.state[p]`` before ``p``'s first step leaves ``{}`` there, and AdamW's ``state_dict()``
     lists ``{i: {}}``; ours left it out, and our loader refused AdamW's state dict with one ("lacks ['step', ...]").
     Both ways through a state dict, then every step against AdamW, an emptied entry of a stepped parameter too."""
-    kw = {}
-    if placement != "cpu":
-        request.getfixturevalue("cuda_branches")
-        kw = dict(placement=placement, bucket_numel=1000)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref, kw = _pair(request, placement)
     for m, opt in ((model, ours), (ref_model, ref)):
         _read_and_empty(m, opt)
     ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
@@ -429,10 +429,7 @@ def test_a_loaded_steps_dtype_is_kept_as_adamw_keeps_it(request, placement, dtyp
     saved group is ``fused`` or ``capturable`` (float32 then), and AdamW counts on in that dtype: ``opt.state`` and
     ``state_dict()`` show it. Ours made every loaded step float32. (A checkpoint with int64 steps: a converter's,
     DeepSpeed's, an older torch's counted as integers.)"""
-    kw = {}
-    if placement != "cpu":
-        request.getfixturevalue("cuda_branches")
-        kw = dict(placement=placement, bucket_numel=1000)
+    kw = _options(request, placement)
     torch.manual_seed(0)
     model = TinyTransformer()
     ref_model = copy.deepcopy(model)
@@ -469,19 +466,6 @@ def test_a_loaded_steps_dtype_is_kept_as_adamw_keeps_it(request, placement, dtyp
 
 
 # -- amsgrad's max_exp_avg_sq, where AdamW's state has none ----------------------------------------------------------
-def _amsgrad_pair(request, placement, amsgrad=True):
-    kw = {}
-    if placement != "cpu":
-        request.getfixturevalue("cuda_branches")
-        kw = dict(placement=placement, bucket_numel=1000)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), amsgrad=amsgrad, **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=amsgrad, foreach=False)
-    return model, ref_model, ours, ref, kw
-
-
 def _amsgrad_steps(model, ref_model, ours, ref, steps, first=0, between=None):
     """Steps of both, parameters and state (keys included) compared every step, ``state_dict()``'s keys too."""
     for step in range(first, first + steps):
@@ -504,7 +488,7 @@ def _same_keys(ours, ref, where):
 def test_amsgrad_switched_off_before_the_first_step_keeps_no_max_exp_avg_sq(request, placement):
     """Built with ``amsgrad=True`` and switched off in a group before the first step: AdamW's state holds no
     ``max_exp_avg_sq`` for that group's parameters; ours showed a zero one (the bucket had allocated it)."""
-    model, ref_model, ours, ref, _ = _amsgrad_pair(request, placement)
+    model, ref_model, ours, ref, _ = _pair(request, placement, amsgrad=True)
     for opt in (ours, ref):
         opt.param_groups[0]["amsgrad"] = False
     _amsgrad_steps(model, ref_model, ours, ref, STEPS)
@@ -516,7 +500,7 @@ def test_a_state_dict_saved_without_amsgrad_loads_without_max_exp_avg_sq(request
     """A state dict saved without amsgrad, loaded into an optimizer built with it (the loaded groups say
     ``amsgrad=False``): AdamW's entries are the loaded ones; ours showed a zero ``max_exp_avg_sq`` beside them.
     A saved one with amsgrad loads with it (both ways)."""
-    model, ref_model, ours, ref, kw = _amsgrad_pair(request, placement, amsgrad=False)
+    model, ref_model, ours, ref, kw = _pair(request, placement, amsgrad=False)
     _amsgrad_steps(model, ref_model, ours, ref, 2)
     for saved_by in (ref, ours):
         for amsgrad in (True, False):
@@ -539,7 +523,7 @@ def test_amsgrad_switched_on_later_shows_max_exp_avg_sq_from_that_step(request, 
     """Switched on after some steps: AdamW raises ``KeyError: 'max_exp_avg_sq'`` (docs/differences.md); ours starts
     it at zero at that step, and shows it from then on: as AdamW given that zero buffer at the switch (its
     parameters never stepped before get it at their first step, as AdamW gives it)."""
-    model, ref_model, ours, ref, _ = _amsgrad_pair(request, placement, amsgrad=True)
+    model, ref_model, ours, ref, _ = _pair(request, placement, amsgrad=True)
     for opt in (ours, ref):
         opt.param_groups[1]["amsgrad"] = False
     _amsgrad_steps(model, ref_model, ours, ref, 2)
