@@ -88,6 +88,29 @@ def test_under_a_memory_cap_auto_keeps_no_state_resident_beyond_it(cuda_branches
     assert "resident" not in homes and homes != {"host"}, homes  # (parked: in the memory backward freed)
 
 
+def _parked_beside_adamw(backward, held=lambda opt: 0):
+    """Three steps of a parked TinyTransformer beside AdamW, ``backward[0]`` True while backward runs: no bucket's
+    state is up when backward ends, ``held(opt)`` bytes of device memory are kept after backward and after
+    ``step()`` (none expected), and the trajectory is AdamW's."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(3):
+        backward[0] = True
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+        backward[0] = False
+        assert all(b.home.twins is None for b in _buckets(opt))
+        assert held(opt) == 0, step
+        opt.step()
+        ref.step()
+        assert_same(model, ref_model, opt, ref, f"step {step}")
+        assert held(opt) == 0, step
+
+
 def test_a_reload_in_backward_out_of_memory_comes_up_at_step(cuda_branches):
     """The room check passed but the allocator cannot give the memory (a fragmented cache): the reload in backward
     is dropped, backward goes on, and ``step()`` brings the state up; the trajectory is AdamW's."""
@@ -101,21 +124,7 @@ def test_a_reload_in_backward_out_of_memory_comes_up_at_step(cuda_branches):
         return real(home, *args, **kwargs)
 
     cuda_branches.setattr(ParkedHome, "reload", reload)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
-    for step in range(3):
-        backward[0] = True
-        for o, m in ((opt, model), (ref, ref_model)):
-            o.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-        backward[0] = False
-        assert all(b.home.twins is None for b in _buckets(opt))
-        opt.step()
-        ref.step()
-        assert_same(model, ref_model, opt, ref, f"step {step}")
+    _parked_beside_adamw(backward)
 
 
 def test_a_reload_in_backward_that_runs_out_of_memory_midway_holds_no_device_memory(cuda_branches):
@@ -131,25 +140,8 @@ def test_a_reload_in_backward_that_runs_out_of_memory_midway_holds_no_device_mem
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
         return real(home, name, buf)
 
-    cuda_branches.setattr(ParkedHome, "_device_copy", device_copy)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    opt = OffloadOptimizer(param_groups(model), bucket_numel=BUCKET, placement="parked")
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
-
     def held(opt):  # (bytes of the device copies' storage, kept between steps: none outside a step)
         return sum(t.untyped_storage().nbytes() for b in _buckets(opt) for t in b.home._held.values())
 
-    for step in range(3):
-        backward[0] = True
-        for o, m in ((opt, model), (ref, ref_model)):
-            o.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-        backward[0] = False
-        assert all(b.home.twins is None for b in _buckets(opt))
-        assert held(opt) == 0, step
-        opt.step()
-        ref.step()
-        assert_same(model, ref_model, opt, ref, f"step {step}")
-        assert held(opt) == 0, step
+    cuda_branches.setattr(ParkedHome, "_device_copy", device_copy)
+    _parked_beside_adamw(backward, held)
