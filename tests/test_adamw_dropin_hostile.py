@@ -63,14 +63,11 @@ def _pair(request, placement, **hyper):
     return model, ref_model, ours, ref, kw
 
 
-@pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
-@pytest.mark.parametrize("placement", ["host", {"resident": 0.3, "parked": 0.4}], ids=["host", "mix"])
-def test_replaced_data_of_a_gpu_parameter_trains_on_as_adamw(cuda_branches, replace, placement):
-    """AdamW follows the ``Parameter``: whatever its data was replaced with is what the next step starts from. A GPU
-    parameter stepped on the host (a separate fp32 master there) kept training from the old master, writing over
-    the replacement without a word (replacement moves no version counter; CPU parameters were followed)."""
+def _replace_beside_adamw(make, placement, replace, device):
+    """Ours (``placement``, some bucket a GPU one stepped on the host) and AdamW over ``make()`` and its copy, both
+    models' data replaced by ``replace`` after backward at step ``REPLACE_AT``: equal every step."""
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = make()
     ref_model = copy.deepcopy(model)
     ours = OffloadOptimizer(param_groups(model), placement=placement, bucket_numel=1000)
     ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
@@ -78,30 +75,27 @@ def test_replaced_data_of_a_gpu_parameter_trains_on_as_adamw(cuda_branches, repl
     for step in range(STEPS):
         for m, opt in ((model, ours), (ref_model, ref)):
             opt.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
+            loss_fn(m, step, 0, device).backward()
             if step == REPLACE_AT:
                 replace(m)
             opt.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+@pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
+@pytest.mark.parametrize("placement", ["host", {"resident": 0.3, "parked": 0.4}], ids=["host", "mix"])
+def test_replaced_data_of_a_gpu_parameter_trains_on_as_adamw(cuda_branches, replace, placement):
+    """AdamW follows the ``Parameter``: whatever its data was replaced with is what the next step starts from. A GPU
+    parameter stepped on the host (a separate fp32 master there) kept training from the old master, writing over
+    the replacement without a word (replacement moves no version counter; CPU parameters were followed)."""
+    _replace_beside_adamw(TinyTransformer, placement, replace, "cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("replace", [_halve_by_data, _halve_by_vector], ids=["p.data=", "vector_to_parameters"])
 def test_replaced_data_of_a_parameter_on_a_real_gpu_trains_on_as_adamw(replace):
     """The same on a GPU: a host-stepped bucket's master, copies on the side streams (skipped without one)."""
-    torch.manual_seed(0)
-    model = TinyTransformer().cuda()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), placement="host", bucket_numel=1000)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
-    for step in range(STEPS):
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            loss_fn(m, step, 0, "cuda").backward()
-            if step == REPLACE_AT:
-                replace(m)
-            opt.step()
-        assert_same(model, ref_model, ours, ref, f"step {step}")
+    _replace_beside_adamw(lambda: TinyTransformer().cuda(), "host", replace, "cuda")
 
 
 def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_branches):
