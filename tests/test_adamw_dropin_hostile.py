@@ -98,10 +98,12 @@ def test_replaced_data_of_a_parameter_on_a_real_gpu_trains_on_as_adamw(replace):
     _replace_beside_adamw(lambda: TinyTransformer().cuda(), "host", replace, "cuda")
 
 
-def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_branches):
+def _two_steps_then_backward(**kw):
+    """Ours (``kw``) over a TinyTransformer, two steps taken and the third's backward run: the model, the optimizer
+    and a snapshot of both before that backward."""
     torch.manual_seed(0)
     model = TinyTransformer()
-    opt = OffloadOptimizer(param_groups(model), placement="host", bucket_numel=1000)
+    opt = OffloadOptimizer(param_groups(model), **kw)
     for step in range(2):
         opt.zero_grad()
         loss_fn(model, step, 0, "cpu").backward()
@@ -109,6 +111,11 @@ def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_bra
     before = snapshot(model, opt)
     opt.zero_grad()
     loss_fn(model, 2, 0, "cpu").backward()
+    return model, opt, before
+
+
+def test_a_gpu_parameter_replaced_by_another_shape_is_refused_naming_it(cuda_branches):
+    model, opt, before = _two_steps_then_backward(placement="host", bucket_numel=1000)
     model.tok.weight.data = torch.zeros(3)
     with pytest.raises(RuntimeError, match=r"data was moved, cast or reshaped .* it was \(31, 16\) torch.float32 "
                                            r"on cuda:0 \(stand-in\), it is now \(3,\) torch.float32 on cpu"):
@@ -127,17 +134,7 @@ def test_a_parameter_reshaped_over_its_own_storage_is_refused_naming_it(request,
     failed in the upload with torch's bare size mismatch (the state already stepped); one bound to its slot (CPU,
     parked) was stepped as if nothing had happened. AdamW refuses such a parameter (its moments keep the old shape):
     refused at the next step, naming both shapes, nothing changed."""
-    kw = _options(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    opt = OffloadOptimizer(param_groups(model), **kw)
-    for step in range(2):
-        opt.zero_grad()
-        loss_fn(model, step, 0, "cpu").backward()
-        opt.step()
-    before = snapshot(model, opt)
-    opt.zero_grad()
-    loss_fn(model, 2, 0, "cpu").backward()
+    model, opt, before = _two_steps_then_backward(**_options(request, placement))
     w = model.tok.weight
     kept = w.data
     w.data = w.data[:3] if how == "slice" else w.data.view(-1)
