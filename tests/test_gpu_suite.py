@@ -152,3 +152,14 @@ def test_the_huge_pinned_probe_maps_private_huge_page_memory_no_fork_inherits():
     assert t.dtype == torch.float32 and t.numel() == (4 << 20) + 3 and t.data_ptr() % huge_page_bytes() == 0
     flags = gpu_suite.smaps_field(t.data_ptr(), "VmFlags")
     assert {"hg", "dc"} <= set(flags.split()), flags
+
+
+def test_cuda_tests_run_the_unproven_gpu_paths_first_and_every_test_file():
+    argv = {s.name: s for s in gpu_suite.plan(False, [c.key for c in train_step.CONTENDERS])}["cuda-tests"].argv
+    files = [a for a in argv if a.startswith("tests/")]
+    every = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py"))
+    # Each file once (pytest would collect a repeated one twice), none forgotten, the first ones existing.
+    assert sorted(files) == every and len(set(files)) == len(files)
+    assert files[:len(gpu_suite.CUDA_TESTS_FIRST)] == [f"tests/{n}" for n in gpu_suite.CUDA_TESTS_FIRST]
+    # Verbose: a run the limit cuts short names each test that ran, not only its dots.
+    assert "-v" in argv and "-q" not in argv
