@@ -149,9 +149,9 @@ class ParkedHome(Home):
 
     def _device_copy(self, name: str, buf: torch.Tensor) -> torch.Tensor:
         """Device memory for the copy of parked buffer ``name`` (``buf``), allocated on the current stream (the
-        compute stream, which :meth:`reload` makes current; at ``step()`` it is): the
-        storage of the tensor its last copy was given memory again, or, where there is none of its size and dtype
-        (the first reload, a buffer laid out again), a new tensor, whose views are cut anew."""
+        compute stream: :meth:`reload` makes it current; at ``step()`` it is): the storage of the tensor its last
+        copy was given memory again, or, where there is none of its size and dtype (the first reload, a buffer laid
+        out again), a new tensor, whose views are cut anew."""
         held = self._held.get(name)
         if held is not None and held.dtype == buf.dtype and held.numel() == buf.numel():
             storage, nbytes = held.untyped_storage(), buf.numel() * buf.element_size()

@@ -272,7 +272,9 @@ class Transport:
 
     def receive_all(self, lanes: Sequence[Sequence[Lane]], fresh: bool = False) -> Plans:
         """:meth:`receive` of every lane, by group, then the edits that moved no version counter found
-        (:meth:`EditWatch.read_edited`)."""
+        (:meth:`EditWatch.read_edited`). ``step()`` (or ``clip_grad_norm_``) begins: its stream is the compute
+        stream."""
+        self.streams.note_compute()
         return self.edits.read_edited([[self.receive(lane, fresh=fresh) for lane in group] for group in lanes])
 
     def measure(self, plans: Plans, settings: Sequence[Tuple[str, float]], check: bool,

@@ -99,7 +99,7 @@ class Streams:
     from a hook must come from its pool whatever stream the hook finds current: FSDP2 runs its post-accumulate-grad
     hooks with its reduce-scatter (or all-reduce) stream current, and a block allocated there would stay in that
     stream's pool once freed, out of reach of the next forward. Noted in the user's thread (:meth:`note_compute`:
-    when a bucket is added, and as each step ends), never read from a hook."""
+    when a bucket is added, as each step begins and as it ends), never read from a hook."""
 
     __slots__ = ("_down", "_up", "_collectives", "_compute")
 
@@ -111,7 +111,8 @@ class Streams:
 
     def note_compute(self, device: Optional[torch.device] = None) -> None:
         """The stream current on ``device`` now is its compute stream (None: on every device noted before). From
-        the user's thread only (a bucket added, a step ended), not from a hook, where FSDP2's stream is current."""
+        the user's thread only (a bucket added, a step begun or ended), not from a hook, where FSDP2's stream is
+        current."""
         for d in list(self._compute) if device is None else [device]:
             self._compute[d] = torch.cuda.current_stream(d)
 
