@@ -26,7 +26,8 @@ stream), two micro-batches accumulated, clipped by ``opt.clip_grad_norm_``:
   (tests/fsdp2_harness.py, default fp32 tolerance: the GPU update is torch's fused AdamW, within rounding of the
   for-loop one).
 
-On ``main`` the second and third points fail (the copies allocated on FSDP's stream, the upload stream ordered after
+On a GPU (marked ``cuda``, skipped without one): the caching allocator's segment of each device copy belongs to the
+compute stream, while FSDP's stream is current in the hook. On ``main`` the second and third points fail (the copies allocated on FSDP's stream, the upload stream ordered after
 it and not after the compute stream).
 """
 
@@ -166,3 +167,82 @@ def test_parked_reloads_under_fsdp2_allocate_on_the_compute_stream(world2, name)
 
 def test_parked_reloads_on_one_rank_allocate_on_the_compute_stream(world1):
     _check(world1, "fsdp")
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA --
+@pytest.mark.cuda
+def test_parked_reloads_come_from_the_compute_streams_pool_on_a_gpu(tmp_path):
+    """One GPU (NCCL, world 1), every bucket parked: each reload FSDP's hook issues in backward runs with FSDP's
+    stream current, and the caching allocator's segment holding each device copy belongs to the compute stream
+    (``torch.cuda.memory_snapshot()``'s ``stream``); parameters and both moments equal FSDP2 +
+    ``AdamW(foreach=False)`` every step (default fp32 tolerance: torch's fused AdamW on the GPU)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from zero_offload.state.parked_home import ParkedHome
+
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    real_reload = ParkedHome.reload
+    seen: List[Any] = []
+
+    def reload(home, streams, *args, **kwargs):
+        up = home.twins is not None
+        current = torch.cuda.current_stream()
+        real_reload(home, streams, *args, **kwargs)
+        if not up:
+            seen.append((current, [t.data_ptr() for t in home.twins.values()]))
+
+    ParkedHome.reload = reload
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        compute = torch.cuda.current_stream()
+        runs = {}
+        for name, make in (("adamw", ADAMW), ("ours", PARKED)):
+            torch.manual_seed(0)
+            model = h.Net().cuda()
+            for module in (*model.blocks, model):
+                fully_shard(module, mesh=mesh)
+            opt = make(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY)
+            steps = []
+            for step in range(4):
+                opt.zero_grad()
+                del seen[:]
+                ids = h.tokens(step).cuda()
+                logits = model(ids[:, :-1], step % 3 == 1)
+                F.cross_entropy(logits.float().reshape(-1, h.VOCAB), ids[:, 1:].reshape(-1)).backward()
+                if name == "ours":
+                    assert seen, f"step {step}: no reload in backward"
+                    assert all(current != compute for current, _ in seen), \
+                        f"step {step}: FSDP ran the hook with the compute stream current (nothing to check)"
+                    pools = {}
+                    for segment in torch.cuda.memory_snapshot():
+                        for current, ptrs in seen:
+                            for ptr in ptrs:
+                                if segment["address"] <= ptr < segment["address"] + segment["total_size"]:
+                                    pools[ptr] = segment["stream"]
+                    ptrs = [ptr for _, ptrs in seen for ptr in ptrs]
+                    assert set(pools) == set(ptrs), f"step {step}: a device copy in no segment"
+                    assert set(pools.values()) == {compute.cuda_stream}, \
+                        f"step {step}: device copies in the pools of streams {set(pools.values())}, not the compute " \
+                        f"stream's ({compute.cuda_stream})"
+                opt.step()
+                with torch.no_grad():
+                    params = list(model.parameters())
+                    now = {f"parameter {i}": p.to_local().clone() for i, p in enumerate(params)}
+                    for i, p in enumerate(params):
+                        for k, v in (opt.state[p].items() if p in opt.state else ()):
+                            if k != "step":
+                                now[f"parameter {i} {k}"] = v.to_local().clone()
+                    steps.append(now)
+            runs[name] = steps
+        for step, (ref, ours) in enumerate(zip(runs["adamw"], runs["ours"])):
+            assert ref.keys() <= ours.keys(), (step, sorted(ref.keys() - ours.keys()))
+            for key, value in ref.items():
+                torch.testing.assert_close(ours[key], value, msg=lambda m: f"step {step}, {key}: {m}")
+    finally:
+        ParkedHome.reload = real_reload
+        dist.destroy_process_group()
