@@ -26,8 +26,8 @@ stream), two micro-batches accumulated, clipped by ``opt.clip_grad_norm_``:
   (tests/fsdp2_harness.py, default fp32 tolerance: the GPU update is torch's fused AdamW, within rounding of the
   for-loop one).
 
-On a GPU (marked ``cuda``, skipped without one): the caching allocator's segment of each device copy belongs to the
-compute stream, while FSDP's stream is current in the hook. On ``main`` the second and third points fail (the copies allocated on FSDP's stream, the upload stream ordered after
+On a GPU (marked ``cuda``, skipped without one): the caching allocator's segment of each device copy belongs to
+the compute stream, while FSDP's stream is current in the hook. On ``main`` the second and third points fail (the copies allocated on FSDP's stream, the upload stream ordered after
 it and not after the compute stream).
 """
 
