@@ -27,8 +27,10 @@ stream), two micro-batches accumulated, clipped by ``opt.clip_grad_norm_``:
   for-loop one).
 
 On a GPU (marked ``cuda``, skipped without one): the caching allocator's segment of each device copy belongs to
-the compute stream, while FSDP's stream is current in the hook. On ``main`` the second and third points fail (the copies allocated on FSDP's stream, the upload stream ordered after
-it and not after the compute stream).
+the compute stream, while FSDP's stream is current in the hook.
+
+On ``main`` the second and third points fail (the copies allocated on FSDP's stream, the upload stream ordered
+after it and not after the compute stream).
 """
 
 from __future__ import annotations
