@@ -119,32 +119,63 @@ class Issued:
 
 
 @dataclasses.dataclass
+class Allocation:
+    """A device allocation, as the stand-ins saw it (:func:`watch_allocations`): ``stream``, the one current then
+    (the caching allocator's pool the block comes from, and goes back to when freed), its bytes, ``how`` it was made
+    (``"empty"``, ``"zeros"``, or ``"resize_"``: a storage given memory again) and its storage (``_cdata``)."""
+
+    stream: Stream
+    nbytes: int
+    how: str
+    storage: int
+
+
+@dataclasses.dataclass
 class Ledger:
-    """What one process's stand-ins saw: the compute stream (current outside any ``torch.cuda.stream`` block) and the
-    device collectives issued (:func:`install_in_rank`), in order."""
+    """What one process's stand-ins saw: the compute stream (current outside any ``torch.cuda.stream`` block), the
+    device collectives issued (:func:`install_in_rank`), in order; with :func:`watch_allocations`, every device
+    allocation (``allocations``, None unwatched) and every ``record_stream`` (``handed``: (storage, stream));
+    with :func:`stand_in_fsdp_streams`, the stand-in of each of FSDP's streams (``fsdp``: by the ``id`` of FSDP's
+    own stream)."""
 
     compute: Stream
     issued: List[Issued] = dataclasses.field(default_factory=list)
+    allocations: Optional[List[Allocation]] = None
+    handed: List[Tuple[int, Stream]] = dataclasses.field(default_factory=list)
+    storages: set = dataclasses.field(default_factory=set)  # (the device tensors' storages, watched)
+    fsdp: Dict[int, Stream] = dataclasses.field(default_factory=dict)
 
 
 LEDGER = Ledger(Stream(name="compute"))  # (the latest install's)
 
 
 @contextlib.contextmanager
-def installed():
+def installed(fsdp_streams: bool = False, allocations: bool = False):
     """The stand-ins for the duration of a ``with`` block (outside pytest: a spawned rank's job), then the real
-    attributes back. Yields :func:`install`'s list."""
+    attributes back. Yields :func:`install`'s list. ``fsdp_streams``: :func:`stand_in_fsdp_streams` too;
+    ``allocations``: :func:`watch_allocations` too."""
     saved = []
 
     def setattr_(obj, name, value):
-        saved.append((obj, name, getattr(obj, name)))
+        saved.append((obj, name, obj.__dict__.get(name, _INHERITED) if isinstance(obj, type) else getattr(obj, name)))
         setattr(obj, name, value)
 
     try:
-        yield install(setattr_)
+        planned = install(setattr_)
+        if fsdp_streams:
+            stand_in_fsdp_streams(setattr_)
+        if allocations:
+            watch_allocations(setattr_)
+        yield planned
     finally:
         for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
+            if value is _INHERITED:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+_INHERITED = object()  # (a class attribute that was its base's: deleted again, not set on the class)
 
 
 def install(setattr_: Callable[[object, str, object], None], default_host: bool = False) -> List[int]:
@@ -162,6 +193,8 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
         planned.append(len(params))
         return [dataclasses.replace(layout, device=device) for layout in plan(params, max_numel, **kw)]
 
+    ledger = LEDGER
+
     def on_cpu(make):
         def made(*args, **kwargs):
             if not isinstance(kwargs.get("device"), Device):
@@ -169,6 +202,10 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
             kwargs["device"] = "cpu"
             t = make(*args, **kwargs)
             t.standin_stream = current[0]  # (the stream it was made on, as the caching allocator keeps it)
+            if ledger.allocations is not None:
+                storage = t.untyped_storage()
+                ledger.storages.add(storage._cdata)
+                ledger.allocations.append(Allocation(current[0], storage.nbytes(), make.__name__, storage._cdata))
             return t
         return made
 
@@ -204,6 +241,45 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))
     return planned
+
+
+def watch_allocations(setattr_: Callable[[object, str, object], None]) -> None:
+    """After :func:`install`: the :data:`LEDGER` keeps every device allocation (:class:`Allocation`: a stand-in
+    device tensor made, or its storage given memory again by ``untyped_storage().resize_``, as the parked home and
+    FSDP re-allocate a buffer) with the stream current then, and every ``record_stream`` (a tensor handed to
+    another stream) in ``handed``."""
+    ledger = LEDGER
+    ledger.allocations = []
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(storage, nbytes):
+        if nbytes and storage._cdata in ledger.storages:
+            ledger.allocations.append(Allocation(torch.cuda.current_stream(), int(nbytes), "resize_", storage._cdata))
+        return resize(storage, nbytes)
+
+    setattr_(torch.UntypedStorage, "resize_", resize_)
+    setattr_(torch.Tensor, "record_stream",
+             lambda self, stream: ledger.handed.append((self.untyped_storage()._cdata, stream)))
+
+
+def stand_in_fsdp_streams(setattr_: Callable[[object, str, object], None]) -> None:
+    """After :func:`install`: FSDP2's own streams take part in the stand-ins' account. On a CPU mesh FSDP enters
+    ``torch.cpu.stream(s)`` where on a GPU it enters ``torch.cuda.stream(s)`` (its reduce-scatter or all-reduce
+    stream around the post-accumulate-grad hooks it runs, its all-gather streams in forward); each such block now
+    also makes a stand-in stream of ``s`` (one per stream of FSDP's, in ``LEDGER.fsdp``) current, so that what the
+    optimizer does from FSDP's hooks sees the stream a GPU would have current there."""
+    ledger, real = LEDGER, torch.cpu.stream
+
+    @contextlib.contextmanager
+    def stream(s):
+        standin = ledger.fsdp.get(id(s))
+        if standin is None:
+            standin = ledger.fsdp[id(s)] = Stream(name=f"FSDP's #{len(ledger.fsdp)}")
+            standin.fsdp_stream = s  # (keeps FSDP's stream alive: its id stays its own)
+        with real(s), torch.cuda.stream(standin):
+            yield
+
+    setattr_(torch.cpu, "stream", stream)
 
 
 def fixture_body(monkeypatch, needs_fused: bool = True, default_host: bool = False):

@@ -2,7 +2,8 @@
 parameters are on, by the rule's device update (torch's fused AdamW for AdamW, as the device home's). Its moments
 (and the fp32 master of bf16/fp16 parameters; an fp32 parameter is its own master, bound to a slot on the GPU) come
 up as device copies on a copy stream once the bucket's gradients are final in backward (:meth:`ParkedHome.reload`:
-into memory allocated on the compute stream, which backward has been freeing), or at ``step()`` at the latest;
+into memory allocated on the compute stream, which backward has been freeing, whatever stream the hook finds
+current: FSDP2 runs its hooks with its reduce-scatter stream current), or at ``step()`` at the latest;
 ``step()`` updates them there, after the same checks as every other bucket's; they go down again on the other copy
 stream while the next forward runs (:meth:`ParkedHome.put_back`), and the device copies' memory returns to the
 allocator once that copy has read it. No host wait on the way: the compute stream waits for the reload's event, the
@@ -77,22 +78,26 @@ class ParkedHome(Home):
 
     # -- around a step -------------------------------------------------------------------------------------------
     def reload(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
-        """Bring the parked buffers up (once a step): device copies allocated on the current stream (the compute
-        stream; in FSDP2's hooks, its reduce-scatter stream, see docs/placement.md's Not yet), filled on the upload
-        stream after the last write-back, an event after them."""
+        """Bring the parked buffers up (once a step): device copies allocated on the compute stream
+        (:meth:`~zero_offload.transport.channel.Streams.compute`, whatever stream is current: in FSDP2's hooks, its
+        reduce-scatter or all-reduce stream), filled on the upload stream once it has waited for the compute stream
+        and the last write-back, an event after them."""
         if self.twins is not None:
             return
-        up = streams.up(self.device)
+        up, compute = streams.up(self.device), streams.compute(self.device)
         twins: Dict[str, torch.Tensor] = {}
         try:
-            for name, buf in self.parked().items():
-                twins[name] = self._device_copy(name, buf)
+            # (From the compute stream's pool, where backward frees memory and the next forward allocates: made with
+            # a side stream current, the blocks would return to that stream's pool at the write-back and stay there.)
+            with torch.cuda.stream(compute):
+                for name, buf in self.parked().items():
+                    twins[name] = self._device_copy(name, buf)
         except BaseException:
             # (out of memory midway, as a reload in backward may be: the copies already given memory give it back
             # now, not at the next reload, which would allocate each again beside it and copy its contents over)
             _free(twins)
             raise
-        up.wait_stream(torch.cuda.current_stream(self.device))  # (the memory may have been the compute stream's)
+        up.wait_stream(compute)  # (the memory may have been in use by work queued on the compute stream until now)
         if self._written is not None:
             up.wait_event(self._written)  # the host buffers hold the last step's state only once it has landed
         with torch.cuda.stream(up), NOTHING if timeline is None else timeline.span("copy", "reload", where):
@@ -143,9 +148,10 @@ class ParkedHome(Home):
         self.release()
 
     def _device_copy(self, name: str, buf: torch.Tensor) -> torch.Tensor:
-        """Device memory for the copy of parked buffer ``name`` (``buf``), allocated on the current stream: the
-        storage of the tensor its last copy was given memory again, or, where there is none of its size and dtype
-        (the first reload, a buffer laid out again), a new tensor, whose views are cut anew."""
+        """Device memory for the copy of parked buffer ``name`` (``buf``), allocated on the current stream (the
+        compute stream: :meth:`reload` makes it current; at ``step()`` it is): the storage of the tensor its last
+        copy was given memory again, or, where there is none of its size and dtype (the first reload, a buffer laid
+        out again), a new tensor, whose views are cut anew."""
         held = self._held.get(name)
         if held is not None and held.dtype == buf.dtype and held.numel() == buf.numel():
             storage, nbytes = held.untyped_storage(), buf.numel() * buf.element_size()

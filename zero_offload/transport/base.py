@@ -184,6 +184,8 @@ class Transport:
     def add(self, bucket: FlatBucket, group: int, streamed: bool) -> Lane:
         """Take charge of a new bucket: its lane (``streamed``: backward sends its gradients)."""
         route = self.route_for(bucket)
+        if bucket.device.type == "cuda":
+            self.streams.note_compute(bucket.device)  # (built in the user's thread: see Streams.compute)
         lane = Lane(bucket, group, len(self.lanes), route, streamed and route.hooks)
         self.lanes.append(lane)
         return lane
@@ -270,7 +272,9 @@ class Transport:
 
     def receive_all(self, lanes: Sequence[Sequence[Lane]], fresh: bool = False) -> Plans:
         """:meth:`receive` of every lane, by group, then the edits that moved no version counter found
-        (:meth:`EditWatch.read_edited`)."""
+        (:meth:`EditWatch.read_edited`). ``step()`` (or ``clip_grad_norm_``) begins: its stream is the compute
+        stream."""
+        self.streams.note_compute()
         return self.edits.read_edited([[self.receive(lane, fresh=fresh) for lane in group] for group in lanes])
 
     def measure(self, plans: Plans, settings: Sequence[Tuple[str, float]], check: bool,
@@ -398,6 +402,7 @@ class Transport:
         gradients a lane holds are let go with the step (after zero_grad() the caller's references are the last,
         as with AdamW)."""
         self.arrivals, self.moved = [], False
+        self.streams.note_compute()  # (the stream step() ran on: the next backward's hooks allocate there)
         self.edits.reset()
         for lane in self.lanes:
             if lane.channel.unsettled:

@@ -92,14 +92,34 @@ class Streams:
     sharded buckets stepped on the GPU (their reduce-scatters and all-gathers), as DDP and FSDP2 keep theirs off the
     compute stream: it waits for the compute stream before each collective, and the compute stream waits for it
     only where a result is first read. Of their own, so that a reduce-scatter never queues behind a parked bucket's
-    write-back, nor a parked reload at ``step()`` behind the previous bucket's all-gather."""
+    write-back, nor a parked reload at ``step()`` behind the previous bucket's all-gather.
 
-    __slots__ = ("_down", "_up", "_collectives")
+    Beside them, the *compute* stream of each device (:meth:`compute`): the one forward, backward and ``step()`` run
+    on in the user's code, which the caching allocator hands backward's freed memory back to. A device buffer made
+    from a hook must come from its pool whatever stream the hook finds current: FSDP2 runs its post-accumulate-grad
+    hooks with its reduce-scatter (or all-reduce) stream current, and a block allocated there would stay in that
+    stream's pool once freed, out of reach of the next forward. Noted in the user's thread (:meth:`note_compute`:
+    when a bucket is added, as each step begins and as it ends), never read from a hook."""
+
+    __slots__ = ("_down", "_up", "_collectives", "_compute")
 
     def __init__(self) -> None:
         self._down: Dict[Any, Any] = {}
         self._up: Dict[Any, Any] = {}
         self._collectives: Dict[Any, Any] = {}
+        self._compute: Dict[Any, Any] = {}
+
+    def note_compute(self, device: Optional[torch.device] = None) -> None:
+        """The stream current on ``device`` now is its compute stream (None: on every device noted before). From
+        the user's thread only (a bucket added, a step begun or ended), not from a hook, where FSDP2's stream is
+        current."""
+        for d in list(self._compute) if device is None else [device]:
+            self._compute[d] = torch.cuda.current_stream(d)
+
+    def compute(self, device: torch.device) -> Any:
+        """``device``'s compute stream as last noted (:meth:`note_compute`); the current stream where none was."""
+        stream = self._compute.get(device)
+        return torch.cuda.current_stream(device) if stream is None else stream
 
     def down(self, device: torch.device) -> Any:
         """The stream of the copies off ``device``."""
