@@ -17,7 +17,12 @@ of TP; pipeline-like stages (a (pp, dp, tp) mesh, each stage its own model and o
 ``parallelize_module`` with its groups' params switched to the DTensors afterwards (accelerate's way), and without
 (warned, naming ``parallelize_module``); ``flatten_optimizer_state_dict=True`` (a DCP round trip, and the full dict
 with ``cpu_offload=True``); ``dcp.async_save`` on the (2 x 2) mesh resumed on a 1-D mesh of 4 without TP; and the
-refusal of parameters tensor parallelism holds outside any ``fully_shard`` on the 2-D mesh.
+refusal of parameters tensor parallelism holds outside any ``fully_shard`` on the 2-D mesh. Besides: a loop that
+gives the frozen parameters too, adds a param group after construction, passes ``lr`` as a tensor, keeps zeroed
+gradients and freezes a matrix mid-run; torchtitan's HSDP mesh (``dp_replicate``, a flattened ``dp_shard_cp``, ``tp``);
+two model parts with an optimizer each over one mesh (interleaved pipeline stages); a meta-device model whose
+weights are written after the optimizer was built (the CUDA stand-ins: a host master apart from the shard); and steps
+taken while ``dcp.async_save`` uploads (the checkpoint holds the state at the save).
 
 All jobs run in one spawn of 4 ranks (the ``titan`` fixture); the tests read their outcomes.
 """
@@ -93,7 +98,10 @@ class Run:
     ``"both"`` (torch's at :data:`CLIP`, then ``opt.clip_grad_norm_`` at :data:`SECOND_CLIP`; torch's twice for
     AdamW), ``"full"`` (torch's arithmetic on full tensors: where torch's own clip fails) or ``"none"``; ``names``
     the mesh's dimensions (``tp`` last or first; ``("dp_shard", "cp", "tp")``: torchtitan's, the first two flattened
-    into ``dp``); ``tp=False``: FSDP2 alone on a 1-D mesh of 4."""
+    into ``dp``; ``("dp_replicate", "dp_shard", "cp", "tp")``: torchtitan's HSDP, ``fully_shard`` over
+    ``dp_replicate`` and the flattened ``dp_shard_cp``); ``tp=False``: FSDP2 alone on a 1-D mesh of 4; ``edits``:
+    the frozen parameters given too, the second param group added by ``add_param_group``, ``lr`` a tensor,
+    ``zero_grad(set_to_none=False)``, and a matrix frozen from step 2 on."""
 
     make_opt: Any
     clip: str = "torch"
@@ -103,6 +111,7 @@ class Run:
     tp: bool = True
     names: Tuple[str, ...] = ("dp", "tp")
     shape: Tuple[int, ...] = (2, 2)
+    edits: bool = False  # what a loop may do besides: see param_groups and train_step
 
 
 def _tp_plans() -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -126,18 +135,30 @@ def _mesh(run: Run) -> Any:
         return init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     mesh = init_device_mesh("cpu", run.shape, mesh_dim_names=run.names)
     if "dp_shard" in run.names:
-        mesh[("dp_shard", "cp")]._flatten("dp")
+        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp" if "dp_replicate" in run.names else "dp")
     return mesh
 
 
-def param_groups(model: nn.Module, make_opt: Any) -> torch.optim.Optimizer:
-    """torchtitan's way: weight decay for matrices, none for norms and biases; frozen parameters left out."""
+def _dp(mesh: Any) -> Any:
+    """The mesh ``fully_shard`` takes (torchtitan's HSDP: the replicate and the flattened shard dimensions)."""
+    if "dp_replicate" in mesh.mesh_dim_names:
+        return mesh[("dp_replicate", "dp_shard_cp")]
+    return mesh["dp"]
+
+
+def param_groups(model: nn.Module, make_opt: Any, edits: bool = False) -> torch.optim.Optimizer:
+    """torchtitan's way: weight decay for matrices, none for norms and biases; frozen parameters left out
+    (``edits``: given, the second group added after construction, ``lr`` a tensor)."""
     decay, plain = [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad or edits:
             (plain if p.ndim < 2 or "norm" in name else decay).append(p)
-    return make_opt([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}], lr=LR,
-                    betas=(0.9, 0.95), eps=1e-8)
+    lr = torch.tensor(LR) if edits else LR
+    opt = make_opt([{"params": decay, "weight_decay": 0.1}] + ([] if edits else [{"params": plain,
+                   "weight_decay": 0.0}]), lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    if edits:
+        opt.add_param_group({"params": plain, "weight_decay": 0.0})
+    return opt
 
 
 def parallelize(model: Titan, mesh: Any) -> None:
@@ -158,7 +179,7 @@ def shard(model: nn.Module, mesh: Any, run: Run, units: Any = None) -> None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if run.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    dp = mesh["dp"]
+    dp = _dp(mesh)
     for layer in model.layers if units is None else units:
         fully_shard(layer, mesh=dp, **kw)
     if units is None:
@@ -171,12 +192,12 @@ def build(run: Run, seed: int = 0, switched: Optional[bool] = None) -> h.Loop:
     mesh = _mesh(run)
     torch.manual_seed(seed)
     model = Titan()
-    early = param_groups(model, run.make_opt) if switched is not None else None
+    early = param_groups(model, run.make_opt, run.edits) if switched is not None else None
     names = {id(p): n for n, p in model.named_parameters()}
     if run.tp:
         parallelize(model, mesh)
     shard(model, mesh, run)
-    opt = early or param_groups(model, run.make_opt)
+    opt = early or param_groups(model, run.make_opt, run.edits)
     if switched:
         now = dict(model.named_parameters())
         for group in opt.param_groups:
@@ -189,7 +210,7 @@ def _coords(run: Run) -> Tuple[int, int, bool]:
     rank = dist.get_rank()
     if not run.tp:
         return rank, WORLD, False
-    if run.names[0] == "tp":
+    if run.names[0] == "tp" and len(run.names) == 2:
         return rank % run.shape[1], run.shape[1], True
     return rank // run.shape[-1], WORLD // run.shape[-1], True
 
@@ -212,7 +233,9 @@ def _clip(loop: h.Loop, run: Run) -> Optional[torch.Tensor]:
 def train_step(loop: h.Loop, run: Run, step: int) -> Optional[float]:
     from torch.distributed.tensor.parallel import loss_parallel
 
-    loop.opt.zero_grad(set_to_none=True)
+    if run.edits and step == 2:
+        loop.model.layers[0].attention.wq.weight.requires_grad_(False)
+    loop.opt.zero_grad(set_to_none=not run.edits)
     d, dp, parallel_loss = _coords(run)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
     ids = ids[d * BATCH // dp:(d + 1) * BATCH // dp]
@@ -340,6 +363,86 @@ def left_out_on_a_flattened_mesh(rank: int, world: int, make_opt: Any) -> List[O
     return snaps
 
 
+def two_model_parts(rank: int, world: int, make_opt: Any) -> List[List[Optional[h.Snapshot]]]:
+    """Two model chunks on every rank (interleaved pipeline stages), one optimizer each, over the same mesh: one
+    backward through both, each clipped and stepped in turn (torchtitan's optimizer container); each part's
+    snapshots."""
+    run = Run(make_opt, clip="opt")
+    parts = [build(run, seed=0), build(run, seed=5)]
+    d, dp, _ = _coords(run)
+    snaps: List[List[Optional[h.Snapshot]]] = [[], []]
+    for step in range(STEPS):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        ids = ids[d * BATCH // dp:(d + 1) * BATCH // dp]
+        for part in parts:
+            part.opt.zero_grad(set_to_none=True)
+        with loss_parallel():
+            sum(F.cross_entropy(part.model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten(0, 1))
+                for part in parts).backward()
+        for i, part in enumerate(parts):
+            norm = _clip(part, run)
+            part.opt.step()
+            snaps[i].append(h.snapshot(part, float(h._full(norm)), rank, last=step == STEPS - 1))
+    return snaps
+
+
+def weights_written_after_the_optimizer(rank: int, world: int, make_opt: Any) -> List[Optional[h.Snapshot]]:
+    """torchtitan's meta-device start (``parallelize_module``, ``fully_shard``, ``to_empty``) with the weights
+    written into the shards only after the optimizer was built, on the CUDA stand-ins for ours (a host master apart
+    from the shard: it must be taken from the written weights)."""
+    import contextlib
+
+    import cuda_standins
+    from zero_offload.topology.mesh import _piece
+
+    run = Run(make_opt)
+    mesh = _mesh(run)
+    torch.manual_seed(0)
+    weights = dict(Titan().named_parameters())
+    with cuda_standins.installed() if make_opt is OURS else contextlib.nullcontext([True]) as planned:
+        with torch.device("meta"):
+            model = Titan()
+        parallelize(model, mesh)
+        shard(model, mesh, run)
+        model.to_empty(device="cpu")
+        opt = param_groups(model, make_opt)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.to_local().copy_(_piece(weights[name].detach(), p))
+        loop = h.Loop(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 2) * 0.9 ** i))
+        snaps = [h.snapshot(loop, train_step(loop, run, step), rank, last=step == STEPS - 1) for step in range(STEPS)]
+    if not planned:
+        raise AssertionError("no optimizer was built on the stand-in device")
+    return snaps
+
+
+def training_while_async_save_uploads(rank: int, world: int, make_opt: Any) -> List[str]:
+    """``dcp.async_save`` after two steps, two more steps before waiting for its upload: the checkpoint holds the
+    state as it was at the save (``dcp.load`` into a new optimizer). Returns the entries that differ."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    run, path = Run(make_opt), os.path.join(os.environ["TITAN_WORKDIR"], f"overlap-{make_opt is OURS}")
+    loop = build(run)
+    for step in range(2):
+        train_step(loop, run, step)
+    sd = get_optimizer_state_dict(loop.model, loop.opt)
+    at_save = {(k, n): v.to_local().clone() for k, e in sd["state"].items() for n, v in e.items() if v.dim()}
+    future = dcp.async_save({"optim": sd}, checkpoint_id=path)
+    for step in range(2, 4):
+        train_step(loop, run, step)
+    getattr(future, "upload_completion", future).result()
+    dist.barrier()
+    other = build(run, seed=1)
+    train_step(other, run, 0)
+    loaded = {"optim": get_optimizer_state_dict(other.model, other.opt)}
+    dcp.load(loaded, checkpoint_id=path)
+    return [f"{k}[{n}]" for (k, n), v in at_save.items()
+            if not torch.equal(loaded["optim"]["state"][k][n].to_local(), v)] + ([] if at_save else ["no state"])
+
+
 def refuse_tp_outside_fsdp(rank: int, world: int) -> Optional[str]:
     """TP on the 2-D mesh, ``fully_shard`` on the blocks only: the embedding, norm and output are tensor-parallel
     DTensors no FSDP unit manages."""
@@ -359,7 +462,9 @@ def refuse_tp_outside_fsdp(rank: int, world: int) -> Optional[str]:
 def _jobs() -> Dict[str, Any]:
     runs = {"torch-clip": {}, "opt-clip": dict(clip="opt"), "both-clips": dict(clip="both"),
             "mp-no-reshard": dict(mp=True, reshard=False, clip="opt"), "cpu-offload": dict(cpu_offload=True),
-            "1d-reshard-int": dict(tp=False, reshard=2), "tp-outer": dict(names=("tp", "dp"), clip="full")}
+            "1d-reshard-int": dict(tp=False, reshard=2), "tp-outer": dict(names=("tp", "dp"), clip="full"),
+            "loop-edits": dict(edits=True, clip="opt"),
+            "titan-hsdp": dict(names=("dp_replicate", "dp_shard", "cp", "tp"), shape=(2, 1, 1, 2), clip="opt")}
     jobs: Dict[str, Any] = {}
     for name, kw in runs.items():
         for who, make_opt in (("adamw", ADAMW), ("ours", OURS)):
@@ -372,6 +477,9 @@ def _jobs() -> Dict[str, Any]:
         jobs[f"flat-full/{who}"] = h.Call(flat_full_state, (make_opt,))
         jobs[f"pipeline/{who}"] = h.Call(pipeline_stages, (make_opt,))
         jobs[f"flattened-dp/{who}"] = h.Call(left_out_on_a_flattened_mesh, (make_opt,))
+        jobs[f"two-parts/{who}"] = h.Call(two_model_parts, (make_opt,))
+        jobs[f"written-after/{who}"] = h.Call(weights_written_after_the_optimizer, (make_opt,))
+        jobs[f"async-overlap/{who}"] = h.Call(training_while_async_save_uploads, (make_opt,))
     jobs["refuse/tp-outside-fsdp"] = h.Call(refuse_tp_outside_fsdp)
     return jobs
 
@@ -394,7 +502,7 @@ def _rank0(titan, job):
 
 
 @pytest.mark.parametrize("name", ["torch-clip", "opt-clip", "both-clips", "mp-no-reshard", "cpu-offload",
-                                  "1d-reshard-int", "tp-outer"])
+                                  "1d-reshard-int", "tp-outer", "loop-edits", "titan-hsdp"])
 def test_titans_model_matches_adamw_every_step(titan, name):
     expected = _rank0(titan, f"{name}/adamw")
     h.assert_moved([dataclasses.replace(s, params={k: v for k, v in s.params.items() if "gate" not in k})
@@ -452,6 +560,21 @@ def test_pipeline_stages_each_match_adamw(titan):
 
 def test_a_module_left_out_of_tp_on_torchtitans_flattened_mesh_matches_adamw(titan):
     h.assert_same(_rank0(titan, "flattened-dp/adamw"), _rank0(titan, "flattened-dp/ours"), "flattened dp")
+
+
+def test_two_model_parts_with_an_optimizer_each_match_adamw(titan):
+    for i, (expected, got) in enumerate(zip(_rank0(titan, "two-parts/adamw"), _rank0(titan, "two-parts/ours"))):
+        h.assert_same(expected, got, f"part {i}")
+
+
+def test_weights_written_after_the_optimizer_was_built_are_what_it_steps(titan):
+    h.assert_same(_rank0(titan, "written-after/adamw"), _rank0(titan, "written-after/ours"), "written after")
+
+
+@pytest.mark.parametrize("who", ["adamw", "ours"])
+def test_steps_while_async_save_uploads_do_not_reach_the_checkpoint(titan, who):
+    for rank, differ in titan[f"async-overlap/{who}"].per_rank.items():
+        assert differ == [], (rank, differ)
 
 
 def test_tensor_parallel_parameters_outside_every_fsdp_unit_are_refused_naming_them(titan):
