@@ -9,20 +9,13 @@ input through ``PrepareModuleInput``, a ``RowwiseParallel`` linear with a bias (
 ``Replicate``), and a frozen parameter (``requires_grad=False``) in each block's unit; two param groups (no weight
 decay for norms and biases, as torchtitan builds them) and a warm-up ``LambdaLR``.
 
-Runs: ``torch.nn.utils.clip_grad_norm_``, ``opt.clip_grad_norm_``, and both one after the other; ``fully_shard``
-with ``MixedPrecisionPolicy(bf16, fp32)`` and ``reshard_after_forward=False``, with ``CPUOffloadPolicy``, and with
-``reshard_after_forward=2`` (an int: on a 1-D mesh of 4, no TP); a mesh with ``tp`` as its outer dimension;
-torchtitan's flattened data-parallel dimension (``mesh[("dp_shard", "cp")]._flatten("dp")``) with a module left out
-of TP; pipeline-like stages (a (pp, dp, tp) mesh, each stage its own model and optimizer); the optimizer built before
-``parallelize_module`` with its groups' params switched to the DTensors afterwards (accelerate's way), and without
-(warned, naming ``parallelize_module``); ``flatten_optimizer_state_dict=True`` (a DCP round trip, and the full dict
-with ``cpu_offload=True``); ``dcp.async_save`` on the (2 x 2) mesh resumed on a 1-D mesh of 4 without TP; and the
-refusal of parameters tensor parallelism holds outside any ``fully_shard`` on the 2-D mesh. Besides: a loop that
-gives the frozen parameters too, adds a param group after construction, passes ``lr`` as a tensor, keeps zeroed
-gradients and freezes a matrix mid-run; torchtitan's HSDP mesh (``dp_replicate``, a flattened ``dp_shard_cp``, ``tp``);
-two model parts with an optimizer each over one mesh (interleaved pipeline stages); a meta-device model whose
-weights are written after the optimizer was built (the CUDA stand-ins: a host master apart from the shard); and steps
-taken while ``dcp.async_save`` uploads (the checkpoint holds the state at the save).
+Beside it (the tests name each run): both clips and their mix; ``fully_shard``'s options (mixed precision, no or an
+int reshard, ``CPUOffloadPolicy``); meshes torchtitan and users make (``tp`` outer, flattened ``dp_shard``/``cp``,
+its HSDP, pipeline stages, two model parts); a loop's edits (frozen parameters given, ``add_param_group``, a tensor
+``lr``, kept zero gradients, a matrix frozen mid-run); the optimizer built before ``parallelize_module`` (switched,
+or warned); weights written after it was built (on the CUDA stand-ins); flattened and asynchronous DCP checkpoints
+(resumed on a 1-D mesh, training during the upload); and the refusals of parameters in no ``fully_shard`` unit and
+of a meta-device model.
 
 All jobs run in one spawn of 4 ranks (the ``titan`` fixture); the tests read their outcomes.
 """
@@ -443,6 +436,21 @@ def training_while_async_save_uploads(rank: int, world: int, make_opt: Any) -> L
             if not torch.equal(loaded["optim"]["state"][k][n].to_local(), v)] + ([] if at_save else ["no state"])
 
 
+def refuse_meta_before_to_empty(rank: int, world: int) -> Optional[str]:
+    """torchtitan's meta-device model, parallelized and sharded, given to the optimizer before ``to_empty``."""
+    run = Run(OURS)
+    mesh = _mesh(run)
+    with torch.device("meta"):
+        model = Titan()
+    parallelize(model, mesh)
+    shard(model, mesh, run)
+    try:
+        param_groups(model, OURS)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def refuse_tp_outside_fsdp(rank: int, world: int) -> Optional[str]:
     """TP on the 2-D mesh, ``fully_shard`` on the blocks only: the embedding, norm and output are tensor-parallel
     DTensors no FSDP unit manages."""
@@ -481,6 +489,7 @@ def _jobs() -> Dict[str, Any]:
         jobs[f"written-after/{who}"] = h.Call(weights_written_after_the_optimizer, (make_opt,))
         jobs[f"async-overlap/{who}"] = h.Call(training_while_async_save_uploads, (make_opt,))
     jobs["refuse/tp-outside-fsdp"] = h.Call(refuse_tp_outside_fsdp)
+    jobs["refuse/meta"] = h.Call(refuse_meta_before_to_empty)
     return jobs
 
 
@@ -582,3 +591,8 @@ def test_tensor_parallel_parameters_outside_every_fsdp_unit_are_refused_naming_t
         assert message is not None and "FSDP2 does not manage it" in message, (rank, message)
         assert "1-D mesh (2,) ('tp',)" in message and "no fully_shard unit" in message, (rank, message)
         assert "fully_shard(model) after the blocks" in message, (rank, message)
+
+
+def test_a_meta_device_model_before_to_empty_is_refused_naming_it(titan):
+    for rank, message in titan["refuse/meta"].per_rank.items():
+        assert message is not None and "meta device" in message and "to_empty()" in message, (rank, message)
