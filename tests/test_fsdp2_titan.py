@@ -384,7 +384,7 @@ def two_model_parts(rank: int, world: int, make_opt: Any) -> List[List[Optional[
 def weights_written_after_the_optimizer(rank: int, world: int, make_opt: Any) -> List[Optional[h.Snapshot]]:
     """torchtitan's meta-device start (``parallelize_module``, ``fully_shard``, ``to_empty``) with the weights
     written into the shards only after the optimizer was built, on the CUDA stand-ins for ours (a host master apart
-    from the shard: it must be taken from the written weights)."""
+    from the shard, to be taken from the written weights at its first update, not from ``to_empty``'s memory)."""
     import contextlib
 
     import cuda_standins
