@@ -45,7 +45,8 @@ class GradlessSteps:
             warnings.warn(
                 f"OffloadOptimizer: step() was called {self.WARN_AFTER} times and none of its {n} parameters has "
                 "ever had a gradient: it is not over the parameters the model trains. Was it built before "
-                "fully_shard (FSDP2 replaces the model's parameters: build the optimizer after it), or over another "
+                "fully_shard or parallelize_module (FSDP2 and tensor parallelism replace the model's parameters: build "
+                "the optimizer after both, or switch each param group's params to the new ones), or over another "
                 "copy of the model (copy.deepcopy, a model re-created or loaded with assign=True after the optimizer "
                 "was built, a module conversion that makes new Parameter objects)? Or are all its parameters "
                 "frozen (requires_grad=False)?", UserWarning, stacklevel=6)

@@ -116,8 +116,9 @@ class Mesh(Topology):
                 "root module too: fully_shard(model)), or none")
         managed = fsdp2.registry() if self.managed is None else self.managed
         units, mesh = [], self.mesh
+        sharded = bool(self._placed) or any(id(p) in managed for p in params)  # (FSDP2's, some of those given)
         for p in params:
-            _check_placements(p, managed)
+            _check_placements(p, managed, sharded)
             mesh = _spanning(mesh, p)
             units.append(managed[id(p)][0])
         self.mesh = mesh  # (only once every parameter was taken)
@@ -350,14 +351,21 @@ def _spanning(mesh: Any, p: torch.Tensor) -> Any:
         "parallelize_module), or build one optimizer per mesh")
 
 
-def _check_placements(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]]) -> None:
-    """Raise ``TypeError`` naming why ``p`` cannot be taken: FSDP2 does not manage it (tensor parallelism alone),
+def _check_placements(p: torch.Tensor, managed: Dict[int, Tuple[int, Any]], sharded: bool = False) -> None:
+    """Raise ``TypeError`` naming why ``p`` cannot be taken: FSDP2 does not manage it (tensor parallelism alone;
+    ``sharded``: it manages others of the parameters given, so this one's module was left out of ``fully_shard``),
     shards it along another dimension than 0 (``shard_placement_fn``), or a placement is neither a shard nor a
     replica (``Partial``)."""
     from torch.distributed.tensor import Replicate, Shard
 
     record = managed.get(id(p))
     if record is None:
+        if sharded:
+            raise _placement_error(p, "FSDP2 does not manage it, though it manages other parameters given: its module "
+                                   "is in no fully_shard unit (tensor parallelism alone made it)", "Apply fully_shard "
+                                   "to every module holding parameters, the root last (fully_shard(model) after the "
+                                   "blocks, as torchtitan does: its embeddings, final norm and output projection are "
+                                   "there), or leave it out of the optimizer")
         raise _placement_error(p, "FSDP2 does not manage it (tensor parallelism without fully_shard gives such "
                                "placements)", "Shard the model with fully_shard too (over the data-parallel mesh "
                                "dimension, after parallelize_module), or keep torch.optim.AdamW for it")
@@ -398,4 +406,4 @@ def _named(mesh: Any) -> str:
 def _placement_error(p: torch.Tensor, what: str, advice: str = "Keep torch.optim.AdamW for this model") -> TypeError:
     return TypeError(
         f"OffloadOptimizer takes {_TAKEN}, but a parameter of shape {tuple(p.shape)} is a DTensor with placements "
-        f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: {what}. {advice}")
+        f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh {_named(p.device_mesh)}: {what}. {advice}")
