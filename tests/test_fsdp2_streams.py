@@ -28,7 +28,8 @@ stream), two micro-batches accumulated, clipped by ``opt.clip_grad_norm_``:
 
 A resident bucket (``placement="resident"``, or ``"auto"`` moving every bucket there after two steps on the host
 route, whose hooks FSDP runs with its stream current) allocates every device buffer with the compute stream
-current, against AdamW every step: nothing of it is allocated from FSDP's hooks.
+current, against AdamW every step: nothing of it is allocated from FSDP's hooks; in those two steps each bucket's
+copy down waits for FSDP's stream, where the reduce-scatter wrote its gradients.
 
 On a GPU (marked ``cuda``, skipped without one): the caching allocator's segment of each device copy belongs to
 the compute stream, while FSDP's stream is current in the hook.
@@ -129,11 +130,15 @@ def resident_allocations(rank: int, world: int, placement: str) -> Dict[str, Any
     from zero_offload.grad_stream import GradStreamer
 
     recipe, real_on_grad = RECIPES["fsdp"], GradStreamer._on_grad
-    hooked: List[Any] = []
+    hooked: List[Any] = []  # (the stream current in each hook; whether the copy stream waited for it where sent)
 
     def on_grad(streamer, watch):
-        hooked.append(torch.cuda.current_stream())
-        return real_on_grad(streamer, watch)
+        current = torch.cuda.current_stream()
+        current.tick()  # (FSDP's reduce-scatter wrote this gradient there)
+        real_on_grad(streamer, watch)
+        sent = watch.fired == watch.expected  # (the bucket's last gradient: its copy down was issued)
+        hooked.append((current.name, streamer._transport.streams.down(watch.lane.bucket.device).waits_for(current)
+                       if sent else None))
 
     measures = (h.auto_measures(1 << 40, kernel=1e6, copy_rate=1e15, allocations=True) if placement == "auto"
                 else cuda_standins.installed(allocations=True))
@@ -149,7 +154,7 @@ def resident_allocations(rank: int, world: int, placement: str) -> Dict[str, Any
                 made, hooks = len(ledger.allocations), len(hooked)
                 norm = h.train_step(loop, recipe, n, rank, world)
                 steps.append(dict(allocated=[a.stream.name for a in ledger.allocations[made:]],
-                                  hooks=[s.name for s in hooked[hooks:]]))
+                                  hooks=hooked[hooks:]))
                 snaps.append(h.snapshot(loop, norm, rank, last=n == h.STEPS - 1))
         finally:
             GradStreamer._on_grad = real_on_grad
@@ -219,7 +224,8 @@ def test_parked_reloads_on_one_rank_allocate_on_the_compute_stream(world1):
 def test_resident_buckets_allocate_nothing_on_fsdps_streams(world2, placement):
     """A resident bucket (``placement="resident"``, or made so by ``"auto"`` after its first two steps on the host
     route, whose hooks run with FSDP's stream current) allocates every device buffer with the compute stream current:
-    as it is built, in backward's hooks (none of its own) and at ``step()``; against AdamW every step."""
+    as it is built, in backward's hooks (none of its own) and at ``step()``; the host route's copies down from
+    FSDP's hooks wait for FSDP's stream; against AdamW every step."""
     what = f"{placement}/fsdp"
     for rank, report in world2[what].per_rank.items():
         where = f"{what} rank {rank}"
@@ -231,10 +237,13 @@ def test_resident_buckets_allocate_nothing_on_fsdps_streams(world2, placement):
         for step, seen in enumerate(report["steps"]):
             assert set(seen["allocated"]) <= {"compute"}, \
                 f"{where} step {step}: device buffers allocated on {sorted(set(seen['allocated']))}"
-            # The host route's hooks (auto's first two steps) run from FSDP's hooks, with its stream current.
-            assert all(s.startswith("FSDP's") for s in seen["hooks"]), (where, step, seen["hooks"])
+            # The host route's hooks (auto's first two steps) run from FSDP's hooks, with its stream current; each
+            # bucket's copy down waits for that stream, where its gradients were written.
+            assert all(s.startswith("FSDP's") for s, _ in seen["hooks"]), (where, step, seen["hooks"])
+            assert all(waited is not False for _, waited in seen["hooks"]), \
+                f"{where} step {step}: a copy down did not wait for FSDP's stream, where the gradients were written"
             if placement == "auto" and step < 2:
-                assert seen["hooks"], f"{where} step {step}: no gradient hook ran (nothing was checked there)"
+                assert any(waited for _, waited in seen["hooks"]), f"{where} step {step}: no bucket sent from a hook"
         assert any(seen["allocated"] for seen in report["steps"]) or placement == "resident", \
             f"{where}: nothing allocated in any step (auto's move makes the resident state there)"
     h.assert_same(world2["adamw/fsdp"].get(), world2[what].value["snaps"], what)
