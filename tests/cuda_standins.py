@@ -6,8 +6,9 @@ real. Streams and events order nothing (a CPU copy is complete when it returns),
 were told: which stream is current (``torch.cuda.stream``), which stream waited for which (directly, through another
 or through an event), and, in a spawned rank (:func:`install_in_rank`), which collective each device collective of a
 bucket was issued on and which streams wait for it (:class:`Ledger`), so that a test can check the order a GPU would
-keep. Devices are not checked by themselves: every tensor is a CPU tensor, so a host buffer handed to a GPU op
-passes; tests/device_check.py adds that check.
+keep. Wherever FSDP2 runs on the stand-ins, its own streams stand in too (:func:`stand_in_fsdp_streams`, on by
+default): its hooks run with its stream current, as on a GPU. Devices are not checked by themselves: every tensor
+is a CPU tensor, so a host buffer handed to a GPU op passes; tests/device_check.py adds that check.
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ LEDGER = Ledger(Stream(name="compute"))  # (the latest install's)
 
 
 @contextlib.contextmanager
-def installed(fsdp_streams: bool = False, allocations: bool = False):
+def installed(fsdp_streams: bool = True, allocations: bool = False):
     """The stand-ins for the duration of a ``with`` block (outside pytest: a spawned rank's job), then the real
-    attributes back. Yields :func:`install`'s list. ``fsdp_streams``: :func:`stand_in_fsdp_streams` too;
+    attributes back. Yields :func:`install`'s list. ``fsdp_streams`` (default): FSDP2's own streams stand in too
+    (:func:`stand_in_fsdp_streams`), so that FSDP's hooks run with its stream current, as on a GPU;
     ``allocations``: :func:`watch_allocations` too."""
     saved = []
 
@@ -161,9 +163,7 @@ def installed(fsdp_streams: bool = False, allocations: bool = False):
         setattr(obj, name, value)
 
     try:
-        planned = install(setattr_)
-        if fsdp_streams:
-            stand_in_fsdp_streams(setattr_)
+        planned = install(setattr_, fsdp_streams=fsdp_streams)
         if allocations:
             watch_allocations(setattr_)
         yield planned
@@ -178,11 +178,13 @@ def installed(fsdp_streams: bool = False, allocations: bool = False):
 _INHERITED = object()  # (a class attribute that was its base's: deleted again, not set on the class)
 
 
-def install(setattr_: Callable[[object, str, object], None], default_host: bool = False) -> List[int]:
+def install(setattr_: Callable[[object, str, object], None], default_host: bool = False,
+            fsdp_streams: bool = True) -> List[int]:
     """Install the stand-ins with ``setattr_`` (pytest's ``monkeypatch.setattr``, or ``setattr`` in a spawned
     process). Returns a list that grows by one entry per param group planned on the stand-in device. With
     ``default_host``, the default placement is left at the host, as for a CPU model (for the tests of the host
-    route's CUDA branches, whose helpers build optimizers with the default options)."""
+    route's CUDA branches, whose helpers build optimizers with the default options). ``fsdp_streams`` (default):
+    :func:`stand_in_fsdp_streams` too, wherever FSDP2 runs on the stand-ins (nothing changes where it does not)."""
     global LEDGER
     device, planned = Device(), []
     LEDGER = Ledger(Stream(name="compute"))
@@ -240,6 +242,8 @@ def install(setattr_: Callable[[object, str, object], None], default_host: bool 
     setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
     for name in ("empty", "zeros"):
         setattr_(torch, name, on_cpu(getattr(torch, name)))
+    if fsdp_streams:
+        stand_in_fsdp_streams(setattr_)
     return planned
 
 

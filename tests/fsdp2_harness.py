@@ -289,10 +289,11 @@ class Outcome:
 
 # ---------------------------------------------------------------------------------------------- building --
 @contextlib.contextmanager
-def auto_measures(free: int, kernel: float, copy_rate: float):
+def auto_measures(free: int, kernel: float, copy_rate: float, allocations: bool = False):
     """``placement="auto"``'s measures as a test sets them, inside the CUDA stand-ins: ``free`` bytes of free GPU
     memory, the CPU kernel at ``kernel`` elements a second, pinned copies at ``copy_rate`` bytes a second, a peak of 1
-    MiB. Yields the list each plan of ``placement.plan_auto`` (this rank's own) is appended to."""
+    MiB. Yields the list each plan of ``placement.plan_auto`` (this rank's own) is appended to. ``allocations``: the
+    stand-ins' ledger keeps every device allocation (``cuda_standins.installed``)."""
     import cuda_standins
     import zero_offload.cost_model as cost_model
     import zero_offload.placement as placement
@@ -304,7 +305,7 @@ def auto_measures(free: int, kernel: float, copy_rate: float):
         plans.append(real_plan(*args, **kw))
         return plans[-1]
 
-    with cuda_standins.installed():
+    with cuda_standins.installed(allocations=allocations):
         patches = [(placement, "plan_auto", plan),
                    (cost_model, "measure_copy_rate", lambda d, nbytes=0, up=True: copy_rate),
                    (cost_model, "measure_kernel_rate", lambda numel=0: kernel),

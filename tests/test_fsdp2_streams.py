@@ -10,8 +10,8 @@ upload stream must wait for the compute stream before it writes that memory, and
 upload stream (``record_stream``) so that the allocator does not give it out again before the copy has run.
 
 Checked on the CUDA stand-ins (tests/cuda_standins.py), with FSDP's own streams standing in too
-(``installed(fsdp_streams=True, allocations=True)``: on the CPU mesh FSDP enters ``torch.cpu.stream(s)``, which now
-makes a stand-in of ``s`` current, as a GPU would have ``s`` current; every stand-in device allocation is entered with
+(``installed(allocations=True)``: on the CPU mesh FSDP enters ``torch.cpu.stream(s)``, which makes a stand-in of
+``s`` current, as a GPU would have ``s`` current; every stand-in device allocation is entered with
 the stream current then), gloo, FSDP at world 2 and 1 (the reduce-scatter stream) and HSDP at world 2 (the all-reduce
 stream), two micro-batches accumulated, clipped by ``opt.clip_grad_norm_``:
 
@@ -25,6 +25,11 @@ stream), two micro-batches accumulated, clipped by ``opt.clip_grad_norm_``:
 * parameters and both moments equal FSDP2 + ``torch.optim.AdamW(foreach=False)`` every step, with the clip's norm
   (tests/fsdp2_harness.py, default fp32 tolerance: the GPU update is torch's fused AdamW, within rounding of the
   for-loop one).
+
+A resident bucket (``placement="resident"``, or ``"auto"`` moving every bucket there after two steps on the host
+route, whose hooks FSDP runs with its stream current) allocates every device buffer with the compute stream
+current, against AdamW every step: nothing of it is allocated from FSDP's hooks; in those two steps each bucket's
+copy down waits for FSDP's stream, where the reduce-scatter wrote its gradients.
 
 On a GPU (marked ``cuda``, skipped without one): the caching allocator's segment of each device copy belongs to
 the compute stream, while FSDP's stream is current in the hook.
@@ -65,7 +70,7 @@ def parked_reloads(rank: int, world: int, name: str) -> Dict[str, Any]:
     real_reload, real_step = ParkedHome.reload, OffloadOptimizer.step
     phase = ["backward"]
     reloads: List[Dict[str, Any]] = []
-    with cuda_standins.installed(fsdp_streams=True, allocations=True):
+    with cuda_standins.installed(allocations=True):
         ledger = cuda_standins.LEDGER
         compute = ledger.compute
 
@@ -116,12 +121,56 @@ def parked_reloads(rank: int, world: int, name: str) -> Dict[str, Any]:
                 fsdp_streams=len(ledger.fsdp))
 
 
+def resident_allocations(rank: int, world: int, placement: str) -> Dict[str, Any]:
+    """Train RECIPES["fsdp"] with ``placement`` ``"resident"``, or ``"auto"`` where the cost model makes every bucket
+    resident after the first two steps (room on the GPU, a slow CPU kernel), on the stand-ins with FSDP's streams
+    standing in and every device allocation watched: each step's snapshot (rank 0), the stream current at each
+    device allocation and in each of our gradient hooks, by step, and the homes the buckets end in."""
+    import cuda_standins
+    from zero_offload.grad_stream import GradStreamer
+
+    recipe, real_on_grad = RECIPES["fsdp"], GradStreamer._on_grad
+    hooked: List[Any] = []  # (the stream current in each hook; whether the copy stream waited for it where sent)
+
+    def on_grad(streamer, watch):
+        current = torch.cuda.current_stream()
+        current.tick()  # (FSDP's reduce-scatter wrote this gradient there)
+        real_on_grad(streamer, watch)
+        sent = watch.fired == watch.expected  # (the bucket's last gradient: its copy down was issued)
+        hooked.append((current.name, streamer._transport.streams.down(watch.lane.bucket.device).waits_for(current)
+                       if sent else None))
+
+    measures = (h.auto_measures(1 << 40, kernel=1e6, copy_rate=1e15, allocations=True) if placement == "auto"
+                else cuda_standins.installed(allocations=True))
+    with measures:
+        ledger = cuda_standins.LEDGER
+        GradStreamer._on_grad = on_grad
+        try:
+            loop = h.make_loop(world, recipe, functools.partial(OffloadOptimizer, bucket_numel=BUCKET,
+                                                                placement=placement))
+            built = [a.stream.name for a in ledger.allocations]
+            snaps, steps = [], []
+            for n in range(h.STEPS):
+                made, hooks = len(ledger.allocations), len(hooked)
+                norm = h.train_step(loop, recipe, n, rank, world)
+                steps.append(dict(allocated=[a.stream.name for a in ledger.allocations[made:]],
+                                  hooks=hooked[hooks:]))
+                snaps.append(h.snapshot(loop, norm, rank, last=n == h.STEPS - 1))
+        finally:
+            GradStreamer._on_grad = real_on_grad
+    return dict(snaps=snaps if rank == 0 else None, steps=steps, built=built,
+                homes=[b.home.kind for g in loop.opt._buckets for b in g], fsdp_streams=len(ledger.fsdp))
+
+
 def _jobs(world: int) -> Dict[str, Any]:
     names = list(RECIPES) if world == 2 else ["fsdp"]
     jobs: Dict[str, Any] = {}
     for name in names:
         jobs[f"adamw/{name}"] = h.Job(RECIPES[name], ADAMW)
         jobs[f"parked/{name}"] = h.Call(parked_reloads, (name,))
+    if world == 2:
+        for placement in ("resident", "auto"):
+            jobs[f"{placement}/fsdp"] = h.Call(resident_allocations, (placement,))
     return jobs
 
 
@@ -169,6 +218,35 @@ def test_parked_reloads_under_fsdp2_allocate_on_the_compute_stream(world2, name)
 
 def test_parked_reloads_on_one_rank_allocate_on_the_compute_stream(world1):
     _check(world1, "fsdp")
+
+
+@pytest.mark.parametrize("placement", ["resident", "auto"])
+def test_resident_buckets_allocate_nothing_on_fsdps_streams(world2, placement):
+    """A resident bucket (``placement="resident"``, or made so by ``"auto"`` after its first two steps on the host
+    route, whose hooks run with FSDP's stream current) allocates every device buffer with the compute stream current:
+    as it is built, in backward's hooks (none of its own) and at ``step()``; the host route's copies down from
+    FSDP's hooks wait for FSDP's stream; against AdamW every step."""
+    what = f"{placement}/fsdp"
+    for rank, report in world2[what].per_rank.items():
+        where = f"{what} rank {rank}"
+        assert report["fsdp_streams"] > 0, f"{where}: FSDP entered none of its streams"
+        assert set(report["homes"]) == {"resident"}, (where, report["homes"])
+        # (Built, a resident bucket's state is made on the GPU; auto's buckets start on the host and move at step().)
+        assert set(report["built"]) <= {"compute"} and (report["built"] or placement == "auto"), \
+            (where, report["built"])
+        for step, seen in enumerate(report["steps"]):
+            assert set(seen["allocated"]) <= {"compute"}, \
+                f"{where} step {step}: device buffers allocated on {sorted(set(seen['allocated']))}"
+            # The host route's hooks (auto's first two steps) run from FSDP's hooks, with its stream current; each
+            # bucket's copy down waits for that stream, where its gradients were written.
+            assert all(s.startswith("FSDP's") for s, _ in seen["hooks"]), (where, step, seen["hooks"])
+            assert all(waited is not False for _, waited in seen["hooks"]), \
+                f"{where} step {step}: a copy down did not wait for FSDP's stream, where the gradients were written"
+            if placement == "auto" and step < 2:
+                assert any(waited for _, waited in seen["hooks"]), f"{where} step {step}: no bucket sent from a hook"
+        assert any(seen["allocated"] for seen in report["steps"]) or placement == "resident", \
+            f"{where}: nothing allocated in any step (auto's move makes the resident state there)"
+    h.assert_same(world2["adamw/fsdp"].get(), world2[what].value["snaps"], what)
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA --
