@@ -178,8 +178,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         lanes = [self._transport.add(b, n_groups, self.options.streams(b.device)) for b in buckets]
         self._lanes.append(lanes)
         for lane in lanes:
-            if lane.streamed:
-                self._streamer.add(lane)
+            self._streamer.add(lane)  # (it watches the streamed ones)
         if self._constructed:
             for lane in lanes:
                 lane.route.bind(lane)
