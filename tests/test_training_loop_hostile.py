@@ -2,9 +2,10 @@
 (parameters and state compared every step, default fp32 tolerance): interruptions (a user's hook raising
 ``KeyboardInterrupt`` half way through a streamed backward, a closure raising after its backward), a parameter
 frozen and unfrozen mid-run, and optimizers sharing a model (rebuilt while the old one lives on, two over the same
-parameters). The findings are refusals that name the problem and change nothing: a parameter that is a view of
-another's data, and an optimizer with ``release_grads`` that would take the gradients another live optimizer
-steps with.
+parameters). The findings are refusals that name the problem and change nothing (a parameter that is a view of
+another's data; an optimizer with ``release_grads`` that would take the gradients another live optimizer steps
+with), a warning where ``overlap_step`` had already updated buckets of a step the loop skipped, and, sharded over
+gloo, a backward interrupted at different points on the ranks: refused on every rank instead of gloo aborting one.
 
 GPU placements run on the CUDA stand-ins of tests/cuda_standins.py (streams and events order nothing; the
 Python of the GPU routes runs for real on the CPU).
@@ -273,3 +274,56 @@ def test_a_step_abandoned_after_overlap_steps_updates_says_which_buckets_stepped
         assert torch.allclose(p, q, rtol=1.3e-6, atol=1e-5) != (id(p) in stepped), name
     _step(model, ours, 3)
 
+
+# -- a sharded backward that raised on every rank, at different points -----------------------------------------------
+def _abandoned_sharded_worker(rank, world, kw):
+    import test_distributed as td
+    import torch.distributed as dist
+
+    model, ref_model = td._make(rank, seed_ours=rank)
+    opt = OffloadOptimizer(td.groups(model), lr=1e-2, bucket_numel=td.BUCKET_NUMEL, process_group=dist.group.WORLD,
+                           timeout=30, placement="host", stream_grads=True, **kw)
+    ref = torch.optim.AdamW(td.groups(ref_model), lr=1e-2, foreach=False)
+    armed = [False]
+
+    def interrupt(grad):
+        if armed[0]:
+            raise KeyboardInterrupt
+        return grad
+
+    model.w1.register_hook(interrupt)  # (how much of the backward ran before it depends on each rank's data)
+    for step in range(4):
+        try:
+            opt.zero_grad()
+        except RuntimeError as exc:
+            return step, "zero_grad", str(exc)
+        armed[0] = step == 2
+        try:
+            td.loss_on(model, step, 0, td.rows_of(rank, world)).backward()
+        except KeyboardInterrupt:
+            continue  # (the loop skips the step, as after an out-of-memory backward)
+        except RuntimeError as exc:
+            return step, "backward", str(exc)
+        finally:
+            armed[0] = False
+        opt.step()
+        td._ref_step(ref_model, ref, step)
+        td._compare(model, ref_model, f"step {step}")
+    return None
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["stream", "release"])
+def test_a_sharded_backward_interrupted_at_different_points_is_refused_on_every_rank(release):
+    """Each rank's backward interrupted by a user's hook at step 2, after the buckets its own data had completed:
+    rank 1 had begun reduce-scattering, rank 0 had not. The loop skipped the step and went on, so rank 0's next
+    backward met rank 1's abandoned collectives: gloo aborted rank 1's process (``EnforceNotMet``, exit -6) and
+    rank 0 failed on the broken connection. Now ``zero_grad()`` after a backward that raised meets the other ranks
+    first, and every rank raises, naming where each is."""
+    import test_distributed as td
+
+    results = td.launch(_abandoned_sharded_worker, 2, dict(release_grads=release))
+    assert results[0][:2] == (3, "zero_grad") and results[1][:2] == (2, "backward"), results
+    for rank, (_, _, message) in results.items():
+        assert ("rank 0 is in zero_grad(), abandoning a backward that raised on this rank (after 0 streamed "
+                "backwards); rank 1 is in backward 1 of this step, reduce-scattering its gradients") in message, \
+            (rank, message)

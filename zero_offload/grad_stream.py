@@ -218,12 +218,17 @@ class GradStreamer:
         self._transport.send_grads(lane)
         mode.after_send(lane)
 
-    def reset(self) -> None:
+    def reset(self, abandon: bool = False) -> None:
         """The step is over: a backward that raised (an OOM the loop skips, say) never ran its end-of-backward
-        callback, so its counts are forgotten here, or no later backward would find a bucket complete."""
+        callback, so its counts are forgotten here, or no later backward would find a bucket complete. ``abandon``
+        (``zero_grad()``, not ``step()``): the transport then meets the other ranks, if any, to check that they
+        abandon it too (:meth:`Transport.abandon`)."""
         with self._lock:
-            if self.in_backward:
+            raised = self.in_backward
+            if raised:
                 self._forget_backward()
+        if raised and abandon:
+            self._transport.abandon()
 
 
 class _EndOfBackward:

@@ -291,7 +291,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
     def _end_step(self, stepped: bool = False) -> None:
         """Forget what backward streamed for this step (after ``step()``, whatever its exit, or ``zero_grad``)."""
         if self._streamer.in_backward:
-            self._streamer.reset()  # (a backward that raised: see GradStreamer.reset)
+            self._streamer.reset(abandon=not stepped)  # (a backward that raised: see GradStreamer.reset)
         if self._transport.moved:  # (nothing moved: no lane has a step to end, e.g. zero_grad() after step())
             try:
                 self._mode.end_step(stepped)
