@@ -327,3 +327,28 @@ def test_a_sharded_backward_interrupted_at_different_points_is_refused_on_every_
         assert ("rank 0 is in zero_grad(), abandoning a backward that raised on this rank (after 0 streamed "
                 "backwards); rank 1 is in backward 1 of this step, reduce-scattering its gradients") in message, \
             (rank, message)
+
+
+@pytest.mark.parametrize("placement", ["cpu-stream", "host-release"])
+def test_a_sparse_gradient_streamed_in_backward_is_refused_and_training_goes_on(request, placement):
+    """``nn.Embedding(sparse=True)`` (``tok``) for one step: where its bucket streams, the copy's check raises in backward,
+    naming the parameter; nothing is updated (AdamW raises at ``step()`` after updating the groups before the
+    embedding's: the reference here skips the step), and once the gradient is dense again training goes on as
+    AdamW's."""
+    kw = _kw(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(4):
+        model.tok.sparse = step == 2
+        if step == 2:
+            ours.zero_grad()
+            with pytest.raises(RuntimeError, match=r"sparse gradients \(param group 1, parameter 2 has a "
+                                                   r"torch.sparse_coo gradient\)"):
+                loss_fn(model, step, 0, "cpu").backward()
+        else:
+            for m, opt in ((model, ours), (ref_model, ref)):
+                _step(m, opt, step)
+        assert_same(model, ref_model, ours, ref, f"step {step}")
