@@ -352,3 +352,25 @@ def test_a_sparse_gradient_streamed_in_backward_is_refused_and_training_goes_on(
             for m, opt in ((model, ours), (ref_model, ref)):
                 _step(m, opt, step)
         assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+@pytest.mark.parametrize("placement", RELEASING)
+def test_with_release_grads_only_the_optimizers_zero_grad_discards_a_backward(request, placement):
+    """Released gradients live in the host buffer, out of the module's sight: ``model.zero_grad()`` between two
+    backwards leaves the first one's, and ``step()`` applies both (AdamW that zeroed nothing in between: the
+    documented difference), where ``opt.zero_grad()`` discards it (AdamW after its ``zero_grad()``)."""
+    kw = _kw(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step, discard in enumerate([lambda m, opt: m.zero_grad(), lambda m, opt: opt.zero_grad()]):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            if opt is ours or step == 1:  # (AdamW keeps the first backward where ours keeps it)
+                discard(m, opt)
+            loss_fn(m, step, 1, "cpu").backward()
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
