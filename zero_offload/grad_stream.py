@@ -28,6 +28,7 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
+from zero_offload.holders import Holding
 from zero_offload.lane import Lane
 from zero_offload.transport import Transport
 
@@ -68,9 +69,15 @@ class GradStreamer:
         self._sharded: List[_Watch] = []  # sharded buckets in launch order
         self._next = 0  # how many of them this backward has launched
         self._lock = threading.Lock()
+        self._holding = Holding(transport)  # (the claim on the parameters: zero_offload.holders)
 
     # -- registration --------------------------------------------------------------------------------------------
     def add(self, lane: Lane) -> None:
+        """Take note of a new bucket of the optimizer's, and watch it where backward streams it (``lane.streamed``);
+        refused where another optimizer has taken its gradients (see :mod:`zero_offload.holders`)."""
+        self._holding.add(lane)
+        if not lane.streamed:
+            return
         watch = _Watch(lane)
         self._watches.append(watch)
         if lane.bucket.sharded:
@@ -98,6 +105,7 @@ class GradStreamer:
             for h in watch.handles:
                 h.remove()
             watch.handles = []
+        self._holding.let_go()
 
     # -- backward ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -112,6 +120,8 @@ class GradStreamer:
         if self._no_sync:
             return
         with self._lock:
+            if not self.in_backward:  # (the first hook of a backward: refuse taking another optimizer's gradients)
+                self._holding.check(w.lane for w in self._watches)
             if self.in_backward and self._armed() is None:
                 # The backward that armed us was destroyed without running its callback: it raised, and this hook
                 # belongs to a new backward (a retry without zero_grad(), which accumulates onto what the failed
@@ -208,12 +218,17 @@ class GradStreamer:
         self._transport.send_grads(lane)
         mode.after_send(lane)
 
-    def reset(self) -> None:
+    def reset(self, abandon: bool = False) -> None:
         """The step is over: a backward that raised (an OOM the loop skips, say) never ran its end-of-backward
-        callback, so its counts are forgotten here, or no later backward would find a bucket complete."""
+        callback, so its counts are forgotten here, or no later backward would find a bucket complete. ``abandon``
+        (``zero_grad()``, not ``step()``): the transport then meets the other ranks, if any, to check that they
+        abandon it too (:meth:`Transport.abandon`)."""
         with self._lock:
-            if self.in_backward:
+            raised = self.in_backward
+            if raised:
                 self._forget_backward()
+        if raised and abandon:
+            self._transport.abandon()
 
 
 class _EndOfBackward:

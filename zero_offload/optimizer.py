@@ -178,8 +178,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
         lanes = [self._transport.add(b, n_groups, self.options.streams(b.device)) for b in buckets]
         self._lanes.append(lanes)
         for lane in lanes:
-            if lane.streamed:
-                self._streamer.add(lane)
+            self._streamer.add(lane)  # (it watches the streamed ones)
         if self._constructed:
             for lane in lanes:
                 lane.route.bind(lane)
@@ -292,7 +291,7 @@ class OffloadOptimizer(StateDictMethods, InspectionMethods, torch.optim.Optimize
     def _end_step(self, stepped: bool = False) -> None:
         """Forget what backward streamed for this step (after ``step()``, whatever its exit, or ``zero_grad``)."""
         if self._streamer.in_backward:
-            self._streamer.reset()  # (a backward that raised: see GradStreamer.reset)
+            self._streamer.reset(abandon=not stepped)  # (a backward that raised: see GradStreamer.reset)
         if self._transport.moved:  # (nothing moved: no lane has a step to end, e.g. zero_grad() after step())
             try:
                 self._mode.end_step(stepped)

@@ -307,7 +307,8 @@ class Options:
     stream_grads: Optional[bool] = _option(None, """send each bucket's gradients to the host from backward hooks;
         None: the buckets on CUDA (all with ``delayed_update``; none with ``grads_reduced`` or under DDP).""")
     release_grads: bool = _option(False, """with streaming, set ``p.grad`` to None once its copy is under way
-        (then clip only with :meth:`clip_grad_norm_`, and no ``GradScaler``).""")
+        (then clip only with :meth:`clip_grad_norm_`, no ``GradScaler``, and no other live optimizer over the same
+        parameters: refused at backward).""")
     overlap_step: bool = _option(False, """update each streamed bucket in a worker thread during backward, as its
         gradients arrive, with the hyperparameters as they are then (needs ``nonfinite="ignore"``; no clipping or
         ``GradScaler``; 1.35x fused AdamW on an H100 with ``release_grads``, docs/benchmarks.md).""")

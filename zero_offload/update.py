@@ -7,6 +7,7 @@ forward and backward). The optimizer picks one at construction.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple
@@ -25,6 +26,8 @@ from zero_offload.transport import Transport
 
 __all__ = ["Delayed", "Immediate", "Overlap", "ensure_buffers", "on_device_first", "preview_bucket",
            "update_bucket"]
+
+logger = logging.getLogger("zero_offload")
 
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
@@ -261,9 +264,22 @@ class Overlap(Immediate):
     def end_step(self, stepped: bool) -> None:
         jobs, self._jobs = self._jobs, {}
         raised, self._raised = self._raised, False
+        if jobs and not stepped:  # (zero_grad() after a backward, whole or interrupted, that updated some buckets)
+            _warn_abandoned(jobs)
         for job in jobs.values():
             if job.exception() is not None and not raised:  # (waits for the job) not yet seen by settle()
                 job.result()
+
+
+def _warn_abandoned(jobs: Dict[Lane, Future]) -> None:
+    """A step left without ``step()`` (``zero_grad()`` after its backward, or after a backward that raised) whose
+    buckets ``jobs`` were already updated during backward: say so, since AdamW skipping the step updates none."""
+    names = sorted({lane.bucket.label(0) for lane in jobs})
+    logger.warning("OffloadOptimizer(overlap_step=True): a step abandoned without step() (zero_grad() after its "
+                   "backward, or after a backward that raised) had already updated %d bucket(s) during backward "
+                   "(the first parameters of which: %s): they stepped on its gradients, the others did not. A loop "
+                   "that skips steps (after an out-of-memory backward, say) needs overlap_step off to skip them "
+                   "whole", len(jobs), "; ".join(names))
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import torch
 
 from zero_offload import fsdp2
 from zero_offload.buckets import Placement
+from zero_offload.holders import refuse_taken
 from zero_offload.options import Options, agreed_settings, check_params
 
 if TYPE_CHECKING:  # (annotations only)
@@ -48,7 +49,33 @@ class Topology:
         rank must share) and say how its buckets are laid out. Raises, naming what cannot be taken, before anything
         is allocated."""
         check_params(tensors)
+        self.check_apart(tensors, index)
         return Placement()
+
+    def check_apart(self, tensors: Sequence[torch.Tensor], index: int) -> None:
+        """Refuse a parameter whose memory overlaps another's, in param group ``index`` or an earlier one (a
+        parameter made over a view of another's data): each has a slot of its own in the flat buffers, so they would
+        silently stop sharing their elements (AdamW steps the shared elements once per parameter that holds them).
+        The same tensor twice is left to the checks that name it so. Then refuse a parameter whose gradient another
+        optimizer has taken (:func:`~zero_offload.holders.refuse_taken`)."""
+        held = self.__dict__.setdefault("_held", {})
+        earlier = {id(p) for g, group in held.items() if g < index for p in group}
+        held[index] = list(tensors)  # (by index: a group that failed and is added again replaces its own entry)
+        spans = sorted((span, g, j, p) for g, group in held.items() if g <= index
+                       for j, p in enumerate(group) for span in [_span(p)] if span is not None)
+        reach = None  # (sorted by start) the span reaching furthest so far: any overlap shows against it
+        for b in spans:
+            if reach is not None and reach[0][0] == b[0][0] and b[0][1] < reach[0][2] and reach[3] is not b[3] \
+                    and index in (reach[1], b[1]):
+                (g, j, p), (h, k, q) = sorted((reach[1:], b[1:]), key=lambda e: e[:2])  # (the later first)
+                raise ValueError(
+                    f"param group {h}, parameter {k} (shape {tuple(q.shape)}) shares memory with param group {g}, "
+                    f"parameter {j} (shape {tuple(p.shape)}): one is a view of the other's data. OffloadOptimizer "
+                    "gives each parameter a slot of its own, so they would silently stop sharing their elements: "
+                    "give it its own storage (nn.Parameter(t.clone())), or optimize only the parameter it views")
+            if reach is None or reach[0][0] != b[0][0] or b[0][2] > reach[0][2]:
+                reach = b
+        refuse_taken([p for p in tensors if id(p) not in earlier], index)  # (one of ours twice: torch names it)
 
     def built(self) -> None:
         """The constructor is done: what was read only for it is let go."""
@@ -104,6 +131,15 @@ class Topology:
 
 class Local(Topology):
     """One process: the parameters whole, no collective."""
+
+
+def _span(p: torch.Tensor) -> Optional[Tuple[Tuple[str, int], int, int]]:
+    """Where ``p``'s elements lie: ((device, storage), first byte, one past the last); None when it has none."""
+    if p.numel() == 0:
+        return None
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride()))
+    lo = p.data_ptr()
+    return (str(p.device), p.untyped_storage().data_ptr()), lo, lo + extent * p.element_size()
 
 
 def _with_margin(transport: "Transport", options: Options) -> "Transport":

@@ -46,6 +46,7 @@ class Group(Topology):
         """Every rank gives the same parameters and ``layout`` (checked on every rank at once: one collective), on
         a backend that moves them; the buckets are cut into the ranks' shards."""
         check_params(tensors)
+        self.check_apart(tensors, index)
         comm = self.comm
         comm.check_same_params(tensors, index, layout)
         if not comm.host_ok and any(p.device.type == "cpu" for p in tensors):

@@ -33,6 +33,7 @@ import torch
 
 from zero_offload import distributed, fsdp2
 from zero_offload.distributed import _LET_GO_SECONDS, _Held, _keep_forever
+from zero_offload.holders import refuse_taken
 from zero_offload.options import Options, agreed_settings, check_params
 from zero_offload.topology.base import Placement, Topology, _with_margin
 from zero_offload.topology.members import Members
@@ -85,6 +86,7 @@ class Mesh(Topology):
     def place(self, tensors: Sequence[torch.Tensor], index: int, layout: Tuple[Tuple[str, Any], ...]) -> Placement:
         """Each rank's buckets hold its local tensors, cut at FSDP's units (FSDP does every collective)."""
         check_params(tensors, fsdp=True)
+        refuse_taken(tensors, index)
         placed = self.plan(tensors)
         self._placed[index] = [(p.device_mesh, tuple(p.placements)) for p in tensors]
         # (all groups again: a group on a wider mesh than the earlier ones' widens what they are counted over)

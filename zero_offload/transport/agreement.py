@@ -13,15 +13,15 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from zero_offload.distributed import Comm, _dist
 
-__all__ = ["Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "PER_PARAMETER", "STATE_DICT", "STATS", "STEP_REDUCE",
-           "differing", "digest", "digest_bytes", "meeting_on_failure"]
+__all__ = ["ABANDONED", "Agreement", "BACKWARD", "CLIPPED_STEP", "FAILED", "PER_PARAMETER", "STATE_DICT", "STATS",
+           "STEP_REDUCE", "differing", "digest", "digest_bytes", "meeting_on_failure"]
 
 # The settings' entry (FSDP2) that carries a digest of each parameter's group's hyperparameters (see
 # zero_offload.topology.members): named per parameter where it differs, not as a value.
 PER_PARAMETER = "the hyperparameters of each parameter's param group, in FSDP's order"
 
 # Where a rank is when it runs a collective of the statistics' size.
-BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
+BACKWARD, STEP_REDUCE, STATS, CLIPPED_STEP, STATE_DICT, FAILED, ABANDONED = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0
 
 
 def _describe(phase: float, backwards: int) -> str:
@@ -32,7 +32,9 @@ def _describe(phase: float, backwards: int) -> str:
             CLIPPED_STEP: f"at step() after clip_grad_norm_() ({after})",
             STATE_DICT: "in state_dict(), about to gather the state",
             FAILED: "raised at step() before its first collective (its own error says why: an invalid "
-                    "hyperparameter there?)"}.get(phase, f"lost (phase {phase})")
+                    "hyperparameter there?)",
+            ABANDONED: f"in zero_grad(), abandoning a backward that raised on this rank ({after})"}.get(
+                phase, f"lost (phase {phase})")
 
 
 @contextlib.contextmanager

@@ -411,6 +411,10 @@ class Transport:
             if lane.arrival.launches or any(lane.arrival.sent) or lane.arrival.norms:
                 lane.end()
 
+    def abandon(self) -> None:
+        """``zero_grad()`` after a backward that raised on this rank (its end never ran): where ranks must meet,
+        meet them first (the sharded transport's ``abandon``); here, nothing to meet."""
+
     def keep_zero_grads(self) -> None:
         """``zero_grad(set_to_none=False)``: CPU buckets not streamed take their gradients as views of the flat
         buffer; with ``release``, the parameters that had a gradient last step keep a zero one (AdamW still steps

@@ -46,7 +46,8 @@ from zero_offload.host_memory import copy_many_
 from zero_offload.lane import Intake, Lane, Plans, SqNorm
 from zero_offload.state.layout import view_like
 from zero_offload.timeline import NOTHING
-from zero_offload.transport.agreement import BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP, Agreement
+from zero_offload.transport.agreement import (ABANDONED, BACKWARD, STATE_DICT, STATS, STEP_REDUCE, CLIPPED_STEP,
+                                              Agreement)
 from zero_offload.transport.base import Gathered, Route, Transport
 from zero_offload.transport.channel import Channel
 from zero_offload.transport.measure import Norm, device_sq_norm, every, first_nonfinite, name_held
@@ -382,6 +383,14 @@ class ShardedTransport(Transport):
         if lane.arrival.launches >= agreement.backwards:
             agreement.check(BACKWARD, (), "reduce_scatter", f"gradients of {lane.bucket.where}")
             agreement.backwards += 1
+
+    def abandon(self) -> None:
+        """A backward that raised here may not have raised on the other ranks at the same point: one may be
+        reduce-scattering its gradients (waiting in its check for this rank, which would go on to its next backward
+        and pair that one's collectives with the abandoned one's, or abort gloo with collectives of different
+        sizes). So ``zero_grad()`` meets the others first: where they are not all abandoning the same backward,
+        every rank raises, naming where each is."""
+        self.agreement.check(ABANDONED, (), "all_reduce", "a backward that raised")
 
     def reset(self) -> None:
         # All-gathers a step left in flight (its update raised after earlier buckets' were issued: the schedule's

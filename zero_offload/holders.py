@@ -1,0 +1,95 @@
+"""Which live optimizers hold a parameter: the claim each optimizer's gradient stream makes on its parameters, so
+that one that releases gradients (``release_grads``) does not take them from another.
+
+Two live optimizers may both step one parameter (each reads its gradient, as two AdamWs each read ``.grad``; an
+optimizer rebuilt while the old one is still referred to, by an LR scheduler say, is the usual case). One that
+releases gradients breaks that: its backward hook sets ``.grad`` to None once the gradient is on its way to its own
+host buffer, and the other then steps without it, silently. So every optimizer's :class:`Holding` is entered in
+:data:`_HOLDERS` under each of its parameters (streamed or not), and:
+
+- the first hook of each backward of a releasing optimizer refuses a parameter another live optimizer holds, before
+  any copy of that backward (looked for again only when some optimizer was built or dropped since);
+- an optimizer built over a parameter whose gradient another has released and not yet stepped is refused at once
+  (:func:`refuse_taken`, with the checks of a param group before anything is laid out);
+- one dropped with released gradients not yet stepped says that they are lost with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Iterable, List, Sequence
+
+import torch
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+from zero_offload.lane import Lane
+
+__all__ = ["Holding", "refuse_taken"]
+
+logger = logging.getLogger("zero_offload")
+
+# Each parameter's live holdings, and a count that moves whenever one is added or let go.
+_HOLDERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_CHANGES = [0]
+
+
+class Holding:
+    """One optimizer's claim on its parameters (see the module docstring).
+
+    Args:
+        transport (Transport): the optimizer's; says whether it releases gradients and has taken some this step.
+    """
+
+    __slots__ = ("transport", "lanes", "checked", "__weakref__")
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+        self.lanes: List[Lane] = []  # every bucket of the optimizer, streamed or not
+        self.checked = -1  # the count of changes the last look for a shared parameter saw
+
+    def add(self, lane: Lane) -> None:
+        """Claim a new bucket's parameters (checked before by :func:`refuse_taken`)."""
+        for p in lane.bucket.owners:
+            _HOLDERS.setdefault(p, weakref.WeakSet()).add(self)
+        self.lanes.append(lane)
+        _CHANGES[0] += 1
+
+    def check(self, streamed: Iterable[Lane]) -> None:
+        """Before the first copy of a backward: where this optimizer releases gradients, refuse a parameter of the
+        ``streamed`` buckets another live optimizer holds (its gradient would be taken from it)."""
+        if not self.transport.release or self.checked == _CHANGES[0]:
+            return
+        for lane in streamed:
+            for i, p in enumerate(lane.bucket.owners):
+                if any(other is not self for other in _HOLDERS.get(p, ())):
+                    raise RuntimeError(
+                        f"{lane.bucket.label(i)} is also optimized by another live OffloadOptimizer, and this one has "
+                        "release_grads=True: its hooks would take the gradient from the other, which would step "
+                        "without it. Drop the optimizer you no longer use (and what still refers to it, an LR "
+                        "scheduler say), or build this one without release_grads")
+        self.checked = _CHANGES[0]
+
+    def let_go(self) -> None:
+        """The optimizer is dropped: its parameters are no longer claimed by it."""
+        if self.transport.release and self.transport.moved:
+            logger.warning("OffloadOptimizer: dropped after a backward whose gradients it had taken "
+                           "(release_grads=True) and before its step(): those gradients are lost with it")
+        for lane in self.lanes:
+            for p in lane.bucket.owners:
+                _HOLDERS.get(p, ()).discard(self)
+        _CHANGES[0] += 1
+
+
+def refuse_taken(tensors: Sequence[torch.Tensor], index: int) -> None:
+    """Before a param group ``index`` is laid out: refuse a parameter whose gradient of the last backward a live
+    optimizer took (``release_grads``) and has not stepped yet (this one would step without it)."""
+    for j, p in enumerate(tensors):
+        for other in _HOLDERS.get(p, ()):
+            if other.transport.release and other.transport.moved:
+                raise ValueError(
+                    f"param group {index}, parameter {j} (shape {tuple(p.shape)}): its gradient of the last backward "
+                    "was taken by a live OffloadOptimizer with release_grads=True whose step() has not run, so this "
+                    "one would step without it: call that optimizer's step() or zero_grad() first, or build this "
+                    "one before backward")
