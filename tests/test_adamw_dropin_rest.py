@@ -1,0 +1,130 @@
+"""The last gaps of the drop-in promise a hostile user found after tests/test_adamw_dropin_hostile.py and
+tests/test_rebind.py: each against ``torch.optim.AdamW(foreach=False)`` run beside ours (parameters and state every
+step, default fp32 tolerance), or a refusal that names the problem and changes nothing.
+
+GPU parameters are the stand-ins of tests/cuda_standins.py (see test_adamw_dropin_hostile.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cuda_standins
+from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
+from zero_offload import OffloadOptimizer
+
+STEPS = 5
+REPLACE_AT = 2
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    yield from cuda_standins.fixture_body(monkeypatch, needs_fused=False)
+
+
+def _options(request, placement):
+    """The optimizer's keywords for ``placement`` ("cpu": a CPU model; else that placement on the CUDA stand-ins)."""
+    if placement == "cpu":
+        return {}
+    request.getfixturevalue("cuda_branches")
+    return dict(placement=placement, bucket_numel=1000)
+
+
+def _beside_adamw(model, kw, replace, after_backward=True, device="cpu", prepare=None):
+    """Ours (``kw``) over ``model`` and AdamW (foreach=False) over its copy, both models' data replaced by
+    ``replace(model)`` at step ``REPLACE_AT`` (after its backward, or before it): equal every step. ``prepare(model)``
+    runs on ours' model before the optimizer is built."""
+    ref_model = copy.deepcopy(model)
+    if prepare is not None:
+        prepare(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(STEPS):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            if step == REPLACE_AT and not after_backward:
+                replace(m)
+            loss_fn(m, step, 0, device).backward()
+            if step == REPLACE_AT and after_backward:
+                replace(m)
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+    return ours
+
+
+# -- a parameter's data replaced where its address alone does not tell -------------------------------------------------
+def _transpose(model):
+    """``p.data = p.data.t()`` of a square matrix: the same storage, address and shape, other strides."""
+    w = model.proj.weight
+    assert w.shape[0] == w.shape[1]
+    w.data = w.data.t()
+
+
+@pytest.mark.parametrize("after_backward", [False, True], ids=["before_backward", "after_backward"])
+@pytest.mark.parametrize("placement", ["cpu", "host", "parked", "resident"])
+def test_a_square_parameter_transposed_in_place_trains_on_as_adamw(request, placement, after_backward):
+    """AdamW follows the ``Parameter``: transposed over its own storage, its values are the transpose from then on,
+    its state as it was (element by element, as AdamW's). The optimizer watched the data's address and shape only,
+    both unchanged: a parameter bound to its slot (CPU, parked, resident) was stepped in its old layout (the
+    gradient of one element applied to another), a GPU one stepped on the host kept its old master."""
+    torch.manual_seed(0)
+    _beside_adamw(TinyTransformer(), _options(request, placement), _transpose, after_backward)
+
+
+def _owned_by_numpy(model):
+    """``proj.weight``'s data in memory a numpy array owns (kept as ``_numpy``), so that a later replacement can be
+    given the same address."""
+    w = model.proj.weight
+    w._numpy = w.detach().numpy().copy()
+    w.data = torch.from_numpy(w._numpy)
+
+
+def _replace_at_the_same_address(model):
+    """New values for ``proj.weight`` in new storage at the old one's address (its old storage freed first), as a
+    caching allocator gives a freed block to the next request of its size. (Where numpy owns the data,
+    :func:`_owned_by_numpy`, the address is forced; elsewhere, AdamW's model, the data is replaced plainly.)"""
+    w = model.proj.weight
+    values = w.detach() * 0.5 + 0.01
+    arr = getattr(w, "_numpy", None)
+    if arr is None:
+        w.data = values
+        return
+    ptr = w.data_ptr()
+    w.data = torch.empty(0)  # (the old storage freed: nothing else holds it)
+    arr[...] = values.numpy()
+    w.data = torch.from_numpy(arr)
+    assert w.data_ptr() == ptr
+
+
+def test_a_gpu_parameter_replaced_by_new_storage_at_the_old_address_trains_on_as_adamw(cuda_branches):
+    """A GPU parameter stepped on the host keeps its own storage; replaced (``p.data = ...``) by new storage that
+    the allocator gives the old one's address, it was not seen (the address was the only sign): the old master was
+    stepped and written over the new values. Its new values are taken, its state kept, as AdamW's."""
+    torch.manual_seed(0)
+    _beside_adamw(TinyTransformer(), dict(placement="host", bucket_numel=1000), _replace_at_the_same_address,
+                  prepare=_owned_by_numpy)
+
+
+@pytest.mark.cuda
+def test_a_parameter_on_a_real_gpu_replaced_at_the_old_address_trains_on_as_adamw():
+    """The same on a GPU, where the caching allocator gives the freed block back (skipped without one)."""
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+
+    def replace(m):
+        w = m.proj.weight
+        values, ptr = w.detach() * 0.5 + 0.01, w.data_ptr()
+        w.data = torch.empty(0, device="cuda")
+        kept = []  # (blocks of that size the allocator hands out before the freed one, held until it is found)
+        new = torch.empty_like(values)
+        while new.data_ptr() != ptr and len(kept) < 64:
+            kept.append(new)
+            new = torch.empty_like(values)
+        if m is model:
+            assert new.data_ptr() == ptr, "the caching allocator did not give the freed block back"
+        w.data = new.copy_(values)
+
+    _beside_adamw(model, dict(placement="host", bucket_numel=1000), replace, device="cuda")
