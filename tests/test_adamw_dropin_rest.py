@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import cuda_standins
-from test_optimizer import TinyTransformer, assert_same, loss_fn, param_groups
-from zero_offload import OffloadOptimizer
+import zero_offload
+from test_optimizer import TinyTransformer, assert_same, assert_unchanged, loss_fn, param_groups, snapshot
+from zero_offload import OffloadOptimizer, offload
 
 STEPS = 5
 REPLACE_AT = 2
@@ -128,3 +129,46 @@ def test_a_parameter_on_a_real_gpu_replaced_at_the_old_address_trains_on_as_adam
         w.data = new.copy_(values)
 
     _beside_adamw(model, dict(placement="host", bucket_numel=1000), replace, device="cuda")
+
+
+# -- our own keys put into an entry ------------------------------------------------------------------------------------
+def _lion(params):
+    return offload(zero_offload.Lion, params)
+
+
+RESERVED = {
+    "master-fp32": (torch.float32, {}, "master", r"'master' is reserved for the fp32 master weights of a bf16/fp16 "
+                                                 r"parameter \(this parameter is torch.float32, its own master"),
+    "param-fp32": (torch.float32, {}, "param", r"'param' is reserved for a parameter's value after the update still "
+                                               r"pending when a state dict was saved"),
+    "param-bf16": (torch.bfloat16, {}, "param", r"'param' is reserved for a parameter's value after the update"),
+    "max_exp_avg_sq-no-amsgrad": (torch.float32, {}, "max_exp_avg_sq", r"'max_exp_avg_sq' is reserved for Adam\(W\)'s "
+                                  r"state, which this parameter's entry does not hold \(kept with amsgrad=True"),
+    "step-lion": (torch.float32, {"make": _lion}, "step", r"'step' is reserved for the step count, which Lion's state "
+                                                         r"counts inside and does not show"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESERVED))
+def test_a_reserved_key_put_into_an_entry_is_refused_saying_it_is_reserved(case):
+    """A key of the optimizer's own vocabulary that the entry cannot hold (``master`` of an fp32 parameter, which is
+    its own master; ``param``, which only a saved entry holds; amsgrad's buffer with amsgrad off; ``step`` of a rule
+    that shows none) is refused at the next step, never kept as a wrapper's key would be (AdamW would keep it: it
+    means something else here). The error listed the entry's keys and what it needs, not why this one is refused:
+    it now says the key is reserved, and for what; the state is left as it was."""
+    dtype, kw, key, match = RESERVED[case]
+    torch.manual_seed(0)
+    model = TinyTransformer().to(dtype)
+    make = kw.get("make", lambda params: OffloadOptimizer(params))
+    opt = make(param_groups(model))
+    loss_fn(model, 0, 0, "cpu").backward()
+    opt.step()
+    before = snapshot(model, opt)
+    p = model.tok.weight
+    opt.state[p][key] = torch.zeros_like(p, dtype=torch.float32)
+    opt.zero_grad()
+    loss_fn(model, 1, 0, "cpu").backward()
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    del opt.state[p][key]
+    assert_unchanged(before, model, opt)
