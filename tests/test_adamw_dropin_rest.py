@@ -172,3 +172,62 @@ def test_a_reserved_key_put_into_an_entry_is_refused_saying_it_is_reserved(case)
         opt.step()
     del opt.state[p][key]
     assert_unchanged(before, model, opt)
+
+
+# -- the keys of the entries after a DCP round trip --------------------------------------------------------------------
+def _dcp_round_trip(model, opt, path, kw, amsgrad_off):
+    """``opt`` saved with ``dcp.save(opt.sharded_state_dict())`` and loaded into a new optimizer (``kw``, the groups
+    ``amsgrad_off`` switched off as in the saved run, as a sharded load requires) over a copy of ``model``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=str(path), no_dist=True)
+    into_model = copy.deepcopy(model)
+    into = OffloadOptimizer(param_groups(into_model), amsgrad=True, **kw)
+    for gi in amsgrad_off:
+        into.param_groups[gi]["amsgrad"] = False
+    sd = {"optim": into.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    into.load_sharded_state_dict(sd["optim"])
+    return into_model, into
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_the_entries_after_a_dcp_round_trip_have_adamws_keys(request, tmp_path, placement):
+    """Built with amsgrad, group 0 switched off before its first step (AdamW's entries there never get
+    ``max_exp_avg_sq``), group 1 switched off after two steps (AdamW's keep it, unused): after ``dcp.save`` of
+    ``sharded_state_dict()`` and ``dcp.load`` into a new optimizer, every stepped entry showed each buffer its bucket
+    holds (a zero ``max_exp_avg_sq`` in group 0's). Now ``opt.state`` and ``state_dict()`` have AdamW's keys, and
+    the run goes on as AdamW's, parameters and state every step."""
+    kw = _options(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), amsgrad=True, **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=True, foreach=False)
+    for opt in (ours, ref):
+        opt.param_groups[0]["amsgrad"] = False
+    for step in range(4):
+        if step == 2:
+            for opt in (ours, ref):
+                opt.param_groups[1]["amsgrad"] = False
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+    assert not any("max_exp_avg_sq" in ref.state[p] for p in ref.param_groups[0]["params"] if p in ref.state)
+    assert all("max_exp_avg_sq" in ref.state[p] for p in ref.param_groups[1]["params"] if p in ref.state)
+    model, ours = _dcp_round_trip(model, ours, tmp_path / "ckpt", kw, amsgrad_off=(0, 1))
+    for step in range(4, 4 + 3):
+        assert_same(model, ref_model, ours, ref, f"loaded, step {step}")
+        ours_sd, ref_sd = ours.state_dict()["state"], ref.state_dict()["state"]
+        assert {k: sorted(e) for k, e in ours_sd.items()} == {k: sorted(e) for k, e in ref_sd.items()}, step
+        if step == 5:  # (switched back on: the entries that kept it step on from it, as AdamW's)
+            for opt in (ours, ref):
+                opt.param_groups[1]["amsgrad"] = True
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+    assert_same(model, ref_model, ours, ref, "the end")

@@ -141,7 +141,7 @@ class StateDictMethods:
                                                        self._rule, self.options.delayed_update)
         self._quiesce()
         dcp.commit_staged(state_dict)
-        dcp.apply_sharded_load(self.state, self._buckets, steps, tensors)
+        dcp.apply_sharded_load(self.state, self._buckets, steps, groups, tensors)
         self.param_groups = groups
 
     def __getstate__(self) -> Dict[str, Any]:
