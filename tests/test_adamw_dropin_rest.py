@@ -231,3 +231,73 @@ def test_the_entries_after_a_dcp_round_trip_have_adamws_keys(request, tmp_path, 
             loss_fn(m, step, 0, "cpu").backward()
             opt.step()
     assert_same(model, ref_model, ours, ref, "the end")
+
+
+# -- the optional buffers an update uses, asked of the rule only when the hyperparameters change -----------------------
+def _count_needed(monkeypatch):
+    """Counts the calls of ``Rule.needed`` (which optional buffers, amsgrad's, a group's hyperparameters use)."""
+    from zero_offload.rules import base
+
+    calls = []
+    needed = base.Rule.needed
+
+    def counted(rule, hyper):
+        calls.append(hyper)
+        return needed(rule, hyper)
+
+    monkeypatch.setattr(base.Rule, "needed", counted)
+    return calls
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("scheduled", [False, True], ids=["constant_lr", "scheduled_lr"])
+def test_the_buffers_an_update_uses_are_asked_of_the_rule_only_when_the_hyperparameters_change(
+        monkeypatch, amsgrad, scheduled):
+    """With amsgrad off, every bucket's update asked the rule which optional buffers its group's hyperparameters
+    use (one Python call per bucket per step, and one more per bucket in the step's buffer check where they had
+    changed). Now a step whose groups are unchanged asks nothing, and one whose hyperparameters changed (a
+    scheduler's lr) asks once per group. (A count of calls, not a time.)"""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = OffloadOptimizer(param_groups(model), amsgrad=amsgrad, bucket_numel=1000)
+    n_buckets = sum(len(g) for g in opt._buckets)
+    assert n_buckets > len(opt.param_groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if scheduled else None
+    calls = _count_needed(monkeypatch)
+    for step in range(6):
+        opt.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        del calls[:]
+        opt.step()
+        if step >= 2:  # (the first steps allocate and show the state)
+            assert len(calls) == (len(opt.param_groups) if scheduled else 0), (step, len(calls))
+        if sched is not None:
+            sched.step()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "parked"])
+def test_amsgrad_switched_off_and_on_under_a_scheduler_steps_as_adamw(request, placement):
+    """The cached answer follows the hyperparameters: a scheduler's lr every step, amsgrad switched off in a group
+    after two steps and on again two steps later (its entries keep ``max_exp_avg_sq`` meanwhile, unused, and step on
+    from it, as AdamW's), an lr edited in ``param_groups``; against AdamW every step, parameters and state (keys
+    included). ``aux`` has a gradient every third step only, so some of its updates come with the answer cached
+    long before."""
+    kw = _options(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), amsgrad=True, **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=True, foreach=False)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) for opt in (ours, ref)]
+    for step in range(8):
+        for opt in (ours, ref):
+            if step in (2, 4):
+                opt.param_groups[1]["amsgrad"] = step == 4
+            if step == 6:
+                opt.param_groups[0]["lr"] *= 3
+        for m, opt, sched in ((model, ours, scheds[0]), (ref_model, ref, scheds[1])):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+            sched.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
