@@ -274,7 +274,7 @@ def _apply_bucket(state: State, bucket: FlatBucket, steps: Dict[torch.Tensor, fl
 
 def _held_values(bucket: FlatBucket, i: int, names: Sequence[str]) -> List[str]:
     """Those of the optional buffers ``names``, which parameter ``i``'s group does not use now (amsgrad off), that
-    its entry still holds after a DCP load, as AdamW's keeps ``max_exp_avg_sq`` once created: a DCP checkpoint
+    its entry still holds after a DCP load, as AdamW's keeps amsgrad's running maximum once created: a DCP checkpoint
     holds every buffer of every parameter (the flat pieces reshard), and an entry that did not hold one saved zeros
     (a buffer starts at zero, is zeroed where a load or edit leaves it out, and is written only while in use), so
     one with a value that is not zero was held. Sharded, none: a rank sees its own piece only, and the ranks must
