@@ -127,6 +127,14 @@ class Home:
             return None
         return (shaped.views if copies is None else shaped.cut(copies[0][SHAPED]))[first:last + 1]
 
+    def run_views(self, first: int, last: int) -> Dict[str, List[torch.Tensor]]:
+        """Parameters ``first..last``'s views, shaped like them, of the master (``"master"``) and of the rule's
+        buffers, by name, where the update runs (:attr:`~zero_offload.rules.base.Run.views`): the live buffers',
+        cut when they were laid out (a buffer added, amsgrad's, is cut then), not per step."""
+        views = {name: cut[first:last + 1] for name, cut in self.store.views.items()}
+        views["master"] = self.masters.master_views[first:last + 1]
+        return views
+
     def copies(self) -> Copies:
         """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
         flat = {"master": self.masters.master.clone(), **{n: t.clone() for n, t in self.store.flat.items()}}
