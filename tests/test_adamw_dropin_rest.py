@@ -301,3 +301,30 @@ def test_amsgrad_switched_off_and_on_under_a_scheduler_steps_as_adamw(request, p
             opt.step()
             sched.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+# -- the state dict's tensors are the live state ------------------------------------------------------------------------
+@pytest.mark.parametrize("placement", ["cpu", "host", "parked"])
+def test_the_state_dicts_tensors_edited_in_place_edit_the_state_as_adamws(request, placement):
+    """AdamW's ``state_dict()`` hands out its live state tensors: one edited in place (a moment scaled, the step
+    moved on) is the optimizer's state from then on. Ours' are views of the buffers: the same, every step against
+    AdamW given the same edits; its entries are new dicts (docs/differences.md), which the test leaves alone."""
+    kw = _options(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(STEPS):
+        if step in (2, 3):
+            for opt in (ours, ref):
+                sd = opt.state_dict()["state"]
+                for k in (0, 4):
+                    sd[k]["exp_avg"].mul_(0.5)
+                    sd[k]["exp_avg_sq"].add_(1e-4)
+                    sd[k]["step"].add_(3)
+        for m, opt in ((model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+        assert_same(model, ref_model, ours, ref, f"step {step}")
