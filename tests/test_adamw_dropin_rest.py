@@ -303,7 +303,7 @@ def test_amsgrad_switched_off_and_on_under_a_scheduler_steps_as_adamw(request, p
         assert_same(model, ref_model, ours, ref, f"step {step}")
 
 
-# -- the state dict's tensors are the live state ------------------------------------------------------------------------
+# -- the state dict's tensors are the live state -----------------------------------------------------------------
 @pytest.mark.parametrize("placement", ["cpu", "host", "parked"])
 def test_the_state_dicts_tensors_edited_in_place_edit_the_state_as_adamws(request, placement):
     """AdamW's ``state_dict()`` hands out its live state tensors: one edited in place (a moment scaled, the step
@@ -328,3 +328,35 @@ def test_the_state_dicts_tensors_edited_in_place_edit_the_state_as_adamws(reques
             loss_fn(m, step, 0, "cpu").backward()
             opt.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
+# -- an Adam checkpoint into AdamW, and the other way ---------------------------------------------------------------
+@pytest.mark.parametrize("saved_by,loaded_into", [(torch.optim.Adam, torch.optim.AdamW),
+                                                  (torch.optim.AdamW, torch.optim.Adam)],
+                         ids=["Adam->AdamW", "AdamW->Adam"])
+def test_a_checkpoint_of_adam_loads_into_adamw_as_adamw_loads_it(saved_by, loaded_into):
+    """``torch.optim.AdamW.__setstate__`` makes every loaded group decoupled (``decoupled_weight_decay=True``): an
+    Adam checkpoint loaded into AdamW steps as AdamW. Ours built as AdamW took the loaded ``False`` and stepped on as
+    Adam (L2 decay in the gradient). Adam keeps what the loaded group says (an AdamW checkpoint steps on as AdamW in
+    it), as ours built with ``decoupled_weight_decay=False`` does. Against the torch class, every step."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    saver = saved_by(param_groups(model), foreach=False)
+    for step in range(2):
+        saver.zero_grad()
+        loss_fn(model, step, 0, "cpu").backward()
+        saver.step()
+    sd = saver.state_dict()
+    ours_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(ours_model), decoupled_weight_decay=loaded_into is torch.optim.AdamW)
+    ref = loaded_into(param_groups(ref_model), foreach=False)
+    ours.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    assert [g["decoupled_weight_decay"] for g in ours.param_groups] == \
+        [g["decoupled_weight_decay"] for g in ref.param_groups]
+    for step in range(2, 2 + STEPS):
+        for m, opt in ((ours_model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            loss_fn(m, step, 0, "cpu").backward()
+            opt.step()
+        assert_same(ours_model, ref_model, ours, ref, f"step {step}")

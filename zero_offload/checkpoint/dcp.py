@@ -211,15 +211,17 @@ def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) ->
 
 
 def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
-                      param: bool = False) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+                      param: bool = False, defaults: Optional[Dict[str, Any]] = None
+                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
     """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
-    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
+    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value).
+    ``defaults``: the optimizer's (see :func:`~zero_offload.checkpoint.full.merge_groups`)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
     check_param_lists(groups, buckets)
-    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True)
+    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True, defaults=defaults)
     position = _positions(groups)
     where = _where(buckets)
     steps: Dict[torch.Tensor, float] = {}

@@ -180,6 +180,11 @@ class Rule:
     uses_loss: bool = False
     closure_refusal: str = ""
 
+    def forced_on_load(self, defaults: Dict[str, Any]) -> Dict[str, Any]:
+        """Settings a loaded group takes whatever it says, for an optimizer built with ``defaults``: what the
+        optimizer's ``__setstate__`` forces (none here)."""
+        return {}
+
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
         return tuple(b for b in self.buffers if b.needed(hyper))
