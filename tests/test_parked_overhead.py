@@ -2,7 +2,8 @@
 (benchmarks/parked_overhead.py times it):
 
 * Lion's device update steps per-parameter gradients where autograd left them (no flat copy of the bucket's
-  gradients): bitwise ``zero_offload.Lion`` every step, fp32 and bf16 models, under a GradScaler.
+  gradients): bitwise ``zero_offload.Lion`` every step, fp32 and bf16 models, under a GradScaler; the views of
+  the master and ``exp_avg`` it steps are the home's, cut once (parked: into each reload's memory; resident too).
 * A parked bucket's per-parameter views of its device copies are cut once and kept while those copies' memory is
   the same: after every reload they are views into the memory that reload filled (never into memory given back),
   and the device memory is given back between steps.
@@ -121,6 +122,59 @@ def test_a_parked_buckets_views_are_into_the_memory_each_reload_filled(cuda_bran
         blockers = [torch.full((b.home.store.shaped.flat.numel(),), float("nan")) for b in _buckets(opt)]
     moved = sum(a != b for a, b in zip(addresses, addresses[1:]))
     assert moved, "every reload was given the same memory: the test proves nothing here"
+
+
+@pytest.mark.parametrize("placement", ["parked", "resident"])
+def test_lions_per_parameter_views_are_cut_once_and_follow_each_reloads_memory(cuda_branches, monkeypatch, placement):
+    """Lion on the GPU (parked, resident): the per-parameter views of the master and ``exp_avg`` its update steps
+    were cut from the flat run at every update of every bucket; now they are the home's, the same tensors from step
+    to step, and, parked, views into the memory each reload filled (the memory the last one was given held by
+    another tensor meanwhile, filled with NaN, which must stay untouched), none left between steps. Bitwise
+    ``zero_offload.Lion`` every step."""
+    seen, update, addresses, problems = [], lion_rule.Lion.update_on_device, [], []
+
+    def checked(rule, run, hyper):
+        # (what is wrong is noted, not raised here: a failure's traceback would print this frame's tensors once
+        # their memory is given back)
+        home, views = run.slots.owner.home, getattr(run, "views", None)
+        if views is None:
+            problems.append("the views were not the home's")
+            return update(rule, run, hyper)
+        twins = getattr(home, "twins", None)
+        if twins is not None:
+            inside = [_into(t, twins[name]) for name in ("exp_avg", "master") if name in twins for t in views[name]]
+            if not all(inside):
+                problems.append("a view outside the memory the reload filled")
+            addresses.append(twins["exp_avg"].untyped_storage().data_ptr())
+        seen.append((home, [*views["master"], *views["exp_avg"]]))
+        return update(rule, run, hyper)
+
+    monkeypatch.setattr(lion_rule.Lion, "update_on_device", checked)
+    ours, theirs = park_class._params(SHAPES), park_class._params(SHAPES)
+    opt = offload(Lion, park_class._groups(ours, dict(maximize=True)), placement=placement,
+                  bucket_numel=park_class.BUCKET, **LION_KW)
+    ref = Lion(park_class._groups(theirs, dict(maximize=True)), **LION_KW)
+    assert set(_homes(opt)) == {placement} and len(_homes(opt)) > 2
+    first, blockers = None, []
+    for step in range(5):
+        seen.clear()
+        _step_both(ours, opt, theirs, ref, step)
+        assert not problems, (step, problems)
+        _same(ours, opt, theirs, ref, f"step {step}")
+        assert len(seen) == len(_buckets(opt)), step
+        views = {home: ts for home, ts in seen}
+        if first is not None:
+            assert all(len(ts) == len(first[home]) and all(map(lambda a, b: a is b, ts, first[home]))
+                       for home, ts in views.items()), f"step {step}: views cut anew"
+        first = views
+        if placement == "parked":
+            assert all(b.home.twins is None for b in _buckets(opt))
+            assert all(torch.isnan(b).all() for b in blockers), "written into memory given back"
+            blockers = [torch.full((b.home.store.flat["exp_avg"].numel(),), float("nan")) for b in _buckets(opt)]
+    if placement == "parked":
+        n = len(_buckets(opt))
+        steps = [addresses[k:k + n] for k in range(0, len(addresses), n)]
+        assert any(a != b for a, b in zip(steps, steps[1:])), "every reload was given the same memory: proves nothing"
 
 
 class _Factored(torch.optim.Optimizer):

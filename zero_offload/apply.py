@@ -44,6 +44,8 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
     grad_scale = multiplier * bucket.grad_multiplier
     whole = is_whole(bucket, runs)
     dry = copies is not None  # a preview (saving the state a pending update will leave): nothing kept changes
+    # (per-parameter views the home keeps, for a rule whose device update reads them: not cut again every step)
+    cut = rule.device_views and home.on_device and in_place is not None and not dry
     for index, (first, last, step) in enumerate(runs):
         a, b = (0, layout.padded_numel) if whole else layout.span(first, last)
         master, state, scales = home.run_buffers(a, b, copies)
@@ -58,6 +60,6 @@ def run_rule(bucket: FlatBucket, runs: Sequence[RunSpec], grad: Optional[torch.T
             grads = in_place if whole else CheckedGrads(in_place[first : last + 1])  # checked whole
             offsets = [o - a for o in layout.offsets[first : last + 1]]
             run = Run(master, None, grads, offsets, state, scales, step + 1, grad_scale, param_out, slots=slots,
-                      shaped=shaped)
+                      shaped=shaped, views=home.run_views(first, last) if cut else None)
         home.update(rule, run, hyper)
 

@@ -32,17 +32,21 @@ logger = logging.getLogger("zero_offload")
 State = MutableMapping[torch.Tensor, Dict[str, torch.Tensor]]
 
 
-def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any) -> None:
+def ensure_buffers(state: State, bucket: FlatBucket, hyper: Any, needed: Optional[Sequence[Any]] = None) -> None:
     """A group's hyperparameters need state buffers its bucket lacks (amsgrad switched on since it was built):
-    allocate them, show them in the state."""
-    if bucket.ensure_buffers(bucket.rule.needed(hyper)):
+    allocate them, show them in the state. ``needed``: ``bucket.rule.needed(hyper)``, where the caller has it (one
+    look-up for a group's buckets); the bucket's home keeps it for the update (:meth:`Home.use`)."""
+    needed = bucket.rule.needed(hyper) if needed is None else needed
+    bucket.home.use(hyper, needed)
+    if bucket.ensure_buffers(needed):
         expose(state, bucket, [i for i in range(len(bucket.params)) if bucket.exposed[i]])
 
 
 def _ensure_buffers(state: State, hypers: Sequence[Any], plans: Plans) -> None:
     for hyper, intakes in zip(hypers, plans):
+        needed = intakes[0].bucket.rule.needed(hyper) if intakes else ()  # (one rule for every bucket)
         for intake in intakes:
-            ensure_buffers(state, intake.bucket, hyper)
+            ensure_buffers(state, intake.bucket, hyper, needed)
 
 
 class _Seen:

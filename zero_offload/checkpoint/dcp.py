@@ -211,15 +211,17 @@ def _copy_in(bucket: FlatBucket, tensors: Dict[torch.Tensor, Dict[str, Any]]) ->
 
 
 def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
-                      param: bool = False) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
+                      param: bool = False, defaults: Optional[Dict[str, Any]] = None
+                      ) -> Tuple[List[Dict[str, Any]], Dict[torch.Tensor, float], Dict[torch.Tensor, Dict[str, Any]]]:
     """Validate a :func:`sharded_state_dict` filled by ``dcp.load``: the new param groups, each parameter's step,
-    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value)."""
+    and the tensors ``dcp.load`` wrote for each parameter of an unsharded bucket (with ``param``, its value).
+    ``defaults``: the optimizer's (see :func:`~zero_offload.checkpoint.full.merge_groups`)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("load_sharded_state_dict expects the dict from sharded_state_dict(), filled by "
                          "torch.distributed.checkpoint.load")
     what = "loaded sharded state dict"
     check_param_lists(groups, buckets)
-    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True)
+    new_groups = merge_groups(groups, state_dict["param_groups"], what, rule, same_amsgrad=True, defaults=defaults)
     position = _positions(groups)
     where = _where(buckets)
     steps: Dict[torch.Tensor, float] = {}
@@ -243,21 +245,43 @@ def plan_sharded_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_
 
 
 def apply_sharded_load(state: State, buckets: Buckets, steps: Dict[torch.Tensor, float],
+                       groups: Sequence[Dict[str, Any]],
                        tensors: Optional[Dict[torch.Tensor, Dict[str, Any]]] = None) -> None:
     """Apply the validated step counts; ``dcp.load`` already wrote moments and masters into the buffers, except
-    for the ``tensors`` that are not views of them (see :func:`_copy_in`)."""
-    for bucket in chain.from_iterable(buckets):
-        if tensors and not bucket.sharded:
-            _copy_in(bucket, tensors)
-        for i, p in enumerate(bucket.params):
-            step = steps[p]
-            bucket.home.set_step(i, step)
-            if step > 0:  # (its entry shows every buffer saved: a DCP checkpoint holds each one the bucket has)
-                bucket.home.hold_only(i, bucket.home.names)
-                expose(state, bucket, [i])
-            else:
-                bucket.home.set_exposed(i, False)
-                state.pop(p, None)
-            # A master loaded with the state is kept while the parameter still rounds from it (see
-            # Masters.refresh); a parameter never stepped takes its master from the parameter.
-            bucket.home.loaded(i, step > 0 and bucket.low_precision)
+    for the ``tensors`` that are not views of them (see :func:`_copy_in`). ``groups``: the param groups as loaded."""
+    for gi, group_buckets in enumerate(buckets):
+        for bucket in group_buckets:
+            _apply_bucket(state, bucket, steps, bucket.rule.needed(bucket.rule.hyper(groups[gi])), tensors)
+
+
+def _apply_bucket(state: State, bucket: FlatBucket, steps: Dict[torch.Tensor, float], needed: Sequence[Any],
+                  tensors: Optional[Dict[torch.Tensor, Dict[str, Any]]]) -> None:
+    if tensors and not bucket.sharded:
+        _copy_in(bucket, tensors)
+    on = [b.name for b in needed if b.optional]
+    off = [n for n in bucket.home.names if bucket.home.declared[n].optional and n not in on]
+    for i, p in enumerate(bucket.params):
+        step = steps[p]
+        bucket.home.set_step(i, step)
+        if step > 0:
+            bucket.home.hold_only(i, on + _held_values(bucket, i, off))
+            expose(state, bucket, [i])
+        else:
+            bucket.home.set_exposed(i, False)
+            state.pop(p, None)
+        # A master loaded with the state is kept while the parameter still rounds from it (see
+        # Masters.refresh); a parameter never stepped takes its master from the parameter.
+        bucket.home.loaded(i, step > 0 and bucket.low_precision)
+
+
+def _held_values(bucket: FlatBucket, i: int, names: Sequence[str]) -> List[str]:
+    """Those of the optional buffers ``names``, which parameter ``i``'s group does not use now (amsgrad off), that
+    its entry still holds after a DCP load, as AdamW's keeps amsgrad's running maximum once created: a DCP checkpoint
+    holds every buffer of every parameter (the flat pieces reshard), and an entry that did not hold one saved zeros
+    (a buffer starts at zero, is zeroed where a load or edit leaves it out, and is written only while in use), so
+    one with a value that is not zero was held. Sharded, none: a rank sees its own piece only, and the ranks must
+    agree on the keys (see docs/differences.md)."""
+    if not names or bucket.sharded:
+        return []
+    slots = bucket.home.slots(i)
+    return [n for n in names if bool(slots[n].any())]

@@ -243,6 +243,29 @@ def typo_hint(keys: Any, rule: Rule) -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
+def _reserved_hint(keys: Any, bucket: FlatBucket, i: int) -> str:
+    """``; 'master' is reserved: ...`` for those of ``keys`` (refused in an edit of parameter ``i``'s entry) that
+    are the optimizer's own words, kept for what it may show there, so never a wrapper's (see :func:`foreign`)."""
+    rule, why = bucket.rule, []
+    for key in sorted(k for k in keys if k in _known(rule)):
+        if key == "master":
+            dtype = bucket.params[i].dtype
+            what = "the fp32 master weights of a bf16/fp16 parameter" + (
+                f" (this parameter is {dtype}, its own master: its entry has none)" if dtype == torch.float32 else "")
+        elif key == "param":
+            what = ("a parameter's value after the update still pending when a state dict was saved (delayed_update): "
+                    "load_state_dict() takes it from a saved entry; opt.state never holds it")
+        elif key == rule.step_key or key == "step":
+            what = f"the step count, which {rule.name}'s state counts inside and does not show"
+        else:
+            buf = next((b for b in rule.buffers if b.name == key), None)
+            switch = "" if buf is None or not buf.switch else (
+                f" (kept with {buf.switch}=True, which this parameter's group has off)")
+            what = f"{rule.name}'s state, which this parameter's entry does not hold{switch}"
+        why.append(f"{key!r} is reserved for {what}")
+    return f"; {'; '.join(why)}" if why else ""
+
+
 def _same_memory(a: Any, b: torch.Tensor) -> bool:
     a, b = _local(a), _local(b)
     return isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype \
@@ -270,10 +293,11 @@ def _check_edit(entry: Any, bucket: FlatBucket, i: int, local_value: LocalValue)
     needs = [*steps, *(b.name for b in bucket.rule.buffers if not b.optional and (b.name in slots or bucket.compact))]
     missing = set(steps) - set(entry) if bucket.compact else set(needs) - set(entry)
     if unknown or missing:
-        shared = unkept(bucket) if unknown else ""
-        raise ValueError(f"{where} has keys {sorted(map(str, given))}: it needs {_listed(needs)}, and "
-                         f"may hold {', '.join(k for k in slots if k not in needs)}{shared}"
-                         f"{typo_hint(unknown, bucket.rule)}")
+        shared = unkept(bucket) if unknown - set(_known(bucket.rule)) else ""
+        optional = [k for k in slots if k not in needs]
+        may = f", and may hold {_listed(optional)}" if optional else ""
+        raise ValueError(f"{where} has keys {sorted(map(str, given))}: it needs {_listed(needs)}{may}"
+                         f"{_reserved_hint(unknown, bucket, i)}{shared}{typo_hint(unknown, bucket.rule)}")
     with prefixed(where):  # (FSDP2: a DTensor, or the parameter's full tensor: this rank's shard of it)
         entry = {k: v if k == "step" else local_value(v, bucket.owners[i]) for k, v in entry.items()}
     for name, v in entry.items():

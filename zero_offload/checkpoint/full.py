@@ -95,14 +95,17 @@ def ahead_entries(groups: Sequence[Dict[str, Any]], buckets: Buckets, ahead: Dic
 
 # ------------------------------------------------------------------------------------------ param groups --
 def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any]], what: str, rule: Rule, *,
-                 same_amsgrad: bool = False) -> List[Dict[str, Any]]:
+                 same_amsgrad: bool = False, defaults: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """The param groups after loading ``saved`` (a state dict's, already deep-copied) over ``groups``: the saved
     hyperparameters, with flags an older checkpoint lacks set as the rule's optimizer sets them (its
     ``loaded_defaults``: a missing ``maximize`` is False, not the value this optimizer was built with) and other
     missing keys keeping
     their current value, and this optimizer's
     parameters. Validated like a group being added; ``same_amsgrad`` also refuses a change of ``amsgrad`` (a
-    sharded load writes into the existing state layout)."""
+    sharded load writes into the existing state layout). ``defaults``: the optimizer's, which decide the settings
+    a loaded group takes whatever it says (:meth:`~zero_offload.rules.base.Rule.forced_on_load`: AdamW's
+    decoupled weight decay)."""
+    forced = rule.forced_on_load(defaults or {})
     if len(groups) != len(saved):
         raise ValueError(f"{what} has a different number of parameter groups ({len(saved)}, this optimizer has "
                          f"{len(groups)})")
@@ -115,6 +118,7 @@ def merge_groups(groups: Sequence[Dict[str, Any]], saved: Sequence[Dict[str, Any
         for k, v in g.items():
             ng.setdefault(k, v)
         ng.update((flag, False) for flag in rule.cleared_flags)
+        ng.update(forced)
         rule.check(ng, where=f"{what}, param group {gi}")
         for switch in [b.switch for b in rule.buffers if b.switch] if same_amsgrad else ():
             if bool(ng[switch]) != bool(g[switch]):
@@ -199,14 +203,14 @@ def check_format(state_dict: Any) -> None:
 
 
 def plan_load(groups: Sequence[Dict[str, Any]], buckets: Buckets, state_dict: Any, rule: Rule,
-              local_value: Callable[[Any, torch.Tensor], Any]) -> LoadPlan:
+              local_value: Callable[[Any, torch.Tensor], Any], defaults: Optional[Dict[str, Any]] = None) -> LoadPlan:
     """Validate a full state dict (from this class, or the rule's optimizer: ``torch.optim.AdamW``/``Adam``, ...)
     against the optimizer; ``local_value(value, param)``: the part of a loaded value this rank holds (its
-    topology's)."""
+    topology's); ``defaults``: the optimizer's (see :func:`merge_groups`)."""
     check_format(state_dict)
     check_param_lists(groups, buckets)
     saved = deepcopy(state_dict["param_groups"])
-    new_groups = merge_groups(groups, saved, "loaded state dict", rule)
+    new_groups = merge_groups(groups, saved, "loaded state dict", rule, defaults=defaults)
     id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved),
                       chain.from_iterable(g["params"] for g in groups)))
     where = _where(buckets)

@@ -66,7 +66,8 @@ class StateDictMethods:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        plan = full.plan_load(self.param_groups, self._buckets, state_dict, self._rule, self._topology.local_value)
+        plan = full.plan_load(self.param_groups, self._buckets, state_dict, self._rule, self._topology.local_value,
+                              self.defaults)
         # Allocate before changing anything: an allocation failure must leave the optimizer as it was. (A new
         # buffer, amsgrad's, is zero-filled and not yet in any state entry, so adding it changes nothing visible.)
         for group, buckets in zip(plan.groups, self._buckets):
@@ -138,10 +139,10 @@ class StateDictMethods:
         self._topology.check_flat_checkpoint("load_sharded_state_dict")
         self._mode.check_load()
         groups, steps, tensors = dcp.plan_sharded_load(self.param_groups, self._buckets, state_dict,
-                                                       self._rule, self.options.delayed_update)
+                                                       self._rule, self.options.delayed_update, self.defaults)
         self._quiesce()
         dcp.commit_staged(state_dict)
-        dcp.apply_sharded_load(self.state, self._buckets, steps, tensors)
+        dcp.apply_sharded_load(self.state, self._buckets, steps, groups, tensors)
         self.param_groups = groups
 
     def __getstate__(self) -> Dict[str, Any]:

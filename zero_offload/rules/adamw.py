@@ -78,6 +78,11 @@ class AdamW(Rule):
                            fused=None)
     cleared_flags = ("capturable", "differentiable")  # not honoured here; a loaded AdamW group may carry them
 
+    def forced_on_load(self, defaults: Dict[str, Any]) -> Dict[str, Any]:
+        # torch.optim.AdamW.__setstate__ makes every loaded group decoupled (an Adam checkpoint loaded into AdamW
+        # steps as AdamW); Adam's keeps what the group says (False where it says nothing: loaded_defaults).
+        return {"decoupled_weight_decay": True} if defaults.get("decoupled_weight_decay") else {}
+
     def hyper(self, group: Dict[str, Any]) -> Hyper:
         # Read at every step for every group: plain numbers are looked up, already
         # validated (a hit costs no Python call); a tensor hyperparameter, which may change in place, is read anew.

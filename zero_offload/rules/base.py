@@ -127,6 +127,11 @@ class Run:
             without a bucket). Default: None.
         shaped (Sequence[Dict[str, Tensor]], optional): per parameter of the run, its state tensors of their own
             shapes (buffers declared with a :class:`StateShape`), views where the update runs. Default: None (none).
+        views (Dict[str, Sequence[Tensor]], optional): for a rule with :attr:`Rule.device_views`, stepped on a GPU
+            with per-parameter gradients: the run's parameters' views, shaped like them, of the master
+            (``"master"``) and of the rule's buffers, by name; views the home cut once, not per step (see
+            :meth:`~zero_offload.state.home.Home.run_views`). Default: None (not given: cut them from the flat
+            run).
     """
 
     master: torch.Tensor
@@ -140,6 +145,7 @@ class Run:
     param_out: Optional[torch.Tensor]
     slots: Optional[Slots] = None
     shaped: Optional[Sequence[Dict[str, torch.Tensor]]] = None
+    views: Optional[Dict[str, Sequence[torch.Tensor]]] = None
 
 
 class Rule:
@@ -173,6 +179,11 @@ class Rule:
     cleared_flags: Tuple[str, ...] = ()
     uses_loss: bool = False
     closure_refusal: str = ""
+
+    def forced_on_load(self, defaults: Dict[str, Any]) -> Dict[str, Any]:
+        """Settings a loaded group takes whatever it says, for an optimizer built with ``defaults``: what the
+        optimizer's ``__setstate__`` forces (none here)."""
+        return {}
 
     def needed(self, hyper: Any) -> Tuple[StateBuffer, ...]:
         """The buffers a group with hyperparameters ``hyper`` allocates."""
@@ -228,6 +239,9 @@ class Rule:
 
     # Whether :meth:`update_on_device` exists: the rule can run on the device tier (``gpu_fraction``).
     device_update: bool = False
+    # Whether :meth:`update_on_device` reads :attr:`Run.views` (per-parameter views the home keeps) where the run's
+    # gradients come per parameter: asked of the home only for such a rule.
+    device_views: bool = False
     # Why :meth:`update` cannot run, for a rule with a device update only (a class run on whole parameters on the GPU,
     # :mod:`zero_offload.rules.whole`): a bucket it would step on the host is refused with this ("": it can).
     host_refusal: str = ""

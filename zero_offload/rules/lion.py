@@ -5,6 +5,7 @@ handful of in-cache passes per chunk, no SIMD kernel of ours), ``exp_avg`` in fp
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
@@ -18,6 +19,8 @@ __all__ = ["Lion", "Hyper", "LION"]
 # the passes, each torch op over it is long enough to split over many threads, and the Python cost per chunk (about
 # ten op calls) is small beside its work. 64K-1M measured within noise of each other on one thread; 32K slower.
 CHUNK = 1 << 18
+_dtype = operator.attrgetter("dtype")
+_FP32 = {torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Lion(Rule):
                                  [master[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)])
 
     device_update = True
+    device_views = True
 
     def update_on_device(self, run: Run, hyper: Hyper) -> None:
         """:class:`zero_offload.Lion`'s own code over the run on its GPU (a parked or resident bucket, or this rank's
@@ -93,9 +97,14 @@ class Lion(Rule):
         (single-tensor elsewhere), on the gradients times ``grad_scale``. The update is elementwise, so it runs over
         whatever pieces the gradients come in: per-parameter gradients (a bucket on one GPU) with per-parameter
         views of the master and ``exp_avg`` (no flat copy of the gradients is made, nor its memory held), a flat
-        gradient (a rank's shard, the reduce-scatter's output) with the flat buffers."""
-        masters, grads, exp_avgs = _pieces(run)
-        if run.grad_scale != 1.0 or any(g.dtype != torch.float32 for g in grads):
+        gradient (a rank's shard, the reduce-scatter's output) with the flat buffers. The per-parameter views are
+        the home's (:attr:`Run.views`, cut once, not per step), shaped like the parameters as their gradients are."""
+        views = run.views
+        if views is not None:
+            masters, grads, exp_avgs = views["master"], run.grads, views["exp_avg"]
+        else:
+            masters, grads, exp_avgs = _pieces(run)
+        if run.grad_scale != 1.0 or set(map(_dtype, grads)) != _FP32:
             grads = [g.float() for g in grads]  # (new tensors where the dtype differs: scaled below, not in place)
             grads = torch._foreach_mul(grads, run.grad_scale) if run.grad_scale != 1.0 else grads
         impl = _multi_tensor_lion if run.master.is_cuda else _single_tensor_lion

@@ -33,6 +33,8 @@ from zero_offload.timeline import Timeline
 
 __all__ = ["Copies", "Home"]
 
+_NONE = object()  # (no hyperparameters seen yet)
+
 # Copies of a bucket's buffers by name ("master", the rule's, "staging"), and of their 8-bit scales.
 Copies = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
 Views = Callable[[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]
@@ -72,6 +74,7 @@ class Home:
         self.store = StateStore(rule, buffers, state_dtype, tier, layout.padded_numel, views, len(params),
                                 None if shard is not None else [p.shape for p in params])
         self.views = StateViews(rule, self.store, self.masters, layout, shard, params, placed)
+        self._in_use: Tuple[Any, List[str]] = (_NONE, [])  # (hyper, the optional buffers its updates use): see use()
 
     # -- where it is, and where it is stepped ----------------------------------------------------------------------
     @property
@@ -123,6 +126,14 @@ class Home:
         if shaped.flat is None:
             return None
         return (shaped.views if copies is None else shaped.cut(copies[0][SHAPED]))[first:last + 1]
+
+    def run_views(self, first: int, last: int) -> Dict[str, List[torch.Tensor]]:
+        """Parameters ``first..last``'s views, shaped like them, of the master (``"master"``) and of the rule's
+        buffers, by name, where the update runs (:attr:`~zero_offload.rules.base.Run.views`): the live buffers',
+        cut when they were laid out (a buffer added, amsgrad's, is cut then), not per step."""
+        views = {name: cut[first:last + 1] for name, cut in self.store.views.items()}
+        views["master"] = self.masters.master_views[first:last + 1]
+        return views
 
     def copies(self) -> Copies:
         """Copies of everything an update writes: the master, the rule's buffers and scales, the staging copy."""
@@ -177,10 +188,22 @@ class Home:
     def hold(self, indices: Sequence[int], rule: Rule, hyper: Any) -> List[int]:
         """Parameters ``indices`` were just updated by ``rule`` with a group's ``hyper``: their entries hold the
         optional buffers it needs from now on; returns those whose entries gained one (see
-        :meth:`StateViews.hold`). Nothing to look at (no Python call) once every entry holds every one."""
+        :meth:`StateViews.hold`). No Python call once every entry holds every one, nor while ``hyper`` is the
+        object last seen (:meth:`use`) and needs none (amsgrad off)."""
         if self.views.all_hold:
             return []
-        return self.views.hold(indices, [b.name for b in rule.needed(hyper) if b.optional])
+        if hyper is not self._in_use[0]:
+            self.use(hyper, rule.needed(hyper))
+        names = self._in_use[1]
+        return self.views.hold(indices, names) if names else []
+
+    def use(self, hyper: Any, needed: Sequence[StateBuffer]) -> None:
+        """Updates with ``hyper`` use the rule's buffers ``needed`` (``rule.needed(hyper)``): kept, by ``hyper``'s
+        identity, for :meth:`hold`. A rule's ``hyper()`` gives a new object where a group's hyperparameters changed
+        (a scheduler's lr, an edit of ``param_groups``), and AdamW's the same one while they stay as they were, so a
+        step of an unchanged group asks the rule nothing; a changed one is asked once a step, by the schedule
+        (:func:`~zero_offload.update.ensure_buffers`), or here."""
+        self._in_use = (hyper, [b.name for b in needed if b.optional])
 
     def hold_only(self, i: int, names: Sequence[str]) -> None:
         """Parameter ``i``'s entry holds the optional buffers among ``names`` only (a loaded or edited entry's)."""

@@ -32,6 +32,7 @@ import torch
 
 from zero_offload import fsdp2
 from zero_offload.state.layout import BucketLayout, ShardLayout, memory_order_flat, view_like
+from zero_offload.state.seen import Seen
 from zero_offload.state.tiers import Tier
 
 __all__ = ["Masters"]
@@ -100,15 +101,13 @@ class Masters:
         # Each parameter's autograd version right after the optimizer last wrote it (or initialised its master
         # from it); -1 = master not initialised. Unused when the parameter is its own master.
         self.versions = [-1] * len(params)
-        # data_ptr of each CPU parameter's slot, once bound (FSDP2: takeover_ptrs); of each parameter that stays
-        # where it is (a GPU one stepped on the host), where its data is: a replacement (``p.data = ...``,
-        # ``vector_to_parameters``) moves no version counter, but moves this.
-        self.slot_ptrs: List[Any] = [p.data_ptr() for p in params] if self.watch is params and not self.resident \
-            else []
-        # Each parameter's shape (not FSDP2's, whose shards FSDP shapes): a view over the same storage
-        # (``p.data = p.data[:n]``) moves no data_ptr, but changes this.
-        self.shapes: Optional[List[torch.Size]] = list(map(torch.Tensor.size, params)) if self.watch is params \
-            else None
+        # data_ptr of each of FSDP2's shards whose storage the slots took over (fsdp2.takeover_ptrs), once taken.
+        self.slot_ptrs: List[Any] = []
+        # What each parameter was when last bound to its slot (a CPU one, or one stepped on its GPU), or as it is
+        # where it stays (a GPU one stepped on the host): a replacement (``p.data = ...``, ``vector_to_parameters``,
+        # a view of the same storage with another shape or strides) moves no version counter, but changes this. Not
+        # FSDP2's, whose shards FSDP shapes and re-makes.
+        self.seen: Optional[Seen] = Seen(params, own_storage=not self.resident) if self.watch is params else None
 
     # (the layout's, as properties: one field for the three)
     offsets = property(lambda self: self.layout.offsets)
@@ -140,41 +139,37 @@ class Masters:
         elif self.resident:
             for p, slot in zip(self.params, self.param_slots):
                 p.data = slot
-            self.slot_ptrs = [slot.data_ptr() for slot in self.param_slots]
+            self.seen = Seen(self.params, own_storage=False)  # (the slots' storage is the bucket's)
 
     def check_in_place(self) -> None:
-        """Follow, or refuse, parameters that no longer live where the optimizer put them. C-level loops on the hot
-        path."""
+        """Follow, or refuse, parameters that no longer live where the optimizer put them (see
+        :mod:`~zero_offload.state.seen`). C-level loops on the hot path."""
         params = self.params
         if self.takeovers is not None:
             now = fsdp2.takeover_ptrs(self.watch, self.takeovers)
             if now != self.slot_ptrs:
                 self._retake([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs)) if a != b])
             return
-        moved = self.shapes is not None and list(map(torch.Tensor.size, params)) != self.shapes
-        if self.resident:
-            if moved or list(map(torch.Tensor.data_ptr, params)) != self.slot_ptrs:
-                self._rebind([i for i, p in enumerate(params)
-                              if p.data_ptr() != self.slot_ptrs[i] or p.shape != self.shapes[i]])
-            return
-        if self.watch is not params:  # FSDP2's shards left in FSDP's storage: follow storage FSDP re-made
+        if self.seen is None:  # FSDP2's shards left in FSDP's storage: follow storage FSDP re-made
             now = fsdp2.local_ptrs(self.watch)
             if now != list(map(torch.Tensor.data_ptr, params)):
                 self._follow([i for i, (a, p) in enumerate(zip(now, params)) if a != p.data_ptr()])
         else:
-            now = list(map(torch.Tensor.data_ptr, params))
-            if moved or now != self.slot_ptrs:
-                self._replaced([i for i, (a, b) in enumerate(zip(now, self.slot_ptrs))
-                                if a != b or params[i].shape != self.shapes[i]], now)
+            changed = self.seen.changed(params)
+            if changed:
+                (self._rebind if self.resident else self._replaced)(changed)
+            if self.resident:
+                return
         dtype, device = self.dtype, self.device
         if any(p.dtype != dtype or p.device != device for p in params):
             self._refuse(next(i for i, p in enumerate(params) if p.dtype != dtype or p.device != device), None)
 
     def _rebind(self, indices: Sequence[int]) -> None:
         """Parameters whose data was replaced (``p.data = ...``, ``model.to()`` onto the device they are on, which
-        copies): as AdamW follows the ``Parameter``, the new values are copied into the slots and the parameters
-        bound to them again, their state kept (a separate master is then checked against its parameter at its next
-        update, as a loaded one is). A move or a cast is refused, naming it, with nothing rebound."""
+        copies; a view of their slot with other strides, ``p.data = p.data.t()`` of a square matrix): as AdamW
+        follows the ``Parameter``, the new values are copied into the slots and the parameters bound to them again,
+        their state kept (a separate master is then checked against its parameter at its next update, as a loaded
+        one is). A move or a cast is refused, naming it, with nothing rebound."""
         slots = self.param_slots
         for i in indices:
             p = self.params[i]
@@ -182,25 +177,30 @@ class Masters:
                 self._refuse(i, slots[i].shape)
         for i in indices:
             p, slot = self.params[i], slots[i]
-            slot.copy_(p.detach())
+            value = p.detach()
+            if value.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr():
+                value = value.clone()  # (a view of the slot itself: copied over itself, it would be read as written)
+            slot.copy_(value)
             p.data = slot
-            self.slot_ptrs[i] = slot.data_ptr()
+            self.seen.take(i, p)
             self.loaded(i, True)
 
-    def _replaced(self, indices: Sequence[int], now: Sequence[Any]) -> None:
+    def _replaced(self, indices: Sequence[int]) -> None:
         """Parameters that stay where they are (a GPU one stepped on the host) whose data was replaced (``p.data =
-        ...``, which moves no version counter): as AdamW follows the ``Parameter``, each separate master is checked
-        against its parameter at its next update, as a loaded one is (kept where it rounds to it, else taken from
-        it). A move, a cast or another shape (also over the same storage: ``p.data = p.data[:n]``) is refused,
-        naming it, with nothing followed."""
+        ...``, which moves no version counter; new storage given the old one's address too; strides changed over the
+        same storage): as AdamW follows the ``Parameter``, each separate master is checked against its parameter at
+        its next update, as a loaded one is (kept where it rounds to it, else taken from it). A move, a cast or
+        another shape (also over the same storage: ``p.data = p.data[:n]``) is refused, naming it, with nothing
+        followed; sharded, other strides too (the shard's pieces are cut by them)."""
+        shapes = self.seen.shapes
         for i in indices:
             p = self.params[i]
-            strides = None if self.built is None else self.built[i][1]  # (sharded: its pieces are cut by them)
-            if p.dtype != self.dtype or p.device != self.device or p.shape != self.shapes[i] \
+            strides = None if self.built is None else self.built[i][1]
+            if p.dtype != self.dtype or p.device != self.device or p.shape != shapes[i] \
                     or strides is not None and p.stride() != strides:
-                self._refuse(i, self.shapes[i], strides=strides)
+                self._refuse(i, shapes[i], strides=strides)
         for i in indices:
-            self.slot_ptrs[i] = now[i]
+            self.seen.take(i, self.params[i])
             self.loaded(i, True)
 
     def _follow(self, indices: Sequence[int]) -> None:
@@ -260,7 +260,7 @@ class Masters:
             now = f"{tuple(p.shape)} with strides {p.stride()} {now}"
         elif shape is not None and shape != p.shape:
             was, now = f"{tuple(shape)} {was}", f"{tuple(p.shape)} {now}"
-        whole = self.watch[i].shape if self.shapes is None else self.shapes[i]  # (as built; FSDP2: the DTensor's)
+        whole = self.watch[i].shape if self.seen is None else self.seen.shapes[i]  # (FSDP2: the DTensor's)
         raise RuntimeError(
             f"OffloadOptimizer: a parameter's data was moved, cast or reshaped after the optimizer was built: it was "
             f"{was}, it is now {now} (a parameter of shape {tuple(whole)}; `model.to(...)`, "

@@ -191,6 +191,17 @@ class ParkedHome(Home):
         shaped = self.store.shaped
         return self._views(SHAPED, shaped.cut, shaped.places)[first:last + 1]
 
+    def run_views(self, first: int, last: int) -> Dict[str, List[torch.Tensor]]:
+        """While stepped (reloaded): views of the device copies, cut once per copy (see the module docstring).
+        Otherwise as every home."""
+        twins = self.twins
+        if twins is None:
+            return super().run_views(first, last)
+        views = {name: self._views(name, self._cut)[first:last + 1] for name in self.store.flat}
+        master = self._views("master", self._cut) if self.masters.separate else self.masters.master_views
+        views["master"] = master[first:last + 1]
+        return views
+
     def results(self) -> List[torch.Tensor]:
         """While stepped, a separate fp32 master's new values are in its device copy (until the write-back)."""
         masters = self.masters
