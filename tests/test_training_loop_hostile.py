@@ -245,6 +245,29 @@ def test_an_optimizer_rebuilt_over_an_uncollected_old_one_steps_as_adamw(request
             gc.enable()
 
 
+def test_an_optimizer_dropped_while_the_holders_of_its_parameters_are_looked_at_breaks_no_look():
+    """An optimizer's finaliser runs wherever the cyclic collector does: also inside the look a releasing
+    optimizer's first hook takes at the holders of its parameters (an allocation there may trigger a collection).
+    Dropped there, it must not change the set being looked at (was: ``RuntimeError: Set changed size during
+    iteration`` out of the user's backward); the one left steps as AdamW."""
+    from zero_offload import holders
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    kw = PLACEMENTS["cpu-release"][1]
+    old = OffloadOptimizer(param_groups(model), **kw)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    first = next(iter(model.parameters()))
+    for _ in holders._HOLDERS[first]:  # (the look, and the finaliser run in the middle of it)
+        old._unhook()
+    del old
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(3):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            _step(m, opt, step)
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
 @pytest.mark.parametrize("placement", RELEASING)
 def test_an_optimizer_built_over_gradients_another_has_taken_is_refused(request, placement, caplog):
     """Built between a releasing optimizer's backward and its ``step()``, a new optimizer over the same parameters

@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Iterable, List, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -49,11 +49,10 @@ class Holding:
         transport (Transport): the optimizer's; says whether it releases gradients and has taken some this step.
     """
 
-    __slots__ = ("transport", "lanes", "checked", "dropped", "__weakref__")
+    __slots__ = ("transport", "checked", "dropped", "__weakref__")
 
     def __init__(self, transport) -> None:
         self.transport = transport
-        self.lanes: List[Lane] = []  # every bucket of the optimizer, streamed or not
         self.checked = -1  # the count of changes the last look for a shared parameter saw
         self.dropped = False  # the optimizer was let go (its finaliser ran): its hooks do nothing
 
@@ -61,7 +60,6 @@ class Holding:
         """Claim a new bucket's parameters (checked before by :func:`refuse_taken`)."""
         for p in lane.bucket.owners:
             _HOLDERS.setdefault(p, weakref.WeakSet()).add(self)
-        self.lanes.append(lane)
         _CHANGES[0] += 1
 
     def check(self, streamed: Iterable[Lane]) -> None:
@@ -88,7 +86,7 @@ class Holding:
         """The first (lane, index) of ``lanes`` whose parameter another holding claims; None where there is none."""
         for lane in lanes:
             for i, p in enumerate(lane.bucket.owners):
-                if any(other is not self for other in _HOLDERS.get(p, ())):
+                if any(other is not self and not other.dropped for other in _HOLDERS.get(p, ())):
                     return lane, i
         return None
 
@@ -98,9 +96,8 @@ class Holding:
         if self.transport.release and self.transport.moved:
             logger.warning("OffloadOptimizer: dropped after a backward whose gradients it had taken "
                            "(release_grads=True) and before its step(): those gradients are lost with it")
-        for lane in self.lanes:
-            for p in lane.bucket.owners:
-                _HOLDERS.get(p, ()).discard(self)
+        # (Marked, not taken out of the sets: a finaliser runs wherever the collector does, also while a check is
+        # iterating one of them, which a removal would break; the set lets go of it once the holding is freed.)
         _CHANGES[0] += 1
 
 
@@ -124,6 +121,6 @@ def refuse_taken(tensors: Sequence[torch.Tensor], index: int) -> None:
 def _taken(tensors: Sequence[torch.Tensor]):
     for j, p in enumerate(tensors):
         for other in _HOLDERS.get(p, ()):
-            if other.transport.release and other.transport.moved:
+            if not other.dropped and other.transport.release and other.transport.moved:
                 return j, p
     return None
