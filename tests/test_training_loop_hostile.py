@@ -209,6 +209,65 @@ def test_an_optimizer_releasing_gradients_another_live_one_steps_with_is_refused
         assert_same(model, ref_model, ours, ref, f"step {step}")
 
 
+@pytest.mark.parametrize("old_kw,new_kw", [("cpu-release", "cpu-release"), ("cpu-stream", "cpu-release"),
+                                            ("cpu-release", "cpu-stream"), ("host-release", "host-release")])
+def test_an_optimizer_rebuilt_over_an_uncollected_old_one_steps_as_adamw(request, old_kw, new_kw):
+    """The usual rebuild (``opt = OffloadOptimizer(...)`` again, a scheduler with it): the old optimizer is no longer
+    referred to, but lives on in its reference cycles until the cyclic collector runs (disabled here, as after a
+    long run the optimizer sits in the oldest generation). It is no other holder: not refused, as AdamW is not;
+    the new one steps as a fresh AdamW, the old one's hooks taking nothing."""
+    old_kw, new_kw = _kw(request, old_kw), _kw(request, new_kw)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        opt = OffloadOptimizer(param_groups(model), **old_kw)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)
+        ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+        for step in range(2):
+            for m, o in ((model, opt), (ref_model, ref)):
+                _step(m, o, step)
+            scheduler.step()
+        assert_same(model, ref_model, opt, ref, "old")
+        opt = OffloadOptimizer(param_groups(model), **new_kw)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)
+        ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+        for step in range(2, 5):
+            for m, o in ((model, opt), (ref_model, ref)):
+                _step(m, o, step)
+            scheduler.step()
+            assert_same(model, ref_model, opt, ref, f"step {step}")
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_an_optimizer_dropped_while_the_holders_of_its_parameters_are_looked_at_breaks_no_look():
+    """An optimizer's finaliser runs wherever the cyclic collector does: also inside the look a releasing
+    optimizer's first hook takes at the holders of its parameters (an allocation there may trigger a collection).
+    Dropped there, it must not change the set being looked at (was: ``RuntimeError: Set changed size during
+    iteration`` out of the user's backward); the one left steps as AdamW."""
+    from zero_offload import holders
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    kw = PLACEMENTS["cpu-release"][1]
+    old = OffloadOptimizer(param_groups(model), **kw)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    first = next(iter(model.parameters()))
+    for _ in holders._HOLDERS[first]:  # (the look, and the finaliser run in the middle of it)
+        old._unhook()
+    del old
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    for step in range(3):
+        for m, opt in ((model, ours), (ref_model, ref)):
+            _step(m, opt, step)
+        assert_same(model, ref_model, ours, ref, f"step {step}")
+
+
 @pytest.mark.parametrize("placement", RELEASING)
 def test_an_optimizer_built_over_gradients_another_has_taken_is_refused(request, placement, caplog):
     """Built between a releasing optimizer's backward and its ``step()``, a new optimizer over the same parameters

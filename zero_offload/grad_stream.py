@@ -122,6 +122,8 @@ class GradStreamer:
         with self._lock:
             if not self.in_backward:  # (the first hook of a backward: refuse taking another optimizer's gradients)
                 self._holding.check(w.lane for w in self._watches)
+                if self._holding.dropped:  # (the check collected this optimizer's garbage: it is no more)
+                    return
             if self.in_backward and self._armed() is None:
                 # The backward that armed us was destroyed without running its callback: it raised, and this hook
                 # belongs to a new backward (a retry without zero_grad(), which accumulates onto what the failed

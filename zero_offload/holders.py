@@ -12,13 +12,20 @@ host buffer, and the other then steps without it, silently. So every optimizer's
 - an optimizer built over a parameter whose gradient another has released and not yet stepped is refused at once
   (:func:`refuse_taken`, with the checks of a param group before anything is laid out);
 - one dropped with released gradients not yet stepped says that they are lost with it.
+
+An optimizer the user no longer refers to may still be alive: it is in reference cycles (its own, an LR
+scheduler's wrapper of its ``step``), so it lives until the cyclic garbage collector runs, which after a long run
+(the optimizer in the oldest generation) may be much later. Its claim is no claim: before refusing, the collector is
+run once (off the hot path: only where a refusal is due) and the parameters looked at again. A releasing
+optimizer found dropped by that collection (its own hook was asking) does nothing more (:attr:`Holding.dropped`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
-from typing import Iterable, List, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -42,54 +49,78 @@ class Holding:
         transport (Transport): the optimizer's; says whether it releases gradients and has taken some this step.
     """
 
-    __slots__ = ("transport", "lanes", "checked", "__weakref__")
+    __slots__ = ("transport", "checked", "dropped", "__weakref__")
 
     def __init__(self, transport) -> None:
         self.transport = transport
-        self.lanes: List[Lane] = []  # every bucket of the optimizer, streamed or not
         self.checked = -1  # the count of changes the last look for a shared parameter saw
+        self.dropped = False  # the optimizer was let go (its finaliser ran): its hooks do nothing
 
     def add(self, lane: Lane) -> None:
         """Claim a new bucket's parameters (checked before by :func:`refuse_taken`)."""
         for p in lane.bucket.owners:
             _HOLDERS.setdefault(p, weakref.WeakSet()).add(self)
-        self.lanes.append(lane)
         _CHANGES[0] += 1
 
     def check(self, streamed: Iterable[Lane]) -> None:
         """Before the first copy of a backward: where this optimizer releases gradients, refuse a parameter of the
-        ``streamed`` buckets another live optimizer holds (its gradient would be taken from it)."""
+        ``streamed`` buckets another live optimizer holds (its gradient would be taken from it). Where one is found,
+        garbage is collected first (see the module docstring): afterwards this optimizer may be :attr:`dropped`."""
         if not self.transport.release or self.checked == _CHANGES[0]:
             return
-        for lane in streamed:
-            for i, p in enumerate(lane.bucket.owners):
-                if any(other is not self for other in _HOLDERS.get(p, ())):
-                    raise RuntimeError(
-                        f"{lane.bucket.label(i)} is also optimized by another live OffloadOptimizer, and this one has "
-                        "release_grads=True: its hooks would take the gradient from the other, which would step "
-                        "without it. Drop the optimizer you no longer use (and what still refers to it, an LR "
-                        "scheduler say), or build this one without release_grads")
+        lanes = list(streamed)
+        shared = self._shared(lanes)
+        if shared is not None:
+            gc.collect()  # (an optimizer no longer referred to, in a cycle, is no other holder)
+            shared = None if self.dropped else self._shared(lanes)
+        if shared is not None:
+            lane, i = shared
+            raise RuntimeError(
+                f"{lane.bucket.label(i)} is also optimized by another live OffloadOptimizer, and this one has "
+                "release_grads=True: its hooks would take the gradient from the other, which would step "
+                "without it. Drop the optimizer you no longer use (and what still refers to it, an LR "
+                "scheduler say), or build this one without release_grads")
         self.checked = _CHANGES[0]
+
+    def _shared(self, lanes: Sequence[Lane]):
+        """The first (lane, index) of ``lanes`` whose parameter another holding claims; None where there is none."""
+        for lane in lanes:
+            for i, p in enumerate(lane.bucket.owners):
+                if any(other is not self and not other.dropped for other in _HOLDERS.get(p, ())):
+                    return lane, i
+        return None
 
     def let_go(self) -> None:
         """The optimizer is dropped: its parameters are no longer claimed by it."""
+        self.dropped = True
         if self.transport.release and self.transport.moved:
             logger.warning("OffloadOptimizer: dropped after a backward whose gradients it had taken "
                            "(release_grads=True) and before its step(): those gradients are lost with it")
-        for lane in self.lanes:
-            for p in lane.bucket.owners:
-                _HOLDERS.get(p, ()).discard(self)
+        # (Marked, not taken out of the sets: a finaliser runs wherever the collector does, also while a check is
+        # iterating one of them, which a removal would break; the set lets go of it once the holding is freed.)
         _CHANGES[0] += 1
 
 
 def refuse_taken(tensors: Sequence[torch.Tensor], index: int) -> None:
     """Before a param group ``index`` is laid out: refuse a parameter whose gradient of the last backward a live
-    optimizer took (``release_grads``) and has not stepped yet (this one would step without it)."""
+    optimizer took (``release_grads``) and has not stepped yet (this one would step without it); garbage is
+    collected before refusing (see the module docstring)."""
+    taken = _taken(tensors)
+    if taken is not None:
+        gc.collect()
+        taken = _taken(tensors)
+    if taken is not None:
+        j, p = taken
+        raise ValueError(
+            f"param group {index}, parameter {j} (shape {tuple(p.shape)}): its gradient of the last backward "
+            "was taken by a live OffloadOptimizer with release_grads=True whose step() has not run, so this "
+            "one would step without it: call that optimizer's step() or zero_grad() first, or build this "
+            "one before backward")
+
+
+def _taken(tensors: Sequence[torch.Tensor]):
     for j, p in enumerate(tensors):
         for other in _HOLDERS.get(p, ()):
-            if other.transport.release and other.transport.moved:
-                raise ValueError(
-                    f"param group {index}, parameter {j} (shape {tuple(p.shape)}): its gradient of the last backward "
-                    "was taken by a live OffloadOptimizer with release_grads=True whose step() has not run, so this "
-                    "one would step without it: call that optimizer's step() or zero_grad() first, or build this "
-                    "one before backward")
+            if not other.dropped and other.transport.release and other.transport.moved:
+                return j, p
+    return None
