@@ -175,6 +175,30 @@ def test_two_live_optimizers_over_one_model_each_step_as_adamw(request, placemen
         assert_same(model, ref_model, ours[step % 2], ref[step % 2], f"step {step}")
 
 
+@pytest.mark.parametrize("placement", ["cpu-stream", "cpu-release"])
+def test_parameters_swapped_by_module_conversion_train_on_as_adamw(request, placement):
+    """``model.to()`` swaps each parameter's contents where torch is told to
+    (``torch.__future__.set_swap_module_params_on_conversion``, and always for FSDP2's DTensor parameters), and
+    ``torch.utils.swap_tensors`` refuses a tensor that has a weak reference: the optimizer keeps none on them."""
+    kw = _kw(request, placement)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    ours = OffloadOptimizer(param_groups(model), **kw)
+    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for step in range(3):
+            for m in (model, ref_model):
+                m.to("cpu")
+            for m, opt in ((model, ours), (ref_model, ref)):
+                _step(m, opt, step)
+            assert_same(model, ref_model, ours, ref, f"step {step}")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 @pytest.mark.parametrize("placement", RELEASING)
 def test_an_optimizer_releasing_gradients_another_live_one_steps_with_is_refused(request, placement):
     """With ``release_grads`` an optimizer's hooks set ``.grad`` to None once it is on its way to their host buffer:
@@ -258,7 +282,7 @@ def test_an_optimizer_dropped_while_the_holders_of_its_parameters_are_looked_at_
     old = OffloadOptimizer(param_groups(model), **kw)
     ours = OffloadOptimizer(param_groups(model), **kw)
     first = next(iter(model.parameters()))
-    for _ in holders._HOLDERS[first]:  # (the look, and the finaliser run in the middle of it)
+    for _ in holders._HOLDERS[id(first)]:  # (the look, and the finaliser run in the middle of it)
         old._unhook()
     del old
     ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)

@@ -25,11 +25,9 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Iterable, Sequence
+from typing import Dict, Iterable, List, Sequence
 
 import torch
-
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.lane import Lane
 
@@ -37,8 +35,12 @@ __all__ = ["Holding", "refuse_taken"]
 
 logger = logging.getLogger("zero_offload")
 
-# Each parameter's live holdings, and a count that moves whenever one is added or let go.
-_HOLDERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# Each parameter's live holdings, keyed by the parameter's id, and a count that moves whenever one is added or let
+# go. (By id, not by a weak reference to the parameter: torch.utils.swap_tensors, which model.to() uses for
+# FSDP2's DTensor parameters and under torch.__future__.set_swap_module_params_on_conversion, refuses a tensor
+# with a weak reference. A holding's parameters outlive its entries: its optimizer refers to them, and let_go runs
+# as that optimizer goes.)
+_HOLDERS: Dict[int, "weakref.WeakSet[Holding]"] = {}
 _CHANGES = [0]
 
 
@@ -49,17 +51,19 @@ class Holding:
         transport (Transport): the optimizer's; says whether it releases gradients and has taken some this step.
     """
 
-    __slots__ = ("transport", "checked", "dropped", "__weakref__")
+    __slots__ = ("transport", "checked", "dropped", "keys", "__weakref__")
 
     def __init__(self, transport) -> None:
         self.transport = transport
         self.checked = -1  # the count of changes the last look for a shared parameter saw
         self.dropped = False  # the optimizer was let go (its finaliser ran): its hooks do nothing
+        self.keys: List[int] = []  # the ids of the parameters it claims
 
     def add(self, lane: Lane) -> None:
         """Claim a new bucket's parameters (checked before by :func:`refuse_taken`)."""
         for p in lane.bucket.owners:
-            _HOLDERS.setdefault(p, weakref.WeakSet()).add(self)
+            _HOLDERS.setdefault(id(p), weakref.WeakSet()).add(self)
+            self.keys.append(id(p))
         _CHANGES[0] += 1
 
     def check(self, streamed: Iterable[Lane]) -> None:
@@ -86,7 +90,7 @@ class Holding:
         """The first (lane, index) of ``lanes`` whose parameter another holding claims; None where there is none."""
         for lane in lanes:
             for i, p in enumerate(lane.bucket.owners):
-                if any(other is not self and not other.dropped for other in _HOLDERS.get(p, ())):
+                if any(other is not self and not other.dropped for other in _HOLDERS.get(id(p), ())):
                     return lane, i
         return None
 
@@ -97,7 +101,12 @@ class Holding:
             logger.warning("OffloadOptimizer: dropped after a backward whose gradients it had taken "
                            "(release_grads=True) and before its step(): those gradients are lost with it")
         # (Marked, not taken out of the sets: a finaliser runs wherever the collector does, also while a check is
-        # iterating one of them, which a removal would break; the set lets go of it once the holding is freed.)
+        # iterating one of them, which a removal would break; the set lets go of it once the holding is freed. A
+        # parameter no live holding claims loses its entry: its id may be another's once it is freed.)
+        for key in self.keys:
+            held = _HOLDERS.get(key)
+            if held is not None and all(h.dropped for h in list(held)):
+                del _HOLDERS[key]
         _CHANGES[0] += 1
 
 
@@ -120,7 +129,7 @@ def refuse_taken(tensors: Sequence[torch.Tensor], index: int) -> None:
 
 def _taken(tensors: Sequence[torch.Tensor]):
     for j, p in enumerate(tensors):
-        for other in _HOLDERS.get(p, ()):
+        for other in _HOLDERS.get(id(p), ()):
             if not other.dropped and other.transport.release and other.transport.moved:
                 return j, p
     return None
