@@ -50,6 +50,20 @@ def _kw(request, name):
     return kw
 
 
+def _models():
+    """The model and a copy of it for AdamW."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    return model, copy.deepcopy(model)
+
+
+def _beside_adamw(kw):
+    """The models, ours over the first (``kw``) and AdamW over the copy."""
+    model, ref_model = _models()
+    return model, ref_model, OffloadOptimizer(param_groups(model), **kw), \
+        torch.optim.AdamW(param_groups(ref_model), foreach=False)
+
+
 def _step(model, opt, step, micro=0):
     opt.zero_grad()
     loss_fn(model, step, micro, "cpu").backward()
@@ -105,11 +119,7 @@ def test_interrupted_steps_and_a_frozen_parameter_train_on_as_adamw(request, pla
     after its backward, parameters frozen mid-run and unfrozen later: after each, training goes on as AdamW's that
     met the same (the interrupted steps skipped, the frozen parameters not stepped)."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref = _beside_adamw(kw)
     hooks = Interrupt(model), Interrupt(ref_model)
     for step in range(STEPS + 1):
         for m, opt, hook in ((model, ours, hooks[0]), (ref_model, ref, hooks[1])):
@@ -164,9 +174,7 @@ def test_two_live_optimizers_over_one_model_each_step_as_adamw(request, placemen
     """An optimizer rebuilt while the old one lives on (a scheduler still holds it), both stepped: each as an AdamW
     beside it (what the refusal below must not refuse, without ``release_grads``)."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
+    model, ref_model = _models()
     ours = [OffloadOptimizer(param_groups(model), **kw) for _ in range(2)]
     ref = [torch.optim.AdamW(param_groups(ref_model), foreach=False) for _ in range(2)]
     for step in range(4):
@@ -181,11 +189,7 @@ def test_parameters_swapped_by_module_conversion_train_on_as_adamw(request, plac
     (``torch.__future__.set_swap_module_params_on_conversion``, and always for FSDP2's DTensor parameters), and
     ``torch.utils.swap_tensors`` refuses a tensor that has a weak reference: the optimizer keeps none on them."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref = _beside_adamw(kw)
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -206,9 +210,7 @@ def test_an_optimizer_releasing_gradients_another_live_one_steps_with_is_refused
     new one stepped without them, silently. The first hook of the backward refuses it, naming the parameter,
     before any copy; once the old optimizer is dropped, training goes on as AdamW's."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
+    model, ref_model = _models()
     old = OffloadOptimizer(param_groups(model), **kw)
     scheduler = torch.optim.lr_scheduler.StepLR(old, 10)
     _step(model, old, 0)
@@ -241,9 +243,7 @@ def test_an_optimizer_rebuilt_over_an_uncollected_old_one_steps_as_adamw(request
     long run the optimizer sits in the oldest generation). It is no other holder: not refused, as AdamW is not;
     the new one steps as a fresh AdamW, the old one's hooks taking nothing."""
     old_kw, new_kw = _kw(request, old_kw), _kw(request, new_kw)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
+    model, ref_model = _models()
     was = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -275,9 +275,7 @@ def test_an_optimizer_dropped_while_the_holders_of_its_parameters_are_looked_at_
     Dropped there, it must not change the set being looked at (was: ``RuntimeError: Set changed size during
     iteration`` out of the user's backward); the one left steps as AdamW."""
     from zero_offload import holders
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
+    model, ref_model = _models()
     kw = PLACEMENTS["cpu-release"][1]
     old = OffloadOptimizer(param_groups(model), **kw)
     ours = OffloadOptimizer(param_groups(model), **kw)
@@ -298,9 +296,7 @@ def test_an_optimizer_built_over_gradients_another_has_taken_is_refused(request,
     would step without the gradients the old one holds: refused at construction, naming the parameter. Dropping
     the old one there loses them, and says so; after that the new one is built and steps as AdamW."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
+    model, ref_model = _models()
     old = OffloadOptimizer(param_groups(model), **kw)
     loss_fn(model, 0, 0, "cpu").backward()
     with pytest.raises(ValueError, match=r"param group 0, parameter 0 \(shape .*\): its gradient of the last "
@@ -325,12 +321,8 @@ def test_a_step_abandoned_after_overlap_steps_updates_says_which_buckets_stepped
     its backward (``zero_grad()`` instead of ``step()``), or after a backward a hook interrupted half way, has
     already stepped some buckets: AdamW skipping it steps none. That went unsaid; now a warning names them. The
     buckets backward had not reached are AdamW's that skipped the step, and training goes on without an error."""
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), placement="host", bucket_numel=1000, overlap_step=True,
-                            nonfinite="ignore")
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref = _beside_adamw(dict(placement="host", bucket_numel=1000, overlap_step=True,
+                                                     nonfinite="ignore"))
     hook = Interrupt(model)
     for step in range(2):
         for m, opt in ((model, ours), (ref_model, ref)):
@@ -418,11 +410,7 @@ def test_a_sparse_gradient_streamed_in_backward_is_refused_and_training_goes_on(
     embedding's: the reference here skips the step), and once the gradient is dense again training goes on as
     AdamW's."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref = _beside_adamw(kw)
     for step in range(4):
         model.tok.sparse = step == 2
         if step == 2:
@@ -442,11 +430,7 @@ def test_with_release_grads_only_the_optimizers_zero_grad_discards_a_backward(re
     backwards leaves the first one's, and ``step()`` applies both (AdamW that zeroed nothing in between: the
     documented difference), where ``opt.zero_grad()`` discards it (AdamW after its ``zero_grad()``)."""
     kw = _kw(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref = _beside_adamw(kw)
     for step, discard in enumerate([lambda m, opt: m.zero_grad(), lambda m, opt: opt.zero_grad()]):
         for m, opt in ((model, ours), (ref_model, ref)):
             opt.zero_grad()
