@@ -34,6 +34,15 @@ def _options(request, placement):
     return dict(placement=placement, bucket_numel=1000)
 
 
+def _pair(kw, **hyper):
+    """A model and its copy, ours over the first (``kw``, ``hyper``) and AdamW over the copy (``hyper``)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref_model = copy.deepcopy(model)
+    return (model, ref_model, OffloadOptimizer(param_groups(model), **hyper, **kw),
+            torch.optim.AdamW(param_groups(ref_model), **hyper, foreach=False))
+
+
 def _beside_adamw(model, kw, replace, after_backward=True, device="cpu", prepare=None):
     """Ours (``kw``) over ``model`` and AdamW (foreach=False) over its copy, both models' data replaced by
     ``replace(model)`` at step ``REPLACE_AT`` (after its backward, or before it): equal every step. ``prepare(model)``
@@ -200,11 +209,7 @@ def test_the_entries_after_a_dcp_round_trip_have_adamws_keys(request, tmp_path, 
     holds (a zero ``max_exp_avg_sq`` in group 0's). Now ``opt.state`` and ``state_dict()`` have AdamW's keys, and
     the run goes on as AdamW's, parameters and state every step."""
     kw = _options(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), amsgrad=True, **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=True, foreach=False)
+    model, ref_model, ours, ref = _pair(kw, amsgrad=True)
     for opt in (ours, ref):
         opt.param_groups[0]["amsgrad"] = False
     for step in range(4):
@@ -283,11 +288,7 @@ def test_amsgrad_switched_off_and_on_under_a_scheduler_steps_as_adamw(request, p
     included). ``aux`` has a gradient every third step only, so some of its updates come with the answer cached
     long before."""
     kw = _options(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), amsgrad=True, **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), amsgrad=True, foreach=False)
+    model, ref_model, ours, ref = _pair(kw, amsgrad=True)
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) for opt in (ours, ref)]
     for step in range(8):
         for opt in (ours, ref):
@@ -310,11 +311,7 @@ def test_the_state_dicts_tensors_edited_in_place_edit_the_state_as_adamws(reques
     moved on) is the optimizer's state from then on. Ours' are views of the buffers: the same, every step against
     AdamW given the same edits; its entries are new dicts (docs/differences.md), which the test leaves alone."""
     kw = _options(request, placement)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    ref_model = copy.deepcopy(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
+    model, ref_model, ours, ref = _pair(kw)
     for step in range(STEPS):
         if step in (2, 3):
             for opt in (ours, ref):
