@@ -15,10 +15,10 @@ import torch
 import cuda_standins
 import zero_offload
 from test_optimizer import TinyTransformer, assert_same, assert_unchanged, loss_fn, param_groups, snapshot
+from test_rebind import _beside_adamw
 from zero_offload import OffloadOptimizer, offload
 
 STEPS = 5
-REPLACE_AT = 2
 
 
 @pytest.fixture
@@ -41,28 +41,6 @@ def _pair(kw, **hyper):
     ref_model = copy.deepcopy(model)
     return (model, ref_model, OffloadOptimizer(param_groups(model), **hyper, **kw),
             torch.optim.AdamW(param_groups(ref_model), **hyper, foreach=False))
-
-
-def _beside_adamw(model, kw, replace, after_backward=True, device="cpu", prepare=None):
-    """Ours (``kw``) over ``model`` and AdamW (foreach=False) over its copy, both models' data replaced by
-    ``replace(model)`` at step ``REPLACE_AT`` (after its backward, or before it): equal every step. ``prepare(model)``
-    runs on ours' model before the optimizer is built."""
-    ref_model = copy.deepcopy(model)
-    if prepare is not None:
-        prepare(model)
-    ours = OffloadOptimizer(param_groups(model), **kw)
-    ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
-    for step in range(STEPS):
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            if step == REPLACE_AT and not after_backward:
-                replace(m)
-            loss_fn(m, step, 0, device).backward()
-            if step == REPLACE_AT and after_backward:
-                replace(m)
-            opt.step()
-        assert_same(model, ref_model, ours, ref, f"step {step}")
-    return ours
 
 
 # -- a parameter's data replaced where its address alone does not tell -------------------------------------------------

@@ -35,13 +35,13 @@ def _new_values(model):
         p.data = torch.randn(p.shape, generator=gen) * 0.05
 
 
-@pytest.mark.parametrize("replace", [_to_cpu0, _clone_data, _new_values], ids=["to_cpu0", "clone_data", "new_values"])
-@pytest.mark.parametrize("after_backward", [False, True], ids=["before_backward", "after_backward"])
-@pytest.mark.parametrize("kw", [{}, {"bucket_numel": 1000}], ids=["default", "small_buckets"])
-def test_replaced_data_trains_on_as_adamw(replace, after_backward, kw):
-    torch.manual_seed(0)
-    model = TinyTransformer()
+def _beside_adamw(model, kw, replace, after_backward=True, device="cpu", prepare=None):
+    """Ours (``kw``) over ``model`` and AdamW (foreach=False) over its copy, both models' data replaced by
+    ``replace(model)`` at step ``REPLACE_AT`` (after its backward, or before it): equal every step. ``prepare(model)``
+    runs on ours' model before the optimizer is built."""
     ref_model = copy.deepcopy(model)
+    if prepare is not None:
+        prepare(model)
     ours = OffloadOptimizer(param_groups(model), **kw)
     ref = torch.optim.AdamW(param_groups(ref_model), foreach=False)
     for step in range(STEPS):
@@ -49,11 +49,20 @@ def test_replaced_data_trains_on_as_adamw(replace, after_backward, kw):
             opt.zero_grad()
             if step == REPLACE_AT and not after_backward:
                 replace(m)
-            loss_fn(m, step, 0, "cpu").backward()
+            loss_fn(m, step, 0, device).backward()
             if step == REPLACE_AT and after_backward:
                 replace(m)
             opt.step()
         assert_same(model, ref_model, ours, ref, f"step {step}")
+    return ours
+
+
+@pytest.mark.parametrize("replace", [_to_cpu0, _clone_data, _new_values], ids=["to_cpu0", "clone_data", "new_values"])
+@pytest.mark.parametrize("after_backward", [False, True], ids=["before_backward", "after_backward"])
+@pytest.mark.parametrize("kw", [{}, {"bucket_numel": 1000}], ids=["default", "small_buckets"])
+def test_replaced_data_trains_on_as_adamw(replace, after_backward, kw):
+    torch.manual_seed(0)
+    _beside_adamw(TinyTransformer(), kw, replace, after_backward)
 
 
 def test_replaced_data_of_a_bf16_model_keeps_its_masters_where_the_values_are_the_same():
