@@ -324,6 +324,69 @@ def test_under_accumulation_each_parked_bucket_comes_up_once_in_backward_and_goe
         _same(model.parameters(), ref_model.parameters(), opt, ref, f"step {step}")
 
 
+# -- sharded over a process group (gloo, world 2): the three homes in one group, each nonfinite mode -------------
+def _sharded_nonfinite_worker(rank, world, policy):
+    """Each rank steps its shard of a mix (resident, parked, host in the first group) beside single-process AdamW on
+    the whole batch, clipped, the LR set after backward; at step 2 an inf in rank 1's gradient of a parameter of
+    each home in turn (steps 2, 3, 4): ``"skip"`` and ``"raise"`` change nothing anywhere (AdamW never saw those
+    steps), ``"ignore"`` applies it as AdamW does to the summed gradient (a NaN where it landed)."""
+    import test_distributed as td
+    from test_placement_sharded import MIX as SHARDED_MIX, _make, _on_standins, _same as _same_sharded, groups
+
+    _on_standins()
+    model, opt, ref_model = _make(rank, SHARDED_MIX, nonfinite=policy)
+    ref = torch.optim.AdamW(groups(ref_model), lr=1e-2, foreach=False)
+    homes = {b.home.kind: b.params[0] for b in opt._buckets[0]}  # (the peek: a parameter of each home)
+    assert homes.keys() == {"resident", "parked", "host"}, homes
+    aims = dict(zip((2, 3, 4), homes.values()))
+    for step in range(6 if policy != "ignore" else 3):
+        for o, m, rows in ((opt, model, td.rows_of(rank, world)), (ref, ref_model, slice(None))):
+            o.zero_grad()
+            td.loss_on(m, step, 0, rows).backward()
+        bad = step in aims
+        if bad:
+            index = next(i for i, p in enumerate(model.parameters()) if p is aims[step])
+            if rank == 1:
+                aims[step].grad.view(-1)[0] = float("inf")
+            list(ref_model.parameters())[index].grad.view(-1)[0] = float("inf")
+        if not bad:
+            norm = opt.clip_grad_norm_(0.3)
+            torch.testing.assert_close(torch.as_tensor(norm).float(),
+                                       torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.3, foreach=False))
+        for o in (opt, ref):
+            for group in o.param_groups:
+                group["lr"] = 1e-3 * (step + 2)
+        if bad and policy == "raise":
+            with pytest.raises(RuntimeError, match="non-finite"):
+                opt.step()
+        else:
+            opt.step()
+        if not bad or policy == "ignore":
+            ref.step()
+        if policy == "ignore" and bad:
+            td_params = list(zip(model.parameters(), ref_model.parameters()))
+            assert any(torch.isnan(p).any() for p, _ in td_params), "the inf was not applied"
+            for p, q in td_params:
+                torch.testing.assert_close(p.detach(), q.detach(), equal_nan=True)
+            sd, rsd = opt.state_dict()["state"], ref.state_dict()["state"]
+            for k, entry in rsd.items():
+                for name, value in entry.items():
+                    torch.testing.assert_close(sd[k][name], value, equal_nan=True, msg=lambda m: f"{k} {name}: {m}")
+        else:
+            _same_sharded(model, ref_model, opt, ref, f"{policy}, step {step}")
+    return opt.skipped_steps
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])
+def test_sharded_three_homes_in_one_group_decide_each_nonfinite_mode_before_any_home_updates(policy):
+    import test_distributed as td
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    skipped = td.launch(_sharded_nonfinite_worker, 2, policy)
+    assert skipped[0] == skipped[1] == (3 if policy == "skip" else 0)
+
+
 # -- the step model prints what the docs quote ---------------------------------------------------------------------
 def test_the_step_models_capped_rows_are_the_ones_docs_placement_quotes():
     """``benchmarks/step_model.py`` prints the homes' rows (the all-host, all-parked and ``"auto"`` placements, at a
