@@ -440,6 +440,55 @@ def test_sharded_three_homes_in_one_group_decide_each_nonfinite_mode_before_any_
     assert skipped[0] == skipped[1] == (3 if policy == "skip" else 0)
 
 
+# -- under FSDP2 (gloo, world 2): the three homes in one group, opt.state edited in place after backward -----------
+def _fsdp2_worker(rank, world):
+    """Each rank's shards in a mix (resident, parked, host) beside FSDP2 + AdamW on the same model: clipped (ours by
+    ``opt.clip_grad_norm_``, AdamW's by torch's), the LR set after backward, and on odd steps the moments edited in
+    place through ``opt.state`` (DTensors) after backward; full parameters and moments compared every step."""
+    import fsdp2_harness as h
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    with cuda_standins.installed():
+        model, ref_model = h.build_model(world, h.Recipe()), h.build_model(world, h.Recipe())
+        opt = OffloadOptimizer(model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY, bucket_numel=16,
+                               placement=MIX)
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=h.LR, weight_decay=h.WEIGHT_DECAY, foreach=False)
+        homes = sorted({b.home.kind for g in opt._buckets for b in g})
+        for step in range(5):
+            for o, m in ((opt, model), (ref, ref_model)):
+                o.zero_grad()
+                h.loss_on(m, step, 0, rank, world).backward()
+            norm = opt.clip_grad_norm_(h.CLIP)
+            torch.testing.assert_close(full(norm), full(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), h.CLIP)))
+            for o, m in ((opt, model), (ref, ref_model)):
+                for p in m.parameters():
+                    if step % 2 and p in o.state:
+                        o.state[p]["exp_avg"].mul_(0.5)
+                for group in o.param_groups:
+                    group["lr"] = h.LR * (step + 1)
+                o.step()
+            for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+                torch.testing.assert_close(full(p).detach(), full(q).detach(), msg=lambda m: f"{step} {name}: {m}")
+                assert set(opt.state.get(p, {})) == set(ref.state.get(q, {})), (step, name)
+                for key in set(ref.state.get(q, {})) - {"step"}:
+                    torch.testing.assert_close(full(opt.state[p][key]), full(ref.state[q][key]),
+                                               msg=lambda m: f"step {step}, {name} {key}: {m}")
+    return homes
+
+
+def test_fsdp2_three_homes_with_opt_state_edited_in_place_after_backward_are_adamw():
+    import fsdp2_harness as h
+    import test_distributed as td
+
+    if h.fully_shard is None or not torch.distributed.is_available():
+        pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6 and torch.distributed")
+    homes = td.launch(_fsdp2_worker, 2, timeout=200)
+    assert homes[0] == homes[1] == ["host", "parked", "resident"], homes
+
+
 # -- the step model prints what the docs quote ---------------------------------------------------------------------
 def test_the_step_models_capped_rows_are_the_ones_docs_placement_quotes():
     """``benchmarks/step_model.py`` prints the homes' rows (the all-host, all-parked and ``"auto"`` placements, at a
