@@ -6,13 +6,16 @@ parameters and state. The GPU is the stand-in of tests/cuda_standins.py (its ``c
 
 These exercise combinations the focused tests do not: the three homes in ONE param group with bf16 parameters, a
 GradScaler's overflows landing in each home, clipping and an LR set after backward, all in one run; each ``nonfinite``
-mode with the inf in each home; a checkpoint saved parked and resumed under other placements and through DCP, beside
-AdamW resumed from the same checkpoint; Muon parked with weight decay, a scheduler and a parameter without a gradient
-every other step; ``"auto"``'s move as ``estimate_host_memory`` and the log tell it; the timeline under gradient
-accumulation; the step model's printed table as the docs quote it.
+mode with the inf in each home, in one process and sharded over a gloo group of 2; ``opt.state`` edited in place
+between backward and ``step()`` (in one process, and through FSDP2's DTensors at world 2 with the three homes); a
+checkpoint saved parked and resumed under other shares, ``"auto"`` and through DCP, beside AdamW resumed from the same
+checkpoint; Muon parked with weight decay, a scheduler and a parameter without a gradient every other step;
+``"auto"``'s move as ``estimate_host_memory`` and the log tell it, and its memory contract; each GPU home's bytes in
+the estimate against what a step holds (``gpu_state_bytes``); the timeline under gradient accumulation; the step
+model's printed table as the docs quote it.
 
-Which home holds a parameter is not public: ``_home_of`` peeks (only to aim an inf at each home and to say that a run
-had all three). Tolerance: default fp32 (host buckets run our kernel, GPU-stepped ones torch's fused kernel: AdamW
+Which home holds a parameter is not public: ``_home_of`` (and the sharded and FSDP2 workers) peek at the buckets, only
+to aim an inf at each home and to say that a run had all three. Tolerance: default fp32 (host buckets run our kernel, GPU-stepped ones torch's fused kernel: AdamW
 within rounding, docs/twin-flow.md); bitwise for Muon (the class's own code on both sides, as the issue asks).
 """
 
@@ -60,7 +63,9 @@ def _same(params, ref_params, opt, ref, where, master=False, equal_nan=False):
         if master and theirs:
             torch.testing.assert_close(ours["master"], q.detach(), msg=lambda m: f"{where}, master {i}: {m}")
             assert torch.equal(p.detach(), ours["master"].to(p.dtype)), f"{where}: parameter {i} is not its master"
-        elif not master:
+        elif master:  # (never stepped: as it was)
+            assert torch.equal(p.detach(), q.detach().to(p.dtype)), f"{where}: parameter {i} changed"
+        else:
             torch.testing.assert_close(p.detach(), q.detach(), equal_nan=equal_nan,
                                        msg=lambda m: f"{where}, param {i}: {m}")
         for key, value in theirs.items():
