@@ -240,7 +240,8 @@ def test_a_checkpoint_saved_parked_resumes_under_another_placement_beside_adamw(
 def test_muon_parked_with_weight_decay_a_scheduler_and_a_sometimes_unused_parameter_is_bitwise_muon(cuda_branches):
     """``offload(torch.optim.Muon, placement="parked")`` against ``torch.optim.Muon`` over the same 2-D
     parameters: two groups (Muon's default weight decay, another one), a StepLR, one parameter with no gradient on
-    odd steps; parameters and every state tensor bit for bit, every step."""
+    odd steps, the momentum of some halved in place after backward now and then; parameters and every state tensor
+    bit for bit, every step."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(6, 5), (33, 9), (4, 70), (1, 12), (13, 1), (20, 20)]
     init = [torch.randn(s, generator=gen) for s in shapes]
@@ -260,6 +261,9 @@ def test_muon_parked_with_weight_decay_a_scheduler_and_a_sometimes_unused_parame
             g = torch.Generator().manual_seed(step)
             used = ps if step % 2 == 0 else [p for i, p in enumerate(ps) if i != 1]
             sum((torch.tanh(p) * torch.randn(p.shape, generator=g)).sum() ** 2 for p in used).backward()
+            for p in ps[::2] if step % 3 == 2 else ():  # (after backward: the parked state is up)
+                if p in o.state:
+                    o.state[p]["momentum_buffer"].mul_(0.5)
             o.step()
         for s in scheds:
             s.step()
