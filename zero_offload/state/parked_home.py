@@ -54,6 +54,8 @@ class ParkedHome(Home):
         self.twins: Optional[Dict[str, torch.Tensor]] = None
         self._reloaded: Optional[Any] = None  # the event after the reload's copies
         self._written: Optional[Any] = None  # the event after the last write-back's copies, until waited for
+        self._versions: Dict[str, int] = {}  # each parked buffer's version counter as its reload read it
+        self._shown: List[int] = []  # under FSDP2, those of the DTensors opt.state shows (StateViews.shown_versions)
         self._held: Dict[str, torch.Tensor] = {}  # the device copies' tensors, kept between steps (memory freed)
         self._cuts: Dict[str, Tuple[torch.Tensor, Any, List[Any]]] = {}  # per copy: (its tensor, layout, views)
 
@@ -103,6 +105,8 @@ class ParkedHome(Home):
         with torch.cuda.stream(up), NOTHING if timeline is None else timeline.span("copy", "reload", where):
             for name, buf in self.parked().items():
                 twins[name].copy_(buf, non_blocking=True)
+                self._versions[name] = buf._version
+            self._shown = self.views.shown_versions()
             self._reloaded = torch.cuda.Event()
             self._reloaded.record(up)
         for twin in twins.values():
@@ -110,7 +114,14 @@ class ParkedHome(Home):
         self.twins = twins
 
     def bring(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
-        """The update's stream (the current one) waits for the reload (issued now if backward did not)."""
+        """The update's stream (the current one) waits for the reload (issued now if backward did not). A host
+        buffer written in place since its reload in backward (``opt.state[p]["exp_avg"].mul_(0)``: a view of it, whose
+        version counter it shares; under FSDP2, the DTensor ``opt.state`` shows) comes up again, as it then is: the
+        step updates the state AdamW's would."""
+        if self.twins is not None and (any(buf._version != self._versions.get(name)
+                                           for name, buf in self.parked().items())
+                                       or self.views.shown_versions() != self._shown):
+            self.release()
         self.reload(streams, timeline, where)
         torch.cuda.current_stream(self.device).wait_event(self._reloaded)
 

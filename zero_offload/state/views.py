@@ -44,6 +44,7 @@ class StateViews:
         self.holds: Dict[str, List[bool]] = {b.name: [False] * len(params) for b in rule.buffers if b.optional}
         self._all_hold = dict.fromkeys(self.holds, False)
         self.all_hold = not self.holds  # (every entry holds every optional buffer)
+        self.wrapped: Dict[int, List[torch.Tensor]] = {}  # FSDP2: the DTensors each entry shows, by parameter
 
     def entry(self, i: int) -> Dict[str, torch.Tensor]:
         """Parameter ``i``'s optimizer state in the rule's format: views, not copies (with compact state, the step
@@ -55,8 +56,15 @@ class StateViews:
             from zero_offload.fsdp2 import wrap
 
             slots = {name: wrap(view, self.placed[i]) for name, view in slots.items()}
+            self.wrapped[i] = list(slots.values())
         key = self.step_key
         return {**({} if key is None else {key: self.steps[i]}), **slots}
+
+    def shown_versions(self) -> List[int]:
+        """FSDP2: the version counter of each DTensor the entries show (an in-place write through one moves its own
+        counter, not its view's: DTensor runs the op on the view below autograd); empty elsewhere, where a write
+        through an entry moves its buffer's counter (a view shares it)."""
+        return [t._version for shown in self.wrapped.values() for t in shown]
 
     @property
     def step_key(self) -> Optional[str]:
