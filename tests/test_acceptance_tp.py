@@ -254,6 +254,62 @@ def sharded_async_save(rank: int, world: int, staged: bool) -> Dict[str, Any]:
 
 
 
+def _poisoned_backward(loop: h.Loop, setup: Setup, where: str) -> torch.Tensor:
+    """One backward, then an inf written into rank 3's local piece of ``where``'s gradient (through ``to_local()``:
+    no DTensor op, which moves only the local tensor's version counter)."""
+    tp = setup.shape[-1]
+    dp, d, t = WORLD // tp, dist.get_rank() // tp, dist.get_rank() % tp
+    loop.opt.zero_grad()
+    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(7))[d * BATCH // dp:(d + 1) * BATCH // dp]
+    if setup.style == "sequence":
+        x = x[:, t * SEQ // tp:(t + 1) * SEQ // tp]
+    loop.model(x).square().mean().backward()
+    return dict(loop.model.named_parameters())[where].grad.to_local()
+
+
+def skip_an_inf_on_one_rank(rank: int, world: int, make_opt: Any, style: str, where: str) -> List[Any]:
+    """Two steps, then one whose gradient holds an inf in rank 3's piece of ``where`` (a piece replicated over
+    ``tp`` for the ``sequence`` style's norm, a rowwise bias), written before the clip: ours (``nonfinite="skip"``)
+    skips it on every rank; AdamW is not stepped there (the reference of a skipped step); then two more steps.
+    Snapshots of each step (rank 0's) and ours' ``skipped_steps`` (every rank's)."""
+    setup = Setup(style, make_opt)
+    loop = build(setup)
+    snaps = []
+    for step in range(5):
+        if step != 2:
+            snaps.append(h.snapshot(loop, train_step(loop, setup, step), rank, last=step == 4))
+            continue
+        local = _poisoned_backward(loop, setup, where)
+        if rank == 3:
+            local.view(-1)[0] = float("inf")
+        if hasattr(loop.opt, "clip_grad_norm_"):
+            loop.opt.clip_grad_norm_(CLIP)
+            loop.opt.step()
+        loop.scheduler.step()
+        snaps.append(h.snapshot(loop, None, rank, last=False))
+    return [snaps, getattr(loop.opt, "skipped_steps", None)]
+
+
+def edit_after_the_clip(rank: int, world: int) -> Tuple[Optional[str], bool]:
+    """``opt.clip_grad_norm_``, then rank 3 writes an inf into its local piece of a gradient, then ``step()``: the
+    edit is refused as any edit between the two is (docs/differences.md), on this rank; whether the parameters
+    are as they were."""
+    setup = Setup("colwise", OURS)
+    loop = build(setup)
+    train_step(loop, setup, 0)
+    local = _poisoned_backward(loop, setup, "fc1.weight")
+    loop.opt.clip_grad_norm_(CLIP)
+    if rank == 3:
+        local.view(-1)[0] = float("inf")
+    before = [p.to_local().clone() for p in loop.model.parameters()]
+    try:
+        loop.opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    return message, all(torch.equal(p.to_local(), b) for p, b in zip(loop.model.parameters(), before))
+
+
 def _jobs() -> Dict[str, Any]:
     jobs: Dict[str, Any] = {"placements": h.Call(placements)}
     for style in STYLES:
@@ -271,6 +327,10 @@ def _jobs() -> Dict[str, Any]:
         jobs[f"staged-async->4x1/{who}"] = h.Call(train, (Setup("colwise", make_opt, (4, 1)), None, f"staged-{who}"))
     for staged in (False, True):
         jobs[f"sharded-async/{staged}"] = h.Call(sharded_async_save, (staged,))
+    for style, where in (("sequence", "norm.weight"), ("rowwise", "fc2.bias")):
+        for who, make_opt in (("adamw", ADAMW), ("ours", functools.partial(OURS, nonfinite="skip"))):
+            jobs[f"skip/{style}/{who}"] = h.Call(skip_an_inf_on_one_rank, (make_opt, style, where))
+    jobs["edit-after-clip"] = h.Call(edit_after_the_clip)
     return jobs
 
 
@@ -338,6 +398,25 @@ def test_async_save_of_the_sharded_state_dict_holds_the_state_at_the_save(accept
     for rank, out in acceptance[f"sharded-async/{staged}"].per_rank.items():
         assert out["entries"] and out["differ"] == [], (rank, out)
         assert out["moved"], (rank, out)  # (the steps during the upload changed the live state)
+
+
+@pytest.mark.parametrize("style", ["sequence", "rowwise"])
+def test_an_inf_in_one_ranks_piece_skips_the_step_on_every_rank(acceptance, style):
+    """``nonfinite="skip"``: the verdict spans the mesh (a replicated piece's inf on one tp peer only); every rank
+    counts the skip, and the run goes on as AdamW's that was not stepped there."""
+    expected = acceptance[f"skip/{style}/adamw"].per_rank[0][0]
+    h.assert_same(expected, acceptance[f"skip/{style}/ours"].per_rank[0][0], f"skip {style}")
+    for rank, (_, skipped) in acceptance[f"skip/{style}/ours"].per_rank.items():
+        assert skipped == 1, (rank, skipped)
+
+
+def test_an_edit_of_a_local_gradient_after_the_clip_is_refused_and_changes_nothing(acceptance):
+    """Was: the edit went unseen (a write into ``to_local()`` moves no DTensor version counter) and the step
+    applied the inf the clip had not seen, on rank 3's piece only."""
+    message, kept = acceptance["edit-after-clip"].per_rank[3]
+    assert message is not None and "the gradients changed after opt.clip_grad_norm_" in message, message
+    for rank, (message, kept) in acceptance["edit-after-clip"].per_rank.items():
+        assert kept, rank
 
 
 # ------------------------------------------------------------------------------------------ single process --
