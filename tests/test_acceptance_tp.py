@@ -189,6 +189,30 @@ def train(rank: int, world: int, setup: Setup, save_as: Optional[str] = None, st
     return snaps
 
 
+def saved_per_rank(rank: int, world: int, setup: Setup) -> List[Optional[h.Snapshot]]:
+    """Before :data:`SAVE_AT`, each rank's ``model.state_dict()`` and ``opt.state_dict()`` as they are (DTensors of
+    this rank's pieces) through ``copy.deepcopy`` and ``torch.save``/``torch.load``, loaded with ``load_state_dict``
+    into a model and optimizer built from another seed on the same mesh; a snapshot per step."""
+    import io
+
+    loop = build(setup)
+    snaps: List[Optional[h.Snapshot]] = []
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            buffer = io.BytesIO()
+            torch.save(copy.deepcopy({"model": loop.model.state_dict(), "optim": loop.opt.state_dict(),
+                                      "schedule": loop.scheduler.state_dict()}), buffer)
+            del loop
+            loop = build(setup, seed=1)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=False)
+            loop.model.load_state_dict(saved["model"])
+            loop.opt.load_state_dict(saved["optim"])
+            loop.scheduler.load_state_dict(saved["schedule"])
+        snaps.append(h.snapshot(loop, train_step(loop, setup, step), rank, last=step == STEPS - 1))
+    return snaps
+
+
 def placements(rank: int, world: int) -> Dict[str, Dict[str, str]]:
     """Each style's parameters' placements and this rank's local shapes on (2 x 2)."""
     out = {}
@@ -327,6 +351,7 @@ def _jobs() -> Dict[str, Any]:
         jobs[f"hsdp-tp/{who}"] = h.Call(train, (Setup("rowwise", make_opt, (2, 1, 2)), f"hsdp-{who}"))
         jobs[f"hsdp-tp->2x2/{who}"] = h.Call(train, (Setup("rowwise", make_opt), None, f"hsdp-{who}"))
         jobs[f"to-same-device/{who}"] = h.Call(train, (Setup("sequence", make_opt), None, None, False, 3))
+        jobs[f"saved-per-rank/{who}"] = h.Call(saved_per_rank, (Setup("colwise", make_opt),))
         jobs[f"to-same-device-offload/{who}"] = h.Call(train, (Setup("rowwise", make_opt, cpu_offload=True), None,
                                                                None, False, 3))
         jobs[f"staged-async/{who}"] = h.Call(train, (Setup("colwise", make_opt), f"staged-{who}", None, True))
@@ -382,6 +407,14 @@ def test_hsdp_with_tp_steps_checkpoints_and_resumes_on_2x2(acceptance):
     h.assert_same(_rank0(acceptance, "hsdp-tp/adamw"), _rank0(acceptance, "hsdp-tp/ours"), "HSDP + TP")
     h.assert_same(_rank0(acceptance, "hsdp-tp->2x2/adamw"), _rank0(acceptance, "hsdp-tp->2x2/ours"),
                   "HSDP + TP -> (2 x 2)", first=SAVE_AT)
+
+
+def test_each_ranks_own_state_dicts_saved_and_loaded_on_the_same_mesh_resume_as_adamws(acceptance):
+    """``torch.save`` of a deep copy of each rank's ``model.state_dict()`` and ``opt.state_dict()`` (DTensors with
+    ``_StridedShard`` placements under ``colwise``), loaded into a new model and optimizer."""
+    expected = _rank0(acceptance, "saved-per-rank/adamw")
+    h.assert_same(_rank0(acceptance, "colwise/adamw"), expected, "AdamW's own round trip")
+    h.assert_same(expected, _rank0(acceptance, "saved-per-rank/ours"), "saved per rank")
 
 
 @pytest.mark.parametrize("job", ["to-same-device", "to-same-device-offload"])
