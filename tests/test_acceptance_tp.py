@@ -498,8 +498,8 @@ def test_an_optimizer_orphaned_by_model_to_warns_naming_model_to():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_gpu_model_moved_to_the_cpu_is_refused_naming_both_devices_and_nothing_changes():
-    """A real move (issue 53, 3): ``model.cpu()`` after two steps on the GPU; AdamW would step on (its state on the
-    GPU, the parameters on the host: it raises a device mismatch); ours names where the parameter was and is."""
+    """A real move (issue 53, 3): ``model.cpu()`` after two steps on the GPU (the same ``Parameter`` objects, their
+    data moved): refused, naming where the parameter was and is, the state as it was. (Not yet run on a GPU.)"""
     model = _small().cuda()
     opt = OffloadOptimizer(model.parameters(), lr=LR)
     for step in range(2):
@@ -510,9 +510,10 @@ def test_a_gpu_model_moved_to_the_cpu_is_refused_naming_both_devices_and_nothing
     before = copy.deepcopy(opt.state_dict())
     model.cpu()
     opt.zero_grad()
-    _loss(model, 2).backward()
+    # (refused in backward's hooks, where gradients stream, or at step())
     with pytest.raises(RuntimeError, match=r"moved, cast or reshaped .* it was torch\.float32 on cuda:0, it is now "
                                            r"torch\.float32 on cpu"):
+        _loss(model, 2).backward()
         opt.step()
     after = opt.state_dict()
     for k, entry in before["state"].items():
