@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -416,11 +416,25 @@ def test_example_on_two_cpu_processes(script, needs, says):
     FSDP2's parameters, equal to its AdamW, also across a DCP round trip of its state dict; ``accelerate_fsdp2.py``,
     accelerate's FSDP2 plugin sharding the model and switching ours to the shards in ``prepare``, then accelerate's
     loop (accumulation, clipping, a schedule), equal to AdamW's parameters and moments at each step."""
+    _torchrun(script, needs, says, 2)
+
+
+def test_torchtitan_example_on_a_2x2_mesh_with_tensor_parallelism():
+    """``examples/torchtitan_optimizer.py --tp 2`` on 4 processes: torchtitan's container over a model parallelized
+    as its recipes do (rowwise embedding, sequence-parallel norm, colwise and rowwise linears) and sharded on a
+    (2, 2) mesh, equal to its AdamW; the container's DCP checkpoint resumed on a (1, 4) mesh, equal to AdamW's."""
+    _torchrun("torchtitan_optimizer.py", "torchtitan", "on a (2, 2) mesh: same parameters as torch.optim.AdamW after 4 "
+              "steps, and after a DCP round trip of the container's state dict resumed on a (1, 4) mesh", 4, "--tp", "2")
+
+
+def _torchrun(script, needs, says, nproc, *args):
+    """``examples/script`` under ``torchrun`` with ``nproc`` processes (gloo), ``--steps 4`` and ``args``: it exits 0
+    and prints ``says`` (skipped without the package ``needs``)."""
     pytest.importorskip(needs)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(REPO / "examples" / script), "--steps", "4"], cwd=REPO, env=env,
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(nproc), str(REPO / "examples" / script), "--steps", "4", *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert says in result.stdout, result.stdout[-2000:]

@@ -30,6 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from zero_offload import fsdp2
 from zero_offload.lane import Arrival, Lane, Plans
 
 __all__ = ["NO_SCALER", "Decision", "PendingClip", "ScalerSignal", "check_max_norm", "check_norm_type", "decide",
@@ -122,16 +123,17 @@ class PendingClip:
 
 
 _get_grad = operator.attrgetter("grad")
-_get_version = operator.attrgetter("_version")
+# (A DTensor gradient's own counter and its local tensor's: a write into ``p.grad.to_local()`` moves only the latter.)
+_get_version = fsdp2.version
 _not_none = functools.partial(operator.is_not, None)
 
 
 class GradsSeen:
     """The gradients as ``clip_grad_norm_`` saw them: per bucket, what backward had sent (its record and how many
-    times), each parameter's ``.grad`` and their version counters. The clip's coefficient is of those gradients:
-    torch's clip scales them in place, so a backward after it adds unclipped gradients to clipped ones. ``step()``
-    refuses to apply the coefficient to gradients that changed since (:meth:`check`). C-level loops: about as much
-    per parameter as the step's own collection of its gradients."""
+    times), each parameter's ``.grad`` and their version counters (a DTensor's and its local tensor's). The clip's
+    coefficient is of those gradients: torch's clip scales them in place, so a backward after it adds unclipped
+    gradients to clipped ones. ``step()`` refuses to apply the coefficient to gradients that changed since
+    (:meth:`check`). About as much per parameter as the step's own collection of its gradients."""
 
     __slots__ = ("_lanes",)
 

@@ -48,8 +48,9 @@ class GradlessSteps:
                 "fully_shard or parallelize_module (FSDP2 and tensor parallelism replace the model's parameters: build "
                 "the optimizer after both, or switch each param group's params to the new ones), or over another "
                 "copy of the model (copy.deepcopy, a model re-created or loaded with assign=True after the optimizer "
-                "was built, a module conversion that makes new Parameter objects)? Or are all its parameters "
-                "frozen (requires_grad=False)?", UserWarning, stacklevel=6)
+                "was built, model.to() or another module conversion that made new Parameter objects: onto the meta "
+                "device, or under torch.__future__.set_overwrite_module_params_on_conversion(True))? Or are all its "
+                "parameters frozen (requires_grad=False)?", UserWarning, stacklevel=6)
 
 
 @functools.wraps(plan_host_memory)

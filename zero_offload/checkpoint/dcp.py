@@ -87,6 +87,13 @@ class FlatPiece(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.new_empty.default and type(args[0]) is cls:
+            # ``dcp.async_save``'s staging (torch's StateDictStager) copies a tensor subclass as it copies a DTensor:
+            # ``new_empty`` on the host for the shell, then a deep copy of each attribute into it (``local``, a
+            # view of the buffers, copied with its storage: the snapshot the upload reads, whatever the optimizer
+            # does meanwhile). The shell is a FlatPiece of the same size, which those attributes complete.
+            x = args[0]
+            return torch.Tensor._make_wrapper_subclass(cls, x.shape, dtype=x.dtype, device=torch.device("cpu"))
         raise TypeError(f"{func} on a FlatPiece of sharded_state_dict(): it is only for torch.distributed.checkpoint "
                         "(its local piece is .local)")
 
