@@ -423,7 +423,9 @@ def training_while_async_save_uploads(rank: int, world: int, make_opt: Any) -> L
         train_step(loop, run, step)
     sd = get_optimizer_state_dict(loop.model, loop.opt)
     at_save = {(k, n): v.to_local().clone() for k, e in sd["state"].items() for n, v in e.items() if v.dim()}
-    future = dcp.async_save({"optim": sd}, checkpoint_id=path)
+    # (a group of its own: the upload's collectives run in its thread, and on the group the steps use they would
+    # interleave with theirs, which gloo does not survive: docs/multi-gpu.md)
+    future = dcp.async_save({"optim": sd}, checkpoint_id=path, process_group=dist.new_group(backend="gloo"))
     for step in range(2, 4):
         train_step(loop, run, step)
     getattr(future, "upload_completion", future).result()
