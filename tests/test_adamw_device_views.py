@@ -48,11 +48,11 @@ def cuda_branches(monkeypatch):
     yield from cuda_standins.fixture_body(monkeypatch)
 
 
-def _params(dtype):
+def _params(dtype, device="cpu"):
     gen = torch.Generator().manual_seed(0)
     out = []
     for i, shape in enumerate(SHAPES):
-        t = torch.randn(shape, generator=gen).to(dtype)
+        t = torch.randn(shape, generator=gen).to(device, dtype)
         if i == CHANNELS_LAST:
             t = t.to(memory_format=torch.channels_last)
         out.append(torch.nn.Parameter(t))
@@ -73,7 +73,7 @@ def _set_grads(ours, theirs, step):
     out like its parameter (channels-last for that one, as autograd gives it); none for ``NO_GRAD[step]``."""
     gen = torch.Generator().manual_seed(100 + step)
     for i, (p, q) in enumerate(zip(ours, theirs)):
-        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        g = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
         absent = i in NO_GRAD.get(step, ())
         p.grad = None if absent else torch.empty_like(p).copy_(g)
         q.grad = None if absent else torch.empty_like(q).copy_(g.float())
@@ -87,10 +87,10 @@ def _same(ours, opt, theirs, ref, what):
         mine, theirs_ = opt.state[p], ref.state[q]
         extra = {"master"} if p.dtype != torch.float32 else set()
         assert set(mine) == set(theirs_) | extra, (what, i, sorted(mine), sorted(theirs_))
-        for key, value in theirs_.items():
-            assert torch.equal(mine[key], value), f"{what}: {key!r} of parameter {i}"
+        for key, value in theirs_.items():  # (a parked bucket's state on the host, AdamW's on the GPU)
+            assert torch.equal(mine[key].to(value.device), value), f"{what}: {key!r} of parameter {i}"
         if extra:
-            assert torch.equal(mine["master"], q), f"{what}: the master of parameter {i}"
+            assert torch.equal(mine["master"].to(q.device), q), f"{what}: the master of parameter {i}"
 
 
 def _into(view, twin):
@@ -127,6 +127,22 @@ def _laid_out_alike(lists):
 @pytest.mark.parametrize("placement", ["parked", "resident"])
 def test_adamw_on_the_gpu_steps_the_homes_views_bitwise_torchs_fused_adamw(cuda_branches, monkeypatch, placement,
                                                                           dtype):
+    """Bitwise ``torch.optim.AdamW(fused=True)`` every step, and what the kernel receives, as the module docstring
+    says (the views the same objects from step to step: on main, cut anew at every update, this failed)."""
+    _beside_fused(monkeypatch, placement, dtype, "cpu")
+
+
+# -- on a real GPU (skipped without one; in the lease plan's `pytest -m cuda`) --------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("placement", ["parked", "resident"])
+def test_adamw_on_a_gpu_steps_the_homes_views_bitwise_torchs_fused_adamw(monkeypatch, placement, dtype):
+    """The same on a GPU, against AdamW's fused CUDA kernel there: its own check refuses tensors not laid out alike
+    (the channels-last parameter's gradient, read from its slot, flat)."""
+    _beside_fused(monkeypatch, placement, dtype, "cuda")
+
+
+def _beside_fused(monkeypatch, placement, dtype, device):
     fused, calls, recording = torch._fused_adamw_, [], [False]
 
     def spy(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *args, **kw):
@@ -136,7 +152,7 @@ def test_adamw_on_the_gpu_steps_the_homes_views_bitwise_torchs_fused_adamw(cuda_
         return fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *args, **kw)
 
     monkeypatch.setattr(torch, "_fused_adamw_", spy)
-    ours = _params(dtype)
+    ours = _params(dtype, device)
     theirs = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]  # (clone keeps channels-last)
     opt = OffloadOptimizer(_groups(ours), placement=placement, **OPTIONS, **KW)
     ref = torch.optim.AdamW(_groups(theirs), fused=True, **KW)
