@@ -93,6 +93,15 @@ def _same(ours, opt, theirs, ref, what):
             assert torch.equal(mine["master"].to(q.device), q), f"{what}: the master of parameter {i}"
 
 
+def _step(opt, what):
+    """``opt.step()``; an error it raises is reported by its message alone: the frames' tensors (a parked step's
+    device copies, their memory given back as the step ended) must not be printed."""
+    try:
+        opt.step()
+    except RuntimeError as e:
+        pytest.fail(f"{what}: {type(e).__name__}: {e}", pytrace=False)
+
+
 def _into(view, twin):
     """Whether ``view`` lies inside the memory ``twin``'s storage holds now."""
     lo = twin.untyped_storage().data_ptr()
@@ -170,7 +179,7 @@ def _beside_fused(monkeypatch, placement, dtype, device):
         before = [p.detach().clone() for p in ours]
         calls.clear()
         recording[0] = True
-        opt.step()
+        _step(opt, f"step {step}")
         recording[0] = False
         # (checked before AdamW steps: what the kernel received, while our step's buffers are as it left them)
         # (Booleans only in the asserts: a parked step's device copies have given their memory back, and a failure's
@@ -222,7 +231,7 @@ def test_parked_views_are_inside_the_memory_each_reload_filled(cuda_branches, mo
     blockers = []
     for step in range(4):
         _set_grads(ours, [torch.nn.Parameter(p.detach().float()) for p in ours], step)
-        opt.step()
+        _step(opt, f"step {step}")
         assert not problems, (step, problems)
         assert all(torch.isnan(b).all() for b in blockers), "written into memory given back"
         blockers = [torch.full((b.home.store.flat["exp_avg"].numel(),), float("nan")) for b in buckets]
@@ -240,7 +249,7 @@ def test_lion_on_the_gpu_steps_a_channels_last_parameter_as_lion(cuda_branches, 
     ref = Lion(theirs, **kw)
     for step in range(4):
         _set_grads(ours, theirs, step)
-        opt.step()
+        _step(opt, f"step {step}")
         ref.step()
         for i, (p, q) in enumerate(zip(ours, theirs)):
             assert torch.equal(p, q), (step, i)
