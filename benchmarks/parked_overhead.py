@@ -15,6 +15,7 @@ checkout of an older commit, say) and quote both:
     python benchmarks/parked_overhead.py
     python benchmarks/parked_overhead.py --root /tmp/base --steps 50 --threads 1
     python benchmarks/parked_overhead.py --profile Lion     # the hottest package functions of Lion's steps
+    python benchmarks/parked_overhead.py --dtype bf16       # bf16 parameters, their fp32 masters parked
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ import time
 from pathlib import Path
 
 
-def _model(torch, n: int):
-    """``n`` parameters: a 12x20 matrix and a 20-vector in turn (an MLP's weights and biases, small)."""
+def _model(torch, n: int, dtype):
+    """``n`` parameters of ``dtype``: a 12x20 matrix and a 20-vector in turn (an MLP's weights and biases, small)."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(12, 20) if i % 2 == 0 else (20,) for i in range(n)]
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
 
 
 def _time(torch, params, opt, steps: int, profile: bool):
     def backward(k):
         gen = torch.Generator().manual_seed(k)
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
 
     for k in range(2):  # (warm-up: the first steps allocate, probe and build)
         backward(k)
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=200)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="the parameters' dtype (bf16: fp32 masters parked too, the parameters written from them)")
     ap.add_argument("--profile", default="", help="profile the steps of this row (AdamW, Lion, Adafactor)")
     ap.add_argument("--sort", default="tottime", help="--profile: the pstats order (tottime, cumulative)")
     ap.add_argument("--top", type=int, default=25, help="--profile: how many functions to list")
@@ -80,8 +83,9 @@ def main() -> None:
     if not pkg.startswith(os.path.abspath(args.root)):
         raise SystemExit(f"zero_offload was imported from {pkg}, not from {args.root}")
     torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s); "
-          f"{args.params} parameters, every bucket parked on the CUDA stand-ins; tree {args.root}")
+          f"{args.params} {args.dtype} parameters, every bucket parked on the CUDA stand-ins; tree {args.root}")
     rows = {
         "AdamW": (lambda ps: zero_offload.OffloadOptimizer(ps, lr=1e-3, placement="parked"),
                   lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False)),
@@ -96,7 +100,7 @@ def main() -> None:
         with cuda_standins.installed():
             # (the update on the GPU: its multi-tensor code, as for CUDA tensors)
             single, lion_rule._single_tensor_lion = lion_rule._single_tensor_lion, lion_rule._multi_tensor_lion
-            params = _model(torch, args.params)
+            params = _model(torch, args.params, dtype)
             opt = ours(params)
             homes = {b.home.kind for group in opt._buckets for b in group}
             assert homes == {"parked"}, homes
@@ -104,7 +108,7 @@ def main() -> None:
                 mine, prof = _time(torch, params, opt, args.steps, args.profile == name)
             finally:
                 lion_rule._single_tensor_lion = single
-        params = _model(torch, args.params)
+        params = _model(torch, args.params, dtype)
         ref, _ = _time(torch, params, theirs(params), args.steps, False)
         print(f"{name:<10} {mine * 1e3:13.2f} {mine * 1e6 / args.params:9.1f} {ref * 1e3:14.2f} {mine / ref:11.2f}")
         if prof is not None:

@@ -332,3 +332,21 @@ def test_grad_sq_norm_segments(path, dtype):
         bad = [g.clone() for g in grads]
         bad[i][-1] = float("nan")
         assert functional.grad_sq_norm_segments(bad)[1] is True
+
+
+@pytest.mark.skipif(not _torch_fused.AVAILABLE, reason="torch < 2.4 has no fused CPU Adam")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37, 2.0 ** -14, 3.3e-5])
+def test_torch_fused_scales_each_gradient_as_upcast_times_the_scale(grad_dtype, grad_scale):
+    """What torch's fused kernel is handed (one multi-tensor multiply for the whole list): bit for bit each gradient
+    upcast, times the scale (``g.float() * s``, as the native kernel rounds it), an inf kept; fp32 gradients with a
+    scale of 1 are the given tensors themselves, and no given tensor is written."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=gen) * 100).to(grad_dtype) for n in (1, 7, 17, 4097)]
+    grads[1][3] = float("inf")
+    before = [g.clone() for g in grads]
+    got = _torch_fused._scaled(grads, grad_scale)
+    for g, b, s in zip(grads, before, got):
+        assert s.dtype == torch.float32 and torch.equal(g, b)
+        assert torch.equal(s.view(torch.int32), (b.float() * grad_scale).view(torch.int32))
+        assert (s is g) == (grad_dtype == torch.float32 and grad_scale == 1.0)

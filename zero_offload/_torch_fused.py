@@ -15,6 +15,7 @@ Where its arithmetic matches ours (checked by tests/test_kernel.py, every mode a
 
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence
 
 import torch
@@ -34,11 +35,21 @@ def handles(exp_avg: torch.Tensor) -> bool:
     return AVAILABLE and exp_avg.dtype == torch.float32
 
 
+_dtype = operator.attrgetter("dtype")
+_FP32 = {torch.float32}
+
+
 def _scaled(grads: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
-    if scale == 1.0 and all(g.dtype == torch.float32 for g in grads):
-        return list(grads)
-    # Upcast (exact) then multiply in fp32: the native kernel's order, so the same rounding.
-    return [g.to(torch.float32).mul_(scale) if g.dtype != torch.float32 else g * scale for g in grads]
+    """The gradients as fp32 times ``scale``: themselves where they are fp32 and ``scale`` is 1, else new tensors.
+    Upcast (exact) then multiply in fp32: the native kernel's order, so the same rounding. One multi-tensor call
+    multiplies them all (a CUDA kernel or a few, not one per gradient; the same product, the scale rounded to fp32
+    as ``g * scale`` rounds it); a multiplier of 1 multiplies nothing."""
+    if set(map(_dtype, grads)) == _FP32:  # (C-level passes: thousands of gradients a step)
+        return list(grads) if scale == 1.0 else list(torch._foreach_mul(list(grads), scale))
+    ups = [g.to(torch.float32, copy=True) for g in grads]
+    if scale != 1.0:
+        torch._foreach_mul_(ups, scale)
+    return ups
 
 
 def adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],

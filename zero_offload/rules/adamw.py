@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
-from typing import Any, ClassVar, Dict, Tuple
+from typing import Any, ClassVar, Dict, List, Tuple
 
 import torch
 
 from zero_offload import _torch_fused, functional
 from zero_offload.functional import check_hparams
 from zero_offload.options import check_group
-from zero_offload.rules.base import Rule, Run, StateBuffer
+from zero_offload.rules.base import Rule, Run, StateBuffer, grads_like
 
 __all__ = ["AdamW", "Hyper", "ADAMW"]
 
@@ -106,30 +107,46 @@ class AdamW(Rule):
                              run.param_out, q8_kw, (run.step, *_kernel_args(hyper), run.grad_scale))
 
     device_update = True
+    device_views = True
 
     def update_on_device(self, run: Run, hyper: Hyper) -> None:
         """torch's fused Adam(W) over the run (one kernel call): fp32 master and moments, the gradient multiplied
         in fp32 first (see :mod:`zero_offload._torch_fused`), the low-precision parameter written as the master
-        rounded to nearest."""
+        rounded to nearest. Per-parameter gradients (a bucket on one GPU) are stepped where autograd left them,
+        beside the home's views of the master and the moments (:attr:`Run.views`: cut once, not per step), and the
+        low-precision parameters are written in one copy of the run's flat range (every slot of a run has a
+        gradient; the padding between slots is zero in both buffers); a flat gradient (a rank's shard), or a run
+        without the home's views (an update into copies), steps the flat buffers or pieces cut from them."""
         if not _torch_fused.available_on(run.master.device):
             raise RuntimeError(f"gpu_fraction: torch {torch.__version__} has no fused Adam kernel for "
                                f"{run.master.device.type} tensors")
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper.amsgrad else [])
-        whole = {"master": run.master, **{n: run.state[n] for n in names}}
-        if run.param_out is not None:
-            whole["out"] = run.param_out
-        if run.grads is None:
-            pieces = {k: [t] for k, t in whole.items()}
-            grads = [run.grad]
-        else:  # each gradient where it is, against its slot's range of the buffers
-            cut = [(o, g) for o, g in zip(run.offsets, run.grads) if g is not None]
-            pieces = {k: [t[o : o + g.numel()] for o, g in cut] for k, t in whole.items()}
-            grads = [g.reshape(-1) for _, g in cut]
+        views = run.views
+        if views is not None and not any(map(operator.is_, run.grads, itertools.repeat(None))):
+            pieces, outs = {k: views[k] for k in ["master", *names]}, None
+            grads = grads_like(run.grads, pieces["master"])
+        else:
+            pieces, grads = _pieces(run, names)
+            outs = pieces.get("out")
         _torch_fused.adam_(pieces["master"], grads, pieces["exp_avg"], pieces["exp_avg_sq"],
                            pieces.get("max_exp_avg_sq"), step=run.step, lr=hyper.lr, beta1=hyper.beta1,
                            beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
                            decoupled_weight_decay=hyper.decoupled, maximize=hyper.maximize,
-                           grad_scale=run.grad_scale, param_outs=pieces.get("out"))
+                           grad_scale=run.grad_scale, param_outs=outs)
+        if outs is None and run.param_out is not None:
+            run.param_out.copy_(run.master)
+
+
+def _pieces(run: Run, names: List[str]) -> Tuple[Dict[str, List[torch.Tensor]], List[torch.Tensor]]:
+    """The run's master, buffers ``names`` and low-precision destination (``"out"``) as lists the fused kernel
+    takes, with the gradients: the flat run itself, or per parameter that has a gradient, its slot's range."""
+    whole = {"master": run.master, **{n: run.state[n] for n in names}}
+    if run.param_out is not None:
+        whole["out"] = run.param_out
+    if run.grads is None:
+        return {k: [t] for k, t in whole.items()}, [run.grad]
+    cut = [(o, g) for o, g in zip(run.offsets, run.grads) if g is not None]
+    return {k: [t[o : o + g.numel()] for o, g in cut] for k, t in whole.items()}, [g.reshape(-1) for _, g in cut]
 
 
 ADAMW = AdamW()

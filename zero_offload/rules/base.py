@@ -8,13 +8,14 @@ A rule never calls the transport, never touches ``opt.state``, never allocates s
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload.options import prefixed, refuse_offload_options
 
-__all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots", "flat_grad"]
+__all__ = ["StateBuffer", "StateShape", "Run", "Rule", "Slots", "flat_grad", "grads_like"]
 
 
 def _always(hyper: Any) -> bool:
@@ -263,3 +264,19 @@ def flat_grad(run: Run) -> torch.Tensor:
         torch._foreach_copy_([flat[o:o + g.numel()] for o, g in zip(run.offsets, run.grads)],
                              [g.reshape(-1) for g in run.grads])
     return flat
+
+
+_size = operator.attrgetter("shape")
+
+
+def grads_like(grads: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """The per-parameter gradients of a run laid out as the home's views of its buffers (:attr:`Run.views`: the same
+    sizes and strides, which torch's fused and multi-tensor CUDA kernels require of the tensors they pair): ``grads``
+    itself where each has its view's shape (a gradient read where autograd left it is then contiguous, as its slot
+    is: see :meth:`~zero_offload.transport.host.HostRoute.gather`), else each other one, a flat range of its slot
+    in the slot's memory order (a channels-last parameter's, or one read from its slot), viewed with its view's sizes
+    and strides, so that the elements paired are the ones at the same place in the slot."""
+    if list(map(_size, grads)) == list(map(_size, views)):
+        return grads
+    return [g if g.shape == v.shape else g.as_strided(v.shape, v.stride(), g.storage_offset())
+            for g, v in zip(grads, views)]

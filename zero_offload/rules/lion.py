@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import torch
 
 from zero_offload.lion import Lion as LionOptimizer, _multi_tensor_lion, _single_tensor_lion, check_lion_hparams
-from zero_offload.rules.base import Rule, Run, StateBuffer, flat_grad
+from zero_offload.rules.base import Rule, Run, StateBuffer, flat_grad, grads_like
 
 __all__ = ["Lion", "Hyper", "LION"]
 
@@ -98,10 +98,12 @@ class Lion(Rule):
         whatever pieces the gradients come in: per-parameter gradients (a bucket on one GPU) with per-parameter
         views of the master and ``exp_avg`` (no flat copy of the gradients is made, nor its memory held), a flat
         gradient (a rank's shard, the reduce-scatter's output) with the flat buffers. The per-parameter views are
-        the home's (:attr:`Run.views`, cut once, not per step), shaped like the parameters as their gradients are."""
+        the home's (:attr:`Run.views`, cut once, not per step), the gradients laid out as they are
+        (:func:`~zero_offload.rules.base.grads_like`: a channels-last parameter's is read from its slot, flat)."""
         views = run.views
         if views is not None:
-            masters, grads, exp_avgs = views["master"], run.grads, views["exp_avg"]
+            masters, exp_avgs = views["master"], views["exp_avg"]
+            grads = grads_like(run.grads, masters)
         else:
             masters, grads, exp_avgs = _pieces(run)
         if run.grad_scale != 1.0 or set(map(_dtype, grads)) != _FP32:
