@@ -186,3 +186,83 @@ def test_an_optimizer_rebuilt_over_part_of_a_model_another_bound_is_taken():
         return list(model[1].parameters()), model
 
     _beside_adamw(make)
+
+
+# -- 3. the release_grads claims from several threads ------------------------------------------------------------------
+@pytest.fixture
+def switching():
+    """Threads switched as often as the interpreter can (races that need an unlucky switch show in a few thousand
+    iterations instead of a long run)."""
+    import sys
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(was)
+
+
+class _Lane:
+    def __init__(self, params):
+        self.bucket = type("Bucket", (), {"owners": params})()
+
+
+class _Transport:
+    release, moved = True, False
+
+
+def test_the_claims_registry_holds_under_threads(switching):
+    """Optimizers' claims on their parameters (zero_offload.holders) are made by constructors on the user's thread,
+    looked at by backward's hooks (autograd's device threads on a GPU) and let go by finalisers on whatever thread
+    the collector runs (``overlap_step``'s worker included). Three threads each claim, look and let go over the same
+    parameters: was ``KeyError`` (two finalisers pruning one entry), ``RuntimeError: Set changed size during
+    iteration`` (a look or a finaliser iterating a set another thread adds to) and lost counts of changes (a look
+    then skipped, so a releasing optimizer would take the gradient of one built meanwhile)."""
+    import threading
+
+    from zero_offload import holders
+
+    params = [torch.zeros(1) for _ in range(8)]
+    lane, n, errors = _Lane(params), 2000, []
+    start = holders._CHANGES[0]
+
+    def churn():
+        try:
+            for _ in range(n):
+                h = holders.Holding(_Transport())
+                h.add(lane)
+                holders.refuse_taken(params, 0)
+                h.let_go()
+        except Exception as exc:  # (re-raised on the test's thread below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert holders._CHANGES[0] - start == 3 * n * 2  # (each add and each let_go counted)
+
+
+def test_optimizers_rebuilt_with_overlap_step_and_release_grads_train_as_adamw():
+    """The loop the registry serves: an optimizer with ``overlap_step=True`` (updates in its worker thread) and
+    ``release_grads=True`` rebuilt every few steps over one model, the old ones collected in between (their
+    finalisers on whichever thread collects): no claim of a dropped one refuses the new one, and the model trains
+    as AdamW rebuilt alike."""
+    import gc
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(3, 6))]
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(overlap_step=True, release_grads=True, nonfinite="ignore", bucket_numel=16)
+    for step in range(120):
+        if step % 3 == 0:
+            ours = OffloadOptimizer(params, lr=0.01, **kw)
+            ref = torch.optim.AdamW(ref_params, lr=0.01, foreach=False)
+            if step % 9 == 0:
+                gc.collect()
+        for ps, opt in ((params, ours), (ref_params, ref)):
+            opt.zero_grad()
+            _loss(ps, step % 5).backward()
+            opt.step()
+        _same(params, ref_params, ours, ref, f"step {step}")
