@@ -266,3 +266,57 @@ def test_optimizers_rebuilt_with_overlap_step_and_release_grads_train_as_adamw()
             _loss(ps, step % 5).backward()
             opt.step()
         _same(params, ref_params, ours, ref, f"step {step}")
+
+
+# -- 4. per-rank state dicts under FSDP2 + TP (world 4, one spawn) ------------------------------------------------------
+def tp_loads(rank, world, workdir):
+    """On the (2 x 2) mesh (``sequence`` style: the norm replicated over ``tp``, the linears sharded over both), each
+    rank's state dict ``torch.save``d after a step, then loaded by each rank where it does not belong: its ``tp``
+    peer's, its ``dp`` peer's, and its own with every DTensor redistributed to other placements. Each load's error
+    (None: loaded) and whether the state and the parameters are as before."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from test_fsdp2 import _load_outcome
+    from test_fsdp2_tp import OURS, Setup, build, train_step
+
+    setup = Setup("sequence", OURS)
+    loop = build(setup)
+    train_step(loop, setup, 0)
+    torch.save(loop.opt.state_dict(), os.path.join(workdir, f"tp-r{rank}.pt"))
+    dist.barrier()
+
+    def saved(r):
+        return torch.load(os.path.join(workdir, f"tp-r{r}.pt"), weights_only=False)
+
+    out = {"tp peer": _load_outcome(loop.model, loop.opt, saved(rank ^ 1)),
+           "dp peer": _load_outcome(loop.model, loop.opt, saved(rank ^ 2))}
+    own = loop.opt.state_dict()
+    for entry in own["state"].values():
+        for k, v in entry.items():
+            if isinstance(v, DTensor) and v.dim():  # (a collective: every rank takes every entry alike)
+                entry[k] = v.redistribute(v.device_mesh, [Replicate()] * v.device_mesh.ndim)
+    out["replicated"] = _load_outcome(loop.model, loop.opt, own)
+    return out
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_per_rank_state_dicts_of_the_wrong_rank_or_placement_are_refused_under_fsdp2_and_tp(tmp_path):
+    """A state dict saved by another rank of the (2 x 2) FSDP2 + TP mesh (its tensor-parallel peer's, its
+    data-parallel peer's) or placed otherwise, loaded with ``torch.load``: refused on every rank, naming the
+    parameter's shard or placements and DCP, nothing changed."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    import fsdp2_harness as h
+
+    outcome = h.run_jobs(4, {"loads": h.Call(tp_loads, (str(tmp_path),))}, str(tmp_path), timeout=600)["loads"]
+    for rank, cases in outcome.per_rank.items():
+        for case, (message, unchanged) in cases.items():
+            assert message is not None, (rank, case, "loaded")
+            assert unchanged, (rank, case, message)
+            if case == "replicated":
+                assert "a state DTensor placed (Replicate(), Replicate())" in message, (rank, case, message)
+            else:
+                assert "this rank's shard of the state DTensor" in message, (rank, case, message)
+                assert "torch.distributed.checkpoint" in message, (rank, case, message)
