@@ -152,6 +152,17 @@ def test_parameters_sharing_an_element_through_strided_views_are_still_refused()
         OffloadOptimizer([a, b])
 
 
+@pytest.mark.parametrize("make", [lambda: torch.randn(1, 4).expand(3, 4),
+                                  lambda: torch.randn(4).as_strided((3, 2), (1, 1))], ids=["expanded", "as_strided"])
+def test_a_parameter_whose_elements_overlap_each_other_is_refused_naming_it(make):
+    """An expanded parameter: AdamW refuses to update it in place (its elements are one memory location); each
+    element was given a slot of its own, untying them without a word. Refused at construction, naming it."""
+    p = nn.Parameter(make())
+    with pytest.raises(ValueError, match=r"param group 0, parameter 0 \(shape \(3, \d\), strides .*\): its elements "
+                                         r"overlap one another in memory"):
+        OffloadOptimizer([p])
+
+
 def _follows(kept, ref_kept):
     torch.testing.assert_close(kept, ref_kept, msg=lambda m: f"the larger tensor: {m}")
 

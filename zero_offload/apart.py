@@ -27,7 +27,7 @@ from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Span", "bound_to", "live_views", "refuse_live_views", "share_elements", "span"]
+__all__ = ["Span", "bound_to", "live_views", "refuse_live_views", "refuse_self_overlap", "share_elements", "span"]
 
 # (device, storage address), first byte, one past the last
 Span = Tuple[Tuple[str, int], int, int]
@@ -58,6 +58,32 @@ def span(p: torch.Tensor) -> Optional[Span]:
     return (str(p.device), p.untyped_storage().data_ptr()), lo, lo + extent * p.element_size()
 
 
+def refuse_self_overlap(tensors: Sequence[torch.Tensor], index: int) -> None:
+    """Refuse a parameter of param group ``index`` whose elements overlap one another in memory (an expanded tensor,
+    ``as_strided`` with overlapping strides): AdamW refuses to update it in place (or writes the shared memory once
+    per element that holds it); a slot of its own would silently untie the elements that were one."""
+    for j, p in enumerate(tensors):
+        s = span(p)
+        if s is None:
+            continue
+        status = torch._debug_has_internal_overlap(p)  # (0: none, 1: some, 2: not told by the strides alone)
+        if status == 2 and s[2] - s[1] <= MARK_LIMIT:  # (each byte of its range marked by its offsets: all distinct?)
+            status = int(_covered(p, s, s[1]).unique().numel() < p.numel() * p.element_size())
+        if status == 1:
+            raise ValueError(
+                f"param group {index}, parameter {j} (shape {tuple(p.shape)}, strides {p.stride()}): its elements "
+                "overlap one another in memory (an expanded tensor?). AdamW cannot update it in place, and "
+                "OffloadOptimizer would give each element a slot of its own, untying them: give the parameter storage "
+                "of its own (nn.Parameter(t.clone()))")
+
+
+def _covered(t: torch.Tensor, s: Span, lo: int) -> torch.Tensor:
+    """The byte offsets (from ``lo``) of ``t``'s elements (``s``: its span), one row of ``element_size`` per element."""
+    offsets = torch.arange(s[2] - lo, dtype=torch.int32)
+    size = t.element_size()
+    return torch.as_strided(offsets, (*t.shape, size), (*(st * size for st in t.stride()), 1), s[1] - lo)
+
+
 def share_elements(a: torch.Tensor, sa: Span, b: torch.Tensor, sb: Span) -> Optional[bool]:
     """Whether ``a`` and ``b`` (spans ``sa``, ``sb``, which overlap) have a byte in common: each byte of the range
     they cover is marked by its offsets (no data read; any device). None where the range is over
@@ -65,15 +91,9 @@ def share_elements(a: torch.Tensor, sa: Span, b: torch.Tensor, sb: Span) -> Opti
     lo, hi = min(sa[1], sb[1]), max(sa[2], sb[2])
     if hi - lo > MARK_LIMIT:
         return None
-    offsets = torch.arange(hi - lo, dtype=torch.int32)
-
-    def covered(t: torch.Tensor, s: Span) -> torch.Tensor:
-        size = t.element_size()  # (bytes: the two may differ in dtype)
-        return torch.as_strided(offsets, (*t.shape, size), (*(st * size for st in t.stride()), 1), s[1] - lo)
-
-    marks = torch.zeros(hi - lo, dtype=torch.bool)
-    marks[covered(a, sa).reshape(-1)] = True
-    return bool(marks[covered(b, sb).reshape(-1)].any())
+    marks = torch.zeros(hi - lo, dtype=torch.bool)  # (bytes: the two may differ in dtype)
+    marks[_covered(a, sa, lo).reshape(-1)] = True
+    return bool(marks[_covered(b, sb, lo).reshape(-1)].any())
 
 
 def live_views(tensors: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> Dict[int, Tuple[int, int]]:
@@ -124,9 +144,10 @@ def refuse_live_views(layouts: Sequence[Any], homes: Sequence[str], params: Sequ
                 raise ValueError(
                     f"param group {gi}, parameter {j} (shape {tuple(p.shape)}) is a view of a larger tensor that is "
                     f"still alive (its storage holds {p.untyped_storage().nbytes()} bytes, the parameter's elements "
-                    f"span {s[2] - s[1]}: a flat buffer the parameters are views of, the tensor it was sliced "
-                    "from...). AdamW updates it in place, so that tensor sees every update; OffloadOptimizer makes "
-                    "the parameter a view of its own buffer here (a CPU parameter, or a GPU one stepped on its GPU), "
-                    "so the tensor would silently stop seeing them. Give the parameter storage of its own "
+                    f"span {s[2] - s[1]}; something besides the optimizer's parameters holds it: a flat buffer the "
+                    "parameters are views of, the tensor it was sliced from, another view of it...). AdamW updates "
+                    "it in place, so that tensor sees every update; OffloadOptimizer makes the parameter a view of "
+                    "its own buffer here (a CPU parameter, or a GPU one stepped on its GPU), so the tensor would "
+                    "silently stop seeing them. Give the parameter storage of its own "
                     "(nn.Parameter(t.clone())) and drop the larger tensor, or, for a GPU model, keep its state "
                     "stepped on the host (placement='host'), where the parameter is updated in place")

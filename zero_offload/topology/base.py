@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence
 import torch
 
 from zero_offload import fsdp2
-from zero_offload.apart import MARK_LIMIT, live_views, share_elements, span
+from zero_offload.apart import MARK_LIMIT, live_views, refuse_self_overlap, share_elements, span
 from zero_offload.buckets import Placement
 from zero_offload.holders import refuse_taken
 from zero_offload.options import Options, agreed_settings, check_params
@@ -58,9 +58,11 @@ class Topology:
         silently stop sharing their elements (AdamW steps the shared elements once per parameter that holds them).
         Views whose memory interleaves without a common element (the column halves of one matrix) are apart. The
         same tensor twice is left to the checks that name it so. Then refuse a parameter whose gradient another
-        optimizer has taken (:func:`~zero_offload.holders.refuse_taken`). Returns the ids of those of ``tensors`` that
+        optimizer has taken (:func:`~zero_offload.holders.refuse_taken`); first, one whose elements overlap each other
+        (:func:`~zero_offload.apart.refuse_self_overlap`). Returns the ids of those of ``tensors`` that
         view a larger tensor still alive (:func:`~zero_offload.apart.live_views`), refused where their buckets
         would bind them (:func:`~zero_offload.apart.refuse_live_views`)."""
+        refuse_self_overlap(tensors, index)
         held = self.__dict__.setdefault("_held", {})
         earlier = {id(p) for g, group in held.items() if g < index for p in group}
         held[index] = list(tensors)  # (by index: a group that failed and is added again replaces its own entry)
