@@ -1,5 +1,6 @@
 """Failure paths a hostile user still found (part 3): parameters that view a larger tensor, strided views of one
-base, the ``release_grads`` claims under ``overlap_step``'s worker thread. Each ends as ``torch.optim.AdamW``
+base, parameters whose elements overlap, the ``release_grads`` claims under ``overlap_step``'s worker thread, and
+per-rank state dicts under FSDP2 + TP (one spawn of 4 ranks). Each ends as ``torch.optim.AdamW``
 (foreach=False) does, parameters and state checked every step at default fp32 tolerance, or with an error that names
 the problem and changes nothing.
 
