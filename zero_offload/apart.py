@@ -108,6 +108,9 @@ def live_views(tensors: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> 
 
 
 def _live_views(tensors: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> Dict[int, Tuple[int, int]]:
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # (a torch without it: not told, every parameter taken, as before)
+        return {}
     mine: Dict[Tuple[str, int], int] = {}
     seen = set()
     for p in own:
@@ -124,7 +127,7 @@ def _live_views(tensors: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) ->
         if storage.nbytes() <= s[2] - s[1] or storage in _BOUND:
             continue  # (it spans its whole storage, or an optimizer's buffer)
         # (the use count includes the reference ``storage`` itself holds)
-        if torch._C._storage_Use_Count(storage._cdata) - 1 > mine.get(s[0], 0):
+        if use_count(storage._cdata) - 1 > mine.get(s[0], 0):
             out[id(p)] = (storage.nbytes(), s[2] - s[1])
     return out
 
