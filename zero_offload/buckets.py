@@ -14,11 +14,12 @@ import dataclasses
 import errno
 import functools
 import logging
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload import affinity, fsdp2
+from zero_offload.apart import refuse_live_views
 from zero_offload.grads import GradSlots, check_grads
 from zero_offload.home_costs import bucket_cost
 from zero_offload.host_memory import (HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes,
@@ -384,12 +385,14 @@ class Placement(NamedTuple):
     shards, the group's parameters their owners; None: the parameters themselves), each one's unit (``units``: its
     FSDP unit, at whose boundaries buckets are cut), and ``takeovers``: each one's record where its slot takes over
     the storage of the tensor it holds (:func:`zero_offload.fsdp2.takeover`; the slot then has room for FSDP's
-    padding rows too)."""
+    padding rows too); ``live_views``: the ids of parameters that view a larger tensor still alive
+    (:mod:`zero_offload.apart`)."""
 
     cut: Optional[Tuple[int, int]] = None
     data: Optional[List[torch.Tensor]] = None
     units: Optional[List[int]] = None
     takeovers: Optional[List[Any]] = None
+    live_views: FrozenSet[int] = frozenset()
 
 
 OVERCOMMIT_ENV = "ZERO_OFFLOAD_ALLOW_OVERCOMMIT"
@@ -509,6 +512,7 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Pla
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     homes = home_plan(layouts, options)
+    refuse_live_views(layouts, homes, group["params"], placed.live_views, gi)  # (before anything is allocated)
     if rule.host_refusal and "host" in homes:
         asked = options.gpu_option if options.gpu_tier else "placement"
         raise ValueError(f"{rule.host_refusal}. {asked}={getattr(options, asked)!r} leaves {homes.count('host')} of "

@@ -18,14 +18,22 @@ scheduler's wrapper of its ``step``), so it lives until the cyclic garbage colle
 (the optimizer in the oldest generation) may be much later. Its claim is no claim: before refusing, the collector is
 run once (off the hot path: only where a refusal is due) and the parameters looked at again. A releasing
 optimizer found dropped by that collection (its own hook was asking) does nothing more (:attr:`Holding.dropped`).
+
+The registry is read and written from several threads: backward's hooks (autograd's device threads on a GPU), the
+user's (constructors), and wherever the collector runs a finaliser (any thread that allocates, ``overlap_step``'s
+worker included). Every access holds :data:`_LOCK` (re-entrant: a finaliser may run on a thread that holds it), and
+the collector is run without it. A finaliser only marks its holding dropped: entries are pruned by :meth:`Holding.add`,
+never while a finaliser may be interleaved with an add on the same thread (an entry pruned between a lookup and the
+add into it would lose that claim).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, Sequence
 
 import torch
 
@@ -42,6 +50,8 @@ logger = logging.getLogger("zero_offload")
 # as that optimizer goes.)
 _HOLDERS: Dict[int, "weakref.WeakSet[Holding]"] = {}
 _CHANGES = [0]
+_LOCK = threading.RLock()
+_PRUNE_AT = [64]  # (the number of entries at which add() next prunes those no live holding claims)
 
 
 class Holding:
@@ -51,20 +61,23 @@ class Holding:
         transport (Transport): the optimizer's; says whether it releases gradients and has taken some this step.
     """
 
-    __slots__ = ("transport", "checked", "dropped", "keys", "__weakref__")
+    __slots__ = ("transport", "checked", "dropped", "__weakref__")
 
     def __init__(self, transport) -> None:
         self.transport = transport
         self.checked = -1  # the count of changes the last look for a shared parameter saw
         self.dropped = False  # the optimizer was let go (its finaliser ran): its hooks do nothing
-        self.keys: List[int] = []  # the ids of the parameters it claims
 
     def add(self, lane: Lane) -> None:
         """Claim a new bucket's parameters (checked before by :func:`refuse_taken`)."""
-        for p in lane.bucket.owners:
-            _HOLDERS.setdefault(id(p), weakref.WeakSet()).add(self)
-            self.keys.append(id(p))
-        _CHANGES[0] += 1
+        with _LOCK:
+            if len(_HOLDERS) >= _PRUNE_AT[0]:
+                for key in [k for k, held in _HOLDERS.items() if all(h.dropped for h in list(held))]:
+                    del _HOLDERS[key]  # (its id may be another parameter's once it is freed)
+                _PRUNE_AT[0] = max(64, 2 * len(_HOLDERS))
+            for p in lane.bucket.owners:
+                _HOLDERS.setdefault(id(p), weakref.WeakSet()).add(self)
+            _CHANGES[0] += 1
 
     def check(self, streamed: Iterable[Lane]) -> None:
         """Before the first copy of a backward: where this optimizer releases gradients, refuse a parameter of the
@@ -73,6 +86,7 @@ class Holding:
         if not self.transport.release or self.checked == _CHANGES[0]:
             return
         lanes = list(streamed)
+        changes = _CHANGES[0]
         shared = self._shared(lanes)
         if shared is not None:
             gc.collect()  # (an optimizer no longer referred to, in a cycle, is no other holder)
@@ -84,14 +98,15 @@ class Holding:
                 "release_grads=True: its hooks would take the gradient from the other, which would step "
                 "without it. Drop the optimizer you no longer use (and what still refers to it, an LR "
                 "scheduler say), or build this one without release_grads")
-        self.checked = _CHANGES[0]
+        self.checked = changes  # (a change made meanwhile, on another thread, is looked at by the next check)
 
     def _shared(self, lanes: Sequence[Lane]):
         """The first (lane, index) of ``lanes`` whose parameter another holding claims; None where there is none."""
-        for lane in lanes:
-            for i, p in enumerate(lane.bucket.owners):
-                if any(other is not self and not other.dropped for other in _HOLDERS.get(id(p), ())):
-                    return lane, i
+        with _LOCK:
+            for lane in lanes:
+                for i, p in enumerate(lane.bucket.owners):
+                    if any(other is not self and not other.dropped for other in list(_HOLDERS.get(id(p), ()))):
+                        return lane, i
         return None
 
     def let_go(self) -> None:
@@ -100,14 +115,11 @@ class Holding:
         if self.transport.release and self.transport.moved:
             logger.warning("OffloadOptimizer: dropped after a backward whose gradients it had taken "
                            "(release_grads=True) and before its step(): those gradients are lost with it")
-        # (Marked, not taken out of the sets: a finaliser runs wherever the collector does, also while a check is
-        # iterating one of them, which a removal would break; the set lets go of it once the holding is freed. A
-        # parameter no live holding claims loses its entry: its id may be another's once it is freed.)
-        for key in self.keys:
-            held = _HOLDERS.get(key)
-            if held is not None and all(h.dropped for h in list(held)):
-                del _HOLDERS[key]
-        _CHANGES[0] += 1
+        # (Marked, not taken out of the sets: a finaliser runs wherever the collector does, also while a check or an
+        # add on its own thread is half way, which a removal would break; the set lets go of it once the holding is
+        # freed, and add() prunes the entries no live holding claims.)
+        with _LOCK:
+            _CHANGES[0] += 1
 
 
 def refuse_taken(tensors: Sequence[torch.Tensor], index: int) -> None:
@@ -128,8 +140,9 @@ def refuse_taken(tensors: Sequence[torch.Tensor], index: int) -> None:
 
 
 def _taken(tensors: Sequence[torch.Tensor]):
-    for j, p in enumerate(tensors):
-        for other in _HOLDERS.get(id(p), ()):
-            if not other.dropped and other.transport.release and other.transport.moved:
-                return j, p
+    with _LOCK:
+        for j, p in enumerate(tensors):
+            for other in list(_HOLDERS.get(id(p), ())):
+                if not other.dropped and other.transport.release and other.transport.moved:
+                    return j, p
     return None

@@ -13,14 +13,14 @@ from typing import Any, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 
-from zero_offload import checkpoint, cost_model
+from zero_offload import apart, checkpoint, cost_model
 from zero_offload.lane import Lane
 from zero_offload.options import Options
 from zero_offload.topology import Topology
 from zero_offload.transport import Transport
 from zero_offload.transport.device import device_capacity
 
-__all__ = ["Placer", "device_bytes", "place_on_device"]
+__all__ = ["Placer", "device_bytes", "movable", "place_on_device"]
 
 logger = logging.getLogger("zero_offload")
 
@@ -36,7 +36,7 @@ def place_on_device(topology: Topology, transport: Transport, streamer: Any, sta
                     margin_gib: float) -> None:
     """Move the last-arriving CUDA buckets of ``transport``'s lanes to the device tier (see the module
     docstring); ``streamer`` stops streaming them and ``state`` shows their new entries."""
-    lanes = [lane for lane in transport.lanes if not lane.bucket.resident]
+    lanes = movable([lane for lane in transport.lanes if not lane.bucket.resident], transport)
     if not lanes and topology.alone:  # (a CPU model: nothing to place; with other ranks, agree anyway)
         return
     arrived = [lane for lane in transport.arrivals if not lane.bucket.resident]  # (streamed CPU buckets too)
@@ -119,7 +119,8 @@ class Placer:
         if self.options.gpu_fraction == "auto":
             place_on_device(topology, transport, streamer, state, self.options.gpu_margin_gib)
             return None
-        lanes = [lane for lane in transport.lanes if not lane.bucket.on_cpu and lane.bucket.home.kind == "host"]
+        lanes = movable([lane for lane in transport.lanes
+                         if not lane.bucket.on_cpu and lane.bucket.home.kind == "host"], transport)
         if not lanes and topology.alone:  # (with other ranks, agree anyway: they meet at the exchange)
             return None
         if self.ended is None:
@@ -137,6 +138,16 @@ class Placer:
             transport.synchronize()  # no copy may still read the host buffers being replaced
             _move([lane for lane, _ in moving], topology, transport, streamer, state, [h for _, h in moving])
         return None
+
+
+def movable(lanes: Sequence[Lane], transport: Transport) -> List[Lane]:
+    """Those of ``lanes`` a GPU home may take: not a bucket with a parameter that views a larger tensor still alive
+    (:mod:`zero_offload.apart`; not FSDP2's shards, whose storage a GPU home takes over from FSDP): stepped on the
+    host, it is updated in place, as AdamW updates it; a GPU home would bind it to its slot, and the tensor it views
+    would stop seeing the updates."""
+    own = [p for lane in transport.lanes for p in lane.bucket.params]
+    live = apart.live_views([p for lane in lanes if not lane.bucket.fsdp for p in lane.bucket.params], own)
+    return [lane for lane in lanes if not any(id(p) in live for p in lane.bucket.params)]
 
 
 def plan_auto(lanes: Sequence[Lane], options: Options, allocated: Dict[Any, int], forward: float,

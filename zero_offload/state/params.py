@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from zero_offload import fsdp2
+from zero_offload import apart, fsdp2
 from zero_offload.state.layout import BucketLayout, ShardLayout, memory_order_flat, view_like
 from zero_offload.state.seen import Seen
 from zero_offload.state.tiers import Tier
@@ -139,6 +139,7 @@ class Masters:
         elif self.resident:
             for p, slot in zip(self.params, self.param_slots):
                 p.data = slot
+            apart.bound_to(self.param_slots)  # (their storage is no larger tensor of the user's)
             self.seen = Seen(self.params, own_storage=False)  # (the slots' storage is the bucket's)
 
     def check_in_place(self) -> None:

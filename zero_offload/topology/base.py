@@ -10,11 +10,12 @@ make: 1-D, HSDP, FSDP + TP, HSDP + TP).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
 from zero_offload import fsdp2
+from zero_offload.apart import MARK_LIMIT, live_views, refuse_self_overlap, share_elements, span
 from zero_offload.buckets import Placement
 from zero_offload.holders import refuse_taken
 from zero_offload.options import Options, agreed_settings, check_params
@@ -49,33 +50,35 @@ class Topology:
         rank must share) and say how its buckets are laid out. Raises, naming what cannot be taken, before anything
         is allocated."""
         check_params(tensors)
-        self.check_apart(tensors, index)
-        return Placement()
+        return Placement(live_views=self.check_apart(tensors, index))
 
-    def check_apart(self, tensors: Sequence[torch.Tensor], index: int) -> None:
-        """Refuse a parameter whose memory overlaps another's, in param group ``index`` or an earlier one (a
+    def check_apart(self, tensors: Sequence[torch.Tensor], index: int) -> FrozenSet[int]:
+        """Refuse a parameter that shares an element with another, in param group ``index`` or an earlier one (a
         parameter made over a view of another's data): each has a slot of its own in the flat buffers, so they would
         silently stop sharing their elements (AdamW steps the shared elements once per parameter that holds them).
-        The same tensor twice is left to the checks that name it so. Then refuse a parameter whose gradient another
-        optimizer has taken (:func:`~zero_offload.holders.refuse_taken`)."""
+        Views whose memory interleaves without a common element (the column halves of one matrix) are apart. The
+        same tensor twice is left to the checks that name it so. Then refuse a parameter whose gradient another
+        optimizer has taken (:func:`~zero_offload.holders.refuse_taken`); first, one whose elements overlap each other
+        (:func:`~zero_offload.apart.refuse_self_overlap`). Returns the ids of those of ``tensors`` that
+        view a larger tensor still alive (:func:`~zero_offload.apart.live_views`), refused where their buckets
+        would bind them (:func:`~zero_offload.apart.refuse_live_views`)."""
+        refuse_self_overlap(tensors, index)
         held = self.__dict__.setdefault("_held", {})
         earlier = {id(p) for g, group in held.items() if g < index for p in group}
         held[index] = list(tensors)  # (by index: a group that failed and is added again replaces its own entry)
-        spans = sorted((span, g, j, p) for g, group in held.items() if g <= index
-                       for j, p in enumerate(group) for span in [_span(p)] if span is not None)
-        reach = None  # (sorted by start) the span reaching furthest so far: any overlap shows against it
+        spans = sorted((s, g, j, p) for g, group in held.items() if g <= index
+                       for j, p in enumerate(group) for s in [span(p)] if s is not None)
+        reach: List[Any] = []  # (sorted by start) the spans of the same storage not ended before the next starts
         for b in spans:
-            if reach is not None and reach[0][0] == b[0][0] and b[0][1] < reach[0][2] and reach[3] is not b[3] \
-                    and index in (reach[1], b[1]):
-                (g, j, p), (h, k, q) = sorted((reach[1:], b[1:]), key=lambda e: e[:2])  # (the later first)
-                raise ValueError(
-                    f"param group {h}, parameter {k} (shape {tuple(q.shape)}) shares memory with param group {g}, "
-                    f"parameter {j} (shape {tuple(p.shape)}): one is a view of the other's data. OffloadOptimizer "
-                    "gives each parameter a slot of its own, so they would silently stop sharing their elements: "
-                    "give it its own storage (nn.Parameter(t.clone())), or optimize only the parameter it views")
-            if reach is None or reach[0][0] != b[0][0] or b[0][2] > reach[0][2]:
-                reach = b
+            reach = [a for a in reach if a[0][0] == b[0][0] and b[0][1] < a[0][2]]
+            for a in reach:
+                if a[3] is not b[3] and index in (a[1], b[1]):
+                    shared = share_elements(a[3], a[0], b[3], b[0])
+                    if shared is not False:
+                        _refuse_shared(a, b, shared)
+            reach.append(b)
         refuse_taken([p for p in tensors if id(p) not in earlier], index)  # (one of ours twice: torch names it)
+        return frozenset(live_views(tensors, [p for group in held.values() for p in group]))
 
     def built(self) -> None:
         """The constructor is done: what was read only for it is let go."""
@@ -133,13 +136,18 @@ class Local(Topology):
     """One process: the parameters whole, no collective."""
 
 
-def _span(p: torch.Tensor) -> Optional[Tuple[Tuple[str, int], int, int]]:
-    """Where ``p``'s elements lie: ((device, storage), first byte, one past the last); None when it has none."""
-    if p.numel() == 0:
-        return None
-    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride()))
-    lo = p.data_ptr()
-    return (str(p.device), p.untyped_storage().data_ptr()), lo, lo + extent * p.element_size()
+def _refuse_shared(a: Any, b: Any, shared: Optional[bool]) -> None:
+    """Refuse two parameters (``a``, ``b``: (span, group, index, tensor)) whose memory overlaps: they share an
+    element (``shared``), or their ranges interleave too widely to be told apart."""
+    (g, j, p), (h, k, q) = sorted((a[1:], b[1:]), key=lambda e: e[:2])  # (the later second)
+    how = ("one is a view of the other's data" if shared else
+           f"their memory ranges interleave over more than {MARK_LIMIT} bytes, too wide to tell whether they share "
+           "an element")
+    raise ValueError(
+        f"param group {h}, parameter {k} (shape {tuple(q.shape)}) shares memory with param group {g}, "
+        f"parameter {j} (shape {tuple(p.shape)}): {how}. OffloadOptimizer gives each parameter a slot of its own, so "
+        "they would silently stop sharing their elements: give it its own storage (nn.Parameter(t.clone())), or "
+        "optimize only the parameter it views")
 
 
 def _with_margin(transport: "Transport", options: Options) -> "Transport":

@@ -46,13 +46,13 @@ class Group(Topology):
         """Every rank gives the same parameters and ``layout`` (checked on every rank at once: one collective), on
         a backend that moves them; the buckets are cut into the ranks' shards."""
         check_params(tensors)
-        self.check_apart(tensors, index)
+        live = self.check_apart(tensors, index)
         comm = self.comm
         comm.check_same_params(tensors, index, layout)
         if not comm.host_ok and any(p.device.type == "cpu" for p in tensors):
             raise ValueError("process_group runs NCCL alone, which moves CUDA tensors only, but param group "
                              f"{index} has parameters on the CPU: shard a CPU model over a gloo group")
-        return Placement(cut=(comm.world, comm.rank))
+        return Placement(cut=(comm.world, comm.rank), live_views=live)
 
     def fewest(self, count: int, what: str) -> int:
         return int(self.comm.all_reduce_host([count], torch.distributed.ReduceOp.MIN, what)[0])
