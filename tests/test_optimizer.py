@@ -423,9 +423,7 @@ def test_low_precision_params_have_fp32_masters_matching_adamw_on_fp32_copies(dt
     for step in range(STEPS):
         if step == STEPS // 2:
             ckpt = _save_load({"opt": ours.state_dict(), "params": [p.detach().cpu() for p in params]})
-            # (CPU parameters saved from their slots load as views of one storage, the bucket's: the loaded list
-            # goes before the optimizer is built, or it would be a larger tensor still alive that they view)
-            params = [nn.Parameter(t.to(device)) for t in ckpt.pop("params")]
+            params = [nn.Parameter(t.to(device)) for t in ckpt["params"]]
             ours = OffloadOptimizer(params, lr=1e-2, weight_decay=0.1)
             ours.load_state_dict(ckpt["opt"])
         for p, m in zip(params, masters):

@@ -4,10 +4,11 @@ Each parameter has its own slots in the flat buffers, and a parameter bound to i
 on its GPU) becomes a view of the bucket's buffer. Two cases would then part silently from ``torch.optim.AdamW``,
 which updates every parameter in place:
 
-* two parameters that share elements (one made over a view of the other's data) would stop sharing them;
+* two parameters that share elements (one made over a view of the other's data) would stop sharing them: refused;
 * a parameter that is a view of a larger tensor still alive (a flat buffer the model's parameters are views of,
   Megatron or FSDP1 style; ``nn.Parameter(base[:5])`` with ``base`` kept) would be rebound to the optimizer's buffer,
-  and that tensor would stop seeing the updates.
+  and that tensor would stop seeing the updates: warned of (the tensor may be one nobody reads again, a loaded
+  checkpoint's), and ``"auto"`` leaves such a GPU bucket on the host, where it is updated in place.
 
 Parameters whose memory ranges interleave without sharing an element (the column halves of one matrix, a base no
 longer alive) are apart: each slot is exact. A larger tensor is told alive by its storage's use count, less the
@@ -22,12 +23,13 @@ is stepped on the host is written in place, as AdamW writes it, and may view a l
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Span", "bound_to", "live_views", "refuse_live_views", "refuse_self_overlap", "share_elements", "span"]
+__all__ = ["Span", "bound_to", "live_views", "refuse_self_overlap", "share_elements", "span", "warn_live_views"]
 
 # (device, storage address), first byte, one past the last
 Span = Tuple[Tuple[str, int], int, int]
@@ -132,25 +134,29 @@ def _live_views(tensors: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) ->
     return out
 
 
-def refuse_live_views(layouts: Sequence[Any], homes: Sequence[str], params: Sequence[torch.Tensor],
-                      live: FrozenSet[int], gi: int) -> None:
-    """Refuse a parameter of param group ``gi`` that :func:`live_views` found (``live``, by id) in a bucket whose
-    parameters are bound to its slots (a CPU bucket, or one with a GPU home; ``layouts`` and ``homes``: the group's
-    buckets), before anything is allocated."""
+def warn_live_views(layouts: Sequence[Any], homes: Sequence[str], params: Sequence[torch.Tensor],
+                    live: FrozenSet[int], gi: int) -> None:
+    """Warn, once for param group ``gi``, of its parameters that :func:`live_views` found (``live``, by id) in a
+    bucket whose parameters are bound to its slots (a CPU bucket, or one with a GPU home; ``layouts`` and
+    ``homes``: the group's buckets). Not refused: the tensor still holding their storage is as often one nobody reads
+    again (a loaded checkpoint's, whose tensors views of one storage when saved from slots) as a flat buffer the
+    model reads (Megatron or FSDP1 style), and the use count does not tell them apart."""
     if not live:
         return
-    for layout, home in zip(layouts, homes):
-        for j in layout.indices if layout.device.type == "cpu" or home != "host" else ():
-            p = params[j]
-            if id(p) in live:
-                s = span(p)
-                raise ValueError(
-                    f"param group {gi}, parameter {j} (shape {tuple(p.shape)}) is a view of a larger tensor that is "
-                    f"still alive (its storage holds {p.untyped_storage().nbytes()} bytes, the parameter's elements "
-                    f"span {s[2] - s[1]}; something besides the optimizer's parameters holds it: a flat buffer the "
-                    "parameters are views of, the tensor it was sliced from, another view of it...). AdamW updates "
-                    "it in place, so that tensor sees every update; OffloadOptimizer makes the parameter a view of "
-                    "its own buffer here (a CPU parameter, or a GPU one stepped on its GPU), so the tensor would "
-                    "silently stop seeing them. Give the parameter storage of its own "
-                    "(nn.Parameter(t.clone())) and drop the larger tensor, or, for a GPU model, keep its state "
-                    "stepped on the host (placement='host'), where the parameter is updated in place")
+    found = [(j, params[j]) for layout, home in zip(layouts, homes)
+             for j in (layout.indices if layout.device.type == "cpu" or home != "host" else ()) if id(params[j]) in live]
+    if not found:
+        return
+    j, p = found[0]
+    s = span(p)
+    others = f" (and {len(found) - 1} more of the group)" if len(found) > 1 else ""
+    warnings.warn(
+        f"param group {gi}, parameter {j} (shape {tuple(p.shape)}){others} is a view of a larger tensor that is still "
+        f"alive (its storage holds {p.untyped_storage().nbytes()} bytes, the parameter's elements span {s[2] - s[1]}; "
+        "something besides the optimizer's parameters holds it: a flat buffer the parameters are views of, the tensor "
+        "it was sliced from, a loaded checkpoint's tensors...). OffloadOptimizer makes the parameter a view of its own "
+        "buffer (a CPU parameter, or a GPU one stepped on its GPU), so that tensor no longer sees the updates, where "
+        "AdamW's in-place update would reach it. If something reads it, give the parameter storage of its own "
+        "(nn.Parameter(t.clone())) and read the parameter, or, for a GPU model, keep its state stepped on the host "
+        "(placement='host'), where the parameter is updated in place; if nothing does (a loaded checkpoint), drop it "
+        "before building the optimizer", UserWarning, stacklevel=2)

@@ -19,7 +19,7 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, T
 import torch
 
 from zero_offload import affinity, fsdp2
-from zero_offload.apart import refuse_live_views
+from zero_offload.apart import warn_live_views
 from zero_offload.grads import GradSlots, check_grads
 from zero_offload.home_costs import bucket_cost
 from zero_offload.host_memory import (HostMemoryEstimate, available_host_bytes, env_flag, estimate_bucket, format_bytes,
@@ -512,7 +512,7 @@ def allocate_group(group: Dict[str, Any], gi: int, options: Options, placed: Pla
     world = sharded[0] if sharded is not None else 1
     buffers = rule.needed(rule.hyper(group))
     homes = home_plan(layouts, options)
-    refuse_live_views(layouts, homes, group["params"], placed.live_views, gi)  # (before anything is allocated)
+    warn_live_views(layouts, homes, group["params"], placed.live_views, gi)  # (before anything is allocated)
     if rule.host_refusal and "host" in homes:
         asked = options.gpu_option if options.gpu_tier else "placement"
         raise ValueError(f"{rule.host_refusal}. {asked}={getattr(options, asked)!r} leaves {homes.count('host')} of "

@@ -115,7 +115,7 @@ class ParkedHome(Home):
 
     def bring(self, streams: Any, timeline: Optional[Timeline] = None, where: Optional[int] = None) -> None:
         """The update's stream (the current one) waits for the reload (issued now if backward did not). A host
-        buffer written in place since its reload in backward (``opt.state[p]["exp_avg"].mul_(0)``: a view of it, whose
+        buffer written in place since its reload in backward (``opt.state[p][name].mul_(0)``: a view of it, whose
         version counter it shares; under FSDP2, the DTensor ``opt.state`` shows) comes up again, as it then is: the
         step updates the state AdamW's would."""
         if self.twins is not None and (any(buf._version != self._versions.get(name)

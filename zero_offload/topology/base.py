@@ -60,8 +60,8 @@ class Topology:
         same tensor twice is left to the checks that name it so. Then refuse a parameter whose gradient another
         optimizer has taken (:func:`~zero_offload.holders.refuse_taken`); first, one whose elements overlap each other
         (:func:`~zero_offload.apart.refuse_self_overlap`). Returns the ids of those of ``tensors`` that
-        view a larger tensor still alive (:func:`~zero_offload.apart.live_views`), refused where their buckets
-        would bind them (:func:`~zero_offload.apart.refuse_live_views`)."""
+        view a larger tensor still alive (:func:`~zero_offload.apart.live_views`), warned of where their
+        buckets bind them (:func:`~zero_offload.apart.warn_live_views`)."""
         refuse_self_overlap(tensors, index)
         held = self.__dict__.setdefault("_held", {})
         earlier = {id(p) for g, group in held.items() if g < index for p in group}
