@@ -96,8 +96,9 @@ def _step_argv(tiny: bool, keys: List[str], extra: List[str], preset: str = "1.3
 
 # The test files whose GPU paths no lease has run yet (their `cuda` tests run first, as the stage's limit cuts
 # `pytest -m cuda` short: about 80 s of tests in 30 s); the other files follow in pytest's own order.
-CUDA_TESTS_FIRST = ("test_placement_sharded.py", "test_placement.py", "test_park_factored.py", "test_park_class.py",
-                    "test_fsdp2.py", "test_adamw_dropin_hostile.py", "test_distributed.py")
+CUDA_TESTS_FIRST = ("test_adamw_device_views.py", "test_placement_sharded.py", "test_placement.py",
+                    "test_park_factored.py", "test_park_class.py", "test_fsdp2_streams.py", "test_fsdp2.py",
+                    "test_acceptance_tp.py", "test_adamw_dropin_hostile.py", "test_distributed.py")
 
 
 def cuda_test_files() -> List[str]:

@@ -496,7 +496,7 @@ def test_an_optimizer_orphaned_by_model_to_warns_naming_model_to():
     assert "model.to()" in messages[0] and "built before fully_shard" in messages[0], messages[0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_a_gpu_model_moved_to_the_cpu_is_refused_naming_both_devices_and_nothing_changes():
     """A real move (issue 53, 3): ``model.cpu()`` after two steps on the GPU (the same ``Parameter`` objects, their
     data moved): refused, naming where the parameter was and is, the state as it was. (Not yet run on a GPU.)"""
