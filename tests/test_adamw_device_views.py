@@ -29,6 +29,7 @@ import torch
 
 import cuda_standins
 from zero_offload import Lion, OffloadOptimizer, offload
+from zero_offload.state.layout import _dense  # (elements filling consecutive memory, in some order)
 
 # (the 4-d one channels-last; a 0-d one; tail sizes)
 SHAPES = [(12, 20), (20,), (4, 3, 2, 5), (7,), (3, 5, 2), (), (130,), (1, 9), (65,), (16, 16)]
@@ -107,16 +108,6 @@ def _into(view, twin):
     lo = twin.untyped_storage().data_ptr()
     hi = lo + twin.untyped_storage().nbytes()
     return lo <= view.data_ptr() and view.data_ptr() + view.numel() * view.element_size() <= hi
-
-
-def _dense(t):
-    """Whether ``t``'s elements fill ``t.numel()`` consecutive places of memory, in some order of its dimensions."""
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _laid_out_alike(lists):
