@@ -97,8 +97,9 @@ def test_a_param_group_viewing_a_live_larger_tensor_is_warned_of():
     opt.step()
     params, base = _flat_buffer()
     with pytest.warns(UserWarning, match=r"param group 1, parameter 0 \(shape \(6, 10\)\) \(and 1 more of the "
-                                         r"group\) " + WARNED):
+                                         r"group\) " + WARNED) as record:
         opt.add_param_group({"params": params})
+    assert [w.filename for w in record] == [__file__]  # (the user's line, not the package's)
     opt.zero_grad()
     _loss(list(model.parameters()) + params, 1).backward()
     opt.step()
@@ -138,6 +139,7 @@ def test_column_halves_of_a_live_matrix_are_warned_of_for_the_true_reason():
     a, b = nn.Parameter(base[:, :5]), nn.Parameter(base[:, 5:])
     with pytest.warns(UserWarning, match=WARNED) as record:
         OffloadOptimizer([a, b])
+    assert [w.filename for w in record] == [__file__]  # (the user's line, not the package's)
     assert not any("view of the other's data" in str(w.message) for w in record)
 
 

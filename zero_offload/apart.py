@@ -23,6 +23,8 @@ is stepped on the host is written in place, as AdamW writes it, and may view a l
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
@@ -159,4 +161,14 @@ def warn_live_views(layouts: Sequence[Any], homes: Sequence[str], params: Sequen
         "AdamW's in-place update would reach it. If something reads it, give the parameter storage of its own "
         "(nn.Parameter(t.clone())) and read the parameter, or, for a GPU model, keep its state stepped on the host "
         "(placement='host'), where the parameter is updated in place; if nothing does (a loaded checkpoint), drop it "
-        "before building the optimizer", UserWarning, stacklevel=2)
+        "before building the optimizer", UserWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package and torch from the caller's caller: the user's
+    line that built the optimizer or added the group, however deep the constructor's calls are."""
+    inner = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inner):
+        frame, level = frame.f_back, level + 1
+    return level
