@@ -345,7 +345,7 @@ def test_torch_fused_scales_each_gradient_as_upcast_times_the_scale(grad_dtype, 
     grads = [(torch.randn(n, generator=gen) * 100).to(grad_dtype) for n in (1, 7, 17, 4097)]
     grads[1][3] = float("inf")
     before = [g.clone() for g in grads]
-    got = _torch_fused._scaled(grads, grad_scale)
+    got = _torch_fused.scaled_fp32(grads, grad_scale)
     for g, b, s in zip(grads, before, got):
         assert s.dtype == torch.float32 and torch.equal(g, b)
         assert torch.equal(s.view(torch.int32), (b.float() * grad_scale).view(torch.int32))

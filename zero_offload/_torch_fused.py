@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["AVAILABLE", "available_on", "handles", "adam_", "adam_segments_"]
+__all__ = ["AVAILABLE", "available_on", "handles", "adam_", "adam_segments_", "scaled_fp32"]
 
 AVAILABLE = hasattr(torch, "_fused_adamw_") and torch.__version__ >= (2, 4)  # CPU kernels arrived in torch 2.4
 
@@ -39,7 +39,7 @@ _dtype = operator.attrgetter("dtype")
 _FP32 = {torch.float32}
 
 
-def _scaled(grads: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
+def scaled_fp32(grads: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
     """The gradients as fp32 times ``scale``: themselves where they are fp32 and ``scale`` is 1, else new tensors.
     Upcast (exact) then multiply in fp32: the native kernel's order, so the same rounding. One multi-tensor call
     multiplies them all (a CUDA kernel or a few, not one per gradient; the same product, the scale rounded to fp32
@@ -63,7 +63,7 @@ def adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avg
     """
     if not params:
         return
-    grads = _scaled(grads, grad_scale)
+    grads = scaled_fp32(grads, grad_scale)
     # Read, not written, by the kernel; on the tensors' device (a fill there, no host synchronisation).
     steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_

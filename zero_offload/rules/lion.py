@@ -5,11 +5,11 @@ handful of in-cache passes per chunk, no SIMD kernel of ours), ``exp_avg`` in fp
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
+from zero_offload._torch_fused import scaled_fp32
 from zero_offload.lion import Lion as LionOptimizer, _multi_tensor_lion, _single_tensor_lion, check_lion_hparams
 from zero_offload.rules.base import Rule, Run, StateBuffer, flat_grad, grads_like
 
@@ -19,8 +19,6 @@ __all__ = ["Lion", "Hyper", "LION"]
 # the passes, each torch op over it is long enough to split over many threads, and the Python cost per chunk (about
 # ten op calls) is small beside its work. 64K-1M measured within noise of each other on one thread; 32K slower.
 CHUNK = 1 << 18
-_dtype = operator.attrgetter("dtype")
-_FP32 = {torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +104,7 @@ class Lion(Rule):
             grads = grads_like(run.grads, masters)
         else:
             masters, grads, exp_avgs = _pieces(run)
-        if run.grad_scale != 1.0 or set(map(_dtype, grads)) != _FP32:
-            grads = [g.float() for g in grads]  # (new tensors where the dtype differs: scaled below, not in place)
-            grads = torch._foreach_mul(grads, run.grad_scale) if run.grad_scale != 1.0 else grads
+        grads = scaled_fp32(grads, run.grad_scale)  # (new tensors where they change: the gradients are not written)
         impl = _multi_tensor_lion if run.master.is_cuda else _single_tensor_lion
         impl(masters, grads, exp_avgs, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
              weight_decay=hyper.weight_decay, maximize=hyper.maximize)
