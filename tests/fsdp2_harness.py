@@ -113,6 +113,18 @@ def rows_of(rank: int, world: int) -> slice:
     return slice(rank * n, (rank + 1) * n)
 
 
+def step_refused(model: nn.Module, opt: Any) -> Tuple[Optional[str], bool]:
+    """``opt.step()``: the ``RuntimeError``'s message (None if it stepped) and whether every local shard of the
+    model's parameters is as it was."""
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    return message, all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+
+
 def step_after_cast(model: Any, opt: Any) -> Tuple[Optional[str], bool]:
     """``model.to(torch.float64)`` after backward (FSDP re-makes its shards' storage as float64), then ``opt.step()``:
     the ``RuntimeError``'s message (None if it stepped) and whether ``opt.state`` is as it was."""

@@ -329,13 +329,7 @@ def edit_after_the_clip(rank: int, world: int) -> Tuple[Optional[str], bool]:
     loop.opt.clip_grad_norm_(CLIP)
     if rank == 3:
         local.view(-1)[0] = float("inf")
-    before = [p.to_local().clone() for p in loop.model.parameters()]
-    try:
-        loop.opt.step()
-        message = None
-    except RuntimeError as exc:
-        message = str(exc)
-    return message, all(torch.equal(p.to_local(), b) for p, b in zip(loop.model.parameters(), before))
+    return h.step_refused(loop.model, loop.opt)
 
 
 def _jobs() -> Dict[str, Any]:

@@ -43,6 +43,14 @@ def _pair(kw, **hyper):
             torch.optim.AdamW(param_groups(ref_model), **hyper, foreach=False))
 
 
+def _step_both(model, ref_model, ours, ref, step):
+    """One training step of each model with its optimizer, on the same batch."""
+    for m, opt in ((model, ours), (ref_model, ref)):
+        opt.zero_grad()
+        loss_fn(m, step, 0, "cpu").backward()
+        opt.step()
+
+
 # -- a parameter's data replaced where its address alone does not tell -------------------------------------------------
 def _transpose(model):
     """``p.data = p.data.t()`` of a square matrix: the same storage, address and shape, other strides."""
@@ -194,10 +202,7 @@ def test_the_entries_after_a_dcp_round_trip_have_adamws_keys(request, tmp_path, 
         if step == 2:
             for opt in (ours, ref):
                 opt.param_groups[1]["amsgrad"] = False
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-            opt.step()
+        _step_both(model, ref_model, ours, ref, step)
         assert_same(model, ref_model, ours, ref, f"step {step}")
     assert not any("max_exp_avg_sq" in ref.state[p] for p in ref.param_groups[0]["params"] if p in ref.state)
     assert all("max_exp_avg_sq" in ref.state[p] for p in ref.param_groups[1]["params"] if p in ref.state)
@@ -209,10 +214,7 @@ def test_the_entries_after_a_dcp_round_trip_have_adamws_keys(request, tmp_path, 
         if step == 5:  # (switched back on: the entries that kept it step on from it, as AdamW's)
             for opt in (ours, ref):
                 opt.param_groups[1]["amsgrad"] = True
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-            opt.step()
+        _step_both(model, ref_model, ours, ref, step)
     assert_same(model, ref_model, ours, ref, "the end")
 
 
@@ -298,10 +300,7 @@ def test_the_state_dicts_tensors_edited_in_place_edit_the_state_as_adamws(reques
                     sd[k]["exp_avg"].mul_(0.5)
                     sd[k]["exp_avg_sq"].add_(1e-4)
                     sd[k]["step"].add_(3)
-        for m, opt in ((model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            loss_fn(m, step, 0, "cpu").backward()
-            opt.step()
+        _step_both(model, ref_model, ours, ref, step)
         assert_same(model, ref_model, ours, ref, f"step {step}")
 
 

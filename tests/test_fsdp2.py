@@ -1028,13 +1028,7 @@ def refuse_disagreeing_lr(rank, world, recipe: str = "plain"):
         loop.opt.param_groups[0]["lr"] *= 2
     loop.opt.zero_grad()
     h.loss_on(loop.model, 1, 0, rank, world).backward()
-    before = [p.to_local().clone() for p in loop.model.parameters()]
-    try:
-        loop.opt.step()
-        message = None
-    except RuntimeError as exc:
-        message = str(exc)
-    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(loop.model.parameters(), before))
+    message, unchanged = h.step_refused(loop.model, loop.opt)
     loop.opt.param_groups[0]["lr"] = h.LR
     loop.opt.step()  # (the same gradients, now with the same LR everywhere)
     return message, unchanged
